@@ -1,0 +1,153 @@
+"""Frozen engine configuration: cache, scheduler, exit policy and execution settings."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any
+
+KV_LAYOUTS = ("last_exited", "shared")
+SCHEDULING_MODES = ("refill", "no_refill")
+EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
+
+
+def require(condition: bool, message: str) -> None:
+    """Raise a ValueError with `message` when a user-facing setting is invalid."""
+    if not condition:
+        raise ValueError(message)
+
+
+def require_int(value: Any, name: str, low: int, high: int | None = None) -> None:
+    """Check that `value` is an int in [low, high]; the message names the field and the range."""
+    upper = "inf" if high is None else str(high)
+    require(
+        isinstance(value, int) and not isinstance(value, bool),
+        f"{name} must be an integer in [{low}, {upper}], got {value!r}",
+    )
+    require(
+        value >= low and (high is None or value <= high),
+        f"{name} must be in [{low}, {upper}], got {value}",
+    )
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """Paged KV cache settings.
+
+    `layout` is "last_exited" (one plane per loop; an earlier token is read at min(loop, its
+    exit depth)) or "shared" (one plane overwritten every loop). `num_blocks=None` sizes the
+    pool automatically; `kv_cache_memory_bytes` sizes it from a byte budget instead.
+    """
+
+    layout: str = "last_exited"
+    block_size: int = 16
+    num_blocks: int | None = None
+    kv_cache_memory_bytes: int | None = None
+    gpu_memory_utilization: float = 0.9
+
+    def __post_init__(self) -> None:
+        require(
+            self.layout in KV_LAYOUTS,
+            f"layout must be one of {', '.join(KV_LAYOUTS)}, got {self.layout!r}",
+        )
+        require_int(self.block_size, "block_size", 1, 1024)
+        if self.num_blocks is not None:
+            require_int(self.num_blocks, "num_blocks", 1)
+        if self.kv_cache_memory_bytes is not None:
+            require_int(self.kv_cache_memory_bytes, "kv_cache_memory_bytes", 1)
+        require(
+            self.num_blocks is None or self.kv_cache_memory_bytes is None,
+            "num_blocks and kv_cache_memory_bytes are mutually exclusive",
+        )
+        require(
+            isinstance(self.gpu_memory_utilization, (int, float))
+            and 0.0 < self.gpu_memory_utilization <= 1.0,
+            f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
+        )
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Loop-level continuous batching settings.
+
+    `mode="refill"` starts a request's next token as soon as its previous one exits;
+    `"no_refill"` lets the decode cohort start its next tokens only once every running token
+    has exited. `max_num_batched_tokens` bounds the rows of one pass. A prompt is prefilled in
+    chunks of at most `prefill_chunk_size` positions, each running all loops;
+    `max_prefill_batches_before_decode` bounds how many prefill chunks may be in flight at once,
+    so decode rows keep most of every pass. Admission scans at most `admission_scan_limit`
+    waiting requests, and a request that cannot be admitted is passed by later ones at most
+    `max_admission_bypasses` times before admission waits for it.
+    """
+
+    mode: str = "refill"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    prefill_chunk_size: int = 512
+    max_prefill_batches_before_decode: int = 4
+    admission_scan_limit: int = 64
+    max_admission_bypasses: int = 8
+
+    def __post_init__(self) -> None:
+        require(
+            self.mode in SCHEDULING_MODES,
+            f"mode must be one of {', '.join(SCHEDULING_MODES)}, got {self.mode!r}",
+        )
+        require_int(self.max_num_seqs, "max_num_seqs", 1, 65536)
+        require_int(self.max_num_batched_tokens, "max_num_batched_tokens", 1)
+        require_int(self.prefill_chunk_size, "prefill_chunk_size", 1)
+        require_int(self.max_prefill_batches_before_decode, "max_prefill_batches_before_decode", 1)
+        require_int(self.admission_scan_limit, "admission_scan_limit", 1)
+        require_int(self.max_admission_bypasses, "max_admission_bypasses", 0)
+        require(
+            self.max_num_batched_tokens >= self.max_num_seqs,
+            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+            f"max_num_seqs ({self.max_num_seqs}) so every running request gets a row",
+        )
+
+
+@dataclass(frozen=True)
+class ExitConfig:
+    """Exit policy for decode tokens (prefill always runs every loop).
+
+    `mode`: "ouro" (the checkpoint's gate, immediate), "ouro_delayed" (a trigger after loop r
+    exits after loop r+1), "random_lookahead" (a frozen head seeded with `seed`, read as "exit
+    after one more loop"), or "trace" (replay `depths_by_request`: the prefill depth T first,
+    then one depth per decode input).
+    """
+
+    mode: str = "ouro"
+    seed: int = 0
+    depths_by_request: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        require(
+            self.mode in EXIT_MODES,
+            f"exit mode must be one of {', '.join(EXIT_MODES)}, got {self.mode!r}",
+        )
+        require_int(self.seed, "seed", 0, 2**63 - 1)
+        frozen = {}
+        for request_id, depths in dict(self.depths_by_request).items():
+            require(
+                isinstance(depths, (list, tuple)) and len(depths) > 0,
+                f"depths_by_request[{request_id!r}] must be a non-empty list of loop depths",
+            )
+            for depth in depths:
+                require_int(depth, f"depths_by_request[{request_id!r}] entry", 1)
+            frozen[str(request_id)] = tuple(depths)
+        object.__setattr__(self, "depths_by_request", MappingProxyType(frozen))
+        require(
+            self.mode == "trace" or not frozen,
+            "depths_by_request is only used with exit mode 'trace'",
+        )
+
+
+@dataclass(frozen=True)
+class ExecutionConfig:
+    """How passes are executed. `seed` seeds the per-request seeds of unseeded requests."""
+
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        require_int(self.seed, "seed", 0, 2**63 - 1)

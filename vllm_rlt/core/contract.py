@@ -1,0 +1,74 @@
+"""The only types that cross between the scheduler and the model runner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class NewSlot:
+    """A request admitted into a runner slot: everything its device row needs, once."""
+
+    slot: int
+    block_ids: tuple[int, ...]
+    prompt_len: int
+    min_loops: int
+    max_loops: int
+    exit_threshold: float
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    seed: int
+    min_tokens: int
+    num_logprobs: int
+    banned_until_min_tokens: tuple[int, ...]  # EOS / stop ids masked before min_tokens
+    decode_depths: tuple[int, ...] | None  # trace mode: the depth of each decode input
+
+
+@dataclass(frozen=True)
+class PrefillChunk:
+    """Positions [start, start + len(token_ids)) of one request, all at `loop` this pass."""
+
+    slot: int
+    start: int
+    token_ids: tuple[int, ...]
+    loop: int
+    samples: bool  # last chunk of the prompt at its last loop: sample the first output token
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """The rows of one pass: one decode row per listed slot, then the prefill chunks."""
+
+    new_slots: tuple[NewSlot, ...]
+    decode_slots: tuple[int, ...]
+    prefill_chunks: tuple[PrefillChunk, ...]
+    max_context: int  # upper bound of (position + 1) over all rows, for attention padding
+
+    @property
+    def num_rows(self) -> int:
+        return len(self.decode_slots) + sum(len(c.token_ids) for c in self.prefill_chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.decode_slots and not self.prefill_chunks
+
+
+@dataclass(frozen=True)
+class SampledToken:
+    """A token that finished its loops this pass and was sampled."""
+
+    slot: int
+    token_id: int
+    exit_depth: int
+    logprob: float
+    top_logprobs: tuple[tuple[int, float], ...]
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    """What one pass produced, read back from the device once."""
+
+    sampled: tuple[SampledToken, ...]
+    decode_slots_continuing: tuple[int, ...]  # decode rows whose token needs more loops

@@ -1,0 +1,65 @@
+"""A request's host-side state: ids, parameters, phase, and the tokens it has produced."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from vllm_rlt.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    PREFILL = "prefill"
+    DECODE = "decode"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    """Owned by the scheduler and the engine; the runner only ever sees contract types."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    min_loops: int
+    max_loops: int
+    exit_threshold: float
+    seed: int
+    decode_depths: tuple[int, ...] | None = None
+    eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
+    status: RequestStatus = RequestStatus.WAITING
+    slot: int | None = None
+    num_prefilled: int = 0  # prompt positions that finished every loop
+    chunk_start: int = 0  # the prefill chunk in flight: positions and next loop
+    chunk_len: int = 0
+    chunk_loop: int = 0
+    token_in_flight: bool = False  # a decode token has started its loops but not exited
+    bypass_count: int = 0
+    output_token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    finish_reason: str | None = None
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+
+    @property
+    def prompt_len(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def reserved_positions(self) -> int:
+        """The last sampled token is never forwarded: prompt + max_tokens - 1 positions."""
+        return self.prompt_len + self.params.max_tokens - 1
+
+    @property
+    def context_len(self) -> int:
+        """Positions holding K/V once the token now in flight has been written."""
+        if self.status is RequestStatus.DECODE:
+            return self.prompt_len + len(self.output_token_ids)
+        return self.chunk_start + self.chunk_len
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED

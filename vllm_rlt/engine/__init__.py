@@ -1,0 +1,1 @@
+"""Engine: the step loop, the offline LLM API and output processing."""

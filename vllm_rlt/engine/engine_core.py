@@ -1,0 +1,259 @@
+"""EngineCore: validate requests, then schedule -> execute -> update, one pass per step."""
+
+from __future__ import annotations
+
+import random
+import time
+from dataclasses import dataclass, field
+
+from vllm_rlt.attention import get_backend
+from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, require
+from vllm_rlt.core.block_pool import KVCacheManager
+from vllm_rlt.core.memory import MemoryPlan, plan_kv_cache
+from vllm_rlt.core.request import Request
+from vllm_rlt.core.scheduler import Scheduler
+from vllm_rlt.engine.output_processor import OutputProcessor
+from vllm_rlt.exit import make_exit_policy
+from vllm_rlt.outputs import RequestMetrics, RequestOutput
+from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.worker.model_runner import ModelRunner
+from vllm_rlt.worker.pass_inputs import KVGeometry
+
+
+@dataclass
+class RequestGroup:
+    """A user request: its n completions run as separate engine requests."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    children: list[Request]
+    arrival_time: float
+    finish_reasons: dict[int, str] = field(default_factory=dict)
+
+
+class EngineCore:
+    """Owns the scheduler, the runner and the output processor for one model."""
+
+    def __init__(
+        self,
+        model,
+        tokenizer: Tokenizer | None,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        exit_config: ExitConfig,
+        execution_config: ExecutionConfig,
+        attention_backend: str = "auto",
+    ) -> None:
+        cfg = model.config
+        self.model = model
+        self.tokenizer = tokenizer
+        self.cache_config = cache_config
+        self.exit_config = exit_config
+        self.num_loops = cfg.num_loops
+        self.max_model_len = cfg.max_position_embeddings
+        self.attention_backend, attention = get_backend(attention_backend, model.device)
+        planes = self.num_loops if cache_config.layout == "last_exited" else 1
+        self.memory_plan: MemoryPlan = plan_kv_cache(cache_config, cfg, planes, model.dtype)
+        geometry = KVGeometry(
+            planes=planes,
+            block_size=cache_config.block_size,
+            num_blocks=self.memory_plan.num_blocks,
+            write_deeper_planes=cache_config.layout == "last_exited",
+        )
+        self.kv = KVCacheManager(self.memory_plan.num_blocks, cache_config.block_size)
+        self.scheduler = Scheduler(
+            scheduler_config, self.kv, self.num_loops, one_position_prefill=planes == 1
+        )
+        trace_len = self.max_model_len if exit_config.mode == "trace" else 1
+        self.runner = ModelRunner(
+            model,
+            geometry,
+            scheduler_config.max_num_seqs,
+            self.max_model_len,
+            make_exit_policy(exit_config.mode, model, exit_config.seed),
+            attention,
+            trace_len,
+        )
+        self.outputs = OutputProcessor(tokenizer)
+        self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
+            tokenizer.eos_token_ids if tokenizer is not None else frozenset()
+        )
+        self.groups: dict[str, RequestGroup] = {}
+        self._seeds = random.Random(execution_config.seed)
+        self.num_passes = 0
+
+    # ----------------------------------------------------------------- requests
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        """Validate and queue a request; any error leaves the engine untouched."""
+        request_id = str(request_id)
+        require(request_id not in self.groups, f"request_id {request_id!r} is already in use")
+        self._validate(request_id, prompt_token_ids, params)
+        min_loops, max_loops = params.resolved_loops(self.num_loops)
+        decode_depths = self._trace_for(request_id, params, min_loops, max_loops)
+        threshold = params.exit_threshold
+        if threshold is None:
+            threshold = self.model.config.early_exit_threshold
+        now = time.monotonic()
+        children = []
+        for index in range(params.n):
+            if params.seed is None:
+                seed = self._seeds.getrandbits(63)
+            else:
+                seed = (params.seed + index) % 2**63
+            children.append(
+                Request(
+                    request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                    prompt_token_ids=list(prompt_token_ids),
+                    params=params,
+                    min_loops=min_loops,
+                    max_loops=max_loops,
+                    exit_threshold=float(threshold),
+                    seed=seed,
+                    decode_depths=decode_depths,
+                    eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+                    arrival_time=now,
+                )
+            )
+        self.groups[request_id] = RequestGroup(
+            request_id, prompt, list(prompt_token_ids), children, now
+        )
+        for child in children:
+            self.outputs.add(child)
+            self.scheduler.add_request(child)
+
+    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
+        require(
+            isinstance(prompt, (list, tuple)) and len(prompt) > 0,
+            "prompt must contain at least one token",
+        )
+        vocab = self.model.config.vocab_size
+        for token in prompt:
+            require(
+                isinstance(token, int) and 0 <= token < vocab,
+                f"prompt_token_ids entries must be integers in [0, {vocab - 1}], got {token!r}",
+            )
+        for token in params.stop_token_ids:
+            require(
+                token < vocab,
+                f"stop_token_ids entries must be in [0, {vocab - 1}], got {token}",
+            )
+        total = len(prompt) + params.max_tokens
+        require(
+            total <= self.max_model_len,
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the model's context length {self.max_model_len}",
+        )
+        needed = self.kv.blocks_for(len(prompt) + params.max_tokens - 1)
+        require(
+            needed <= self.kv.num_blocks,
+            f"prompt + max_tokens needs {needed} KV blocks but the cache has "
+            f"{self.kv.num_blocks}; lower max_tokens or raise num_blocks",
+        )
+        params.resolved_loops(self.num_loops)
+
+    def _trace_for(
+        self, request_id: str, params: SamplingParams, min_loops: int, max_loops: int
+    ) -> tuple[int, ...] | None:
+        if self.exit_config.mode != "trace":
+            return None
+        depths = self.exit_config.depths_by_request.get(request_id)
+        require(depths is not None, f"exit trace has no depths for request_id {request_id!r}")
+        require(
+            depths[0] == self.num_loops,
+            f"exit trace for {request_id!r}: the first depth is the prefill depth and must be "
+            f"{self.num_loops}, got {depths[0]}",
+        )
+        require(
+            len(depths) >= params.max_tokens,
+            f"exit trace for {request_id!r} has {len(depths)} depths; max_tokens="
+            f"{params.max_tokens} needs at least {params.max_tokens}",
+        )
+        for index, depth in enumerate(depths[1:], start=1):
+            require(
+                min_loops <= depth <= max_loops,
+                f"exit trace for {request_id!r}: depth {index} must be in "
+                f"[{min_loops}, {max_loops}] (min_loops, max_loops), got {depth}",
+            )
+        return tuple(depths[1:])
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at any time; its blocks and slot are freed at once."""
+        group = self.groups.get(str(request_id))
+        if group is None:
+            return None
+        for index, child in enumerate(group.children):
+            if not child.is_finished:
+                self.scheduler.finish(child, "abort")
+                group.finish_reasons[index] = "abort"
+        return self._finalize(group)
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.groups)
+
+    # ----------------------------------------------------------------- one step
+    def step(self) -> list[RequestOutput]:
+        """Run one pass; return an output for every group that progressed."""
+        if not self.scheduler.has_unfinished:
+            return []
+        scheduled = self.scheduler.schedule()
+        if scheduled.is_empty:
+            return []
+        result = self.runner.execute(scheduled)
+        self.num_passes += 1
+        touched = self.scheduler.update(scheduled, result)
+        now = time.monotonic()
+        progressed: dict[str, RequestGroup] = {}
+        for request in touched:
+            if request.first_token_time is None:
+                request.first_token_time = now
+            reason = self.outputs.process(request)
+            group = self.groups[self._group_id(request)]
+            if reason is not None:
+                self.scheduler.finish(request, reason)
+                group.finish_reasons[group.children.index(request)] = reason
+            progressed[group.request_id] = group
+        return [self._finalize(group) for group in progressed.values()]
+
+    def _group_id(self, request: Request) -> str:
+        return request.request_id.rsplit("#", 1)[0] if request.params.n > 1 else request.request_id
+
+    def _finalize(self, group: RequestGroup) -> RequestOutput:
+        completions = [
+            self.outputs.completion(child, index, group.finish_reasons.get(index))
+            for index, child in enumerate(group.children)
+        ]
+        finished = len(group.finish_reasons) == len(group.children)
+        first_times = [c.first_token_time for c in group.children if c.first_token_time]
+        depths = [d for c in group.children for d in c.exit_depths[1:]]
+        metrics = RequestMetrics(
+            arrival_time=group.arrival_time,
+            first_token_time=min(first_times) if first_times else None,
+            finished_time=time.monotonic() if finished else None,
+            time_to_first_token=(min(first_times) - group.arrival_time) if first_times else None,
+            mean_loops_per_token=sum(depths) / len(depths) if depths else None,
+        )
+        if finished:
+            del self.groups[group.request_id]
+            for child in group.children:
+                self.outputs.drop(child.request_id)
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt=group.prompt,
+            prompt_token_ids=group.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=metrics,
+        )
+
+    def all_blocks_free(self) -> bool:
+        return self.kv.all_free() and not self.scheduler.running

@@ -1,0 +1,163 @@
+"""LLM: the offline API — generate and chat over a list of prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, require
+from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.models.load import load_model_and_tokenizer, resolve_device, resolve_dtype
+from vllm_rlt.outputs import RequestOutput
+from vllm_rlt.sampling_params import SamplingParams
+
+
+class LLM:
+    """Load a looped model and generate from it offline.
+
+    `model=None` (or "toy") is the built-in tiny Ouro with a byte tokenizer; otherwise a
+    Hugging Face checkpoint folder.
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        device: str | torch.device = "cpu",
+        dtype: str | torch.dtype = "auto",
+        cache_config: CacheConfig | None = None,
+        scheduler_config: SchedulerConfig | None = None,
+        exit_config: ExitConfig | None = None,
+        execution_config: ExecutionConfig | None = None,
+        attention_backend: str = "auto",
+    ) -> None:
+        resolved_device = resolve_device(device)
+        resolved_dtype = resolve_dtype(dtype, resolved_device)
+        loaded, tokenizer, name = load_model_and_tokenizer(model, resolved_dtype, resolved_device)
+        self.model_name = name
+        self.tokenizer = tokenizer
+        self.engine = EngineCore(
+            loaded,
+            tokenizer,
+            cache_config or CacheConfig(),
+            scheduler_config or SchedulerConfig(),
+            exit_config or ExitConfig(),
+            execution_config or ExecutionConfig(),
+            attention_backend,
+        )
+        self._counter = 0
+
+    def generate(
+        self,
+        prompts: Any,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        request_ids: Sequence[str] | None = None,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in input order."""
+        items = self._normalize_prompts(prompts)
+        params = self._normalize_params(sampling_params, len(items))
+        if request_ids is None:
+            request_ids = [str(self._counter + i) for i in range(len(items))]
+            self._counter += len(items)
+        require(
+            len(request_ids) == len(items),
+            f"request_ids has {len(request_ids)} entries for {len(items)} prompts",
+        )
+        encoded = [(text, self._encode(text, ids)) for text, ids in items]
+        added: list[str] = []
+        try:
+            for request_id, (text, ids), param in zip(request_ids, encoded, params, strict=True):
+                self.engine.add_request(str(request_id), ids, param, prompt=text)
+                added.append(str(request_id))
+        except Exception:
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(added, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Render each conversation with the model's chat template, then generate."""
+        require(self.tokenizer is not None, "chat needs a tokenizer; this model folder has none")
+        require(isinstance(messages, list) and messages, "messages must be a non-empty list")
+        conversations = messages if isinstance(messages[0], list) else [messages]
+        prompts = [
+            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[union-attr]
+            for conv in conversations
+        ]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        wanted = set(request_ids)
+        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Generating") as bar:
+            while len(results) < len(request_ids):
+                for output in self.engine.step():
+                    if output.finished and output.request_id in wanted:
+                        results[output.request_id] = output
+                        bar.update(1)
+        return [results[request_id] for request_id in request_ids]
+
+    def _encode(self, text: str | None, ids: list[int] | None) -> list[int]:
+        if ids is not None:
+            return ids
+        require(
+            self.tokenizer is not None,
+            "this model folder has no tokenizer.json; pass prompt_token_ids instead of text",
+        )
+        return self.tokenizer.encode(text)  # type: ignore[union-attr, arg-type]
+
+    @staticmethod
+    def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:
+        """Accept a string, strings, token ids, lists of token ids, or prompt_token_ids dicts."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        require(
+            isinstance(prompts, (list, tuple)) and len(prompts) > 0,
+            "prompts must be a string, a list of strings, token ids, or "
+            "{'prompt_token_ids': [...]} items",
+        )
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
+            return [(None, list(prompts))]
+        items: list[tuple[str | None, list[int] | None]] = []
+        for index, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                items.append((prompt, None))
+            elif isinstance(prompt, dict):
+                require(
+                    "prompt_token_ids" in prompt or "prompt" in prompt,
+                    f"prompts[{index}] must have 'prompt_token_ids' or 'prompt'",
+                )
+                ids = prompt.get("prompt_token_ids")
+                items.append((prompt.get("prompt"), list(ids) if ids is not None else None))
+            elif isinstance(prompt, (list, tuple)):
+                items.append((None, list(prompt)))
+            else:
+                raise ValueError(
+                    f"prompts[{index}] must be a string, a token-id list or a dict, "
+                    f"got {type(prompt).__name__}"
+                )
+        return items
+
+    @staticmethod
+    def _normalize_params(
+        params: SamplingParams | Sequence[SamplingParams] | None, count: int
+    ) -> list[SamplingParams]:
+        if params is None:
+            params = SamplingParams()
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        params = list(params)
+        require(
+            len(params) == count,
+            f"sampling_params has {len(params)} entries for {count} prompts",
+        )
+        return params

@@ -1,0 +1,143 @@
+"""Engine command-line flags, defined once and shared by every subcommand and the server."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from vllm_rlt.config import (
+    EXIT_MODES,
+    KV_LAYOUTS,
+    SCHEDULING_MODES,
+    CacheConfig,
+    ExecutionConfig,
+    ExitConfig,
+    SchedulerConfig,
+)
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Model, cache, scheduler, exit and execution flags."""
+    model = parser.add_argument_group("model")
+    model.add_argument("--model", default=None, help="HF checkpoint folder (default: built-in toy)")
+    model.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    model.add_argument(
+        "--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: bf16 on CUDA)"
+    )
+    model.add_argument("--attention-backend", default="auto", help="auto or torch")
+    model.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="engine seed: unseeded requests draw their seeds from it",
+    )
+
+    cache = parser.add_argument_group("KV cache")
+    cache.add_argument("--kv-layout", choices=KV_LAYOUTS, default="last_exited")
+    cache.add_argument("--block-size", type=int, default=16)
+    sizing = cache.add_mutually_exclusive_group()
+    sizing.add_argument("--num-blocks", type=int, default=None)
+    sizing.add_argument("--kv-cache-memory-bytes", type=int, default=None)
+    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+
+    sched = parser.add_argument_group("scheduler")
+    sched.add_argument("--mode", choices=SCHEDULING_MODES, default="refill")
+    sched.add_argument("--max-num-seqs", type=int, default=64)
+    sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    sched.add_argument("--prefill-chunk-size", type=int, default=512)
+    sched.add_argument("--max-prefill-batches-before-decode", type=int, default=4)
+    sched.add_argument("--admission-scan-limit", type=int, default=64)
+    sched.add_argument("--max-admission-bypasses", type=int, default=8)
+
+    exits = parser.add_argument_group("exit policy")
+    exits.add_argument("--exit-mode", choices=EXIT_MODES, default="ouro")
+    exits.add_argument(
+        "--exit-trace",
+        type=Path,
+        default=None,
+        help='JSON file: {"request_id": [T, d1, d2, ...]} or a list of depth lists by prompt',
+    )
+    exits.add_argument("--lookahead-seed", type=int, default=0)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    """Everything `LLM(...)` needs, built from parsed flags."""
+
+    model: str | None
+    device: str
+    dtype: str
+    attention_backend: str
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    exit_config: ExitConfig
+    execution_config: ExecutionConfig
+
+    def llm_kwargs(self) -> dict[str, Any]:
+        return {
+            "model": self.model,
+            "device": self.device,
+            "dtype": self.dtype,
+            "attention_backend": self.attention_backend,
+            "cache_config": self.cache_config,
+            "scheduler_config": self.scheduler_config,
+            "exit_config": self.exit_config,
+            "execution_config": self.execution_config,
+        }
+
+
+def read_exit_trace(path: Path) -> dict[str, tuple[int, ...]]:
+    """Load a trace file: a mapping request_id -> depths, or a list indexed by prompt."""
+    try:
+        raw = json.loads(path.read_text())
+    except OSError as exc:
+        raise ValueError(f"--exit-trace: cannot read {path}: {exc.strerror}") from exc
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"--exit-trace: {path} is not valid JSON: {exc}") from exc
+    if isinstance(raw, list):
+        raw = {str(index): depths for index, depths in enumerate(raw)}
+    if not isinstance(raw, dict):
+        raise ValueError(f"--exit-trace: {path} must hold an object or a list of depth lists")
+    return {
+        str(key): tuple(value) if isinstance(value, list) else value for key, value in raw.items()
+    }
+
+
+def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
+    """Build frozen configs from flags; raises ValueError with the field named on bad input."""
+    if ns.exit_trace is not None and ns.exit_mode != "trace":
+        raise ValueError("--exit-trace needs --exit-mode trace")
+    if ns.exit_mode == "trace" and ns.exit_trace is None:
+        raise ValueError("--exit-mode trace needs --exit-trace FILE")
+    depths = read_exit_trace(ns.exit_trace) if ns.exit_trace is not None else {}
+    return EngineArgs(
+        model=ns.model,
+        device=ns.device,
+        dtype=ns.dtype,
+        attention_backend=ns.attention_backend,
+        cache_config=CacheConfig(
+            layout=ns.kv_layout,
+            block_size=ns.block_size,
+            num_blocks=ns.num_blocks,
+            kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
+            gpu_memory_utilization=ns.gpu_memory_utilization,
+        ),
+        scheduler_config=SchedulerConfig(
+            mode=ns.mode,
+            max_num_seqs=ns.max_num_seqs,
+            max_num_batched_tokens=ns.max_num_batched_tokens,
+            prefill_chunk_size=ns.prefill_chunk_size,
+            max_prefill_batches_before_decode=ns.max_prefill_batches_before_decode,
+            admission_scan_limit=ns.admission_scan_limit,
+            max_admission_bypasses=ns.max_admission_bypasses,
+        ),
+        exit_config=ExitConfig(
+            mode=ns.exit_mode,
+            seed=ns.lookahead_seed,
+            depths_by_request=depths,
+        ),
+        execution_config=ExecutionConfig(seed=ns.seed),
+    )

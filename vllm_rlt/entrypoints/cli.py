@@ -1,0 +1,115 @@
+"""`vllm-rlt` command line: `generate` (also the default when no subcommand is given)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
+from vllm_rlt.sampling_params import SamplingParams
+
+SUBCOMMANDS = ("generate",)
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("sampling")
+    group.add_argument("--max-tokens", type=int, default=32)
+    group.add_argument("--min-tokens", type=int, default=0)
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    group.add_argument("--top-k", type=int, default=0)
+    group.add_argument("--top-p", type=float, default=1.0)
+    group.add_argument("--min-p", type=float, default=0.0)
+    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    group.add_argument("--ignore-eos", action="store_true")
+    group.add_argument("--min-loops", type=int, default=None)
+    group.add_argument("--max-loops", type=int, default=None)
+    group.add_argument("--exit-threshold", type=float, default=None)
+
+
+def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=ns.max_tokens,
+        min_tokens=ns.min_tokens,
+        temperature=ns.temperature,
+        top_k=ns.top_k,
+        top_p=ns.top_p,
+        min_p=ns.min_p,
+        seed=ns.sampling_seed,
+        stop=ns.stop,
+        ignore_eos=ns.ignore_eos,
+        min_loops=ns.min_loops,
+        max_loops=ns.max_loops,
+        exit_threshold=ns.exit_threshold,
+    )
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Bad flags fail at once with one line on stderr and exit code 2."""
+
+    def error(self, message: str):  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineErrorParser(
+        prog="vllm-rlt", description="Inference engine for looped language models."
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    generate = sub.add_parser("generate", help="generate text offline")
+    generate.add_argument(
+        "--prompt", action="append", default=None, help="prompt (repeatable; default: stdin lines)"
+    )
+    generate.add_argument("--json", action="store_true", help="one JSON object per prompt")
+    generate.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    add_sampling_args(generate)
+    add_engine_args(generate)
+    return parser
+
+
+def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from vllm_rlt.engine.llm import LLM
+
+    try:
+        engine_args = engine_args_from(ns)
+        params = sampling_params_from(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    prompts = ns.prompt if ns.prompt else [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    if not prompts:
+        parser.error("no prompt: pass --prompt TEXT or pipe prompts on stdin, one per line")
+    try:
+        llm = LLM(**engine_args.llm_kwargs())
+        params.resolved_loops(llm.engine.num_loops)
+        outputs = llm.generate(prompts, params, use_tqdm=not ns.no_progress and not ns.json)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
+    for prompt, output in zip(prompts, outputs, strict=True):
+        completion = output.outputs[0]
+        if ns.json:
+            record = {
+                "prompt": prompt,
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "exit_depths": completion.exit_depths,
+                "finish_reason": completion.finish_reason,
+            }
+            print(json.dumps(record, ensure_ascii=False))
+        else:
+            print(f"{prompt}{completion.text}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
+        argv = ["generate", *argv]
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    generate_parser = parser._subparsers._group_actions[0].choices[ns.command]  # type: ignore[union-attr]
+    return run_generate(generate_parser, ns)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

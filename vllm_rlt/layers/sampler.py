@@ -1,0 +1,79 @@
+"""Batched sampling on the device: greedy, temperature, top-k/top-p/min-p, seeded per row."""
+
+from __future__ import annotations
+
+import torch
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's 32-bit finaliser on int64 tensors holding values in [0, 2^32)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Uniform (0, 1) noise [rows, vocab] that depends only on (seed, counter, token id).
+
+    A counter-based hash instead of a stateful generator: a row's noise does not depend on
+    which other rows share the batch, so a seeded request samples the same text anywhere.
+    """
+    seed_lo = seeds & _MASK32
+    seed_hi = (seeds >> 32) & _MASK32
+    base = _mix32(_mix32(seed_lo ^ _mix32((seed_hi + 0x9E3779B9) & _MASK32)) ^ (counters & _MASK32))
+    ids = torch.arange(vocab, device=seeds.device, dtype=torch.int64)
+    bits = _mix32(base.unsqueeze(1) ^ _mix32(ids + 0x632BE5AB).unsqueeze(0))
+    return ((bits >> 8).double() + 0.5) / float(1 << 24)
+
+
+def sample(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    temperature: torch.Tensor,  # [rows] float32; 0 = greedy
+    top_k: torch.Tensor,  # [rows] int64; 0 = off
+    top_p: torch.Tensor,  # [rows] float32
+    min_p: torch.Tensor,  # [rows] float32
+    seeds: torch.Tensor,  # [rows] int64
+    counters: torch.Tensor,  # [rows] int64, the index of the token being sampled
+) -> torch.Tensor:
+    """Sampled token ids [rows], all rows at once with no per-row Python loop."""
+    greedy_ids = logits.argmax(dim=-1)
+    vocab = logits.shape[-1]
+    scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [rows, vocab]
+    rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
+    k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    before = probs.cumsum(dim=-1) - probs  # mass strictly above each candidate
+    drop = ((top_p < 1.0).unsqueeze(1) & (before >= top_p.unsqueeze(1))) | (
+        probs < min_p.unsqueeze(1) * probs[:, :1]
+    )
+    drop[:, 0] = False
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    noise = seeded_uniform(seeds, counters, vocab).gather(1, sorted_ids)
+    gumbel = -torch.log(-torch.log(noise))
+    choice = (sorted_logits.double() + gumbel).argmax(dim=-1, keepdim=True)
+    sampled_ids = sorted_ids.gather(1, choice).squeeze(1)
+    return torch.where(temperature == 0.0, greedy_ids, sampled_ids)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Model logprobs (before temperature or filtering) of the sampled ids [rows] and the top
+    `num_top` alternatives ([rows, num_top] ids and values)."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    top_values, top_ids = (
+        logprobs.topk(num_top, dim=-1)
+        if num_top
+        else (
+            logprobs[:, :0],
+            token_ids.new_empty(token_ids.shape[0], 0),
+        )
+    )
+    return chosen, top_ids, top_values

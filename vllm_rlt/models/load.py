@@ -1,0 +1,58 @@
+"""Resolve a model argument (None, "toy", or a folder) to a model and its tokenizer."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from vllm_rlt.models.loader import load_model
+from vllm_rlt.models.ouro import OuroConfig, OuroModel
+from vllm_rlt.models.toy import TOY_NAME, toy_config_dict, toy_weights
+from vllm_rlt.tokenizer import Tokenizer
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}") from exc
+    if resolved.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be 'cpu' or 'cuda[:N]', got {device!r}")
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("device 'cuda' was requested but CUDA is not available")
+    return resolved
+
+
+def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        if dtype not in DTYPES.values():
+            raise ValueError(f"dtype must be float32, bfloat16 or float16, got {dtype}")
+        return dtype
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of auto, {', '.join(DTYPES)}, got {dtype!r}")
+    return DTYPES[dtype]
+
+
+def load_model_and_tokenizer(
+    model: str | Path | None, dtype: torch.dtype, device: torch.device
+) -> tuple[OuroModel, Tokenizer | None, str]:
+    """(model, tokenizer or None, display name); None and "toy" give the built-in model."""
+    if model is None or str(model) == TOY_NAME:
+        config = OuroConfig.from_dict(toy_config_dict())
+        return OuroModel(config, toy_weights(), dtype, device), Tokenizer.byte_level(), TOY_NAME
+    folder = Path(model)
+    loaded = load_model(folder, dtype, device)
+    tokenizer = Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
+    return loaded, tokenizer, str(model)

@@ -1,0 +1,89 @@
+"""Hugging Face checkpoint folders: config.json plus safetensors, checked strictly."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from vllm_rlt.models.registry import resolve_family
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+# Non-persistent buffers some exporters still write; they carry no weights.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(folder: Path) -> tuple[dict[str, Any], Any]:
+    """Parse config.json into (raw dict, family config object)."""
+    path = folder / "config.json"
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: invalid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    config_class, _ = resolve_family(raw)
+    return raw, config_class.from_dict(raw)
+
+
+def _weight_files(folder: Path) -> list[Path]:
+    if (folder / INDEX_FILE).is_file():
+        index = json.loads((folder / INDEX_FILE).read_text())
+        weight_map = index.get("weight_map")
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise ValueError(f"{folder / INDEX_FILE}: missing or empty 'weight_map'")
+        files = sorted({folder / name for name in weight_map.values()})
+        for file in files:
+            if not file.is_file():
+                raise FileNotFoundError(f"{folder / INDEX_FILE}: shard {file.name} is missing")
+        return files
+    if (folder / SINGLE_FILE).is_file():
+        return [folder / SINGLE_FILE]
+    if any(folder.glob("*.bin")) or any(folder.glob("*.pt")):
+        raise ValueError(
+            f"{folder}: only pickle weights found; vllm-rlt loads safetensors only "
+            f"({SINGLE_FILE} or {INDEX_FILE})"
+        )
+    raise FileNotFoundError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
+
+
+def read_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+    """Load every tensor and check names and shapes against `expected` exactly."""
+    weights: dict[str, torch.Tensor] = {}
+    for file in _weight_files(folder):
+        with safe_open(str(file), framework="pt") as handle:
+            for name in handle.keys():
+                if name.endswith(_IGNORED_SUFFIXES):
+                    continue
+                if name in weights:
+                    raise ValueError(f"{file.name}: tensor {name} appears in more than one shard")
+                weights[name] = handle.get_tensor(name)
+    missing = sorted(set(expected) - set(weights))
+    if missing:
+        raise ValueError(f"{folder}: checkpoint is missing tensors: {', '.join(missing[:8])}")
+    unexpected = sorted(set(weights) - set(expected))
+    if unexpected:
+        raise ValueError(f"{folder}: unexpected tensors in checkpoint: {', '.join(unexpected[:8])}")
+    for name, shape in expected.items():
+        if tuple(weights[name].shape) != shape:
+            raise ValueError(
+                f"{folder}: tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}"
+            )
+    return weights
+
+
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> Any:
+    """Build the registered model family from an HF folder."""
+    folder = Path(folder)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
+    raw, config = read_config(folder)
+    _, model_class = resolve_family(raw)
+    weights = read_weights(folder, config.checkpoint_shapes())
+    return model_class(config, weights, dtype, device)

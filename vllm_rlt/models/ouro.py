@@ -1,0 +1,269 @@
+"""Ouro (1.4B / 2.6B architecture) as prelude / core / coda over packed rows (model-spec §2)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from vllm_rlt.attention import AttentionMetadata
+from vllm_rlt.attention.registry import AttentionFn
+from vllm_rlt.layers.norm import rms_norm
+from vllm_rlt.layers.rotary import RotaryEmbedding
+
+# Keys real checkpoints carry that do not change the computation.
+_HARMLESS_KEYS = {
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "_name_or_path",
+    "initializer_range",
+    "attention_dropout",
+    "hidden_act",
+    "max_window_layers",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "use_sliding_window",
+    "sliding_window",
+    "layer_types",
+    "rope_scaling",
+    "early_exit_step",
+    "model_type",
+}
+
+
+@dataclass(frozen=True)
+class OuroConfig:
+    """The Ouro fields that shape the computation, parsed strictly from config.json."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    total_ut_steps: int
+    early_exit_threshold: float = 1.0
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> OuroConfig:
+        """Parse config.json; unknown keys and unsupported settings are errors, not surprises."""
+        known = {f.name for f in fields(cls)} - {"eos_token_ids"}
+        unknown = sorted(set(raw) - known - _HARMLESS_KEYS)
+        if unknown:
+            raise ValueError(f"config.json: unsupported Ouro config keys: {', '.join(unknown)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act must be 'silu', got {raw['hidden_act']!r}")
+        if raw.get("use_sliding_window", False):
+            raise ValueError("config.json: use_sliding_window=true is not supported")
+        layer_types = raw.get("layer_types") or []
+        if any(kind != "full_attention" for kind in layer_types):
+            raise ValueError("config.json: layer_types must all be 'full_attention'")
+        if raw.get("rope_scaling") not in (None, {}):
+            raise ValueError("config.json: rope_scaling is not supported")
+        if raw.get("early_exit_step") is not None:
+            raise ValueError("config.json: early_exit_step is not supported")
+        missing = [
+            name
+            for name in (
+                "vocab_size",
+                "hidden_size",
+                "intermediate_size",
+                "num_hidden_layers",
+                "num_attention_heads",
+            )
+            if name not in raw
+        ]
+        if missing:
+            raise ValueError(f"config.json: missing required keys: {', '.join(missing)}")
+        heads = raw["num_attention_heads"]
+        eos = raw.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        config = cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            total_ut_steps=raw.get("total_ut_steps", 4),
+            early_exit_threshold=float(raw.get("early_exit_threshold", 1.0)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=eos_ids,
+        )
+        config.validate()
+        return config
+
+    def validate(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+            "max_position_embeddings",
+            "total_ut_steps",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"config.json: head_dim must be even, got {self.head_dim}")
+
+    @property
+    def num_loops(self) -> int:
+        return self.total_ut_steps
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor name of an HF Ouro checkpoint and its shape (model-spec §2.3)."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (self.vocab_size, h),
+            "model.norm.weight": (h,),
+            "model.early_exit_gate.weight": (1, h),
+            "model.early_exit_gate.bias": (1,),
+        }
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        for layer in range(self.num_hidden_layers):
+            prefix = f"model.layers.{layer}."
+            shapes[prefix + "self_attn.q_proj.weight"] = (q_out, h)
+            shapes[prefix + "self_attn.k_proj.weight"] = (kv_out, h)
+            shapes[prefix + "self_attn.v_proj.weight"] = (kv_out, h)
+            shapes[prefix + "self_attn.o_proj.weight"] = (h, q_out)
+            shapes[prefix + "mlp.gate_proj.weight"] = (i, h)
+            shapes[prefix + "mlp.up_proj.weight"] = (i, h)
+            shapes[prefix + "mlp.down_proj.weight"] = (h, i)
+            for norm in (
+                "input_layernorm",
+                "input_layernorm_2",
+                "post_attention_layernorm",
+                "post_attention_layernorm_2",
+            ):
+                shapes[prefix + norm + ".weight"] = (h,)
+        return shapes
+
+
+@dataclass
+class OuroLayerWeights:
+    """One physical layer, with q/k/v and gate/up fused into single GEMMs at load time."""
+
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    o: torch.Tensor  # [hidden, heads * head_dim]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    down: torch.Tensor  # [hidden, intermediate]
+    attn_norm: torch.Tensor  # [hidden] input_layernorm (pre-attention)
+    attn_out_norm: torch.Tensor  # [hidden] input_layernorm_2 (on the attention branch)
+    mlp_norm: torch.Tensor  # [hidden] post_attention_layernorm (pre-MLP)
+    mlp_out_norm: torch.Tensor  # [hidden] post_attention_layernorm_2 (on the MLP branch)
+
+
+class OuroModel:
+    """Ouro weights plus the three stages the runner composes into passes.
+
+    prelude(token_ids) embeds loop-0 rows; core(hidden, meta, kv) runs one loop of the shared
+    layer stack over packed rows at any mix of loops, ending with the per-loop final norm;
+    gate(hidden) and coda(hidden) read that normalised state.
+    """
+
+    def __init__(
+        self, config: OuroConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def take(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+
+        self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
+        self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
+        self.final_norm = take("model.norm.weight")  # [hidden]
+        self.gate_weight = take("model.early_exit_gate.weight")  # [1, hidden]
+        self.gate_bias = take("model.early_exit_gate.bias")  # [1]
+        self.layers: list[OuroLayerWeights] = []
+        for layer in range(config.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            self.layers.append(
+                OuroLayerWeights(
+                    qkv=torch.cat(
+                        [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
+                    ),
+                    o=take(p + "self_attn.o_proj.weight"),
+                    gate_up=torch.cat(
+                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
+                    ),
+                    down=take(p + "mlp.down_proj.weight"),
+                    attn_norm=take(p + "input_layernorm.weight"),
+                    attn_out_norm=take(p + "input_layernorm_2.weight"),
+                    mlp_norm=take(p + "post_attention_layernorm.weight"),
+                    mlp_out_norm=take(p + "post_attention_layernorm_2.weight"),
+                )
+            )
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.max_position_embeddings, dtype, self.device
+        )
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Embed token ids [rows] into the residual stream [rows, hidden]."""
+        return self.embed[token_ids]
+
+    def core(
+        self,
+        hidden: torch.Tensor,  # [rows, hidden]
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],  # per layer [planes * slots_per_plane, kv_heads, head_dim]
+        v_caches: list[torch.Tensor],
+        attention: AttentionFn,
+    ) -> torch.Tensor:
+        """One loop of the layer stack, ending with the per-loop final norm; [rows, hidden]."""
+        cfg = self.config
+        eps, d = cfg.rms_norm_eps, cfg.head_dim
+        q_size, kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        x = hidden
+        for index, layer in enumerate(self.layers):
+            a = rms_norm(x, layer.attn_norm, eps)
+            q, k, v = F.linear(a, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
+            q = self.rotary.apply(q.view(-1, cfg.num_attention_heads, d), meta.positions)
+            k = self.rotary.apply(k.view(-1, cfg.num_key_value_heads, d), meta.positions)
+            v = v.reshape(-1, cfg.num_key_value_heads, d)
+            attn = attention(q, k, v, k_caches[index], v_caches[index], meta, self.scale)
+            x = x + rms_norm(F.linear(attn.reshape(-1, q_size), layer.o), layer.attn_out_norm, eps)
+            b = rms_norm(x, layer.mlp_norm, eps)
+            gate, up = F.linear(b, layer.gate_up).chunk(2, dim=-1)
+            mlp = F.linear(F.silu(gate) * up, layer.down)
+            x = x + rms_norm(mlp, layer.mlp_out_norm, eps)
+        return rms_norm(x, self.final_norm, eps)
+
+    def gate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Exit-gate logits [rows] in float32 from the end-of-loop state [rows, hidden]."""
+        return F.linear(hidden, self.gate_weight, self.gate_bias).float().squeeze(-1)
+
+    def coda(self, hidden: torch.Tensor) -> torch.Tensor:
+        """LM-head logits [rows, vocab] in float32."""
+        return F.linear(hidden, self.lm_head).float()

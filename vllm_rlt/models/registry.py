@@ -1,0 +1,25 @@
+"""Model families keyed on config.json's `model_type`."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from vllm_rlt.models.ouro import OuroConfig, OuroModel
+
+
+class ModelFamily(Protocol):
+    def from_dict(self, raw: dict[str, Any]) -> Any: ...
+
+
+MODEL_REGISTRY: dict[str, tuple[type, type]] = {"ouro": (OuroConfig, OuroModel)}
+
+
+def resolve_family(raw_config: dict[str, Any]) -> tuple[type, type]:
+    """(config class, model class) for a parsed config.json, or a clear error."""
+    model_type = raw_config.get("model_type")
+    if model_type not in MODEL_REGISTRY:
+        raise ValueError(
+            f"config.json: unknown model_type {model_type!r}; supported: "
+            f"{', '.join(sorted(MODEL_REGISTRY))}"
+        )
+    return MODEL_REGISTRY[model_type]

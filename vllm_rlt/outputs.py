@@ -1,0 +1,45 @@
+"""User-facing results: RequestOutput and CompletionOutput."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One sampled continuation; `exit_depths[i]` is the loops token i ran (the first is T)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    exit_depths: list[int]
+    logprobs: list[dict[int, float]] | None
+    finish_reason: str | None
+    cumulative_logprob: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timing and depth figures of one request."""
+
+    arrival_time: float
+    first_token_time: float | None = None
+    finished_time: float | None = None
+    time_to_first_token: float | None = None
+    mean_loops_per_token: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    """All completions of one prompt, in the order of their `index`."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))

@@ -1,0 +1,92 @@
+"""SamplingParams: per-request sampling, stopping and loop-depth controls."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm_rlt.config import require, require_int
+
+MAX_LOGPROBS = 20
+
+
+@dataclass
+class SamplingParams:
+    """What to sample and when to stop, plus the looped-model depth controls.
+
+    `temperature=0` is greedy. `seed` makes a sampled request reproducible whatever else is in
+    the batch. `logprobs=N` returns the sampled token's logprob and the top N alternatives.
+    `min_loops` / `max_loops` bound each decode token's exit depth (None: 1 and the model's
+    depth); `exit_threshold` is the exit policy's threshold q (1.0 = always run max_loops).
+    """
+
+    n: int = 1
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    logprobs: int | None = None
+    min_loops: int | None = None
+    max_loops: int | None = None
+    exit_threshold: float | None = None
+
+    def __post_init__(self) -> None:
+        require_int(self.n, "n", 1, 128)
+        require_int(self.max_tokens, "max_tokens", 1)
+        require_int(self.min_tokens, "min_tokens", 0, self.max_tokens)
+        _require_float(self.temperature, "temperature", 0.0, 100.0)
+        require_int(self.top_k, "top_k", 0)
+        _require_float(self.top_p, "top_p", 0.0, 1.0)
+        require(self.top_p > 0.0, f"top_p must be in (0, 1], got {self.top_p}")
+        _require_float(self.min_p, "min_p", 0.0, 1.0)
+        if self.seed is not None:
+            require_int(self.seed, "seed", 0, 2**63 - 1)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        for text in self.stop:
+            require(
+                isinstance(text, str) and text != "",
+                f"stop must hold non-empty strings, got {text!r}",
+            )
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        for token_id in self.stop_token_ids:
+            require_int(token_id, "stop_token_ids entry", 0)
+        if self.logprobs is not None:
+            require_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        if self.min_loops is not None:
+            require_int(self.min_loops, "min_loops", 1)
+        if self.max_loops is not None:
+            require_int(self.max_loops, "max_loops", 1)
+        if self.min_loops is not None and self.max_loops is not None:
+            require(
+                self.min_loops <= self.max_loops,
+                f"min_loops ({self.min_loops}) must be <= max_loops ({self.max_loops})",
+            )
+        if self.exit_threshold is not None:
+            _require_float(self.exit_threshold, "exit_threshold", 0.0, 1.0)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def resolved_loops(self, total_loops: int) -> tuple[int, int]:
+        """(min_loops, max_loops) with defaults filled in, checked against the model depth."""
+        max_loops = total_loops if self.max_loops is None else self.max_loops
+        min_loops = 1 if self.min_loops is None else self.min_loops
+        require_int(max_loops, "max_loops", 1, total_loops)
+        require_int(min_loops, "min_loops", 1, max_loops)
+        return min_loops, max_loops
+
+
+def _require_float(value: object, name: str, low: float, high: float) -> None:
+    require(
+        isinstance(value, (int, float)) and not isinstance(value, bool),
+        f"{name} must be a number in [{low}, {high}], got {value!r}",
+    )
+    require(low <= value <= high, f"{name} must be in [{low}, {high}], got {value}")  # type: ignore[operator]

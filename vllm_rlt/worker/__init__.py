@@ -1,0 +1,1 @@
+"""Device side: per-slot state, pass metadata and the model runner."""

@@ -1,0 +1,81 @@
+"""Per-slot device state: everything a decode row needs lives in preallocated device arrays."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_rlt.core.contract import NewSlot
+
+
+class SlotState:
+    """Arrays indexed by slot; index `max_slots` is a dummy slot that padding rows may use.
+
+    A decode row gathers its input from here (the next token's embedding when `loop == 0`,
+    else the carried hidden state) and scatters its result back, so the host never has to
+    know, before a pass, which tokens exited in the previous one.
+    """
+
+    def __init__(
+        self,
+        max_slots: int,
+        hidden_size: int,
+        vocab_size: int,
+        max_blocks_per_seq: int,
+        dummy_block: int,
+        trace_len: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        n = max_slots + 1
+        i64 = dict(dtype=torch.int64, device=device)
+        f32 = dict(dtype=torch.float32, device=device)
+        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # [slots, hidden]
+        self.loop = torch.zeros(n, **i64)  # [slots] loops finished by the current token
+        self.position = torch.zeros(n, **i64)  # [slots] position of the current token
+        self.token = torch.zeros(n, **i64)  # [slots] current input token
+        self.num_generated = torch.zeros(n, **i64)  # [slots] tokens sampled so far
+        self.survival = torch.ones(n, **f32)  # [slots] product of (1 - hazard)
+        self.pending = torch.zeros(n, dtype=torch.bool, device=device)  # [slots]
+        self.min_loops = torch.ones(n, **i64)  # [slots]
+        self.max_loops = torch.ones(n, **i64)  # [slots]
+        self.threshold = torch.ones(n, **f32)  # [slots]
+        self.temperature = torch.zeros(n, **f32)  # [slots]
+        self.top_k = torch.zeros(n, **i64)  # [slots]
+        self.top_p = torch.ones(n, **f32)  # [slots]
+        self.min_p = torch.zeros(n, **f32)  # [slots]
+        self.seed = torch.zeros(n, **i64)  # [slots]
+        self.min_tokens = torch.zeros(n, **i64)  # [slots]
+        self.banned = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)  # [slots, vocab]
+        self.block_table = torch.full(
+            (n, max_blocks_per_seq), dummy_block, **i64
+        )  # [slots, blocks]
+        self.trace = torch.ones(n, max(trace_len, 1), **i64)  # [slots, decode tokens]
+        self.dummy_block = dummy_block
+        self.num_logprobs = [0] * n  # host copy: how many top logprobs each slot wants
+
+    def admit(self, new: NewSlot) -> None:
+        """Write a newly admitted request's row (a handful of small host-to-device copies)."""
+        s = new.slot
+        self.loop[s] = 0
+        self.position[s] = new.prompt_len
+        self.num_generated[s] = 0
+        self.survival[s] = 1.0
+        self.pending[s] = False
+        self.min_loops[s] = new.min_loops
+        self.max_loops[s] = new.max_loops
+        self.threshold[s] = new.exit_threshold
+        self.temperature[s] = new.temperature
+        self.top_k[s] = new.top_k
+        self.top_p[s] = new.top_p
+        self.min_p[s] = new.min_p
+        self.seed[s] = new.seed
+        self.min_tokens[s] = new.min_tokens
+        self.banned[s] = False
+        if new.banned_until_min_tokens:
+            self.banned[s, list(new.banned_until_min_tokens)] = True
+        self.block_table[s] = self.dummy_block
+        self.block_table[s, : len(new.block_ids)] = torch.tensor(new.block_ids)
+        if new.decode_depths is not None:
+            depths = new.decode_depths[: self.trace.shape[1]]
+            self.trace[s, : len(depths)] = torch.tensor(depths)
+        self.num_logprobs[s] = new.num_logprobs
