@@ -211,7 +211,7 @@ class _OuroExit:
     def __call__(self, loop: int, h: torch.Tensor) -> bool:
         self.survival = self.survival * (1 - self.model.hazard(h))
         cdf = 1 - self.survival
-        may_exit = self.threshold < 1 and True
+        may_exit = self.threshold < 1 and loop >= self.min_loops
         if self.trigger is None and may_exit and cdf >= self.threshold:
             self.trigger = loop
         if loop == self.max_loops:

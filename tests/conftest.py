@@ -1,0 +1,88 @@
+"""Shared fixtures: the toy model in float32 and engines checked for leaks at teardown."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.models.ouro import OuroConfig, OuroModel
+from vllm_rlt.models.toy import toy_config_dict, toy_weights
+from vllm_rlt.tokenizer import Tokenizer
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def toy_config() -> dict:
+    return toy_config_dict()
+
+
+@pytest.fixture(scope="session")
+def toy_state() -> dict[str, torch.Tensor]:
+    return toy_weights()
+
+
+@pytest.fixture(scope="session")
+def toy_model(toy_config, toy_state) -> OuroModel:
+    return OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cpu")
+
+
+@pytest.fixture
+def make_engine(toy_model):
+    """Build EngineCores on the toy; every one must end with all blocks and slots free."""
+    engines: list[EngineCore] = []
+
+    def build(
+        layout: str = "last_exited",
+        exit_config: ExitConfig | None = None,
+        num_blocks: int = 128,
+        block_size: int = 4,
+        **scheduler_kwargs,
+    ) -> EngineCore:
+        engine = EngineCore(
+            toy_model,
+            Tokenizer.byte_level(),
+            CacheConfig(layout=layout, num_blocks=num_blocks, block_size=block_size),
+            SchedulerConfig(**scheduler_kwargs),
+            exit_config or ExitConfig(),
+            ExecutionConfig(),
+            "torch",
+        )
+        engines.append(engine)
+        return engine
+
+    yield build
+    for engine in engines:
+        assert not engine.has_unfinished, "test left requests unfinished"
+        assert engine.all_blocks_free(), "KV blocks leaked"
+        assert sorted(engine.scheduler.free_slots) == list(
+            range(engine.scheduler.config.max_num_seqs)
+        ), "slots leaked"
+
+
+def drain(engine: EngineCore, arrivals: dict[int, list] | None = None, max_steps: int = 100000):
+    """Step until idle, adding (request_id, token_ids, params) items at the given steps.
+
+    Returns {request_id: final RequestOutput}.
+    """
+    arrivals = dict(arrivals or {})
+    finished = {}
+    step = 0
+    while arrivals or engine.has_unfinished:
+        for request_id, ids, params in arrivals.pop(step, []):
+            engine.add_request(request_id, ids, params)
+        for output in engine.step():
+            if output.finished:
+                finished[output.request_id] = output
+        step += 1
+        assert step < max_steps, "engine did not drain"
+    return finished
