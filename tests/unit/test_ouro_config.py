@@ -1,0 +1,67 @@
+"""The Ouro config parser and tensor list match the published 1.4B / 2.6B checkpoints."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm_rlt.models.ouro import OuroConfig
+
+
+def _ouro_config_json(layers: int) -> dict:
+    """config.json as the public Ouro checkpoints ship it (model-spec §2.1)."""
+    return {
+        "architectures": ["OuroForCausalLM"],
+        "auto_map": {
+            "AutoConfig": "configuration_ouro.OuroConfig",
+            "AutoModel": "modeling_ouro.OuroModel",
+            "AutoModelForCausalLM": "modeling_ouro.OuroForCausalLM",
+        },
+        "model_type": "ouro",
+        "vocab_size": 49152,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "rope_scaling": None,
+        "max_position_embeddings": 65536,
+        "tie_word_embeddings": False,
+        "total_ut_steps": 4,
+        "early_exit_threshold": 1.0,
+        "use_sliding_window": False,
+        "sliding_window": None,
+        "max_window_layers": layers,
+        "layer_types": ["full_attention"] * layers,
+        "initializer_range": 0.02,
+        "attention_dropout": 0.0,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.55.0",
+        "use_cache": True,
+    }
+
+
+@pytest.mark.parametrize(
+    ("layers", "params"), [(24, 1_434_652_673), (48, 2_667_974_657)], ids=["1.4b", "2.6b"]
+)
+def test_published_configs_parse_with_exact_parameter_count(layers, params):
+    config = OuroConfig.from_dict(_ouro_config_json(layers))
+    shapes = config.checkpoint_shapes()
+    assert sum(math.prod(shape) for shape in shapes.values()) == params
+    assert len(shapes) == 5 + 11 * layers
+    assert config.num_loops == 4 and config.head_dim == 128
+    assert config.eos_token_ids == (0,)
+
+
+def test_head_dim_defaults_to_hidden_over_heads():
+    raw = _ouro_config_json(24)
+    del raw["head_dim"]
+    assert OuroConfig.from_dict(raw).head_dim == 128
