@@ -62,6 +62,7 @@ class CacheConfig:
         )
         require(
             isinstance(self.gpu_memory_utilization, (int, float))
+            and not isinstance(self.gpu_memory_utilization, bool)
             and 0.0 < self.gpu_memory_utilization <= 1.0,
             f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}",
         )

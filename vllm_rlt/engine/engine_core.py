@@ -81,6 +81,7 @@ class EngineCore:
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         )
         self.groups: dict[str, RequestGroup] = {}
+        self._group_of: dict[str, str] = {}  # engine request id -> user request id
         self._seeds = random.Random(execution_config.seed)
         self.num_passes = 0
 
@@ -94,7 +95,16 @@ class EngineCore:
     ) -> None:
         """Validate and queue a request; any error leaves the engine untouched."""
         request_id = str(request_id)
-        require(request_id not in self.groups, f"request_id {request_id!r} is already in use")
+        require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
+        child_ids = (
+            [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
+        )
+        for used in [request_id, *child_ids]:
+            require(
+                used not in self.groups and used not in self._group_of,
+                f"request_id {request_id!r} is already in use"
+                + ("" if used == request_id else f" (its completion id {used!r} is taken)"),
+            )
         self._validate(request_id, prompt_token_ids, params)
         min_loops, max_loops = params.resolved_loops(self.num_loops)
         decode_depths = self._trace_for(request_id, params, min_loops, max_loops)
@@ -103,14 +113,14 @@ class EngineCore:
             threshold = self.model.config.early_exit_threshold
         now = time.monotonic()
         children = []
-        for index in range(params.n):
+        for index, child_id in enumerate(child_ids):
             if params.seed is None:
                 seed = self._seeds.getrandbits(63)
             else:
                 seed = (params.seed + index) % 2**63
             children.append(
                 Request(
-                    request_id=request_id if params.n == 1 else f"{request_id}#{index}",
+                    request_id=child_id,
                     prompt_token_ids=list(prompt_token_ids),
                     params=params,
                     min_loops=min_loops,
@@ -126,11 +136,11 @@ class EngineCore:
             request_id, prompt, list(prompt_token_ids), children, now
         )
         for child in children:
+            self._group_of[child.request_id] = request_id
             self.outputs.add(child)
             self.scheduler.add_request(child)
 
     def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
-        require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
         require(
             isinstance(prompt, (list, tuple)) and len(prompt) > 0,
             "prompt must contain at least one token",
@@ -207,7 +217,9 @@ class EngineCore:
             return []
         scheduled = self.scheduler.schedule()
         if scheduled.is_empty:
-            return []
+            # Admission validated every reservation against the pool, so an idle pass with
+            # work queued means a scheduler invariant broke; fail loudly instead of spinning.
+            raise RuntimeError("scheduler produced an empty pass while requests are waiting")
         result = self.runner.execute(scheduled)
         self.num_passes += 1
         touched = self.scheduler.update(scheduled, result)
@@ -217,15 +229,12 @@ class EngineCore:
             if request.first_token_time is None:
                 request.first_token_time = now
             reason = self.outputs.process(request)
-            group = self.groups[self._group_id(request)]
+            group = self.groups[self._group_of[request.request_id]]
             if reason is not None:
                 self.scheduler.finish(request, reason)
                 group.finish_reasons[group.children.index(request)] = reason
             progressed[group.request_id] = group
         return [self._finalize(group) for group in progressed.values()]
-
-    def _group_id(self, request: Request) -> str:
-        return request.request_id.rsplit("#", 1)[0] if request.params.n > 1 else request.request_id
 
     def _finalize(self, group: RequestGroup) -> RequestOutput:
         completions = [
@@ -246,6 +255,7 @@ class EngineCore:
             del self.groups[group.request_id]
             for child in group.children:
                 self.outputs.drop(child.request_id)
+                del self._group_of[child.request_id]
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,

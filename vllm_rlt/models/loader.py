@@ -34,7 +34,12 @@ def read_config(folder: Path) -> tuple[dict[str, Any], Any]:
 
 def _weight_files(folder: Path) -> list[Path]:
     if (folder / INDEX_FILE).is_file():
-        index = json.loads((folder / INDEX_FILE).read_text())
+        try:
+            index = json.loads((folder / INDEX_FILE).read_text())
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{folder / INDEX_FILE}: invalid JSON: {exc}") from exc
+        if not isinstance(index, dict):
+            raise ValueError(f"{folder / INDEX_FILE}: expected a JSON object")
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{folder / INDEX_FILE}: missing or empty 'weight_map'")

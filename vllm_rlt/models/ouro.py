@@ -89,6 +89,10 @@ class OuroConfig:
         ]
         if missing:
             raise ValueError(f"config.json: missing required keys: {', '.join(missing)}")
+        for name in ("hidden_size", "num_attention_heads"):
+            value = raw[name]
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
