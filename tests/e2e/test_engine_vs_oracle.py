@@ -83,13 +83,18 @@ def _run(make_engine, layout, policy, mode, chunk):
     return drain(engine, arrivals)
 
 
-@pytest.mark.parametrize("chunk", [1, 4, 64])
-@pytest.mark.parametrize("mode", ["refill", "no_refill"])
-@pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+# SHARED prefill runs one position at a time whatever the chunk size, so one size suffices.
+MATRIX = [
+    (layout, policy, mode, chunk)
+    for layout, chunks in (("last_exited", (1, 4, 64)), ("shared", (4,)))
+    for policy in POLICIES
+    for mode in ("refill", "no_refill")
+    for chunk in chunks
+]
+
+
+@pytest.mark.parametrize(("layout", "policy", "mode", "chunk"), MATRIX)
 def test_engine_matches_oracle(make_engine, toy_config, toy_state, layout, policy, mode, chunk):
-    if layout == "shared" and chunk != 4:
-        pytest.skip("SHARED prefill runs one position at a time whatever the chunk size")
     expected = _oracle(toy_config, toy_state, layout, policy)
     outputs = _run(make_engine, layout, policy, mode, chunk)
     for i, reference in enumerate(expected):
@@ -100,7 +105,11 @@ def test_engine_matches_oracle(make_engine, toy_config, toy_state, layout, polic
 
 def test_adaptive_policies_really_vary_depth(toy_config, toy_state):
     """The matrix above only means something if exits actually happen early and late."""
-    depths = [d for r in _oracle(toy_config, toy_state, "last_exited", "ouro_q0.7") for d in r.exit_depths[1:]]
+    depths = [
+        d
+        for r in _oracle(toy_config, toy_state, "last_exited", "ouro_q0.7")
+        for d in r.exit_depths[1:]
+    ]
     assert min(depths) < 4 and len(set(depths)) >= 2
 
 
@@ -108,7 +117,9 @@ def test_fixed_depth_logprobs_equal_dense_recompute(make_engine, toy_config, toy
     """LAST_EXITED at fixed depth T equals a full forward of the sequence without cache."""
     engine = make_engine(prefill_chunk_size=3)
     prompt = _prompts()[2]
-    params = SamplingParams(max_tokens=8, temperature=0.0, logprobs=5, exit_threshold=1.0, ignore_eos=True)
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, logprobs=5, exit_threshold=1.0, ignore_eos=True
+    )
     completion = drain(engine, {0: [("dense", prompt, params)]})["dense"].outputs[0]
     sequence = prompt + completion.token_ids
     dense = reference_dense_logits(toy_config, toy_state, sequence[:-1]).log_softmax(-1)

@@ -70,11 +70,13 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODE]
+        # Budget one row for every decoding request, even one idling until its no_refill
+        # cohort restarts, so a prefill chunk started now still fits when the cohort does.
+        rows = len(decoding)
         in_flight = [r for r in decoding if r.token_in_flight]
         if self.config.mode == "no_refill" and in_flight:
             decoding = in_flight
         decode_slots = tuple(sorted(r.slot for r in decoding))  # type: ignore[misc]
-        rows = len(decode_slots)
         max_context = max((r.context_len for r in decoding), default=0)
 
         chunks: list[PrefillChunk] = []
@@ -131,10 +133,12 @@ class Scheduler:
             if not self.free_slots:
                 break
             if not self.kv.can_allocate(request.reserved_positions):
-                blocked.append(request)
                 if request.bypass_count >= self.config.max_admission_bypasses:
                     break
+                blocked.append(request)
                 continue
+            if any(b.bypass_count >= self.config.max_admission_bypasses for b in blocked):
+                break
             for earlier in blocked:
                 earlier.bypass_count += 1
             admitted.append(self._place(request))

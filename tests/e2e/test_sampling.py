@@ -1,0 +1,228 @@
+"""Sampling on the toy: seeded batch invariance, filters that collapse to greedy, logprobs,
+and the counter-based sampler itself (DESIGN §3.5)."""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import replace
+
+import pytest
+import torch
+
+from tests.conftest import drain
+from vllm_rlt import SamplingParams
+from vllm_rlt.layers.sampler import sample, seeded_uniform
+
+PROMPT = [40, 71, 12, 200, 9]
+SEEDED = SamplingParams(
+    max_tokens=10, temperature=0.8, top_k=40, top_p=0.9, seed=1234, exit_threshold=0.5
+)
+
+
+def _one(make_engine, params: SamplingParams, prompt=PROMPT, **engine_kwargs):
+    """The single RequestOutput of `prompt` run alone on a fresh engine."""
+    return drain(make_engine(**engine_kwargs), {0: [("only", prompt, params)]})["only"]
+
+
+def _greedy_tokens(make_engine, max_tokens: int = 8) -> list[int]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    return _one(make_engine, params).outputs[0].token_ids
+
+
+# --------------------------------------------------------------------------- engine level
+@pytest.mark.parametrize("mode", ["refill", "no_refill"])
+def test_seeded_request_is_batch_invariant(make_engine, mode):
+    """A seeded request samples the same tokens (and depths) alone and in a busy batch."""
+    alone = _one(make_engine, SEEDED, mode=mode).outputs[0]
+    rng = random.Random(5)
+    arrivals: dict[int, list] = {0: []}
+    for i, (length, step) in enumerate([(3, 0), (11, 0), (1, 2), (17, 5), (6, 9)]):
+        prompt = [rng.randrange(3, 259) for _ in range(length)]
+        other = SamplingParams(max_tokens=6 + i, temperature=1.0, exit_threshold=0.3)
+        arrivals.setdefault(step, []).append((f"other{i}", prompt, other))
+    arrivals[3] = [*arrivals.get(3, []), ("seeded", PROMPT, SEEDED)]
+    engine = make_engine(mode=mode, prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=12)
+    together = drain(engine, arrivals)["seeded"].outputs[0]
+    assert len(alone.token_ids) > 3
+    assert together.token_ids == alone.token_ids
+    assert together.exit_depths == alone.exit_depths
+
+
+def test_seeds_change_the_output_and_repeat_it(make_engine):
+    """The seed, not the engine's history, decides a seeded request's tokens."""
+    first = _one(make_engine, SEEDED).outputs[0].token_ids
+    again = _one(make_engine, SEEDED).outputs[0].token_ids
+    other = _one(make_engine, replace(SEEDED, seed=99)).outputs[0].token_ids
+    assert first == again
+    assert other != first
+
+
+def test_n_completions_are_distinct_and_reproducible(make_engine):
+    params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=7, ignore_eos=True)
+    first = _one(make_engine, params)
+    second = _one(make_engine, params)
+    assert [c.index for c in first.outputs] == [0, 1, 2]
+    tokens = [tuple(c.token_ids) for c in first.outputs]
+    assert len(set(tokens)) == 3
+    assert tokens == [tuple(c.token_ids) for c in second.outputs]
+
+
+@pytest.mark.parametrize(
+    "filters", [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}], ids=["top_k", "min_p", "top_p"]
+)
+def test_degenerate_filters_equal_greedy(make_engine, filters):
+    """A filter that keeps only the most likely token makes sampling greedy at any seed."""
+    greedy = _greedy_tokens(make_engine)
+    for seed in (0, 1):
+        params = SamplingParams(
+            max_tokens=8, temperature=1.0, seed=seed, ignore_eos=True, **filters
+        )
+        assert _one(make_engine, params).outputs[0].token_ids == greedy
+    # Without the filter the same seeds do not reproduce greedy, so the filter did the work.
+    plain = SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True)
+    assert _one(make_engine, plain).outputs[0].token_ids != greedy
+
+
+def test_logprobs_entries(make_engine):
+    """Each entry holds the top N (sorted, non-positive) plus the sampled token."""
+    num = 4
+    params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=num, ignore_eos=True)
+    completion = _one(make_engine, params).outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids) == 8
+    not_top = 0
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert token in entry
+        assert len(entry) in (num, num + 1)
+        assert all(value <= 0.0 for value in entry.values())
+        assert sum(math.exp(v) for v in entry.values()) <= 1.0 + 1e-5
+        values = list(entry.values())
+        top = values[:num]
+        assert top == sorted(top, reverse=True)
+        if len(entry) == num + 1:  # sampled outside the top N: it is the least likely
+            not_top += 1
+            assert list(entry)[-1] == token and entry[token] <= min(top)
+    assert not_top > 0  # temperature 1 picked something outside the top 4 at least once
+    assert completion.cumulative_logprob == pytest.approx(
+        sum(entry[t] for t, entry in zip(completion.token_ids, completion.logprobs, strict=True))
+    )
+
+
+def test_greedy_logprobs_put_the_sampled_token_first(make_engine):
+    params = SamplingParams(max_tokens=5, temperature=0.0, logprobs=3, ignore_eos=True)
+    completion = _one(make_engine, params).outputs[0]
+    for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
+        assert len(entry) == 3 and next(iter(entry)) == token
+        assert entry[token] == max(entry.values())
+
+
+def test_zero_logprobs_gives_only_the_sampled_token(make_engine):
+    params = SamplingParams(max_tokens=4, temperature=0.7, seed=2, logprobs=0, ignore_eos=True)
+    completion = _one(make_engine, params).outputs[0]
+    assert [list(entry) for entry in completion.logprobs] == [[t] for t in completion.token_ids]
+    assert all(
+        entry[t] <= 0.0 for t, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+    )
+
+
+def test_logprobs_counts_differ_within_one_batch(make_engine):
+    """Rows asking for different numbers of alternatives share passes, each gets its own."""
+    wanted = {"none": None, "one": 1, "five": 5}
+    arrivals = {
+        0: [
+            (name, PROMPT, SamplingParams(max_tokens=4, temperature=0.0, logprobs=num))
+            for name, num in wanted.items()
+        ]
+    }
+    outputs = drain(make_engine(), arrivals)
+    assert outputs["none"].outputs[0].logprobs is None
+    for name in ("one", "five"):
+        completion = outputs[name].outputs[0]
+        assert [len(entry) for entry in completion.logprobs] == [wanted[name]] * len(
+            completion.token_ids
+        )  # greedy: the sampled token is the top one, so no extra entry
+    first, second = outputs["one"].outputs[0].logprobs, outputs["five"].outputs[0].logprobs
+    assert all(a.items() <= b.items() for a, b in zip(first, second, strict=True))
+
+
+# --------------------------------------------------------------------------- sampler unit
+def test_seeded_uniform_is_open_unit_interval():
+    seeds = torch.tensor([0, 1, 2**32, 2**63 - 1, 123456789], dtype=torch.int64)
+    counters = torch.tensor([0, 5, 2**31, 7, 2**40], dtype=torch.int64)
+    noise = seeded_uniform(seeds, counters, 4096)
+    assert noise.dtype == torch.float64
+    assert float(noise.min()) > 0.0 and float(noise.max()) < 1.0
+    assert abs(float(noise.mean()) - 0.5) < 0.01
+    assert abs(float((noise < 0.25).double().mean()) - 0.25) < 0.01
+
+
+def test_seeded_uniform_depends_only_on_seed_counter_and_token():
+    seeds = torch.tensor([11, 22, 33, 11], dtype=torch.int64)
+    counters = torch.tensor([0, 0, 9, 1], dtype=torch.int64)
+    batch = seeded_uniform(seeds, counters, 300)
+    for row in range(4):
+        alone = seeded_uniform(seeds[row : row + 1], counters[row : row + 1], 300)
+        assert torch.equal(batch[row], alone[0])
+    # A smaller vocabulary is a prefix: token id, not batch shape, picks the value.
+    assert torch.equal(seeded_uniform(seeds, counters, 17), batch[:, :17])
+    # Seed (both halves) and counter each change the noise.
+    assert not torch.equal(batch[0], batch[3])
+    high = seeded_uniform(torch.tensor([11 + 2**32]), torch.tensor([0]), 300)
+    assert not torch.equal(high[0], batch[0])
+
+
+def _sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None):
+    rows = logits.shape[0]
+    return sample(
+        logits,
+        torch.full((rows,), temperature, dtype=torch.float32),
+        torch.full((rows,), top_k, dtype=torch.int64),
+        torch.full((rows,), top_p, dtype=torch.float32),
+        torch.full((rows,), min_p, dtype=torch.float32),
+        torch.zeros(rows, dtype=torch.int64) if seeds is None else seeds,
+        torch.arange(rows, dtype=torch.int64) if counters is None else counters,
+    )
+
+
+def test_sample_row_is_independent_of_its_batch():
+    """The same (logits, params, seed, counter) row samples the same id in any batch."""
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 50, generator=generator) * 2
+    temperature = torch.tensor([0.0, 0.5, 1.0, 1.5, 0.8, 1.0])
+    top_k = torch.tensor([0, 5, 0, 10, 0, 3])
+    top_p = torch.tensor([1.0, 1.0, 0.9, 0.8, 1.0, 1.0])
+    min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.1, 0.0])
+    seeds = torch.tensor([1, 2, 3, 4, 5, 6])
+    counters = torch.tensor([0, 3, 1, 4, 1, 5])
+    args = (logits, temperature, top_k, top_p, min_p, seeds, counters)
+    together = sample(*args)
+    order = torch.tensor([4, 0, 5, 2, 1, 3])
+    shuffled = sample(*(a[order] for a in args))
+    assert torch.equal(shuffled, together[order])
+    for row in range(6):
+        assert int(sample(*(a[row : row + 1] for a in args))[0]) == int(together[row])
+    assert int(together[0]) == int(logits[0].argmax())
+
+
+def test_sample_frequencies_follow_softmax():
+    """Over a few thousand counters, temperature sampling reproduces the softmax, and top-k /
+    top-p renormalise over the tokens they keep."""
+    base = torch.tensor([2.0, 1.0, 0.0, -1.0, -2.0])
+    draws = 4000
+    logits = base.expand(draws, -1).contiguous()
+    seeds = torch.full((draws,), 42, dtype=torch.int64)
+
+    def frequencies(**kwargs) -> torch.Tensor:
+        ids = _sample(logits, seeds=seeds, **kwargs)
+        return torch.bincount(ids, minlength=5).double() / draws
+
+    cases = [
+        ({}, base.softmax(0)),
+        ({"temperature": 0.5}, (base / 0.5).softmax(0)),
+        ({"top_k": 2}, base[:2].softmax(0)),
+        ({"top_p": 0.9}, base[:3].softmax(0)),  # 0.636 + 0.234 < 0.9 <= 0.956
+    ]
+    for kwargs, expected in cases:
+        expected = torch.cat([expected.double(), torch.zeros(5 - expected.numel())])
+        got = frequencies(**kwargs)
+        assert torch.allclose(got, expected, atol=0.03), (kwargs, got, expected)
