@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -77,16 +77,7 @@ class EngineArgs:
     execution_config: ExecutionConfig
 
     def llm_kwargs(self) -> dict[str, Any]:
-        return {
-            "model": self.model,
-            "device": self.device,
-            "dtype": self.dtype,
-            "attention_backend": self.attention_backend,
-            "cache_config": self.cache_config,
-            "scheduler_config": self.scheduler_config,
-            "exit_config": self.exit_config,
-            "execution_config": self.execution_config,
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def read_exit_trace(path: Path) -> dict[str, tuple[int, ...]]:

@@ -39,6 +39,20 @@ _HARMLESS_KEYS = {
 }
 
 
+_REQUIRED_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+
+
 @dataclass(frozen=True)
 class OuroConfig:
     """The Ouro fields that shape the computation, parsed strictly from config.json."""
@@ -76,23 +90,11 @@ class OuroConfig:
             raise ValueError("config.json: rope_scaling is not supported")
         if raw.get("early_exit_step") is not None:
             raise ValueError("config.json: early_exit_step is not supported")
-        missing = [
-            name
-            for name in (
-                "vocab_size",
-                "hidden_size",
-                "intermediate_size",
-                "num_hidden_layers",
-                "num_attention_heads",
-            )
-            if name not in raw
-        ]
+        missing = [name for name in _REQUIRED_KEYS if name not in raw]
         if missing:
             raise ValueError(f"config.json: missing required keys: {', '.join(missing)}")
         for name in ("hidden_size", "num_attention_heads"):
-            value = raw[name]
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+            _require_positive_int(name, raw[name])
         heads = raw["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
@@ -117,19 +119,13 @@ class OuroConfig:
 
     def validate(self) -> None:
         for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_hidden_layers",
-            "num_attention_heads",
+            *_REQUIRED_KEYS,
             "num_key_value_heads",
             "head_dim",
             "max_position_embeddings",
             "total_ut_steps",
         ):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+            _require_positive_int(name, getattr(self, name))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ValueError(
                 "config.json: num_attention_heads must be a multiple of num_key_value_heads"
