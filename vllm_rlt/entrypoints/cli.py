@@ -9,7 +9,7 @@ import sys
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.sampling_params import SamplingParams
 
-SUBCOMMANDS = ("generate",)
+SUBCOMMANDS = ("generate", "bench")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -103,6 +103,13 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:2] == ["bench", "throughput"]:
+        from vllm_rlt.bench.throughput import main as throughput
+
+        return throughput(argv[2:])
+    if argv[:1] == ["bench"]:
+        print("vllm-rlt bench: error: choose a benchmark: throughput", file=sys.stderr)
+        return 2
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["generate", *argv]
     parser = build_parser()

@@ -1,0 +1,54 @@
+"""Named model shapes with random weights, made directly on the target device."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_rlt.models.ouro import OuroConfig, OuroModel
+from vllm_rlt.models.toy import toy_config_dict
+
+
+def _ouro_shape(layers: int) -> dict:
+    return {
+        "model_type": "ouro",
+        "vocab_size": 49152,
+        "hidden_size": 2048,
+        "intermediate_size": 5632,
+        "num_hidden_layers": layers,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 65536,
+        "total_ut_steps": 4,
+        "eos_token_id": 0,
+    }
+
+
+SHAPES = {
+    "toy": toy_config_dict,
+    "ouro-1.4b": lambda: _ouro_shape(24),
+    "ouro-2.6b": lambda: _ouro_shape(48),
+}
+
+
+def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> OuroModel:
+    """A model of the named shape with seeded random weights scaled like the toy's."""
+    if shape not in SHAPES:
+        raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
+    config = OuroConfig.from_dict(SHAPES[shape]())
+    generator = torch.Generator(device=device).manual_seed(seed)
+    weights = {}
+    for name, size in config.checkpoint_shapes().items():
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(size, device=device, dtype=dtype)
+        elif name == "model.early_exit_gate.bias":
+            tensor = torch.zeros(size, device=device, dtype=dtype)
+        else:
+            tensor = torch.randn(size, generator=generator, device=device, dtype=torch.float32)
+            tensor = (tensor * (1.0 / size[-1] ** 0.5)).to(dtype)
+        weights[name] = tensor
+    model = OuroModel(config, weights, dtype, device)
+    del weights
+    return model

@@ -1,0 +1,253 @@
+"""Offline throughput benchmark (DESIGN §7): the engine against the naive eager baseline.
+
+Every figure is measured in one process on one device, so ratios compare like with like.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import platform
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+from vllm_rlt.bench.naive import NaiveOuro
+from vllm_rlt.bench.shapes import SHAPES, random_model
+from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.sampling_params import SamplingParams
+
+
+def depth_distribution(mean: float, max_depth: int) -> list[float]:
+    """The maximum-entropy distribution over depths 1..max_depth with the given mean."""
+    if not 1.0 <= mean <= max_depth:
+        raise ValueError(f"--depth-trace-mean must be in [1, {max_depth}], got {mean}")
+    depths = range(1, max_depth + 1)
+
+    def probs(tilt: float) -> list[float]:
+        weights = [math.exp(tilt * d) for d in depths]
+        total = sum(weights)
+        return [w / total for w in weights]
+
+    low, high = -50.0, 50.0
+    for _ in range(200):
+        mid = (low + high) / 2
+        if sum(d * p for d, p in zip(depths, probs(mid), strict=True)) < mean:
+            low = mid
+        else:
+            high = mid
+    return probs((low + high) / 2)
+
+
+def make_traces(
+    ids: list[str], output_len: int, mean: float, loops: int, seed: int
+) -> dict[str, tuple[int, ...]]:
+    rng = random.Random(seed)
+    weights = depth_distribution(mean, loops)
+    depths = list(range(1, loops + 1))
+    return {rid: (loops, *rng.choices(depths, weights, k=max(output_len - 1, 1))) for rid in ids}
+
+
+def run_engine(engine: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict:
+    """Run one batch to completion, recording when each request got each token."""
+    sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
+    ids = [f"b{i}" for i in range(len(prompts))]
+    sync()
+    start = time.perf_counter()
+    for rid, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(rid, prompt, params)
+    first: dict[str, float] = {}
+    done: dict[str, float] = {}
+    outputs = {}
+    passes = 0
+    while engine.has_unfinished:
+        for out in engine.step():
+            now = time.perf_counter()
+            first.setdefault(out.request_id, now)
+            if out.finished:
+                done[out.request_id] = now
+                outputs[out.request_id] = out.outputs[0]
+        passes += 1
+    end = time.perf_counter()
+    decode_start = max(first.values())
+    tokens = sum(len(o.token_ids) for o in outputs.values())
+    decode_tokens = tokens - len(outputs)
+    depths = [d for o in outputs.values() for d in o.exit_depths[1:]]
+    tpot = [
+        (done[rid] - first[rid]) / (len(outputs[rid].token_ids) - 1)
+        for rid in ids
+        if len(outputs[rid].token_ids) > 1
+    ]
+    return {
+        "decode_tokens_per_s": decode_tokens / max(end - decode_start, 1e-9),
+        "ttft_s_mean": statistics.fmean(first[rid] - start for rid in ids),
+        "tpot_s_mean": statistics.fmean(tpot) if tpot else None,
+        "end_to_end_tokens_per_s": tokens / (end - start),
+        "mean_loops": statistics.fmean(depths) if depths else None,
+        "passes": passes,
+        "wall_s": end - start,
+    }
+
+
+def build_engine(model, args, concurrency: int, exit_config: ExitConfig) -> EngineCore:
+    max_len = args.prompt_len + args.output_len
+    blocks = concurrency * -(-max_len // args.block_size) + 8
+    return EngineCore(
+        model,
+        None,
+        CacheConfig(layout=args.kv_layout, block_size=args.block_size, num_blocks=blocks),
+        SchedulerConfig(
+            mode=args.mode,
+            max_num_seqs=max(concurrency, 1),
+            max_num_batched_tokens=max(concurrency * args.prompt_len, 2048),
+            prefill_chunk_size=max(args.prompt_len, 1),
+            max_prefill_batches_before_decode=max(concurrency, 1),
+        ),
+        exit_config,
+        ExecutionConfig(),
+        args.attention_backend,
+    )
+
+
+def bench_concurrency(model, args, concurrency: int) -> dict[str, Any]:
+    loops = model.config.num_loops
+    rng = random.Random(args.seed + concurrency)
+    vocab = model.config.vocab_size
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(concurrency)
+    ]
+    ids = [f"b{i}" for i in range(concurrency)]
+    if args.depth_trace_mean is not None:
+        exit_config = ExitConfig(
+            mode="trace",
+            depths_by_request=make_traces(
+                ids, args.output_len, args.depth_trace_mean, loops, args.seed
+            ),
+        )
+        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    else:
+        exit_config = ExitConfig()
+        params = SamplingParams(
+            max_tokens=args.output_len,
+            temperature=0.0,
+            ignore_eos=True,
+            exit_threshold=1.0,
+            max_loops=args.depth,
+        )
+    engine = build_engine(model, args, concurrency, exit_config)
+    for _ in range(args.warmup):
+        run_engine(engine, prompts, params)
+    engine_runs = [run_engine(engine, prompts, params) for _ in range(args.repeats)]
+    best = max(engine_runs, key=lambda r: r["decode_tokens_per_s"])
+    result: dict[str, Any] = {"concurrency": concurrency, "engine": best}
+    del engine
+    if not args.no_baseline:
+        naive_loops = args.depth if args.depth_trace_mean is None else loops
+        batch = torch.tensor(prompts, device=model.device)
+        baseline = []
+        for _ in range(args.repeats + args.warmup):
+            naive = NaiveOuro(model, concurrency, args.prompt_len + args.output_len)
+            baseline.append(naive.generate(batch, args.output_len, naive_loops))
+            del naive
+        base = max(baseline[args.warmup :], key=lambda r: r["decode_tokens_per_s"])
+        result["baseline"] = base
+        result["decode_ratio_vs_baseline"] = (
+            best["decode_tokens_per_s"] / base["decode_tokens_per_s"]
+        )
+    if model.device.type == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        torch.cuda.reset_peak_memory_stats()
+    return result
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    info = {"torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--shape", choices=list(SHAPES), default="toy")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
+    parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
+    parser.add_argument("--mode", default="refill", choices=["refill", "no_refill"])
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--prompt-len", type=int, default=64)
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    depth = parser.add_mutually_exclusive_group()
+    depth.add_argument("--depth", type=int, default=None, help="fixed depth (default: T)")
+    depth.add_argument("--depth-trace-mean", type=float, default=None)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-baseline", action="store_true")
+    parser.add_argument("--output", default=None, help="also write the JSON here")
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_rlt.models.load import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device)
+    dtype = resolve_dtype(args.dtype, device)
+    torch.manual_seed(args.seed)
+    model = random_model(args.shape, dtype, device, args.seed)
+    if args.depth is None:
+        args.depth = model.config.num_loops
+    if not 1 <= args.depth <= model.config.num_loops:
+        raise ValueError(f"--depth must be in [1, {model.config.num_loops}], got {args.depth}")
+    report = {
+        "benchmark": "throughput",
+        "command": " ".join(sys.argv),
+        "environment": environment(device),
+        "shape": args.shape,
+        "dtype": str(dtype).removeprefix("torch."),
+        "workload": {
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "depth": None if args.depth_trace_mean is not None else args.depth,
+            "depth_trace_mean": args.depth_trace_mean,
+            "kv_layout": args.kv_layout,
+            "mode": args.mode,
+            "attention_backend": args.attention_backend,
+        },
+        "results": [bench_concurrency(model, args, c) for c in args.concurrency],
+    }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-rlt bench throughput", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        report = run(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
