@@ -1,4 +1,5 @@
-"""Paged attention over the plane-indexed KV cache, behind a small backend registry."""
+"""Loop ops behind a small registry: paged attention over the plane-indexed KV cache, plus
+the norms and activation that backends may fuse."""
 
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.attention.registry import available_backends, get_backend

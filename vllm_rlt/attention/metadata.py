@@ -13,21 +13,45 @@ PAD_QUERY_POSITION = 2**30 - 1
 
 
 @dataclass
+class Segments:
+    """Rows grouped by shared context (one request, one plane), for gather-based attention."""
+
+    rows: torch.Tensor  # [segs, max_q] row of each query; `num_rows` marks padding
+    q_pos: torch.Tensor  # [segs, max_q] query positions; PAD_QUERY_POSITION for padding
+    kv_index: torch.Tensor  # [segs, max_kv] flat cache index of each key
+    kv_pos: torch.Tensor  # [segs, max_kv] key positions; PAD_KEY_POSITION for padding
+
+
+@dataclass
 class AttentionMetadata:
-    """Rows of one pass grouped into segments that share a context (one request, one plane).
+    """Per-row cache addressing for one pass.
 
     The KV cache of a layer is a flat array of `planes * slots_per_plane` entries, so one flat
-    index names both the plane and the token slot. A row writes its K/V into one entry per
-    plane (the dummy entry where it does not write that plane) and reads its segment's keys.
+    index names both the plane and the token slot. Row r attends over positions
+    0..positions[r] of plane `read_plane[r]` through its slot's block table, and writes its own
+    K/V into planes write_lo[r] .. write_hi[r] - 1 at entry `row_entry[r]` of each plane.
     """
 
-    positions: torch.Tensor  # [rows] absolute token position of each row
-    write_index: torch.Tensor  # [planes, rows] flat cache index written by each row per plane
-    seg_rows: torch.Tensor  # [segs, max_q] row of each query; `rows` marks padding
-    seg_q_pos: torch.Tensor  # [segs, max_q] query positions; PAD_QUERY_POSITION for padding
-    seg_kv_index: torch.Tensor  # [segs, max_kv] flat cache index of each key
-    seg_kv_pos: torch.Tensor  # [segs, max_kv] key positions; PAD_KEY_POSITION for padding
+    positions: torch.Tensor  # [rows] absolute token position
+    row_slots: torch.Tensor  # [rows] slot whose block table the row uses
+    read_plane: torch.Tensor  # [rows]
+    write_lo: torch.Tensor  # [rows]
+    write_hi: torch.Tensor  # [rows]
+    row_entry: torch.Tensor  # [rows] block * block_size + offset within a plane
+    block_table: torch.Tensor  # [slots + 1, max_blocks] (the slot state's table)
+    planes: int
+    slots_per_plane: int
+    block_size: int
+    dummy_entry: int
+    segments: Segments | None = None  # only for backends that gather per segment
 
     @property
     def num_rows(self) -> int:
         return self.positions.shape[0]
+
+    def write_index(self) -> torch.Tensor:
+        """[planes, rows] flat index each row writes per plane (the dummy where it does not)."""
+        planes = torch.arange(self.planes, device=self.positions.device).unsqueeze(1)
+        writes = (planes >= self.write_lo.unsqueeze(0)) & (planes < self.write_hi.unsqueeze(0))
+        entry = torch.where(writes, self.row_entry.unsqueeze(0), self.dummy_entry)
+        return planes * self.slots_per_plane + entry

@@ -1,31 +1,18 @@
-"""Attention backend registry: a backend is a callable registered under a name."""
+"""Backend registry: a backend supplies the fused ops of one loop (norms, activation,
+RoPE + KV write + paged attention) for a kind of device."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from vllm_rlt.attention.metadata import AttentionMetadata
-
-AttentionFn = Callable[
-    [
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        torch.Tensor,
-        AttentionMetadata,
-        float,
-    ],
-    torch.Tensor,
-]
-
-_BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], AttentionFn]]] = {}
+_BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], Any]]] = {}
 
 
 def register_backend(
-    name: str, is_available: Callable[[torch.device], bool], load: Callable[[], AttentionFn]
+    name: str, is_available: Callable[[torch.device], bool], load: Callable[[], Any]
 ) -> None:
     _BACKENDS[name] = (is_available, load)
 
@@ -34,11 +21,10 @@ def available_backends(device: torch.device) -> list[str]:
     return [name for name, (ok, _) in _BACKENDS.items() if ok(device)]
 
 
-def get_backend(name: str, device: torch.device) -> tuple[str, AttentionFn]:
-    """Resolve `name` ("auto" picks the first available) to (resolved name, attention fn)."""
+def get_backend(name: str, device: torch.device) -> tuple[str, Any]:
+    """Resolve `name` ("auto" picks the best available) to (resolved name, ops object)."""
     if name == "auto":
-        choices = available_backends(device)
-        name = choices[0]
+        name = available_backends(device)[0]
     if name not in _BACKENDS:
         raise ValueError(
             f"attention_backend must be one of auto, {', '.join(_BACKENDS)}, got {name!r}"
@@ -52,10 +38,28 @@ def get_backend(name: str, device: torch.device) -> tuple[str, AttentionFn]:
     return name, load()
 
 
-def _torch_backend() -> AttentionFn:
-    from vllm_rlt.attention.torch_backend import paged_attention
+def _triton_available(device: torch.device) -> bool:
+    if device.type != "cuda":
+        return False
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
-    return paged_attention
+
+def _load_triton():
+    from vllm_rlt.attention.triton_backend import TritonOps
+
+    return TritonOps()
 
 
-register_backend("torch", lambda device: True, _torch_backend)
+def _load_torch():
+    from vllm_rlt.attention.torch_backend import TorchOps
+
+    return TorchOps()
+
+
+# Order matters: "auto" takes the first available.
+register_backend("triton", _triton_available, _load_triton)
+register_backend("torch", lambda device: True, _load_torch)

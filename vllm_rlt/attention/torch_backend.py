@@ -1,4 +1,4 @@
-"""Reference paged attention in plain torch: write K/V per plane, gather each segment's keys."""
+"""Reference ops in plain torch: norms, activation, RoPE + KV write and gathered attention."""
 
 from __future__ import annotations
 
@@ -6,38 +6,72 @@ import torch
 import torch.nn.functional as F
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.layers.norm import rms_norm
+from vllm_rlt.layers.rotary import RotaryEmbedding
 
 
-def paged_attention(
-    q: torch.Tensor,  # [rows, heads, head_dim], RoPE applied
-    k: torch.Tensor,  # [rows, kv_heads, head_dim], RoPE applied
-    v: torch.Tensor,  # [rows, kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [planes * slots_per_plane, kv_heads, head_dim]
-    v_cache: torch.Tensor,  # [planes * slots_per_plane, kv_heads, head_dim]
-    meta: AttentionMetadata,
-    scale: float,
-) -> torch.Tensor:
-    """Causal attention of every row over its segment's cached keys; returns [rows, heads, dim]."""
+class TorchOps:
+    """Runs anywhere; the correctness reference for every other backend."""
+
+    needs_segments = True
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        return rms_norm(x, weight, eps)
+
+    def add_rms_norm2(
+        self, x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor, w_next, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + RMSNorm(branch), and RMSNorm of that sum with the next weight."""
+        x = x + rms_norm(branch, w_branch, eps)
+        return x, rms_norm(x, w_next, eps)
+
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+    def attention(
+        self,
+        qkv: torch.Tensor,  # [rows, (heads + 2 * kv_heads) * head_dim]
+        num_heads: int,
+        num_kv_heads: int,
+        k_cache: torch.Tensor,  # [planes * slots_per_plane, kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+        rotary: RotaryEmbedding,
+        scale: float,
+    ) -> torch.Tensor:
+        """RoPE, write K/V into the planes each row owns, attend; returns [rows, heads * dim]."""
+        rows = qkv.shape[0]
+        head_dim = k_cache.shape[-1]
+        q, k, v = qkv.split(
+            [num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], dim=-1
+        )
+        q = rotary.apply(q.reshape(rows, num_heads, head_dim), meta.positions)
+        k = rotary.apply(k.reshape(rows, num_kv_heads, head_dim), meta.positions)
+        v = v.reshape(rows, num_kv_heads, head_dim)
+        write = meta.write_index()  # [planes, rows], plane-major like the repeat below
+        k_cache.index_copy_(0, write.reshape(-1), k.repeat(meta.planes, 1, 1))
+        v_cache.index_copy_(0, write.reshape(-1), v.repeat(meta.planes, 1, 1))
+        return _segment_attention(q, k_cache, v_cache, meta, scale).reshape(rows, -1)
+
+
+def _segment_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+    """Causal attention of every row over its segment's cached keys; [rows, heads, dim]."""
+    seg = meta.segments
+    assert seg is not None
     rows, heads, head_dim = q.shape
-    kv_heads = k.shape[1]
-    planes = meta.write_index.shape[0]
-    flat_write = meta.write_index.reshape(-1)  # [planes * rows], plane-major like the repeat
-    k_cache.index_copy_(0, flat_write, k.repeat(planes, 1, 1))
-    v_cache.index_copy_(0, flat_write, v.repeat(planes, 1, 1))
-
+    kv_heads = k_cache.shape[1]
     q_padded = torch.cat([q, q.new_zeros(1, heads, head_dim)])  # [rows + 1, heads, dim]
-    seg_q = q_padded[meta.seg_rows].transpose(1, 2)  # [segs, heads, max_q, dim]
-    seg_k = k_cache[meta.seg_kv_index].transpose(1, 2)  # [segs, kv_heads, max_kv, dim]
-    seg_v = v_cache[meta.seg_kv_index].transpose(1, 2)
+    seg_q = q_padded[seg.rows].transpose(1, 2)  # [segs, heads, max_q, dim]
+    seg_k = k_cache[seg.kv_index].transpose(1, 2)  # [segs, kv_heads, max_kv, dim]
+    seg_v = v_cache[seg.kv_index].transpose(1, 2)
     if kv_heads != heads:
         seg_k = seg_k.repeat_interleave(heads // kv_heads, dim=1)
         seg_v = seg_v.repeat_interleave(heads // kv_heads, dim=1)
-    mask = meta.seg_kv_pos.unsqueeze(1) <= meta.seg_q_pos.unsqueeze(2)  # [segs, max_q, max_kv]
+    mask = seg.kv_pos.unsqueeze(1) <= seg.q_pos.unsqueeze(2)  # [segs, max_q, max_kv]
     out = F.scaled_dot_product_attention(
         seg_q, seg_k, seg_v, attn_mask=mask.unsqueeze(1), scale=scale
     )  # [segs, heads, max_q, dim]
     result = q.new_empty(rows + 1, heads, head_dim)
-    result.index_copy_(
-        0, meta.seg_rows.reshape(-1), out.transpose(1, 2).reshape(-1, heads, head_dim)
-    )
+    result.index_copy_(0, seg.rows.reshape(-1), out.transpose(1, 2).reshape(-1, heads, head_dim))
     return result[:rows]

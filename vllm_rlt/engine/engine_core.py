@@ -53,7 +53,7 @@ class EngineCore:
         self.exit_config = exit_config
         self.num_loops = cfg.num_loops
         self.max_model_len = cfg.max_position_embeddings
-        self.attention_backend, attention = get_backend(attention_backend, model.device)
+        self.attention_backend, ops = get_backend(attention_backend, model.device)
         planes = self.num_loops if cache_config.layout == "last_exited" else 1
         self.memory_plan: MemoryPlan = plan_kv_cache(cache_config, cfg, planes, model.dtype)
         geometry = KVGeometry(
@@ -73,7 +73,7 @@ class EngineCore:
             scheduler_config.max_num_seqs,
             self.max_model_len,
             make_exit_policy(exit_config.mode, model, exit_config.seed),
-            attention,
+            ops,
             trace_len,
         )
         self.outputs = OutputProcessor(tokenizer)

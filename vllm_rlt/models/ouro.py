@@ -10,8 +10,6 @@ import torch
 import torch.nn.functional as F
 
 from vllm_rlt.attention import AttentionMetadata
-from vllm_rlt.attention.registry import AttentionFn
-from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
 
 # Keys real checkpoints carry that do not change the computation.
@@ -239,26 +237,40 @@ class OuroModel:
         meta: AttentionMetadata,
         k_caches: list[torch.Tensor],  # per layer [planes * slots_per_plane, kv_heads, head_dim]
         v_caches: list[torch.Tensor],
-        attention: AttentionFn,
+        ops: Any,
     ) -> torch.Tensor:
-        """One loop of the layer stack, ending with the per-loop final norm; [rows, hidden]."""
+        """One loop of the layer stack, ending with the per-loop final norm; [rows, hidden].
+
+        Each residual add is fused with the norm that follows it: the post-attention add with
+        the pre-MLP norm, the post-MLP add with the next layer's pre-attention norm (or, after
+        the last layer, the loop's final norm).
+        """
         cfg = self.config
-        eps, d = cfg.rms_norm_eps, cfg.head_dim
-        q_size, kv_size = cfg.num_attention_heads * d, cfg.num_key_value_heads * d
+        eps = cfg.rms_norm_eps
         x = hidden
+        a = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for index, layer in enumerate(self.layers):
-            a = rms_norm(x, layer.attn_norm, eps)
-            q, k, v = F.linear(a, layer.qkv).split([q_size, kv_size, kv_size], dim=-1)
-            q = self.rotary.apply(q.view(-1, cfg.num_attention_heads, d), meta.positions)
-            k = self.rotary.apply(k.view(-1, cfg.num_key_value_heads, d), meta.positions)
-            v = v.reshape(-1, cfg.num_key_value_heads, d)
-            attn = attention(q, k, v, k_caches[index], v_caches[index], meta, self.scale)
-            x = x + rms_norm(F.linear(attn.reshape(-1, q_size), layer.o), layer.attn_out_norm, eps)
-            b = rms_norm(x, layer.mlp_norm, eps)
-            gate, up = F.linear(b, layer.gate_up).chunk(2, dim=-1)
-            mlp = F.linear(F.silu(gate) * up, layer.down)
-            x = x + rms_norm(mlp, layer.mlp_out_norm, eps)
-        return rms_norm(x, self.final_norm, eps)
+            attn = ops.attention(
+                F.linear(a, layer.qkv),
+                cfg.num_attention_heads,
+                cfg.num_key_value_heads,
+                k_caches[index],
+                v_caches[index],
+                meta,
+                self.rotary,
+                self.scale,
+            )
+            x, b = ops.add_rms_norm2(
+                x, F.linear(attn, layer.o), layer.attn_out_norm, layer.mlp_norm, eps
+            )
+            mlp = F.linear(ops.silu_mul(F.linear(b, layer.gate_up)), layer.down)
+            following = (
+                self.layers[index + 1].attn_norm
+                if index + 1 < len(self.layers)
+                else self.final_norm
+            )
+            x, a = ops.add_rms_norm2(x, mlp, layer.mlp_out_norm, following, eps)
+        return a
 
     def gate(self, hidden: torch.Tensor) -> torch.Tensor:
         """Exit-gate logits [rows] in float32 from the end-of-loop state [rows, hidden]."""

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from vllm_rlt.attention.registry import AttentionFn
 from vllm_rlt.core.contract import ModelRunnerOutput, SampledToken, SchedulerOutput
 from vllm_rlt.exit import ExitInputs, ExitPolicy
 from vllm_rlt.layers.sampler import sample, token_logprobs
@@ -27,14 +28,14 @@ class ModelRunner:
         max_slots: int,
         max_model_len: int,
         exit_policy: ExitPolicy,
-        attention: AttentionFn,
+        ops: Any,
         trace_len: int,
     ) -> None:
         cfg = model.config
         self.model = model
         self.geo = geometry
         self.exit_policy = exit_policy
-        self.attention = attention
+        self.ops = ops
         self.num_loops = cfg.num_loops
         entries = geometry.planes * geometry.slots_per_plane
         shape = (entries, cfg.num_key_value_heads, cfg.head_dim)
@@ -83,8 +84,8 @@ class ModelRunner:
             else:
                 inputs.append(self.prefill_hidden.pop(chunk.slot))
         hidden = torch.cat(inputs)  # [rows, hidden]
-        meta = build_metadata(rows, st, self.geo, out.max_context)
-        hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.attention)
+        meta = build_metadata(rows, st, self.geo, out.max_context, self.ops.needs_segments)
+        hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
 
         # Decode rows: exit test on the device.
         d_hidden = hidden[:num_decode]

@@ -10,6 +10,7 @@ from vllm_rlt.attention.metadata import (
     PAD_KEY_POSITION,
     PAD_QUERY_POSITION,
     AttentionMetadata,
+    Segments,
 )
 from vllm_rlt.core.contract import SchedulerOutput
 from vllm_rlt.worker.slot_state import SlotState
@@ -98,32 +99,40 @@ def gather_rows(out: SchedulerOutput, state: SlotState, geo: KVGeometry) -> Pass
 
 
 def build_metadata(
-    rows: PassRows, state: SlotState, geo: KVGeometry, max_context: int
+    rows: PassRows, state: SlotState, geo: KVGeometry, max_context: int, with_segments: bool
 ) -> AttentionMetadata:
     """Flat cache indices: plane * slots_per_plane + block * block_size + offset."""
-    device = rows.positions.device
     bs, spp = geo.block_size, geo.slots_per_plane
     shared = geo.planes == 1
-    row_entry = state.block_table[rows.slots, rows.positions // bs] * bs + rows.positions % bs
-    planes = torch.arange(geo.planes, device=device).unsqueeze(1)  # [planes, 1]
-    lo = torch.zeros_like(rows.loops) if shared else rows.loops
-    hi = torch.ones_like(rows.loops) if shared else rows.write_hi
-    writes = (planes >= lo.unsqueeze(0)) & (planes < hi.unsqueeze(0))  # [planes, rows]
-    write_index = planes * spp + torch.where(writes, row_entry.unsqueeze(0), geo.dummy_index)
+    meta = AttentionMetadata(
+        positions=rows.positions,
+        row_slots=rows.slots,
+        read_plane=torch.zeros_like(rows.loops) if shared else rows.loops,
+        write_lo=torch.zeros_like(rows.loops) if shared else rows.loops,
+        write_hi=torch.ones_like(rows.loops) if shared else rows.write_hi,
+        row_entry=state.block_table[rows.slots, rows.positions // bs] * bs + rows.positions % bs,
+        block_table=state.block_table,
+        planes=geo.planes,
+        slots_per_plane=spp,
+        block_size=bs,
+        dummy_entry=geo.dummy_index,
+    )
+    if with_segments:
+        meta.segments = _segments(rows, state, geo, max_context)
+    return meta
 
+
+def _segments(rows: PassRows, state: SlotState, geo: KVGeometry, max_context: int) -> Segments:
+    bs = geo.block_size
+    device = rows.positions.device
     kv_pos = torch.arange(max(max_context, 1), device=device)  # [max_kv]
     blocks = state.block_table[rows.seg_slots][:, kv_pos // bs]  # [segs, max_kv]
-    read_plane = torch.zeros_like(rows.seg_loops) if shared else rows.seg_loops
-    seg_kv_index = read_plane.unsqueeze(1) * spp + blocks * bs + kv_pos % bs
+    read_plane = torch.zeros_like(rows.seg_loops) if geo.planes == 1 else rows.seg_loops
+    kv_index = read_plane.unsqueeze(1) * geo.slots_per_plane + blocks * bs + kv_pos % bs
     last_q = rows.seg_q_pos.masked_fill(rows.seg_q_pos == PAD_QUERY_POSITION, -1).amax(dim=1)
-    seg_kv_pos = torch.where(
+    kv_positions = torch.where(
         kv_pos.unsqueeze(0) <= last_q.unsqueeze(1), kv_pos.unsqueeze(0), PAD_KEY_POSITION
     )
-    return AttentionMetadata(
-        positions=rows.positions,
-        write_index=write_index,
-        seg_rows=rows.seg_rows,
-        seg_q_pos=rows.seg_q_pos,
-        seg_kv_index=seg_kv_index,
-        seg_kv_pos=seg_kv_pos,
+    return Segments(
+        rows=rows.seg_rows, q_pos=rows.seg_q_pos, kv_index=kv_index, kv_pos=kv_positions
     )
