@@ -146,8 +146,13 @@ class ExitConfig:
 
 @dataclass(frozen=True)
 class ExecutionConfig:
-    """How passes are executed. `seed` seeds the per-request seeds of unseeded requests."""
+    """How passes are executed.
 
+    `cuda_graphs`: replay decode-only passes as CUDA graphs (CUDA with the triton backend;
+    ignored elsewhere). `seed` seeds the per-request seeds of unseeded requests.
+    """
+
+    cuda_graphs: bool = True
     seed: int = 0
 
     def __post_init__(self) -> None:

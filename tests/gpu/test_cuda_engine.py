@@ -15,7 +15,7 @@ from vllm_rlt.tokenizer import Tokenizer
 pytestmark = pytest.mark.gpu
 
 
-def _cuda_engine(toy_config, toy_state, dtype, layout, policy, mode):
+def _cuda_engine(toy_config, toy_state, dtype, layout, policy, mode, backend="torch", graphs=False):
     exit_mode, _ = POLICIES[policy]
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, dtype, "cuda")
     return EngineCore(
@@ -24,8 +24,8 @@ def _cuda_engine(toy_config, toy_state, dtype, layout, policy, mode):
         CacheConfig(layout=layout, num_blocks=128, block_size=4),
         SchedulerConfig(mode=mode, prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64),
         ExitConfig(mode=exit_mode, depths_by_request=_traces() if exit_mode == "trace" else {}),
-        ExecutionConfig(),
-        "torch",
+        ExecutionConfig(cuda_graphs=graphs),
+        backend,
     )
 
 
@@ -54,16 +54,77 @@ def _exact_float32():
     torch.backends.cuda.matmul.allow_tf32 = previous
 
 
+BACKENDS = [("torch", False), ("triton", False), ("triton", True)]
+
+
+@pytest.mark.parametrize(("backend", "graphs"), BACKENDS, ids=["torch", "triton", "graphs"])
 @pytest.mark.parametrize("mode", ["refill", "no_refill"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_cuda_float32_matches_oracle(toy_config, toy_state, layout, policy, mode):
+def test_cuda_float32_matches_oracle(toy_config, toy_state, layout, policy, mode, backend, graphs):
     expected = _oracle(toy_config, toy_state, layout, policy)
-    outputs = _run(_cuda_engine(toy_config, toy_state, torch.float32, layout, policy, mode), policy)
+    engine = _cuda_engine(
+        toy_config, toy_state, torch.float32, layout, policy, mode, backend, graphs
+    )
+    outputs = _run(engine, policy)
     for i, reference in enumerate(expected):
         completion = outputs[f"r{i}"].outputs[0]
         assert completion.token_ids == reference.token_ids
         assert completion.exit_depths == reference.exit_depths
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_graphs_equal_eager_with_sampling(toy_config, toy_state, dtype, layout):
+    """Same kernels, replayed or launched: identical tokens, depths and logprobs, also for
+    seeded sampling with logprobs."""
+    params = SamplingParams(
+        max_tokens=12, temperature=0.9, top_k=20, top_p=0.9, seed=3, logprobs=3, exit_threshold=0.6
+    )
+    results = []
+    for graphs in (False, True):
+        engine = _cuda_engine(
+            toy_config, toy_state, dtype, layout, "ouro_q0.7", "refill", "triton", graphs
+        )
+        arrivals = {i: [(f"s{i}", prompt, params)] for i, prompt in enumerate(_prompts())}
+        outputs = drain(engine, arrivals)
+        assert engine.all_blocks_free()
+        results.append(
+            {
+                rid: (o.outputs[0].token_ids, o.outputs[0].exit_depths, o.outputs[0].logprobs)
+                for rid, o in outputs.items()
+            }
+        )
+    assert results[0] == results[1]
+
+
+def test_decode_pass_has_no_hidden_host_sync(toy_config, toy_state):
+    """A decode-only pass, eager and replayed, under sync debug mode "error"."""
+    engine = _cuda_engine(
+        toy_config, toy_state, torch.bfloat16, "last_exited", "ouro_q0.7", "refill", "triton", True
+    )
+    for i, prompt in enumerate(_prompts()):
+        engine.add_request(
+            f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0.0, exit_threshold=0.5)
+        )
+    while engine.runner.graphs.graphs == {} or any(
+        r.status.value != "decode" for r in engine.scheduler.running.values()
+    ):
+        engine.step()
+    runner = engine.runner
+    slots = torch.tensor(sorted(engine.scheduler.running), device="cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        runner.run_pass(slots, (), 0, True, 0)
+        graph, _ = next(iter(runner.graphs.graphs.values()))
+        graph.replay()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    for request_id in list(engine.groups):  # the manual passes moved device state on
+        engine.abort_request(request_id)
+    assert engine.all_blocks_free()
 
 
 def test_cuda_bfloat16_runs_and_stays_close(toy_config, toy_state):

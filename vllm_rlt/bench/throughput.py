@@ -110,7 +110,7 @@ def build_engine(model, args, concurrency: int, exit_config: ExitConfig) -> Engi
             max_prefill_batches_before_decode=max(concurrency, 1),
         ),
         exit_config,
-        ExecutionConfig(),
+        ExecutionConfig(cuda_graphs=not args.enforce_eager),
         args.attention_backend,
     )
 
@@ -189,6 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
     parser.add_argument("--mode", default="refill", choices=["refill", "no_refill"])
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
@@ -227,6 +228,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "kv_layout": args.kv_layout,
             "mode": args.mode,
             "attention_backend": args.attention_backend,
+            "cuda_graphs": not args.enforce_eager,
         },
         "results": [bench_concurrency(model, args, c) for c in args.concurrency],
     }

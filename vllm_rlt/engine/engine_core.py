@@ -76,6 +76,10 @@ class EngineCore:
             ops,
             trace_len,
         )
+        if execution_config.cuda_graphs and model.device.type == "cuda" and not ops.needs_segments:
+            from vllm_rlt.worker.cuda_graphs import DecodeGraphs
+
+            self.runner.graphs = DecodeGraphs(self.runner)
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()

@@ -62,6 +62,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     exits.add_argument("--lookahead-seed", type=int, default=0)
 
+    execution = parser.add_argument_group("execution")
+    execution.add_argument(
+        "--enforce-eager", action="store_true", help="do not replay decode passes as CUDA graphs"
+    )
+
 
 @dataclass(frozen=True)
 class EngineArgs:
@@ -130,5 +135,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
             seed=ns.lookahead_seed,
             depths_by_request=depths,
         ),
-        execution_config=ExecutionConfig(seed=ns.seed),
+        execution_config=ExecutionConfig(cuda_graphs=not ns.enforce_eager, seed=ns.seed),
     )

@@ -61,6 +61,22 @@ def sample(
     return torch.where(temperature == 0.0, greedy_ids, sampled_ids)
 
 
+def greedy_or_sample(
+    logits: torch.Tensor,
+    all_greedy: bool,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+    seeds: torch.Tensor,
+    counters: torch.Tensor,
+) -> torch.Tensor:
+    """`sample`, skipping the sort over the vocabulary when every row is greedy."""
+    if all_greedy:
+        return logits.argmax(dim=-1)
+    return sample(logits, temperature, top_k, top_p, min_p, seeds, counters)
+
+
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -6,11 +6,14 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.core.contract import ModelRunnerOutput, SampledToken, SchedulerOutput
+from vllm_rlt.core.contract import ModelRunnerOutput, PrefillChunk, SampledToken, SchedulerOutput
 from vllm_rlt.exit import ExitInputs, ExitPolicy
-from vllm_rlt.layers.sampler import sample, token_logprobs
+from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
 from vllm_rlt.worker.slot_state import SlotState
+
+# Fields packed per sampling row before the top logprobs: exited, token, depth, logprob.
+PACKED_FIELDS = 4
 
 
 class ModelRunner:
@@ -18,7 +21,8 @@ class ModelRunner:
 
     One pass: gather row inputs (embedding for loop-0 rows, carried state otherwise), run
     one loop of the layer stack, decide exits and sample on the device, scatter state back,
-    and read the results back to the host once.
+    and read the results back to the host once. A pass without prefill rows touches no host
+    data at all, so it can be captured as a CUDA graph (`graphs`).
     """
 
     def __init__(
@@ -55,7 +59,9 @@ class ModelRunner:
             model.dtype,
             model.device,
         )
+        self.dummy_slot = max_slots
         self.prefill_hidden: dict[int, torch.Tensor] = {}  # slot -> [chunk, hidden]
+        self.graphs = None  # set by the engine when CUDA graphs are enabled
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -63,13 +69,34 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        st, model = self.state, self.model
+        st = self.state
         for new in out.new_slots:
             st.admit(new)
             self.prefill_hidden.pop(new.slot, None)
-        rows = gather_rows(out, st, self.geo)
-        num_decode = len(out.decode_slots)
-        decode = rows.slots[:num_decode]  # [decode]
+        samplers = list(out.decode_slots) + [c.slot for c in out.prefill_chunks if c.samples]
+        num_top = max((st.num_logprobs[s] for s in samplers), default=0)
+        greedy = all(st.greedy[s] for s in samplers)
+        if self.graphs is not None and not out.prefill_chunks:
+            packed = self.graphs.run(out.decode_slots, greedy, num_top)
+        else:
+            decode = torch.tensor(out.decode_slots, dtype=torch.int64, device=self.model.device)
+            packed = self.run_pass(
+                decode, out.prefill_chunks, out.max_context, greedy, num_top
+            ).tolist()  # the one device-to-host read of the pass
+        return self._to_output(packed, samplers)
+
+    def run_pass(
+        self,
+        decode: torch.Tensor,  # [decode rows] slots
+        chunks: tuple[PrefillChunk, ...],
+        max_context: int,
+        greedy: bool,
+        num_top: int,
+    ) -> torch.Tensor:
+        """One pass on the device; returns [samplers, PACKED_FIELDS + 2 * num_top] float32."""
+        st, model = self.state, self.model
+        rows = gather_rows(decode, chunks, st, self.geo)
+        num_decode = decode.shape[0]
         d_loops = rows.loops[:num_decode]
 
         inputs = [
@@ -77,17 +104,16 @@ class ModelRunner:
                 (d_loops == 0).unsqueeze(1), model.prelude(st.token[decode]), st.hidden[decode]
             )
         ]
-        for chunk in out.prefill_chunks:
+        for chunk in chunks:
             if chunk.loop == 0:
                 ids = torch.tensor(chunk.token_ids, dtype=torch.int64, device=model.device)
                 inputs.append(model.prelude(ids))
             else:
                 inputs.append(self.prefill_hidden.pop(chunk.slot))
-        hidden = torch.cat(inputs)  # [rows, hidden]
-        meta = build_metadata(rows, st, self.geo, out.max_context, self.ops.needs_segments)
+        hidden = torch.cat(inputs) if len(inputs) > 1 else inputs[0]  # [rows, hidden]
+        meta = build_metadata(rows, chunks, st, self.geo, max_context, self.ops.needs_segments)
         hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
 
-        # Decode rows: exit test on the device.
         d_hidden = hidden[:num_decode]
         loops_done = d_loops + 1
         trace_index = (st.num_generated[decode] - 1).clamp(0, st.trace.shape[1] - 1)
@@ -106,61 +132,51 @@ class ModelRunner:
 
         # Rows that may sample: every decode row (kept only where it exits), and the last
         # position of each prompt that just finished its last loop.
-        sample_rows, sample_slots, row = (
-            [torch.arange(num_decode, device=model.device)],
-            [decode],
-            num_decode,
-        )
-        prefill_samplers = []
-        for chunk in out.prefill_chunks:
+        sample_hidden, sample_slots = d_hidden, decode
+        prefill_samplers, prefill_rows, row = [], [], num_decode
+        for chunk in chunks:
             n = len(chunk.token_ids)
             if chunk.samples:
                 prefill_samplers.append(chunk.slot)
-                sample_rows.append(torch.tensor([row + n - 1], device=model.device))
+                prefill_rows.append(row + n - 1)
             elif chunk.loop < self.num_loops - 1:
                 self.prefill_hidden[chunk.slot] = hidden[row : row + n]
             row += n
-        p_slots = torch.tensor(prefill_samplers, dtype=torch.int64, device=model.device)
-        sample_slots.append(p_slots)
-        s_rows, s_slots = torch.cat(sample_rows), torch.cat(sample_slots)
-        host_slots = list(out.decode_slots) + prefill_samplers
-        num_top = max((st.num_logprobs[s] for s in host_slots), default=0)
-        tokens, chosen_lp, top_ids, top_lp = self._sample(hidden[s_rows], s_slots, num_top)
+        if prefill_samplers:
+            p_slots = torch.tensor(prefill_samplers, dtype=torch.int64, device=model.device)
+            p_rows = torch.tensor(prefill_rows, dtype=torch.int64, device=model.device)
+            sample_hidden = torch.cat([d_hidden, hidden[p_rows]])
+            sample_slots = torch.cat([decode, p_slots])
+        tokens, chosen_lp, top_ids, top_lp = self._sample(
+            sample_hidden, sample_slots, greedy, num_top
+        )
 
         exited = decision.exit
-        d_tokens = tokens[:num_decode]
-        st.token[decode] = torch.where(exited, d_tokens, st.token[decode])
+        st.token[decode] = torch.where(exited, tokens[:num_decode], st.token[decode])
         st.position[decode] += exited.long()
         st.loop[decode] = torch.where(exited, 0, loops_done)
         st.survival[decode] = torch.where(exited, 1.0, decision.survival)
         st.pending[decode] = decision.pending & ~exited
         st.num_generated[decode] += exited.long()
         st.hidden[decode] = d_hidden
+        depths, flags = loops_done, exited
         if prefill_samplers:
             st.token[p_slots] = tokens[num_decode:]
             st.num_generated[p_slots] = 1
+            depths = torch.cat([depths, torch.full_like(p_slots, self.num_loops)])
+            flags = torch.cat([flags, torch.ones_like(p_slots, dtype=torch.bool)])
+        st.reset_dummy(self.dummy_slot)
+        fields = torch.stack([flags.float(), tokens.float(), depths.float(), chosen_lp], 1)
+        return torch.cat([fields, top_ids.float(), top_lp], dim=1)
 
-        depths = torch.cat([loops_done, torch.full_like(p_slots, self.num_loops)])
-        flags = torch.cat([exited, torch.ones_like(p_slots, dtype=torch.bool)])
-        packed = torch.cat(
-            [
-                torch.stack(
-                    [flags.double(), tokens.double(), depths.double(), chosen_lp.double()], 1
-                ),
-                top_ids.double(),
-                top_lp.double(),
-            ],
-            dim=1,
-        ).tolist()  # the one device-to-host read of the pass
-        return self._to_output(packed, host_slots, num_top)
-
-    def _sample(self, hidden: torch.Tensor, slots: torch.Tensor, num_top: int):
+    def _sample(self, hidden: torch.Tensor, slots: torch.Tensor, greedy: bool, num_top: int):
         st = self.state
         logits = self.model.coda(hidden)  # [samplers, vocab]
         before_min = st.num_generated[slots] < st.min_tokens[slots]
         logits = logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
-        tokens = sample(
+        tokens = greedy_or_sample(
             logits,
+            greedy,
             st.temperature[slots],
             st.top_k[slots],
             st.top_p[slots],
@@ -171,17 +187,17 @@ class ModelRunner:
         chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
         return tokens, chosen, top_ids, top_lp
 
-    def _to_output(
-        self, packed: list[list[float]], slots: list[int], num_top: int
-    ) -> ModelRunnerOutput:
+    def _to_output(self, packed: list[list[float]], slots: list[int]) -> ModelRunnerOutput:
         sampled, continuing = [], []
         for slot, values in zip(slots, packed, strict=True):
             if not values[0]:
                 continuing.append(slot)
                 continue
             want = self.state.num_logprobs[slot]
+            num_top = (len(values) - PACKED_FIELDS) // 2
             top = tuple(
-                (int(values[4 + j]), values[4 + num_top + j]) for j in range(min(want, num_top))
+                (int(values[PACKED_FIELDS + j]), values[PACKED_FIELDS + num_top + j])
+                for j in range(min(want, num_top))
             )
             sampled.append(SampledToken(slot, int(values[1]), int(values[2]), values[3], top))
         return ModelRunnerOutput(tuple(sampled), tuple(continuing))

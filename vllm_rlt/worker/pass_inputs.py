@@ -12,7 +12,7 @@ from vllm_rlt.attention.metadata import (
     AttentionMetadata,
     Segments,
 )
-from vllm_rlt.core.contract import SchedulerOutput
+from vllm_rlt.core.contract import PrefillChunk
 from vllm_rlt.worker.slot_state import SlotState
 
 
@@ -42,64 +42,37 @@ class PassRows:
     positions: torch.Tensor  # [rows]
     loops: torch.Tensor  # [rows] 0-based loop each row runs
     write_hi: torch.Tensor  # [rows] one past the deepest plane a row writes
-    seg_rows: torch.Tensor  # [segs, max_q]
-    seg_q_pos: torch.Tensor  # [segs, max_q]
-    seg_slots: torch.Tensor  # [segs]
-    seg_loops: torch.Tensor  # [segs]
 
 
-def gather_rows(out: SchedulerOutput, state: SlotState, geo: KVGeometry) -> PassRows:
-    """Decode rows read position and loop from slot state; prefill rows come from the host."""
-    device = state.loop.device
-    decode = torch.tensor(out.decode_slots, dtype=torch.int64, device=device)  # [decode]
-    num_decode = decode.shape[0]
-    host_slots, host_pos, host_loops = [], [], []
-    seg_rows_host: list[list[int]] = []
-    row = num_decode
-    for chunk in out.prefill_chunks:
-        n = len(chunk.token_ids)
-        host_slots.append(torch.full((n,), chunk.slot, dtype=torch.int64))
-        host_pos.append(torch.arange(chunk.start, chunk.start + n))
-        host_loops.append(torch.full((n,), chunk.loop, dtype=torch.int64))
-        seg_rows_host.append(list(range(row, row + n)))
-        row += n
-    num_rows = row
-    max_q = max([1] + [len(rows) for rows in seg_rows_host])
-    chunk_rows = torch.full((len(seg_rows_host), max_q), num_rows, dtype=torch.int64)
-    for index, rows in enumerate(seg_rows_host):
-        chunk_rows[index, : len(rows)] = torch.tensor(rows)
-
-    def cat(decode_part: torch.Tensor, host_parts: list[torch.Tensor]) -> torch.Tensor:
-        host = torch.cat(host_parts).to(device) if host_parts else decode_part[:0]
-        return torch.cat([decode_part, host])
-
+def gather_rows(
+    decode: torch.Tensor, chunks: tuple[PrefillChunk, ...], state: SlotState, geo: KVGeometry
+) -> PassRows:
+    """Decode rows [decode] read position and loop from slot state; prefill rows come from
+    the host. With no chunks every op stays on the device (the CUDA-graph case)."""
     d_loops = state.loop[decode]
-    slots = cat(decode, host_slots)
-    positions = cat(state.position[decode], host_pos)
-    loops = cat(d_loops, host_loops)
-    decode_hi = torch.full_like(d_loops, geo.planes) if geo.write_deeper_planes else d_loops + 1
-    write_hi = torch.cat([decode_hi, loops[num_decode:] + 1])
-
-    decode_seg_rows = torch.full((num_decode, max_q), num_rows, dtype=torch.int64, device=device)
-    decode_seg_rows[:, 0] = torch.arange(num_decode, device=device)
-    seg_rows = torch.cat([decode_seg_rows, chunk_rows.to(device)])
-    padded_pos = torch.cat([positions, positions.new_full((1,), PAD_QUERY_POSITION)])
-    chunk_loops = torch.tensor([c.loop for c in out.prefill_chunks], dtype=torch.int64)
-    chunk_slots = torch.tensor([c.slot for c in out.prefill_chunks], dtype=torch.int64)
+    d_hi = torch.full_like(d_loops, geo.planes) if geo.write_deeper_planes else d_loops + 1
+    rows = PassRows(decode, state.position[decode], d_loops, d_hi)
+    if not chunks:
+        return rows
+    slots = torch.cat([torch.full((len(c.token_ids),), c.slot) for c in chunks])
+    positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks])
+    loops = torch.cat([torch.full((len(c.token_ids),), c.loop) for c in chunks])
+    host = torch.stack([slots, positions, loops]).to(decode.device)  # [3, prefill rows]
     return PassRows(
-        slots=slots,
-        positions=positions,
-        loops=loops,
-        write_hi=write_hi,
-        seg_rows=seg_rows,
-        seg_q_pos=padded_pos[seg_rows],
-        seg_slots=torch.cat([decode, chunk_slots.to(device)]),
-        seg_loops=torch.cat([d_loops, chunk_loops.to(device)]),
+        slots=torch.cat([decode, host[0]]),
+        positions=torch.cat([rows.positions, host[1]]),
+        loops=torch.cat([d_loops, host[2]]),
+        write_hi=torch.cat([d_hi, host[2] + 1]),
     )
 
 
 def build_metadata(
-    rows: PassRows, state: SlotState, geo: KVGeometry, max_context: int, with_segments: bool
+    rows: PassRows,
+    chunks: tuple[PrefillChunk, ...],
+    state: SlotState,
+    geo: KVGeometry,
+    max_context: int,
+    with_segments: bool,
 ) -> AttentionMetadata:
     """Flat cache indices: plane * slots_per_plane + block * block_size + offset."""
     bs, spp = geo.block_size, geo.slots_per_plane
@@ -118,21 +91,42 @@ def build_metadata(
         dummy_entry=geo.dummy_index,
     )
     if with_segments:
-        meta.segments = _segments(rows, state, geo, max_context)
+        meta.segments = _segments(rows, chunks, state, geo, max_context)
     return meta
 
 
-def _segments(rows: PassRows, state: SlotState, geo: KVGeometry, max_context: int) -> Segments:
-    bs = geo.block_size
+def _segments(
+    rows: PassRows,
+    chunks: tuple[PrefillChunk, ...],
+    state: SlotState,
+    geo: KVGeometry,
+    max_context: int,
+) -> Segments:
+    """One segment per decode row and per prefill chunk (rows sharing request and plane)."""
     device = rows.positions.device
+    num_rows = rows.positions.shape[0]
+    num_decode = num_rows - sum(len(c.token_ids) for c in chunks)
+    max_q = max([1] + [len(c.token_ids) for c in chunks])
+    seg_rows = torch.full((num_decode + len(chunks), max_q), num_rows, dtype=torch.int64)
+    seg_rows[:num_decode, 0] = torch.arange(num_decode)
+    start = num_decode
+    for index, chunk in enumerate(chunks):
+        n = len(chunk.token_ids)
+        seg_rows[num_decode + index, :n] = torch.arange(start, start + n)
+        start += n
+    seg_rows = seg_rows.to(device)
+    first_rows = seg_rows[:, 0]
+    seg_slots, seg_loops = rows.slots[first_rows], rows.loops[first_rows]
+    padded_pos = torch.cat([rows.positions, rows.positions.new_full((1,), PAD_QUERY_POSITION)])
+    q_pos = padded_pos[seg_rows]  # [segs, max_q]
+
+    bs = geo.block_size
     kv_pos = torch.arange(max(max_context, 1), device=device)  # [max_kv]
-    blocks = state.block_table[rows.seg_slots][:, kv_pos // bs]  # [segs, max_kv]
-    read_plane = torch.zeros_like(rows.seg_loops) if geo.planes == 1 else rows.seg_loops
+    blocks = state.block_table[seg_slots][:, kv_pos // bs]  # [segs, max_kv]
+    read_plane = torch.zeros_like(seg_loops) if geo.planes == 1 else seg_loops
     kv_index = read_plane.unsqueeze(1) * geo.slots_per_plane + blocks * bs + kv_pos % bs
-    last_q = rows.seg_q_pos.masked_fill(rows.seg_q_pos == PAD_QUERY_POSITION, -1).amax(dim=1)
+    last_q = q_pos.masked_fill(q_pos == PAD_QUERY_POSITION, -1).amax(dim=1)
     kv_positions = torch.where(
         kv_pos.unsqueeze(0) <= last_q.unsqueeze(1), kv_pos.unsqueeze(0), PAD_KEY_POSITION
     )
-    return Segments(
-        rows=rows.seg_rows, q_pos=rows.seg_q_pos, kv_index=kv_index, kv_pos=kv_positions
-    )
+    return Segments(rows=seg_rows, q_pos=q_pos, kv_index=kv_index, kv_pos=kv_positions)

@@ -52,6 +52,7 @@ class SlotState:
         self.trace = torch.ones(n, max(trace_len, 1), **i64)  # [slots, decode tokens]
         self.dummy_block = dummy_block
         self.num_logprobs = [0] * n  # host copy: how many top logprobs each slot wants
+        self.greedy = [True] * n  # host copy: temperature == 0
 
     def admit(self, new: NewSlot) -> None:
         """Write a newly admitted request's row (a handful of small host-to-device copies)."""
@@ -79,3 +80,10 @@ class SlotState:
             depths = new.decode_depths[: self.trace.shape[1]]
             self.trace[s, : len(depths)] = torch.tensor(depths)
         self.num_logprobs[s] = new.num_logprobs
+        self.greedy[s] = new.temperature == 0.0
+
+    def reset_dummy(self, slot: int) -> None:
+        """Padding rows advance the dummy slot like a real one; pin it back to position 0."""
+        self.position[slot] = 0
+        self.loop[slot] = 0
+        self.num_generated[slot] = 0

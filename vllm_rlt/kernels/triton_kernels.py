@@ -1,0 +1,186 @@
+"""Triton kernels of one loop: fused norms, SiLU-and-multiply, RoPE + KV write, paged attention.
+
+Rounding follows the torch reference step by step (each bf16 product and sum is rounded where
+torch rounds it), so the two backends differ only by reduction order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / n + eps)
+    normed = (x * rstd).to(out_ptr.dtype.element_ty).to(tl.float32)
+    w = tl.load(w_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(
+        out_ptr + row * out_stride + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask
+    )
+
+
+@triton.jit
+def _add_rms_norm2_kernel(
+    x_ptr,
+    y_ptr,
+    w1_ptr,
+    w2_ptr,
+    x_out_ptr,
+    n_out_ptr,
+    x_stride,
+    y_stride,
+    n,
+    eps,
+    BLOCK: tl.constexpr,
+):
+    """x_out = x + w1 * norm(y); n_out = w2 * norm(x_out)."""
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < n
+    dtype = x_out_ptr.dtype.element_ty
+    y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y_rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / n + eps)
+    w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    branch = (w1 * (y * y_rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    x = (x + branch).to(dtype)
+    tl.store(x_out_ptr + row * n + cols, x, mask=mask)
+    x32 = x.to(tl.float32)
+    x_rstd = 1.0 / tl.sqrt(tl.sum(x32 * x32, axis=0) / n + eps)
+    w2 = tl.load(w2_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    normed = (w2 * (x32 * x_rstd).to(dtype).to(tl.float32)).to(dtype)
+    tl.store(n_out_ptr + row * n + cols, normed, mask=mask)
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, gu_stride, inter, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    dtype = out_ptr.dtype.element_ty
+    gate = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(gu_ptr + row * gu_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, (act * up).to(dtype), mask=mask)
+
+
+@triton.jit
+def _rotate(x1, x2, cos, sin, dtype):
+    """rotate-half RoPE on the two halves, rounding each product like torch."""
+    out1 = ((x1 * cos).to(dtype).to(tl.float32) + (-x2 * sin).to(dtype).to(tl.float32)).to(dtype)
+    out2 = ((x2 * cos).to(dtype).to(tl.float32) + (x1 * sin).to(dtype).to(tl.float32)).to(dtype)
+    return out1, out2
+
+
+@triton.jit
+def _rope_write_kernel(
+    qkv_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    entry_ptr,
+    lo_ptr,
+    hi_ptr,
+    qkv_stride,
+    slots_per_plane,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PLANES: tl.constexpr,
+):
+    """Rotate q into q_out; rotate k and write k, v into planes lo..hi-1 of the cache."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    dtype = q_out_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + row)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
+    base = qkv_ptr + row * qkv_stride + head * HEAD_DIM
+    x1 = tl.load(base + d).to(tl.float32)
+    x2 = tl.load(base + HALF + d).to(tl.float32)
+    out1, out2 = _rotate(x1, x2, cos, sin, dtype)
+    if head < NUM_HEADS:
+        q_base = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
+        tl.store(q_base + d, out1)
+        tl.store(q_base + HALF + d, out2)
+    else:
+        kv_head = head - NUM_HEADS
+        full = tl.arange(0, HEAD_DIM)
+        v = tl.load(
+            qkv_ptr + row * qkv_stride + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + full
+        )
+        entry = tl.load(entry_ptr + row)
+        lo = tl.load(lo_ptr + row)
+        hi = tl.load(hi_ptr + row)
+        for plane in tl.static_range(PLANES):
+            owned = (plane >= lo) & (plane < hi)
+            dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + dst + d, out1, mask=owned & (d < HALF))
+            tl.store(k_cache_ptr + dst + HALF + d, out2, mask=owned & (d < HALF))
+            tl.store(v_cache_ptr + dst + full, v, mask=owned & (full < HEAD_DIM))
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    positions_ptr,
+    slots_ptr,
+    planes_ptr,
+    block_table_ptr,
+    block_table_stride,
+    slots_per_plane,
+    block_size,
+    scale,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):
+    """One query row and head over positions 0..pos of its plane, with online softmax."""
+    row = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    d = tl.arange(0, HEAD_DIM)
+    pos = tl.load(positions_ptr + row)
+    slot = tl.load(slots_ptr + row)
+    plane = tl.load(planes_ptr + row)
+    q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d).to(tl.float32)
+    m = tl.full((), float("-inf"), tl.float32)
+    total = tl.full((), 0.0, tl.float32)
+    acc = tl.zeros((HEAD_DIM,), tl.float32)
+    context = pos + 1
+    for start in range(0, context, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        valid = j < context
+        block = tl.load(
+            block_table_ptr + slot * block_table_stride + j // block_size, mask=valid, other=0
+        )
+        entry = (
+            plane * slots_per_plane + block * block_size + j % block_size
+        ) * NUM_KV_HEADS + kv_head
+        offsets = entry[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1) * scale
+        scores = tl.where(valid, scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=0))
+        p = tl.exp(scores - m_new)
+        alpha = tl.exp(m - m_new)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+        total = total * alpha + tl.sum(p, axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        m = m_new
+    out = acc / total
+    tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))

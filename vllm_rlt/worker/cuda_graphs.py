@@ -1,0 +1,82 @@
+"""CUDA graphs of decode-only passes, one per padded batch size and sampling variant."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_rlt.sampling_params import MAX_LOGPROBS
+
+
+def graph_batch_sizes(max_slots: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 8 up to 64, then of 32: padding stays small."""
+    sizes, size = [], 1
+    while size < min(max_slots, 8):
+        sizes.append(size)
+        size *= 2
+    size = 8
+    while size < max_slots:
+        sizes.append(size)
+        size += 8 if size < 64 else 32
+    sizes.append(max_slots)
+    return sorted(set(sizes))
+
+
+class DecodeGraphs:
+    """Captures `runner.run_pass` for decode-only passes and replays it.
+
+    Padding rows point at the runner's dummy slot, whose block table addresses the dummy
+    block. Inputs (the slot list) and outputs live in buffers with fixed addresses; the host
+    copies the slot list in and the packed results out through pinned memory, one event
+    wait per pass. Graphs are captured lazily, on first use of a (size, variant).
+    """
+
+    def __init__(self, runner) -> None:
+        self.runner = runner
+        self.sizes = graph_batch_sizes(runner.dummy_slot)
+        device = runner.model.device
+        largest = self.sizes[-1]
+        self.slots = torch.full((largest,), runner.dummy_slot, dtype=torch.int64, device=device)
+        self.host_slots = torch.empty(largest, dtype=torch.int64, pin_memory=True)
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self.host_out: dict[tuple[int, bool, bool], torch.Tensor] = {}
+        self.done = torch.cuda.Event()
+
+    def run(self, decode_slots: tuple[int, ...], greedy: bool, num_top: int) -> list[list[float]]:
+        count = len(decode_slots)
+        size = next(s for s in self.sizes if s >= count)
+        key = (size, greedy, num_top > 0)
+        if key not in self.graphs:
+            self._capture(key)
+        self.host_slots[:size] = self.runner.dummy_slot
+        self.host_slots[:count] = torch.tensor(decode_slots, dtype=torch.int64)
+        self.slots[:size].copy_(self.host_slots[:size], non_blocking=True)
+        graph, output = self.graphs[key]
+        graph.replay()
+        host = self.host_out[key]
+        host.copy_(output, non_blocking=True)
+        self.done.record()
+        self.done.synchronize()
+        return host[:count].tolist()
+
+    def _capture(self, key: tuple[int, bool, bool]) -> None:
+        size, greedy, with_top = key
+        num_top = MAX_LOGPROBS if with_top else 0
+        slots = self.slots[:size]
+
+        def step() -> torch.Tensor:
+            return self.runner.run_pass(slots, (), 0, greedy, num_top)
+
+        # Warm up on a side stream (compiles kernels, sets up cuBLAS) with padding rows only,
+        # so no real slot's state moves; capture records work without running it.
+        slots.fill_(self.runner.dummy_slot)
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            step()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            output = step()
+        self.graphs[key] = (graph, output)
+        self.host_out[key] = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)
