@@ -52,7 +52,7 @@ def sample(
     drop = ((top_p < 1.0).unsqueeze(1) & (before >= top_p.unsqueeze(1))) | (
         probs < min_p.unsqueeze(1) * probs[:, :1]
     )
-    drop[:, 0] = False
+    drop &= rank > 0  # the most likely candidate always survives
     sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
     noise = seeded_uniform(seeds, counters, vocab).gather(1, sorted_ids)
     gumbel = -torch.log(-torch.log(noise))

@@ -84,6 +84,6 @@ class SlotState:
 
     def reset_dummy(self, slot: int) -> None:
         """Padding rows advance the dummy slot like a real one; pin it back to position 0."""
-        self.position[slot] = 0
-        self.loop[slot] = 0
-        self.num_generated[slot] = 0
+        # fill_ rather than item assignment: no host-to-device copy inside a CUDA graph.
+        for field in (self.position, self.loop, self.num_generated):
+            field[slot : slot + 1].fill_(0)

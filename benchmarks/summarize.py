@@ -1,0 +1,22 @@
+"""Print a one-line-per-result table of throughput JSON files (for benchmark records)."""
+
+import json
+import sys
+
+for path in sys.argv[1:]:
+    report = json.load(open(path))
+    workload = report["workload"]
+    for result in report["results"]:
+        engine = result["engine"]
+        line = (
+            f"{path.rsplit('/', 1)[-1]:<28} c={result['concurrency']:<3} "
+            f"decode={engine['decode_tokens_per_s']:9.1f} tok/s  "
+            f"tpot={1000 * (engine['tpot_s_mean'] or 0):7.2f} ms  "
+            f"loops={engine['mean_loops']}"
+        )
+        if "baseline" in result:
+            line += (
+                f"  naive={result['baseline']['decode_tokens_per_s']:8.1f}"
+                f"  ratio={result['decode_ratio_vs_baseline']:.2f}"
+            )
+        print(line, workload["attention_backend"], workload.get("cuda_graphs"))
