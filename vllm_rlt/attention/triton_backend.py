@@ -114,6 +114,7 @@ class TritonOps:
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
-            BLOCK_N=32,
+            BLOCK_N=64,
+            num_warps=4,
         )
         return out.reshape(rows, -1)

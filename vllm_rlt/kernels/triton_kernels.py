@@ -162,7 +162,7 @@ def _paged_attention_kernel(
     total = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
     context = pos + 1
-    for start in range(0, context, BLOCK_N):
+    for start in tl.range(0, context, BLOCK_N, num_stages=2):
         j = start + tl.arange(0, BLOCK_N)
         valid = j < context
         block = tl.load(

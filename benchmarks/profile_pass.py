@@ -1,0 +1,89 @@
+"""Split a decode step into device time (graph replay) and host time, and list the kernels.
+
+python -m benchmarks.profile_pass --shape ouro-1.4b --concurrency 1 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from vllm_rlt.bench.shapes import random_model
+from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.sampling_params import SamplingParams
+
+
+def profile(model, concurrency: int, steps: int) -> None:
+    engine = EngineCore(
+        model,
+        None,
+        CacheConfig(num_blocks=concurrency * 40 + 8),
+        SchedulerConfig(
+            max_num_seqs=concurrency,
+            max_num_batched_tokens=max(2048, 64 * concurrency),
+            max_prefill_batches_before_decode=concurrency,
+        ),
+        ExitConfig(),
+        ExecutionConfig(),
+        "auto",
+    )
+    params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
+    for i in range(concurrency):
+        engine.add_request(str(i), list(range(3, 67)), params)
+    for _ in range(16):
+        engine.step()
+    torch.cuda.synchronize()
+    spent = {"schedule": 0.0, "execute": 0.0}
+    for name, owner in (("schedule", engine.scheduler), ("execute", engine.runner)):
+        original = getattr(owner, name)
+
+        def timed(*a, _original=original, _name=name):
+            begin = time.perf_counter()
+            result = _original(*a)
+            spent[_name] += time.perf_counter() - begin
+            return result
+
+        setattr(owner, name, timed)
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    step_ms = (time.perf_counter() - start) / steps * 1e3
+    parts = ", ".join(f"{k} {v / steps * 1e3:.3f} ms" for k, v in spent.items())
+    print(f"concurrency {concurrency}: {parts}")
+    graph, _ = next(iter(engine.runner.graphs.graphs.values()))
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    replay_ms = begin.elapsed_time(end) / steps
+    print(f"concurrency {concurrency}: step {step_ms:.3f} ms, graph replay {replay_ms:.3f} ms")
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(5):
+            graph.replay()
+        torch.cuda.synchronize()
+    print(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+    )
+    for request_id in list(engine.groups):
+        engine.abort_request(request_id)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--shape", default="ouro-1.4b")
+    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--steps", type=int, default=50)
+    args = parser.parse_args()
+    model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
+    for concurrency in args.concurrency:
+        profile(model, concurrency, args.steps)
+
+
+if __name__ == "__main__":
+    main()
