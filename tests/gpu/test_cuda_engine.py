@@ -139,3 +139,25 @@ def test_cuda_bfloat16_runs_and_stays_close(toy_config, toy_state):
         assert completion.exit_depths[0] == 4
         assert all(1 <= d <= 4 for d in completion.exit_depths)
         assert len(completion.token_ids) <= MAX_TOKENS[i]
+
+
+def test_automatic_kv_sizing_honours_the_budget(toy_config, toy_state):
+    """No explicit size: profile a maximum pass and fill the budget, capped at useful blocks."""
+    model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.bfloat16, "cuda")
+    engine = EngineCore(
+        model,
+        Tokenizer.byte_level(),
+        CacheConfig(gpu_memory_utilization=0.5),
+        SchedulerConfig(max_num_seqs=8),
+        ExitConfig(),
+        ExecutionConfig(),
+        "triton",
+    )
+    plan = engine.memory_plan
+    assert plan.source == "gpu_profile" and plan.num_blocks > 0
+    budget = plan.details["budget_bytes"]
+    assert torch.cuda.memory_allocated() <= budget
+    per_seq = -(-engine.max_model_len // plan.block_size)
+    assert plan.num_blocks <= 8 * per_seq
+    outputs = drain(engine, {0: [("a", _prompts()[1], SamplingParams(max_tokens=5))]})
+    assert len(outputs["a"].outputs[0].token_ids) == 5 and engine.all_blocks_free()

@@ -9,15 +9,26 @@ import torch
 CPU_DEFAULT_BLOCKS = 256
 
 
+# Left free beyond what profiling measures: cuBLAS workspaces, allocator fragmentation.
+DEFAULT_RESERVE_BYTES = 512 * 2**20
+
+
 @dataclass(frozen=True)
 class MemoryPlan:
-    """The outcome of sizing, kept on the engine (never written back into a config)."""
+    """The outcome of sizing, kept on the engine (never written back into a config).
+
+    For "gpu_profile" the budget is `total * gpu_memory_utilization`, minus what is already
+    allocated (weights), the measured peak of a maximum-size pass, the same again for the
+    CUDA graphs' private pool, and the fixed reserve; the blocks are capped at what
+    `max_num_seqs` requests of full context could use.
+    """
 
     num_blocks: int
     block_size: int
     planes: int
     bytes_per_block: int
     source: str  # "num_blocks" | "kv_cache_memory_bytes" | "cpu_default" | "gpu_profile"
+    details: dict[str, int] | None = None
 
     @property
     def kv_cache_bytes(self) -> int:
@@ -45,3 +56,38 @@ def plan_kv_cache(cache_config, model_config, planes: int, dtype: torch.dtype) -
     else:
         blocks, source = CPU_DEFAULT_BLOCKS, "cpu_default"
     return MemoryPlan(blocks, cache_config.block_size, planes, per_block, source)
+
+
+def plan_from_profile(
+    cache_config,
+    model_config,
+    planes: int,
+    dtype: torch.dtype,
+    total_bytes: int,
+    allocated_bytes: int,
+    pass_peak_bytes: int,
+    graph_bytes: int,
+    max_useful_blocks: int,
+) -> MemoryPlan:
+    """Size the pool from a measured pass (see MemoryPlan)."""
+    per_block = bytes_per_block(model_config, planes, cache_config.block_size, dtype)
+    budget = int(total_bytes * cache_config.gpu_memory_utilization)
+    free_for_kv = budget - allocated_bytes - pass_peak_bytes - graph_bytes - DEFAULT_RESERVE_BYTES
+    blocks = min(free_for_kv // per_block, max_useful_blocks)
+    if blocks < 1:
+        raise ValueError(
+            f"no room for the KV cache: gpu_memory_utilization="
+            f"{cache_config.gpu_memory_utilization} of {total_bytes / 2**30:.1f} GiB leaves "
+            f"{free_for_kv / 2**30:.2f} GiB after weights and activations; raise "
+            "gpu_memory_utilization or lower max_num_batched_tokens"
+        )
+    details = {
+        "total_bytes": total_bytes,
+        "budget_bytes": budget,
+        "allocated_before_kv_bytes": allocated_bytes,
+        "pass_peak_bytes": pass_peak_bytes,
+        "graph_pool_bytes": graph_bytes,
+        "reserve_bytes": DEFAULT_RESERVE_BYTES,
+        "kv_cache_bytes": blocks * per_block,
+    }
+    return MemoryPlan(blocks, cache_config.block_size, planes, per_block, "gpu_profile", details)

@@ -6,10 +6,12 @@ import random
 import time
 from dataclasses import dataclass, field
 
+import torch
+
 from vllm_rlt.attention import get_backend
 from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, require
 from vllm_rlt.core.block_pool import KVCacheManager
-from vllm_rlt.core.memory import MemoryPlan, plan_kv_cache
+from vllm_rlt.core.memory import MemoryPlan, plan_from_profile, plan_kv_cache
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.output_processor import OutputProcessor
@@ -55,7 +57,9 @@ class EngineCore:
         self.max_model_len = cfg.max_position_embeddings
         self.attention_backend, ops = get_backend(attention_backend, model.device)
         planes = self.num_loops if cache_config.layout == "last_exited" else 1
-        self.memory_plan: MemoryPlan = plan_kv_cache(cache_config, cfg, planes, model.dtype)
+        self.memory_plan: MemoryPlan = self._plan_memory(
+            cache_config, scheduler_config, execution_config, planes, ops
+        )
         geometry = KVGeometry(
             planes=planes,
             block_size=cache_config.block_size,
@@ -88,6 +92,35 @@ class EngineCore:
         self._group_of: dict[str, str] = {}  # engine request id -> user request id
         self._seeds = random.Random(execution_config.seed)
         self.num_passes = 0
+
+    def _plan_memory(self, cache_config, scheduler_config, execution_config, planes, ops):
+        cfg, device = self.model.config, self.model.device
+        explicit = cache_config.num_blocks is not None or cache_config.kv_cache_memory_bytes
+        if device.type != "cuda" or explicit:
+            return plan_kv_cache(cache_config, cfg, planes, self.model.dtype)
+        from vllm_rlt.worker.memory_profile import peak_pass_bytes
+
+        seqs = scheduler_config.max_num_seqs
+        rows = scheduler_config.max_num_batched_tokens
+        pass_peak = peak_pass_bytes(self.model, ops, rows, seqs, planes, cache_config.block_size)
+        graph_pool = (
+            peak_pass_bytes(self.model, ops, seqs, seqs, planes, cache_config.block_size)
+            if execution_config.cuda_graphs and not ops.needs_segments
+            else 0
+        )
+        total = torch.cuda.get_device_properties(device).total_memory
+        per_seq = -(-self.max_model_len // cache_config.block_size)
+        return plan_from_profile(
+            cache_config,
+            cfg,
+            planes,
+            self.model.dtype,
+            total,
+            torch.cuda.memory_allocated(device),
+            pass_peak,
+            graph_pool,
+            seqs * per_seq,
+        )
 
     # ----------------------------------------------------------------- requests
     def add_request(
