@@ -31,6 +31,7 @@ class PrefillChunk:
     """Positions [start, start + len(token_ids)) of one request, all at `loop` this pass."""
 
     slot: int
+    request_id: str
     start: int
     token_ids: tuple[int, ...]
     loop: int
@@ -43,6 +44,7 @@ class SchedulerOutput:
 
     new_slots: tuple[NewSlot, ...]
     decode_slots: tuple[int, ...]
+    decode_request_ids: tuple[str, ...]  # who owned each decode slot when it was scheduled
     prefill_chunks: tuple[PrefillChunk, ...]
     max_context: int  # upper bound of (position + 1) over all rows, for attention padding
 
@@ -53,6 +55,12 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.decode_slots and not self.prefill_chunks
+
+    def owners(self) -> dict[int, str]:
+        """slot -> the request its result belongs to (a slot may be reused before it arrives)."""
+        owners = dict(zip(self.decode_slots, self.decode_request_ids, strict=True))
+        owners.update((chunk.slot, chunk.request_id) for chunk in self.prefill_chunks)
+        return owners
 
 
 @dataclass(frozen=True)

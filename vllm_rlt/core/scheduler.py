@@ -76,8 +76,9 @@ class Scheduler:
         in_flight = [r for r in decoding if r.token_in_flight]
         if self.config.mode == "no_refill" and in_flight:
             decoding = in_flight
-        decode_slots = tuple(sorted(r.slot for r in decoding))  # type: ignore[misc]
-        max_context = max((r.context_len for r in decoding), default=0)
+        decoding.sort(key=lambda r: r.slot)  # type: ignore[arg-type, return-value]
+        # +1: with asynchronous scheduling the device may be one token ahead of this view.
+        max_context = max((r.context_len + 1 for r in decoding), default=0)
 
         chunks: list[PrefillChunk] = []
         prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILL]
@@ -106,18 +107,31 @@ class Scheduler:
             rows += length
         for chunk in chunks:
             max_context = max(max_context, chunk.start + len(chunk.token_ids))
+            self._advance_chunk(self.running[chunk.slot])
         return SchedulerOutput(
             new_slots=tuple(new_slots),
-            decode_slots=decode_slots,
+            decode_slots=tuple(r.slot for r in decoding),  # type: ignore[misc]
+            decode_request_ids=tuple(r.request_id for r in decoding),
             prefill_chunks=tuple(chunks),
             max_context=max_context,
         )
+
+    def _advance_chunk(self, request: Request) -> None:
+        """Prefill progress is known in advance, so it moves when a loop is scheduled: the
+        next pass can be planned before this one's results come back."""
+        request.chunk_loop += 1
+        if request.chunk_loop == self.num_loops:
+            request.num_prefilled = request.chunk_start + request.chunk_len
+            request.chunk_len = 0
+            if request.num_prefilled == request.prompt_len:
+                request.status = RequestStatus.DECODE
 
     def _chunk(self, request: Request) -> PrefillChunk:
         start, length = request.chunk_start, request.chunk_len
         last = start + length == request.prompt_len and request.chunk_loop == self.num_loops - 1
         return PrefillChunk(
             slot=request.slot,  # type: ignore[arg-type]
+            request_id=request.request_id,
             start=start,
             token_ids=tuple(request.prompt_token_ids[start : start + length]),
             loop=request.chunk_loop,
@@ -172,23 +186,19 @@ class Scheduler:
 
     # ----------------------------------------------------------------- results
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
-        """Advance phases after a pass; returns requests that received a token, in slot order."""
-        for chunk in output.prefill_chunks:
-            request = self.running.get(chunk.slot)
-            if request is None or request.status is not RequestStatus.PREFILL:
-                continue
-            request.chunk_loop += 1
-            if request.chunk_loop == self.num_loops:
-                request.num_prefilled = request.chunk_start + request.chunk_len
-                request.chunk_len = 0
-                if request.num_prefilled == request.prompt_len:
-                    request.status = RequestStatus.DECODE
+        """Record a pass's tokens; returns the requests that received one.
+
+        Results are matched to the request that owned the slot when the pass was scheduled:
+        one that finished or was aborted meanwhile is skipped, even if its slot was reused.
+        """
+        owners = output.owners()
         for slot in result.decode_slots_continuing:
-            if slot in self.running:
-                self.running[slot].token_in_flight = True
+            request = self._owner(owners, slot)
+            if request is not None:
+                request.token_in_flight = True
         touched = []
         for sampled in result.sampled:
-            request = self.running.get(sampled.slot)
+            request = self._owner(owners, sampled.slot)
             if request is None:
                 continue
             request.token_in_flight = False
@@ -198,6 +208,10 @@ class Scheduler:
             request.top_logprobs.append(sampled.top_logprobs)
             touched.append(request)
         return touched
+
+    def _owner(self, owners: dict[int, str], slot: int) -> Request | None:
+        request = self.requests.get(owners.get(slot, ""))
+        return request if request is not None and request.slot == slot else None
 
 
 def request_banned_ids(request: Request) -> list[int]:
