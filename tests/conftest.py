@@ -46,6 +46,7 @@ def make_engine(toy_model):
         exit_config: ExitConfig | None = None,
         num_blocks: int = 128,
         block_size: int = 4,
+        async_scheduling: bool = False,
         **scheduler_kwargs,
     ) -> EngineCore:
         engine = EngineCore(
@@ -54,7 +55,7 @@ def make_engine(toy_model):
             CacheConfig(layout=layout, num_blocks=num_blocks, block_size=block_size),
             SchedulerConfig(**scheduler_kwargs),
             exit_config or ExitConfig(),
-            ExecutionConfig(),
+            ExecutionConfig(async_scheduling=async_scheduling),
             "torch",
         )
         engines.append(engine)

@@ -149,10 +149,13 @@ class ExecutionConfig:
     """How passes are executed.
 
     `cuda_graphs`: replay decode-only passes as CUDA graphs (CUDA with the triton backend;
-    ignored elsewhere). `seed` seeds the per-request seeds of unseeded requests.
+    ignored elsewhere). `async_scheduling`: plan and launch pass k+1 before reading pass k's
+    results (refill mode; no_refill runs synchronously). `seed` seeds the per-request seeds
+    of unseeded requests.
     """
 
     cuda_graphs: bool = True
+    async_scheduling: bool = False
     seed: int = 0
 
     def __post_init__(self) -> None:

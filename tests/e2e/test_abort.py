@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.conftest import drain
 from vllm_rlt import SamplingParams
 from vllm_rlt.core.request import RequestStatus
@@ -23,10 +25,12 @@ def _baseline(make_engine) -> dict[str, tuple[list[int], list[int]]]:
     return {rid: (o.outputs[0].token_ids, o.outputs[0].exit_depths) for rid, o in done.items()}
 
 
-def _abort_when(make_engine, ready) -> dict[str, tuple[list[int], list[int]]]:
+def _abort_when(
+    make_engine, ready, async_scheduling: bool = False
+) -> dict[str, tuple[list[int], list[int]]]:
     """Run the victim among the others, abort it as soon as `ready(request)` holds, and check
     the abort itself; returns the others' tokens and depths."""
-    engine = make_engine(**ENGINE)
+    engine = make_engine(**ENGINE, async_scheduling=async_scheduling)
     engine.add_request("a", OTHERS["a"], ADAPTIVE)
     engine.add_request("victim", VICTIM, ADAPTIVE)
     engine.add_request("c", OTHERS["c"], ADAPTIVE)
@@ -53,7 +57,8 @@ def _abort_when(make_engine, ready) -> dict[str, tuple[list[int], list[int]]]:
     return {rid: (o.outputs[0].token_ids, o.outputs[0].exit_depths) for rid, o in finished.items()}
 
 
-def test_abort_during_prefill(make_engine):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_during_prefill(make_engine, async_scheduling):
     """Mid-prompt (a chunk in flight at a middle loop): the others run as if it never came."""
 
     def ready(victim):
@@ -63,16 +68,17 @@ def test_abort_during_prefill(make_engine):
             and (victim.chunk_len and victim.chunk_loop == 2)
         )
 
-    assert _abort_when(make_engine, ready) == _baseline(make_engine)
+    assert _abort_when(make_engine, ready, async_scheduling) == _baseline(make_engine)
 
 
-def test_abort_during_decode(make_engine):
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_abort_during_decode(make_engine, async_scheduling):
     """Mid-token (a decode token looping): its slot is reused by the waiting request."""
 
     def ready(victim):
         return len(victim.output_token_ids) >= 3 and victim.token_in_flight
 
-    assert _abort_when(make_engine, ready) == _baseline(make_engine)
+    assert _abort_when(make_engine, ready, async_scheduling) == _baseline(make_engine)
 
 
 def test_abort_unknown_id_returns_none(make_engine):

@@ -63,7 +63,7 @@ def _oracle(toy_config, toy_state, layout: str, policy: str) -> list:
     return _ORACLE_CACHE[key]
 
 
-def _run(make_engine, layout, policy, mode, chunk):
+def _run(make_engine, layout, policy, mode, chunk, async_scheduling=False):
     exit_mode, threshold = POLICIES[policy]
     exit_config = ExitConfig(
         mode=exit_mode, depths_by_request=_traces() if exit_mode == "trace" else {}
@@ -75,6 +75,7 @@ def _run(make_engine, layout, policy, mode, chunk):
         prefill_chunk_size=chunk,
         max_num_seqs=4,
         max_num_batched_tokens=64,
+        async_scheduling=async_scheduling,
     )
     arrivals: dict[int, list] = {}
     for i, prompt in enumerate(_prompts()):
@@ -97,6 +98,18 @@ MATRIX = [
 def test_engine_matches_oracle(make_engine, toy_config, toy_state, layout, policy, mode, chunk):
     expected = _oracle(toy_config, toy_state, layout, policy)
     outputs = _run(make_engine, layout, policy, mode, chunk)
+    for i, reference in enumerate(expected):
+        completion = outputs[f"r{i}"].outputs[0]
+        assert completion.token_ids == reference.token_ids, f"r{i} tokens"
+        assert completion.exit_depths == reference.exit_depths, f"r{i} depths"
+
+
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_async_scheduling_matches_oracle(make_engine, toy_config, toy_state, layout, policy):
+    """Launching pass k+1 before reading pass k changes nothing in the outputs."""
+    expected = _oracle(toy_config, toy_state, layout, policy)
+    outputs = _run(make_engine, layout, policy, "refill", 4, async_scheduling=True)
     for i, reference in enumerate(expected):
         completion = outputs[f"r{i}"].outputs[0]
         assert completion.token_ids == reference.token_ids, f"r{i} tokens"

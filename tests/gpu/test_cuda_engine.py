@@ -15,7 +15,17 @@ from vllm_rlt.tokenizer import Tokenizer
 pytestmark = pytest.mark.gpu
 
 
-def _cuda_engine(toy_config, toy_state, dtype, layout, policy, mode, backend="torch", graphs=False):
+def _cuda_engine(
+    toy_config,
+    toy_state,
+    dtype,
+    layout,
+    policy,
+    mode,
+    backend="torch",
+    graphs=False,
+    async_scheduling=False,
+):
     exit_mode, _ = POLICIES[policy]
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, dtype, "cuda")
     return EngineCore(
@@ -24,7 +34,7 @@ def _cuda_engine(toy_config, toy_state, dtype, layout, policy, mode, backend="to
         CacheConfig(layout=layout, num_blocks=128, block_size=4),
         SchedulerConfig(mode=mode, prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64),
         ExitConfig(mode=exit_mode, depths_by_request=_traces() if exit_mode == "trace" else {}),
-        ExecutionConfig(cuda_graphs=graphs),
+        ExecutionConfig(cuda_graphs=graphs, async_scheduling=async_scheduling),
         backend,
     )
 
@@ -54,17 +64,34 @@ def _exact_float32():
     torch.backends.cuda.matmul.allow_tf32 = previous
 
 
-BACKENDS = [("torch", False), ("triton", False), ("triton", True)]
+BACKENDS = [
+    ("torch", False, False),
+    ("triton", False, False),
+    ("triton", True, False),
+    ("triton", True, True),
+]
 
 
-@pytest.mark.parametrize(("backend", "graphs"), BACKENDS, ids=["torch", "triton", "graphs"])
+@pytest.mark.parametrize(
+    ("backend", "graphs", "async_scheduling"), BACKENDS, ids=["torch", "triton", "graphs", "async"]
+)
 @pytest.mark.parametrize("mode", ["refill", "no_refill"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
-def test_cuda_float32_matches_oracle(toy_config, toy_state, layout, policy, mode, backend, graphs):
+def test_cuda_float32_matches_oracle(
+    toy_config, toy_state, layout, policy, mode, backend, graphs, async_scheduling
+):
     expected = _oracle(toy_config, toy_state, layout, policy)
     engine = _cuda_engine(
-        toy_config, toy_state, torch.float32, layout, policy, mode, backend, graphs
+        toy_config,
+        toy_state,
+        torch.float32,
+        layout,
+        policy,
+        mode,
+        backend,
+        graphs,
+        async_scheduling,
     )
     outputs = _run(engine, policy)
     for i, reference in enumerate(expected):
@@ -76,15 +103,23 @@ def test_cuda_float32_matches_oracle(toy_config, toy_state, layout, policy, mode
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["last_exited", "shared"])
 def test_graphs_equal_eager_with_sampling(toy_config, toy_state, dtype, layout):
-    """Same kernels, replayed or launched: identical tokens, depths and logprobs, also for
-    seeded sampling with logprobs."""
+    """Same kernels, replayed or launched, synchronously or not: identical tokens, depths
+    and logprobs, also for seeded sampling with logprobs."""
     params = SamplingParams(
         max_tokens=12, temperature=0.9, top_k=20, top_p=0.9, seed=3, logprobs=3, exit_threshold=0.6
     )
     results = []
-    for graphs in (False, True):
+    for graphs, async_scheduling in ((False, False), (True, False), (True, True)):
         engine = _cuda_engine(
-            toy_config, toy_state, dtype, layout, "ouro_q0.7", "refill", "triton", graphs
+            toy_config,
+            toy_state,
+            dtype,
+            layout,
+            "ouro_q0.7",
+            "refill",
+            "triton",
+            graphs,
+            async_scheduling,
         )
         arrivals = {i: [(f"s{i}", prompt, params)] for i, prompt in enumerate(_prompts())}
         outputs = drain(engine, arrivals)
@@ -95,7 +130,7 @@ def test_graphs_equal_eager_with_sampling(toy_config, toy_state, dtype, layout):
                 for rid, o in outputs.items()
             }
         )
-    assert results[0] == results[1]
+    assert results[0] == results[1] == results[2]
 
 
 def test_decode_pass_has_no_hidden_host_sync(toy_config, toy_state):

@@ -110,7 +110,7 @@ def build_engine(model, args, concurrency: int, exit_config: ExitConfig) -> Engi
             max_prefill_batches_before_decode=max(concurrency, 1),
         ),
         exit_config,
-        ExecutionConfig(cuda_graphs=not args.enforce_eager),
+        ExecutionConfig(cuda_graphs=not args.enforce_eager, async_scheduling=args.async_scheduling),
         args.attention_backend,
     )
 
@@ -190,6 +190,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", default="refill", choices=["refill", "no_refill"])
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
+    parser.add_argument("--async-scheduling", action="store_true")
     parser.add_argument("--prompt-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=32)
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
@@ -229,6 +230,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "mode": args.mode,
             "attention_backend": args.attention_backend,
             "cuda_graphs": not args.enforce_eager,
+            "async_scheduling": args.async_scheduling,
         },
         "results": [bench_concurrency(model, args, c) for c in args.concurrency],
     }

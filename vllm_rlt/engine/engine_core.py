@@ -11,6 +11,7 @@ import torch
 from vllm_rlt.attention import get_backend
 from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, require
 from vllm_rlt.core.block_pool import KVCacheManager
+from vllm_rlt.core.contract import SchedulerOutput
 from vllm_rlt.core.memory import MemoryPlan, plan_from_profile, plan_kv_cache
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
@@ -19,7 +20,7 @@ from vllm_rlt.exit import make_exit_policy
 from vllm_rlt.outputs import RequestMetrics, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
-from vllm_rlt.worker.model_runner import ModelRunner
+from vllm_rlt.worker.model_runner import ModelRunner, PendingPass
 from vllm_rlt.worker.pass_inputs import KVGeometry
 
 
@@ -89,6 +90,11 @@ class EngineCore:
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         )
         self.groups: dict[str, RequestGroup] = {}
+        # no_refill cohorts depend on the previous pass's exits, so they run synchronously.
+        self.async_scheduling = (
+            execution_config.async_scheduling and scheduler_config.mode == "refill"
+        )
+        self._in_flight: tuple[SchedulerOutput, PendingPass] | None = None
         self._group_of: dict[str, str] = {}  # engine request id -> user request id
         self._seeds = random.Random(execution_config.seed)
         self.num_passes = 0
@@ -245,21 +251,33 @@ class EngineCore:
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.groups)
+        return bool(self.groups) or self._in_flight is not None
 
     # ----------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
-        """Run one pass; return an output for every group that progressed."""
-        if not self.scheduler.has_unfinished:
+        """Run one pass; return an output for every group that progressed.
+
+        With asynchronous scheduling the pass launched here is collected by the next step:
+        the host plans and launches pass k+1 before it processes pass k's tokens.
+        """
+        launched = None
+        if self.scheduler.has_unfinished:
+            scheduled = self.scheduler.schedule()
+            if not scheduled.is_empty:
+                launched = (scheduled, self.runner.launch(scheduled))
+                self.num_passes += 1
+            elif self._in_flight is None:
+                # Admission validated every reservation against the pool, so an idle pass
+                # with work queued means a scheduler invariant broke: fail, do not spin.
+                raise RuntimeError("scheduler produced an empty pass while requests wait")
+        if not self.async_scheduling:
+            ready, self._in_flight = launched, None
+        else:
+            ready, self._in_flight = self._in_flight, launched
+        if ready is None:
             return []
-        scheduled = self.scheduler.schedule()
-        if scheduled.is_empty:
-            # Admission validated every reservation against the pool, so an idle pass with
-            # work queued means a scheduler invariant broke; fail loudly instead of spinning.
-            raise RuntimeError("scheduler produced an empty pass while requests are waiting")
-        result = self.runner.execute(scheduled)
-        self.num_passes += 1
-        touched = self.scheduler.update(scheduled, result)
+        scheduled, pending = ready
+        touched = self.scheduler.update(scheduled, self.runner.collect(pending))
         now = time.monotonic()
         progressed: dict[str, RequestGroup] = {}
         for request in touched:
@@ -303,4 +321,4 @@ class EngineCore:
         )
 
     def all_blocks_free(self) -> bool:
-        return self.kv.all_free() and not self.scheduler.running
+        return self.kv.all_free() and not self.scheduler.running and self._in_flight is None

@@ -66,6 +66,11 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     execution.add_argument(
         "--enforce-eager", action="store_true", help="do not replay decode passes as CUDA graphs"
     )
+    execution.add_argument(
+        "--async-scheduling",
+        action="store_true",
+        help="plan and launch the next pass while the device runs the current one",
+    )
 
 
 @dataclass(frozen=True)
@@ -135,5 +140,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
             seed=ns.lookahead_seed,
             depths_by_request=depths,
         ),
-        execution_config=ExecutionConfig(cuda_graphs=not ns.enforce_eager, seed=ns.seed),
+        execution_config=ExecutionConfig(
+            cuda_graphs=not ns.enforce_eager, async_scheduling=ns.async_scheduling, seed=ns.seed
+        ),
     )

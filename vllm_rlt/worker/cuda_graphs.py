@@ -25,9 +25,9 @@ class DecodeGraphs:
     """Captures `runner.run_pass` for decode-only passes and replays it.
 
     Padding rows point at the runner's dummy slot, whose block table addresses the dummy
-    block. Inputs (the slot list) and outputs live in buffers with fixed addresses; the host
-    copies the slot list in and the packed results out through pinned memory, one event
-    wait per pass. Graphs are captured lazily, on first use of a (size, variant).
+    block. Inputs (the slot list) and outputs live in buffers with fixed addresses; the runner
+    copies the slot list in and the packed results out through pinned memory. Graphs are
+    captured lazily, on first use of a (size, variant).
     """
 
     def __init__(self, runner) -> None:
@@ -36,28 +36,21 @@ class DecodeGraphs:
         device = runner.model.device
         largest = self.sizes[-1]
         self.slots = torch.full((largest,), runner.dummy_slot, dtype=torch.int64, device=device)
-        self.host_slots = torch.empty(largest, dtype=torch.int64, pin_memory=True)
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self.host_out: dict[tuple[int, bool, bool], torch.Tensor] = {}
-        self.done = torch.cuda.Event()
 
-    def run(self, decode_slots: tuple[int, ...], greedy: bool, num_top: int) -> list[list[float]]:
+    def replay(self, decode_slots: tuple[int, ...], greedy: bool, num_top: int) -> torch.Tensor:
+        """Enqueue the pass; returns the packed results [len(decode_slots), fields]."""
         count = len(decode_slots)
         size = next(s for s in self.sizes if s >= count)
         key = (size, greedy, num_top > 0)
         if key not in self.graphs:
             self._capture(key)
-        self.host_slots[:size] = self.runner.dummy_slot
-        self.host_slots[:count] = torch.tensor(decode_slots, dtype=torch.int64)
-        self.slots[:size].copy_(self.host_slots[:size], non_blocking=True)
+        padded = list(decode_slots) + [self.runner.dummy_slot] * (size - count)
+        self.runner.uploads.upload(padded, out=self.slots[:size])
         graph, output = self.graphs[key]
         graph.replay()
-        host = self.host_out[key]
-        host.copy_(output, non_blocking=True)
-        self.done.record()
-        self.done.synchronize()
-        return host[:count].tolist()
+        return output[:count]
 
     def _capture(self, key: tuple[int, bool, bool]) -> None:
         size, greedy, with_top = key
@@ -79,4 +72,3 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             output = step()
         self.graphs[key] = (graph, output)
-        self.host_out[key] = torch.empty(output.shape, dtype=output.dtype, pin_memory=True)

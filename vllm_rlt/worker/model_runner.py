@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -14,6 +15,36 @@ from vllm_rlt.worker.slot_state import SlotState
 
 # Fields packed per sampling row before the top logprobs: exited, token, depth, logprob.
 PACKED_FIELDS = 4
+
+
+@dataclass
+class PendingPass:
+    """A launched pass: its results arrive in `packed` once `done` has fired."""
+
+    samplers: list[int]  # slot of each packed row
+    packed: torch.Tensor  # [samplers, PACKED_FIELDS + 2 * top] float32, on the host when CUDA
+    done: torch.cuda.Event | None
+
+
+class HostUploads:
+    """Small int64 host-to-device uploads through a ring of pinned buffers, so they need not
+    wait for the device; a buffer is reused only after later passes were collected."""
+
+    def __init__(self, size: int, device: torch.device, depth: int = 4) -> None:
+        self.device = device
+        pinned = device.type == "cuda"
+        self.ring = [torch.empty(size, dtype=torch.int64, pin_memory=pinned) for _ in range(depth)]
+        self.next = 0
+
+    def upload(self, values, out: torch.Tensor | None = None) -> torch.Tensor:
+        if self.device.type != "cuda":
+            return torch.tensor(values, dtype=torch.int64)
+        host = self.ring[self.next][: len(values)]
+        self.next = (self.next + 1) % len(self.ring)
+        host.copy_(torch.tensor(values, dtype=torch.int64))
+        if out is None:
+            out = torch.empty(len(values), dtype=torch.int64, device=self.device)
+        return out.copy_(host, non_blocking=True)
 
 
 class ModelRunner:
@@ -62,13 +93,19 @@ class ModelRunner:
         self.dummy_slot = max_slots
         self.prefill_hidden: dict[int, torch.Tensor] = {}  # slot -> [chunk, hidden]
         self.graphs = None  # set by the engine when CUDA graphs are enabled
+        self.uploads = HostUploads(max_slots + 1, model.device)
 
     @property
     def kv_cache_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
 
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        """Run one pass and wait for its results."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> PendingPass:
+        """Enqueue one pass and the copy of its results to the host; does not wait for it."""
         st = self.state
         for new in out.new_slots:
             st.admit(new)
@@ -77,13 +114,22 @@ class ModelRunner:
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
         greedy = all(st.greedy[s] for s in samplers)
         if self.graphs is not None and not out.prefill_chunks:
-            packed = self.graphs.run(out.decode_slots, greedy, num_top)
+            packed = self.graphs.replay(out.decode_slots, greedy, num_top)
         else:
-            decode = torch.tensor(out.decode_slots, dtype=torch.int64, device=self.model.device)
-            packed = self.run_pass(
-                decode, out.prefill_chunks, out.max_context, greedy, num_top
-            ).tolist()  # the one device-to-host read of the pass
-        return self._to_output(packed, samplers)
+            decode = self.uploads.upload(out.decode_slots)
+            packed = self.run_pass(decode, out.prefill_chunks, out.max_context, greedy, num_top)
+        if packed.is_cuda:
+            host = packed.to("cpu", non_blocking=True)  # pinned, so it overlaps
+            done = torch.cuda.Event()
+            done.record()
+            return PendingPass(samplers, host, done)
+        return PendingPass(samplers, packed, None)
+
+    def collect(self, pending: PendingPass) -> ModelRunnerOutput:
+        """Wait for a launched pass (the one host sync of a pass) and decode its results."""
+        if pending.done is not None:
+            pending.done.synchronize()
+        return self._to_output(pending.packed.tolist(), pending.samplers)
 
     def run_pass(
         self,
