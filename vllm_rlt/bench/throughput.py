@@ -163,7 +163,59 @@ def bench_concurrency(model, args, concurrency: int) -> dict[str, Any]:
     if model.device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
+        bound = roofline(
+            model, args, concurrency, best["mean_loops"] or 1.0, copy_bandwidth(model.device)
+        )
+        bound["fraction_achieved"] = (
+            best["decode_tokens_per_s"] / bound["decode_tokens_per_s_bound"]
+        )
+        result["roofline"] = bound
     return result
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Measured device memory bandwidth in bytes/s (a 1 GiB copy reads and writes it)."""
+    source = torch.empty(2**29, dtype=torch.float16, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    return 2 * source.numel() * source.element_size() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float) -> dict:
+    """Decode tokens/s if every pass only streamed the layer weights once plus each row's
+    keys and values (one plane) at the mean context, at the measured bandwidth."""
+    cfg = model.config
+    element = torch.empty((), dtype=model.dtype).element_size()
+    layer_bytes = sum(
+        t.numel() * t.element_size()
+        for layer in model.layers
+        for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    )
+    head_bytes = model.lm_head.numel() * element
+    mean_context = args.prompt_len + args.output_len / 2
+    kv_bytes = (
+        concurrency
+        * mean_context
+        * cfg.num_hidden_layers
+        * 2
+        * cfg.num_key_value_heads
+        * cfg.head_dim
+        * element
+    )
+    pass_bytes = layer_bytes + kv_bytes + head_bytes
+    seconds_per_token = mean_loops * pass_bytes / bandwidth
+    return {
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "bytes_per_pass": pass_bytes,
+        "decode_tokens_per_s_bound": concurrency / seconds_per_token,
+    }
 
 
 def environment(device: torch.device) -> dict[str, Any]:
