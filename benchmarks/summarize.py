@@ -19,4 +19,7 @@ for path in sys.argv[1:]:
                 f"  naive={result['baseline']['decode_tokens_per_s']:8.1f}"
                 f"  ratio={result['decode_ratio_vs_baseline']:.2f}"
             )
-        print(line, workload["attention_backend"], workload.get("cuda_graphs"))
+        if "roofline" in result:
+            line += f"  roofline={result['roofline']['fraction_achieved']:.2f}"
+        flags = (workload.get("cuda_graphs"), workload.get("async_scheduling"))
+        print(line, f"P{workload['prompt_len']}/O{workload['output_len']}", flags)
