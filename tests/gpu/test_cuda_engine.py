@@ -130,7 +130,19 @@ def test_graphs_equal_eager_with_sampling(toy_config, toy_state, dtype, layout):
                 for rid, o in outputs.items()
             }
         )
-    assert results[0] == results[1] == results[2]
+    # Tokens and depths must match exactly. Logprob values may differ in the last bits:
+    # asynchronous scheduling keeps a just-finished request's row for one more pass, which can
+    # move the pass to another padded batch size and so to another GEMM kernel.
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    for other in results[1:]:
+        assert other.keys() == results[0].keys()
+        for rid, (tokens, depths, logprobs) in other.items():
+            want_tokens, want_depths, want_logprobs = results[0][rid]
+            assert (tokens, depths) == (want_tokens, want_depths)
+            for got, want in zip(logprobs, want_logprobs, strict=True):
+                assert got.keys() == want.keys()
+                for token in got:
+                    assert got[token] == pytest.approx(want[token], abs=tolerance)
 
 
 def test_decode_pass_has_no_hidden_host_sync(toy_config, toy_state):

@@ -63,19 +63,31 @@ def test_rope_write_and_paged_attention(triton_ops, dtype, planes, kv_heads):
     geo = KVGeometry(
         planes=planes, block_size=bs, num_blocks=num_blocks, write_deeper_planes=planes > 1
     )
-    table = torch.full((slots + 1, 16), num_blocks, dtype=torch.int64, device="cuda")
+    table = torch.full((slots + 2, 16), num_blocks, dtype=torch.int64, device="cuda")
     perm = torch.randperm(num_blocks, generator=gen, device="cuda")
     for s in range(slots):
         table[s, :8] = perm[s * 8 : (s + 1) * 8]
+    table[slots, :8] = perm[:8]  # slot 8: a second request's prompt
     loop = torch.tensor([0, 1, 2, 3, 3, 0, 2, 1, 0], device="cuda") % planes
     position = torch.tensor([5, 17, 40, 63, 1, 100, 33, 0, 0], device="cuda")
     state = _State(table, loop, position)
     decode = torch.arange(6, device="cuda")
     chunks = (
-        PrefillChunk(slot=7, start=20, token_ids=tuple(range(12)), loop=planes - 1, samples=False),
+        PrefillChunk(7, "a", start=20, token_ids=tuple(range(45)), loop=planes - 1, samples=False),
+        PrefillChunk(8, "b", start=0, token_ids=tuple(range(5)), loop=0, samples=False),
     )
     rows = gather_rows(decode, chunks, state, geo)
     meta: AttentionMetadata = build_metadata(rows, chunks, state, geo, 128, with_segments=True)
+    tiled = build_metadata(
+        rows,
+        chunks,
+        state,
+        geo,
+        128,
+        with_segments=False,
+        tile_rows=triton_ops.prefill_tile_rows(dtype),
+    )
+    assert tiled.prefill_tiles is not None and tiled.num_decode == 6
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen
     ).to(dtype)
@@ -85,7 +97,7 @@ def test_rope_write_and_paged_attention(triton_ops, dtype, planes, kv_heads):
     v_init = torch.randn(cache_shape, device="cuda", generator=gen).to(dtype)
     k_ref, v_ref, k_tri, v_tri = k_init.clone(), v_init.clone(), k_init.clone(), v_init.clone()
     want = TorchOps().attention(qkv, heads, kv_heads, k_ref, v_ref, meta, rotary, dim**-0.5)
-    got = triton_ops.attention(qkv, heads, kv_heads, k_tri, v_tri, meta, rotary, dim**-0.5)
+    got = triton_ops.attention(qkv, heads, kv_heads, k_tri, v_tri, tiled, rotary, dim**-0.5)
     dummy = slice(geo.dummy_index, geo.dummy_index + bs)
     for plane in range(planes):  # the torch path also scribbles on the dummy block
         base = plane * geo.slots_per_plane

@@ -23,6 +23,21 @@ class Segments:
 
 
 @dataclass
+class PrefillTiles:
+    """Prefill rows cut into tiles of consecutive positions of one request and plane."""
+
+    row: torch.Tensor  # [tiles] first row of the tile in the pass
+    length: torch.Tensor  # [tiles] rows in the tile
+    position: torch.Tensor  # [tiles] position of the first row
+    slot: torch.Tensor  # [tiles]
+    plane: torch.Tensor  # [tiles] plane the tile reads
+
+    @property
+    def num_tiles(self) -> int:
+        return self.row.shape[0]
+
+
+@dataclass
 class AttentionMetadata:
     """Per-row cache addressing for one pass.
 
@@ -44,6 +59,8 @@ class AttentionMetadata:
     block_size: int
     dummy_entry: int
     segments: Segments | None = None  # only for backends that gather per segment
+    num_decode: int = 0  # rows before the prefill rows
+    prefill_tiles: PrefillTiles | None = None  # only for backends with a tiled prefill kernel
 
     @property
     def num_rows(self) -> int:

@@ -15,6 +15,9 @@ class TorchOps:
 
     needs_segments = True
 
+    def prefill_tile_rows(self, dtype: torch.dtype) -> int:
+        return 0  # no tiled prefill kernel: prompt rows attend through segments
+
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 

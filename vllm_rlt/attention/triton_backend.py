@@ -10,6 +10,7 @@ from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.kernels.triton_kernels import (
     _add_rms_norm2_kernel,
     _paged_attention_kernel,
+    _prefill_attention_kernel,
     _rms_norm_kernel,
     _rope_write_kernel,
     _silu_mul_kernel,
@@ -21,6 +22,11 @@ class TritonOps:
     """Graph-safe: no host reads, shapes depend only on the number of rows."""
 
     needs_segments = False
+
+    def prefill_tile_rows(self, dtype: torch.dtype) -> int:
+        """Query rows per prefill tile; float32 tiles are smaller (exact dots need more
+        registers)."""
+        return 16 if dtype == torch.float32 else 32
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows, n = x.shape
@@ -98,7 +104,36 @@ class TritonOps:
             HEAD_DIM=head_dim,
             PLANES=meta.planes,
         )
-        _paged_attention_kernel[(rows, num_heads)](
+        tiles = meta.prefill_tiles
+        row_kernel_rows = rows if tiles is None else meta.num_decode
+        if tiles is not None and tiles.num_tiles:
+            exact = q.dtype == torch.float32
+            _prefill_attention_kernel[(tiles.num_tiles, num_heads)](
+                q,
+                k_cache,
+                v_cache,
+                out,
+                tiles.row,
+                tiles.length,
+                tiles.position,
+                tiles.slot,
+                tiles.plane,
+                meta.block_table,
+                meta.block_table.stride(0),
+                meta.slots_per_plane,
+                meta.block_size,
+                scale,
+                NUM_HEADS=num_heads,
+                NUM_KV_HEADS=num_kv_heads,
+                HEAD_DIM=head_dim,
+                BLOCK_M=self.prefill_tile_rows(q.dtype),
+                BLOCK_N=16 if exact else 32,
+                IEEE=exact,
+                num_warps=4,
+            )
+        if row_kernel_rows == 0:
+            return out.reshape(rows, -1)
+        _paged_attention_kernel[(row_kernel_rows, num_heads)](
             q,
             k_cache,
             v_cache,

@@ -256,6 +256,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default=None, help="also write the JSON here")
 
 
+def command_line(args: argparse.Namespace) -> str:
+    """The flags that shaped the run (not where its JSON went), as one command to rerun."""
+    parts = ["vllm-rlt bench throughput"]
+    for name, value in sorted(vars(args).items()):
+        if name == "output" or value is None or value is False:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value is True:
+            parts.append(flag)
+        elif isinstance(value, list):
+            parts.append(f"{flag} {' '.join(map(str, value))}")
+        else:
+            parts.append(f"{flag} {value}")
+    return " ".join(parts)
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     from vllm_rlt.models.load import resolve_device, resolve_dtype
 
@@ -269,7 +285,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise ValueError(f"--depth must be in [1, {model.config.num_loops}], got {args.depth}")
     report = {
         "benchmark": "throughput",
-        "command": " ".join(sys.argv),
+        "command": command_line(args),
         "environment": environment(device),
         "shape": args.shape,
         "dtype": str(dtype).removeprefix("torch."),

@@ -184,3 +184,77 @@ def _paged_attention_kernel(
         m = m_new
     out = acc / total
     tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _prefill_attention_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    tile_row_ptr,
+    tile_len_ptr,
+    tile_pos_ptr,
+    tile_slot_ptr,
+    tile_plane_ptr,
+    block_table_ptr,
+    block_table_stride,
+    slots_per_plane,
+    block_size,
+    scale,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
+    """A tile of up to BLOCK_M consecutive prompt positions of one request and plane,
+    against key tiles of BLOCK_N positions, with tl.dot and causal masking."""
+    tile = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    row0 = tl.load(tile_row_ptr + tile)
+    count = tl.load(tile_len_ptr + tile)
+    pos0 = tl.load(tile_pos_ptr + tile)
+    slot = tl.load(tile_slot_ptr + tile)
+    plane = tl.load(tile_plane_ptr + tile)
+    m = tl.arange(0, BLOCK_M)
+    d = tl.arange(0, HEAD_DIM)
+    rows_valid = m < count
+    q_offsets = ((row0 + m)[:, None] * NUM_HEADS + head) * HEAD_DIM + d[None, :]
+    q = tl.load(q_ptr + q_offsets, mask=rows_valid[:, None], other=0.0)
+    q_pos = pos0 + m
+    row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
+    row_sum = tl.zeros((BLOCK_M,), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    context = pos0 + count
+    for start in tl.range(0, context, BLOCK_N):
+        j = start + tl.arange(0, BLOCK_N)
+        keys_valid = j < context
+        block = tl.load(
+            block_table_ptr + slot * block_table_stride + j // block_size, mask=keys_valid, other=0
+        )
+        entry = (plane * slots_per_plane + block * block_size + j % block_size) * NUM_KV_HEADS
+        offsets = (entry + kv_head)[:, None] * HEAD_DIM + d[None, :]
+        k = tl.load(k_cache_ptr + offsets, mask=keys_valid[:, None], other=0.0)
+        if IEEE:
+            scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+        else:
+            scores = tl.dot(q, tl.trans(k))
+        scores = scores * scale
+        visible = (j[None, :] <= q_pos[:, None]) & keys_valid[None, :]
+        scores = tl.where(visible, scores, float("-inf"))
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        new_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+        p = tl.exp(scores - new_max[:, None])
+        alpha = tl.exp(row_max - new_max)
+        row_sum = row_sum * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_cache_ptr + offsets, mask=keys_valid[:, None], other=0.0)
+        if IEEE:
+            acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
+        else:
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        row_max = new_max
+    out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=rows_valid[:, None])

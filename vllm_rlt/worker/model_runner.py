@@ -157,7 +157,15 @@ class ModelRunner:
             else:
                 inputs.append(self.prefill_hidden.pop(chunk.slot))
         hidden = torch.cat(inputs) if len(inputs) > 1 else inputs[0]  # [rows, hidden]
-        meta = build_metadata(rows, chunks, st, self.geo, max_context, self.ops.needs_segments)
+        meta = build_metadata(
+            rows,
+            chunks,
+            st,
+            self.geo,
+            max_context,
+            self.ops.needs_segments,
+            self.ops.prefill_tile_rows(model.dtype),
+        )
         hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
 
         d_hidden = hidden[:num_decode]

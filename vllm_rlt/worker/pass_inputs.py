@@ -10,6 +10,7 @@ from vllm_rlt.attention.metadata import (
     PAD_KEY_POSITION,
     PAD_QUERY_POSITION,
     AttentionMetadata,
+    PrefillTiles,
     Segments,
 )
 from vllm_rlt.core.contract import PrefillChunk
@@ -73,6 +74,7 @@ def build_metadata(
     geo: KVGeometry,
     max_context: int,
     with_segments: bool,
+    tile_rows: int = 0,
 ) -> AttentionMetadata:
     """Flat cache indices: plane * slots_per_plane + block * block_size + offset."""
     bs, spp = geo.block_size, geo.slots_per_plane
@@ -92,7 +94,26 @@ def build_metadata(
     )
     if with_segments:
         meta.segments = _segments(rows, chunks, state, geo, max_context)
+    elif chunks and tile_rows:
+        meta.num_decode = rows.positions.shape[0] - sum(len(c.token_ids) for c in chunks)
+        meta.prefill_tiles = _prefill_tiles(chunks, meta.num_decode, geo, tile_rows, rows)
     return meta
+
+
+def _prefill_tiles(
+    chunks: tuple[PrefillChunk, ...], first_row: int, geo: KVGeometry, tile_rows: int, rows
+) -> PrefillTiles:
+    fields: list[tuple[int, int, int, int, int]] = []
+    row = first_row
+    for chunk in chunks:
+        n = len(chunk.token_ids)
+        plane = 0 if geo.planes == 1 else chunk.loop
+        for offset in range(0, n, tile_rows):
+            length = min(tile_rows, n - offset)
+            fields.append((row + offset, length, chunk.start + offset, chunk.slot, plane))
+        row += n
+    table = torch.tensor(fields, dtype=torch.int64).T.contiguous().to(rows.positions.device)
+    return PrefillTiles(*table)  # [5, tiles] -> one tensor per field
 
 
 def _segments(
