@@ -17,6 +17,10 @@ from vllm_rlt.kernels.triton_kernels import (
 )
 from vllm_rlt.layers.rotary import RotaryEmbedding
 
+# Decode attention launch shape (keys per tile, pipeline stages, warps); see
+# benchmarks/tune_attention.py for how it was chosen.
+DECODE_BLOCK_N, DECODE_STAGES, DECODE_WARPS = 64, 2, 4
+
 
 class TritonOps:
     """Graph-safe: no host reads, shapes depend only on the number of rows."""
@@ -149,7 +153,8 @@ class TritonOps:
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
-            BLOCK_N=64,
-            num_warps=4,
+            BLOCK_N=DECODE_BLOCK_N,
+            STAGES=DECODE_STAGES,
+            num_warps=DECODE_WARPS,
         )
         return out.reshape(rows, -1)

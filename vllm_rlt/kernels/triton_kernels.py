@@ -148,6 +148,7 @@ def _paged_attention_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
 ):
     """One query row and head over positions 0..pos of its plane, with online softmax."""
     row = tl.program_id(0)
@@ -162,7 +163,7 @@ def _paged_attention_kernel(
     total = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
     context = pos + 1
-    for start in tl.range(0, context, BLOCK_N, num_stages=2):
+    for start in tl.range(0, context, BLOCK_N, num_stages=STAGES):
         j = start + tl.arange(0, BLOCK_N)
         valid = j < context
         block = tl.load(
