@@ -17,9 +17,11 @@ from vllm_rlt.kernels.triton_kernels import (
 )
 from vllm_rlt.layers.rotary import RotaryEmbedding
 
-# Decode attention launch shape (keys per tile, pipeline stages, warps); see
-# benchmarks/tune_attention.py for how it was chosen.
-DECODE_BLOCK_N, DECODE_STAGES, DECODE_WARPS = 64, 2, 4
+# Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
+# benchmarks/tune_attention.py on an H200 at Ouro-1.4B head sizes: 128-key tiles without
+# software pipelining won everywhere; few rows want 4 warps, many rows 2.
+DECODE_BLOCK_N, DECODE_STAGES = 128, 1
+FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
 
 
 class TritonOps:
@@ -155,6 +157,6 @@ class TritonOps:
             HEAD_DIM=head_dim,
             BLOCK_N=DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
-            num_warps=DECODE_WARPS,
+            num_warps=FEW_ROWS_WARPS if row_kernel_rows <= FEW_ROWS else MANY_ROWS_WARPS,
         )
         return out.reshape(rows, -1)
