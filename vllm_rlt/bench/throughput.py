@@ -279,9 +279,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
     model = random_model(args.shape, dtype, device, args.seed)
-    if args.depth is None:
+    if args.depth is None and args.depth_trace_mean is None:
         args.depth = model.config.num_loops
-    if not 1 <= args.depth <= model.config.num_loops:
+    if args.depth is not None and not 1 <= args.depth <= model.config.num_loops:
         raise ValueError(f"--depth must be in [1, {model.config.num_loops}], got {args.depth}")
     report = {
         "benchmark": "throughput",
