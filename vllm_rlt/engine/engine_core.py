@@ -247,7 +247,9 @@ class EngineCore:
             if not child.is_finished:
                 self.scheduler.finish(child, "abort")
                 group.finish_reasons[index] = "abort"
-        return self._finalize(group)
+        output = self._finalize(group)
+        self._drain_if_idle()
+        return output
 
     @property
     def has_unfinished(self) -> bool:
@@ -289,7 +291,16 @@ class EngineCore:
                 self.scheduler.finish(request, reason)
                 group.finish_reasons[group.children.index(request)] = reason
             progressed[group.request_id] = group
-        return [self._finalize(group) for group in progressed.values()]
+        outputs = [self._finalize(group) for group in progressed.values()]
+        self._drain_if_idle()
+        return outputs
+
+    def _drain_if_idle(self) -> None:
+        """With nothing left to run, the pass still in flight only holds rows of finished
+        requests: wait for it so an idle engine has nothing outstanding."""
+        if self._in_flight is not None and not self.scheduler.has_unfinished:
+            self.runner.collect(self._in_flight[1])
+            self._in_flight = None
 
     def _finalize(self, group: RequestGroup) -> RequestOutput:
         completions = [

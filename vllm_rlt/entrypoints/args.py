@@ -68,8 +68,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     execution.add_argument(
         "--async-scheduling",
-        action="store_true",
-        help="plan and launch the next pass while the device runs the current one",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan and launch the next pass while the device runs the current one (default)",
     )
 
 
