@@ -98,6 +98,7 @@ class EngineCore:
         self._group_of: dict[str, str] = {}  # engine request id -> user request id
         self._seeds = random.Random(execution_config.seed)
         self.num_passes = 0
+        self.num_rows_total = 0  # rows over all passes, for the rows-per-pass metric
 
     def _plan_memory(self, cache_config, scheduler_config, execution_config, planes, ops):
         cfg, device = self.model.config, self.model.device
@@ -148,9 +149,9 @@ class EngineCore:
                 f"request_id {request_id!r} is already in use"
                 + ("" if used == request_id else f" (its completion id {used!r} is taken)"),
             )
-        self._validate(request_id, prompt_token_ids, params)
-        min_loops, max_loops = params.resolved_loops(self.num_loops)
-        decode_depths = self._trace_for(request_id, params, min_loops, max_loops)
+        min_loops, max_loops, decode_depths = self.check_request(
+            request_id, prompt_token_ids, params
+        )
         threshold = params.exit_threshold
         if threshold is None:
             threshold = self.model.config.early_exit_threshold
@@ -183,7 +184,17 @@ class EngineCore:
             self.outputs.add(child)
             self.scheduler.add_request(child)
 
-    def _validate(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+    def check_request(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> tuple[int, int, tuple[int, ...] | None]:
+        """Every check that depends only on configuration (so another thread may call it):
+        returns (min_loops, max_loops, trace depths of the decode inputs or None)."""
+        require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
+        self._validate(prompt, params)
+        min_loops, max_loops = params.resolved_loops(self.num_loops)
+        return min_loops, max_loops, self._trace_for(request_id, params, min_loops, max_loops)
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         require(
             isinstance(prompt, (list, tuple)) and len(prompt) > 0,
             "prompt must contain at least one token",
@@ -268,6 +279,7 @@ class EngineCore:
             if not scheduled.is_empty:
                 launched = (scheduled, self.runner.launch(scheduled))
                 self.num_passes += 1
+                self.num_rows_total += scheduled.num_rows
             elif self._in_flight is None:
                 # Admission validated every reservation against the pool, so an idle pass
                 # with work queued means a scheduler invariant broke: fail, do not spin.

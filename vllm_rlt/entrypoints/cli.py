@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.sampling_params import SamplingParams
 
-SUBCOMMANDS = ("generate", "bench")
+SUBCOMMANDS = ("generate", "bench", "serve")
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +66,61 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_sampling_args(generate)
     add_engine_args(generate)
+    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
+    serve.add_argument("model_path", nargs="?", default=None, help="model folder (or --model)")
+    add_server_args(serve)
+    add_engine_args(serve)
     return parser
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--served-model-name", default=None)
+    group.add_argument(
+        "--api-key", default=os.environ.get("VLLM_RLT_API_KEY"), help="or env VLLM_RLT_API_KEY"
+    )
+    group.add_argument("--max-queue", type=int, default=None, help="bound on waiting requests")
+    group.add_argument("--request-timeout", type=float, default=None, help="seconds")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds")
+    group.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    group.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="/health fails when work is queued and no pass completed for this long",
+    )
+
+
+def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    from vllm_rlt.entrypoints.openai.server import ServerSettings, serve
+
+    if ns.model_path is not None:
+        if ns.model is not None and ns.model != ns.model_path:
+            parser.error("give the model either as an argument or with --model, not both")
+        ns.model = ns.model_path
+    for name in ("max_queue", "max_body_bytes"):
+        value = getattr(ns, name)
+        if value is not None and value < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if not 0 < ns.port < 65536:
+        parser.error(f"--port must be in [1, 65535], got {ns.port}")
+    try:
+        engine_args = engine_args_from(ns)
+    except ValueError as exc:
+        parser.error(str(exc))
+    settings = ServerSettings(
+        served_model_name=ns.served_model_name,
+        api_key=ns.api_key,
+        max_queue=ns.max_queue,
+        request_timeout=ns.request_timeout,
+        max_body_bytes=ns.max_body_bytes,
+        stall_timeout=ns.stall_timeout,
+        llm_kwargs=engine_args.llm_kwargs(),
+    )
+    serve(settings, ns.host, ns.port, ns.shutdown_timeout)
+    return 0
 
 
 def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
@@ -114,8 +169,15 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["generate", *argv]
     parser = build_parser()
     ns = parser.parse_args(argv)
-    generate_parser = parser._subparsers._group_actions[0].choices[ns.command]  # type: ignore[union-attr]
-    return run_generate(generate_parser, ns)
+    sub_parser = parser._subparsers._group_actions[0].choices[ns.command]  # type: ignore[union-attr]
+    if ns.command == "serve":
+        return run_serve(sub_parser, ns)
+    return run_generate(sub_parser, ns)
+
+
+def serve_main() -> int:
+    """`vllm-rlt-serve --model MODEL ...`, the seed's spelling of `vllm-rlt serve`."""
+    return main(["serve", *sys.argv[1:]])
 
 
 if __name__ == "__main__":

@@ -1,0 +1,374 @@
+"""Completions and chat completions: requests in, OpenAI-shaped JSON or SSE out."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any
+
+from vllm_rlt.engine.async_llm import AsyncLLM
+from vllm_rlt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+from vllm_rlt.outputs import CompletionOutput, RequestOutput
+from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.tokenizer import Tokenizer
+
+# Blocks are reserved for prompt + max_tokens at admission, so "until the context is full"
+# would reserve a whole context per request; chat without max_tokens gets this instead.
+DEFAULT_CHAT_MAX_TOKENS = 256
+
+
+class APIError(Exception):
+    """An OpenAI-style error: HTTP status plus the fields of the error object."""
+
+    def __init__(
+        self, status: int, message: str, kind: str = "invalid_request_error", param=None
+    ) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.param = status, message, kind, param
+
+    def body(self) -> dict[str, Any]:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.kind,
+                "param": self.param,
+                "code": self.status,
+            }
+        }
+
+
+@dataclass
+class ChoiceCursor:
+    """What a stream has already sent for one choice."""
+
+    text: int = 0
+    tokens: int = 0
+    finished: bool = False
+    started: bool = False
+
+
+@dataclass
+class Job:
+    """One endpoint call: its engine requests (one per prompt) and how to shape results."""
+
+    kind: str  # "completion" | "chat"
+    request_id: str
+    prompts: list[tuple[str | None, list[int]]]
+    params: SamplingParams
+    num_logprobs: int | None
+    echo: bool = False
+    exit_depths: bool = False
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+class OpenAIServing:
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        tokenizer: Tokenizer | None,
+        model_name: str,
+        request_timeout: float | None,
+    ) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_model_len = engine.engine.max_model_len
+        self.request_timeout = request_timeout
+
+    # ----------------------------------------------------------------- request shaping
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"model {model!r} does not exist", "not_found_error", "model")
+
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+        if isinstance(prompt, list):
+            return prompt
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
+        return self.tokenizer.encode(prompt, add_special_tokens=add_special_tokens)
+
+    def completion_job(self, request: CompletionRequest) -> Job:
+        self.check_model(request.model)
+        prompts = []
+        for prompt in request.prompts():
+            ids = self.encode(prompt)
+            text = prompt if isinstance(prompt, str) else self._decode(ids)
+            prompts.append((text, ids))
+        params = self._params(request, request.max_tokens or 16, request.logprobs)
+        return Job(
+            "completion",
+            f"cmpl-{uuid.uuid4().hex}",
+            prompts,
+            params,
+            request.logprobs,
+            echo=request.echo,
+            exit_depths=request.return_exit_depths,
+        )
+
+    def chat_job(self, request: ChatCompletionRequest) -> Job:
+        self.check_model(request.model)
+        if self.tokenizer is None:
+            raise APIError(400, "this model has no tokenizer, so no chat template")
+        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+        try:
+            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="messages") from exc
+        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        max_tokens = request.max_completion_tokens or request.max_tokens
+        if max_tokens is None:
+            max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, self.max_model_len - len(ids)))
+        num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        return Job(
+            "chat",
+            f"chatcmpl-{uuid.uuid4().hex}",
+            [(text, ids)],
+            self._params(request, max_tokens, num_logprobs),
+            num_logprobs,
+            exit_depths=request.return_exit_depths,
+        )
+
+    @staticmethod
+    def _params(request, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+        try:
+            return request.sampling_params(max_tokens, num_logprobs)
+        except ValueError as exc:
+            raise APIError(400, str(exc)) from exc
+
+    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    # ----------------------------------------------------------------- running
+    def _streams(self, job: Job) -> list[AsyncIterator[RequestOutput]]:
+        """Check everything that can fail before a response starts, then open the streams."""
+        engine = self.engine
+        if engine.dead is not None:
+            raise APIError(503, "the engine has stopped after an error", "service_unavailable")
+        if (
+            engine.max_waiting is not None
+            and engine.waiting() + len(job.prompts) > engine.max_waiting
+        ):
+            raise APIError(429, "too many requests are waiting; retry later", "rate_limit_error")
+        streams = []
+        for index, (text, ids) in enumerate(job.prompts):
+            try:
+                self.engine.engine.check_request(f"{job.request_id}-{index}", ids, job.params)
+            except ValueError as exc:
+                raise APIError(400, str(exc), param="prompt") from exc
+            streams.append(
+                self.engine.generate(f"{job.request_id}-{index}", ids, job.params, prompt=text)
+            )
+        return streams
+
+    async def run(self, job: Job) -> dict[str, Any]:
+        """Non-streaming: the whole response body."""
+        streams = self._streams(job)
+
+        async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+            final = None
+            async for output in stream:
+                final = output
+            assert final is not None
+            return final
+
+        tasks = [asyncio.ensure_future(last(stream)) for stream in streams]
+        try:
+            finals = await asyncio.wait_for(asyncio.gather(*tasks), self.request_timeout)
+        except asyncio.TimeoutError as exc:
+            raise APIError(504, "request timed out", "timeout_error") from exc
+        finally:
+            for task in tasks:
+                task.cancel()
+        choices = []
+        for prompt_index, output in enumerate(finals):
+            for completion in output.outputs:
+                choice_index = prompt_index * job.params.n + completion.index
+                choices.append(self._choice(job, prompt_index, choice_index, completion))
+        return {
+            "id": job.request_id,
+            "object": "text_completion" if job.kind == "completion" else "chat.completion",
+            "created": job.created,
+            "model": self.model_name,
+            "choices": choices,
+            "usage": self._usage(job, [o for f in finals for o in f.outputs]),
+        }
+
+    async def stream(self, job: Job, include_usage: bool) -> AsyncIterator[str]:
+        """Streaming: SSE events, one finish_reason per choice, optional usage, then DONE."""
+        streams = self._streams(job)
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+            try:
+                async for output in stream:
+                    await merged.put((index, output))
+            except BaseException as exc:  # noqa: BLE001 - forwarded to the response
+                await merged.put((index, exc))
+            finally:
+                await merged.put((index, None))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        cursors: dict[int, ChoiceCursor] = {}
+        latest: dict[int, RequestOutput] = {}
+        open_streams = len(tasks)
+        deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
+        try:
+            while open_streams:
+                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    index, item = await asyncio.wait_for(merged.get(), timeout)
+                except asyncio.TimeoutError:
+                    yield _sse(APIError(504, "request timed out", "timeout_error").body())
+                    return
+                if item is None:
+                    open_streams -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    yield _sse(_error_body(item))
+                    return
+                latest[index] = item
+                for completion in item.outputs:
+                    choice_index = index * job.params.n + completion.index
+                    cursor = cursors.setdefault(choice_index, ChoiceCursor())
+                    chunk = self._delta(job, index, choice_index, completion, cursor)
+                    if chunk is not None:
+                        yield _sse(self._chunk(job, [chunk]))
+            if include_usage:
+                completions = [o for output in latest.values() for o in output.outputs]
+                body = self._chunk(job, [])
+                body["usage"] = self._usage(job, completions)
+                yield _sse(body)
+            yield "data: [DONE]\n\n"
+        finally:
+            for task in tasks:
+                task.cancel()
+
+    # ----------------------------------------------------------------- shaping
+    def _usage(self, job: Job, completions: list[CompletionOutput]) -> dict[str, int]:
+        prompt_tokens = sum(len(ids) for _, ids in job.prompts)
+        completion_tokens = sum(len(c.token_ids) for c in completions)
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+        }
+
+    def _choice(
+        self, job: Job, prompt_index: int, index: int, completion: CompletionOutput
+    ) -> dict[str, Any]:
+        text = completion.text
+        if job.echo:
+            text = (job.prompts[prompt_index][0] or "") + text
+        choice: dict[str, Any] = {"index": index, "finish_reason": completion.finish_reason}
+        logprobs = self._logprobs(job, completion, 0, len(completion.token_ids))
+        if job.kind == "completion":
+            choice.update(text=text, logprobs=logprobs)
+        else:
+            choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
+        if job.exit_depths:
+            choice["exit_depths"] = list(completion.exit_depths)
+        return choice
+
+    def _delta(
+        self,
+        job: Job,
+        prompt_index: int,
+        index: int,
+        completion: CompletionOutput,
+        cursor: ChoiceCursor,
+    ) -> dict[str, Any] | None:
+        """The new part of one choice, or None; text that could still turn into a stop
+        string is held back until it cannot."""
+        if cursor.finished:
+            return None
+        finished = completion.finish_reason is not None
+        end = len(completion.text)
+        if not finished and job.params.stop:
+            end = max(cursor.text, end - max(len(s) for s in job.params.stop) + 1)
+        text = completion.text[cursor.text : end]
+        tokens = len(completion.token_ids)
+        per_token = job.num_logprobs is not None or job.exit_depths
+        if (
+            not text
+            and not finished
+            and cursor.started
+            and not (per_token and tokens > cursor.tokens)
+        ):
+            return None
+        if job.echo and not cursor.started:
+            text = (job.prompts[prompt_index][0] or "") + text
+        logprobs = self._logprobs(job, completion, cursor.tokens, tokens)
+        chunk: dict[str, Any] = {
+            "index": index,
+            "logprobs": logprobs,
+            "finish_reason": completion.finish_reason if finished else None,
+        }
+        if job.kind == "completion":
+            chunk["text"] = text
+        else:
+            delta: dict[str, Any] = {"content": text}
+            if not cursor.started:
+                delta["role"] = "assistant"
+            chunk["delta"] = delta
+        if job.exit_depths:
+            chunk["exit_depths"] = list(completion.exit_depths[cursor.tokens : tokens])
+        cursor.text, cursor.tokens, cursor.started, cursor.finished = end, tokens, True, finished
+        return chunk
+
+    def _chunk(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": job.request_id,
+            "object": "text_completion" if job.kind == "completion" else "chat.completion.chunk",
+            "created": job.created,
+            "model": self.model_name,
+            "choices": choices,
+        }
+
+    def _logprobs(self, job: Job, completion: CompletionOutput, start: int, end: int):
+        if job.num_logprobs is None or completion.logprobs is None:
+            return None
+        entries = []
+        for token, candidates in zip(
+            completion.token_ids[start:end], completion.logprobs[start:end], strict=True
+        ):
+            top = sorted(candidates.items(), key=lambda item: -item[1])[: job.num_logprobs]
+            entries.append((token, candidates[token], top))
+        if job.kind == "chat":
+            return {
+                "content": [
+                    {
+                        **self._token_fields(token, value),
+                        "top_logprobs": [self._token_fields(t, v) for t, v in top],
+                    }
+                    for token, value, top in entries
+                ]
+            }
+        return {
+            "tokens": [self._decode([t], False) for t, _, _ in entries],
+            "token_logprobs": [value for _, value, _ in entries],
+            "top_logprobs": [
+                {self._decode([t], False): v for t, v in top} for _, _, top in entries
+            ],
+        }
+
+    def _token_fields(self, token: int, logprob: float) -> dict[str, Any]:
+        text = self._decode([token], False)
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _sse(body: dict[str, Any]) -> str:
+    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+
+
+def _error_body(exc: BaseException) -> dict[str, Any]:
+    if isinstance(exc, APIError):
+        return exc.body()
+    if isinstance(exc, ValueError):
+        return APIError(400, str(exc)).body()
+    return APIError(500, f"request failed: {exc!r}", "internal_error").body()
