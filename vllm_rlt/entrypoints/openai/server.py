@@ -6,7 +6,6 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -75,10 +74,61 @@ def error_response(error: APIError) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status)
 
 
+class _BodyTooLarge(Exception):
+    pass
+
+
+class GuardMiddleware:
+    """API key on every route but /health, and the body size limit (declared or streamed).
+    Plain ASGI, so that handlers still see a client's disconnect."""
+
+    def __init__(self, app, api_key: str | None, max_body: int) -> None:
+        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {key.decode().lower(): value.decode() for key, value in scope["headers"]}
+        if self.api_key is not None and scope["path"] != "/health":
+            if headers.get("authorization") != f"Bearer {self.api_key}":
+                error = APIError(401, "missing or wrong API key", "authentication_error")
+                await error_response(error)(scope, receive, send)
+                return
+        too_large = APIError(413, f"request body over {self.max_body} bytes", "too_large")
+        length = headers.get("content-length", "")
+        if length.isdigit() and int(length) > self.max_body:
+            await error_response(too_large)(scope, receive, send)
+            return
+        seen = 0
+        started = False
+
+        async def counted_receive():
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:
+                    raise _BodyTooLarge
+            return message
+
+        async def tracked_send(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counted_receive, tracked_send)
+        except _BodyTooLarge:
+            if not started:
+                await error_response(too_large)(scope, receive, send)
+
+
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="vllm-rlt", version=vllm_rlt.__version__)
     app.state.server = state
     settings = state.settings
+    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_body_bytes)
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -106,20 +156,6 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
         return error_response(APIError(500, f"internal error: {exc!r}", "internal_error"))
-
-    @app.middleware("http")
-    async def _guard(request: Request, call_next: Callable):
-        if settings.api_key is not None and request.url.path != "/health":
-            if request.headers.get("authorization") != f"Bearer {settings.api_key}":
-                return error_response(
-                    APIError(401, "missing or wrong API key", "authentication_error")
-                )
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > settings.max_body_bytes:
-            return error_response(
-                APIError(413, f"request body over {settings.max_body_bytes} bytes", "too_large")
-            )
-        return await call_next(request)
 
     @app.get("/health")
     async def health() -> JSONResponse:

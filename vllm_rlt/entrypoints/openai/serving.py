@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_rlt.engine.async_llm import AsyncLLM
+from vllm_rlt.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from vllm_rlt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
@@ -182,6 +182,8 @@ class OpenAIServing:
             finals = await asyncio.wait_for(asyncio.gather(*tasks), self.request_timeout)
         except asyncio.TimeoutError as exc:
             raise APIError(504, "request timed out", "timeout_error") from exc
+        except (QueueFullError, EngineDeadError, ValueError) as exc:
+            raise as_api_error(exc) from exc
         finally:
             for task in tasks:
                 task.cancel()
@@ -350,25 +352,40 @@ class OpenAIServing:
                 ]
             }
         return {
-            "tokens": [self._decode([t], False) for t, _, _ in entries],
+            "tokens": [self._token_text(t) for t, _, _ in entries],
             "token_logprobs": [value for _, value, _ in entries],
-            "top_logprobs": [
-                {self._decode([t], False): v for t, v in top} for _, _, top in entries
-            ],
+            "top_logprobs": [{self._token_text(t): v for t, v in top} for _, _, top in entries],
         }
 
     def _token_fields(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self._decode([token], False)
+        text = self._token_text(token)
         return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+    def _token_text(self, token: int) -> str:
+        """The token's text, or its vocabulary string where the text alone is not valid
+        UTF-8 (so distinct tokens keep distinct keys)."""
+        text = self._decode([token], False)
+        if "\ufffd" in text and self.tokenizer is not None:
+            return self.tokenizer.convert_ids_to_tokens([token])[0]
+        return text
 
 
 def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
-def _error_body(exc: BaseException) -> dict[str, Any]:
+def as_api_error(exc: BaseException) -> APIError:
+    """The error object a failure maps to: bad input 400, a full queue 429, a dead engine 503."""
     if isinstance(exc, APIError):
-        return exc.body()
+        return exc
+    if isinstance(exc, QueueFullError):
+        return APIError(429, str(exc), "rate_limit_error")
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), "service_unavailable")
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc)).body()
-    return APIError(500, f"request failed: {exc!r}", "internal_error").body()
+        return APIError(400, str(exc))
+    return APIError(500, f"request failed: {exc!r}", "internal_error")
+
+
+def _error_body(exc: BaseException) -> dict[str, Any]:
+    return as_api_error(exc).body()

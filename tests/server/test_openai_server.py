@@ -1,0 +1,303 @@
+"""The server through the official openai client and raw HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.server.conftest import running_server, wait_idle
+from vllm_rlt import LLM, SamplingParams
+
+
+def client(url: str, key: str = "unused") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
+
+
+def test_completion_usage_and_exit_depths(server):
+    url, state = server
+    reply = client(url).completions.create(
+        model="toy",
+        prompt="Hello",
+        max_tokens=6,
+        temperature=0.0,
+        extra_body={"return_exit_depths": True, "exit_threshold": 0.5, "ignore_eos": True},
+    )
+    choice = reply.choices[0]
+    assert choice.finish_reason == "length"
+    assert reply.usage.prompt_tokens == 5 and reply.usage.completion_tokens == 6
+    assert reply.usage.total_tokens == 11
+    depths = choice.model_extra["exit_depths"]
+    assert len(depths) == 6 and depths[0] == 4 and all(1 <= d <= 4 for d in depths)
+    offline = (
+        LLM()
+        .generate(
+            "Hello",
+            SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=0.5, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+    )
+    assert choice.text == offline.text and depths == offline.exit_depths
+    wait_idle(state)
+
+
+@pytest.mark.parametrize("chat", [False, True], ids=["completions", "chat"])
+def test_streamed_text_equals_non_streamed(server, chat):
+    url, _ = server
+    api = client(url)
+    common = dict(model="toy", max_tokens=24, temperature=0.9, seed=5, top_p=0.95)
+    if chat:
+        messages = [{"role": "user", "content": "Tell me about loops"}]
+        whole = api.chat.completions.create(messages=messages, **common)
+        parts, reasons = [], []
+        for chunk in api.chat.completions.create(messages=messages, stream=True, **common):
+            for choice in chunk.choices:
+                parts.append(choice.delta.content or "")
+                reasons.append(choice.finish_reason)
+        expected = whole.choices[0].message.content
+    else:
+        whole = api.completions.create(prompt="Loops and exits", **common)
+        parts, reasons = [], []
+        for chunk in api.completions.create(prompt="Loops and exits", stream=True, **common):
+            for choice in chunk.choices:
+                parts.append(choice.text)
+                reasons.append(choice.finish_reason)
+        expected = whole.choices[0].text
+    assert "".join(parts) == expected
+    assert [r for r in reasons if r is not None] == [whole.choices[0].finish_reason]
+
+
+def test_n_choices_and_usage_chunk(server):
+    url, _ = server
+    api = client(url)
+    reply = api.completions.create(
+        model="toy", prompt=["abc", "xyz"], n=2, max_tokens=8, temperature=1.0, seed=11
+    )
+    assert sorted(c.index for c in reply.choices) == [0, 1, 2, 3]
+    texts = [c.text for c in sorted(reply.choices, key=lambda c: c.index)]
+    assert texts[0] != texts[1] and texts[2] != texts[3]
+    assert reply.usage.prompt_tokens == 6
+    assert 4 <= reply.usage.completion_tokens <= 4 * 8
+    chunks = list(
+        api.completions.create(
+            model="toy",
+            prompt="abc",
+            n=2,
+            max_tokens=5,
+            seed=3,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
+    finishes = {}
+    for chunk in chunks[:-1]:
+        for choice in chunk.choices:
+            if choice.finish_reason is not None:
+                assert choice.index not in finishes, "two finish reasons for one choice"
+                finishes[choice.index] = choice.finish_reason
+    assert sorted(finishes) == [0, 1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens >= 2
+
+
+def test_stop_strings_and_logprobs(server):
+    url, _ = server
+    api = client(url)
+    base = (
+        api.completions.create(
+            model="toy",
+            prompt="The quick brown fox",
+            max_tokens=16,
+            temperature=0.0,
+            extra_body={"ignore_eos": True},
+        )
+        .choices[0]
+        .text
+    )
+    printable = [i for i in range(2, len(base) - 2) if base[i : i + 2].isprintable()]
+    assert printable, f"no usable stop string in {base!r}"
+    stop = base[printable[0] : printable[0] + 2]
+    stopped = api.completions.create(
+        model="toy",
+        prompt="The quick brown fox",
+        max_tokens=16,
+        temperature=0.0,
+        stop=stop,
+        extra_body={"ignore_eos": True},
+    ).choices[0]
+    assert stopped.finish_reason == "stop" and stopped.text == base[: base.find(stop)]
+    reply = api.completions.create(
+        model="toy", prompt="ab", max_tokens=4, logprobs=3, temperature=0.0
+    )
+    logprobs = reply.choices[0].logprobs
+    assert len(logprobs.tokens) == 4 and len(logprobs.token_logprobs) == 4
+    assert all(len(top) == 3 for top in logprobs.top_logprobs)
+    assert all(lp <= 0 for lp in logprobs.token_logprobs)
+    chat = api.chat.completions.create(
+        model="toy",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=3,
+        logprobs=True,
+        top_logprobs=2,
+    )
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 3 and all(len(entry.top_logprobs) == 2 for entry in content)
+
+
+def test_errors_use_the_openai_error_object(server):
+    url, state = server
+    api = client(url)
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        api.completions.create(model="toy", prompt="x", max_tokens=0)
+    with pytest.raises(openai.NotFoundError):
+        api.completions.create(model="nope", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        api.completions.create(model="toy", prompt="x", max_tokens=5000)
+    with pytest.raises(openai.BadRequestError, match="unsupported field: best_of"):
+        api.completions.create(model="toy", prompt="x", max_tokens=2, extra_body={"best_of": 2})
+    with pytest.raises(openai.BadRequestError, match="max_loops"):
+        api.completions.create(model="toy", prompt="x", max_tokens=2, extra_body={"max_loops": 9})
+    for body in (b"{not json", b'{"model": "toy", "prompt": 5}', b'{"model": "toy"}', b"[]"):
+        reply = httpx.post(
+            f"{url}/v1/completions", content=body, headers={"content-type": "application/json"}
+        )
+        assert reply.status_code == 400, body
+        error = reply.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["code"] == 400
+    assert httpx.get(f"{url}/health").status_code == 200
+    wait_idle(state)
+
+
+def test_concurrent_streams_equal_offline_generation(server):
+    """64 streaming clients at once; each output equals LLM.generate with the same seed."""
+    url, state = server
+    prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(64)]
+    params = dict(max_tokens=12, temperature=0.8, top_k=40)
+
+    async def one(api: openai.AsyncOpenAI, index: int) -> str:
+        stream = await api.completions.create(
+            model="toy",
+            prompt=prompts[index],
+            seed=index,
+            stream=True,
+            max_tokens=params["max_tokens"],
+            temperature=params["temperature"],
+            extra_body={"top_k": params["top_k"]},
+        )
+        return "".join([choice.text async for chunk in stream for choice in chunk.choices])
+
+    async def all_streams() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as api:
+            return await asyncio.gather(*(one(api, i) for i in range(64)))
+
+    streamed = asyncio.run(all_streams())
+    offline = LLM().generate(
+        prompts,
+        [SamplingParams(seed=i, **params) for i in range(64)],
+        use_tqdm=False,
+    )
+    assert streamed == [o.outputs[0].text for o in offline]
+    wait_idle(state)
+
+
+def test_disconnect_mid_stream_frees_blocks(server):
+    url, state = server
+    engine = state.engine.engine
+    body = {
+        "model": "toy",
+        "prompt": "long one",
+        "max_tokens": 2000,
+        "stream": True,
+        "ignore_eos": True,
+    }
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as reply:
+        for line in reply.iter_lines():
+            if line.startswith("data: "):
+                break
+        assert engine.kv.num_free_blocks < engine.kv.num_blocks
+    wait_idle(state, timeout=5)
+
+
+def test_non_streaming_disconnect_aborts(server):
+    url, state = server
+    body = {"model": "toy", "prompt": "long one", "max_tokens": 3000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, timeout=0.5)
+    wait_idle(state, timeout=5)
+
+
+def test_queue_overflow_gives_429():
+    with running_server(max_num_seqs=1, max_queue=1) as (url, state):
+        body = {"model": "toy", "prompt": "q", "max_tokens": 300, "ignore_eos": True}
+
+        async def fire() -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                replies = await asyncio.gather(
+                    *(http.post(f"{url}/v1/completions", json=body) for _ in range(6))
+                )
+            return [r.status_code for r in replies]
+
+        codes = asyncio.run(fire())
+        assert 429 in codes and 200 in codes and set(codes) <= {200, 429}
+        wait_idle(state)
+
+
+def test_api_key_on_every_route_but_health():
+    with running_server(api_key="sekrit") as (url, _):
+        assert httpx.get(f"{url}/health").status_code == 200
+        for path in ("/v1/models", "/metrics", "/version"):
+            reply = httpx.get(f"{url}{path}")
+            assert (
+                reply.status_code == 401 and reply.json()["error"]["type"] == "authentication_error"
+            )
+        with pytest.raises(openai.AuthenticationError):
+            client(url, "wrong").models.list()
+        assert [m.id for m in client(url, "sekrit").models.list()] == ["toy"]
+
+
+def test_body_limit():
+    with running_server(max_body_bytes=200) as (url, _):
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "x" * 500})
+        assert reply.status_code == 413 and reply.json()["error"]["code"] == 413
+
+
+def test_tokenize_detokenize_version(server):
+    url, _ = server
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "héllo"}).json()
+    assert tokens["count"] == 6 and tokens["max_model_len"] == 4096
+    text = httpx.post(f"{url}/detokenize", json={"tokens": tokens["tokens"]}).json()["prompt"]
+    assert text == "héllo"
+    chat = httpx.post(f"{url}/tokenize", json={"messages": [{"role": "user", "content": "x"}]})
+    assert chat.json()["tokens"][0] == 1  # <|im_start|>
+    assert httpx.post(f"{url}/detokenize", json={"tokens": [999]}).status_code == 400
+    assert httpx.get(f"{url}/version").json()["version"]
+    assert "paths" in httpx.get(f"{url}/openapi.json").json()
+
+
+def test_metrics_parse_and_move(server):
+    url, state = server
+
+    def sample(name: str) -> float:
+        text = httpx.get(f"{url}/metrics").text
+        for family in text_string_to_metric_families(text):
+            for metric in family.samples:
+                if metric.name == name:
+                    return metric.value
+        raise AssertionError(f"{name} missing")
+
+    before = sample("vllm_rlt:generation_tokens_total")
+    depth_before = sample("vllm_rlt:exit_depth_count")
+    client(url).completions.create(
+        model="toy", prompt="metrics", max_tokens=7, extra_body={"ignore_eos": True}
+    )
+    wait_idle(state)
+    assert sample("vllm_rlt:generation_tokens_total") == before + 7
+    assert sample("vllm_rlt:exit_depth_count") == depth_before + 6
+    assert sample("vllm_rlt:passes_total") > 0
+    assert sample("vllm_rlt:time_to_first_token_seconds_count") >= 1
+    assert 1 <= sample("vllm_rlt:mean_loops_per_token") <= 4
+    json.dumps(sample("vllm_rlt:kv_cache_usage_perc"))
