@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -264,6 +266,26 @@ async def _respond(serving: OpenAIServing, job, stream: bool, options, request: 
     return JSONResponse(work.result())
 
 
+class _Server(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after a graceful shutdown (the process then dies of the
+    signal); a drained shutdown should instead exit with status 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _EXIT_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 def serve(settings: ServerSettings, host: str, port: int, shutdown_timeout: float) -> None:
     """Run until SIGTERM/SIGINT: stop accepting, let requests finish within the timeout,
     abort the rest, exit."""
@@ -273,7 +295,7 @@ def serve(settings: ServerSettings, host: str, port: int, shutdown_timeout: floa
     config = uvicorn.Config(
         app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout
     )
-    server = uvicorn.Server(config)
+    server = _Server(config)
     try:
         server.run()
     finally:
