@@ -1,0 +1,148 @@
+"""Serving benchmark: streaming completions against a running server over loopback.
+
+Reports request throughput, output tokens/s, and TTFT / TPOT / ITL at p50 and p99 (DESIGN §7).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import json
+import random
+import statistics
+import sys
+import time
+from typing import Any
+
+import httpx
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+async def one_request(http: httpx.AsyncClient, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    """Stream one completion; token arrival times come from the per-token exit depths."""
+    start = time.perf_counter()
+    arrivals: list[float] = []
+    error = None
+    async with http.stream("POST", f"{url}/v1/completions", json=body) as reply:
+        if reply.status_code != 200:
+            error = f"HTTP {reply.status_code}: {(await reply.aread())[:200]!r}"
+        else:
+            async for line in reply.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                event = json.loads(line[len("data: ") :])
+                now = time.perf_counter()
+                for choice in event.get("choices", []):
+                    arrivals.extend([now] * len(choice.get("exit_depths", [])))
+    end = time.perf_counter()
+    return {"start": start, "end": end, "arrivals": arrivals, "error": error}
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    rng = random.Random(args.seed)
+    lengths = [
+        rng.randint(args.prompt_len_min, args.prompt_len)
+        if args.prompt_len_min
+        else args.prompt_len
+        for _ in range(args.num_requests)
+    ]
+    bodies = [
+        {
+            "model": args.model,
+            "prompt": [rng.randrange(3, args.max_token_id) for _ in range(length)],
+            "max_tokens": args.output_len,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "return_exit_depths": True,
+        }
+        for length in lengths
+    ]
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+    async with httpx.AsyncClient(timeout=None, headers=headers, limits=limits) as http:
+        tasks = []
+        began = time.perf_counter()
+        for body in bodies:
+            tasks.append(asyncio.ensure_future(one_request(http, args.url, body)))
+            if args.request_rate != float("inf"):
+                await asyncio.sleep(
+                    rng.expovariate(args.request_rate) if args.poisson else 1 / args.request_rate
+                )
+        results = await asyncio.gather(*tasks)
+        wall = time.perf_counter() - began
+    ok = [r for r in results if r["error"] is None and r["arrivals"]]
+    ttft = [r["arrivals"][0] - r["start"] for r in ok]
+    tpot = [
+        (r["end"] - r["arrivals"][0]) / (len(r["arrivals"]) - 1)
+        for r in ok
+        if len(r["arrivals"]) > 1
+    ]
+    itl = [b - a for r in ok for a, b in itertools.pairwise(r["arrivals"]) if b > a]
+    tokens = sum(len(r["arrivals"]) for r in ok)
+
+    def stats(values: list[float]) -> dict[str, float | None]:
+        return {
+            "mean": statistics.fmean(values) if values else None,
+            "p50": percentile(values, 50),
+            "p99": percentile(values, 99),
+        }
+
+    return {
+        "benchmark": "serve",
+        "url": args.url,
+        "workload": {
+            "num_requests": args.num_requests,
+            "prompt_len": args.prompt_len,
+            "prompt_len_min": args.prompt_len_min,
+            "output_len": args.output_len,
+            "request_rate": None if args.request_rate == float("inf") else args.request_rate,
+            "arrivals": "poisson" if args.poisson else "fixed",
+        },
+        "completed": len(ok),
+        "failed": [r["error"] for r in results if r["error"] is not None][:5],
+        "wall_s": wall,
+        "request_throughput_per_s": len(ok) / wall,
+        "output_tokens_per_s": tokens / wall,
+        "ttft_s": stats(ttft),
+        "tpot_s": stats(tpot),
+        "itl_s": stats(itl),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="vllm-rlt bench serve", description=__doc__)
+    parser.add_argument("--url", default="http://127.0.0.1:8000")
+    parser.add_argument("--model", default="toy")
+    parser.add_argument("--api-key", default=None)
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=64, help="(maximum) prompt tokens")
+    parser.add_argument("--prompt-len-min", type=int, default=0, help="draw lengths uniformly")
+    parser.add_argument("--max-token-id", type=int, default=250, help="prompt ids in [3, this)")
+    parser.add_argument("--output-len", type=int, default=32)
+    parser.add_argument("--request-rate", type=float, default=float("inf"), help="requests/s")
+    parser.add_argument("--poisson", action="store_true", help="exponential gaps (else fixed)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if args.num_requests < 1 or args.prompt_len < 1 or args.output_len < 1:
+        parser.error("--num-requests, --prompt-len and --output-len must be >= 1")
+    report = asyncio.run(run(args))
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.output:
+        with open(args.output, "w") as handle:
+            handle.write(text + "\n")
+    return 0 if report["completed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
