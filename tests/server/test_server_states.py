@@ -1,0 +1,52 @@
+"""/health through loading, failure and a dead engine; timeouts; echo."""
+
+from __future__ import annotations
+
+import httpx
+import openai
+from fastapi.testclient import TestClient
+
+from tests.server.conftest import running_server, wait_idle
+from vllm_rlt.entrypoints.openai.server import ServerSettings, ServerState, build_app
+
+
+def test_health_and_routes_while_loading_and_after_a_failed_load():
+    state = ServerState(ServerSettings())
+    with TestClient(build_app(state)) as http:
+        assert http.get("/health").json() == {"status": "loading"}
+        assert http.get("/health").status_code == 503
+        reply = http.post("/v1/completions", json={"model": "toy", "prompt": "x"})
+        assert reply.status_code == 503 and "loading" in reply.json()["error"]["message"]
+        state.load_error = RuntimeError("disk on fire")
+        assert http.get("/health").status_code == 503
+        assert "disk on fire" in http.get("/v1/models").json()["error"]["message"]
+
+
+def test_dead_engine_gives_503(server):
+    url, state = server
+    state.engine.dead = RuntimeError("simulated device fault")
+    try:
+        assert httpx.get(f"{url}/health").status_code == 503
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "x"})
+        assert reply.status_code == 503 and reply.json()["error"]["type"] == "service_unavailable"
+    finally:
+        state.engine.dead = None
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_request_timeout_aborts_and_frees_blocks():
+    with running_server(request_timeout=0.3) as (url, state):
+        body = {"model": "toy", "prompt": "slow", "max_tokens": 3000, "ignore_eos": True}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
+        assert reply.status_code == 504 and reply.json()["error"]["type"] == "timeout_error"
+        wait_idle(state)
+
+
+def test_echo_prepends_the_prompt(server):
+    url, _ = server
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    plain = api.completions.create(model="toy", prompt="echo me", max_tokens=4, temperature=0.0)
+    echoed = api.completions.create(
+        model="toy", prompt="echo me", max_tokens=4, temperature=0.0, echo=True
+    )
+    assert echoed.choices[0].text == "echo me" + plain.choices[0].text
