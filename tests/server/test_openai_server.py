@@ -131,6 +131,25 @@ def test_stop_strings_and_logprobs(server):
     ).choices[0]
     assert stopped.finish_reason == "stop" and stopped.text == base[: base.find(stop)]
     reply = api.completions.create(
+        model="toy",
+        prompt="The quick brown fox",
+        max_tokens=16,
+        temperature=0.0,
+        stop=stop,
+        extra_body={"ignore_eos": True, "return_exit_depths": True},
+    )
+    offline = (
+        LLM()
+        .generate(
+            "The quick brown fox",
+            SamplingParams(max_tokens=16, temperature=0.0, stop=stop, ignore_eos=True),
+            use_tqdm=False,
+        )[0]
+        .outputs[0]
+    )
+    assert reply.usage.completion_tokens == len(offline.token_ids)
+    assert reply.choices[0].model_extra["exit_depths"] == offline.exit_depths
+    reply = api.completions.create(
         model="toy", prompt="ab", max_tokens=4, logprobs=3, temperature=0.0
     )
     logprobs = reply.choices[0].logprobs

@@ -8,11 +8,13 @@ import queue
 import threading
 import time
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from vllm_rlt.engine.engine_core import EngineCore
-from vllm_rlt.outputs import RequestOutput
+from vllm_rlt.engine.output_processor import TextTracker
+from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.tokenizer import Tokenizer
 
 
 class EngineDeadError(RuntimeError):
@@ -29,6 +31,50 @@ class _Stream:
     queue: asyncio.Queue
 
 
+class TextStage:
+    """Turns one request's token outputs into text on the caller's thread, so the engine
+    thread never detokenizes; a stop string ends its completion here (the engine is then
+    told to abort that completion)."""
+
+    def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params) -> None:
+        self.params = params
+        self.trackers = [
+            TextTracker(tokenizer, prompt_token_ids, params.stop) for _ in range(params.n)
+        ]
+        self.seen = [0] * params.n
+        self.cut: list[int | None] = [None] * params.n  # token count where a stop string hit
+
+    def apply(self, output: RequestOutput) -> tuple[RequestOutput, list[int]]:
+        """The output with text filled in, and the completions a stop string just ended."""
+        newly_stopped, completions = [], []
+        for completion in output.outputs:
+            i = completion.index
+            tracker = self.trackers[i]
+            while self.cut[i] is None and self.seen[i] < len(completion.token_ids):
+                self.seen[i] += 1
+                check = self.seen[i] >= self.params.min_tokens
+                if tracker.add(completion.token_ids[self.seen[i] - 1], check):
+                    self.cut[i] = self.seen[i]
+                    newly_stopped.append(i)
+            completions.append(self._completion(completion, tracker, self.cut[i]))
+        finished = all(c.finish_reason is not None for c in completions)
+        return replace(output, outputs=completions, finished=finished), newly_stopped
+
+    @staticmethod
+    def _completion(completion: CompletionOutput, tracker: TextTracker, cut: int | None):
+        if cut is None:
+            ended = completion.finish_reason is not None
+            return replace(completion, text=tracker.final_text() if ended else tracker.text)
+        return replace(
+            completion,
+            text=tracker.text,
+            token_ids=completion.token_ids[:cut],
+            exit_depths=completion.exit_depths[:cut],
+            logprobs=None if completion.logprobs is None else completion.logprobs[:cut],
+            finish_reason="stop",
+        )
+
+
 class AsyncLLM:
     """Owns `engine` on a dedicated thread. Nothing here blocks the caller's event loop."""
 
@@ -37,8 +83,12 @@ class AsyncLLM:
         engine: EngineCore,
         max_waiting: int | None = None,
         on_step: Callable[[EngineCore, list[RequestOutput]], None] | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
         self.engine = engine
+        self.tokenizer = tokenizer
+        if tokenizer is not None:
+            engine.leave_text_to_caller()
         self.max_waiting = max_waiting
         self.on_step = on_step
         self.dead: BaseException | None = None
@@ -81,21 +131,30 @@ class AsyncLLM:
             self._submitted += 1
         self._commands.put(("add", request_id, prompt_token_ids, params, prompt))
         self._wake.set()
-        finished = False
+        stage = None
+        if self.tokenizer is not None:
+            stage = TextStage(self.tokenizer, prompt_token_ids, params)
+        finished = engine_finished = False
         try:
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
                     raise item
+                engine_finished = item.finished
+                if stage is not None:
+                    item, stopped = stage.apply(item)
+                    for index in stopped:
+                        self.abort(request_id, index)
                 finished = item.finished
                 yield item
         finally:
             self._streams.pop(request_id, None)
-            if not finished:
+            if not engine_finished:
                 self.abort(request_id)
 
-    def abort(self, request_id: str) -> None:
-        self._commands.put(("abort", request_id))
+    def abort(self, request_id: str, index: int | None = None) -> None:
+        """Abort a request, or only its completion `index`."""
+        self._commands.put(("abort", request_id, index))
         self._wake.set()
 
     def shutdown(self) -> None:
@@ -146,7 +205,7 @@ class AsyncLLM:
                 except ValueError as exc:
                     self._deliver(request_id, exc)
             else:
-                output = self.engine.abort_request(command[1])
+                output = self.engine.abort_request(command[1], command[2])
                 if output is not None and self.on_step is not None:
                     self.on_step(self.engine, [output])
 

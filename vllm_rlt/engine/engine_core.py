@@ -249,15 +249,18 @@ class EngineCore:
             )
         return tuple(depths[1:])
 
-    def abort_request(self, request_id: str) -> RequestOutput | None:
-        """Stop a request at any time; its blocks and slot are freed at once."""
+    def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
+        """Stop a request (or only its completion `index`) at any time; blocks and slots
+        are freed at once."""
         group = self.groups.get(str(request_id))
         if group is None:
             return None
-        for index, child in enumerate(group.children):
+        for position, child in enumerate(group.children):
+            if index is not None and position != index:
+                continue
             if not child.is_finished:
                 self.scheduler.finish(child, "abort")
-                group.finish_reasons[index] = "abort"
+                group.finish_reasons[position] = "abort"
         output = self._finalize(group)
         self._drain_if_idle()
         return output
@@ -265,6 +268,12 @@ class EngineCore:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.groups) or self._in_flight is not None
+
+    def leave_text_to_caller(self) -> None:
+        """Stop detokenizing here (and so checking stop strings): the caller turns tokens
+        into text on its own thread. Only valid before any request was added."""
+        require(not self.groups, "leave_text_to_caller must come before the first request")
+        self.outputs = OutputProcessor(self.tokenizer, make_text=False)
 
     # ----------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:

@@ -9,31 +9,65 @@ from vllm_rlt.outputs import CompletionOutput
 from vllm_rlt.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
+class TextTracker:
+    """One completion's text: incremental detokenization, and the search for stop strings
+    in the part a new token could have completed (the stop text itself is cut off)."""
+
+    def __init__(
+        self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stops: list[str]
+    ) -> None:
+        self.detokenizer = (
+            IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
+        )
+        self.stops = stops
+        self.text = ""
+        self.stopped = False
+        self._flushed = False
+
+    def add(self, token: int, check_stops: bool) -> bool:
+        """Append one token; True once a stop string has ended the text."""
+        previous = len(self.text)
+        if self.detokenizer is not None:
+            self.text += self.detokenizer.add(token)
+        if check_stops and self.stops and not self.stopped:
+            hits = [self.text.find(s, max(0, previous - len(s) + 1)) for s in self.stops]
+            hits = [index for index in hits if index >= 0]
+            if hits:
+                self.text = self.text[: min(hits)]
+                self.stopped = True
+        return self.stopped
+
+    def final_text(self) -> str:
+        """The text once generation ended: held-back bytes are flushed, unless a stop
+        string cut the text."""
+        if not self._flushed and not self.stopped and self.detokenizer is not None:
+            self.text += self.detokenizer.flush()
+            self._flushed = True
+        return self.text
+
+
 @dataclass
 class CompletionState:
-    """Text state of one completion: detokenizer, visible text, and the stop verdict."""
-
-    detokenizer: IncrementalDetokenizer
-    text: str = ""
-    finish_reason: str | None = None
+    tracker: TextTracker
     num_seen: int = 0
-    stopped_by_string: bool = False
 
 
 class OutputProcessor:
-    """Detokenizes incrementally and applies EOS, stop ids, stop strings and length limits."""
+    """Applies EOS, stop ids, stop strings and length limits, and builds the text.
 
-    def __init__(self, tokenizer: Tokenizer | None) -> None:
-        self.tokenizer = tokenizer
+    With `make_text=False` (the server, which detokenizes on its own thread) no text is
+    built and stop strings are left to the caller; token-level stops still apply.
+    """
+
+    def __init__(self, tokenizer: Tokenizer | None, make_text: bool = True) -> None:
+        self.tokenizer = tokenizer if make_text else None
+        self.make_text = make_text
         self.states: dict[str, CompletionState] = {}
 
     def add(self, request: Request) -> None:
-        detok = (
-            IncrementalDetokenizer(self.tokenizer, request.prompt_token_ids)
-            if self.tokenizer is not None
-            else None
-        )
-        self.states[request.request_id] = CompletionState(detok)  # type: ignore[arg-type]
+        stops = request.params.stop if self.make_text else []
+        tracker = TextTracker(self.tokenizer, request.prompt_token_ids, stops)  # type: ignore[arg-type]
+        self.states[request.request_id] = CompletionState(tracker)
 
     def drop(self, request_id: str) -> None:
         self.states.pop(request_id, None)
@@ -46,42 +80,21 @@ class OutputProcessor:
             token = request.output_token_ids[state.num_seen]
             state.num_seen += 1
             count = state.num_seen
-            previous_len = len(state.text)
-            if state.detokenizer is not None:
-                state.text += state.detokenizer.add(token)
+            stopped = state.tracker.add(token, check_stops=count >= params.min_tokens)
             if count >= params.min_tokens:
                 if token in request.eos_token_ids or token in params.stop_token_ids:
                     return "stop"
-                if params.stop and self._cut_at_stop(state, params.stop, previous_len):
-                    state.stopped_by_string = True
+                if stopped:
                     return "stop"
             if count >= params.max_tokens:
                 return "length"
         return None
 
-    @staticmethod
-    def _cut_at_stop(state: CompletionState, stops: list[str], previous_len: int) -> bool:
-        """Truncate the text before the earliest stop string; the stop text is not returned.
-        Only the tail that the new token could have completed is searched."""
-        hits = [state.text.find(stop, max(0, previous_len - len(stop) + 1)) for stop in stops]
-        hits = [index for index in hits if index >= 0]
-        if not hits:
-            return False
-        state.text = state.text[: min(hits)]
-        return True
-
     def completion(
         self, request: Request, index: int, finish_reason: str | None
     ) -> CompletionOutput:
-        state = self.states[request.request_id]
-        text = state.text
-        if (
-            finish_reason is not None
-            and state.detokenizer is not None
-            and not state.stopped_by_string
-        ):
-            text += state.detokenizer.flush()
-            state.text = text
+        tracker = self.states[request.request_id].tracker
+        text = tracker.final_text() if finish_reason is not None else tracker.text
         logprobs = None
         if request.params.logprobs is not None:
             logprobs = []

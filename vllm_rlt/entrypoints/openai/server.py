@@ -57,7 +57,9 @@ class ServerState:
         try:
             llm = LLM(**self.settings.llm_kwargs)
             metrics = ServerMetrics(llm.engine.num_loops)
-            engine = AsyncLLM(llm.engine, self.settings.max_queue, on_step=metrics.on_step)
+            engine = AsyncLLM(
+                llm.engine, self.settings.max_queue, metrics.on_step, tokenizer=llm.tokenizer
+            )
             name = self.settings.served_model_name or llm.model_name
             self.serving = OpenAIServing(engine, llm.tokenizer, name, self.settings.request_timeout)
             self.metrics, self.engine = metrics, engine
