@@ -50,3 +50,23 @@ def test_echo_prepends_the_prompt(server):
         model="toy", prompt="echo me", max_tokens=4, temperature=0.0, echo=True
     )
     assert echoed.choices[0].text == "echo me" + plain.choices[0].text
+
+
+def test_one_failing_request_fails_alone(server, monkeypatch):
+    """An unexpected error while taking one request in fails that request only."""
+    url, state = server
+    engine = state.engine.engine
+    original = engine.add_request
+
+    def flaky(request_id, ids, params, prompt=None):
+        if prompt == "explode":
+            raise RuntimeError("boom")
+        return original(request_id, ids, params, prompt=prompt)
+
+    monkeypatch.setattr(engine, "add_request", flaky)
+    bad = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "explode"})
+    good = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "fine"})
+    assert bad.status_code == 500 and "boom" in bad.json()["error"]["message"]
+    assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    wait_idle(state)

@@ -92,6 +92,7 @@ class AsyncLLM:
         self.max_waiting = max_waiting
         self.on_step = on_step
         self.dead: BaseException | None = None
+        self.observer_error: BaseException | None = None  # the last failure of on_step
         self.last_progress = time.monotonic()
         self.num_waiting = 0  # requests not yet admitted, as last seen by the engine thread
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -181,8 +182,7 @@ class AsyncLLM:
             self.last_progress = time.monotonic()
             with self._lock:
                 self.num_waiting = len(engine.scheduler.waiting)
-            if self.on_step is not None:
-                self.on_step(engine, outputs)
+            self._observe(outputs)
             for output in outputs:
                 self._deliver(output.request_id, output)
         for request_id in list(engine.groups):
@@ -202,12 +202,21 @@ class AsyncLLM:
                     continue  # the caller left before the engine saw the request
                 try:
                     self.engine.add_request(request_id, ids, params, prompt=prompt)
-                except ValueError as exc:
+                except Exception as exc:  # noqa: BLE001 - fails this request only
                     self._deliver(request_id, exc)
             else:
                 output = self.engine.abort_request(command[1], command[2])
-                if output is not None and self.on_step is not None:
-                    self.on_step(self.engine, [output])
+                if output is not None:
+                    self._observe([output])
+
+    def _observe(self, outputs: list[RequestOutput]) -> None:
+        """Report to the observer (metrics); its failure must not stop the engine."""
+        if self.on_step is None:
+            return
+        try:
+            self.on_step(self.engine, outputs)
+        except Exception as exc:  # noqa: BLE001
+            self.observer_error = exc
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
