@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import threading
+import time
+
 import httpx
 import openai
 from fastapi.testclient import TestClient
@@ -70,3 +73,32 @@ def test_one_failing_request_fails_alone(server, monkeypatch):
     assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"]
     assert httpx.get(f"{url}/health").status_code == 200
     wait_idle(state)
+
+
+def test_health_fails_while_work_waits_without_progress(monkeypatch):
+    """Passes that take longer than the stall timeout (a stuck device, here a slow step)
+    make /health fail while work waits; once idle it is healthy again."""
+    with running_server(stall_timeout=0.3) as (url, state):
+        engine = state.engine.engine
+        original = engine.step
+
+        def slow_step():
+            time.sleep(0.6)
+            return original()
+
+        monkeypatch.setattr(engine, "step", slow_step)
+        body = {"model": "toy", "prompt": "s", "max_tokens": 1, "ignore_eos": True}
+        with httpx.Client(timeout=30) as http:
+            pending = threading.Thread(
+                target=http.post, args=(f"{url}/v1/completions",), kwargs={"json": body}
+            )
+            pending.start()
+            codes = set()
+            for _ in range(40):
+                codes.add(http.get(f"{url}/health").status_code)
+                time.sleep(0.05)
+            pending.join()
+        assert 503 in codes
+        monkeypatch.setattr(engine, "step", original)
+        wait_idle(state)
+        assert httpx.get(f"{url}/health").status_code == 200
