@@ -27,41 +27,25 @@ VALUES = st.one_of(
     st.lists(SCALARS, max_size=3),
     st.dictionaries(st.text(max_size=5), SCALARS, max_size=2),
 )
-FIELDS = [
-    "model",
-    "prompt",
-    "messages",
-    "max_tokens",
-    "max_completion_tokens",
-    "temperature",
-    "top_p",
-    "top_k",
-    "min_p",
-    "seed",
-    "n",
-    "stop",
-    "stop_token_ids",
-    "ignore_eos",
-    "min_tokens",
-    "logprobs",
-    "top_logprobs",
-    "echo",
-    "stream",
-    "stream_options",
-    "user",
-    "min_loops",
-    "max_loops",
-    "exit_threshold",
-    "return_exit_depths",
-    "tokens",
-    "unknown_field",
-]
+
+
+def schema_fields(url: str) -> dict[str, list[str]]:
+    """Request-body properties of each POST route, read from the server's OpenAPI schema."""
+    schema = httpx.get(f"{url}/openapi.json").json()
+    components = schema["components"]["schemas"]
+    fields = {}
+    for path, methods in schema["paths"].items():
+        body = methods.get("post", {}).get("requestBody")
+        if body:
+            ref = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+            fields[path] = sorted(components[ref]["properties"]) + ["unknown_field"]
+    return fields
 
 
 @st.composite
-def bodies(draw):
+def bodies(draw, fields: list[str]):
     body = {"model": "toy"} if draw(st.booleans()) else {}
-    for name in draw(st.lists(st.sampled_from(FIELDS), max_size=6, unique=True)):
+    for name in draw(st.lists(st.sampled_from(fields), max_size=6, unique=True)):
         body[name] = draw(VALUES)
     if draw(st.booleans()):
         body["prompt"] = draw(
@@ -85,12 +69,17 @@ def bodies(draw):
 
 def test_fuzzed_bodies_never_give_5xx(server):
     url, state = server
-    paths = ["/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"]
+    fields = schema_fields(url)
+    assert set(fields) == {"/v1/completions", "/v1/chat/completions", "/tokenize", "/detokenize"}
+    routes = st.sampled_from(sorted(fields)).flatmap(
+        lambda path: st.tuples(st.just(path), bodies(fields[path]))
+    )
     with httpx.Client(base_url=url, timeout=30) as http:
 
-        @settings(max_examples=120, deadline=None, suppress_health_check=list(HealthCheck))
-        @given(path=st.sampled_from(paths), body=bodies())
-        def check(path, body):
+        @settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck))
+        @given(route=routes)
+        def check(route):
+            path, body = route
             reply = http.post(path, json=body)
             assert reply.status_code < 500, (path, body, reply.text)
             if reply.status_code >= 400:
