@@ -22,10 +22,11 @@ class TorchOps:
         return rms_norm(x, weight, eps)
 
     def add_rms_norm2(
-        self, x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor, w_next, eps: float
+        self, x: torch.Tensor, branch: torch.Tensor, w_branch, w_next, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x + RMSNorm(branch), and RMSNorm of that sum with the next weight."""
-        x = x + rms_norm(branch, w_branch, eps)
+        """x + RMSNorm(branch) (x + branch when w_branch is None), and RMSNorm of that sum
+        with the next weight."""
+        x = x + (branch if w_branch is None else rms_norm(branch, w_branch, eps))
         return x, rms_norm(x, w_next, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:

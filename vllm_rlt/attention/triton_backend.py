@@ -44,7 +44,7 @@ class TritonOps:
         return out
 
     def add_rms_norm2(
-        self, x: torch.Tensor, branch: torch.Tensor, w_branch: torch.Tensor, w_next, eps: float
+        self, x: torch.Tensor, branch: torch.Tensor, w_branch, w_next, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         rows, n = x.shape
         x_out, normed = torch.empty_like(x), torch.empty_like(x)
@@ -52,7 +52,7 @@ class TritonOps:
             _add_rms_norm2_kernel[(rows,)](
                 x,
                 branch,
-                w_branch,
+                w_next if w_branch is None else w_branch,
                 w_next,
                 x_out,
                 normed,
@@ -61,6 +61,7 @@ class TritonOps:
                 n,
                 eps,
                 BLOCK=triton.next_power_of_2(n),
+                NORM_BRANCH=w_branch is not None,
             )
         return x_out, normed
 

@@ -16,8 +16,13 @@ from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.models.ouro import OuroModel
 
 
+def _branch(output: torch.Tensor, weight: torch.Tensor | None, cfg) -> torch.Tensor:
+    """Ouro's sandwich norm on a branch output; families without one add it as is."""
+    return output if weight is None else rms_norm(output, weight, cfg.rms_norm_eps)
+
+
 class NaiveOuro:
-    def __init__(self, model: OuroModel, batch: int, max_len: int) -> None:
+    def __init__(self, model: OuroModel, batch: int, max_len: int) -> None:  # any loop family
         cfg = model.config
         self.model = model
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
@@ -52,13 +57,12 @@ class NaiveOuro:
                     mask = torch.ones(n, end, dtype=torch.bool, device=hidden.device).tril(start)
                 attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
                 attn = attn.transpose(1, 2).reshape(b, n, heads * d)
-                o = rms_norm(F.linear(attn, layer.o), layer.attn_out_norm, cfg.rms_norm_eps)
-                hidden = hidden + o
+                hidden = hidden + _branch(F.linear(attn, layer.o), layer.attn_out_norm, cfg)
                 gate, up = F.linear(
                     rms_norm(hidden, layer.mlp_norm, cfg.rms_norm_eps), layer.gate_up
                 ).chunk(2, -1)
                 mlp = F.linear(F.silu(gate) * up, layer.down)
-                hidden = hidden + rms_norm(mlp, layer.mlp_out_norm, cfg.rms_norm_eps)
+                hidden = hidden + _branch(mlp, layer.mlp_out_norm, cfg)
             hidden = rms_norm(hidden, model.final_norm, cfg.rms_norm_eps)
         self.length = end
         return hidden

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm_rlt.models.ouro import OuroConfig, OuroModel
+from vllm_rlt.models.registry import resolve_family
 from vllm_rlt.models.toy import toy_config_dict
 
 
@@ -26,18 +26,40 @@ def _ouro_shape(layers: int) -> dict:
     }
 
 
+def _nanbeige_shape() -> dict:
+    """Nanbeige4.2-3B (model-spec §3.1)."""
+    return {
+        "model_type": "nanbeige",
+        "vocab_size": 166144,
+        "hidden_size": 3072,
+        "intermediate_size": 10752,
+        "num_hidden_layers": 22,
+        "num_attention_heads": 48,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 70000000.0,
+        "max_position_embeddings": 262144,
+        "num_loops": 2,
+        "eos_token_id": 166101,
+    }
+
+
 SHAPES = {
     "toy": toy_config_dict,
     "ouro-1.4b": lambda: _ouro_shape(24),
     "ouro-2.6b": lambda: _ouro_shape(48),
+    "nanbeige-4.2-3b": _nanbeige_shape,
 }
 
 
-def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0) -> OuroModel:
+def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """A model of the named shape with seeded random weights scaled like the toy's."""
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
-    config = OuroConfig.from_dict(SHAPES[shape]())
+    raw = SHAPES[shape]()
+    config_class, model_class = resolve_family(raw)
+    config = config_class.from_dict(raw)
     generator = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, size in config.checkpoint_shapes().items():
@@ -49,6 +71,6 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int
             tensor = torch.randn(size, generator=generator, device=device, dtype=torch.float32)
             tensor = (tensor * (1.0 / size[-1] ** 0.5)).to(dtype)
         weights[name] = tensor
-    model = OuroModel(config, weights, dtype, device)
+    model = model_class(config, weights, dtype, device)
     del weights
     return model

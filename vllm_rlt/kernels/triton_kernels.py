@@ -37,16 +37,20 @@ def _add_rms_norm2_kernel(
     n,
     eps,
     BLOCK: tl.constexpr,
+    NORM_BRANCH: tl.constexpr,
 ):
-    """x_out = x + w1 * norm(y); n_out = w2 * norm(x_out)."""
+    """x_out = x + w1 * norm(y) (x + y without NORM_BRANCH); n_out = w2 * norm(x_out)."""
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     dtype = x_out_ptr.dtype.element_ty
     y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    y_rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / n + eps)
-    w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    branch = (w1 * (y * y_rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    if NORM_BRANCH:
+        y_rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / n + eps)
+        w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+        branch = (w1 * (y * y_rstd).to(dtype).to(tl.float32)).to(dtype).to(tl.float32)
+    else:
+        branch = y
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
     x = (x + branch).to(dtype)
     tl.store(x_out_ptr + row * n + cols, x, mask=mask)

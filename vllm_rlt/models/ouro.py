@@ -175,9 +175,9 @@ class OuroLayerWeights:
     gate_up: torch.Tensor  # [2 * intermediate, hidden]
     down: torch.Tensor  # [hidden, intermediate]
     attn_norm: torch.Tensor  # [hidden] input_layernorm (pre-attention)
-    attn_out_norm: torch.Tensor  # [hidden] input_layernorm_2 (on the attention branch)
+    attn_out_norm: torch.Tensor | None  # [hidden] input_layernorm_2 (on the attention branch)
     mlp_norm: torch.Tensor  # [hidden] post_attention_layernorm (pre-MLP)
-    mlp_out_norm: torch.Tensor  # [hidden] post_attention_layernorm_2 (on the MLP branch)
+    mlp_out_norm: torch.Tensor | None  # [hidden] post_attention_layernorm_2 (on the MLP branch)
 
 
 class OuroModel:
@@ -201,31 +201,34 @@ class OuroModel:
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
         self.final_norm = take("model.norm.weight")  # [hidden]
-        self.gate_weight = take("model.early_exit_gate.weight")  # [1, hidden]
-        self.gate_bias = take("model.early_exit_gate.bias")  # [1]
-        self.layers: list[OuroLayerWeights] = []
-        for layer in range(config.num_hidden_layers):
-            p = f"model.layers.{layer}."
-            self.layers.append(
-                OuroLayerWeights(
-                    qkv=torch.cat(
-                        [take(p + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]
-                    ),
-                    o=take(p + "self_attn.o_proj.weight"),
-                    gate_up=torch.cat(
-                        [take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]
-                    ),
-                    down=take(p + "mlp.down_proj.weight"),
-                    attn_norm=take(p + "input_layernorm.weight"),
-                    attn_out_norm=take(p + "input_layernorm_2.weight"),
-                    mlp_norm=take(p + "post_attention_layernorm.weight"),
-                    mlp_out_norm=take(p + "post_attention_layernorm_2.weight"),
-                )
-            )
+        self._load_gate(take)
+        self.layers = [
+            self._load_layer(take, f"model.layers.{layer}.")
+            for layer in range(config.num_hidden_layers)
+        ]
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, dtype, self.device
         )
         self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    def _load_gate(self, take) -> None:
+        self.gate_weight = take("model.early_exit_gate.weight")  # [1, hidden]
+        self.gate_bias = take("model.early_exit_gate.bias")  # [1]
+
+    @staticmethod
+    def _load_layer(take, prefix: str) -> OuroLayerWeights:
+        return OuroLayerWeights(
+            qkv=torch.cat([take(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]),
+            o=take(prefix + "self_attn.o_proj.weight"),
+            gate_up=torch.cat(
+                [take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")]
+            ),
+            down=take(prefix + "mlp.down_proj.weight"),
+            attn_norm=take(prefix + "input_layernorm.weight"),
+            attn_out_norm=take(prefix + "input_layernorm_2.weight"),
+            mlp_norm=take(prefix + "post_attention_layernorm.weight"),
+            mlp_out_norm=take(prefix + "post_attention_layernorm_2.weight"),
+        )
 
     def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embed token ids [rows] into the residual stream [rows, hidden]."""
@@ -243,7 +246,8 @@ class OuroModel:
 
         Each residual add is fused with the norm that follows it: the post-attention add with
         the pre-MLP norm, the post-MLP add with the next layer's pre-attention norm (or, after
-        the last layer, the loop's final norm).
+        the last layer, the loop's final norm). A family without sandwich norms (branch norm
+        None) adds the branch as it is.
         """
         cfg = self.config
         eps = cfg.rms_norm_eps

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Protocol
 
+from vllm_rlt.models.nanbeige import NanbeigeConfig, NanbeigeModel
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 
 
@@ -11,7 +12,10 @@ class ModelFamily(Protocol):
     def from_dict(self, raw: dict[str, Any]) -> Any: ...
 
 
-MODEL_REGISTRY: dict[str, tuple[type, type]] = {"ouro": (OuroConfig, OuroModel)}
+MODEL_REGISTRY: dict[str, tuple[type, type]] = {
+    "ouro": (OuroConfig, OuroModel),
+    "nanbeige": (NanbeigeConfig, NanbeigeModel),
+}
 
 
 def resolve_family(raw_config: dict[str, Any]) -> tuple[type, type]:

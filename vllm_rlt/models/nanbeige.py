@@ -1,0 +1,172 @@
+"""Nanbeige4.2 (model-spec §3): a plain pre-norm Llama stack run a fixed number of loops,
+with the final norm at the end of every loop and no exit gate."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from vllm_rlt.models.ouro import OuroLayerWeights, OuroModel
+
+_HARMLESS_KEYS = {
+    "architectures",
+    "auto_map",
+    "transformers_version",
+    "torch_dtype",
+    "dtype",
+    "use_cache",
+    "_name_or_path",
+    "initializer_range",
+    "attention_dropout",
+    "hidden_act",
+    "pad_token_id",
+    "bos_token_id",
+    "eos_token_id",
+    "rope_scaling",
+    "pretraining_tp",
+    "kv_channels",
+    "model_type",
+    "attention_bias",
+    "mlp_bias",
+    "skip_loop_final_norm",
+    "loop_loss_weights",
+}
+# Variants the checkpoint family can switch on; none is implemented, so each is refused.
+_UNSUPPORTED_FLAGS = (
+    "qk_layernorm",
+    "enable_double_loop_split",
+    "loop_middle_layers",
+    "loop_share_kv",
+    "enable_hyper_connection",
+    "enable_mhc",
+    "enable_depth_attention",
+    "emb_neighbor_num",
+    "emb_split_num",
+    "ngram_vocab_size_ratio",
+    "insert_ngram_layer_idx",
+)
+
+
+@dataclass(frozen=True)
+class NanbeigeConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    num_loops: int
+    tie_word_embeddings: bool = False
+    eos_token_ids: tuple[int, ...] = ()
+    early_exit_threshold: float = 1.0  # no gate: fixed depth unless a request asks otherwise
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> NanbeigeConfig:
+        known = {f.name for f in fields(cls)} - {"eos_token_ids", "early_exit_threshold"}
+        unknown = sorted(set(raw) - known - _HARMLESS_KEYS - set(_UNSUPPORTED_FLAGS))
+        if unknown:
+            raise ValueError(f"config.json: unsupported Nanbeige config keys: {', '.join(unknown)}")
+        enabled = [flag for flag in _UNSUPPORTED_FLAGS if raw.get(flag)]
+        if enabled:
+            raise ValueError(f"config.json: unsupported Nanbeige variants: {', '.join(enabled)}")
+        if raw.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"config.json: hidden_act must be 'silu', got {raw['hidden_act']!r}")
+        for flag in ("attention_bias", "mlp_bias", "skip_loop_final_norm"):
+            if raw.get(flag):
+                raise ValueError(f"config.json: {flag}=true is not supported")
+        if raw.get("loop_loss_weights"):
+            raise ValueError(
+                "config.json: loop_loss_weights (training-only extra loops) must be []"
+            )
+        if raw.get("rope_scaling") not in (None, {}):
+            raise ValueError("config.json: rope_scaling is not supported")
+        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+        missing = [name for name in (*required, "num_attention_heads") if name not in raw]
+        if missing:
+            raise ValueError(f"config.json: missing required keys: {', '.join(missing)}")
+        heads = raw["num_attention_heads"]
+        if not isinstance(heads, int) or heads < 1:
+            raise ValueError(f"config.json: num_attention_heads must be >= 1, got {heads!r}")
+        eos = raw.get("eos_token_id")
+        config = cls(
+            vocab_size=raw["vocab_size"],
+            hidden_size=raw["hidden_size"],
+            intermediate_size=raw["intermediate_size"],
+            num_hidden_layers=raw["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=raw.get("num_key_value_heads", heads),
+            head_dim=raw.get("head_dim") or raw.get("kv_channels") or raw["hidden_size"] // heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            max_position_embeddings=raw.get("max_position_embeddings", 4096),
+            num_loops=raw.get("num_loops", 2),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+        )
+        for name in ("num_key_value_heads", "head_dim", "num_loops", "max_position_embeddings"):
+            value = getattr(config, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
+        if heads % config.num_key_value_heads:
+            raise ValueError(
+                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
+            )
+        return config
+
+    def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every tensor of an HF Nanbeige checkpoint (model-spec §3.2): plain Llama names."""
+        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
+        q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
+        shapes: dict[str, tuple[int, ...]] = {
+            "model.embed_tokens.weight": (self.vocab_size, h),
+            "model.norm.weight": (h,),
+        }
+        if not self.tie_word_embeddings:
+            shapes["lm_head.weight"] = (self.vocab_size, h)
+        for layer in range(self.num_hidden_layers):
+            p = f"model.layers.{layer}."
+            shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+            shapes[p + "mlp.gate_proj.weight"] = (i, h)
+            shapes[p + "mlp.up_proj.weight"] = (i, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, i)
+            shapes[p + "input_layernorm.weight"] = (h,)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+        return shapes
+
+
+class NanbeigeModel(OuroModel):
+    """The Ouro stages with plain pre-norm layers (no branch norms) and no gate."""
+
+    def _load_gate(self, take) -> None:
+        self.gate_weight = self.gate_bias = None
+
+    @staticmethod
+    def _load_layer(take, prefix: str) -> OuroLayerWeights:
+        return OuroLayerWeights(
+            qkv=torch.cat([take(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]),
+            o=take(prefix + "self_attn.o_proj.weight"),
+            gate_up=torch.cat(
+                [take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")]
+            ),
+            down=take(prefix + "mlp.down_proj.weight"),
+            attn_norm=take(prefix + "input_layernorm.weight"),
+            attn_out_norm=None,
+            mlp_norm=take(prefix + "post_attention_layernorm.weight"),
+            mlp_out_norm=None,
+        )
+
+    def gate(self, hidden: torch.Tensor) -> torch.Tensor:
+        """No gate in the checkpoint: a zero hazard, so only thresholds of 0 or max_loops
+        end a token before the full depth."""
+        return torch.full(
+            (hidden.shape[0],), float("-inf"), dtype=torch.float32, device=hidden.device
+        )
