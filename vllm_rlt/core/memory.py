@@ -30,10 +30,6 @@ class MemoryPlan:
     source: str  # "num_blocks" | "kv_cache_memory_bytes" | "cpu_default" | "gpu_profile"
     details: dict[str, int] | None = None
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return self.num_blocks * self.bytes_per_block
-
 
 def bytes_per_block(model_config, planes: int, block_size: int, dtype: torch.dtype) -> int:
     """K and V for every layer and plane of one block."""

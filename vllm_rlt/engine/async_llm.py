@@ -4,6 +4,7 @@ submit requests and cancellations through a queue and receive outputs as they co
 from __future__ import annotations
 
 import asyncio
+import logging
 import queue
 import threading
 import time
@@ -15,6 +16,8 @@ from vllm_rlt.engine.output_processor import TextTracker
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
@@ -92,7 +95,6 @@ class AsyncLLM:
         self.max_waiting = max_waiting
         self.on_step = on_step
         self.dead: BaseException | None = None
-        self.observer_error: BaseException | None = None  # the last failure of on_step
         self.last_progress = time.monotonic()
         self.num_waiting = 0  # requests not yet admitted, as last seen by the engine thread
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -215,8 +217,8 @@ class AsyncLLM:
             return
         try:
             self.on_step(self.engine, outputs)
-        except Exception as exc:  # noqa: BLE001
-            self.observer_error = exc
+        except Exception:  # noqa: BLE001
+            logger.exception("step observer failed; the engine keeps running")
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)

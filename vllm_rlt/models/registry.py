@@ -2,15 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+from typing import Any
 
 from vllm_rlt.models.nanbeige import NanbeigeConfig, NanbeigeModel
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
-
-
-class ModelFamily(Protocol):
-    def from_dict(self, raw: dict[str, Any]) -> Any: ...
-
 
 MODEL_REGISTRY: dict[str, tuple[type, type]] = {
     "ouro": (OuroConfig, OuroModel),

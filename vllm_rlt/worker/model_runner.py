@@ -95,10 +95,6 @@ class ModelRunner:
         self.graphs = None  # set by the engine when CUDA graphs are enabled
         self.uploads = HostUploads(max_slots + 1, model.device)
 
-    @property
-    def kv_cache_bytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in self.k_caches + self.v_caches)
-
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Run one pass and wait for its results."""
         return self.collect(self.launch(out))
