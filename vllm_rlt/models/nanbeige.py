@@ -8,26 +8,12 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.models.ouro import OuroLayerWeights, OuroModel
+from vllm_rlt.models.hf_config import COMMON_HARMLESS_KEYS, eos_token_ids, llama_layer_shapes
+from vllm_rlt.models.ouro import OuroModel
 
-_HARMLESS_KEYS = {
-    "architectures",
-    "auto_map",
-    "transformers_version",
-    "torch_dtype",
-    "dtype",
-    "use_cache",
-    "_name_or_path",
-    "initializer_range",
-    "attention_dropout",
-    "hidden_act",
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
-    "rope_scaling",
+_HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
     "pretraining_tp",
     "kv_channels",
-    "model_type",
     "attention_bias",
     "mlp_bias",
     "skip_loop_final_norm",
@@ -93,7 +79,6 @@ class NanbeigeConfig:
         heads = raw["num_attention_heads"]
         if not isinstance(heads, int) or heads < 1:
             raise ValueError(f"config.json: num_attention_heads must be >= 1, got {heads!r}")
-        eos = raw.get("eos_token_id")
         config = cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -107,7 +92,7 @@ class NanbeigeConfig:
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             num_loops=raw.get("num_loops", 2),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,)),
+            eos_token_ids=eos_token_ids(raw),
         )
         for name in ("num_key_value_heads", "head_dim", "num_loops", "max_position_embeddings"):
             value = getattr(config, name)
@@ -121,26 +106,7 @@ class NanbeigeConfig:
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of an HF Nanbeige checkpoint (model-spec §3.2): plain Llama names."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
-        shapes: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (self.vocab_size, h),
-            "model.norm.weight": (h,),
-        }
-        if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (self.vocab_size, h)
-        for layer in range(self.num_hidden_layers):
-            p = f"model.layers.{layer}."
-            shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
-            shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
-            shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
-            shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
-            shapes[p + "mlp.gate_proj.weight"] = (i, h)
-            shapes[p + "mlp.up_proj.weight"] = (i, h)
-            shapes[p + "mlp.down_proj.weight"] = (h, i)
-            shapes[p + "input_layernorm.weight"] = (h,)
-            shapes[p + "post_attention_layernorm.weight"] = (h,)
-        return shapes
+        return llama_layer_shapes(self, branch_norms=False)
 
 
 class NanbeigeModel(OuroModel):
@@ -149,20 +115,7 @@ class NanbeigeModel(OuroModel):
     def _load_gate(self, take) -> None:
         self.gate_weight = self.gate_bias = None
 
-    @staticmethod
-    def _load_layer(take, prefix: str) -> OuroLayerWeights:
-        return OuroLayerWeights(
-            qkv=torch.cat([take(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]),
-            o=take(prefix + "self_attn.o_proj.weight"),
-            gate_up=torch.cat(
-                [take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")]
-            ),
-            down=take(prefix + "mlp.down_proj.weight"),
-            attn_norm=take(prefix + "input_layernorm.weight"),
-            attn_out_norm=None,
-            mlp_norm=take(prefix + "post_attention_layernorm.weight"),
-            mlp_out_norm=None,
-        )
+    branch_norms = False
 
     def gate(self, hidden: torch.Tensor) -> torch.Tensor:
         """No gate in the checkpoint: a zero hazard, so only thresholds of 0 or max_loops

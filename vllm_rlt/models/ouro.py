@@ -11,29 +11,14 @@ import torch.nn.functional as F
 
 from vllm_rlt.attention import AttentionMetadata
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.models.hf_config import COMMON_HARMLESS_KEYS, eos_token_ids, llama_layer_shapes
 
-# Keys real checkpoints carry that do not change the computation.
-_HARMLESS_KEYS = {
-    "architectures",
-    "auto_map",
-    "transformers_version",
-    "torch_dtype",
-    "dtype",
-    "use_cache",
-    "_name_or_path",
-    "initializer_range",
-    "attention_dropout",
-    "hidden_act",
+_HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
     "max_window_layers",
-    "pad_token_id",
-    "bos_token_id",
-    "eos_token_id",
     "use_sliding_window",
     "sliding_window",
     "layer_types",
-    "rope_scaling",
     "early_exit_step",
-    "model_type",
 }
 
 
@@ -94,8 +79,6 @@ class OuroConfig:
         for name in ("hidden_size", "num_attention_heads"):
             _require_positive_int(name, raw[name])
         heads = raw["num_attention_heads"]
-        eos = raw.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
         config = cls(
             vocab_size=raw["vocab_size"],
             hidden_size=raw["hidden_size"],
@@ -110,7 +93,7 @@ class OuroConfig:
             total_ut_steps=raw.get("total_ut_steps", 4),
             early_exit_threshold=float(raw.get("early_exit_threshold", 1.0)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_ids,
+            eos_token_ids=eos_token_ids(raw),
         )
         config.validate()
         return config
@@ -137,33 +120,11 @@ class OuroConfig:
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor name of an HF Ouro checkpoint and its shape (model-spec §2.3)."""
-        h, i, d = self.hidden_size, self.intermediate_size, self.head_dim
-        q_out, kv_out = self.num_attention_heads * d, self.num_key_value_heads * d
-        shapes: dict[str, tuple[int, ...]] = {
-            "model.embed_tokens.weight": (self.vocab_size, h),
-            "model.norm.weight": (h,),
-            "model.early_exit_gate.weight": (1, h),
+        gate = {
+            "model.early_exit_gate.weight": (1, self.hidden_size),
             "model.early_exit_gate.bias": (1,),
         }
-        if not self.tie_word_embeddings:
-            shapes["lm_head.weight"] = (self.vocab_size, h)
-        for layer in range(self.num_hidden_layers):
-            prefix = f"model.layers.{layer}."
-            shapes[prefix + "self_attn.q_proj.weight"] = (q_out, h)
-            shapes[prefix + "self_attn.k_proj.weight"] = (kv_out, h)
-            shapes[prefix + "self_attn.v_proj.weight"] = (kv_out, h)
-            shapes[prefix + "self_attn.o_proj.weight"] = (h, q_out)
-            shapes[prefix + "mlp.gate_proj.weight"] = (i, h)
-            shapes[prefix + "mlp.up_proj.weight"] = (i, h)
-            shapes[prefix + "mlp.down_proj.weight"] = (h, i)
-            for norm in (
-                "input_layernorm",
-                "input_layernorm_2",
-                "post_attention_layernorm",
-                "post_attention_layernorm_2",
-            ):
-                shapes[prefix + norm + ".weight"] = (h,)
-        return shapes
+        return llama_layer_shapes(self, branch_norms=True, extra=gate)
 
 
 @dataclass
@@ -215,8 +176,13 @@ class OuroModel:
         self.gate_weight = take("model.early_exit_gate.weight")  # [1, hidden]
         self.gate_bias = take("model.early_exit_gate.bias")  # [1]
 
-    @staticmethod
-    def _load_layer(take, prefix: str) -> OuroLayerWeights:
+    # Ouro wraps each branch output in its own norm before the residual add.
+    branch_norms = True
+
+    def _load_layer(self, take, prefix: str) -> OuroLayerWeights:
+        def branch_norm(name: str) -> torch.Tensor | None:
+            return take(prefix + name + ".weight") if self.branch_norms else None
+
         return OuroLayerWeights(
             qkv=torch.cat([take(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]),
             o=take(prefix + "self_attn.o_proj.weight"),
@@ -225,9 +191,9 @@ class OuroModel:
             ),
             down=take(prefix + "mlp.down_proj.weight"),
             attn_norm=take(prefix + "input_layernorm.weight"),
-            attn_out_norm=take(prefix + "input_layernorm_2.weight"),
+            attn_out_norm=branch_norm("input_layernorm_2"),
             mlp_norm=take(prefix + "post_attention_layernorm.weight"),
-            mlp_out_norm=take(prefix + "post_attention_layernorm_2.weight"),
+            mlp_out_norm=branch_norm("post_attention_layernorm_2"),
         )
 
     def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
