@@ -205,30 +205,21 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         serving = state.ready()
-        if body.model is not None:
-            serving.check_model(body.model)
-        if serving.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer")
         if body.messages is not None:
-            messages = [m.model_dump(exclude_none=True) for m in body.messages]
-            text = serving.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-            tokens = serving.tokenizer.encode(text, add_special_tokens=False)
+            _, tokens = serving.chat_prompt(body.model, body.messages)
         else:
-            tokens = serving.tokenizer.encode(body.prompt or "", body.add_special_tokens)
+            tokenizer = serving.tokenizer_for(body.model)
+            tokens = tokenizer.encode(body.prompt or "", body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        serving = state.ready()
-        if body.model is not None:
-            serving.check_model(body.model)
-        if serving.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer")
-        vocab = serving.tokenizer.vocab_size
+        tokenizer = state.ready().tokenizer_for(body.model)
+        vocab = tokenizer.vocab_size
         for token in body.tokens:
             if not 0 <= token < vocab:
                 raise APIError(400, f"tokens entries must be in [0, {vocab - 1}]", param="tokens")
-        return {"prompt": serving.tokenizer.decode(body.tokens)}
+        return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

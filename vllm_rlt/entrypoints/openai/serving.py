@@ -109,16 +109,26 @@ class OpenAIServing:
             exit_depths=request.return_exit_depths,
         )
 
-    def chat_job(self, request: ChatCompletionRequest) -> Job:
-        self.check_model(request.model)
+    def tokenizer_for(self, model: str | None) -> Tokenizer:
+        """The tokenizer, after checking the model name when one is given."""
+        if model is not None:
+            self.check_model(model)
         if self.tokenizer is None:
-            raise APIError(400, "this model has no tokenizer, so no chat template")
-        messages = [m.model_dump(exclude_none=True) for m in request.messages]
+            raise APIError(400, "this model has no tokenizer")
+        return self.tokenizer
+
+    def chat_prompt(self, model: str | None, messages: list) -> tuple[str, list[int]]:
+        """Render messages with the chat template; (text, token ids)."""
+        tokenizer = self.tokenizer_for(model)
+        dicts = [m.model_dump(exclude_none=True) for m in messages]
         try:
-            text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
         except ValueError as exc:
             raise APIError(400, str(exc), param="messages") from exc
-        ids = self.tokenizer.encode(text, add_special_tokens=False)
+        return text, tokenizer.encode(text, add_special_tokens=False)
+
+    def chat_job(self, request: ChatCompletionRequest) -> Job:
+        text, ids = self.chat_prompt(request.model, request.messages)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, self.max_model_len - len(ids)))
