@@ -66,6 +66,11 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_sampling_args(generate)
     add_engine_args(generate)
+    sub.add_parser(
+        "bench",
+        help="benchmarks: `vllm-rlt bench throughput --help`, `vllm-rlt bench serve --help`",
+        add_help=False,
+    )
     serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
     serve.add_argument("model_path", nargs="?", default=None, help="model folder (or --model)")
     add_server_args(serve)
