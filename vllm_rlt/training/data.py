@@ -1,0 +1,81 @@
+"""Seeded generators of short checkable problems: `347+589=` -> `936`, then end of text.
+
+Each task has one answer, and its difficulty varies from token to token (a carry makes some
+digits harder than others), which gives a trained exit gate something real to decide.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+
+Problem = tuple[str, str]  # (prompt, answer)
+
+
+def _add(rng: random.Random) -> Problem:
+    a, b = rng.randrange(100, 1000), rng.randrange(100, 1000)
+    return f"{a}+{b}=", str(a + b)
+
+
+def _sub(rng: random.Random) -> Problem:
+    a, b = sorted((rng.randrange(100, 1000), rng.randrange(100, 1000)), reverse=True)
+    return f"{a}-{b}=", str(a - b)
+
+
+def _mul(rng: random.Random) -> Problem:
+    a, b = rng.randrange(100, 1000), rng.randrange(2, 10)
+    return f"{a}*{b}=", str(a * b)
+
+
+def _sort(rng: random.Random) -> Problem:
+    digits = [rng.randrange(10) for _ in range(rng.randrange(4, 7))]
+    return f"sort {''.join(map(str, digits))}=", "".join(map(str, sorted(digits)))
+
+
+def _reverse(rng: random.Random) -> Problem:
+    word = "".join(rng.choice("abcdefghij") for _ in range(rng.randrange(4, 8)))
+    return f"rev {word}=", word[::-1]
+
+
+def _count(rng: random.Random) -> Problem:
+    letter = rng.choice("abc")
+    text = "".join(rng.choice("abc") for _ in range(rng.randrange(5, 10)))
+    return f"count {letter} {text}=", str(text.count(letter))
+
+
+TASKS: dict[str, Callable[[random.Random], Problem]] = {
+    "add": _add,
+    "sub": _sub,
+    "mul": _mul,
+    "sort": _sort,
+    "reverse": _reverse,
+    "count": _count,
+}
+
+TRAIN_SEED = 1
+EVAL_SEED = 2
+
+
+def problems(task: str, count: int, seed: int, exclude: set[str] | None = None) -> list[Problem]:
+    """`count` distinct problems of one task, never one whose prompt is in `exclude`."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {', '.join(TASKS)}, got {task!r}")
+    rng = random.Random(f"{task}:{seed}")
+    seen: set[str] = set(exclude or ())
+    out: list[Problem] = []
+    attempts = 0
+    while len(out) < count:
+        attempts += 1
+        if attempts > 50 * count + 1000:
+            raise ValueError(f"task {task!r} cannot supply {count} distinct problems")
+        prompt, answer = TASKS[task](rng)
+        if prompt in seen:
+            continue
+        seen.add(prompt)
+        out.append((prompt, answer))
+    return out
+
+
+def held_out(task: str, count: int, training: list[Problem]) -> list[Problem]:
+    """An evaluation set drawn with its own seed and checked against the training prompts."""
+    return problems(task, count, EVAL_SEED, exclude={p for p, _ in training})

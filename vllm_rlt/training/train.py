@@ -1,0 +1,226 @@
+"""Train a small looped model on the checkable tasks, in two stages (model-spec §2.9).
+
+Stage 1 trains everything on the expected loss over exit steps plus an entropy regulariser
+(KL to the uniform exit distribution). Stage 2 freezes the backbone and trains the gate
+towards "exit once one more loop no longer improves this token's loss".
+
+    python -m vllm_rlt.training.train --out trained --device cuda
+    python -m vllm_rlt.training.train --out /tmp/smoke --smoke          # CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import save_file
+
+from vllm_rlt.models.ouro import OuroConfig
+from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.tokenizer.byte_level import BYTE_OFFSET, BYTE_VOCAB_SIZE, ENDOFTEXT_ID, IM_END_ID
+from vllm_rlt.training.data import TASKS, TRAIN_SEED, Problem, held_out, problems
+from vllm_rlt.training.model import TrainableOuro, exit_distribution
+
+
+def model_config(args: argparse.Namespace) -> dict:
+    return {
+        "architectures": ["OuroForCausalLM"],
+        "model_type": "ouro",
+        "vocab_size": BYTE_VOCAB_SIZE,
+        "hidden_size": args.hidden,
+        "intermediate_size": args.hidden * 8 // 3 // 32 * 32,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": args.hidden // 32,
+        "num_key_value_heads": args.hidden // 32,
+        "head_dim": 32,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "total_ut_steps": 4,
+        "early_exit_threshold": 1.0,
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": [ENDOFTEXT_ID, IM_END_ID],
+        "torch_dtype": "float32",
+    }
+
+
+def encode(problem: Problem) -> tuple[list[int], int]:
+    """Token ids of prompt + answer + EOS, and the index of the first answer token."""
+    prompt, answer = problem
+    ids = [BYTE_OFFSET + b for b in (prompt + answer).encode()] + [ENDOFTEXT_ID]
+    return ids, len(prompt.encode())
+
+
+def batch(sample: list[Problem], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs [B, S], targets [B, S] and a mask [B, S] that is 1 on answer and EOS targets."""
+    encoded = [encode(p) for p in sample]
+    length = max(len(ids) for ids, _ in encoded)
+    inputs = torch.full((len(sample), length), ENDOFTEXT_ID, dtype=torch.long)
+    targets = torch.full_like(inputs, ENDOFTEXT_ID)
+    mask = torch.zeros(len(sample), length)
+    for row, (ids, start) in enumerate(encoded):
+        inputs[row, : len(ids)] = torch.tensor(ids)
+        targets[row, : len(ids) - 1] = torch.tensor(ids[1:])
+        mask[row, start - 1 : len(ids) - 1] = 1.0
+    return inputs.to(device), targets.to(device), mask.to(device)
+
+
+def per_loop_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of every loop's logits: [T, B, S]."""
+    loops = logits.shape[0]
+    flat = logits.reshape(-1, logits.shape[-1])
+    return F.cross_entropy(flat, targets.repeat(loops, 1).reshape(-1), reduction="none").view(
+        loops, *targets.shape
+    )
+
+
+def stage1_loss(model, inputs, targets, mask, beta: float) -> torch.Tensor:
+    logits, hazards = model(inputs)
+    ce = per_loop_loss(logits, targets)
+    probs = exit_distribution(hazards)
+    expected = (probs * ce).sum(0)
+    kl = (probs * torch.log(probs.clamp_min(1e-9) * probs.shape[0])).sum(0)
+    return ((expected + beta * kl) * mask).sum() / mask.sum()
+
+
+def stage2_loss(model, inputs, targets, mask, k: float = 50.0, gamma: float = 0.005):
+    logits, hazards = model(inputs)
+    ce = per_loop_loss(logits.detach(), targets)
+    improvement = ce[:-1] - ce[1:]  # what one more loop gains, per loop and token
+    keep_going = torch.sigmoid(k * (improvement - gamma))
+    target = 1.0 - keep_going
+    bce = F.binary_cross_entropy(hazards[:-1].clamp(1e-6, 1 - 1e-6), target, reduction="none")
+    return (bce.mean(0) * mask).sum() / mask.sum()
+
+
+@torch.no_grad()
+def exact_match(model, sample: list[Problem], device, loops: int | None = None) -> float:
+    """Greedy decoding at a fixed depth (default: all loops), batched; fraction correct."""
+    model.eval()
+    correct = 0
+    for start in range(0, len(sample), 256):
+        chunk = sample[start : start + 256]
+        seqs = [[BYTE_OFFSET + b for b in p.encode()] for p, _ in chunk]
+        done = [False] * len(chunk)
+        outs: list[list[int]] = [[] for _ in chunk]
+        for _ in range(12):
+            width = max(len(s) for s in seqs)
+            ids = torch.tensor([s + [ENDOFTEXT_ID] * (width - len(s)) for s in seqs], device=device)
+            logits, _ = model(ids)
+            depth = (loops or logits.shape[0]) - 1
+            last = torch.tensor([len(s) - 1 for s in seqs], device=device)
+            nxt = logits[depth, torch.arange(len(seqs), device=device), last].argmax(-1).tolist()
+            for i, token in enumerate(nxt):
+                if not done[i]:
+                    if token == ENDOFTEXT_ID:
+                        done[i] = True
+                    else:
+                        outs[i].append(token)
+                seqs[i].append(token)
+        for (_, answer), out in zip(chunk, outs, strict=True):
+            text = bytes(t - BYTE_OFFSET for t in out if t >= BYTE_OFFSET).decode(errors="replace")
+            correct += text == answer
+    model.train()
+    return correct / len(sample)
+
+
+def train(args: argparse.Namespace) -> dict:
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    device = torch.device(args.device)
+    raw = model_config(args)
+    model = TrainableOuro(OuroConfig.from_dict(raw)).to(device)
+    training = {task: problems(task, args.train_size, TRAIN_SEED) for task in TASKS}
+    evaluation = {task: held_out(task, args.eval_size, training[task]) for task in TASKS}
+    pool = [p for task in TASKS for p in training[task]]
+    rng = random.Random(args.seed)
+    record: dict = {"config": raw, "args": vars(args), "stages": {}}
+
+    def run_stage(name: str, steps: int, params, loss_fn, lr: float) -> None:
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        begin = time.time()
+        losses = []
+        for step in range(steps):
+            scale = min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / steps))
+            for group in optimizer.param_groups:
+                group["lr"] = lr * scale
+            loss = loss_fn(model, *batch(rng.sample(pool, args.batch), device))
+            optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(params, 1.0)
+            optimizer.step()
+            losses.append(loss.item())
+        record["stages"][name] = {
+            "steps": steps,
+            "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1),
+            "seconds": time.time() - begin,
+        }
+
+    run_stage(
+        "stage1",
+        args.steps1,
+        list(model.parameters()),
+        lambda m, *b: stage1_loss(m, *b, beta=args.beta),
+        args.lr,
+    )
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    gate = list(model.model.early_exit_gate.parameters())
+    for parameter in gate:
+        parameter.requires_grad_(True)
+    run_stage("stage2", args.steps2, gate, stage2_loss, args.lr)
+    sample = {task: evaluation[task][: args.eval_size] for task in TASKS}
+    record["exact_match_full_depth"] = {
+        task: exact_match(model, probs, device) for task, probs in sample.items()
+    }
+    save(model, raw, record, Path(args.out))
+    return record
+
+
+def save(model: TrainableOuro, raw: dict, record: dict, out: Path) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    state = {
+        name: tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()
+    }
+    save_file(state, str(out / "model.safetensors"))
+    Tokenizer.byte_level().save_pretrained(out)
+    (out / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m vllm_rlt.training.train", description=__doc__)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--hidden", type=int, default=192)
+    parser.add_argument("--layers", type=int, default=3)
+    parser.add_argument("--steps1", type=int, default=6000)
+    parser.add_argument("--steps2", type=int, default=1000)
+    parser.add_argument("--batch", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--beta", type=float, default=0.05)
+    parser.add_argument("--train-size", type=int, default=40000)
+    parser.add_argument("--eval-size", type=int, default=200)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--smoke", action="store_true", help="a few steps, small sets (CPU)")
+    args = parser.parse_args(argv)
+    if args.smoke:
+        args.steps1, args.steps2, args.batch, args.train_size, args.eval_size = 20, 5, 16, 200, 20
+        args.hidden, args.layers = 64, 1
+    record = train(args)
+    print(
+        json.dumps({"exact_match_full_depth": record["exact_match_full_depth"], **record["stages"]})
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
