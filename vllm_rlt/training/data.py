@@ -52,8 +52,22 @@ TASKS: dict[str, Callable[[random.Random], Problem]] = {
     "count": _count,
 }
 
+# Distinct prompts each task can produce; a training set takes at most 70% of them so a
+# disjoint held-out set always exists.
+CAPACITY = {
+    "add": 900 * 900,
+    "sub": 900 * 901 // 2,
+    "mul": 900 * 8,
+    "sort": sum(10**n for n in range(4, 7)),
+    "reverse": sum(10**n for n in range(4, 8)),
+    "count": 3 * sum(3**n for n in range(5, 10)),
+}
 TRAIN_SEED = 1
 EVAL_SEED = 2
+
+
+def training_set(task: str, size: int) -> list[Problem]:
+    return problems(task, min(size, int(CAPACITY[task] * 0.7)), TRAIN_SEED)
 
 
 def problems(task: str, count: int, seed: int, exclude: set[str] | None = None) -> list[Problem]:

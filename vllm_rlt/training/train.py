@@ -24,7 +24,7 @@ from safetensors.torch import save_file
 from vllm_rlt.models.ouro import OuroConfig
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.byte_level import BYTE_OFFSET, BYTE_VOCAB_SIZE, ENDOFTEXT_ID, IM_END_ID
-from vllm_rlt.training.data import TASKS, TRAIN_SEED, Problem, held_out, problems
+from vllm_rlt.training.data import TASKS, Problem, held_out, training_set
 from vllm_rlt.training.model import TrainableOuro, exit_distribution
 
 
@@ -138,7 +138,7 @@ def train(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     raw = model_config(args)
     model = TrainableOuro(OuroConfig.from_dict(raw)).to(device)
-    training = {task: problems(task, args.train_size, TRAIN_SEED) for task in TASKS}
+    training = {task: training_set(task, args.train_size) for task in TASKS}
     evaluation = {task: held_out(task, args.eval_size, training[task]) for task in TASKS}
     pool = [p for task in TASKS for p in training[task]]
     rng = random.Random(args.seed)
@@ -158,6 +158,9 @@ def train(args: argparse.Namespace) -> dict:
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
             losses.append(loss.item())
+            if args.log_every and (step + 1) % args.log_every == 0:
+                recent = sum(losses[-args.log_every :]) / args.log_every
+                print(f"{name} step {step + 1}/{steps} loss {recent:.4f}", flush=True)
         record["stages"][name] = {
             "steps": steps,
             "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1),
@@ -210,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-size", type=int, default=40000)
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=200, help="0: quiet")
     parser.add_argument("--smoke", action="store_true", help="a few steps, small sets (CPU)")
     args = parser.parse_args(argv)
     if args.smoke:
         args.steps1, args.steps2, args.batch, args.train_size, args.eval_size = 20, 5, 16, 200, 20
-        args.hidden, args.layers = 64, 1
+        args.hidden, args.layers, args.log_every = 64, 1, 0
     record = train(args)
     print(
         json.dumps({"exact_match_full_depth": record["exact_match_full_depth"], **record["stages"]})
