@@ -65,3 +65,17 @@ def test_smoke_training_saves_a_folder_the_engine_reproduces(tmp_path):
         assert completion.logprobs[step][token] == pytest.approx(
             float(expected[step, token]), abs=1e-4
         )
+
+
+def test_accuracy_benchmark_runs_through_the_engine(tmp_path, capsys):
+    from vllm_rlt.bench.accuracy import main as accuracy
+
+    out = tmp_path / "trained"
+    assert main(["--out", str(out), "--smoke", "--device", "cpu"]) == 0
+    capsys.readouterr()
+    assert accuracy(["--model", str(out), "--per-task", "2", "--thresholds", "0.5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    settings = [row["setting"] for row in report["rows"]]
+    assert settings == ["depth 1", "depth 2", "depth 3", "depth 4", "ouro q=0.5"]
+    assert report["rows"][0]["mean_loops"] == 1.0
+    assert all(set(row["exact_match"]) == set(TASKS) for row in report["rows"])

@@ -167,12 +167,19 @@ def main(argv: list[str] | None = None) -> int:
         from vllm_rlt.bench.throughput import main as throughput
 
         return throughput(argv[2:])
+    if argv[:2] == ["bench", "accuracy"]:
+        from vllm_rlt.bench.accuracy import main as accuracy
+
+        return accuracy(argv[2:])
     if argv[:2] == ["bench", "serve"]:
         from vllm_rlt.bench.serve import main as serve_bench
 
         return serve_bench(argv[2:])
     if argv[:1] == ["bench"]:
-        print("vllm-rlt bench: error: choose a benchmark: throughput or serve", file=sys.stderr)
+        print(
+            "vllm-rlt bench: error: choose a benchmark: throughput, serve or accuracy",
+            file=sys.stderr,
+        )
         return 2
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["generate", *argv]
