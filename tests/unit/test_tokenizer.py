@@ -342,3 +342,14 @@ def test_detokenizer_bpe_matches_full_decode(bpe_tokenizer: Tokenizer) -> None:
         pieces = stream(detok, ids)
         assert "".join(pieces) == tok.decode(ids) == text
         assert not any("\ufffd" in piece for piece in pieces)
+
+
+def test_token_bytes_give_the_raw_bytes_of_partial_characters(tmp_path):
+    """A byte-level token holding half of a character still reports its exact byte."""
+    tokenizer = Tokenizer.byte_level()
+    ids = tokenizer.encode("é日x")
+    assert [tokenizer.token_bytes(i) for i in ids] == [bytes([b]) for b in "é日x".encode()]
+    assert tokenizer.token_bytes(2) == b"<|im_end|>"
+    tokenizer.save_pretrained(tmp_path)
+    reloaded = Tokenizer.from_pretrained(tmp_path)
+    assert b"".join(reloaded.token_bytes(i) for i in ids) == "é日x".encode()

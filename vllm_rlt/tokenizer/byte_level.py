@@ -6,6 +6,8 @@ any HF tokenizer and exercises the same code paths as a real model's tokenizer.
 
 from __future__ import annotations
 
+import functools
+
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 ENDOFTEXT_ID = 0
@@ -26,6 +28,12 @@ def _byte_chars() -> list[str]:
     alphabet = set(pre_tokenizers.ByteLevel.alphabet())
     shifted = iter(sorted(char for char in alphabet if ord(char) >= 256))
     return [chr(b) if chr(b) in alphabet else next(shifted) for b in range(256)]
+
+
+@functools.cache
+def byte_values() -> dict[str, int]:
+    """The inverse of the ByteLevel table: alphabet character -> the byte it stands for."""
+    return {char: b for b, char in enumerate(_byte_chars())}
 
 
 def build_byte_tokenizer() -> Tokenizer:

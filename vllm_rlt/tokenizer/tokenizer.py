@@ -17,6 +17,7 @@ import jinja2
 import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import decoders
 
 from vllm_rlt.config import require
 from vllm_rlt.tokenizer.byte_level import (
@@ -24,6 +25,7 @@ from vllm_rlt.tokenizer.byte_level import (
     IM_END_ID,
     SPECIAL_TOKENS,
     build_byte_tokenizer,
+    byte_values,
 )
 
 TOKENIZER_FILE = "tokenizer.json"
@@ -397,6 +399,17 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; incomplete or invalid UTF-8 byte sequences come out as U+FFFD."""
         return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The raw bytes one token stands for (a byte-level token may hold part of a
+        character, which its decoded text cannot show)."""
+        token = self.convert_ids_to_tokens([token_id])[0]
+        added = self._tokenizer.get_added_tokens_decoder()
+        if isinstance(self._tokenizer.decoder, decoders.ByteLevel) and token_id not in added:
+            table = byte_values()
+            if all(char in table for char in token):
+                return bytes(table[char] for char in token)
+        return self.decode([token_id], skip_special_tokens=False).encode()
 
     def convert_ids_to_tokens(self, ids: Iterable[int]) -> list[str]:
         """Vocabulary strings of `ids`; ValueError for an id outside the vocabulary."""

@@ -369,7 +369,8 @@ class OpenAIServing:
 
     def _token_fields(self, token: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token)
-        return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+        raw = self.tokenizer.token_bytes(token) if self.tokenizer else text.encode("utf-8")
+        return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
     def _token_text(self, token: int) -> str:
         """The token's text, or its vocabulary string where the text alone is not valid
