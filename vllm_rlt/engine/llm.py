@@ -89,10 +89,14 @@ class LLM:
         require(self.tokenizer is not None, "chat needs a tokenizer; this model folder has none")
         require(isinstance(messages, list) and messages, "messages must be a non-empty list")
         conversations = messages if isinstance(messages[0], list) else [messages]
-        prompts = [
-            self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt)  # type: ignore[union-attr]
-            for conv in conversations
-        ]
+        prompts = []
+        for conversation in conversations:
+            text = self.tokenizer.apply_chat_template(  # type: ignore[union-attr]
+                conversation, add_generation_prompt=add_generation_prompt
+            )
+            # The template already places any BOS, so no special tokens are added again.
+            ids = self.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[union-attr]
+            prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
