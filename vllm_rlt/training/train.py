@@ -138,9 +138,10 @@ def train(args: argparse.Namespace) -> dict:
     device = torch.device(args.device)
     raw = model_config(args)
     model = TrainableOuro(OuroConfig.from_dict(raw)).to(device)
-    training = {task: training_set(task, args.train_size) for task in TASKS}
-    evaluation = {task: held_out(task, args.eval_size, training[task]) for task in TASKS}
-    pool = [p for task in TASKS for p in training[task]]
+    tasks = args.tasks
+    training = {task: training_set(task, args.train_size) for task in tasks}
+    evaluation = {task: held_out(task, args.eval_size, training[task]) for task in tasks}
+    pool = [p for task in tasks for p in training[task]]
     rng = random.Random(args.seed)
     record: dict = {"config": raw, "args": vars(args), "stages": {}}
 
@@ -180,7 +181,7 @@ def train(args: argparse.Namespace) -> dict:
     for parameter in gate:
         parameter.requires_grad_(True)
     run_stage("stage2", args.steps2, gate, stage2_loss, args.lr)
-    sample = {task: evaluation[task][: args.eval_size] for task in TASKS}
+    sample = {task: evaluation[task][: args.eval_size] for task in tasks}
     record["exact_match_full_depth"] = {
         task: exact_match(model, probs, device) for task, probs in sample.items()
     }
@@ -213,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--train-size", type=int, default=40000)
     parser.add_argument("--eval-size", type=int, default=200)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
     parser.add_argument("--log-every", type=int, default=200, help="0: quiet")
     parser.add_argument("--smoke", action="store_true", help="a few steps, small sets (CPU)")
     args = parser.parse_args(argv)
