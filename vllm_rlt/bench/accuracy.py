@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from vllm_rlt.bench.report import emit_report
 from vllm_rlt.engine.llm import LLM
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.training.data import TASKS, held_out, training_set
@@ -68,11 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", default=None)
     args = parser.parse_args(argv)
     report = run(args)
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as handle:
-            handle.write(text + "\n")
+    emit_report(report, args.output)
     return 0
 
 

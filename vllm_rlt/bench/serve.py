@@ -17,6 +17,8 @@ from typing import Any
 
 import httpx
 
+from vllm_rlt.bench.report import emit_report
+
 
 def percentile(values: list[float], q: float) -> float | None:
     if not values:
@@ -136,11 +138,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.num_requests < 1 or args.prompt_len < 1 or args.output_len < 1:
         parser.error("--num-requests, --prompt-len and --output-len must be >= 1")
     report = asyncio.run(run(args))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as handle:
-            handle.write(text + "\n")
+    emit_report(report, args.output)
     return 0 if report["completed"] else 1
 
 

@@ -6,7 +6,6 @@ Every figure is measured in one process on one device, so ratios compare like wi
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import platform
 import random
@@ -18,6 +17,7 @@ from typing import Any
 import torch
 
 from vllm_rlt.bench.naive import NaiveOuro
+from vllm_rlt.bench.report import emit_report
 from vllm_rlt.bench.shapes import SHAPES, random_model
 from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.engine.engine_core import EngineCore
@@ -313,11 +313,7 @@ def main(argv: list[str] | None = None) -> int:
         report = run(args)
     except ValueError as exc:
         parser.error(str(exc))
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.output:
-        with open(args.output, "w") as handle:
-            handle.write(text + "\n")
+    emit_report(report, args.output)
     return 0
 
 
