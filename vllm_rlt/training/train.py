@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import random
 import time
 from pathlib import Path
 
@@ -59,18 +58,30 @@ def encode(problem: Problem) -> tuple[list[int], int]:
     return ids, len(prompt.encode())
 
 
-def batch(sample: list[Problem], device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inputs [B, S], targets [B, S] and a mask [B, S] that is 1 on answer and EOS targets."""
-    encoded = [encode(p) for p in sample]
-    length = max(len(ids) for ids, _ in encoded)
-    inputs = torch.full((len(sample), length), ENDOFTEXT_ID, dtype=torch.long)
-    targets = torch.full_like(inputs, ENDOFTEXT_ID)
-    mask = torch.zeros(len(sample), length)
-    for row, (ids, start) in enumerate(encoded):
-        inputs[row, : len(ids)] = torch.tensor(ids)
-        targets[row, : len(ids) - 1] = torch.tensor(ids[1:])
-        mask[row, start - 1 : len(ids) - 1] = 1.0
-    return inputs.to(device), targets.to(device), mask.to(device)
+class Batches:
+    """The training pool encoded once into padded tensors on the device; a step draws its rows
+    with a seeded CPU generator, so the sample sequence is the same on every device."""
+
+    def __init__(self, pool: list[Problem], device: torch.device, seed: int) -> None:
+        encoded = [encode(p) for p in pool]
+        width = max(len(ids) for ids, _ in encoded)
+        self.inputs = torch.full((len(pool), width), ENDOFTEXT_ID, dtype=torch.long)
+        self.targets = torch.full_like(self.inputs, ENDOFTEXT_ID)
+        self.mask = torch.zeros(len(pool), width)
+        for row, (ids, start) in enumerate(encoded):
+            self.inputs[row, : len(ids)] = torch.tensor(ids)
+            self.targets[row, : len(ids) - 1] = torch.tensor(ids[1:])
+            self.mask[row, start - 1 : len(ids) - 1] = 1.0  # answer and EOS targets
+        self.inputs, self.targets, self.mask = (
+            t.to(device) for t in (self.inputs, self.targets, self.mask)
+        )
+        self.generator = torch.Generator().manual_seed(seed)
+        self.device = device
+
+    def draw(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Inputs [B, S], targets [B, S] and a mask [B, S] that is 1 on answer and EOS targets."""
+        rows = torch.randperm(len(self.inputs), generator=self.generator)[:size].to(self.device)
+        return self.inputs[rows], self.targets[rows], self.mask[rows]
 
 
 def per_loop_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -134,37 +145,38 @@ def exact_match(model, sample: list[Problem], device, loops: int | None = None) 
 
 def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
-    random.seed(args.seed)
     device = torch.device(args.device)
     raw = model_config(args)
     model = TrainableOuro(OuroConfig.from_dict(raw)).to(device)
     tasks = args.tasks
     training = {task: training_set(task, args.train_size) for task in tasks}
     evaluation = {task: held_out(task, args.eval_size, training[task]) for task in tasks}
-    pool = [p for task in tasks for p in training[task]]
-    rng = random.Random(args.seed)
+    batches = Batches([p for task in tasks for p in training[task]], device, args.seed)
     record: dict = {"config": raw, "args": vars(args), "stages": {}}
 
     def run_stage(name: str, steps: int, params, loss_fn, lr: float) -> None:
-        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01)
+        optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=device.type == "cuda")
         begin = time.time()
-        losses = []
+        losses: list[torch.Tensor] = []  # read back only when logging: no sync per step
         for step in range(steps):
             scale = min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / steps))
             for group in optimizer.param_groups:
                 group["lr"] = lr * scale
-            loss = loss_fn(model, *batch(rng.sample(pool, args.batch), device))
+            loss = loss_fn(model, *batches.draw(args.batch))
             optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(params, 1.0)
             optimizer.step()
-            losses.append(loss.item())
+            losses.append(loss.detach())
             if args.log_every and (step + 1) % args.log_every == 0:
-                recent = sum(losses[-args.log_every :]) / args.log_every
-                print(f"{name} step {step + 1}/{steps} loss {recent:.4f}", flush=True)
+                recent = torch.stack(losses[-args.log_every :]).mean().item()
+                elapsed = time.time() - begin
+                print(
+                    f"{name} step {step + 1}/{steps} loss {recent:.4f} {elapsed:.0f} s", flush=True
+                )
         record["stages"][name] = {
             "steps": steps,
-            "final_loss": sum(losses[-50:]) / max(len(losses[-50:]), 1),
+            "final_loss": torch.stack(losses[-50:]).mean().item() if losses else None,
             "seconds": time.time() - begin,
         }
 
@@ -206,8 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--hidden", type=int, default=192)
     parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--steps1", type=int, default=6000)
-    parser.add_argument("--steps2", type=int, default=1000)
+    parser.add_argument("--steps1", type=int, default=5000)
+    parser.add_argument("--steps2", type=int, default=800)
     parser.add_argument("--batch", type=int, default=256)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--beta", type=float, default=0.05)
