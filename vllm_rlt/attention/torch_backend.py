@@ -30,8 +30,19 @@ class TorchOps:
         return x, rms_norm(x, w_next, eps)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
+        """SiLU(gate) * up from interleaved columns gate_0, up_0, gate_1, up_1, ..."""
+        gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)
         return F.silu(gate) * up
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ weight.T; `live` (rows whose output is used) lets a backend skip idle rows."""
+        return F.linear(x, weight)
+
+    def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu_mul(x @ gate_up.T) for the interleaved gate/up weight."""
+        return self.silu_mul(F.linear(x, gate_up))
 
     def attention(
         self,

@@ -4,9 +4,11 @@ attention that resolves each row's plane and block table inside the kernel."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear
 from vllm_rlt.kernels.triton_kernels import (
     _add_rms_norm2_kernel,
     _paged_attention_kernel,
@@ -22,6 +24,32 @@ from vllm_rlt.layers.rotary import RotaryEmbedding
 # software pipelining won everywhere; few rows want 4 warps, many rows 2.
 DECODE_BLOCK_N, DECODE_STAGES = 128, 1
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
+
+# Linear layers of passes with at most this many rows use the skinny kernel (cuBLAS above).
+SKINNY_MAX_ROWS = 16
+
+
+def use_skinny(rows: int, weight: torch.Tensor) -> bool:
+    """Few rows and a layer at least as wide as it is deep. Narrow, deep layers (the down
+    projection, 2048 x 5632) stay on cuBLAS, whose split-K keeps more SMs busy: the skinny
+    kernel measured 0.93-0.97x there, and 1.0-1.13x on the others (tune_linear.py, H200)."""
+    n, k = weight.shape
+    return rows <= SKINNY_MAX_ROWS and n >= k
+
+
+def skinny_config(n: int, element_size: int) -> SkinnyConfig:
+    """Launch shape by output width, from benchmarks/tune_linear.py on an H200 in bf16 at
+    Ouro-1.4B shapes (o 2048, qkv 6144, gate_up 11264, LM head 49152 columns); wider
+    elements take proportionally shorter K chunks, so a stage holds the same bytes."""
+    if n <= 4096:
+        block_n, block_k, stages = 16, 256, 4
+    elif n <= 8192:
+        block_n, block_k, stages = 64, 256, 4
+    elif n <= 16384:
+        block_n, block_k, stages = 32, 128, 4
+    else:
+        block_n, block_k, stages = 64, 128, 2
+    return SkinnyConfig(block_n, block_k * 2 // element_size, warps=4, stages=stages)
 
 
 class TritonOps:
@@ -73,8 +101,25 @@ class TritonOps:
         if rows:
             _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
                 gate_up, out, gate_up.stride(0), inter, BLOCK=block
-            )
+            )  # interleaved columns gate_0, up_0, gate_1, up_1, ...
         return out
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """x @ weight.T; few rows stream the weight once, and with `live` a pass in which no
+        row is live skips the weight (those rows' outputs are zero)."""
+        if not use_skinny(x.shape[0], weight):
+            return F.linear(x, weight)
+        config = skinny_config(weight.shape[0], weight.element_size())
+        return skinny_linear(x, weight, config, live=live)
+
+    def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
+        if not use_skinny(x.shape[0], gate_up):
+            return self.silu_mul(F.linear(x, gate_up))
+        config = skinny_config(gate_up.shape[0], gate_up.element_size())
+        return skinny_linear(x, gate_up, config, silu_mul=True)
 
     def attention(
         self,

@@ -58,9 +58,11 @@ class NaiveOuro:
                 attn = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask)
                 attn = attn.transpose(1, 2).reshape(b, n, heads * d)
                 hidden = hidden + _branch(F.linear(attn, layer.o), layer.attn_out_norm, cfg)
-                gate, up = F.linear(
-                    rms_norm(hidden, layer.mlp_norm, cfg.rms_norm_eps), layer.gate_up
-                ).chunk(2, -1)
+                gate, up = (
+                    F.linear(rms_norm(hidden, layer.mlp_norm, cfg.rms_norm_eps), layer.gate_up)
+                    .unflatten(-1, (-1, 2))
+                    .unbind(-1)
+                )  # interleaved gate/up columns
                 mlp = F.linear(F.silu(gate) * up, layer.down)
                 hidden = hidden + _branch(mlp, layer.mlp_out_norm, cfg)
             hidden = rms_norm(hidden, model.final_norm, cfg.rms_norm_eps)

@@ -67,8 +67,9 @@ def _silu_mul_kernel(gu_ptr, out_ptr, gu_stride, inter, BLOCK: tl.constexpr):
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     dtype = out_ptr.dtype.element_ty
-    gate = tl.load(gu_ptr + row * gu_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(gu_ptr + row * gu_stride + inter + cols, mask=mask, other=0.0).to(tl.float32)
+    pair = gu_ptr + row * gu_stride + 2 * cols  # interleaved gate_j, up_j
+    gate = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
     tl.store(out_ptr + row * inter + cols, (act * up).to(dtype), mask=mask)
 

@@ -133,7 +133,7 @@ class OuroLayerWeights:
 
     qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
     o: torch.Tensor  # [hidden, heads * head_dim]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: rows gate_0, up_0, gate_1, up_1, ...
     down: torch.Tensor  # [hidden, intermediate]
     attn_norm: torch.Tensor  # [hidden] input_layernorm (pre-attention)
     attn_out_norm: torch.Tensor | None  # [hidden] input_layernorm_2 (on the attention branch)
@@ -186,9 +186,11 @@ class OuroModel:
         return OuroLayerWeights(
             qkv=torch.cat([take(prefix + f"self_attn.{n}_proj.weight") for n in ("q", "k", "v")]),
             o=take(prefix + "self_attn.o_proj.weight"),
-            gate_up=torch.cat(
-                [take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")]
-            ),
+            # Interleaved, so any strip of GEMM output columns holds matching gate and up
+            # values and the SiLU-mul can run in the GEMM's epilogue.
+            gate_up=torch.stack(
+                [take(prefix + "mlp.gate_proj.weight"), take(prefix + "mlp.up_proj.weight")], 1
+            ).flatten(0, 1),
             down=take(prefix + "mlp.down_proj.weight"),
             attn_norm=take(prefix + "input_layernorm.weight"),
             attn_out_norm=branch_norm("input_layernorm_2"),
@@ -221,7 +223,7 @@ class OuroModel:
         a = ops.rms_norm(x, self.layers[0].attn_norm, eps)
         for index, layer in enumerate(self.layers):
             attn = ops.attention(
-                F.linear(a, layer.qkv),
+                ops.linear(a, layer.qkv),
                 cfg.num_attention_heads,
                 cfg.num_key_value_heads,
                 k_caches[index],
@@ -231,9 +233,9 @@ class OuroModel:
                 self.scale,
             )
             x, b = ops.add_rms_norm2(
-                x, F.linear(attn, layer.o), layer.attn_out_norm, layer.mlp_norm, eps
+                x, ops.linear(attn, layer.o), layer.attn_out_norm, layer.mlp_norm, eps
             )
-            mlp = F.linear(ops.silu_mul(F.linear(b, layer.gate_up)), layer.down)
+            mlp = ops.linear(ops.linear_silu_mul(b, layer.gate_up), layer.down)
             following = (
                 self.layers[index + 1].attn_norm
                 if index + 1 < len(self.layers)
@@ -246,6 +248,9 @@ class OuroModel:
         """Exit-gate logits [rows] in float32 from the end-of-loop state [rows, hidden]."""
         return F.linear(hidden, self.gate_weight, self.gate_bias).float().squeeze(-1)
 
-    def coda(self, hidden: torch.Tensor) -> torch.Tensor:
-        """LM-head logits [rows, vocab] in float32."""
-        return F.linear(hidden, self.lm_head).float()
+    def coda(self, hidden: torch.Tensor, ops: Any = None, live: torch.Tensor | None = None):
+        """LM-head logits [rows, vocab] in float32. With `ops` and `live` (rows whose tokens
+        are used), a backend may leave the logits of other rows at zero."""
+        if ops is None:
+            return F.linear(hidden, self.lm_head).float()
+        return ops.linear(hidden, self.lm_head, live).float()

@@ -197,11 +197,14 @@ class ModelRunner:
             p_rows = torch.tensor(prefill_rows, dtype=torch.int64, device=model.device)
             sample_hidden = torch.cat([d_hidden, hidden[p_rows]])
             sample_slots = torch.cat([decode, p_slots])
+        exited = decision.exit
+        live = exited
+        if prefill_samplers:
+            live = torch.cat([exited, torch.ones_like(p_slots, dtype=torch.bool)])
         tokens, chosen_lp, top_ids, top_lp = self._sample(
-            sample_hidden, sample_slots, greedy, num_top
+            sample_hidden, sample_slots, live, greedy, num_top
         )
 
-        exited = decision.exit
         st.token[decode] = torch.where(exited, tokens[:num_decode], st.token[decode])
         st.position[decode] += exited.long()
         st.loop[decode] = torch.where(exited, 0, loops_done)
@@ -219,9 +222,16 @@ class ModelRunner:
         fields = torch.stack([flags.float(), tokens.float(), depths.float(), chosen_lp], 1)
         return torch.cat([fields, top_ids.float(), top_lp], dim=1)
 
-    def _sample(self, hidden: torch.Tensor, slots: torch.Tensor, greedy: bool, num_top: int):
+    def _sample(
+        self,
+        hidden: torch.Tensor,
+        slots: torch.Tensor,
+        live: torch.Tensor,  # [samplers] bool: rows whose token is kept
+        greedy: bool,
+        num_top: int,
+    ):
         st = self.state
-        logits = self.model.coda(hidden)  # [samplers, vocab]
+        logits = self.model.coda(hidden, self.ops, live)  # [samplers, vocab]
         before_min = st.num_generated[slots] < st.min_tokens[slots]
         logits = logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
         tokens = greedy_or_sample(

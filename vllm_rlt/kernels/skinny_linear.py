@@ -1,0 +1,132 @@
+"""Linear layers for few rows (decode passes): each program streams a strip of weight rows
+once, so the pass is bounded by weight bandwidth rather than by a GEMM tiled for many rows.
+
+Two fusions ride along: the MLP's SiLU-and-multiply as the epilogue of the gate/up
+projection (its weight rows interleave gate and up, so every strip of output columns holds
+matching pairs), and a per-row "live" mask for the LM head, so a pass in which no row exits
+skips reading the head's weights (its logits are then zero and unused).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+ROWS_PER_TILE = 16  # tl.dot's smallest M; fewer rows are masked, not padded in memory
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch shape: weight rows per program, K chunk, warps, pipeline stages."""
+
+    block_n: int = 32
+    block_k: int = 256
+    warps: int = 4
+    stages: int = 4
+
+
+@triton.jit
+def _skinny_linear_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    live_ptr,
+    M,
+    N,
+    x_stride,
+    out_stride,
+    K: tl.constexpr,
+    SILU_MUL: tl.constexpr,
+    SKIP_IDLE: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STAGES: tl.constexpr,
+):
+    """y[m, n] = sum_k x[m, k] * w[n, k]; with SILU_MUL, out[m, j] = silu(y[m, 2j]) *
+    y[m, 2j + 1] (rounded like the unfused torch ops), else out = y. With SKIP_IDLE, a row
+    tile none of whose rows is live reads no weights and writes zeros."""
+    pid_n = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    dtype = out_ptr.dtype.element_ty
+    k_end = K
+    if SKIP_IDLE:
+        live = tl.load(live_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+        k_end = tl.max(live, axis=0) * K  # live is 0 or 1
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in tl.range(0, k_end, BLOCK_K, num_stages=STAGES):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x_offsets = rows[:, None] * x_stride + ks[None, :]
+        w_offsets = cols[:, None] * K + ks[None, :]
+        if EVEN_K:
+            x = tl.load(x_ptr + x_offsets, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptr + w_offsets, mask=col_ok[:, None], other=0.0)
+        else:
+            k_ok = (ks < K)[None, :]
+            x = tl.load(x_ptr + x_offsets, mask=row_ok[:, None] & k_ok, other=0.0)
+            w = tl.load(w_ptr + w_offsets, mask=col_ok[:, None] & k_ok, other=0.0)
+        if IEEE:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if SILU_MUL:
+        y = acc.to(dtype).to(tl.float32)
+        gate, up = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
+        out = ((gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up).to(dtype)
+        half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        out_offsets = rows[:, None] * out_stride + half[None, :]
+        tl.store(out_ptr + out_offsets, out, mask=row_ok[:, None] & (half < N // 2)[None, :])
+    else:
+        out_offsets = rows[:, None] * out_stride + cols[None, :]
+        tl.store(out_ptr + out_offsets, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def skinny_linear(
+    x: torch.Tensor,  # [rows, K]
+    weight: torch.Tensor,  # [N, K], contiguous; with silu_mul rows interleave gate and up
+    config: SkinnyConfig,
+    silu_mul: bool = False,
+    live: torch.Tensor | None = None,  # [rows] bool: rows whose output is used
+) -> torch.Tensor:
+    """x @ weight.T ([rows, N]), or its SiLU-mul ([rows, N / 2]), for few rows; graph-safe."""
+    rows = x.shape[0]
+    n, k = weight.shape
+    if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.stride(0) != k:
+        raise ValueError("skinny_linear needs row-major x and a contiguous weight")
+    if x.shape[1] != k:
+        raise ValueError(f"skinny_linear: x has {x.shape[1]} columns for a weight of K={k}")
+    if silu_mul and n % 2:
+        raise ValueError(f"skinny_linear: silu_mul needs an even N, got {n}")
+    out = x.new_empty(rows, n // 2 if silu_mul else n)
+    if rows == 0:
+        return out
+    grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, ROWS_PER_TILE))
+    _skinny_linear_kernel[grid](
+        x,
+        weight,
+        out,
+        x if live is None else live,
+        rows,
+        n,
+        x.stride(0),
+        out.stride(0),
+        K=k,
+        SILU_MUL=silu_mul,
+        SKIP_IDLE=live is not None,
+        IEEE=x.dtype == torch.float32,
+        EVEN_K=k % config.block_k == 0,
+        BLOCK_M=ROWS_PER_TILE,
+        BLOCK_N=config.block_n,
+        BLOCK_K=config.block_k,
+        STAGES=config.stages,
+        num_warps=config.warps,
+    )
+    return out
