@@ -22,7 +22,7 @@ IM_START_ID = 1
 
 @pytest.fixture(scope="module")
 def shared_llm() -> LLM:
-    return LLM()
+    return LLM(model="toy")
 
 
 @pytest.fixture
@@ -137,6 +137,7 @@ def test_output_fields(llm):
 def test_all_configs_from_the_package(llm):
     """Every public config is accepted by LLM and takes effect."""
     custom = LLM(
+        model="toy",
         cache_config=CacheConfig(layout="shared", block_size=8, num_blocks=20),
         scheduler_config=SchedulerConfig(
             mode="no_refill", max_num_seqs=2, max_num_batched_tokens=8, prefill_chunk_size=2
@@ -151,6 +152,7 @@ def test_all_configs_from_the_package(llm):
     assert custom.engine.all_blocks_free()
     # The engine seed makes unseeded requests reproducible from one LLM to the next.
     again = LLM(
+        model="toy",
         cache_config=CacheConfig(layout="shared", block_size=8, num_blocks=20),
         execution_config=ExecutionConfig(seed=5),
     )
@@ -158,7 +160,7 @@ def test_all_configs_from_the_package(llm):
 
 
 def test_bfloat16_on_cpu():
-    llm = LLM(dtype="bfloat16")
+    llm = LLM(model="toy", dtype="bfloat16")
     assert llm.engine.model.dtype == torch.bfloat16
     (output,) = llm.generate("bf16", GREEDY, use_tqdm=False)
     completion = output.outputs[0]
@@ -168,7 +170,7 @@ def test_bfloat16_on_cpu():
 
 
 def _depths(exit_config: ExitConfig, **params) -> list[list[int]]:
-    llm = LLM(exit_config=exit_config)
+    llm = LLM(model="toy", exit_config=exit_config)
     sampling = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, **params)
     outputs = llm.generate(["hello", "abc"], sampling, use_tqdm=False)
     assert llm.engine.all_blocks_free()
@@ -202,7 +204,7 @@ def test_ouro_delayed_exits_one_loop_after_the_trigger():
 def test_child_request_ids_do_not_collide_with_user_ids(order):
     """A request with n=2 and id "x" (completions "x#0", "x#1") and a user request "x#0", in
     either order: both run, or the later one is refused up front and the engine stays usable."""
-    llm = LLM()  # not the shared one: a failure here may leave this engine broken
+    llm = LLM(model="toy")  # not the shared one: a failure here may leave this engine broken
     pair = SamplingParams(n=2, max_tokens=3, temperature=0.0)
     params = [pair if request_id == "x" else GREEDY for request_id in order]
     try:
@@ -213,5 +215,5 @@ def test_child_request_ids_do_not_collide_with_user_ids(order):
         assert [o.request_id for o in outputs] == list(order)
         assert [len(o.outputs) for o in outputs] == [p.n for p in params]
     assert llm.engine.all_blocks_free() and not llm.engine.has_unfinished
-    reference = _tokens(LLM().generate("b", GREEDY, use_tqdm=False))
+    reference = _tokens(LLM(model="toy").generate("b", GREEDY, use_tqdm=False))
     assert _tokens(llm.generate("b", GREEDY, use_tqdm=False)) == reference

@@ -23,6 +23,7 @@ def _free_port() -> int:
 @contextmanager
 def running_server(num_blocks: int = 512, max_num_seqs: int = 64, **settings):
     llm_kwargs = {
+        "model": "toy",
         "cache_config": CacheConfig(num_blocks=num_blocks),
         "scheduler_config": SchedulerConfig(max_num_seqs=max_num_seqs),
     }

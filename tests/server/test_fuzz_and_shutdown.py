@@ -99,6 +99,7 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero():
             "-m",
             "vllm_rlt.entrypoints.cli",
             "serve",
+            "toy",
             "--port",
             str(port),
             "--shutdown-timeout",

@@ -34,7 +34,7 @@ def test_completion_usage_and_exit_depths(server):
     depths = choice.model_extra["exit_depths"]
     assert len(depths) == 6 and depths[0] == 4 and all(1 <= d <= 4 for d in depths)
     offline = (
-        LLM()
+        LLM(model="toy")
         .generate(
             "Hello",
             SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=0.5, ignore_eos=True),
@@ -139,7 +139,7 @@ def test_stop_strings_and_logprobs(server):
         extra_body={"ignore_eos": True, "return_exit_depths": True},
     )
     offline = (
-        LLM()
+        LLM(model="toy")
         .generate(
             "The quick brown fox",
             SamplingParams(max_tokens=16, temperature=0.0, stop=stop, ignore_eos=True),
@@ -214,7 +214,7 @@ def test_concurrent_streams_equal_offline_generation(server):
             return await asyncio.gather(*(one(api, i) for i in range(64)))
 
     streamed = asyncio.run(all_streams())
-    offline = LLM().generate(
+    offline = LLM(model="toy").generate(
         prompts,
         [SamplingParams(seed=i, **params) for i in range(64)],
         use_tqdm=False,

@@ -43,7 +43,7 @@ def summarize(llm: LLM, prompts: list[Any], threshold: float) -> Summary:
 @pytest.fixture(scope="module")
 def builtin() -> dict[float, Summary]:
     """The built-in toy's greedy outputs, the ground truth every loaded folder must match."""
-    llm = LLM()
+    llm = LLM(model="toy")
     return {q: summarize(llm, PROMPTS, q) for q in THRESHOLDS}
 
 

@@ -500,7 +500,7 @@ def test_request_id_colliding_with_an_n_child_id(toy_model, order: str) -> None:
 # ================================================================= LLM
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM()
+    return LLM(model="toy")
 
 
 def assert_idle(llm: LLM) -> None:

@@ -1,6 +1,7 @@
 """Task accuracy through the engine: exact match on held-out problems at fixed depths and
 with the `ouro` exit policy at several thresholds, each with its mean loops per token.
 
+    vllm-rlt bench accuracy --per-task 200                 # the built-in ouro-tasks model
     vllm-rlt bench accuracy --model path/to/trained --per-task 200
 """
 
@@ -15,6 +16,7 @@ from typing import Any
 
 from vllm_rlt.bench.report import emit_report
 from vllm_rlt.engine.llm import LLM
+from vllm_rlt.models.load import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.training.data import TASKS, held_out, training_set
 
@@ -42,7 +44,8 @@ def evaluate(llm: LLM, sets: dict[str, list], params: SamplingParams) -> dict[st
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model, device=args.device)
-    record = Path(args.model) / "training_record.json"
+    builtin = args.model in (None, DEFAULT_MODEL_NAME)
+    record = (DEFAULT_MODEL_DIR if builtin else Path(args.model)) / "training_record.json"
     train_size = args.train_size
     if record.is_file():  # hold out exactly what this model was not trained on
         train_size = json.loads(record.read_text())["args"]["train_size"]
@@ -54,12 +57,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for threshold in args.thresholds:
         params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=threshold)
         rows.append({"setting": f"ouro q={threshold}", **evaluate(llm, sets, params)})
-    return {"benchmark": "accuracy", "model": args.model, "per_task": args.per_task, "rows": rows}
+    return {
+        "benchmark": "accuracy",
+        "model": llm.model_name,
+        "per_task": args.per_task,
+        "train_size": train_size,
+        "rows": rows,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="vllm-rlt bench accuracy", description=__doc__)
-    parser.add_argument("--model", required=True)
+    parser.add_argument("--model", default=None, help="folder (default: built-in ouro-tasks)")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--per-task", type=int, default=200)
     parser.add_argument(

@@ -18,8 +18,9 @@ from vllm_rlt.sampling_params import SamplingParams
 class LLM:
     """Load a looped model and generate from it offline.
 
-    `model=None` (or "toy") is the built-in tiny Ouro with a byte tokenizer; otherwise a
-    Hugging Face checkpoint folder.
+    `model=None` (or "ouro-tasks") is the built-in tiny Ouro trained on checkable tasks, e.g.
+    "347+589=" -> "936"; "toy" is a random-weight toy for tests; otherwise a Hugging Face
+    checkpoint folder.
     """
 
     def __init__(

@@ -22,7 +22,11 @@ from vllm_rlt.config import (
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Model, cache, scheduler, exit and execution flags."""
     model = parser.add_argument_group("model")
-    model.add_argument("--model", default=None, help="HF checkpoint folder (default: built-in toy)")
+    model.add_argument(
+        "--model",
+        default=None,
+        help="HF checkpoint folder, or built-in ouro-tasks (default) / toy (random weights)",
+    )
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
     model.add_argument(
         "--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: bf16 on CUDA)"

@@ -1,4 +1,9 @@
-"""Resolve a model argument (None, "toy", or a folder) to a model and its tokenizer."""
+"""Resolve a model argument (None, a built-in name, or a folder) to a model and its tokenizer.
+
+Built-in: "ouro-tasks" (the default), a tiny Ouro trained on checkable arithmetic and list
+tasks (vllm_rlt/training), shipped inside the package; "toy", seeded random weights of a
+smaller shape, for tests.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,9 @@ from vllm_rlt.models.loader import load_model
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import TOY_NAME, toy_config_dict, toy_weights
 from vllm_rlt.tokenizer import Tokenizer
+
+DEFAULT_MODEL_NAME = "ouro-tasks"
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / DEFAULT_MODEL_NAME
 
 DTYPES = {
     "float32": torch.float32,
@@ -48,10 +56,17 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 def load_model_and_tokenizer(
     model: str | Path | None, dtype: torch.dtype, device: torch.device
 ) -> tuple[OuroModel, Tokenizer | None, str]:
-    """(model, tokenizer or None, display name); None and "toy" give the built-in model."""
-    if model is None or str(model) == TOY_NAME:
+    """(model, tokenizer or None, display name); None is the trained built-in model."""
+    if str(model) == TOY_NAME:
         config = OuroConfig.from_dict(toy_config_dict())
         return OuroModel(config, toy_weights(), dtype, device), Tokenizer.byte_level(), TOY_NAME
+    if model is None or str(model) == DEFAULT_MODEL_NAME:
+        folder = DEFAULT_MODEL_DIR
+        return (
+            load_model(folder, dtype, device),
+            Tokenizer.from_pretrained(folder),
+            DEFAULT_MODEL_NAME,
+        )
     folder = Path(model)
     loaded = load_model(folder, dtype, device)
     tokenizer = Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None

@@ -1,4 +1,5 @@
-"""The built-in default model: a tiny Ouro with seeded random weights and a byte tokenizer."""
+"""The toy model (`--model toy`): a tiny Ouro with seeded random weights and a byte tokenizer,
+for tests and smoke runs; its outputs are noise."""
 
 from __future__ import annotations
 

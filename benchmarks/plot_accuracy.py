@@ -1,0 +1,68 @@
+"""Plot a `vllm-rlt bench accuracy` JSON (accuracy against mean loops per token) and print its
+table in Markdown. Needs matplotlib (`pip install matplotlib`; not an engine dependency).
+
+python -m benchmarks.plot_accuracy accuracy.json --png accuracy.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+
+
+def table(report: dict) -> str:
+    tasks = list(report["rows"][0]["exact_match"])
+    lines = [
+        "| setting | mean loops per decode token | " + " | ".join(tasks) + " | mean |",
+        "|---" * (len(tasks) + 3) + "|",
+    ]
+    for row in report["rows"]:
+        scores = [row["exact_match"][task] for task in tasks]
+        cells = " | ".join(f"{100 * s:.1f}" for s in scores)
+        mean = 100 * statistics.fmean(scores)
+        lines.append(f"| {row['setting']} | {row['mean_loops']:.2f} | {cells} | {mean:.1f} |")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4.5), dpi=120)
+    for prefix, style, label in (("depth", "o-", "fixed depth"), ("ouro", "s--", "trained gate")):
+        rows = [r for r in report["rows"] if r["setting"].startswith(prefix)]
+        loops = [r["mean_loops"] for r in rows]
+        accuracy = [100 * statistics.fmean(r["exact_match"].values()) for r in rows]
+        axis.plot(loops, accuracy, style, label=f"{label} (mean over tasks)")
+        for index, (row, x, y) in enumerate(zip(rows, loops, accuracy, strict=True)):
+            name = row["setting"].replace("ouro ", "")
+            # Gate points cluster at few loops: stagger their labels upwards.
+            offset = (4, -12) if prefix == "depth" else (-8, -26 - 9 * (index % 3))
+            axis.annotate(name, (x, y), textcoords="offset points", xytext=offset, fontsize=7)
+    axis.set_xlabel("mean loops per decode token")
+    axis.set_ylabel("exact match (%)")
+    axis.set_title(f"{report['model']}: held-out accuracy, {report['per_task']} problems per task")
+    axis.set_ylim(0, 105)
+    axis.grid(alpha=0.3)
+    axis.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("report")
+    parser.add_argument("--png", default=None)
+    args = parser.parse_args()
+    with open(args.report) as handle:
+        report = json.load(handle)
+    print(table(report))
+    if args.png:
+        plot(report, args.png)
+
+
+if __name__ == "__main__":
+    main()
