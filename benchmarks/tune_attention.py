@@ -9,6 +9,7 @@ import itertools
 
 import torch
 
+from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.attention import triton_backend
 from vllm_rlt.attention.triton_backend import TritonOps
 from vllm_rlt.layers.rotary import RotaryEmbedding
@@ -41,26 +42,16 @@ def time_case(rows: int, context: int, heads: int = 16, dim: int = 128, planes: 
     v = torch.randn_like(k)
     rotary = RotaryEmbedding(dim, 1e6, context + 1, torch.bfloat16, "cuda")
     ops = TritonOps()
+    scale = dim**-0.5
     results = []
     for block_n, stages, warps in itertools.product((32, 64, 128), (1, 2, 3), (2, 4, 8)):
         triton_backend.DECODE_BLOCK_N = block_n
         triton_backend.DECODE_STAGES = stages
         triton_backend.FEW_ROWS_WARPS = triton_backend.MANY_ROWS_WARPS = warps
-        for _ in range(3):
-            ops.attention(qkv, heads, heads, k, v, meta, rotary, dim**-0.5)
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()  # time the kernels, not the Python that launches them
-        with torch.cuda.graph(graph):
-            for _ in range(10):
-                ops.attention(qkv, heads, heads, k, v, meta, rotary, dim**-0.5)
-        graph.replay()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(5):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        results.append((start.elapsed_time(end) / 50 * 1e3, block_n, stages, warps))
+        us = graph_time_us(
+            lambda _: ops.attention(qkv, heads, heads, k, v, meta, rotary, scale), 10
+        )
+        results.append((us, block_n, stages, warps))
     results.sort()
     kv_bytes = rows * context * heads * dim * 2 * 2
     best = results[0]

@@ -14,6 +14,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
+from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.attention.triton_backend import TritonOps
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear
 
@@ -26,25 +27,6 @@ SHAPES = {
     "lm_head": (49152, 2048, False),
 }
 L2_DEFEAT_BYTES = 160 * 2**20
-
-
-def graph_time_us(fn, copies: int) -> float:
-    """Mean time of one call, from a CUDA graph of `copies` calls replayed five times."""
-    for index in range(min(copies, 2)):
-        fn(index)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for index in range(copies):
-            fn(index)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(5):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / (5 * copies) * 1e3
 
 
 def tune(name: str, rows: list[int], configs: list[SkinnyConfig]) -> None:
