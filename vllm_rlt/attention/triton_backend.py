@@ -8,6 +8,7 @@ import torch.nn.functional as F
 import triton
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.kernels.pdl import pdl_supported
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear
 from vllm_rlt.kernels.triton_kernels import (
     _add_rms_norm2_kernel,
@@ -24,6 +25,9 @@ from vllm_rlt.layers.rotary import RotaryEmbedding
 # software pipelining won everywhere; few rows want 4 warps, many rows 2.
 DECODE_BLOCK_N, DECODE_STAGES = 128, 1
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
+
+# Programmatic dependent launch where the GPU has it (Hopper and newer).
+USE_PDL = True
 
 # Linear layers of passes with at most this many rows use the skinny kernel (cuBLAS above).
 SKINNY_MAX_ROWS = 16
@@ -57,6 +61,11 @@ class TritonOps:
 
     needs_segments = False
 
+    def __init__(self) -> None:
+        # Every kernel here waits for its predecessor on the device (kernels/pdl.py), so
+        # each may be launched before the previous one has finished.
+        self.pdl = USE_PDL and pdl_supported()
+
     def prefill_tile_rows(self, dtype: torch.dtype) -> int:
         """Query rows per prefill tile; float32 tiles are smaller (exact dots need more
         registers)."""
@@ -67,7 +76,16 @@ class TritonOps:
         out = torch.empty_like(x)
         if rows:
             _rms_norm_kernel[(rows,)](
-                x, weight, out, x.stride(0), n, n, eps, BLOCK=triton.next_power_of_2(n)
+                x,
+                weight,
+                out,
+                x.stride(0),
+                n,
+                n,
+                eps,
+                BLOCK=triton.next_power_of_2(n),
+                USE_PDL=self.pdl,
+                launch_pdl=self.pdl,
             )
         return out
 
@@ -90,6 +108,8 @@ class TritonOps:
                 eps,
                 BLOCK=triton.next_power_of_2(n),
                 NORM_BRANCH=w_branch is not None,
+                USE_PDL=self.pdl,
+                launch_pdl=self.pdl,
             )
         return x_out, normed
 
@@ -100,7 +120,13 @@ class TritonOps:
         block = 1024
         if rows:
             _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-                gate_up, out, gate_up.stride(0), inter, BLOCK=block
+                gate_up,
+                out,
+                gate_up.stride(0),
+                inter,
+                BLOCK=block,
+                USE_PDL=self.pdl,
+                launch_pdl=self.pdl,
             )  # interleaved columns gate_0, up_0, gate_1, up_1, ...
         return out
 
@@ -112,14 +138,14 @@ class TritonOps:
         if not use_skinny(x.shape[0], weight):
             return F.linear(x, weight)
         config = skinny_config(weight.shape[0], weight.element_size())
-        return skinny_linear(x, weight, config, live=live)
+        return skinny_linear(x, weight, config, live=live, pdl=self.pdl)
 
     def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
         if not use_skinny(x.shape[0], gate_up):
             return self.silu_mul(F.linear(x, gate_up))
         config = skinny_config(gate_up.shape[0], gate_up.element_size())
-        return skinny_linear(x, gate_up, config, silu_mul=True)
+        return skinny_linear(x, gate_up, config, silu_mul=True, pdl=self.pdl)
 
     def attention(
         self,
@@ -155,6 +181,8 @@ class TritonOps:
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
             PLANES=meta.planes,
+            USE_PDL=self.pdl,
+            launch_pdl=self.pdl,
         )
         tiles = meta.prefill_tiles
         row_kernel_rows = rows if tiles is None else meta.num_decode
@@ -182,6 +210,8 @@ class TritonOps:
                 BLOCK_N=16 if exact else 32,
                 IEEE=exact,
                 num_warps=4,
+                USE_PDL=self.pdl,
+                launch_pdl=self.pdl,
             )
         if row_kernel_rows == 0:
             return out.reshape(rows, -1)
@@ -204,5 +234,7 @@ class TritonOps:
             BLOCK_N=DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
             num_warps=FEW_ROWS_WARPS if row_kernel_rows <= FEW_ROWS else MANY_ROWS_WARPS,
+            USE_PDL=self.pdl,
+            launch_pdl=self.pdl,
         )
         return out.reshape(rows, -1)

@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_rlt.kernels.pdl import pdl_enter
+
 ROWS_PER_TILE = 16  # tl.dot's smallest M; fewer rows are masked, not padded in memory
 
 
@@ -47,10 +49,12 @@ def _skinny_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """y[m, n] = sum_k x[m, k] * w[n, k]; with SILU_MUL, out[m, j] = silu(y[m, 2j]) *
     y[m, 2j + 1] (rounded like the unfused torch ops), else out = y. With SKIP_IDLE, a row
     tile none of whose rows is live reads no weights and writes zeros."""
+    pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -95,6 +99,7 @@ def skinny_linear(
     config: SkinnyConfig,
     silu_mul: bool = False,
     live: torch.Tensor | None = None,  # [rows] bool: rows whose output is used
+    pdl: bool = False,  # launch as a programmatic dependent (see kernels/pdl.py)
 ) -> torch.Tensor:
     """x @ weight.T ([rows, N]), or its SiLU-mul ([rows, N / 2]), for few rows; graph-safe."""
     rows = x.shape[0]
@@ -127,6 +132,8 @@ def skinny_linear(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         STAGES=config.stages,
+        USE_PDL=pdl,
         num_warps=config.warps,
+        launch_pdl=pdl,
     )
     return out

@@ -9,9 +9,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vllm_rlt.kernels.pdl import pdl_enter
+
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr):
+def _rms_norm_kernel(
+    x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
+):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -38,8 +43,10 @@ def _add_rms_norm2_kernel(
     eps,
     BLOCK: tl.constexpr,
     NORM_BRANCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """x_out = x + w1 * norm(y) (x + y without NORM_BRANCH); n_out = w2 * norm(x_out)."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
@@ -62,7 +69,8 @@ def _add_rms_norm2_kernel(
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, gu_stride, inter, BLOCK: tl.constexpr):
+def _silu_mul_kernel(gu_ptr, out_ptr, gu_stride, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
@@ -100,8 +108,10 @@ def _rope_write_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PLANES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Rotate q into q_out; rotate k and write k, v into planes lo..hi-1 of the cache."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -154,8 +164,10 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One query row and head over positions 0..pos of its plane, with online softmax."""
+    pdl_enter(USE_PDL)
     row = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
@@ -214,9 +226,11 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """A tile of up to BLOCK_M consecutive prompt positions of one request and plane,
     against key tiles of BLOCK_N positions, with tl.dot and causal masking."""
+    pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
