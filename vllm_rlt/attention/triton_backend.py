@@ -8,7 +8,7 @@ import torch.nn.functional as F
 import triton
 
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.kernels.pdl import pdl_supported
+from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear
 from vllm_rlt.kernels.triton_kernels import (
     _add_rms_norm2_kernel,
@@ -85,7 +85,7 @@ class TritonOps:
                 eps,
                 BLOCK=triton.next_power_of_2(n),
                 USE_PDL=self.pdl,
-                launch_pdl=self.pdl,
+                **launch_options(self.pdl),
             )
         return out
 
@@ -109,7 +109,7 @@ class TritonOps:
                 BLOCK=triton.next_power_of_2(n),
                 NORM_BRANCH=w_branch is not None,
                 USE_PDL=self.pdl,
-                launch_pdl=self.pdl,
+                **launch_options(self.pdl),
             )
         return x_out, normed
 
@@ -126,7 +126,7 @@ class TritonOps:
                 inter,
                 BLOCK=block,
                 USE_PDL=self.pdl,
-                launch_pdl=self.pdl,
+                **launch_options(self.pdl),
             )  # interleaved columns gate_0, up_0, gate_1, up_1, ...
         return out
 
@@ -182,7 +182,7 @@ class TritonOps:
             HEAD_DIM=head_dim,
             PLANES=meta.planes,
             USE_PDL=self.pdl,
-            launch_pdl=self.pdl,
+            **launch_options(self.pdl),
         )
         tiles = meta.prefill_tiles
         row_kernel_rows = rows if tiles is None else meta.num_decode
@@ -211,7 +211,7 @@ class TritonOps:
                 IEEE=exact,
                 num_warps=4,
                 USE_PDL=self.pdl,
-                launch_pdl=self.pdl,
+                **launch_options(self.pdl),
             )
         if row_kernel_rows == 0:
             return out.reshape(rows, -1)
@@ -235,6 +235,6 @@ class TritonOps:
             STAGES=DECODE_STAGES,
             num_warps=FEW_ROWS_WARPS if row_kernel_rows <= FEW_ROWS else MANY_ROWS_WARPS,
             USE_PDL=self.pdl,
-            launch_pdl=self.pdl,
+            **launch_options(self.pdl),
         )
         return out.reshape(rows, -1)

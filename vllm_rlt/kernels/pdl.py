@@ -10,8 +10,17 @@ import triton
 import triton.language as tl
 
 
-def pdl_supported() -> bool:
-    return torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+def pdl_supported(device: torch.device | None = None) -> bool:
+    """Hopper or newer, and a Triton that has the griddepcontrol intrinsics (3.4+)."""
+    if not torch.cuda.is_available() or not hasattr(tl.extra.cuda, "gdc_wait"):
+        return False
+    return torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def launch_options(pdl: bool) -> dict:
+    """Keyword arguments of a launch: `launch_pdl` only when used, so that a Triton without
+    it still launches every kernel."""
+    return {"launch_pdl": True} if pdl else {}
 
 
 @triton.jit

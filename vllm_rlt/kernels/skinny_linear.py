@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_rlt.kernels.pdl import pdl_enter
+from vllm_rlt.kernels.pdl import launch_options, pdl_enter
 
 ROWS_PER_TILE = 16  # tl.dot's smallest M; fewer rows are masked, not padded in memory
 
@@ -134,6 +134,6 @@ def skinny_linear(
         STAGES=config.stages,
         USE_PDL=pdl,
         num_warps=config.warps,
-        launch_pdl=pdl,
+        **launch_options(pdl),
     )
     return out

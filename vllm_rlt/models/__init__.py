@@ -1,1 +1,2 @@
-"""Model families (one file each), the checkpoint loader, the registry and the built-in toy."""
+"""Model families (one file each), the checkpoint loader, the registry, the random-weight toy
+and the resolution of built-in model names."""

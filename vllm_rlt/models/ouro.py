@@ -248,7 +248,9 @@ class OuroModel:
         """Exit-gate logits [rows] in float32 from the end-of-loop state [rows, hidden]."""
         return F.linear(hidden, self.gate_weight, self.gate_bias).float().squeeze(-1)
 
-    def coda(self, hidden: torch.Tensor, ops: Any = None, live: torch.Tensor | None = None):
+    def coda(
+        self, hidden: torch.Tensor, ops: Any = None, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """LM-head logits [rows, vocab] in float32. With `ops` and `live` (rows whose tokens
         are used), a backend may leave the logits of other rows at zero."""
         if ops is None:

@@ -80,6 +80,9 @@ class Batches:
 
     def draw(self, size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Inputs [B, S], targets [B, S] and a mask [B, S] that is 1 on answer and EOS targets."""
+        if size > len(self.inputs):
+            pool = len(self.inputs)
+            raise ValueError(f"--batch must be at most the pool size {pool}, got {size}")
         rows = torch.randperm(len(self.inputs), generator=self.generator)[:size].to(self.device)
         return self.inputs[rows], self.targets[rows], self.mask[rows]
 

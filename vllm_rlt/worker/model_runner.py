@@ -198,7 +198,7 @@ class ModelRunner:
             sample_hidden = torch.cat([d_hidden, hidden[p_rows]])
             sample_slots = torch.cat([decode, p_slots])
         exited = decision.exit
-        live = exited
+        live = exited & (decode != self.dummy_slot)  # padding rows of a graph never count
         if prefill_samplers:
             live = torch.cat([exited, torch.ones_like(p_slots, dtype=torch.bool)])
         tokens, chosen_lp, top_ids, top_lp = self._sample(
