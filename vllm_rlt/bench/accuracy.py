@@ -11,12 +11,11 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 from typing import Any
 
 from vllm_rlt.bench.report import emit_report
 from vllm_rlt.engine.llm import LLM
-from vllm_rlt.models.load import DEFAULT_MODEL_DIR, DEFAULT_MODEL_NAME
+from vllm_rlt.models.load import model_folder
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.training.data import TASKS, held_out, training_set
 
@@ -44,8 +43,7 @@ def evaluate(llm: LLM, sets: dict[str, list], params: SamplingParams) -> dict[st
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     llm = LLM(model=args.model, device=args.device)
-    builtin = args.model in (None, DEFAULT_MODEL_NAME)
-    record = (DEFAULT_MODEL_DIR if builtin else Path(args.model)) / "training_record.json"
+    record = model_folder(args.model) / "training_record.json"
     train_size = args.train_size
     if record.is_file():  # hold out exactly what this model was not trained on
         train_size = json.loads(record.read_text())["args"]["train_size"]

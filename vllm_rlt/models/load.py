@@ -53,6 +53,14 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
     return DTYPES[dtype]
 
 
+def model_folder(model: str | Path | None) -> Path:
+    """The checkpoint folder a (non-toy) model argument names; None and DEFAULT_MODEL_NAME
+    name the packaged one."""
+    if model is None or str(model) == DEFAULT_MODEL_NAME:
+        return DEFAULT_MODEL_DIR
+    return Path(model)
+
+
 def load_model_and_tokenizer(
     model: str | Path | None, dtype: torch.dtype, device: torch.device
 ) -> tuple[OuroModel, Tokenizer | None, str]:
@@ -60,14 +68,7 @@ def load_model_and_tokenizer(
     if str(model) == TOY_NAME:
         config = OuroConfig.from_dict(toy_config_dict())
         return OuroModel(config, toy_weights(), dtype, device), Tokenizer.byte_level(), TOY_NAME
-    if model is None or str(model) == DEFAULT_MODEL_NAME:
-        folder = DEFAULT_MODEL_DIR
-        return (
-            load_model(folder, dtype, device),
-            Tokenizer.from_pretrained(folder),
-            DEFAULT_MODEL_NAME,
-        )
-    folder = Path(model)
+    folder = model_folder(model)
     loaded = load_model(folder, dtype, device)
     tokenizer = Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
-    return loaded, tokenizer, str(model)
+    return loaded, tokenizer, DEFAULT_MODEL_NAME if model is None else str(model)
