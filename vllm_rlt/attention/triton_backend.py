@@ -84,7 +84,6 @@ class TritonOps:
                 n,
                 eps,
                 BLOCK=triton.next_power_of_2(n),
-                USE_PDL=self.pdl,
                 **launch_options(self.pdl),
             )
         return out
@@ -108,7 +107,6 @@ class TritonOps:
                 eps,
                 BLOCK=triton.next_power_of_2(n),
                 NORM_BRANCH=w_branch is not None,
-                USE_PDL=self.pdl,
                 **launch_options(self.pdl),
             )
         return x_out, normed
@@ -125,7 +123,6 @@ class TritonOps:
                 gate_up.stride(0),
                 inter,
                 BLOCK=block,
-                USE_PDL=self.pdl,
                 **launch_options(self.pdl),
             )  # interleaved columns gate_0, up_0, gate_1, up_1, ...
         return out
@@ -181,7 +178,6 @@ class TritonOps:
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
             PLANES=meta.planes,
-            USE_PDL=self.pdl,
             **launch_options(self.pdl),
         )
         tiles = meta.prefill_tiles
@@ -210,7 +206,6 @@ class TritonOps:
                 BLOCK_N=16 if exact else 32,
                 IEEE=exact,
                 num_warps=4,
-                USE_PDL=self.pdl,
                 **launch_options(self.pdl),
             )
         if row_kernel_rows == 0:
@@ -234,7 +229,6 @@ class TritonOps:
             BLOCK_N=DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
             num_warps=FEW_ROWS_WARPS if row_kernel_rows <= FEW_ROWS else MANY_ROWS_WARPS,
-            USE_PDL=self.pdl,
             **launch_options(self.pdl),
         )
         return out.reshape(rows, -1)

@@ -18,9 +18,9 @@ def pdl_supported(device: torch.device | None = None) -> bool:
 
 
 def launch_options(pdl: bool) -> dict:
-    """Keyword arguments of a launch: `launch_pdl` only when used, so that a Triton without
-    it still launches every kernel."""
-    return {"launch_pdl": True} if pdl else {}
+    """Keyword arguments of a launch of a kernel that starts with pdl_enter: its USE_PDL, and
+    `launch_pdl` only when used, so that a Triton without it still launches every kernel."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl else {"USE_PDL": False}
 
 
 @triton.jit

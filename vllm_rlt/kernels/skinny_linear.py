@@ -132,7 +132,6 @@ def skinny_linear(
         BLOCK_N=config.block_n,
         BLOCK_K=config.block_k,
         STAGES=config.stages,
-        USE_PDL=pdl,
         num_warps=config.warps,
         **launch_options(pdl),
     )
