@@ -1,4 +1,5 @@
-"""Engine equals the serial oracle: tokens and exit depths, float32 greedy (DESIGN §3, §6)."""
+"""Engine equals the serial oracle: tokens and exit depths, float32 greedy
+(docs/design.md §3, §6)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Sampling on the toy: seeded batch invariance, filters that collapse to greedy, logprobs,
-and the counter-based sampler itself (DESIGN §3.5)."""
+and the counter-based sampler itself (docs/design.md §3.5)."""
 
 from __future__ import annotations
 

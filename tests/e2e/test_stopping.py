@@ -1,6 +1,6 @@
 """Stopping on the toy: stop strings, stop ids, min_tokens, max_tokens, ignore_eos, and the
-per-token exit depths (DESIGN §3.6). Stop targets are taken from an earlier greedy run, since
-the toy's text is noise."""
+per-token exit depths (docs/design.md §3.6). Stop targets are taken from an earlier greedy
+run, since the toy's text is noise."""
 
 from __future__ import annotations
 

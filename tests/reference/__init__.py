@@ -1,1 +1,1 @@
-"""Serial reference implementation (oracle) of the engine's semantics contract (DESIGN §3, §6)."""
+"""Serial reference (oracle) of the engine's semantics contract (docs/design.md §3, §6)."""

@@ -1,8 +1,9 @@
-"""Serial Ouro oracle: one request, one token, one loop at a time (DESIGN §3, §6).
+"""Serial Ouro oracle: one request, one token, one loop at a time (docs/design.md §3, §6).
 
-Written from DESIGN.md §3 and model-spec.md §1-§2 only, never from the engine code, so
-that the engine can be checked against it. The KV rules of DESIGN §3.3 are applied as
-written. Everything runs in float32 on the CPU; clarity beats speed.
+Written from docs/design.md §3 and the published Ouro model definition (Hugging Face
+`modeling_ouro.py`) only, never from the engine code, so that the engine can be checked
+against it. The KV rules of docs/design.md §3.3 are applied as written. Everything runs in
+float32 on the CPU; clarity beats speed.
 """
 
 from collections.abc import Callable
@@ -28,7 +29,7 @@ class ReferenceResult:
 
 
 class _Ouro:
-    """Ouro maths (model-spec §1, §2.4) over rows of one sequence; no KV caching."""
+    """Ouro maths as in the HF `modeling_ouro.py`, over rows of one sequence; no KV caching."""
 
     def __init__(self, config: dict, weights: dict[str, torch.Tensor]) -> None:
         self.num_layers: int = config["num_hidden_layers"]
@@ -136,7 +137,7 @@ class _KVStore:
 
     def source_loops(self, layout: str, position: int, loop: int) -> torch.Tensor:
         """For the query at `position` in its 1-based loop `loop`: the 0-based loop at
-        which each of positions 0..position is read (DESIGN §3.3).
+        which each of positions 0..position is read (docs/design.md §3.3).
         """
         earlier = self.exit_depth[:position]  # e_j, j < position
         if layout == "last_exited":
@@ -190,7 +191,7 @@ def _exit_at(depth: int) -> Callable[[int, torch.Tensor], bool]:
 
 
 class _OuroExit:
-    """Exit test for `ouro` / `ouro_delayed` (DESIGN §3.4).
+    """Exit test for `ouro` / `ouro_delayed` (docs/design.md §3.4).
 
     A fresh instance serves each decode token, since the CDF resets for every token.
     """
@@ -267,7 +268,7 @@ def reference_generate(
     ignore_eos: bool = False,
     min_tokens: int = 0,
 ) -> ReferenceResult:
-    """Greedy generation for one request, exactly as DESIGN §3 defines it.
+    """Greedy generation for one request, exactly as docs/design.md §3 defines it.
 
     `trace` (exit_mode="trace") holds T first, then each decode input's depth in order.
     """
@@ -284,7 +285,7 @@ def reference_generate(
         max_loops,
         trace,
     )
-    # The last sampled token is never forwarded (DESIGN §3.6).
+    # The last sampled token is never forwarded (docs/design.md §3.6).
     store = _KVStore(model, capacity=len(prompt_ids) + max_tokens - 1)
 
     full_depth = _exit_at(num_loops)
@@ -323,7 +324,7 @@ def reference_dense_logits(
     """Cache-free forward of the whole sequence at fixed depth T with causal attention.
 
     Returns float32 logits [len(token_ids), vocab] of the last loop. With fixed depth,
-    LAST_EXITED must reproduce them (DESIGN §3.3, §6).
+    LAST_EXITED must reproduce them (docs/design.md §3.3, §6).
     """
     model = _Ouro(config, weights)
     n = len(token_ids)

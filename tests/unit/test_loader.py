@@ -2,7 +2,7 @@
 
 The loader is the only door real checkpoints come through, so a folder written by
 `save_toy_model` must generate exactly what the built-in toy does, and every way a folder can be
-wrong must fail at load time with a message that names the problem (DESIGN §4, §6).
+wrong must fail at load time with a message that names the problem (docs/design.md §4, §6).
 """
 
 from __future__ import annotations

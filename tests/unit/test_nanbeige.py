@@ -93,7 +93,7 @@ def _tiny_weights() -> dict[str, torch.Tensor]:
 
 
 def _dense_logits(w: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
-    """model-spec §3.3 written out: every loop runs the Llama stack, then the final norm."""
+    """The Nanbeige forward written out: every loop runs the Llama stack, then the final norm."""
     cfg = TINY
     heads, kv_heads, d = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
 

@@ -10,7 +10,7 @@ from vllm_rlt.models.ouro import OuroConfig
 
 
 def _ouro_config_json(layers: int) -> dict:
-    """config.json as the public Ouro checkpoints ship it (model-spec §2.1)."""
+    """config.json as the public Ouro checkpoints ship it."""
     return {
         "architectures": ["OuroForCausalLM"],
         "auto_map": {

@@ -68,7 +68,7 @@ def generate() -> partial:
 
 
 def test_fixed_depth_last_exited_matches_dense_forward() -> None:
-    """DESIGN §6: at fixed depth, LAST_EXITED equals a cache-free full forward."""
+    """docs/design.md §6: at fixed depth, LAST_EXITED equals a cache-free full forward."""
     weights = _tiny_weights()
     out = reference_generate(CONFIG, weights, PROMPT, max_tokens=8)
     assert out.exit_depths == [T] * 8

@@ -27,7 +27,7 @@ def _ouro_shape(layers: int) -> dict:
 
 
 def _nanbeige_shape() -> dict:
-    """Nanbeige4.2-3B (model-spec §3.1)."""
+    """Nanbeige4.2-3B, as its public config.json gives it."""
     return {
         "model_type": "nanbeige",
         "vocab_size": 166144,

@@ -1,4 +1,4 @@
-"""The four decode exit policies of DESIGN §3.4, vectorised over rows, run on the device."""
+"""The four decode exit policies (docs/design.md §3.4), vectorised over rows, on the device."""
 
 from __future__ import annotations
 

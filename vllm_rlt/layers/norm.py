@@ -6,7 +6,7 @@ import torch
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise in float32, cast back to the activation dtype, then scale (model-spec §1)."""
+    """Normalise in float32, cast back to the activation dtype, then scale (no bias, no 1+g)."""
     x32 = x.float()
     normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * normed.to(x.dtype)

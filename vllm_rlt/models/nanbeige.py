@@ -1,5 +1,5 @@
-"""Nanbeige4.2 (model-spec §3): a plain pre-norm Llama stack run a fixed number of loops,
-with the final norm at the end of every loop and no exit gate."""
+"""Nanbeige4.2: a plain pre-norm Llama stack run a fixed number of loops, with the final
+norm at the end of every loop and no exit gate."""
 
 from __future__ import annotations
 
@@ -105,7 +105,7 @@ class NanbeigeConfig:
         return config
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor of an HF Nanbeige checkpoint (model-spec §3.2): plain Llama names."""
+        """Every tensor of an HF Nanbeige checkpoint: plain Llama names, nothing per loop."""
         return llama_layer_shapes(self, branch_norms=False)
 
 

@@ -1,4 +1,4 @@
-"""Ouro (1.4B / 2.6B architecture) as prelude / core / coda over packed rows (model-spec §2)."""
+"""Ouro 1.4B / 2.6B (HF `modeling_ouro.py`) as prelude / core / coda over packed rows."""
 
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ class OuroConfig:
         return self.total_ut_steps
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
-        """Every tensor name of an HF Ouro checkpoint and its shape (model-spec §2.3)."""
+        """Every tensor name of an HF Ouro checkpoint and its shape."""
         gate = {
             "model.early_exit_gate.weight": (1, self.hidden_size),
             "model.early_exit_gate.bias": (1,),

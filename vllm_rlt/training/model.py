@@ -114,7 +114,7 @@ class TrainableOuro(nn.Module):
 
 def exit_distribution(hazards: torch.Tensor) -> torch.Tensor:
     """p_t = lambda_t * prod_{s<t}(1 - lambda_s); the last loop takes the remaining mass
-    (model-spec §2.5). hazards [T, ...] -> probabilities [T, ...] summing to 1."""
+    (its own hazard is unused). hazards [T, ...] -> probabilities [T, ...] summing to 1."""
     survival = torch.cumprod(1 - hazards, dim=0)
     before = torch.cat([torch.ones_like(survival[:1]), survival[:-1]])
     probs = hazards * before

@@ -1,4 +1,4 @@
-"""Train a small looped model on the checkable tasks, in two stages (model-spec §2.9).
+"""Train a small looped model on the checkable tasks, in the two stages of the Ouro paper.
 
 Stage 1 trains everything on the expected loss over exit steps plus an entropy regulariser
 (KL to the uniform exit distribution). Stage 2 freezes the backbone and trains the gate
