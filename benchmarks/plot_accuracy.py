@@ -1,14 +1,15 @@
-"""Plot a `vllm-rlt bench accuracy` JSON (accuracy against mean loops per token) and print its
-table in Markdown. Needs matplotlib (`pip install matplotlib`; not an engine dependency).
+"""Print the table of a `vllm-rlt bench accuracy` JSON in Markdown and, with --png, plot
+accuracy against mean loops per token (needs matplotlib: `pip install -e ".[plot]"`).
 
 python -m benchmarks.plot_accuracy accuracy.json --png accuracy.png
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+
+from vllm_rlt.entrypoints.parser import CLIParser
 
 
 def table(report: dict) -> str:
@@ -53,9 +54,11 @@ def plot(report: dict, path: str) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("report")
-    parser.add_argument("--png", default=None)
+    parser = CLIParser(prog="python -m benchmarks.plot_accuracy", description=__doc__)
+    parser.add_argument("report", help="JSON written by `vllm-rlt bench accuracy --output`")
+    parser.add_argument(
+        "--png", default=None, help="also draw the plot into this file (default: table only)"
+    )
     args = parser.parse_args()
     with open(args.report) as handle:
         report = json.load(handle)

@@ -5,7 +5,6 @@ python -m benchmarks.profile_pass --shape ouro-1.4b --concurrency 1 64
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -13,6 +12,7 @@ import torch
 from vllm_rlt.bench.shapes import random_model
 from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -75,10 +75,12 @@ def profile(model, concurrency: int, steps: int) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--shape", default="ouro-1.4b")
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 64])
-    parser.add_argument("--steps", type=int, default=50)
+    parser = CLIParser(prog="python -m benchmarks.profile_pass", description=__doc__)
+    parser.add_argument("--shape", default="ouro-1.4b", help="model shape (random weights)")
+    parser.add_argument(
+        "--concurrency", type=int, nargs="+", default=[1, 64], help="rows per decode pass"
+    )
+    parser.add_argument("--steps", type=int, default=50, help="decode steps timed per case")
     args = parser.parse_args()
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
     for concurrency in args.concurrency:

@@ -1,10 +1,14 @@
 """Print a one-line-per-result table of throughput JSON files (for benchmark records)."""
 
 import json
-import sys
 
-for path in sys.argv[1:]:
-    report = json.load(open(path))
+from vllm_rlt.entrypoints.parser import CLIParser
+
+parser = CLIParser(prog="python -m benchmarks.summarize", description=__doc__)
+parser.add_argument("reports", nargs="+", help="JSON files of `vllm-rlt bench throughput`")
+for path in parser.parse_args().reports:
+    with open(path) as handle:
+        report = json.load(handle)
     workload = report["workload"]
     for result in report["results"]:
         engine = result["engine"]

@@ -1,6 +1,8 @@
 """Time the decode attention kernel over launch shapes at Ouro-1.4B head sizes.
 
 python -m benchmarks.tune_attention
+
+Cases: (rows, context) = (1, 96), (8, 96), (64, 96), (32, 1100).
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.attention import triton_backend
 from vllm_rlt.attention.triton_backend import TritonOps
+from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
 
@@ -65,6 +68,12 @@ def time_case(rows: int, context: int, heads: int = 16, dim: int = 128, planes: 
         print(f"    BLOCK_N {block_n:>3} stages {stages} warps {warps}: {by_shape[shape]:.1f} us")
 
 
-if __name__ == "__main__":
+def main() -> None:
+    parser = CLIParser(prog="python -m benchmarks.tune_attention", description=__doc__)
+    parser.parse_args()
     for rows, context in ((1, 96), (8, 96), (64, 96), (32, 1100)):
         time_case(rows, context)
+
+
+if __name__ == "__main__":
+    main()

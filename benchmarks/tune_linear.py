@@ -8,7 +8,6 @@ python -m benchmarks.tune_linear [--rows 1 8 16 32 64]
 
 from __future__ import annotations
 
-import argparse
 import itertools
 
 import torch
@@ -16,6 +15,7 @@ import torch.nn.functional as F
 
 from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.attention.triton_backend import TritonOps
+from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear
 
 # name: (N, K, SiLU-mul epilogue)
@@ -62,9 +62,13 @@ def tune(name: str, rows: list[int], configs: list[SkinnyConfig]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64])
-    parser.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    parser = CLIParser(prog="python -m benchmarks.tune_linear", description=__doc__)
+    parser.add_argument(
+        "--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64], help="rows per pass"
+    )
+    parser.add_argument(
+        "--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="layer shapes"
+    )
     args = parser.parse_args()
     configs = [
         SkinnyConfig(block_n, block_k, warps, stages)

@@ -12,22 +12,35 @@ SCHEDULING_MODES = ("refill", "no_refill")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 
 
-def require(condition: bool, message: str) -> None:
-    """Raise a ValueError with `message` when a user-facing setting is invalid."""
+class ParamError(ValueError):
+    """A user-facing value is invalid; `param` names the field as the API spells it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def require(condition: bool, message: str, param: str | None = None) -> None:
+    """Raise a ParamError (a ValueError) with `message` when a user-facing setting is invalid."""
     if not condition:
-        raise ValueError(message)
+        raise ParamError(message, param)
 
 
-def require_int(value: Any, name: str, low: int, high: int | None = None) -> None:
+def require_int(
+    value: Any, name: str, low: int, high: int | None = None, param: str | None = None
+) -> None:
     """Check that `value` is an int in [low, high]; the message names the field and the range."""
     upper = "inf" if high is None else str(high)
+    field = name if param is None else param
     require(
         isinstance(value, int) and not isinstance(value, bool),
         f"{name} must be an integer in [{low}, {upper}], got {value!r}",
+        field,
     )
     require(
         value >= low and (high is None or value <= high),
         f"{name} must be in [{low}, {upper}], got {value}",
+        field,
     )
 
 

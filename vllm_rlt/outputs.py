@@ -35,7 +35,8 @@ class RequestMetrics:
 
 @dataclass
 class RequestOutput:
-    """All completions of one prompt, in the order of their `index`."""
+    """All completions of one prompt, in the order of their `index`. `error` says why the
+    engine failed this request alone (its completions then end with "abort")."""
 
     request_id: str
     prompt: str | None
@@ -43,3 +44,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
+    error: str | None = None

@@ -7,6 +7,9 @@ from dataclasses import dataclass, field
 from vllm_rlt.config import require, require_int
 
 MAX_LOGPROBS = 20
+MAX_N = 128
+MAX_TOP_K = 2**31 - 1  # any k at or above the vocabulary size keeps every token
+MAX_SEED = 2**63 - 1
 
 
 @dataclass
@@ -17,6 +20,7 @@ class SamplingParams:
     the batch. `logprobs=N` returns the sampled token's logprob and the top N alternatives.
     `min_loops` / `max_loops` bound each decode token's exit depth (None: 1 and the model's
     depth); `exit_threshold` is the exit policy's threshold q (1.0 = always run max_loops).
+    `include_stop_str_in_output` keeps the stop string that ended the text at its end.
     """
 
     n: int = 1
@@ -34,18 +38,22 @@ class SamplingParams:
     min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float | None = None
+    include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
-        require_int(self.n, "n", 1, 128)
+        require_int(self.n, "n", 1, MAX_N)
         require_int(self.max_tokens, "max_tokens", 1)
         require_int(self.min_tokens, "min_tokens", 0, self.max_tokens)
         _require_float(self.temperature, "temperature", 0.0, 100.0)
-        require_int(self.top_k, "top_k", 0)
+        require_int(self.top_k, "top_k", 0, MAX_TOP_K)
         _require_float(self.top_p, "top_p", 0.0, 1.0)
-        require(self.top_p > 0.0, f"top_p must be in (0, 1], got {self.top_p}")
+        require(self.top_p > 0.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         _require_float(self.min_p, "min_p", 0.0, 1.0)
         if self.seed is not None:
-            require_int(self.seed, "seed", 0, 2**63 - 1)
+            require_int(self.seed, "seed", 0, MAX_SEED)
+        for flag in ("ignore_eos", "include_stop_str_in_output"):
+            value = getattr(self, flag)
+            require(isinstance(value, bool), f"{flag} must be true or false, got {value!r}", flag)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -53,10 +61,11 @@ class SamplingParams:
             require(
                 isinstance(text, str) and text != "",
                 f"stop must hold non-empty strings, got {text!r}",
+                "stop",
             )
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token_id in self.stop_token_ids:
-            require_int(token_id, "stop_token_ids entry", 0)
+            require_int(token_id, "stop_token_ids entry", 0, param="stop_token_ids")
         if self.logprobs is not None:
             require_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
         if self.min_loops is not None:
@@ -67,6 +76,7 @@ class SamplingParams:
             require(
                 self.min_loops <= self.max_loops,
                 f"min_loops ({self.min_loops}) must be <= max_loops ({self.max_loops})",
+                "min_loops",
             )
         if self.exit_threshold is not None:
             _require_float(self.exit_threshold, "exit_threshold", 0.0, 1.0)
@@ -88,5 +98,6 @@ def _require_float(value: object, name: str, low: float, high: float) -> None:
     require(
         isinstance(value, (int, float)) and not isinstance(value, bool),
         f"{name} must be a number in [{low}, {high}], got {value!r}",
+        name,
     )
-    require(low <= value <= high, f"{name} must be in [{low}, {high}], got {value}")  # type: ignore[operator]
+    require(low <= value <= high, f"{name} must be in [{low}, {high}], got {value}", name)  # type: ignore[operator]

@@ -7,12 +7,16 @@ module fixture, and the tests only read their results."""
 from __future__ import annotations
 
 import json
+import shutil
+import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from vllm_rlt.models.load import DEFAULT_MODEL_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 BASE = ["--max-tokens", "4", "--json"]
@@ -36,7 +40,13 @@ ERRORS = {
 }
 
 
-def _cli(args: list[str], stdin: str | None = None) -> subprocess.CompletedProcess:
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _cli(args: list[str | bytes], stdin: str | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
         [sys.executable, "-m", "vllm_rlt.entrypoints.cli", *args],
         cwd=REPO_ROOT,
@@ -63,6 +73,19 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
     for name, (flags, _) in ERRORS.items():
         flags = [str(trace_file) if f == "TRACE_FILE" else f for f in flags]
         jobs[f"error_{name}"] = (["generate", "--prompt", "hi", *BASE, *flags], None)
+    no_weights = tmp_path_factory.mktemp("no-weights")
+    shutil.copy(DEFAULT_MODEL_DIR / "config.json", no_weights / "config.json")
+    jobs |= {
+        "serve_missing_folder": (["serve", "/nonexistent", "--port", str(_free_port())], None),
+        "serve_unloadable_weights": (["serve", str(no_weights), "--port", str(_free_port())], None),
+        "untrained_prompt": (["generate", "--prompt", "1000*1=", "--max-tokens", "4"], None),
+        "trained_prompt": (["generate", "--prompt", "347+589=", "--no-progress"], None),
+        "surrogate_prompt": (["generate", "--prompt", b"ab\xff", "--model", "toy"], None),
+        "help": (["--help"], None),
+        "help_bench": (["bench", "--help"], None),
+        "help_generate": (["generate", "--help"], None),
+        "help_serve": (["serve", "--help"], None),
+    }
     with ThreadPoolExecutor(max_workers=3) as pool:
         futures = {name: pool.submit(_cli, args, stdin) for name, (args, stdin) in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
@@ -109,3 +132,60 @@ def test_errors_exit_2_with_one_line(runs, name):
     assert len(lines) == 1, run.stderr
     assert lines[0].startswith("vllm-rlt generate: error: ")
     assert ERRORS[name][1] in lines[0]
+
+
+@pytest.mark.parametrize("name", ["serve_missing_folder", "serve_unloadable_weights"])
+def test_serve_with_a_model_that_cannot_load_exits_2(runs, name):
+    """As `generate` does: one error line, exit code 2 (found before the server starts, or
+    when the background load fails)."""
+    run = runs[name]
+    assert run.returncode == 2, run.stderr
+    last = run.stderr.splitlines()[-1]
+    assert last.startswith("vllm-rlt serve: error: "), run.stderr
+    if name == "serve_missing_folder":
+        assert run.stderr.splitlines() == [
+            "vllm-rlt serve: error: model folder '/nonexistent' does not exist"
+        ]
+    else:
+        assert "safetensors" in last and "Traceback" not in run.stderr
+
+
+def test_untrained_prompts_get_a_warning(runs):
+    warned, plain = runs["untrained_prompt"], runs["trained_prompt"]
+    assert warned.returncode == 0 and plain.returncode == 0
+    assert "warning: 1 prompt(s), such as '1000*1='" in warned.stderr
+    assert "a*b= with a in 1000..9999, b in 2..9" in warned.stderr
+    assert plain.stdout == "347+589=936\n" and "warning" not in plain.stderr
+
+
+def test_a_prompt_that_is_not_valid_text_is_a_one_line_error(runs):
+    run = runs["surrogate_prompt"]
+    assert run.returncode == 2
+    assert run.stderr.splitlines() == [
+        "vllm-rlt generate: error: prompt is not valid Unicode: character 2 is a lone "
+        "surrogate (U+DCFF)"
+    ]
+
+
+def test_help_screens_list_everything_and_show_defaults(runs):
+    for name in ("help", "help_bench", "help_generate", "help_serve"):
+        assert runs[name].returncode == 0, runs[name].stderr
+        assert "§" not in runs[name].stdout and "DESIGN" not in runs[name].stdout
+    assert "accuracy" in runs["help"].stdout and "bench" in runs["help"].stdout
+    bench = runs["help_bench"].stdout
+    assert all(f"vllm-rlt bench {name}" in bench for name in ("throughput", "serve", "accuracy"))
+    generate = runs["help_generate"].stdout
+    assert "(default: 32)" in generate and "(default: last_exited)" in generate
+    serve = runs["help_serve"].stdout
+    assert "(default: 8000)" in serve and "(default: 256)" in serve
+
+
+def test_serve_without_the_serve_extra_is_a_one_line_error(monkeypatch, capsys):
+    from vllm_rlt.entrypoints.cli import main
+
+    monkeypatch.setitem(sys.modules, "uvicorn", None)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve"])
+    assert exit_info.value.code == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and "'serve' extra" in lines[0] and "uvicorn" in lines[0]

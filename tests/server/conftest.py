@@ -1,17 +1,19 @@
-"""A real server on a loopback port, in this process, with the built-in toy model."""
+"""A real server on a loopback port, in this process, with the built-in toy model: the same
+app, connection limits and protocol as `vllm-rlt serve`."""
 
 from __future__ import annotations
 
 import socket
+import subprocess
 import threading
 import time
 from contextlib import contextmanager
 
+import httpx
 import pytest
-import uvicorn
 
 from vllm_rlt import CacheConfig, SchedulerConfig
-from vllm_rlt.entrypoints.openai.server import ServerSettings, ServerState, build_app
+from vllm_rlt.entrypoints.openai.server import ServerSettings, ServerState, build_server
 
 
 def _free_port() -> int:
@@ -31,8 +33,7 @@ def running_server(num_blocks: int = 512, max_num_seqs: int = 64, **settings):
     state.load()
     assert state.load_error is None, state.load_error
     port = _free_port()
-    config = uvicorn.Config(build_app(state), host="127.0.0.1", port=port, log_level="warning")
-    server = uvicorn.Server(config)
+    server = build_server(state, "127.0.0.1", port, drain_timeout=5.0, log_level="warning")
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 20
@@ -45,6 +46,20 @@ def running_server(num_blocks: int = 512, max_num_seqs: int = 64, **settings):
         server.should_exit = True
         thread.join(timeout=20)
         state.engine.shutdown()
+
+
+def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until the server a subprocess runs answers /health with 200 (it may be loading)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if httpx.get(f"{url}/health").status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        assert process.poll() is None, f"the server exited with {process.returncode}"
+        assert time.monotonic() < deadline, "server did not come up"
+        time.sleep(0.1)
 
 
 def wait_idle(state: ServerState, timeout: float = 10.0) -> None:

@@ -2,18 +2,21 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import _free_port, wait_idle
+from tests.server.conftest import _free_port, wait_healthy, wait_idle
 
 SCALARS = st.one_of(
     st.none(),
@@ -90,56 +93,101 @@ def test_fuzzed_bodies_never_give_5xx(server):
     wait_idle(state)
 
 
-def test_sigterm_drains_in_flight_requests_and_exits_zero():
+@contextmanager
+def serve_process(*flags: str):
+    """`vllm-rlt serve toy` in a subprocess, up and healthy; yields (process, url)."""
     port = _free_port()
     root = Path(__file__).resolve().parents[2]
     process = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "vllm_rlt.entrypoints.cli",
-            "serve",
-            "toy",
-            "--port",
-            str(port),
-            "--shutdown-timeout",
-            "30",
-        ],
+        [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "serve", "toy", "--port", str(port)]
+        + list(flags),
         cwd=root,
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"},
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health").status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.1)
-        body = {
-            "model": "toy",
-            "prompt": "drain",
-            "max_tokens": 300,
-            "stream": True,
-            "ignore_eos": True,
-        }
-        events = []
-        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as reply:
-            for line in reply.iter_lines():
-                if not line.startswith("data: "):
-                    continue
-                if not events:
-                    process.send_signal(signal.SIGTERM)
-                events.append(line)
-        assert events[-1] == "data: [DONE]"
-        finishes = [e for e in events if '"finish_reason": "length"' in e]
-        assert len(finishes) == 1
-        assert process.wait(timeout=60) == 0
+        wait_healthy(url, process)
+        yield process, url
     finally:
         if process.poll() is None:
             process.kill()
+        process.wait()
+
+
+def sse_events(reply: httpx.Response, on_first=None) -> list[str]:
+    events = []
+    for line in reply.iter_lines():
+        if line.startswith("data: "):
+            if not events and on_first is not None:
+                on_first()
+            events.append(line)
+    return events
+
+
+def test_sigterm_drains_in_flight_requests_and_exits_zero():
+    """A request running at SIGTERM finishes normally within the drain; the process then
+    exits 0. The drain allowance is far beyond what the request needs on any machine."""
+    with serve_process("--shutdown-timeout", "600") as (process, url):
+        body = {"model": "toy", "prompt": "drain", "max_tokens": 24, "stream": True}
+        body["ignore_eos"] = True
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as reply:
+            events = sse_events(reply, lambda: process.send_signal(signal.SIGTERM))
+        assert events[-1] == "data: [DONE]"
+        finishes = [e for e in events if '"finish_reason": "length"' in e]
+        assert len(finishes) == 1
+        assert process.wait(timeout=600) == 0
+
+
+def test_sigterm_past_the_timeout_aborts_cleanly():
+    """Work still running when the drain ends: the stream gets a final chunk with finish
+    reason abort and [DONE], the waiting request a 503 error object, the log one line."""
+    with serve_process("--shutdown-timeout", "1", "--max-num-seqs", "1") as (process, url):
+        long = {"model": "toy", "prompt": "long", "max_tokens": 4000, "ignore_eos": True}
+        waiting: dict[str, httpx.Response] = {}
+
+        def wait_behind() -> None:
+            waiting["reply"] = httpx.post(f"{url}/v1/completions", json=long, timeout=600)
+
+        def queued() -> float:
+            text = httpx.get(f"{url}/metrics").text
+            return next(
+                float(line.split()[-1])
+                for line in text.splitlines()
+                if line.startswith("vllm_rlt:num_requests_waiting ")
+            )
+
+        behind = threading.Thread(target=wait_behind)
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**long, "stream": True}, timeout=600
+        ) as reply:
+            lines = reply.iter_lines()  # kept: dropping it would close the stream
+
+            def first_then_signal() -> None:
+                behind.start()
+                deadline = time.monotonic() + 60
+                while queued() < 1:
+                    assert time.monotonic() < deadline, "second request never queued"
+                    time.sleep(0.05)
+                process.send_signal(signal.SIGTERM)
+
+            events = []
+            for line in lines:
+                if line.startswith("data: "):
+                    if not events:
+                        first_then_signal()
+                    events.append(line)
+        behind.join(timeout=600)
+        assert events[-1] == "data: [DONE]"
+        last_chunk = json.loads(events[-2][len("data: ") :])
+        assert last_chunk["choices"][0]["finish_reason"] == "abort"
+        assert sum('"finish_reason": "abort"' in e for e in events) == 1
+        reply = waiting["reply"]
+        assert reply.status_code == 503
+        assert reply.json()["error"]["type"] == "service_unavailable"
+        assert process.wait(timeout=120) == 0
+        log = process.stderr.read()
+        assert "Traceback" not in log
+        assert len([line for line in log.splitlines() if "aborting" in line]) == 1

@@ -251,7 +251,7 @@ def test_non_streaming_disconnect_aborts(server):
 
 def test_queue_overflow_gives_429():
     with running_server(max_num_seqs=1, max_queue=1) as (url, state):
-        body = {"model": "toy", "prompt": "q", "max_tokens": 300, "ignore_eos": True}
+        body = {"model": "toy", "prompt": "q", "max_tokens": 100, "ignore_eos": True}
 
         async def fire() -> list[int]:
             async with httpx.AsyncClient(timeout=60) as http:

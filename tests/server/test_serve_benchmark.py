@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import json
 
-from tests.server.conftest import wait_idle
+import pytest
+
+from tests.server.conftest import _free_port, running_server, wait_idle
 from vllm_rlt.bench.serve import main
+
+SMALL = ["--num-requests", "4", "--output-len", "3", "--prompt-len", "6"]
 
 
 def test_serve_benchmark_reports_latency_percentiles(server, tmp_path, capsys):
@@ -27,10 +31,62 @@ def test_serve_benchmark_reports_latency_percentiles(server, tmp_path, capsys):
         )
         == 0
     )
+    captured = capsys.readouterr()
     report = json.loads(out.read_text())
-    assert report == json.loads(capsys.readouterr().out)
+    assert report == json.loads(captured.out)
+    assert report["model"] == "toy"  # no --model: the one the server lists
     assert report["completed"] == 8 and not report["failed"]
     assert report["output_tokens_per_s"] > 0 and report["request_throughput_per_s"] > 0
     for key in ("ttft_s", "tpot_s", "itl_s"):
         assert 0 < report[key]["p50"] <= report[key]["p99"]
+    assert "requests" in captured.err and "8/8" in captured.err  # the progress bar
     wait_idle(state)
+
+
+@pytest.fixture(scope="module")
+def renamed_server():
+    """A server whose model is not called "toy", behind an API key."""
+    with running_server(served_model_name="looped-renamed", api_key="sesame") as running:
+        yield running
+
+
+def test_serve_benchmark_asks_the_server_for_its_model(renamed_server, capsys):
+    url, state = renamed_server
+    assert main(["--url", f"{url}/", "--api-key", "sesame", *SMALL]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "looped-renamed"
+    assert report["completed"] == 4 and not report["failed"]
+    wait_idle(state)
+
+
+def test_serve_benchmark_explicit_model_is_used_as_given(renamed_server, capsys):
+    url, state = renamed_server
+    assert main(["--url", url, "--api-key", "sesame", "--model", "nope", *SMALL]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["model"] == "nope" and report["completed"] == 0
+    assert report["failed"] and all("HTTP 404" in error for error in report["failed"])
+    wait_idle(state)
+
+
+def _fails_in_one_line(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.splitlines()
+    assert len(lines) == 1, captured.err
+    return lines[0]
+
+
+def test_serve_benchmark_without_a_server_fails_in_one_line(capsys):
+    url = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    line = _fails_in_one_line(["--url", url, *SMALL], capsys)
+    assert line.startswith("vllm-rlt bench serve: error: ")
+    assert f"{url}/v1/models" in line and "refused" in line.lower()
+
+
+def test_serve_benchmark_reports_the_servers_refusal_in_one_line(renamed_server, capsys):
+    url, _ = renamed_server
+    line = _fails_in_one_line(["--url", url, *SMALL], capsys)  # no API key: 401
+    assert f"{url}/v1/models" in line and "HTTP 401" in line

@@ -1,9 +1,9 @@
 """Bad input: every invalid argument fails with an error naming the field, and disturbs nothing.
 
-DESIGN §6 asks that each invalid setting or request is rejected with a clear message (the field
-and, where there is one, the allowed range), and that a rejected request leaves the engine
-exactly as it was: requests already running, and requests added afterwards, produce the same
-output as when run alone, and an idle engine ends with every block and slot free.
+docs/design.md §6 asks that each invalid setting or request is rejected with a clear message
+(the field and, where there is one, the allowed range), and that a rejected request leaves the
+engine exactly as it was: requests already running, and requests added afterwards, produce the
+same output as when run alone, and an idle engine ends with every block and slot free.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def greedy(max_tokens: int = 4, **kwargs: Any) -> SamplingParams:
         ({"temperature": "hot"}, r"temperature must be a number in \[0\.0, 100\.0\], got 'hot'"),
         ({"temperature": None}, r"temperature must be a number in \[0\.0, 100\.0\], got None"),
         ({"temperature": float("nan")}, r"temperature must be in \[0\.0, 100\.0\], got nan"),
-        ({"top_k": -1}, r"top_k must be in \[0, inf\], got -1"),
+        ({"top_k": -1}, r"top_k must be in \[0, 2147483647\], got -1"),
         ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0\.0"),
         ({"top_p": 1.5}, r"top_p must be in \[0\.0, 1\.0\], got 1\.5"),

@@ -3,6 +3,9 @@ with the `ouro` exit policy at several thresholds, each with its mean loops per 
 
     vllm-rlt bench accuracy --per-task 200                 # the built-in ouro-tasks model
     vllm-rlt bench accuracy --model path/to/trained --per-task 200
+    vllm-rlt bench accuracy --kv-layout shared --thresholds 0.5 0.9
+
+Each setting shows a progress bar over its prompts on stderr; the JSON report goes to stdout.
 """
 
 from __future__ import annotations
@@ -11,10 +14,15 @@ import argparse
 import json
 import statistics
 import sys
+from functools import partial
 from typing import Any
 
+from tqdm import tqdm
+
 from vllm_rlt.bench.report import emit_report
+from vllm_rlt.config import KV_LAYOUTS, CacheConfig
 from vllm_rlt.engine.llm import LLM
+from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.models.load import model_folder
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.training.data import TASKS, held_out, training_set
@@ -22,11 +30,14 @@ from vllm_rlt.training.data import TASKS, held_out, training_set
 THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
 
 
-def evaluate(llm: LLM, sets: dict[str, list], params: SamplingParams) -> dict[str, Any]:
+def evaluate(
+    llm: LLM, sets: dict[str, list], params: SamplingParams, setting: str
+) -> dict[str, Any]:
     """Exact match per task and the mean loops of decode tokens, for one setting."""
     prompts = [prompt for task in TASKS for prompt, _ in sets[task]]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    result: dict[str, Any] = {"exact_match": {}, "mean_loops": None}
+    bar = partial(tqdm, desc=setting, file=sys.stderr)
+    outputs = llm.generate(prompts, params, use_tqdm=bar)
+    result: dict[str, Any] = {"setting": setting, "exact_match": {}, "mean_loops": None}
     depths: list[int] = []
     index = 0
     for task in TASKS:
@@ -42,7 +53,12 @@ def evaluate(llm: LLM, sets: dict[str, list], params: SamplingParams) -> dict[st
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    llm = LLM(model=args.model, device=args.device)
+    llm = LLM(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        cache_config=CacheConfig(layout=args.kv_layout),
+    )
     record = model_folder(args.model) / "training_record.json"
     train_size = args.train_size
     if record.is_file():  # hold out exactly what this model was not trained on
@@ -51,13 +67,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for depth in range(1, llm.engine.num_loops + 1):
         params = SamplingParams(max_tokens=12, temperature=0.0, max_loops=depth, exit_threshold=1.0)
-        rows.append({"setting": f"depth {depth}", **evaluate(llm, sets, params)})
+        rows.append(evaluate(llm, sets, params, f"depth {depth}"))
     for threshold in args.thresholds:
         params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=threshold)
-        rows.append({"setting": f"ouro q={threshold}", **evaluate(llm, sets, params)})
+        rows.append(evaluate(llm, sets, params, f"ouro q={threshold}"))
     return {
         "benchmark": "accuracy",
         "model": llm.model_name,
+        "kv_layout": args.kv_layout,
+        "device": str(llm.engine.model.device),
+        "dtype": str(llm.engine.model.dtype).removeprefix("torch."),
         "per_task": args.per_task,
         "train_size": train_size,
         "rows": rows,
@@ -65,17 +84,42 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-rlt bench accuracy", description=__doc__)
-    parser.add_argument("--model", default=None, help="folder (default: built-in ouro-tasks)")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--per-task", type=int, default=200)
+    parser = CLIParser(prog="vllm-rlt bench accuracy", description=__doc__)
     parser.add_argument(
-        "--train-size", type=int, default=40000, help="as in training (read from the record)"
+        "--model", default=None, help="checkpoint folder (default: the built-in ouro-tasks)"
     )
-    parser.add_argument("--thresholds", type=float, nargs="+", default=list(THRESHOLDS))
-    parser.add_argument("--output", default=None)
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument(
+        "--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: bf16 on CUDA)"
+    )
+    parser.add_argument(
+        "--kv-layout", choices=KV_LAYOUTS, default="last_exited", help="KV cache layout"
+    )
+    parser.add_argument("--per-task", type=int, default=200, help="held-out problems per task")
+    parser.add_argument(
+        "--train-size",
+        type=int,
+        default=40000,
+        help="training problems per task, held out from the test set; the model's "
+        "training_record.json overrides it",
+    )
+    parser.add_argument(
+        "--thresholds",
+        type=float,
+        nargs="+",
+        default=list(THRESHOLDS),
+        help="exit thresholds q of the ouro policy, one setting each",
+    )
+    parser.add_argument(
+        "--output", default=None, help="also write the JSON report here (default: stdout only)"
+    )
     args = parser.parse_args(argv)
-    report = run(args)
+    if args.per_task < 1:
+        parser.error(f"--per-task must be >= 1, got {args.per_task}")
+    try:
+        report = run(args)
+    except (ValueError, FileNotFoundError) as exc:
+        parser.error(str(exc))
     emit_report(report, args.output)
     return 0
 

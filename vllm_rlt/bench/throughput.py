@@ -1,6 +1,17 @@
-"""Offline throughput benchmark (DESIGN §7): the engine against the naive eager baseline.
+"""Offline throughput benchmark: the engine against a naive eager baseline (the same weights
+in dense eager PyTorch: a static batch, one contiguous K/V cache per loop and layer, every
+loop for every token).
 
 Every figure is measured in one process on one device, so ratios compare like with like.
+Reports decode and end-to-end tokens/s, mean TTFT and TPOT, and on CUDA the peak memory
+and the fraction of a memory-bandwidth roofline achieved.
+
+    vllm-rlt bench throughput                              # toy shape, concurrency 1 8 64
+    vllm-rlt bench throughput --shape ouro-1.4b --concurrency 1 32 --output run.json
+    vllm-rlt bench throughput --depth-trace-mean 2.5 --no-baseline
+
+A progress bar over the runs (warmup and repeats of engine and baseline, per concurrency)
+goes to stderr; the JSON report goes to stdout.
 """
 
 from __future__ import annotations
@@ -15,12 +26,14 @@ import time
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from vllm_rlt.bench.naive import NaiveOuro
 from vllm_rlt.bench.report import emit_report
 from vllm_rlt.bench.shapes import SHAPES, random_model
-from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.config import KV_LAYOUTS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -115,7 +128,22 @@ def build_engine(model, args, concurrency: int, exit_config: ExitConfig) -> Engi
     )
 
 
-def bench_concurrency(model, args, concurrency: int) -> dict[str, Any]:
+def execution(engine: EngineCore) -> dict[str, Any]:
+    """What the built engine actually runs with (CUDA graphs only exist on CUDA, async
+    scheduling only in refill mode, "auto" resolves to one backend)."""
+    return {
+        "cuda_graphs": engine.runner.graphs is not None,
+        "async_scheduling": engine.async_scheduling,
+        "attention_backend": engine.attention_backend,
+    }
+
+
+def runs_per_concurrency(args: argparse.Namespace) -> int:
+    """Timed and warmup runs of the engine, and of the baseline unless it is skipped."""
+    return (args.warmup + args.repeats) * (1 if args.no_baseline else 2)
+
+
+def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str, Any]:
     loops = model.config.num_loops
     rng = random.Random(args.seed + concurrency)
     vocab = model.config.vocab_size
@@ -141,20 +169,30 @@ def bench_concurrency(model, args, concurrency: int) -> dict[str, Any]:
             max_loops=args.depth,
         )
     engine = build_engine(model, args, concurrency, exit_config)
-    for _ in range(args.warmup):
-        run_engine(engine, prompts, params)
-    engine_runs = [run_engine(engine, prompts, params) for _ in range(args.repeats)]
+    progress.set_description(f"concurrency {concurrency}: engine")
+    engine_runs = []
+    for index in range(args.warmup + args.repeats):
+        timing = run_engine(engine, prompts, params)
+        if index >= args.warmup:
+            engine_runs.append(timing)
+        progress.update(1)
     best = max(engine_runs, key=lambda r: r["decode_tokens_per_s"])
-    result: dict[str, Any] = {"concurrency": concurrency, "engine": best}
+    result: dict[str, Any] = {
+        "concurrency": concurrency,
+        "execution": execution(engine),
+        "engine": best,
+    }
     del engine
     if not args.no_baseline:
         naive_loops = args.depth if args.depth_trace_mean is None else loops
         batch = torch.tensor(prompts, device=model.device)
         baseline = []
+        progress.set_description(f"concurrency {concurrency}: baseline")
         for _ in range(args.repeats + args.warmup):
             naive = NaiveOuro(model, concurrency, args.prompt_len + args.output_len)
             baseline.append(naive.generate(batch, args.output_len, naive_loops))
             del naive
+            progress.update(1)
         base = max(baseline[args.warmup :], key=lambda r: r["decode_tokens_per_s"])
         result["baseline"] = base
         result["decode_ratio_vs_baseline"] = (
@@ -234,32 +272,76 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--shape", choices=list(SHAPES), default="toy")
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument(
+        "--shape", choices=list(SHAPES), default="toy", help="model shape, random weights"
+    )
+    parser.add_argument(
+        "--device",
+        default="cuda" if torch.cuda.is_available() else "cpu",
+        help="cpu or cuda[:N]",
+    )
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--kv-layout", default="last_exited", choices=["last_exited", "shared"])
-    parser.add_argument("--mode", default="refill", choices=["refill", "no_refill"])
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs")
-    parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True)
-    parser.add_argument("--prompt-len", type=int, default=64)
-    parser.add_argument("--output-len", type=int, default=32)
-    parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 64])
+    parser.add_argument(
+        "--attention-backend", default="auto", help="auto picks the best available on the device"
+    )
+    parser.add_argument(
+        "--kv-layout", default="last_exited", choices=list(KV_LAYOUTS), help="KV cache layout"
+    )
+    parser.add_argument(
+        "--mode", default="refill", choices=["refill", "no_refill"], help="scheduling mode"
+    )
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--enforce-eager", action="store_true", help="no CUDA graphs (CPU never uses them)"
+    )
+    parser.add_argument(
+        "--async-scheduling",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="plan the next pass while the device runs the current one; refill mode only "
+        "(default: on)",
+    )
+    parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[1, 8, 64],
+        help="requests run together; one result per value",
+    )
     depth = parser.add_mutually_exclusive_group()
-    depth.add_argument("--depth", type=int, default=None, help="fixed depth (default: T)")
-    depth.add_argument("--depth-trace-mean", type=float, default=None)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-baseline", action="store_true")
-    parser.add_argument("--output", default=None, help="also write the JSON here")
+    depth.add_argument(
+        "--depth",
+        type=int,
+        default=None,
+        help="loops per token, fixed (default: all of the model's loops)",
+    )
+    depth.add_argument(
+        "--depth-trace-mean",
+        type=float,
+        default=None,
+        help="instead of a fixed depth, replay random per-token depths with this mean "
+        "(default: off, fixed depth)",
+    )
+    parser.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
+    parser.add_argument(
+        "--repeats", type=int, default=3, help="timed runs; the fastest is reported"
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights, prompts and traces")
+    parser.add_argument("--no-baseline", action="store_true", help="skip the naive baseline")
+    parser.add_argument(
+        "--output", default=None, help="also write the JSON report here (default: stdout only)"
+    )
 
 
 def command_line(args: argparse.Namespace) -> str:
     """The flags that shaped the run (not where its JSON went), as one command to rerun."""
     parts = ["vllm-rlt bench throughput"]
     for name, value in sorted(vars(args).items()):
+        if name == "async_scheduling" and value is False:  # on by default: say it was off
+            parts.append("--no-async-scheduling")
+            continue
         if name == "output" or value is None or value is False:
             continue
         flag = "--" + name.replace("_", "-")
@@ -283,9 +365,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.depth = model.config.num_loops
     if args.depth is not None and not 1 <= args.depth <= model.config.num_loops:
         raise ValueError(f"--depth must be in [1, {model.config.num_loops}], got {args.depth}")
+    command = command_line(args)
+    total = runs_per_concurrency(args) * len(args.concurrency)
+    with tqdm(total=total, desc="throughput", unit="run", file=sys.stderr) as progress:
+        results = [bench_concurrency(model, args, c, progress) for c in args.concurrency]
+    # Every engine is built from the same settings on the same device, so the first one's
+    # execution settings are every result's (each result also carries its own).
     report = {
         "benchmark": "throughput",
-        "command": command_line(args),
+        "command": command,
         "environment": environment(device),
         "shape": args.shape,
         "dtype": str(dtype).removeprefix("torch."),
@@ -296,19 +384,25 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "depth_trace_mean": args.depth_trace_mean,
             "kv_layout": args.kv_layout,
             "mode": args.mode,
-            "attention_backend": args.attention_backend,
-            "cuda_graphs": not args.enforce_eager,
-            "async_scheduling": args.async_scheduling,
+            "attention_backend_requested": args.attention_backend,
+            **results[0]["execution"],
         },
-        "results": [bench_concurrency(model, args, c) for c in args.concurrency],
+        "results": results,
     }
     return report
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="vllm-rlt bench throughput", description=__doc__)
+    parser = CLIParser(prog="vllm-rlt bench throughput", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
+    for name in ("prompt_len", "output_len", "block_size", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if min(args.concurrency) < 1:
+        parser.error(f"--concurrency values must be >= 1, got {min(args.concurrency)}")
     try:
         report = run(args)
     except ValueError as exc:

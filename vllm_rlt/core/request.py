@@ -28,6 +28,7 @@ class Request:
     seed: int
     decode_depths: tuple[int, ...] | None = None
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
+    stop_token_ids: frozenset[int] = frozenset()  # a set: a long list must not cost per token
     status: RequestStatus = RequestStatus.WAITING
     slot: int | None = None
     num_prefilled: int = 0  # prompt positions that finished every loop

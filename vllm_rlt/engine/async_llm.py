@@ -11,6 +11,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
 
+from vllm_rlt.config import require
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.output_processor import TextTracker
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
@@ -28,10 +29,27 @@ class QueueFullError(RuntimeError):
     """The bounded waiting queue is full."""
 
 
-@dataclass
-class _Stream:
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone; other requests and the engine are unaffected."""
+
+
+@dataclass(frozen=True)
+class _Add:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    prompt: str | None
+
+
+@dataclass(frozen=True)
+class _Abort:
+    request_id: str
+    index: int | None  # one completion of the request, or all of them
+
+
+@dataclass(frozen=True)
+class _AbortAll:
+    pass
 
 
 class TextStage:
@@ -42,7 +60,8 @@ class TextStage:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params) -> None:
         self.params = params
         self.trackers = [
-            TextTracker(tokenizer, prompt_token_ids, params.stop) for _ in range(params.n)
+            TextTracker(tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output)
+            for _ in range(params.n)
         ]
         self.seen = [0] * params.n
         self.cut: list[int | None] = [None] * params.n  # token count where a stop string hit
@@ -78,8 +97,57 @@ class TextStage:
         )
 
 
+class RequestStream:
+    """One request's cumulative outputs, in order, as an async iterator. It is queued the
+    moment it is opened; `close()` (which every opener must call) aborts it unless the
+    engine finished it, so a caller that leaves frees its slot and blocks at once."""
+
+    def __init__(self, owner: AsyncLLM, request_id: str, params: SamplingParams, stage) -> None:
+        self.owner = owner
+        self.request_id = request_id
+        self.params = params
+        self.stage: TextStage | None = stage
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False  # the caller has seen the last output
+        self.engine_done = False  # the engine holds nothing of this request any more
+        self.closed = False
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestOutput:
+        if self.finished:
+            raise StopAsyncIteration
+        item = await self.queue.get()
+        if isinstance(item, BaseException):
+            self.finished = self.engine_done = True
+            raise item
+        if item.error is not None:
+            self.finished = self.engine_done = True
+            raise RequestFailedError(f"request failed in the engine: {item.error}")
+        self.engine_done = item.finished
+        if self.stage is not None:
+            item, stopped = self.stage.apply(item)
+            for index in stopped:
+                self.owner.abort(self.request_id, index)
+        self.finished = item.finished
+        return item
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self.owner._release(self)
+
+
 class AsyncLLM:
-    """Owns `engine` on a dedicated thread. Nothing here blocks the caller's event loop."""
+    """Owns `engine` on a dedicated thread. Nothing here blocks the caller's event loop.
+
+    `max_waiting` bounds the sequences (completions) that wait for a slot: a request is
+    refused when it would raise the sequences in the engine above `max_num_seqs +
+    max_waiting`, and refused for good when it alone exceeds that.
+    """
 
     def __init__(
         self,
@@ -93,15 +161,14 @@ class AsyncLLM:
         if tokenizer is not None:
             engine.leave_text_to_caller()
         self.max_waiting = max_waiting
+        self.max_running = engine.scheduler.config.max_num_seqs
         self.on_step = on_step
         self.dead: BaseException | None = None
         self.last_progress = time.monotonic()
-        self.num_waiting = 0  # requests not yet admitted, as last seen by the engine thread
+        self.num_sequences = 0  # completions of the open streams (caller's thread)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._wake = threading.Event()
-        self._streams: dict[str, _Stream] = {}
-        self._submitted = 0  # adds sent but not yet taken by the engine thread
-        self._lock = threading.Lock()
+        self._streams: dict[str, RequestStream] = {}
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="vllm-rlt-engine", daemon=True)
         self._thread.start()
@@ -111,9 +178,50 @@ class AsyncLLM:
     def has_work(self) -> bool:
         return bool(self._streams)
 
-    def waiting(self) -> int:
-        with self._lock:
-            return self.num_waiting + self._submitted
+    @property
+    def num_requests(self) -> int:
+        """Requests whose streams are open (queued or running)."""
+        return len(self._streams)
+
+    def check_capacity(self, sequences: int) -> None:
+        """Refuse `sequences` more completions: for good (ParamError) when they could never
+        fit, for now (QueueFullError) when the queue is full."""
+        if self.max_waiting is None:
+            return
+        capacity = self.max_running + self.max_waiting
+        require(
+            sequences <= capacity,
+            f"the request needs {sequences} sequences (prompts x n) but the server holds at "
+            f"most {capacity}: {self.max_running} running (--max-num-seqs) and "
+            f"{self.max_waiting} waiting (--max-queue)",
+            "n",
+        )
+        if self.num_sequences + sequences > capacity:
+            raise QueueFullError(
+                f"the waiting queue is full ({self.max_waiting} sequences wait for "
+                f"{self.max_running} slots); retry later"
+            )
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> RequestStream:
+        """Queue a request now and return its stream (call it from the event loop)."""
+        if self.dead is not None:
+            raise EngineDeadError(f"engine stopped: {self.dead!r}")
+        require(request_id not in self._streams, f"request_id {request_id!r} is already in use")
+        self.check_capacity(params.n)
+        stage = None
+        if self.tokenizer is not None:
+            stage = TextStage(self.tokenizer, prompt_token_ids, params)
+        stream = RequestStream(self, request_id, params, stage)
+        self._streams[request_id] = stream
+        self.num_sequences += params.n
+        self._send(_Add(request_id, prompt_token_ids, params, prompt))
+        return stream
 
     async def generate(
         self,
@@ -123,70 +231,58 @@ class AsyncLLM:
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Stream cumulative outputs of one request; leaving early aborts it."""
-        if self.dead is not None:
-            raise EngineDeadError(f"engine stopped: {self.dead!r}")
-        self.engine.check_request(request_id, prompt_token_ids, params)
-        if self.max_waiting is not None and self.waiting() >= self.max_waiting:
-            raise QueueFullError(f"the waiting queue is full ({self.max_waiting} requests)")
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
-        self._streams[request_id] = stream
-        with self._lock:
-            self._submitted += 1
-        self._commands.put(("add", request_id, prompt_token_ids, params, prompt))
-        self._wake.set()
-        stage = None
-        if self.tokenizer is not None:
-            stage = TextStage(self.tokenizer, prompt_token_ids, params)
-        finished = engine_finished = False
+        stream = self.add_request(request_id, prompt_token_ids, params, prompt)
         try:
-            while not finished:
-                item = await stream.queue.get()
-                if isinstance(item, BaseException):
-                    raise item
-                engine_finished = item.finished
-                if stage is not None:
-                    item, stopped = stage.apply(item)
-                    for index in stopped:
-                        self.abort(request_id, index)
-                finished = item.finished
-                yield item
+            async for output in stream:
+                yield output
         finally:
-            self._streams.pop(request_id, None)
-            if not engine_finished:
-                self.abort(request_id)
+            stream.close()
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort a request, or only its completion `index`."""
-        self._commands.put(("abort", request_id, index))
-        self._wake.set()
+        self._send(_Abort(request_id, index))
+
+    def abort_all(self) -> None:
+        """End every request now: each stream gets a final output with finish reason abort."""
+        self._send(_AbortAll())
 
     def shutdown(self) -> None:
         self._stopping = True
         self._wake.set()
         self._thread.join(timeout=10)
 
+    def _send(self, command: _Add | _Abort | _AbortAll) -> None:
+        self._commands.put(command)
+        self._wake.set()
+
+    def _release(self, stream: RequestStream) -> None:
+        if self._streams.get(stream.request_id) is stream:
+            del self._streams[stream.request_id]
+            self.num_sequences -= stream.params.n
+        if not stream.engine_done:
+            self.abort(stream.request_id)
+
     # ----------------------------------------------------------------- engine thread
     def _run(self) -> None:
         engine = self.engine
-        while not self._stopping:
-            self._take_commands()
-            if not engine.has_unfinished:
-                self._wake.wait(0.05)
-                self._wake.clear()
-                self.last_progress = time.monotonic()
-                continue
-            try:
+        try:
+            while not self._stopping:
+                self._take_commands()
+                if not engine.has_unfinished:
+                    self._wake.wait(0.05)
+                    self._wake.clear()
+                    self.last_progress = time.monotonic()
+                    continue
                 outputs = engine.step()
-            except BaseException as exc:  # a broken pass leaves device state unknown
-                self.dead = exc
-                self._fail_all(EngineDeadError(f"engine stopped: {exc!r}"))
-                return
-            self.last_progress = time.monotonic()
-            with self._lock:
-                self.num_waiting = len(engine.scheduler.waiting)
-            self._observe(outputs)
-            for output in outputs:
-                self._deliver(output.request_id, output)
+                self.last_progress = time.monotonic()
+                self._observe(outputs)
+                for output in outputs:
+                    self._deliver(output.request_id, output)
+        except BaseException as exc:  # a broken pass leaves device state unknown
+            logger.exception("the engine stopped after an error; restart the server")
+            self.dead = exc
+            self._fail_all(EngineDeadError(f"engine stopped: {exc!r}"))
+            return
         for request_id in list(engine.groups):
             engine.abort_request(request_id)
 
@@ -196,20 +292,28 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if command[0] == "add":
-                _, request_id, ids, params, prompt = command
-                with self._lock:
-                    self._submitted -= 1
-                if request_id not in self._streams:
+            if isinstance(command, _Add):
+                if command.request_id not in self._streams:
                     continue  # the caller left before the engine saw the request
                 try:
-                    self.engine.add_request(request_id, ids, params, prompt=prompt)
+                    self.engine.add_request(
+                        command.request_id,
+                        command.prompt_token_ids,
+                        command.params,
+                        prompt=command.prompt,
+                    )
                 except Exception as exc:  # noqa: BLE001 - fails this request only
-                    self._deliver(request_id, exc)
-            else:
-                output = self.engine.abort_request(command[1], command[2])
+                    self._deliver(command.request_id, exc)
+            elif isinstance(command, _Abort):
+                output = self.engine.abort_request(command.request_id, command.index)
                 if output is not None:
                     self._observe([output])
+            else:
+                for request_id in list(self.engine.groups):
+                    output = self.engine.abort_request(request_id)
+                    if output is not None:
+                        self._observe([output])
+                        self._deliver(request_id, output)
 
     def _observe(self, outputs: list[RequestOutput]) -> None:
         """Report to the observer (metrics); its failure must not stop the engine."""
@@ -222,8 +326,12 @@ class AsyncLLM:
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
         stream = self._streams.get(request_id)
-        if stream is not None:
+        if stream is None:
+            return
+        try:
             stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+        except RuntimeError:  # the caller's event loop has closed: nobody is listening
+            pass
 
     def _fail_all(self, error: BaseException) -> None:
         for request_id in list(self._streams):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import dataclass, field
@@ -23,6 +24,8 @@ from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.worker.model_runner import ModelRunner, PendingPass
 from vllm_rlt.worker.pass_inputs import KVGeometry
 
+logger = logging.getLogger(__name__)
+
 
 @dataclass
 class RequestGroup:
@@ -34,6 +37,7 @@ class RequestGroup:
     children: list[Request]
     arrival_time: float
     finish_reasons: dict[int, str] = field(default_factory=dict)
+    error: str | None = None  # why the engine failed this request alone
 
 
 class EngineCore:
@@ -173,6 +177,7 @@ class EngineCore:
                     seed=seed,
                     decode_depths=decode_depths,
                     eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+                    stop_token_ids=frozenset(params.stop_token_ids),
                     arrival_time=now,
                 )
             )
@@ -198,29 +203,34 @@ class EngineCore:
         require(
             isinstance(prompt, (list, tuple)) and len(prompt) > 0,
             "prompt must contain at least one token",
+            "prompt",
         )
         vocab = self.model.config.vocab_size
         for token in prompt:
             require(
-                isinstance(token, int) and 0 <= token < vocab,
+                isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab,
                 f"prompt_token_ids entries must be integers in [0, {vocab - 1}], got {token!r}",
+                "prompt",
             )
         for token in params.stop_token_ids:
             require(
                 token < vocab,
                 f"stop_token_ids entries must be in [0, {vocab - 1}], got {token}",
+                "stop_token_ids",
             )
         total = len(prompt) + params.max_tokens
         require(
             total <= self.max_model_len,
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
             f"exceeds the model's context length {self.max_model_len}",
+            "max_tokens",
         )
         needed = self.kv.blocks_for(len(prompt) + params.max_tokens - 1)
         require(
             needed <= self.kv.num_blocks,
             f"prompt + max_tokens needs {needed} KV blocks but the cache has "
             f"{self.kv.num_blocks}; lower max_tokens or raise num_blocks",
+            "max_tokens",
         )
         params.resolved_loops(self.num_loops)
 
@@ -280,11 +290,15 @@ class EngineCore:
         """Run one pass; return an output for every group that progressed.
 
         With asynchronous scheduling the pass launched here is collected by the next step:
-        the host plans and launches pass k+1 before it processes pass k's tokens.
+        the host plans and launches pass k+1 before it processes pass k's tokens. A failure
+        while handling one request's state (its admission, its tokens) fails that request
+        alone; its output carries the error.
         """
         launched = None
+        failed: list[tuple[Request, BaseException]] = []
         if self.scheduler.has_unfinished:
             scheduled = self.scheduler.schedule()
+            failed = self._admit(scheduled.new_slots)
             if not scheduled.is_empty:
                 launched = (scheduled, self.runner.launch(scheduled))
                 self.num_passes += 1
@@ -297,24 +311,58 @@ class EngineCore:
             ready, self._in_flight = launched, None
         else:
             ready, self._in_flight = self._in_flight, launched
-        if ready is None:
-            return []
-        scheduled, pending = ready
-        touched = self.scheduler.update(scheduled, self.runner.collect(pending))
-        now = time.monotonic()
         progressed: dict[str, RequestGroup] = {}
-        for request in touched:
-            if request.first_token_time is None:
-                request.first_token_time = now
-            reason = self.outputs.process(request)
-            group = self.groups[self._group_of[request.request_id]]
-            if reason is not None:
-                self.scheduler.finish(request, reason)
-                group.finish_reasons[group.children.index(request)] = reason
-            progressed[group.request_id] = group
+        for request, error in failed:
+            # Its rows in the pass just launched only write to the dummy block, and their
+            # results are dropped: the request no longer owns its slot when they arrive.
+            progressed.setdefault(*self._fail(request, error))
+        if ready is not None:
+            scheduled, pending = ready
+            touched = self.scheduler.update(scheduled, self.runner.collect(pending))
+            now = time.monotonic()
+            for request in touched:
+                if request.is_finished:
+                    continue  # a sibling's failure ended its group within this loop
+                if request.first_token_time is None:
+                    request.first_token_time = now
+                group = self.groups[self._group_of[request.request_id]]
+                try:
+                    reason = self.outputs.process(request)
+                except Exception as exc:  # noqa: BLE001 - fails this request only
+                    progressed.setdefault(*self._fail(request, exc))
+                    continue
+                if reason is not None:
+                    self.scheduler.finish(request, reason)
+                    group.finish_reasons[group.children.index(request)] = reason
+                progressed[group.request_id] = group
         outputs = [self._finalize(group) for group in progressed.values()]
         self._drain_if_idle()
         return outputs
+
+    def _admit(self, new_slots) -> list[tuple[Request, BaseException]]:
+        """Write each newly admitted request's slot; the requests whose admission failed."""
+        failed = []
+        for new in new_slots:
+            try:
+                self.runner.admit(new)
+            except Exception as exc:  # noqa: BLE001 - fails this request only
+                failed.append((self.scheduler.running[new.slot], exc))
+        return failed
+
+    def _fail(self, request: Request, error: BaseException) -> tuple[str, RequestGroup]:
+        """End a request's whole group (its completions share one prompt) with the error."""
+        group = self.groups[self._group_of[request.request_id]]
+        logger.error(
+            "request %s failed; the engine keeps running",
+            group.request_id,
+            exc_info=(type(error), error, error.__traceback__),
+        )
+        for index, child in enumerate(group.children):
+            if not child.is_finished:
+                self.scheduler.finish(child, "abort")
+                group.finish_reasons[index] = "abort"
+        group.error = f"{type(error).__name__}: {error}"
+        return group.request_id, group
 
     def _drain_if_idle(self) -> None:
         """With nothing left to run, the pass still in flight only holds rows of finished
@@ -350,6 +398,7 @@ class EngineCore:
             outputs=completions,
             finished=finished,
             metrics=metrics,
+            error=group.error,
         )
 
     def all_blocks_free(self) -> bool:

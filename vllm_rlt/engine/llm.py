@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import sys
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -54,10 +55,15 @@ class LLM:
         self,
         prompts: Any,
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         request_ids: Sequence[str] | None = None,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs come back in input order."""
+        """Generate for every prompt; outputs come back in input order.
+
+        `use_tqdm` shows a progress bar on stderr when there is more than one prompt (a single
+        prompt, even with n > 1, gets none). A callable instead of True makes that bar: it is
+        called with `total` and `disable`, e.g. `functools.partial(tqdm, desc="depth 1")`.
+        """
         items = self._normalize_prompts(prompts)
         params = self._normalize_params(sampling_params, len(items))
         if request_ids is None:
@@ -83,7 +89,7 @@ class LLM:
         self,
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-        use_tqdm: bool = True,
+        use_tqdm: bool | Callable[..., tqdm] = True,
         add_generation_prompt: bool = True,
     ) -> list[RequestOutput]:
         """Render each conversation with the model's chat template, then generate."""
@@ -100,15 +106,31 @@ class LLM:
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
-    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+    def _run(
+        self, request_ids: list[str], use_tqdm: bool | Callable[..., tqdm]
+    ) -> list[RequestOutput]:
         results: dict[str, RequestOutput] = {}
         wanted = set(request_ids)
-        with tqdm(total=len(request_ids), disable=not use_tqdm, desc="Generating") as bar:
-            while len(results) < len(request_ids):
-                for output in self.engine.step():
-                    if output.finished and output.request_id in wanted:
-                        results[output.request_id] = output
-                        bar.update(1)
+        show = bool(use_tqdm) and len(request_ids) > 1
+        if callable(use_tqdm):  # the caller's own bar: its description, its stream
+            bar = use_tqdm(total=len(request_ids), disable=not show)
+        else:
+            bar = tqdm(total=len(request_ids), disable=not show, desc="Generating", file=sys.stderr)
+        with bar:
+            try:
+                while len(results) < len(request_ids):
+                    for output in self.engine.step():
+                        if output.error is not None:
+                            raise RuntimeError(
+                                f"request {output.request_id!r} failed: {output.error}"
+                            )
+                        if output.finished and output.request_id in wanted:
+                            results[output.request_id] = output
+                            bar.update(1)
+            except BaseException:  # leave the engine idle and every block free
+                for request_id in wanted - results.keys():
+                    self.engine.abort_request(request_id)
+                raise
         return [results[request_id] for request_id in request_ids]
 
     def _encode(self, text: str | None, ids: list[int] | None) -> list[int]:

@@ -14,12 +14,17 @@ class TextTracker:
     in the part a new token could have completed (the stop text itself is cut off)."""
 
     def __init__(
-        self, tokenizer: Tokenizer | None, prompt_token_ids: list[int], stops: list[str]
+        self,
+        tokenizer: Tokenizer | None,
+        prompt_token_ids: list[int],
+        stops: list[str],
+        include_stop: bool = False,
     ) -> None:
         self.detokenizer = (
             IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
         )
         self.stops = stops
+        self.include_stop = include_stop
         self.text = ""
         self.stopped = False
         self._flushed = False
@@ -30,10 +35,14 @@ class TextTracker:
         if self.detokenizer is not None:
             self.text += self.detokenizer.add(token)
         if check_stops and self.stops and not self.stopped:
-            hits = [self.text.find(s, max(0, previous - len(s) + 1)) for s in self.stops]
-            hits = [index for index in hits if index >= 0]
+            hits = [
+                (index, -len(stop))
+                for stop in self.stops
+                if (index := self.text.find(stop, max(0, previous - len(stop) + 1))) >= 0
+            ]
             if hits:
-                self.text = self.text[: min(hits)]
+                index, negative_length = min(hits)  # the earliest, then the longest
+                self.text = self.text[: index - negative_length if self.include_stop else index]
                 self.stopped = True
         return self.stopped
 
@@ -65,8 +74,14 @@ class OutputProcessor:
         self.states: dict[str, CompletionState] = {}
 
     def add(self, request: Request) -> None:
-        stops = request.params.stop if self.make_text else []
-        tracker = TextTracker(self.tokenizer, request.prompt_token_ids, stops)  # type: ignore[arg-type]
+        params = request.params
+        stops = params.stop if self.make_text else []
+        tracker = TextTracker(
+            self.tokenizer,
+            request.prompt_token_ids,
+            stops,  # type: ignore[arg-type]
+            params.include_stop_str_in_output,
+        )
         self.states[request.request_id] = CompletionState(tracker)
 
     def drop(self, request_id: str) -> None:
@@ -82,7 +97,7 @@ class OutputProcessor:
             count = state.num_seen
             stopped = state.tracker.add(token, check_stops=count >= params.min_tokens)
             if count >= params.min_tokens:
-                if token in request.eos_token_ids or token in params.stop_token_ids:
+                if token in request.eos_token_ids or token in request.stop_token_ids:
                     return "stop"
                 if stopped:
                     return "stop"

@@ -17,6 +17,7 @@ from vllm_rlt.config import (
     ExitConfig,
     SchedulerConfig,
 )
+from vllm_rlt.core.memory import CPU_DEFAULT_BLOCKS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -27,11 +28,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="HF checkpoint folder, or built-in ouro-tasks (default) / toy (random weights)",
     )
-    model.add_argument("--device", default="cpu", help="cpu or cuda[:N] (default: cpu)")
+    model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     model.add_argument(
         "--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: bf16 on CUDA)"
     )
-    model.add_argument("--attention-backend", default="auto", help="auto or torch")
+    model.add_argument(
+        "--attention-backend", default="auto", help="auto (triton on CUDA), triton or torch"
+    )
     model.add_argument(
         "--seed",
         type=int,
@@ -40,31 +43,84 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
 
     cache = parser.add_argument_group("KV cache")
-    cache.add_argument("--kv-layout", choices=KV_LAYOUTS, default="last_exited")
-    cache.add_argument("--block-size", type=int, default=16)
+    cache.add_argument(
+        "--kv-layout",
+        choices=KV_LAYOUTS,
+        default="last_exited",
+        help="last_exited: one plane per loop (exact); shared: one plane for every loop, "
+        "prefill included (a quarter of the memory, different numerics)",
+    )
+    cache.add_argument("--block-size", type=int, default=16, help="positions per KV block")
     sizing = cache.add_mutually_exclusive_group()
-    sizing.add_argument("--num-blocks", type=int, default=None)
-    sizing.add_argument("--kv-cache-memory-bytes", type=int, default=None)
-    cache.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    sizing.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (default: sized from device memory on CUDA, "
+        f"else {CPU_DEFAULT_BLOCKS})",
+    )
+    sizing.add_argument(
+        "--kv-cache-memory-bytes",
+        type=int,
+        default=None,
+        help="size the KV pool from this many bytes instead (default: unset)",
+    )
+    cache.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=0.9,
+        help="fraction of device memory the engine may use (CUDA)",
+    )
 
     sched = parser.add_argument_group("scheduler")
-    sched.add_argument("--mode", choices=SCHEDULING_MODES, default="refill")
-    sched.add_argument("--max-num-seqs", type=int, default=64)
-    sched.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    sched.add_argument("--prefill-chunk-size", type=int, default=512)
-    sched.add_argument("--max-prefill-batches-before-decode", type=int, default=4)
-    sched.add_argument("--admission-scan-limit", type=int, default=64)
-    sched.add_argument("--max-admission-bypasses", type=int, default=8)
+    sched.add_argument(
+        "--mode",
+        choices=SCHEDULING_MODES,
+        default="refill",
+        help="refill: a row freed by an exit is refilled at once; no_refill: the decode "
+        "cohort waits for its slowest token",
+    )
+    sched.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+    sched.add_argument(
+        "--max-num-batched-tokens", type=int, default=2048, help="rows of one pass at most"
+    )
+    sched.add_argument(
+        "--prefill-chunk-size", type=int, default=512, help="prompt positions per prefill chunk"
+    )
+    sched.add_argument(
+        "--max-prefill-batches-before-decode",
+        type=int,
+        default=4,
+        help="prefill chunks in flight at once",
+    )
+    sched.add_argument(
+        "--admission-scan-limit", type=int, default=64, help="waiting requests scanned per pass"
+    )
+    sched.add_argument(
+        "--max-admission-bypasses",
+        type=int,
+        default=8,
+        help="times a request that does not fit may be passed by later ones",
+    )
 
     exits = parser.add_argument_group("exit policy")
-    exits.add_argument("--exit-mode", choices=EXIT_MODES, default="ouro")
+    exits.add_argument(
+        "--exit-mode",
+        choices=EXIT_MODES,
+        default="ouro",
+        help="ouro: the checkpoint's exit gate; ouro_delayed: exit one loop after it fires; "
+        "random_lookahead: a seeded random head (experiments); trace: replay --exit-trace",
+    )
     exits.add_argument(
         "--exit-trace",
         type=Path,
         default=None,
-        help='JSON file: {"request_id": [T, d1, d2, ...]} or a list of depth lists by prompt',
+        help='JSON file: {"request_id": [T, d1, d2, ...]} or a list of depth lists by prompt '
+        "(trace mode only)",
     )
-    exits.add_argument("--lookahead-seed", type=int, default=0)
+    exits.add_argument(
+        "--lookahead-seed", type=int, default=0, help="seed of the random_lookahead head"
+    )
 
     execution = parser.add_argument_group("execution")
     execution.add_argument(
@@ -74,7 +130,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="plan and launch the next pass while the device runs the current one (default)",
+        help="plan and launch the next pass while the device runs the current one",
     )
 
 

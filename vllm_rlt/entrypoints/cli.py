@@ -1,32 +1,69 @@
-"""`vllm-rlt` command line: `generate` (also the default when no subcommand is given)."""
+"""`vllm-rlt` command line: `generate` (also the default when no subcommand is given),
+`serve` and `bench`."""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
 
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
+from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
 SUBCOMMANDS = ("generate", "bench", "serve")
+BENCHMARKS = {
+    "throughput": ("vllm_rlt.bench.throughput", "offline engine tokens/s against a naive baseline"),
+    "serve": ("vllm_rlt.bench.serve", "load generator against a running server"),
+    "accuracy": ("vllm_rlt.bench.accuracy", "task accuracy at each depth and exit threshold"),
+}
+SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+DESCRIPTION = """Inference engine for looped language models.
+
+examples:
+  vllm-rlt generate --prompt "347+589="        the built-in model, on the CPU
+  vllm-rlt serve                                OpenAI-compatible server on 127.0.0.1:8000
+  vllm-rlt bench throughput --help              benchmarks: throughput, serve, accuracy
+"""
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("sampling")
-    group.add_argument("--max-tokens", type=int, default=32)
-    group.add_argument("--min-tokens", type=int, default=0)
-    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    group.add_argument("--top-k", type=int, default=0)
-    group.add_argument("--top-p", type=float, default=1.0)
-    group.add_argument("--min-p", type=float, default=0.0)
-    group.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
-    group.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    group.add_argument("--ignore-eos", action="store_true")
-    group.add_argument("--min-loops", type=int, default=None)
-    group.add_argument("--max-loops", type=int, default=None)
-    group.add_argument("--exit-threshold", type=float, default=None)
+    group.add_argument("--max-tokens", type=int, default=32, help="tokens to generate at most")
+    group.add_argument("--min-tokens", type=int, default=0, help="no EOS or stop before this")
+    group.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    group.add_argument("--top-k", type=int, default=0, help="0 = every token")
+    group.add_argument("--top-p", type=float, default=1.0, help="nucleus mass")
+    group.add_argument("--min-p", type=float, default=0.0, help="relative to the top token")
+    group.add_argument(
+        "--sampling-seed", type=int, default=None, help="per-request seed (default: random)"
+    )
+    group.add_argument(
+        "--stop", action="append", default=None, help="stop string (repeatable; default: none)"
+    )
+    group.add_argument(
+        "--include-stop-str-in-output",
+        action="store_true",
+        help="keep the stop string that ended the text",
+    )
+    group.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
+    group.add_argument(
+        "--min-loops", type=int, default=None, help="fewest loops a token runs (default: 1)"
+    )
+    group.add_argument(
+        "--max-loops",
+        type=int,
+        default=None,
+        help="most loops a token runs (default: the model's depth)",
+    )
+    group.add_argument(
+        "--exit-threshold",
+        type=float,
+        default=None,
+        help="exit once the exit CDF reaches it; 1 = fixed depth (default: the model's)",
+    )
 
 
 def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
@@ -39,6 +76,7 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
         min_p=ns.min_p,
         seed=ns.sampling_seed,
         stop=ns.stop,
+        include_stop_str_in_output=ns.include_stop_str_in_output,
         ignore_eos=ns.ignore_eos,
         min_loops=ns.min_loops,
         max_loops=ns.max_loops,
@@ -46,19 +84,14 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
     )
 
 
-class OneLineErrorParser(argparse.ArgumentParser):
-    """Bad flags fail at once with one line on stderr and exit code 2."""
-
-    def error(self, message: str):  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineErrorParser(
-        prog="vllm-rlt", description="Inference engine for looped language models."
+    parser = CLIParser(prog="vllm-rlt", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate = sub.add_parser(
+        "generate",
+        help="generate text offline (the default command)",
+        description="Generate text offline: one line per prompt, or one JSON object with --json.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
-    generate = sub.add_parser("generate", help="generate text offline")
     generate.add_argument(
         "--prompt", action="append", default=None, help="prompt (repeatable; default: stdin lines)"
     )
@@ -66,13 +99,23 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     add_sampling_args(generate)
     add_engine_args(generate)
-    sub.add_parser(
+    bench = sub.add_parser(
         "bench",
-        help="benchmarks: `vllm-rlt bench throughput --help`, `vllm-rlt bench serve --help`",
-        add_help=False,
+        help="benchmarks: " + ", ".join(BENCHMARKS),
+        description="Benchmarks; each prints JSON on stdout and takes --help:\n"
+        + "".join(
+            f"  vllm-rlt bench {name:<11} {text}\n" for name, (_, text) in BENCHMARKS.items()
+        ),
     )
-    serve = sub.add_parser("serve", help="run the OpenAI-compatible HTTP server")
-    serve.add_argument("model_path", nargs="?", default=None, help="model folder (or --model)")
+    bench.add_argument("benchmark", choices=list(BENCHMARKS), help="which benchmark")
+    serve = sub.add_parser(
+        "serve",
+        help="run the OpenAI-compatible HTTP server",
+        description="OpenAI-compatible HTTP server (needs the 'serve' extra).",
+    )
+    serve.add_argument(
+        "model_path", nargs="?", default=None, help="model folder (or --model; default: built-in)"
+    )
     add_server_args(serve)
     add_engine_args(serve)
     return parser
@@ -80,40 +123,119 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
-    group.add_argument("--served-model-name", default=None)
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    group.add_argument("--port", type=int, default=8000, help="port to listen on")
     group.add_argument(
-        "--api-key", default=os.environ.get("VLLM_RLT_API_KEY"), help="or env VLLM_RLT_API_KEY"
+        "--served-model-name", default=None, help="model name in the API (default: the model's)"
     )
-    group.add_argument("--max-queue", type=int, default=None, help="bound on waiting requests")
-    group.add_argument("--request-timeout", type=float, default=None, help="seconds")
-    group.add_argument("--shutdown-timeout", type=float, default=30.0, help="seconds")
-    group.add_argument("--max-body-bytes", type=int, default=1 << 20)
+    group.add_argument(
+        "--api-key",
+        default=os.environ.get("VLLM_RLT_API_KEY"),
+        help="required as 'Authorization: Bearer KEY' (default: env VLLM_RLT_API_KEY, or none)",
+    )
+    group.add_argument(
+        "--max-queue",
+        type=int,
+        default=None,
+        help="sequences that may wait for a slot; more get 429 (default: unbounded)",
+    )
+    group.add_argument(
+        "--max-sequences-per-request",
+        type=int,
+        default=256,
+        help="prompts x n one request may ask for; more get 400",
+    )
+    group.add_argument(
+        "--request-timeout", type=float, default=None, help="seconds (default: none)"
+    )
+    group.add_argument(
+        "--shutdown-timeout",
+        type=float,
+        default=30.0,
+        help="seconds running requests may finish after SIGTERM before they are aborted",
+    )
+    group.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
     group.add_argument(
         "--stall-timeout",
         type=float,
         default=60.0,
-        help="/health fails when work is queued and no pass completed for this long",
+        help="/health fails when work is queued and no pass completed for this long (seconds)",
+    )
+    limits = parser.add_argument_group("connections")
+    limits.add_argument(
+        "--limit-concurrency",
+        type=int,
+        default=4096,
+        help="open connections served at once; more get 503 and are closed",
+    )
+    limits.add_argument(
+        "--header-timeout",
+        type=float,
+        default=30.0,
+        help="seconds a client has to send a whole request head",
+    )
+    limits.add_argument(
+        "--body-timeout", type=float, default=60.0, help="seconds a client has to send a body"
+    )
+    limits.add_argument(
+        "--timeout-keep-alive",
+        type=float,
+        default=5.0,
+        help="seconds an idle kept-alive connection stays open",
+    )
+    limits.add_argument(
+        "--max-header-bytes", type=int, default=16384, help="larger request heads get 400"
+    )
+    limits.add_argument(
+        "--exit-on-load-error",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="end the process when the model fails to load (else keep answering 503)",
     )
 
 
+def missing_serve_modules() -> list[str]:
+    missing = []
+    for name in SERVE_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            missing.append(name)
+    return missing
+
+
 def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
+    missing = missing_serve_modules()
+    if missing:
+        parser.error(
+            f"the server needs the 'serve' extra ({', '.join(missing)} not installed): "
+            "pip install 'vllm-rlt[serve]' (from a clone: pip install -e '.[serve]')"
+        )
     from vllm_rlt.entrypoints.openai.server import ServerSettings, serve
+    from vllm_rlt.models.load import check_model_source
 
     if ns.model_path is not None:
         if ns.model is not None and ns.model != ns.model_path:
             parser.error("give the model either as an argument or with --model, not both")
         ns.model = ns.model_path
-    for name in ("max_queue", "max_body_bytes"):
+    for name in ("max_queue", "max_body_bytes", "max_sequences_per_request", "max_header_bytes"):
         value = getattr(ns, name)
         if value is not None and value < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if ns.limit_concurrency < 1:
+        parser.error(f"--limit-concurrency must be >= 1, got {ns.limit_concurrency}")
+    for name in ("header_timeout", "body_timeout", "timeout_keep_alive", "shutdown_timeout"):
+        value = getattr(ns, name)
+        if not value >= 0:
+            parser.error(f"--{name.replace('_', '-')} must be >= 0 seconds, got {value}")
+    if ns.request_timeout is not None and not ns.request_timeout > 0:
+        parser.error(f"--request-timeout must be > 0 seconds, got {ns.request_timeout}")
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
     try:
         engine_args = engine_args_from(ns)
-    except ValueError as exc:
+        check_model_source(ns.model)
+    except (ValueError, OSError) as exc:
         parser.error(str(exc))
     settings = ServerSettings(
         served_model_name=ns.served_model_name,
@@ -122,10 +244,42 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         request_timeout=ns.request_timeout,
         max_body_bytes=ns.max_body_bytes,
         stall_timeout=ns.stall_timeout,
+        max_sequences_per_request=ns.max_sequences_per_request,
+        header_timeout=ns.header_timeout,
+        body_timeout=ns.body_timeout,
+        keep_alive_timeout=ns.timeout_keep_alive,
+        max_connections=ns.limit_concurrency,
+        max_header_bytes=ns.max_header_bytes,
+        exit_on_load_error=ns.exit_on_load_error,
         llm_kwargs=engine_args.llm_kwargs(),
     )
-    serve(settings, ns.host, ns.port, ns.shutdown_timeout)
-    return 0
+    try:
+        load_error = serve(settings, ns.host, ns.port, ns.shutdown_timeout)
+    except OSError as exc:
+        parser.error(f"cannot listen on {ns.host}:{ns.port}: {exc.strerror or exc}")
+    if load_error is None:
+        return 0
+    if isinstance(load_error, (ValueError, OSError)):
+        parser.error(str(load_error))
+    print(f"{parser.prog}: error: the model failed to load: {load_error!r}", file=sys.stderr)
+    return 1
+
+
+def warn_untrained_prompts(model: str | None, prompts: list[str]) -> None:
+    """The built-in model only knows its training tasks: say so when a prompt is not one."""
+    from vllm_rlt.models.load import DEFAULT_MODEL_NAME
+    from vllm_rlt.training.data import PROMPT_FORMATS, task_of
+
+    if model not in (None, DEFAULT_MODEL_NAME):
+        return
+    outside = [prompt for prompt in prompts if task_of(prompt) is None]
+    if outside:
+        formats = "; ".join(text for _, text in PROMPT_FORMATS.values())
+        print(
+            f"warning: {len(outside)} prompt(s), such as {outside[0]!r}, are not of a kind "
+            f"{DEFAULT_MODEL_NAME} was trained on ({formats}); expect wrong answers",
+            file=sys.stderr,
+        )
 
 
 def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
@@ -136,12 +290,16 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
         params = sampling_params_from(ns)
     except ValueError as exc:
         parser.error(str(exc))
-    prompts = ns.prompt if ns.prompt else [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    try:
+        prompts = ns.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
+    except UnicodeDecodeError as exc:
+        parser.error(f"stdin is not valid UTF-8 text: {exc.reason} at byte {exc.start}")
     if not prompts:
         parser.error("no prompt: pass --prompt TEXT or pipe prompts on stdin, one per line")
     try:
         llm = LLM(**engine_args.llm_kwargs())
         params.resolved_loops(llm.engine.num_loops)
+        warn_untrained_prompts(ns.model, prompts)
         outputs = llm.generate(prompts, params, use_tqdm=not ns.no_progress and not ns.json)
     except (ValueError, FileNotFoundError) as exc:
         parser.error(str(exc))
@@ -163,24 +321,9 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:2] == ["bench", "throughput"]:
-        from vllm_rlt.bench.throughput import main as throughput
-
-        return throughput(argv[2:])
-    if argv[:2] == ["bench", "accuracy"]:
-        from vllm_rlt.bench.accuracy import main as accuracy
-
-        return accuracy(argv[2:])
-    if argv[:2] == ["bench", "serve"]:
-        from vllm_rlt.bench.serve import main as serve_bench
-
-        return serve_bench(argv[2:])
-    if argv[:1] == ["bench"]:
-        print(
-            "vllm-rlt bench: error: choose a benchmark: throughput, serve or accuracy",
-            file=sys.stderr,
-        )
-        return 2
+    if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
+        module = importlib.import_module(BENCHMARKS[argv[1]][0])
+        return module.main(argv[2:])
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["generate", *argv]
     parser = build_parser()

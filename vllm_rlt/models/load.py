@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from vllm_rlt.models.loader import load_model
+from vllm_rlt.models.loader import load_model, read_config, resolve_family
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import TOY_NAME, toy_config_dict, toy_weights
 from vllm_rlt.tokenizer import Tokenizer
@@ -59,6 +59,19 @@ def model_folder(model: str | Path | None) -> Path:
     if model is None or str(model) == DEFAULT_MODEL_NAME:
         return DEFAULT_MODEL_DIR
     return Path(model)
+
+
+def check_model_source(model: str | Path | None) -> None:
+    """Fail fast (ValueError or FileNotFoundError) on a model argument that cannot load: a
+    missing folder, or one without a config.json of a known family. Weights are checked
+    when they load."""
+    if str(model) == TOY_NAME:
+        return
+    folder = model_folder(model)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
+    raw, _ = read_config(folder)
+    resolve_family(raw)
 
 
 def load_model_and_tokenizer(

@@ -19,7 +19,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders
 
-from vllm_rlt.config import require
+from vllm_rlt.config import ParamError, require
 from vllm_rlt.tokenizer.byte_level import (
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -39,6 +39,20 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
 )
+
+
+def require_valid_text(text: str, field: str) -> None:
+    """Text that cannot be UTF-8 encoded (a lone surrogate, which JSON and the command line
+    can carry) is a user error, not a tokenizer failure."""
+    require(isinstance(text, str), f"{field} must be a string, got {type(text).__name__}", field)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParamError(
+            f"{field} is not valid Unicode: character {exc.start} is a lone surrogate "
+            f"(U+{ord(text[exc.start]):04X})",
+            field,
+        ) from None
 
 
 def _raise_exception(message: str) -> None:
@@ -386,6 +400,7 @@ class Tokenizer:
         With special tokens: whatever the post-processor adds, plus BOS when
         tokenizer_config.json sets add_bos_token and the post-processor did not put it first.
         """
+        require_valid_text(text, "prompt")
         ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if (
             add_special_tokens

@@ -7,6 +7,7 @@ digits harder than others), which gives a trained exit gate something real to de
 from __future__ import annotations
 
 import random
+import re
 from collections.abc import Callable
 
 Problem = tuple[str, str]  # (prompt, answer)
@@ -53,6 +54,27 @@ TASKS: dict[str, Callable[[random.Random], Problem]] = {
     "reverse": _reverse,
     "count": _count,
 }
+
+# The prompts each task produces, as patterns: a prompt that matches none lies outside what a
+# model trained here has seen, and its answer is likely wrong.
+PROMPT_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
+    "add": (re.compile(r"[1-9]\d\d\+[1-9]\d\d="), "a+b= with a, b in 100..999"),
+    "sub": (re.compile(r"([1-9]\d\d)-([1-9]\d\d)="), "a-b= with 100 <= b <= a <= 999"),
+    "mul": (re.compile(r"[1-9]\d\d\d\*[2-9]="), "a*b= with a in 1000..9999, b in 2..9"),
+    "sort": (re.compile(r"sort \d{4,6}="), "sort DIGITS= with 4 to 6 digits"),
+    "reverse": (re.compile(r"rev [a-j]{4,7}="), "rev WORD= with 4 to 7 letters a-j"),
+    "count": (re.compile(r"count [abc] [abc]{5,9}="), "count L TEXT= with 5 to 9 letters a-c"),
+}
+
+
+def task_of(prompt: str) -> str | None:
+    """The task whose prompts look like `prompt`, or None when no task makes such prompts."""
+    for task, (pattern, _) in PROMPT_FORMATS.items():
+        match = pattern.fullmatch(prompt)
+        if match and (task != "sub" or int(match[1]) >= int(match[2])):
+            return task
+    return None
+
 
 # Distinct prompts each task can produce; a training set takes at most 70% of them so a
 # disjoint held-out set always exists.

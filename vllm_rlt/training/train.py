@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
+from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.models.ouro import OuroConfig
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.byte_level import BYTE_OFFSET, BYTE_VOCAB_SIZE, ENDOFTEXT_ID, IM_END_ID
@@ -216,21 +217,30 @@ def save(model: TrainableOuro, raw: dict, record: dict, out: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m vllm_rlt.training.train", description=__doc__)
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--hidden", type=int, default=192)
-    parser.add_argument("--layers", type=int, default=3)
-    parser.add_argument("--steps1", type=int, default=5000)
-    parser.add_argument("--steps2", type=int, default=800)
-    parser.add_argument("--batch", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--beta", type=float, default=0.05)
-    parser.add_argument("--train-size", type=int, default=40000)
-    parser.add_argument("--eval-size", type=int, default=200)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--tasks", nargs="+", choices=list(TASKS), default=list(TASKS))
-    parser.add_argument("--log-every", type=int, default=200, help="0: quiet")
+    parser = CLIParser(prog="python -m vllm_rlt.training.train", description=__doc__)
+    parser.add_argument("--out", required=True, help="folder to write the model to")
+    parser.add_argument(
+        "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
+    )
+    parser.add_argument("--hidden", type=int, default=192, help="hidden size")
+    parser.add_argument("--layers", type=int, default=3, help="layers in the shared stack")
+    parser.add_argument("--steps1", type=int, default=5000, help="stage-1 steps (whole model)")
+    parser.add_argument("--steps2", type=int, default=800, help="stage-2 steps (exit gate)")
+    parser.add_argument("--batch", type=int, default=256, help="problems per step")
+    parser.add_argument("--lr", type=float, default=2e-3, help="learning rate")
+    parser.add_argument(
+        "--beta",
+        type=float,
+        default=0.05,
+        help="weight of the KL term to a uniform exit distribution",
+    )
+    parser.add_argument("--train-size", type=int, default=40000, help="training problems per task")
+    parser.add_argument("--eval-size", type=int, default=200, help="held-out problems per task")
+    parser.add_argument("--seed", type=int, default=0, help="training seed")
+    parser.add_argument(
+        "--tasks", nargs="+", choices=list(TASKS), default=list(TASKS), help="tasks to train"
+    )
+    parser.add_argument("--log-every", type=int, default=200, help="steps per log line; 0: quiet")
     parser.add_argument("--smoke", action="store_true", help="a few steps, small sets (CPU)")
     args = parser.parse_args(argv)
     if args.smoke:

@@ -7,7 +7,13 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.core.contract import ModelRunnerOutput, PrefillChunk, SampledToken, SchedulerOutput
+from vllm_rlt.core.contract import (
+    ModelRunnerOutput,
+    NewSlot,
+    PrefillChunk,
+    SampledToken,
+    SchedulerOutput,
+)
 from vllm_rlt.exit import ExitInputs, ExitPolicy
 from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
@@ -96,16 +102,28 @@ class ModelRunner:
         self.uploads = HostUploads(max_slots + 1, model.device)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """Run one pass and wait for its results."""
+        """Admit the pass's new requests, run it and wait for its results."""
+        for new in out.new_slots:
+            self.admit(new)
         return self.collect(self.launch(out))
 
     @torch.inference_mode()
+    def admit(self, new: NewSlot) -> None:
+        """Write a newly admitted request's slot. If that fails, the slot's block table points
+        at the dummy block, so the rows already scheduled for it write nothing that another
+        request reads."""
+        try:
+            self.state.admit(new)
+        except BaseException:
+            self.state.block_table[new.slot] = self.state.dummy_block
+            raise
+        self.prefill_hidden.pop(new.slot, None)
+
+    @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingPass:
-        """Enqueue one pass and the copy of its results to the host; does not wait for it."""
+        """Enqueue one pass and the copy of its results to the host; does not wait for it.
+        Its new slots must have been admitted (`admit`) first."""
         st = self.state
-        for new in out.new_slots:
-            st.admit(new)
-            self.prefill_hidden.pop(new.slot, None)
         samplers = list(out.decode_slots) + [c.slot for c in out.prefill_chunks if c.samples]
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
         greedy = all(st.greedy[s] for s in samplers)

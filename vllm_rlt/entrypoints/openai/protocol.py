@@ -2,35 +2,81 @@
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import re
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic_core import PydanticCustomError
 
-from vllm_rlt.sampling_params import MAX_LOGPROBS, SamplingParams
+from vllm_rlt.sampling_params import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_TOP_K, SamplingParams
+
+MAX_STOP_STRINGS = 64  # each is searched for after every token
+TokenId = Annotated[int, Strict()]  # `true` or `1.5` is no token id
+
+
+def first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
+    """(field path, index, character) of the first string holding a lone surrogate: JSON
+    can spell one ("\\ud800"), but no valid text contains it and nothing can encode it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            return path, exc.start, value[exc.start]
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, list):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        found = first_lone_surrogate(item, f"{path}.{key}" if path else str(key))
+        if found is not None:
+            return found
+    return None
 
 
 class StrictModel(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+class RequestBody(StrictModel):
+    """A top-level request: its strings must be valid Unicode."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_text(cls, data: Any) -> Any:
+        found = first_lone_surrogate(data)
+        if found is not None:
+            path, index, char = found
+            raise PydanticCustomError(
+                "invalid_unicode",
+                "{field}: character {index} is a lone surrogate (U+{code}); text must be "
+                "valid Unicode",
+                {"field": path, "index": index, "code": f"{ord(char):04X}"},
+            )
+        return data
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
-class SamplingFields(StrictModel):
+class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float = Field(default=1.0, ge=0.0, le=100.0)
     top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1)
+    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
     min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, le=2**63 - 1)
-    n: int = Field(default=1, ge=1, le=128)
-    stop: str | list[str] | None = None
-    stop_token_ids: list[int] | None = None
+    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
+    stop_token_ids: list[TokenId] | None = None
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     min_tokens: int = Field(default=0, ge=0)
     stream: bool = False
     stream_options: StreamOptions | None = None
@@ -56,6 +102,7 @@ class SamplingFields(StrictModel):
             stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or []),
             ignore_eos=self.ignore_eos,
+            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=num_logprobs,
             min_loops=self.min_loops,
             max_loops=self.max_loops,
@@ -64,7 +111,7 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: int | None = Field(default=16, ge=1)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
@@ -106,7 +153,7 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-class TokenizeRequest(StrictModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -119,6 +166,67 @@ class TokenizeRequest(StrictModel):
         return self
 
 
-class DetokenizeRequest(StrictModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
-    tokens: list[int]
+    tokens: list[TokenId]
+
+
+# A union member's name in an error location ("str", "list[int]"): not a field.
+_UNION_TAG = re.compile(r"^(str|int|float|bool|none)$|\[")
+_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+_MESSAGES = {
+    "int_parsing_size": "integer out of range",
+    "int_from_float": "must be an integer",
+    "finite_number": "must be a finite number",
+}
+
+
+def describe_validation_error(errors: list[dict[str, Any]], model: type[BaseModel] | None):
+    """(message, param) for a failed request body: the field, what is wrong with it and,
+    for a bounded number, its allowed range."""
+    if not errors:
+        return "invalid request", None
+    # Each member of a union reports its own error; a member's type mismatch says least.
+    best = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
+    kind = best["type"]
+    if kind == "invalid_unicode":
+        return best["msg"], best["ctx"]["field"]
+    if kind == "json_invalid":
+        return f"request body is not valid JSON: {best.get('msg', '')}", None
+    location = [p for p in best.get("loc", ()) if p != "body"]
+    param = ".".join(str(p) for p in location if not _UNION_TAG.search(str(p))) or None
+    if kind == "extra_forbidden":
+        return f"unsupported field: {param}", param
+    if best is errors[0] and kind.endswith("_type"):
+        tags = [str(p) for e in errors for p in e.get("loc", ()) if _UNION_TAG.search(str(p))]
+        if len(tags) > 1:
+            return f"{param}: wrong type ({', '.join(dict.fromkeys(tags))} accepted)", param
+    message = _MESSAGES.get(kind, best.get("msg", "invalid value"))
+    allowed = _allowed_range(model, param) if model is not None and param else None
+    if allowed and kind in _BOUND_ERRORS:
+        message = f"must be in {allowed}, got {best.get('input')!r}"
+    elif allowed:
+        message = f"{message} (allowed: {allowed})"
+    return (f"{param}: {message}" if param else message), param
+
+
+def _allowed_range(model: type[BaseModel], param: str) -> str | None:
+    field = model.model_fields.get(param)
+    if field is None:
+        return None
+    low = high = None
+    low_open = high_open = False
+    for bound in field.metadata:
+        if hasattr(bound, "ge"):
+            low = bound.ge
+        elif hasattr(bound, "gt"):
+            low, low_open = bound.gt, True
+        if hasattr(bound, "le"):
+            high = bound.le
+        elif hasattr(bound, "lt"):
+            high, high_open = bound.lt, True
+    if low is None and high is None:
+        return None
+    left = "(" if low_open or low is None else "["
+    right = ")" if high_open or high is None else "]"
+    return f"{left}{'-inf' if low is None else low}, {'inf' if high is None else high}{right}"

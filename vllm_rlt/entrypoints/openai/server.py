@@ -4,30 +4,44 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
-import signal
+import logging
+import os
+import socket
+import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm_rlt
 from vllm_rlt.engine.async_llm import AsyncLLM
 from vllm_rlt.engine.llm import LLM
+from vllm_rlt.entrypoints.openai.connection import DrainingServer, limited_protocol
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
 from vllm_rlt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
     TokenizeRequest,
+    describe_validation_error,
 )
-from vllm_rlt.entrypoints.openai.serving import APIError, OpenAIServing
+from vllm_rlt.entrypoints.openai.serving import (
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+    APIError,
+    OpenAIServing,
+)
+
+logger = logging.getLogger("vllm_rlt.server")
 
 
 @dataclass
@@ -40,6 +54,13 @@ class ServerSettings:
     request_timeout: float | None = None
     max_body_bytes: int = 1 << 20
     stall_timeout: float = 60.0
+    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    header_timeout: float = 30.0
+    body_timeout: float = 60.0
+    keep_alive_timeout: float = 5.0
+    max_connections: int | None = 4096
+    max_header_bytes: int = 16 * 1024
+    exit_on_load_error: bool = True
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -52,6 +73,7 @@ class ServerState:
         self.serving: OpenAIServing | None = None
         self.metrics: ServerMetrics | None = None
         self.load_error: BaseException | None = None
+        self.on_load_error: Callable[[], None] | None = None
 
     def load(self) -> None:
         try:
@@ -61,10 +83,25 @@ class ServerState:
                 llm.engine, self.settings.max_queue, metrics.on_step, tokenizer=llm.tokenizer
             )
             name = self.settings.served_model_name or llm.model_name
-            self.serving = OpenAIServing(engine, llm.tokenizer, name, self.settings.request_timeout)
+            self.serving = OpenAIServing(
+                engine,
+                llm.tokenizer,
+                name,
+                self.settings.request_timeout,
+                self.settings.max_sequences_per_request,
+            )
             self.metrics, self.engine = metrics, engine
         except BaseException as exc:  # reported by /health and every route
             self.load_error = exc
+            user_error = isinstance(exc, (ValueError, OSError))  # the message says it all
+            if self.on_load_error is None or not user_error:
+                logger.error(
+                    "the model failed to load: %s",
+                    exc,
+                    exc_info=None if user_error else exc,
+                )
+            if self.on_load_error is not None:
+                self.on_load_error()
 
     def ready(self) -> OpenAIServing:
         if self.load_error is not None:
@@ -73,92 +110,147 @@ class ServerState:
             raise APIError(503, "the model is still loading", "service_unavailable")
         return self.serving
 
+    def abort_all(self) -> int:
+        """End every request now (shutdown); how many there were."""
+        if self.serving is None or self.engine is None:
+            return 0
+        self.serving.closing = True
+        running = self.engine.num_requests
+        self.engine.abort_all()
+        return running
 
-def error_response(error: APIError) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status)
+
+def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class _BodyTooLarge(Exception):
     pass
 
 
-class GuardMiddleware:
-    """API key on every route but /health, and the body size limit (declared or streamed).
-    Plain ASGI, so that handlers still see a client's disconnect."""
+class _ClientGone(Exception):
+    pass
 
-    def __init__(self, app, api_key: str | None, max_body: int) -> None:
-        self.app, self.api_key, self.max_body = app, api_key, max_body
+
+class GuardMiddleware:
+    """Before any route runs: the API key on every route but /health (compared in constant
+    time), and the whole body read within the size and time limits. Every POST body is
+    JSON, whatever Content-Type the client sent (`curl -d` sends a form type). Plain ASGI,
+    so that handlers still see a client's disconnect."""
+
+    def __init__(self, app, api_key: str | None, max_body: int, body_timeout: float) -> None:
+        self.app, self.max_body, self.body_timeout = app, max_body, body_timeout
+        self.expected = None if api_key is None else b"Bearer " + api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        headers = {key.decode().lower(): value.decode() for key, value in scope["headers"]}
-        if self.api_key is not None and scope["path"] != "/health":
-            if headers.get("authorization") != f"Bearer {self.api_key}":
+        headers = dict(scope["headers"])  # raw bytes: a header need not be UTF-8
+        if self.expected is not None and scope["path"] != "/health":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
                 error = APIError(401, "missing or wrong API key", "authentication_error")
                 await error_response(error)(scope, receive, send)
                 return
+        close = {"connection": "close"}
         too_large = APIError(413, f"request body over {self.max_body} bytes", "too_large")
-        length = headers.get("content-length", "")
+        length = headers.get(b"content-length", b"0")
         if length.isdigit() and int(length) > self.max_body:
-            await error_response(too_large)(scope, receive, send)
+            await error_response(too_large, close)(scope, receive, send)
             return
-        seen = 0
-        started = False
-
-        async def counted_receive():
-            nonlocal seen
-            message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:
-                    raise _BodyTooLarge
-            return message
-
-        async def tracked_send(message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
         try:
-            await self.app(scope, counted_receive, tracked_send)
+            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
         except _BodyTooLarge:
-            if not started:
-                await error_response(too_large)(scope, receive, send)
+            await error_response(too_large, close)(scope, receive, send)
+            return
+        except asyncio.TimeoutError:
+            message = f"request body not received within {self.body_timeout:g} s"
+            await error_response(APIError(408, message, "timeout_error"), close)(
+                scope, receive, send
+            )
+            return
+        except _ClientGone:
+            return
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            message = f"request body is not UTF-8 text (byte {exc.start})"
+            await error_response(APIError(400, message))(scope, receive, send)
+            return
+        if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
+            kept = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
+            scope = {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
+        replayed = False
+
+        async def replay():
+            nonlocal replayed
+            if not replayed:
+                replayed = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _read_body(self, receive) -> bytes:
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                raise _ClientGone
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body:
+                raise _BodyTooLarge
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return b"".join(chunks)
+
+
+BODY_MODELS = {
+    "/v1/completions": CompletionRequest,
+    "/v1/chat/completions": ChatCompletionRequest,
+    "/tokenize": TokenizeRequest,
+    "/detokenize": DetokenizeRequest,
+}
 
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(title="vllm-rlt", version=vllm_rlt.__version__)
     app.state.server = state
     settings = state.settings
-    app.add_middleware(GuardMiddleware, api_key=settings.api_key, max_body=settings.max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware,
+        api_key=settings.api_key,
+        max_body=settings.max_body_bytes,
+        body_timeout=settings.body_timeout,
+    )
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
         return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        location = [str(p) for p in first.get("loc", ()) if p != "body"]
-        param = ".".join(location) or None
-        kind = first.get("type", "")
-        if kind == "extra_forbidden":
-            message = f"unsupported field: {param}"
-        elif kind == "json_invalid":
-            message = f"request body is not valid JSON: {first.get('msg', '')}"
-            param = None
-        else:
-            message = (
-                f"{param}: {first.get('msg', 'invalid value')}"
-                if param
-                else first.get("msg", "invalid request")
-            )
+    async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        model = BODY_MODELS.get(request.url.path)
+        message, param = describe_validation_error(list(exc.errors()), model)
         return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        status, method, path = exc.status_code, request.method, request.url.path
+        if status == 404:
+            error = APIError(404, f"no route {method} {path}", "not_found_error")
+        elif status == 405:
+            error = APIError(405, f"{path} does not accept {method}", "method_not_allowed")
+        elif status == 400:  # the body could not be decoded at all (for example too deep)
+            error = APIError(400, "request body is not valid JSON (or is nested too deeply)")
+        else:
+            error = APIError(status, str(exc.detail), "invalid_request_error")
+        return error_response(error, exc.headers)
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unexpected error in a request handler", exc_info=exc)
         return error_response(APIError(500, f"internal error: {exc!r}", "internal_error"))
 
     @app.get("/health")
@@ -237,60 +329,117 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 async def _respond(serving: OpenAIServing, job, stream: bool, options, request: Request):
-    if stream:
+    """Run a job while watching the client: one that leaves, even while its requests still
+    wait for a slot, gets them aborted at once."""
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        if not stream:
+            work = asyncio.ensure_future(serving.run(job))
+            if not await _first_of(work, gone):
+                return Response(status_code=499)
+            return JSONResponse(work.result())
         events = serving.stream(job, include_usage=bool(options and options.include_usage))
-        first = await anext(events)  # errors found before streaming become plain 4xx replies
-        if first.startswith('data: {"error"'):
-            body = json.loads(first[len("data: ") :])
+        first = asyncio.ensure_future(anext(events))
+        if not await _first_of(first, gone):
+            await events.aclose()
+            return Response(status_code=499)
+        head = first.result()
+        if head.startswith('data: {"error"'):  # failed before streaming: a plain error reply
+            await events.aclose()
+            body = json.loads(head[len("data: ") :])
             return JSONResponse(body, status_code=body["error"]["code"])
 
         async def body_events():
-            yield first
-            async for event in events:
-                yield event
+            try:
+                yield head
+                async for event in events:
+                    yield event
+            finally:
+                await events.aclose()
 
         return StreamingResponse(body_events(), media_type="text/event-stream")
-    work = asyncio.ensure_future(serving.run(job))
-    while not work.done():  # a client that leaves gets its requests aborted at once
-        done, _ = await asyncio.wait({work}, timeout=0.05)
-        if not done and await request.is_disconnected():
-            work.cancel()
-            return JSONResponse({}, status_code=499)
-    return JSONResponse(work.result())
+    finally:
+        gone.cancel()
 
 
-class _Server(uvicorn.Server):
-    """uvicorn re-raises SIGTERM after a graceful shutdown (the process then dies of the
-    signal); a drained shutdown should instead exit with status 0."""
-
-    @contextlib.contextmanager
-    def capture_signals(self):
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _EXIT_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+async def _first_of(work: asyncio.Future, gone: asyncio.Future) -> bool:
+    """Wait for `work` or the client's disconnect; False (and `work` cancelled) if the
+    client left first."""
+    await asyncio.wait({work, gone}, return_when=asyncio.FIRST_COMPLETED)
+    if work.done():
+        return True
+    work.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await work
+    return False
 
 
-_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+async def _disconnected(request: Request) -> None:
+    """Returns once the client has closed its connection."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
-def serve(settings: ServerSettings, host: str, port: int, shutdown_timeout: float) -> None:
-    """Run until SIGTERM/SIGINT: stop accepting, let requests finish within the timeout,
-    abort the rest, exit."""
-    state = ServerState(settings)
-    threading.Thread(target=state.load, name="vllm-rlt-load", daemon=True).start()
-    app = build_app(state)
+def build_server(
+    state: ServerState, host: str, port: int, drain_timeout: float, log_level: str = "info"
+) -> DrainingServer:
+    settings = state.settings
     config = uvicorn.Config(
-        app, host=host, port=port, log_level="info", timeout_graceful_shutdown=shutdown_timeout
+        build_app(state),
+        host=host,
+        port=port,
+        log_level=log_level,
+        http=limited_protocol(settings.header_timeout, settings.max_connections),
+        timeout_keep_alive=settings.keep_alive_timeout,
+        h11_max_incomplete_event_size=settings.max_header_bytes,
+        # Our own drain aborts what is left at drain_timeout; the margin lets those
+        # requests send their final chunks before uvicorn would cancel them.
+        timeout_graceful_shutdown=drain_timeout + 10,
     )
-    server = _Server(config)
+    return DrainingServer(config, drain_timeout, state.abort_all)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """Bind the listening socket first, so that a taken port is an error before anything
+    else starts (OSError)."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        server.run()
+        sock.bind((host, port))
+    except OSError:
+        sock.close()
+        raise
+    sock.set_inheritable(True)
+    return sock
+
+
+def serve(
+    settings: ServerSettings, host: str, port: int, shutdown_timeout: float
+) -> BaseException | None:
+    """Run until SIGTERM/SIGINT: stop accepting, let requests finish within the timeout,
+    abort the rest, exit. Returns the load error when the model failed to load and
+    `exit_on_load_error` ended the server; raises OSError when the port cannot be bound."""
+    sock = listen(host, port)
+    state = ServerState(settings)
+    server = build_server(state, host, port, shutdown_timeout)
+    if settings.exit_on_load_error:
+
+        def stop() -> None:
+            server.should_exit = True
+
+        state.on_load_error = stop
+    loader = threading.Thread(target=state.load, name="vllm-rlt-load", daemon=True)
+    loader.start()
+    try:
+        server.run(sockets=[sock])
     finally:
         if state.engine is not None:
             state.engine.shutdown()
+    if loader.is_alive():
+        # Stopped during a load: the loading thread cannot be interrupted, and ending the
+        # interpreter under it would abort the process, so leave without finalising.
+        logger.info("stopped while the model was still loading")
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
+    return state.load_error if settings.exit_on_load_error else None

@@ -10,7 +10,13 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_rlt.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from vllm_rlt.engine.async_llm import (
+    AsyncLLM,
+    EngineDeadError,
+    QueueFullError,
+    RequestFailedError,
+    RequestStream,
+)
 from vllm_rlt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
@@ -19,6 +25,7 @@ from vllm_rlt.tokenizer import Tokenizer
 # Blocks are reserved for prompt + max_tokens at admission, so "until the context is full"
 # would reserve a whole context per request; chat without max_tokens gets this instead.
 DEFAULT_CHAT_MAX_TOKENS = 256
+DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 
 
 class APIError(Exception):
@@ -72,17 +79,32 @@ class OpenAIServing:
         tokenizer: Tokenizer | None,
         model_name: str,
         request_timeout: float | None,
+        max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = engine.engine.max_model_len
         self.request_timeout = request_timeout
+        self.max_sequences_per_request = max_sequences_per_request
+        self.closing = False  # shutting down: new requests get 503, aborted ones too
 
     # ----------------------------------------------------------------- request shaping
     def check_model(self, model: str) -> None:
         if model != self.model_name:
             raise APIError(404, f"model {model!r} does not exist", "not_found_error", "model")
+
+    def check_fan_out(self, num_prompts: int, n: int) -> None:
+        """Bound the sequences one request may queue, before any of them is tokenized."""
+        total = num_prompts * n
+        limit = self.max_sequences_per_request
+        if total > limit:
+            raise APIError(
+                400,
+                f"prompts x n = {num_prompts} x {n} = {total} sequences; one request may ask "
+                f"for at most {limit} (--max-sequences-per-request)",
+                param="n" if n > 1 else "prompt",
+            )
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
@@ -93,15 +115,19 @@ class OpenAIServing:
 
     def completion_job(self, request: CompletionRequest) -> Job:
         self.check_model(request.model)
+        texts = request.prompts()
+        self.check_fan_out(len(texts), request.n)
+        params = self._params(request, request.max_tokens or 16, request.logprobs)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = []
-        for prompt in request.prompts():
+        for index, prompt in enumerate(texts):
             ids = self.encode(prompt)
+            self._check(f"{request_id}-{index}", ids, params)  # ids are valid before decoding
             text = prompt if isinstance(prompt, str) else self._decode(ids)
             prompts.append((text, ids))
-        params = self._params(request, request.max_tokens or 16, request.logprobs)
         return Job(
             "completion",
-            f"cmpl-{uuid.uuid4().hex}",
+            request_id,
             prompts,
             params,
             request.logprobs,
@@ -128,16 +154,21 @@ class OpenAIServing:
         return text, tokenizer.encode(text, add_special_tokens=False)
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
+        self.check_model(request.model)
+        self.check_fan_out(1, request.n)
         text, ids = self.chat_prompt(request.model, request.messages)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, self.max_model_len - len(ids)))
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
+        params = self._params(request, max_tokens, num_logprobs)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        self._check(f"{request_id}-0", ids, params)
         return Job(
             "chat",
-            f"chatcmpl-{uuid.uuid4().hex}",
+            request_id,
             [(text, ids)],
-            self._params(request, max_tokens, num_logprobs),
+            params,
             num_logprobs,
             exit_depths=request.return_exit_depths,
         )
@@ -147,7 +178,14 @@ class OpenAIServing:
         try:
             return request.sampling_params(max_tokens, num_logprobs)
         except ValueError as exc:
-            raise APIError(400, str(exc)) from exc
+            raise as_api_error(exc) from exc
+
+    def _check(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
+        """Every check the engine makes at admission, so bad input is a 400 here."""
+        try:
+            self.engine.engine.check_request(request_id, ids, params)
+        except ValueError as exc:
+            raise as_api_error(exc) from exc
 
     def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         if self.tokenizer is None:
@@ -155,48 +193,51 @@ class OpenAIServing:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ----------------------------------------------------------------- running
-    def _streams(self, job: Job) -> list[AsyncIterator[RequestOutput]]:
-        """Check everything that can fail before a response starts, then open the streams."""
+    def _open(self, job: Job) -> list[RequestStream]:
+        """Queue the job's requests (all or none) and return their streams."""
         engine = self.engine
+        if self.closing:
+            raise APIError(503, "the server is shutting down", "service_unavailable")
         if engine.dead is not None:
             raise APIError(503, "the engine has stopped after an error", "service_unavailable")
-        if (
-            engine.max_waiting is not None
-            and engine.waiting() + len(job.prompts) > engine.max_waiting
-        ):
-            raise APIError(429, "too many requests are waiting; retry later", "rate_limit_error")
-        streams = []
-        for index, (text, ids) in enumerate(job.prompts):
-            try:
-                self.engine.engine.check_request(f"{job.request_id}-{index}", ids, job.params)
-            except ValueError as exc:
-                raise APIError(400, str(exc), param="prompt") from exc
-            streams.append(
-                self.engine.generate(f"{job.request_id}-{index}", ids, job.params, prompt=text)
-            )
-        return streams
+        try:
+            engine.check_capacity(len(job.prompts) * job.params.n)
+        except (QueueFullError, ValueError) as exc:
+            raise as_api_error(exc) from exc
+        return [
+            engine.add_request(f"{job.request_id}-{index}", ids, job.params, prompt=text)
+            for index, (text, ids) in enumerate(job.prompts)
+        ]
+
+    def _shutdown_error(self) -> APIError:
+        return APIError(
+            503, "the server shut down before the request finished", "service_unavailable"
+        )
 
     async def run(self, job: Job) -> dict[str, Any]:
         """Non-streaming: the whole response body."""
-        streams = self._streams(job)
+        streams = self._open(job)
 
-        async def last(stream: AsyncIterator[RequestOutput]) -> RequestOutput:
+        async def last(stream: RequestStream) -> RequestOutput:
             final = None
             async for output in stream:
                 final = output
             assert final is not None
             return final
 
-        tasks = [asyncio.ensure_future(last(stream)) for stream in streams]
         try:
-            finals = await asyncio.wait_for(asyncio.gather(*tasks), self.request_timeout)
+            finals = await asyncio.wait_for(
+                asyncio.gather(*(last(stream) for stream in streams)), self.request_timeout
+            )
         except asyncio.TimeoutError as exc:
             raise APIError(504, "request timed out", "timeout_error") from exc
-        except (QueueFullError, EngineDeadError, ValueError) as exc:
+        except (QueueFullError, EngineDeadError, RequestFailedError, ValueError) as exc:
             raise as_api_error(exc) from exc
         finally:
-            for task in tasks:
-                task.cancel()
+            for stream in streams:
+                stream.close()
+        if self.closing and any(c.finish_reason == "abort" for f in finals for c in f.outputs):
+            raise self._shutdown_error()
         choices = []
         for prompt_index, output in enumerate(finals):
             for completion in output.outputs:
@@ -212,11 +253,13 @@ class OpenAIServing:
         }
 
     async def stream(self, job: Job, include_usage: bool) -> AsyncIterator[str]:
-        """Streaming: SSE events, one finish_reason per choice, optional usage, then DONE."""
-        streams = self._streams(job)
+        """Streaming: SSE events, one finish_reason per choice, optional usage, then DONE.
+        An error before the first chunk is a single error event (the caller turns it into
+        a plain error reply)."""
+        streams = self._open(job)
         merged: asyncio.Queue = asyncio.Queue()
 
-        async def pump(index: int, stream: AsyncIterator[RequestOutput]) -> None:
+        async def pump(index: int, stream: RequestStream) -> None:
             try:
                 async for output in stream:
                     await merged.put((index, output))
@@ -244,6 +287,9 @@ class OpenAIServing:
                 if isinstance(item, BaseException):
                     yield _sse(_error_body(item))
                     return
+                if self.closing and not cursors and _aborted(item):
+                    yield _sse(self._shutdown_error().body())  # nothing was sent yet
+                    return
                 latest[index] = item
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
@@ -260,6 +306,8 @@ class OpenAIServing:
         finally:
             for task in tasks:
                 task.cancel()
+            for stream in streams:
+                stream.close()
 
     # ----------------------------------------------------------------- shaping
     def _usage(self, job: Job, completions: list[CompletionOutput]) -> dict[str, int]:
@@ -385,16 +433,23 @@ def _sse(body: dict[str, Any]) -> str:
     return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
 
 
+def _aborted(output: RequestOutput) -> bool:
+    return any(c.finish_reason == "abort" for c in output.outputs)
+
+
 def as_api_error(exc: BaseException) -> APIError:
-    """The error object a failure maps to: bad input 400, a full queue 429, a dead engine 503."""
+    """The error object a failure maps to: bad input 400, a full queue 429, a dead engine 503,
+    a request the engine failed alone 500."""
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, QueueFullError):
         return APIError(429, str(exc), "rate_limit_error")
     if isinstance(exc, EngineDeadError):
         return APIError(503, str(exc), "service_unavailable")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, str(exc), "internal_error")
     if isinstance(exc, ValueError):
-        return APIError(400, str(exc))
+        return APIError(400, str(exc), param=getattr(exc, "param", None))
     return APIError(500, f"request failed: {exc!r}", "internal_error")
 
 

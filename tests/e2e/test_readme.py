@@ -1,0 +1,151 @@
+"""The README's commands, run as written (install steps aside): every fenced bash command and
+Python block outside the GPU section, with `vllm-rlt serve` running for the ones that talk
+to it. Placeholders (`/path/to/...`) and CUDA commands are the only ones left out here; the
+GPU commands run in the GPU test tier."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.server.conftest import wait_healthy
+
+ROOT = Path(__file__).resolve().parents[2]
+README = (ROOT / "README.md").read_text()
+GPU_SECTION = "## On a GPU"
+SERVER = "http://127.0.0.1:8000"
+
+
+def fenced_blocks(language: str) -> list[tuple[str, str]]:
+    """(section heading, block text) of every ```language block."""
+    blocks, section = [], ""
+    for part in re.split(r"(?m)^(## .*)$", README):
+        if part.startswith("## "):
+            section = part.strip()
+            continue
+        blocks += [(section, b) for b in re.findall(rf"```{language}\n(.*?)```", part, re.S)]
+    return blocks
+
+
+def commands() -> list[tuple[str, str]]:
+    """(section, command) for each logical line of every bash block, install steps removed."""
+    found = []
+    for section, block in fenced_blocks("bash"):
+        for line in block.replace("\\\n", " ").splitlines():
+            steps = [s.strip() for s in line.split("&&") if not s.strip().startswith("pip ")]
+            if steps:
+                found.append((section, " && ".join(steps)))
+    return found
+
+
+def runnable(section: str, command: str) -> bool:
+    code = re.split(r"\s+#", command)[0]  # a trailing comment may name a placeholder
+    return (
+        section != GPU_SECTION
+        and "/path/to/" not in code
+        and "--device cuda" not in code
+        and not code.startswith("python -m pytest")  # the suite itself
+    )
+
+
+CPU_COMMANDS = [c for c in commands() if runnable(*c)]
+SERVER_COMMANDS = [
+    c for c in CPU_COMMANDS if "127.0.0.1:8000" in c[1] and not c[1].startswith("vllm-rlt serve")
+]
+SERVE_COMMAND = next(c for _, c in CPU_COMMANDS if c.startswith("vllm-rlt serve"))
+
+
+def run_shell(command: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
+    return subprocess.run(
+        ["bash", "-c", command],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def test_the_readme_has_the_commands_this_test_expects():
+    assert any(c.startswith("vllm-rlt generate --prompt") for _, c in CPU_COMMANDS)
+    assert SERVE_COMMAND.split("#")[0].split() == ["vllm-rlt", "serve"]
+    assert {c.split()[0] for _, c in SERVER_COMMANDS} == {"curl", "vllm-rlt"}
+    assert len(fenced_blocks("python")) == 2
+
+
+def test_offline_commands_run_as_written(tmp_path):
+    offline = [c for c in CPU_COMMANDS if c not in SERVER_COMMANDS and "vllm-rlt serve" not in c[1]]
+    assert offline
+    for _, command in offline:
+        run = run_shell(command, tmp_path)
+        assert run.returncode == 0, (command, run.stderr[-2000:])
+        if command == 'vllm-rlt generate --prompt "347+589="':
+            assert run.stdout == "347+589=936\n"
+    quick_start = 'vllm-rlt generate --prompt "347+589="'
+    assert quick_start in [c for _, c in offline]
+
+
+def test_python_api_block_runs_as_written(tmp_path):
+    section, block = fenced_blocks("python")[0]
+    assert "LLM(" in block and section == "## Python API"
+    run = run_shell(f"python -c {shlex.quote(block)}", tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+
+
+def _port_free(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) != 0
+
+
+def test_server_commands_run_as_written(tmp_path):
+    if not _port_free(8000):
+        pytest.skip("port 8000, which the README's server commands use, is taken")
+    env = dict(os.environ)
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
+    server = subprocess.Popen(
+        ["bash", "-c", f"exec {SERVE_COMMAND}"],
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        wait_healthy(SERVER, server)
+        for _, command in SERVER_COMMANDS:
+            run = run_shell(command, tmp_path)
+            assert run.returncode == 0, (command, run.stderr[-2000:])
+            if command.startswith("curl"):
+                assert '"text":"936"' in run.stdout.replace(" ", ""), run.stdout
+            if command.startswith("vllm-rlt bench serve"):
+                assert '"completed": 64' in run.stdout
+        _, client_block = fenced_blocks("python")[1]
+        assert "OpenAI(" in client_block
+        run = run_shell(f"python -c {shlex.quote(client_block)}", tmp_path)
+        assert run.returncode == 0, run.stderr[-2000:]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        assert server.wait(timeout=120) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_benchmark_commands_parse(tmp_path):
+    """The GPU section's commands exist and accept their flags (each runs for minutes, so
+    only --help is run here)."""
+    for section, command in commands():
+        if section == GPU_SECTION and "/path/to/" not in command:
+            program = command.split("#")[0].split("--")[0].strip()
+            run = run_shell(f"{program} --help", ROOT)
+            assert run.returncode == 0, (command, run.stderr[-2000:])

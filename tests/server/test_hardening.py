@@ -1,0 +1,415 @@
+"""Hostile and careless input: every bad value is a 4xx naming its field, nothing one request
+does stops the engine, a client that leaves frees its place at once, and error bodies keep
+the OpenAI shape even for requests too broken to reach a route."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import running_server, wait_idle
+
+EXTREMES = [0, -1, 2**31, 2**63, 2**64, 1e308, float("nan")]
+ERROR_KEYS = {"message", "type", "param", "code"}
+
+
+def assert_error(reply: httpx.Response, status: int, param: str | None = None) -> dict:
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == ERROR_KEYS and error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def assert_healthy(url: str) -> None:
+    assert httpx.get(f"{url}/health").status_code == 200
+    body = {"model": "toy", "prompt": "still fine", "max_tokens": 3, "ignore_eos": True}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+def wait_until(condition, timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
+def numeric_fields(url: str) -> dict[str, list[str]]:
+    """Every integer or number field (and list of them) of each POST body, from the schema."""
+    schema = httpx.get(f"{url}/openapi.json").json()
+    components = schema["components"]["schemas"]
+
+    def numeric(spec: dict) -> bool:
+        options = spec.get("anyOf", [spec])
+        return any(
+            o.get("type") in ("integer", "number")
+            or o.get("items", {}).get("type") in ("integer", "number")
+            for o in options
+        )
+
+    fields = {}
+    for path, methods in schema["paths"].items():
+        body = methods.get("post", {}).get("requestBody")
+        if body:
+            ref = body["content"]["application/json"]["schema"]["$ref"].rsplit("/", 1)[-1]
+            properties = components[ref]["properties"]
+            fields[path] = sorted(name for name, spec in properties.items() if numeric(spec))
+    return fields
+
+
+def test_extreme_top_k_is_a_400_and_the_engine_lives(server):
+    url, state = server
+    for top_k in (2**63, 10**30):
+        body = {"model": "toy", "prompt": "347+589=", "max_tokens": 4, "top_k": top_k}
+        error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "top_k")
+        assert "2147483647" in error["message"]
+    assert state.engine.dead is None
+    assert_healthy(url)
+    wait_idle(state)
+
+
+def test_every_numeric_field_at_every_extreme_gives_4xx_or_runs(server):
+    """0, -1, 2**31, 2**63, 2**64, 1e308 and NaN in every numeric field of every route."""
+    url, state = server
+    bases = {
+        "/v1/completions": {"model": "toy", "prompt": "x", "max_tokens": 2},
+        "/v1/chat/completions": {
+            "model": "toy",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 2,
+        },
+        "/tokenize": {"prompt": "x"},
+        "/detokenize": {"tokens": [65]},
+    }
+    fields = numeric_fields(url)
+    assert "top_k" in fields["/v1/completions"] and "tokens" in fields["/detokenize"]
+    with httpx.Client(base_url=url, timeout=60) as http:
+        for path, names in fields.items():
+            for name in names:
+                for value in EXTREMES:
+                    body = dict(bases[path])
+                    is_list = name in ("prompt", "stop_token_ids", "tokens")
+                    body[name] = [value] if is_list else value
+                    # json.dumps writes NaN, as hostile clients do.
+                    content = json.dumps(body).encode()
+                    reply = http.post(
+                        path, content=content, headers={"content-type": "application/json"}
+                    )
+                    assert reply.status_code < 500, (path, name, value, reply.text)
+                    if reply.status_code >= 400:
+                        assert set(reply.json()["error"]) == ERROR_KEYS
+    assert state.engine.dead is None
+    assert_healthy(url)
+    wait_idle(state)
+
+
+def test_prompt_token_ids_out_of_range_are_400(server):
+    url, _ = server
+    for ids, expected in (([-1], "[0, 258]"), ([2**40], "[0, 258]"), ([2**64], "[0, 258]")):
+        body = {"model": "toy", "prompt": ids, "max_tokens": 2, "echo": True}
+        error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "prompt")
+        assert expected in error["message"]
+    body = {"model": "toy", "prompt": [5, True], "max_tokens": 2}
+    assert (
+        "wrong type" in assert_error(httpx.post(f"{url}/v1/completions", json=body), 400)["message"]
+    )
+
+
+def test_lone_surrogates_are_400_naming_the_field(server):
+    url, _ = server
+    cases = [
+        ("/v1/completions", {"model": "toy", "prompt": "ab\ud800"}, "prompt"),
+        ("/v1/completions", {"model": "toy", "prompt": ["ok", "\udfff"]}, "prompt.1"),
+        (
+            "/v1/chat/completions",
+            {"model": "toy", "messages": [{"role": "user", "content": "\ud800"}]},
+            "messages.0.content",
+        ),
+        ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+    ]
+    for path, body, param in cases:
+        content = json.dumps(body).encode()  # ASCII-escaped: "\ud800" on the wire
+        reply = httpx.post(f"{url}{path}", content=content)
+        error = assert_error(reply, 400, param)
+        assert "lone surrogate" in error["message"]
+
+
+def test_headers_that_are_not_utf8_are_harmless():
+    with running_server(api_key="sekrit") as (url, state):
+        body = {"model": "toy", "prompt": "x", "max_tokens": 2}
+        good = {"authorization": b"Bearer sekrit", "x-junk": b"\xff\xfe"}
+        reply = httpx.post(f"{url}/v1/completions", json=body, headers=good)
+        assert reply.status_code == 200
+        wrong = {"authorization": b"Bearer \xff"}
+        reply = httpx.post(f"{url}/v1/completions", json=body, headers=wrong)
+        assert_error(reply, 401)
+        wait_idle(state)
+
+
+def test_fan_out_is_bounded_before_anything_is_queued(server):
+    url, state = server
+    body = {"model": "toy", "prompt": ["1+1="] * 2000, "n": 128, "max_tokens": 1}
+    error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "n")
+    assert "256000" in error["message"] and "--max-sequences-per-request" in error["message"]
+    assert not state.engine.engine.groups and state.engine.num_requests == 0
+    body = {"model": "toy", "prompt": "x", "n": 129}
+    assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "n")
+
+
+def test_max_sequences_per_request_is_configurable():
+    with running_server(max_sequences_per_request=4) as (url, state):
+        body = {"model": "toy", "prompt": ["a", "b"], "n": 2, "max_tokens": 1}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+        body["n"] = 3
+        assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "n")
+        wait_idle(state)
+
+
+@pytest.mark.parametrize("stream", [True, False], ids=["stream", "plain"])
+def test_client_leaving_while_queued_frees_its_place_at_once(stream):
+    """One slot, held by a long request; a second request waits behind it. Its client
+    leaves: the waiting request is gone from the engine while the first still runs."""
+    with running_server(max_num_seqs=1) as (url, state):
+        engine = state.engine.engine
+        holder = {"model": "toy", "prompt": "hold", "max_tokens": 3000, "ignore_eos": True}
+        waiter = {"model": "toy", "prompt": "wait", "max_tokens": 5, "stream": stream}
+        with httpx.stream("POST", f"{url}/v1/completions", json={**holder, "stream": True}) as r:
+            lines = r.iter_lines()  # kept: dropping the iterator would close the stream
+            next(lines)  # the holder runs
+            holder_id = next(iter(engine.groups))
+
+            async def leave() -> None:
+                async with httpx.AsyncClient(timeout=60) as http:
+                    post = asyncio.ensure_future(http.post(f"{url}/v1/completions", json=waiter))
+                    await asyncio.to_thread(wait_until, lambda: len(engine.groups) == 2)
+                    post.cancel()  # closes the connection
+                    with pytest.raises(asyncio.CancelledError):
+                        await post
+
+            asyncio.run(leave())
+            wait_until(lambda: len(engine.groups) == 1 and not engine.scheduler.waiting)
+            assert holder_id in engine.groups  # the holder was still running
+        wait_idle(state)
+
+
+def test_failure_of_one_requests_state_fails_it_alone(server, monkeypatch):
+    """An error while writing one request's slot, and one while processing its tokens, fail
+    that request with a 500; a request beside it finishes and no block leaks."""
+    url, state = server
+    engine = state.engine.engine
+    admit, process = engine.runner.admit, engine.outputs.process
+
+    def failing_admit(new):
+        if new.seed == 4242:
+            raise OverflowError("simulated slot write failure")
+        admit(new)
+
+    def failing_process(request):
+        if request.params.seed == 4343:
+            raise RuntimeError("simulated output failure")
+        return process(request)
+
+    monkeypatch.setattr(engine.runner, "admit", failing_admit)
+    monkeypatch.setattr(engine.outputs, "process", failing_process)
+    base = {"model": "toy", "prompt": "x", "max_tokens": 6, "ignore_eos": True}
+
+    async def fire() -> list[httpx.Response]:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+            return await asyncio.gather(
+                http.post("/v1/completions", json={**base, "seed": 4242}),
+                http.post("/v1/completions", json={**base, "seed": 4343, "n": 2}),
+                http.post("/v1/completions", json={**base, "seed": 1}),
+            )
+
+    slot_failed, output_failed, fine = asyncio.run(fire())
+    assert "simulated slot write failure" in assert_error(slot_failed, 500)["message"]
+    assert "simulated output failure" in assert_error(output_failed, 500)["message"]
+    assert fine.status_code == 200 and fine.json()["choices"][0]["finish_reason"] == "length"
+    assert state.engine.dead is None
+    wait_idle(state)
+    assert_healthy(url)
+
+
+def test_an_engine_death_is_logged_with_its_traceback(caplog):
+    with running_server() as (url, state):
+        engine = state.engine.engine
+
+        def broken_step():
+            raise RuntimeError("simulated device fault")
+
+        engine.step = broken_step
+        with caplog.at_level(logging.ERROR):
+            body = {"model": "toy", "prompt": "x", "max_tokens": 2}
+            assert_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 503)
+        assert httpx.get(f"{url}/health").status_code == 503
+        records = [r for r in caplog.records if r.exc_info and "engine stopped" in r.getMessage()]
+        assert records and "simulated device fault" in str(records[0].exc_info[1])
+
+
+def test_queue_bound_counts_only_requests_beyond_free_slots():
+    with running_server(max_num_seqs=8, max_queue=2) as (url, state):
+        body = {"model": "toy", "prompt": "q", "max_tokens": 2, "ignore_eos": True}
+
+        async def burst(count: int) -> list[int]:
+            async with httpx.AsyncClient(timeout=60) as http:
+                replies = await asyncio.gather(
+                    *(http.post(f"{url}/v1/completions", json=body) for _ in range(count))
+                )
+            return [r.status_code for r in replies]
+
+        assert asyncio.run(burst(10)) == [200] * 10  # 8 run, 2 wait: none is refused
+        never = {**body, "prompt": ["a"] * 11}
+        error = assert_error(httpx.post(f"{url}/v1/completions", json=never), 400, "n")
+        assert "--max-queue" in error["message"] and "11" in error["message"]
+        wait_idle(state)
+
+
+def test_error_bodies_keep_the_openai_shape(server):
+    url, _ = server
+    assert "GET /nope" in assert_error(httpx.get(f"{url}/nope"), 404)["message"]
+    assert_error(httpx.get(f"{url}/v1/completions"), 405)
+    deep = ("[" * 1000 + "]" * 1000).encode()
+    assert_error(httpx.post(f"{url}/v1/completions", content=deep), 400)
+    not_utf8 = b'{"model": "toy", "prompt": "\xff"}'
+    assert (
+        "UTF-8"
+        in assert_error(httpx.post(f"{url}/v1/completions", content=not_utf8), 400)["message"]
+    )
+    error = assert_error(
+        httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "x", "max_loops": 9}),
+        400,
+        "max_loops",
+    )
+    assert "[1, 4]" in error["message"]
+
+
+def test_a_body_without_json_content_type_is_read_as_json(server):
+    """`curl -d` sends application/x-www-form-urlencoded."""
+    url, _ = server
+    body = b'{"model": "toy", "prompt": "x", "max_tokens": 2}'
+    for content_type in ("application/x-www-form-urlencoded", None):
+        headers = {"content-type": content_type} if content_type else {}
+        reply = httpx.post(f"{url}/v1/completions", content=body, headers=headers)
+        assert reply.status_code == 200, reply.text
+
+
+def test_chunked_body_over_the_limit_is_413():
+    with running_server(max_body_bytes=200) as (url, _):
+
+        def chunks():
+            yield b'{"model": "toy", "prompt": "'
+            for _ in range(10):
+                yield b"x" * 100
+            yield b'"}'
+
+        reply = httpx.post(f"{url}/v1/completions", content=chunks())
+        assert_error(reply, 413)
+
+
+def raw_exchange(url: str, data: bytes, wait: float = 30.0) -> bytes:
+    """Send raw bytes; everything the server answers until it closes the connection."""
+    host, port = url.removeprefix("http://").split(":")
+    with socket.create_connection((host, int(port)), timeout=wait) as sock:
+        sock.sendall(data)
+        received = b""
+        while chunk := sock.recv(65536):
+            received += chunk
+        return received
+
+
+def test_malformed_content_length_gets_a_json_400(server):
+    url, _ = server
+    reply = raw_exchange(
+        url,
+        b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"content-length: abc\r\n\r\n{}",
+    )
+    head, _, body = reply.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
+    assert set(json.loads(body)["error"]) == ERROR_KEYS
+
+
+def test_idle_and_slow_connections_are_closed():
+    """A connection that never completes its request head is closed after the header
+    timeout; connections beyond the limit get a 503 error object."""
+    with running_server(header_timeout=0.5, max_connections=4) as (url, _):
+        assert raw_exchange(url, b"") == b""  # idle: closed without a reply
+        assert raw_exchange(url, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n") == b""
+    with running_server(header_timeout=30, max_connections=2) as (url, _):
+        host, port = url.removeprefix("http://").split(":")
+        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        try:
+            reply = raw_exchange(url, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            head, _, body = reply.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 503")
+            assert json.loads(body)["error"]["type"] == "service_unavailable"
+        finally:
+            for sock in held:
+                sock.close()
+        wait_until(lambda: httpx.get(f"{url}/health").status_code == 200)
+
+
+def test_slow_body_is_408():
+    with running_server(body_timeout=0.5) as (url, _):
+        reply = raw_exchange(
+            url,
+            b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+            b"content-length: 100\r\n\r\n{",
+        )
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408")
+        assert json.loads(body)["error"]["code"] == 408
+
+
+def test_include_stop_str_in_output(server):
+    url, _ = server
+    base = {"model": "toy", "prompt": "The quick brown fox", "max_tokens": 16, "temperature": 0}
+    base["ignore_eos"] = True
+    text = httpx.post(f"{url}/v1/completions", json=base).json()["choices"][0]["text"]
+    stop = next(text[i : i + 2] for i in range(2, len(text) - 2) if text[i : i + 2].isprintable())
+    cut = text[: text.find(stop)]
+    for include, expected in ((False, cut), (True, cut + stop)):
+        body = {**base, "stop": [stop], "include_stop_str_in_output": include}
+        choice = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]
+        assert choice["text"] == expected and choice["finish_reason"] == "stop"
+        streamed = ""
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    streamed += "".join(c["text"] for c in json.loads(line[6:])["choices"])
+        assert streamed == expected
+
+
+def test_concurrent_bad_and_good_requests(server):
+    """A burst of hostile requests beside normal ones: the normal ones all finish."""
+    url, state = server
+    hostile = [
+        {"model": "toy", "prompt": "x", "top_k": 2**64},
+        {"model": "toy", "prompt": [2**64]},
+        {"model": "toy", "prompt": "\ud800"},
+        {"model": "toy", "prompt": "x", "seed": -1},
+        {"model": "toy", "prompt": ["x"] * 300},
+    ]
+    good = {"model": "toy", "prompt": "fine", "max_tokens": 4, "ignore_eos": True}
+    results: list[int] = []
+
+    def send(body) -> None:
+        content = json.dumps(body).encode()
+        results.append(httpx.post(f"{url}/v1/completions", content=content, timeout=60).status_code)
+
+    threads = [threading.Thread(target=send, args=(b,)) for b in hostile * 3 + [good] * 6]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(results) == [200] * 6 + [400] * 15
+    wait_idle(state)

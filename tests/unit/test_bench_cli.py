@@ -1,0 +1,111 @@
+"""The bench commands' command lines, reports and progress bars, and LLM.generate's bar (CPU)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from vllm_rlt.bench import accuracy, serve, throughput
+from vllm_rlt.engine.llm import LLM
+from vllm_rlt.sampling_params import SamplingParams
+
+BENCHES = {"throughput": throughput.main, "accuracy": accuracy.main, "serve": serve.main}
+# Defaults each help screen must show, including what a None default means.
+DEFAULT_SHOWN = {
+    "throughput": ["(default: toy)", "(default: all of the model's loops)"],
+    "accuracy": ["(default: 200)", "(default: last_exited)", "(default: the built-in"],
+    "serve": ["(default: 64)", "(default: ask the server"],
+}
+
+
+@pytest.mark.parametrize("name", list(BENCHES))
+def test_bench_help_shows_the_defaults(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        BENCHES[name](["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    flat = " ".join(text.split())  # help lines wrap
+    assert f"vllm-rlt bench {name}" in text
+    for shown in DEFAULT_SHOWN[name]:
+        assert shown in flat
+    assert "(default: stdout only)" in flat
+    assert "DESIGN" not in text  # no citations of documents the repository does not have
+    # The description's example commands stay one per line.
+    examples = [line for line in text.splitlines() if line.lstrip().startswith("vllm-rlt bench")]
+    assert len(examples) >= 2
+
+
+@pytest.mark.parametrize("name", list(BENCHES))
+def test_bench_bad_flag_fails_in_one_line(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        BENCHES[name](["--no-such-flag"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(f"vllm-rlt bench {name}: error: ")
+
+
+def test_throughput_reports_the_settings_that_ran_on_cpu(capsys):
+    argv = ["--shape", "toy", "--device", "cpu", "--concurrency", "1", "--output-len", "4"]
+    argv += ["--prompt-len", "4", "--repeats", "1", "--warmup", "0", "--no-baseline"]
+    assert throughput.main(argv) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    workload = report["workload"]
+    assert workload["cuda_graphs"] is False  # asked for (no --enforce-eager), never on CPU
+    assert workload["async_scheduling"] is True
+    assert workload["attention_backend"] == "torch"
+    assert workload["attention_backend_requested"] == "auto"
+    (result,) = report["results"]
+    assert result["execution"] == {
+        "cuda_graphs": False,
+        "async_scheduling": True,
+        "attention_backend": "torch",
+    }
+    assert "concurrency 1: engine" in captured.err and "1/1" in captured.err  # the bar
+
+
+def test_throughput_reports_async_scheduling_off_in_no_refill_mode(capsys):
+    argv = ["--device", "cpu", "--concurrency", "1", "--output-len", "2", "--prompt-len", "2"]
+    argv += ["--repeats", "1", "--warmup", "0", "--no-baseline", "--mode", "no_refill"]
+    assert throughput.main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["workload"]["async_scheduling"] is False
+
+
+def test_accuracy_runs_with_the_kv_layout_asked_for(monkeypatch, capsys):
+    engines = []
+
+    class SpyLLM(LLM):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self.engine)
+
+    monkeypatch.setattr(accuracy, "LLM", SpyLLM)
+    argv = ["--model", "toy", "--per-task", "1", "--train-size", "4", "--thresholds", "0.5"]
+    assert accuracy.main([*argv, "--kv-layout", "shared"]) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["kv_layout"] == "shared"
+    assert [engine.cache_config.layout for engine in engines] == ["shared"]
+    settings = [row["setting"] for row in report["rows"]]
+    assert settings == ["depth 1", "depth 2", "depth 3", "depth 4", "ouro q=0.5"]
+    for setting in settings:  # one progress bar per setting, named after it
+        assert f"{setting}: 100%" in captured.err
+
+
+@pytest.fixture(scope="module")
+def toy_llm() -> LLM:
+    return LLM(model="toy")
+
+
+def test_generate_shows_a_bar_only_for_more_than_one_prompt(toy_llm, capfd):
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    capfd.readouterr()
+    toy_llm.generate("one prompt", params)
+    toy_llm.generate("one prompt, two samples", SamplingParams(max_tokens=2, n=2, seed=0))
+    toy_llm.generate(["a", "b"], params, use_tqdm=False)
+    assert capfd.readouterr().err == ""
+    toy_llm.generate(["a", "b"], params)
+    captured = capfd.readouterr()
+    assert "Generating" in captured.err and "2/2" in captured.err
+    assert "Generating" not in captured.out

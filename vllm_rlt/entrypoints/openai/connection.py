@@ -1,0 +1,161 @@
+"""Connections and process lifetime under uvicorn: limits on what a client may hold open,
+JSON error bodies even for requests too broken to reach the app, and a drained shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import signal
+import threading
+from collections.abc import Callable
+
+import h11
+import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+logger = logging.getLogger("vllm_rlt.server")
+
+_REASONS = {400: "Bad Request", 503: "Service Unavailable"}
+
+
+def error_body(status: int, message: str, kind: str) -> bytes:
+    """An OpenAI-shaped error object, encoded."""
+    error = {"message": message, "type": kind, "param": None, "code": status}
+    return json.dumps({"error": error}).encode()
+
+
+def raw_error(status: int, message: str, kind: str) -> bytes:
+    """A whole HTTP/1.1 response carrying an error object; it closes the connection."""
+    body = error_body(status, message, kind)
+    head = (
+        f"HTTP/1.1 {status} {_REASONS[status]}\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode()
+    return head + body
+
+
+class LimitedH11Protocol(H11Protocol):
+    """uvicorn's h11 protocol with our limits: a client must complete each request head
+    within `header_timeout` seconds of its first byte (or of connecting), at most
+    `max_connections` connections are served (the rest get a 503 and are closed), and a
+    malformed request gets a JSON 400 instead of plain text."""
+
+    header_timeout: float = 30.0
+    max_connections: int | None = None
+
+    def connection_made(self, transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._head_timer: asyncio.TimerHandle | None = None
+        self._refused = self.max_connections is not None and (
+            len(self.connections) > self.max_connections
+        )
+        if self._refused:
+            message = f"too many open connections (limit {self.max_connections}); retry later"
+            transport.write(raw_error(503, message, "service_unavailable"))
+            # Half-close and let the client close: closing with its request unread would
+            # reset the connection and could lose the reply.
+            if transport.can_write_eof():
+                transport.write_eof()
+            self._head_timer = self.loop.call_later(1.0, transport.close)
+            return
+        self._arm_head_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._refused:
+            return  # read and dropped, so the client's close ends the connection cleanly
+        super().data_received(data)
+        if self._in_request():
+            self._cancel_head_timer()
+        elif self._head_timer is None:
+            self._arm_head_timer()  # the first byte of a next request on a kept-alive connection
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_head_timer()
+        super().connection_lost(exc)
+
+    def send_400_response(self, msg: str) -> None:
+        message = (
+            "invalid HTTP request: malformed request line, header or Content-Length, or a "
+            f"request head over {self.config.h11_max_incomplete_event_size} bytes"
+        )
+        body = error_body(400, message, "invalid_request_error")
+        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
+        for event in (
+            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
+            h11.Data(data=body),
+            h11.EndOfMessage(),
+        ):
+            self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+    def _in_request(self) -> bool:
+        return self.cycle is not None and not self.cycle.response_complete
+
+    def _arm_head_timer(self) -> None:
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+
+    def _cancel_head_timer(self) -> None:
+        if self._head_timer is not None:
+            self._head_timer.cancel()
+            self._head_timer = None
+
+    def _head_timed_out(self) -> None:
+        self._head_timer = None
+        if not self._in_request() and not self.transport.is_closing():
+            self.transport.close()
+
+
+def limited_protocol(header_timeout: float, max_connections: int | None) -> type[H11Protocol]:
+    return type(
+        "ServerProtocol",
+        (LimitedH11Protocol,),
+        {"header_timeout": header_timeout, "max_connections": max_connections},
+    )
+
+
+class DrainingServer(uvicorn.Server):
+    """On SIGTERM/SIGINT: stop accepting, let running requests finish for `drain_timeout`
+    seconds, then call `abort_all` so every stream ends with a final chunk and every
+    waiting request gets an error reply; exit 0 (uvicorn would re-raise the signal)."""
+
+    def __init__(
+        self, config: uvicorn.Config, drain_timeout: float, abort_all: Callable[[], int]
+    ) -> None:
+        super().__init__(config)
+        self.drain_timeout = drain_timeout
+        self.abort_all = abort_all
+
+    async def shutdown(self, sockets=None) -> None:
+        deadline = asyncio.ensure_future(self._abort_after_timeout())
+        try:
+            await super().shutdown(sockets)
+        finally:
+            deadline.cancel()
+
+    async def _abort_after_timeout(self) -> None:
+        await asyncio.sleep(self.drain_timeout)
+        aborted = self.abort_all()
+        if aborted:
+            logger.warning(
+                "shutdown: %d request(s) still running after %g s (--shutdown-timeout); "
+                "aborting them",
+                aborted,
+                self.drain_timeout,
+            )
+
+    @contextlib.contextmanager
+    def capture_signals(self):
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _EXIT_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+
+_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
