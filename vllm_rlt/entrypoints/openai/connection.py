@@ -127,6 +127,12 @@ class DrainingServer(uvicorn.Server):
         self.drain_timeout = drain_timeout
         self.abort_all = abort_all
 
+    async def startup(self, sockets=None) -> None:
+        await super().startup(sockets)
+        if sockets and self.started:  # uvicorn only announces sockets it bound itself
+            host, port = sockets[0].getsockname()[:2]
+            logger.info("serving on http://%s:%d (CTRL+C or SIGTERM to stop)", host, port)
+
     async def shutdown(self, sockets=None) -> None:
         deadline = asyncio.ensure_future(self._abort_after_timeout())
         try:

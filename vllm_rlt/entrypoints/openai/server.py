@@ -91,6 +91,12 @@ class ServerState:
                 self.settings.max_sequences_per_request,
             )
             self.metrics, self.engine = metrics, engine
+            logger.info(
+                "model %s loaded (%s, %d KV blocks); ready",
+                name,
+                llm.engine.model.device,
+                llm.engine.kv.num_blocks,
+            )
         except BaseException as exc:  # reported by /health and every route
             self.load_error = exc
             user_error = isinstance(exc, (ValueError, OSError))  # the message says it all
@@ -413,6 +419,18 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def log_like_uvicorn() -> None:
+    """The engine's and the server's own log lines, in uvicorn's format beside its own."""
+    from uvicorn.logging import DefaultFormatter
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
+    package = logging.getLogger("vllm_rlt")
+    package.addHandler(handler)
+    package.setLevel(logging.INFO)
+    package.propagate = False
+
+
 def serve(
     settings: ServerSettings, host: str, port: int, shutdown_timeout: float
 ) -> BaseException | None:
@@ -420,6 +438,7 @@ def serve(
     abort the rest, exit. Returns the load error when the model failed to load and
     `exit_on_load_error` ended the server; raises OSError when the port cannot be bound."""
     sock = listen(host, port)
+    log_like_uvicorn()
     state = ServerState(settings)
     server = build_server(state, host, port, shutdown_timeout)
     if settings.exit_on_load_error:
