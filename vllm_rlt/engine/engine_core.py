@@ -315,7 +315,8 @@ class EngineCore:
         for request, error in failed:
             # Its rows in the pass just launched only write to the dummy block, and their
             # results are dropped: the request no longer owns its slot when they arrive.
-            progressed.setdefault(*self._fail(request, error))
+            group = self._fail(request, error)
+            progressed[group.request_id] = group
         if ready is not None:
             scheduled, pending = ready
             touched = self.scheduler.update(scheduled, self.runner.collect(pending))
@@ -329,7 +330,7 @@ class EngineCore:
                 try:
                     reason = self.outputs.process(request)
                 except Exception as exc:  # noqa: BLE001 - fails this request only
-                    progressed.setdefault(*self._fail(request, exc))
+                    progressed[group.request_id] = self._fail(request, exc)
                     continue
                 if reason is not None:
                     self.scheduler.finish(request, reason)
@@ -349,7 +350,7 @@ class EngineCore:
                 failed.append((self.scheduler.running[new.slot], exc))
         return failed
 
-    def _fail(self, request: Request, error: BaseException) -> tuple[str, RequestGroup]:
+    def _fail(self, request: Request, error: BaseException) -> RequestGroup:
         """End a request's whole group (its completions share one prompt) with the error."""
         group = self.groups[self._group_of[request.request_id]]
         logger.error(
@@ -362,7 +363,7 @@ class EngineCore:
                 self.scheduler.finish(child, "abort")
                 group.finish_reasons[index] = "abort"
         group.error = f"{type(error).__name__}: {error}"
-        return group.request_id, group
+        return group
 
     def _drain_if_idle(self) -> None:
         """With nothing left to run, the pass still in flight only holds rows of finished

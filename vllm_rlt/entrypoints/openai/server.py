@@ -153,35 +153,11 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # raw bytes: a header need not be UTF-8
-        if self.expected is not None and scope["path"] != "/health":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
-                error = APIError(401, "missing or wrong API key", "authentication_error")
-                await error_response(error)(scope, receive, send)
-                return
-        close = {"connection": "close"}
-        too_large = APIError(413, f"request body over {self.max_body} bytes", "too_large")
-        length = headers.get(b"content-length", b"0")
-        if length.isdigit() and int(length) > self.max_body:
-            await error_response(too_large, close)(scope, receive, send)
-            return
-        try:
-            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
-        except _BodyTooLarge:
-            await error_response(too_large, close)(scope, receive, send)
-            return
-        except asyncio.TimeoutError:
-            message = f"request body not received within {self.body_timeout:g} s"
-            await error_response(APIError(408, message, "timeout_error"), close)(
-                scope, receive, send
-            )
-            return
-        except _ClientGone:
-            return
-        try:
-            body.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            message = f"request body is not UTF-8 text (byte {exc.start})"
-            await error_response(APIError(400, message))(scope, receive, send)
+        body = await self._body_or_refusal(scope["path"], headers, receive)
+        if body is None:
+            return  # the client left while sending
+        if isinstance(body, JSONResponse):
+            await body(scope, receive, send)
             return
         if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
             kept = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
@@ -196,6 +172,34 @@ class GuardMiddleware:
             return await receive()
 
         await self.app(scope, replay, send)
+
+    async def _body_or_refusal(self, path: str, headers, receive) -> bytes | JSONResponse | None:
+        """The whole body, or the error reply that refuses the request."""
+        if self.expected is not None and path != "/health":
+            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                return error_response(
+                    APIError(401, "missing or wrong API key", "authentication_error")
+                )
+        close = {"connection": "close"}
+        too_large = APIError(413, f"request body over {self.max_body} bytes", "too_large")
+        length = headers.get(b"content-length", b"0")
+        if length.isdigit() and int(length) > self.max_body:
+            return error_response(too_large, close)
+        try:
+            body = await asyncio.wait_for(self._read_body(receive), self.body_timeout)
+        except _BodyTooLarge:
+            return error_response(too_large, close)
+        except asyncio.TimeoutError:
+            message = f"request body not received within {self.body_timeout:g} s"
+            return error_response(APIError(408, message, "timeout_error"), close)
+        except _ClientGone:
+            return None
+        try:
+            body.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            message = f"request body is not UTF-8 text (byte {exc.start})"
+            return error_response(APIError(400, message))
+        return body
 
     async def _read_body(self, receive) -> bytes:
         chunks, size = [], 0

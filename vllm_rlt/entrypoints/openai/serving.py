@@ -154,9 +154,8 @@ class OpenAIServing:
         return text, tokenizer.encode(text, add_special_tokens=False)
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
-        self.check_model(request.model)
+        text, ids = self.chat_prompt(request.model, request.messages)  # checks the model too
         self.check_fan_out(1, request.n)
-        text, ids = self.chat_prompt(request.model, request.messages)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:
             max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, self.max_model_len - len(ids)))
@@ -236,7 +235,7 @@ class OpenAIServing:
         finally:
             for stream in streams:
                 stream.close()
-        if self.closing and any(c.finish_reason == "abort" for f in finals for c in f.outputs):
+        if self.closing and any(_aborted(final) for final in finals):
             raise self._shutdown_error()
         choices = []
         for prompt_index, output in enumerate(finals):
