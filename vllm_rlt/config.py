@@ -156,6 +156,11 @@ class ExitConfig:
             "depths_by_request is only used with exit mode 'trace'",
         )
 
+    def __reduce__(self):
+        """Picklable (the engine-core process receives it) although the mapping is a
+        read-only proxy."""
+        return (ExitConfig, (self.mode, self.seed, dict(self.depths_by_request)))
+
 
 @dataclass(frozen=True)
 class ExecutionConfig:

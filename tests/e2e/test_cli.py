@@ -188,4 +188,4 @@ def test_serve_without_the_serve_extra_is_a_one_line_error(monkeypatch, capsys):
         main(["serve"])
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
-    assert len(lines) == 1 and "'serve' extra" in lines[0] and "uvicorn" in lines[0]
+    assert len(lines) == 1 and "needs the serve extra" in lines[0] and "uvicorn" in lines[0]

@@ -1,13 +1,18 @@
-"""A real server on a loopback port, in this process, with the built-in toy model: the same
-app, connection limits and protocol as `vllm-rlt serve`."""
+"""A real server on a loopback port with the built-in toy model: the same app, connection
+limits, protocol and engine-core process as `vllm-rlt serve`, with the frontend in this
+process. `in_process=True` runs the core on a thread instead, for tests that reach into
+the engine."""
 
 from __future__ import annotations
 
+import os
+import re
 import socket
 import subprocess
 import threading
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import httpx
 import pytest
@@ -23,13 +28,17 @@ def _free_port() -> int:
 
 
 @contextmanager
-def running_server(num_blocks: int = 512, max_num_seqs: int = 64, **settings):
+def running_server(
+    num_blocks: int = 512, max_num_seqs: int = 64, in_process: bool = False, **settings
+):
     llm_kwargs = {
         "model": "toy",
         "cache_config": CacheConfig(num_blocks=num_blocks),
         "scheduler_config": SchedulerConfig(max_num_seqs=max_num_seqs),
     }
-    state = ServerState(ServerSettings(llm_kwargs=llm_kwargs, **settings))
+    state = ServerState(
+        ServerSettings(llm_kwargs=llm_kwargs, engine_in_process=in_process, **settings)
+    )
     state.load()
     assert state.load_error is None, state.load_error
     port = _free_port()
@@ -62,16 +71,52 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120.0) ->
         time.sleep(0.1)
 
 
-def wait_idle(state: ServerState, timeout: float = 10.0) -> None:
-    """Until the engine holds no request and every KV block is free."""
-    engine = state.engine.engine
+def wait_idle(state: ServerState, timeout: float = 30.0) -> None:
+    """Until the engine core holds no request and every KV block and slot is free, as the
+    core itself reports over its control channel."""
     deadline = time.monotonic() + timeout
-    while engine.has_unfinished or not engine.all_blocks_free():
-        assert time.monotonic() < deadline, "engine did not go idle"
+    while True:
+        stats = state.engine.engine_stats()
+        if not stats["has_unfinished"] and stats["all_blocks_free"]:
+            assert stats["num_free_slots"] == state.engine.max_running, "slots leaked"
+            return
+        assert time.monotonic() < deadline, f"engine did not go idle: {stats}"
         time.sleep(0.02)
+
+
+def core_engine(state: ServerState):
+    """The EngineCore of a server started with in_process=True."""
+    engine = state.engine.client.core_engine
+    assert engine is not None, "start the server with in_process=True"
+    return engine
 
 
 @pytest.fixture(scope="module")
 def server():
     with running_server() as running:
         yield running
+
+
+_CORE_PID = re.compile(r"engine core \(pid (\d+)\)")
+
+
+def core_pid(log: str) -> int:
+    """The engine-core pid from a server's log (its ready line names it)."""
+    match = _CORE_PID.search(log)
+    assert match, f"no engine core pid in the log:\n{log}"
+    return int(match.group(1))
+
+
+def process_exists(pid: int) -> bool:
+    """True while `pid` runs (a zombie waiting to be reaped counts as gone)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return "\nState:\tZ" not in status

@@ -16,7 +16,13 @@ import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.server.conftest import _free_port, wait_healthy, wait_idle
+from tests.server.conftest import (
+    _free_port,
+    core_pid,
+    process_exists,
+    wait_healthy,
+    wait_idle,
+)
 
 SCALARS = st.one_of(
     st.none(),
@@ -127,6 +133,24 @@ def sse_events(reply: httpx.Response, on_first=None) -> list[str]:
     return events
 
 
+def finish_reasons(events: list[str]) -> list[str]:
+    reasons = []
+    for event in events:
+        if event != "data: [DONE]":
+            body = json.loads(event[len("data: ") :])
+            reasons += [c["finish_reason"] for c in body["choices"] if c["finish_reason"]]
+    return reasons
+
+
+def assert_core_gone(log: str) -> None:
+    """The engine-core process the server's log names has exited too."""
+    pid = core_pid(log)
+    deadline = time.monotonic() + 60
+    while process_exists(pid):
+        assert time.monotonic() < deadline, f"engine core {pid} outlived the server"
+        time.sleep(0.05)
+
+
 def test_sigterm_drains_in_flight_requests_and_exits_zero():
     """A request running at SIGTERM finishes normally within the drain; the process then
     exits 0. The drain allowance is far beyond what the request needs on any machine."""
@@ -136,9 +160,9 @@ def test_sigterm_drains_in_flight_requests_and_exits_zero():
         with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=600) as reply:
             events = sse_events(reply, lambda: process.send_signal(signal.SIGTERM))
         assert events[-1] == "data: [DONE]"
-        finishes = [e for e in events if '"finish_reason": "length"' in e]
-        assert len(finishes) == 1
+        assert finish_reasons(events) == ["length"]
         assert process.wait(timeout=600) == 0
+        assert_core_gone(process.stderr.read())
 
 
 def test_sigterm_past_the_timeout_aborts_cleanly():
@@ -183,11 +207,12 @@ def test_sigterm_past_the_timeout_aborts_cleanly():
         assert events[-1] == "data: [DONE]"
         last_chunk = json.loads(events[-2][len("data: ") :])
         assert last_chunk["choices"][0]["finish_reason"] == "abort"
-        assert sum('"finish_reason": "abort"' in e for e in events) == 1
+        assert finish_reasons(events) == ["abort"]
         reply = waiting["reply"]
         assert reply.status_code == 503
         assert reply.json()["error"]["type"] == "service_unavailable"
         assert process.wait(timeout=120) == 0
         log = process.stderr.read()
+        assert_core_gone(log)
         assert "Traceback" not in log
         assert len([line for line in log.splitlines() if "aborting" in line]) == 1

@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import running_server, wait_idle
+from tests.server.conftest import core_engine, running_server, wait_idle
 
 EXTREMES = [0, -1, 2**31, 2**63, 2**64, 1e308, float("nan")]
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -160,7 +160,7 @@ def test_fan_out_is_bounded_before_anything_is_queued(server):
     body = {"model": "toy", "prompt": ["1+1="] * 2000, "n": 128, "max_tokens": 1}
     error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "n")
     assert "256000" in error["message"] and "--max-sequences-per-request" in error["message"]
-    assert not state.engine.engine.groups and state.engine.num_requests == 0
+    assert state.engine.engine_stats()["num_requests"] == 0 and state.engine.num_requests == 0
     body = {"model": "toy", "prompt": "x", "n": 129}
     assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "n")
 
@@ -178,8 +178,8 @@ def test_max_sequences_per_request_is_configurable():
 def test_client_leaving_while_queued_frees_its_place_at_once(stream):
     """One slot, held by a long request; a second request waits behind it. Its client
     leaves: the waiting request is gone from the engine while the first still runs."""
-    with running_server(max_num_seqs=1) as (url, state):
-        engine = state.engine.engine
+    with running_server(max_num_seqs=1, in_process=True) as (url, state):
+        engine = core_engine(state)
         holder = {"model": "toy", "prompt": "hold", "max_tokens": 3000, "ignore_eos": True}
         waiter = {"model": "toy", "prompt": "wait", "max_tokens": 5, "stream": stream}
         with httpx.stream("POST", f"{url}/v1/completions", json={**holder, "stream": True}) as r:
@@ -201,11 +201,15 @@ def test_client_leaving_while_queued_frees_its_place_at_once(stream):
         wait_idle(state)
 
 
-def test_failure_of_one_requests_state_fails_it_alone(server, monkeypatch):
+def test_failure_of_one_requests_state_fails_it_alone(monkeypatch):
     """An error while writing one request's slot, and one while processing its tokens, fail
     that request with a 500; a request beside it finishes and no block leaks."""
-    url, state = server
-    engine = state.engine.engine
+    with running_server(in_process=True) as (url, state):
+        _fail_one_request_state(url, state, monkeypatch)
+
+
+def _fail_one_request_state(url, state, monkeypatch):
+    engine = core_engine(state)
     admit, process = engine.runner.admit, engine.outputs.process
 
     def failing_admit(new):
@@ -240,19 +244,19 @@ def test_failure_of_one_requests_state_fails_it_alone(server, monkeypatch):
 
 
 def test_an_engine_death_is_logged_with_its_traceback(caplog):
-    with running_server() as (url, state):
-        engine = state.engine.engine
+    with running_server(in_process=True) as (url, state):
+        engine = core_engine(state)
 
         def broken_step():
             raise RuntimeError("simulated device fault")
 
-        engine.step = broken_step
+        engine.step_deltas = broken_step
         with caplog.at_level(logging.ERROR):
             body = {"model": "toy", "prompt": "x", "max_tokens": 2}
             assert_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 503)
         assert httpx.get(f"{url}/health").status_code == 503
-        records = [r for r in caplog.records if r.exc_info and "engine stopped" in r.getMessage()]
-        assert records and "simulated device fault" in str(records[0].exc_info[1])
+        records = [r.getMessage() for r in caplog.records if "engine stopped" in r.getMessage()]
+        assert records and "Traceback" in records[0] and "simulated device fault" in records[0]
 
 
 def test_queue_bound_counts_only_requests_beyond_free_slots():

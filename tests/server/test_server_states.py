@@ -9,7 +9,7 @@ import httpx
 import openai
 from fastapi.testclient import TestClient
 
-from tests.server.conftest import running_server, wait_idle
+from tests.server.conftest import core_engine, running_server, wait_idle
 from vllm_rlt.entrypoints.openai.server import ServerSettings, ServerState, build_app
 
 
@@ -55,38 +55,39 @@ def test_echo_prepends_the_prompt(server):
     assert echoed.choices[0].text == "echo me" + plain.choices[0].text
 
 
-def test_one_failing_request_fails_alone(server, monkeypatch):
-    """An unexpected error while taking one request in fails that request only."""
-    url, state = server
-    engine = state.engine.engine
-    original = engine.add_request
+def test_one_failing_request_fails_alone(monkeypatch):
+    """An unexpected error while the core takes one request in fails that request only."""
+    with running_server(in_process=True) as (url, state):
+        engine = core_engine(state)
+        original = engine.add_request
 
-    def flaky(request_id, ids, params, prompt=None):
-        if prompt == "explode":
-            raise RuntimeError("boom")
-        return original(request_id, ids, params, prompt=prompt)
+        def flaky(request_id, ids, params, prompt=None):
+            if params.seed == 666:
+                raise RuntimeError("boom")
+            return original(request_id, ids, params, prompt=prompt)
 
-    monkeypatch.setattr(engine, "add_request", flaky)
-    bad = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "explode"})
-    good = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "fine"})
-    assert bad.status_code == 500 and "boom" in bad.json()["error"]["message"]
-    assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"]
-    assert httpx.get(f"{url}/health").status_code == 200
-    wait_idle(state)
+        monkeypatch.setattr(engine, "add_request", flaky)
+        body = {"model": "toy", "prompt": "explode", "seed": 666}
+        bad = httpx.post(f"{url}/v1/completions", json=body)
+        good = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "fine"})
+        assert bad.status_code == 500 and "boom" in bad.json()["error"]["message"]
+        assert good.status_code == 200 and good.json()["choices"][0]["finish_reason"]
+        assert httpx.get(f"{url}/health").status_code == 200
+        wait_idle(state)
 
 
 def test_health_fails_while_work_waits_without_progress(monkeypatch):
     """Passes that take longer than the stall timeout (a stuck device, here a slow step)
     make /health fail while work waits; once idle it is healthy again."""
-    with running_server(stall_timeout=0.3) as (url, state):
-        engine = state.engine.engine
-        original = engine.step
+    with running_server(stall_timeout=0.3, in_process=True) as (url, state):
+        engine = core_engine(state)
+        original = engine.step_deltas
 
         def slow_step():
             time.sleep(0.6)
             return original()
 
-        monkeypatch.setattr(engine, "step", slow_step)
+        monkeypatch.setattr(engine, "step_deltas", slow_step)
         body = {"model": "toy", "prompt": "s", "max_tokens": 1, "ignore_eos": True}
         with httpx.Client(timeout=30) as http:
             pending = threading.Thread(

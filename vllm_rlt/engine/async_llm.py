@@ -1,20 +1,34 @@
-"""AsyncLLM: one thread owns the EngineCore and runs passes back to back; asyncio callers
-submit requests and cancellations through a queue and receive outputs as they come."""
+"""AsyncLLM: the frontend of the engine. The engine core runs in its own process (or, for
+tests, a thread) behind an `EngineCoreClient`; this side validates requests, turns tokens
+into text, applies stop strings, and hands each caller its outputs.
+
+Each engine message wakes the event loop once, whatever the number of requests in it, and
+a stream that is read slower than tokens arrive gets them merged into one output.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import queue
-import threading
 import time
-from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass, replace
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
-from vllm_rlt.config import require
-from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.config import ExitConfig, ParamError, require
+from vllm_rlt.engine.core_client import EngineCoreClient
+from vllm_rlt.engine.messages import (
+    AbortAll,
+    AbortRequest,
+    AddRequest,
+    EngineOutputs,
+    EngineStats,
+    RequestDelta,
+)
 from vllm_rlt.engine.output_processor import TextTracker
-from vllm_rlt.outputs import CompletionOutput, RequestOutput
+from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
+from vllm_rlt.models.load import load_tokenizer
+from vllm_rlt.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -22,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 
 class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an error; no request can run any more."""
+    """The engine core stopped; no request can run any more."""
 
 
 class QueueFullError(RuntimeError):
@@ -33,23 +47,13 @@ class RequestFailedError(RuntimeError):
     """The engine failed this request alone; other requests and the engine are unaffected."""
 
 
-@dataclass(frozen=True)
-class _Add:
-    request_id: str
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    prompt: str | None
+class StepObserver(Protocol):
+    """What the metrics implement: engine steps (on the reader thread) and finished
+    requests (on the event loop)."""
 
+    def observe_step(self, outputs: EngineOutputs) -> None: ...
 
-@dataclass(frozen=True)
-class _Abort:
-    request_id: str
-    index: int | None  # one completion of the request, or all of them
-
-
-@dataclass(frozen=True)
-class _AbortAll:
-    pass
+    def observe_finished(self, output: RequestOutput) -> None: ...
 
 
 class TextStage:
@@ -97,21 +101,90 @@ class TextStage:
         )
 
 
+@dataclass
+class _Completion:
+    """One completion's tokens so far, as the core sent them."""
+
+    token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    cumulative_logprob: float | None = None
+    finish_reason: str | None = None
+
+
 class RequestStream:
     """One request's cumulative outputs, in order, as an async iterator. It is queued the
     moment it is opened; `close()` (which every opener must call) aborts it unless the
     engine finished it, so a caller that leaves frees its slot and blocks at once."""
 
-    def __init__(self, owner: AsyncLLM, request_id: str, params: SamplingParams, stage) -> None:
+    def __init__(
+        self,
+        owner: AsyncLLM,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+    ) -> None:
         self.owner = owner
         self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
         self.params = params
-        self.stage: TextStage | None = stage
+        tokenizer = owner.tokenizer
+        self.stage = None if tokenizer is None else TextStage(tokenizer, prompt_token_ids, params)
         self.loop = asyncio.get_running_loop()
-        self.queue: asyncio.Queue = asyncio.Queue()
+        self.completions = [_Completion() for _ in range(params.n)]
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.failure: BaseException | None = None
+        self.fresh = False  # the core sent something the caller has not read
+        self.waiter: asyncio.Future | None = None
         self.finished = False  # the caller has seen the last output
         self.engine_done = False  # the engine holds nothing of this request any more
         self.closed = False
+
+    # ----------------------------------------------------------------- event loop side
+    def absorb(self, delta: RequestDelta, now: float) -> None:
+        for part in delta.completions:
+            completion = self.completions[part.index]
+            completion.token_ids.extend(part.token_ids)
+            completion.exit_depths.extend(part.exit_depths)
+            if part.logprobs is not None and part.top_logprobs is not None:
+                if completion.logprobs is None:
+                    completion.logprobs, completion.cumulative_logprob = [], 0.0
+                for token, chosen, top in zip(
+                    part.token_ids, part.logprobs, part.top_logprobs, strict=True
+                ):
+                    entry = dict(top)
+                    entry[token] = chosen
+                    completion.logprobs.append(entry)
+                    completion.cumulative_logprob += chosen  # type: ignore[operator]
+            if part.finish_reason is not None:
+                completion.finish_reason = part.finish_reason
+            if part.token_ids and self.first_token_time is None:
+                self.first_token_time = now
+        if delta.error is not None:
+            message = delta.error
+            self.failure = (
+                ParamError(message, delta.error_param)
+                if delta.invalid
+                else RequestFailedError(f"request failed in the engine: {message}")
+            )
+        if delta.finished:
+            self.engine_done = True
+            self.finished_time = now
+        self._wake()
+
+    def fail(self, error: BaseException) -> None:
+        self.failure = error
+        self.engine_done = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self.fresh = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
 
     def __aiter__(self) -> RequestStream:
         return self
@@ -119,20 +192,55 @@ class RequestStream:
     async def __anext__(self) -> RequestOutput:
         if self.finished:
             raise StopAsyncIteration
-        item = await self.queue.get()
-        if isinstance(item, BaseException):
-            self.finished = self.engine_done = True
-            raise item
-        if item.error is not None:
-            self.finished = self.engine_done = True
-            raise RequestFailedError(f"request failed in the engine: {item.error}")
-        self.engine_done = item.finished
+        while not self.fresh:
+            self.waiter = self.loop.create_future()
+            await self.waiter
+        self.fresh = False
+        if self.failure is not None:
+            self.finished = True
+            raise self.failure
+        output = self._snapshot()
         if self.stage is not None:
-            item, stopped = self.stage.apply(item)
+            output, stopped = self.stage.apply(output)
             for index in stopped:
                 self.owner.abort(self.request_id, index)
-        self.finished = item.finished
-        return item
+        self.finished = output.finished
+        if self.finished:
+            if output.metrics.finished_time is None:  # a stop string ended it here
+                output.metrics.finished_time = time.monotonic()
+            self.owner.observe_finished(output)
+        return output
+
+    def _snapshot(self) -> RequestOutput:
+        outputs = [
+            CompletionOutput(
+                index=index,
+                text="",
+                token_ids=list(c.token_ids),
+                exit_depths=list(c.exit_depths),
+                logprobs=None if c.logprobs is None else list(c.logprobs),
+                finish_reason=c.finish_reason,
+                cumulative_logprob=c.cumulative_logprob,
+            )
+            for index, c in enumerate(self.completions)
+        ]
+        depths = [d for c in self.completions for d in c.exit_depths[1:]]
+        first = self.first_token_time
+        metrics = RequestMetrics(
+            arrival_time=self.arrival_time,
+            first_token_time=first,
+            finished_time=self.finished_time,
+            time_to_first_token=None if first is None else first - self.arrival_time,
+            mean_loops_per_token=sum(depths) / len(depths) if depths else None,
+        )
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=outputs,
+            finished=all(c.finish_reason is not None for c in self.completions),
+            metrics=metrics,
+        )
 
     def close(self) -> None:
         if self.closed:
@@ -142,7 +250,9 @@ class RequestStream:
 
 
 class AsyncLLM:
-    """Owns `engine` on a dedicated thread. Nothing here blocks the caller's event loop.
+    """Starts the engine core and serves asyncio callers; nothing here blocks the event
+    loop. `in_process=True` runs the core on a thread of this process instead (tests use it
+    to reach into the engine); the messages are the same.
 
     `max_waiting` bounds the sequences (completions) that wait for a slot: a request is
     refused when it would raise the sequences in the engine above `max_num_seqs +
@@ -151,27 +261,35 @@ class AsyncLLM:
 
     def __init__(
         self,
-        engine: EngineCore,
+        llm_kwargs: dict[str, Any],
         max_waiting: int | None = None,
-        on_step: Callable[[EngineCore, list[RequestOutput]], None] | None = None,
-        tokenizer: Tokenizer | None = None,
+        observer: StepObserver | None = None,
+        in_process: bool = False,
     ) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
-        if tokenizer is not None:
-            engine.leave_text_to_caller()
         self.max_waiting = max_waiting
-        self.max_running = engine.scheduler.config.max_num_seqs
-        self.on_step = on_step
+        self.observer = observer
         self.dead: BaseException | None = None
         self.last_progress = time.monotonic()
-        self.num_sequences = 0  # completions of the open streams (caller's thread)
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._wake = threading.Event()
+        self.num_sequences = 0  # completions of the open streams
+        self.stats: EngineStats | None = None  # as of the latest engine step
         self._streams: dict[str, RequestStream] = {}
-        self._stopping = False
-        self._thread = threading.Thread(target=self._run, name="vllm-rlt-engine", daemon=True)
-        self._thread.start()
+        self.tokenizer: Tokenizer | None = load_tokenizer(llm_kwargs.get("model"))
+        self.client = EngineCoreClient(llm_kwargs, self._on_outputs, self._on_death, in_process)
+        info = self.client.info
+        self.info = info
+        self.model_name = info.model_name
+        self.max_model_len = info.max_model_len
+        self.max_running = info.max_num_seqs
+        self.checker = RequestChecker(
+            RequestLimits(
+                vocab_size=info.vocab_size,
+                max_model_len=info.max_model_len,
+                num_blocks=info.num_blocks,
+                block_size=info.block_size,
+                num_loops=info.num_loops,
+            ),
+            llm_kwargs.get("exit_config") or ExitConfig(),
+        )
 
     # ----------------------------------------------------------------- caller side
     @property
@@ -182,6 +300,10 @@ class AsyncLLM:
     def num_requests(self) -> int:
         """Requests whose streams are open (queued or running)."""
         return len(self._streams)
+
+    def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
+        """Every check the core makes on arrival: bad input raises ParamError here."""
+        self.checker.check(request_id, prompt, params)
 
     def check_capacity(self, sequences: int) -> None:
         """Refuse `sequences` more completions: for good (ParamError) when they could never
@@ -211,16 +333,13 @@ class AsyncLLM:
     ) -> RequestStream:
         """Queue a request now and return its stream (call it from the event loop)."""
         if self.dead is not None:
-            raise EngineDeadError(f"engine stopped: {self.dead!r}")
+            raise EngineDeadError(str(self.dead))
         require(request_id not in self._streams, f"request_id {request_id!r} is already in use")
         self.check_capacity(params.n)
-        stage = None
-        if self.tokenizer is not None:
-            stage = TextStage(self.tokenizer, prompt_token_ids, params)
-        stream = RequestStream(self, request_id, params, stage)
+        stream = RequestStream(self, request_id, prompt, list(prompt_token_ids), params)
         self._streams[request_id] = stream
         self.num_sequences += params.n
-        self._send(_Add(request_id, prompt_token_ids, params, prompt))
+        self.client.send(AddRequest(request_id, stream.prompt_token_ids, params))
         return stream
 
     async def generate(
@@ -240,20 +359,27 @@ class AsyncLLM:
 
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort a request, or only its completion `index`."""
-        self._send(_Abort(request_id, index))
+        self.client.send(AbortRequest(request_id, index))
 
     def abort_all(self) -> None:
         """End every request now: each stream gets a final output with finish reason abort."""
-        self._send(_AbortAll())
+        self.client.send(AbortAll())
+
+    def engine_stats(self, timeout: float = 30.0) -> dict[str, Any]:
+        """The core's own view, asked over the control channel: requests, free blocks and
+        slots, passes (blocks the calling thread until the core answers)."""
+        return self.client.call("stats", timeout)
 
     def shutdown(self) -> None:
-        self._stopping = True
-        self._wake.set()
-        self._thread.join(timeout=10)
+        self.client.shutdown()
 
-    def _send(self, command: _Add | _Abort | _AbortAll) -> None:
-        self._commands.put(command)
-        self._wake.set()
+    def observe_finished(self, output: RequestOutput) -> None:
+        if self.observer is None:
+            return
+        try:
+            self.observer.observe_finished(output)
+        except Exception:  # noqa: BLE001
+            logger.exception("metrics observer failed; the engine keeps running")
 
     def _release(self, stream: RequestStream) -> None:
         if self._streams.get(stream.request_id) is stream:
@@ -262,77 +388,38 @@ class AsyncLLM:
         if not stream.engine_done:
             self.abort(stream.request_id)
 
-    # ----------------------------------------------------------------- engine thread
-    def _run(self) -> None:
-        engine = self.engine
-        try:
-            while not self._stopping:
-                self._take_commands()
-                if not engine.has_unfinished:
-                    self._wake.wait(0.05)
-                    self._wake.clear()
-                    self.last_progress = time.monotonic()
-                    continue
-                outputs = engine.step()
-                self.last_progress = time.monotonic()
-                self._observe(outputs)
-                for output in outputs:
-                    self._deliver(output.request_id, output)
-        except BaseException as exc:  # a broken pass leaves device state unknown
-            logger.exception("the engine stopped after an error; restart the server")
-            self.dead = exc
-            self._fail_all(EngineDeadError(f"engine stopped: {exc!r}"))
-            return
-        for request_id in list(engine.groups):
-            engine.abort_request(request_id)
-
-    def _take_commands(self) -> None:
-        while True:
+    # ----------------------------------------------------------------- reader thread
+    def _on_outputs(self, outputs: EngineOutputs) -> None:
+        """One engine step: metrics here, then one wakeup of each caller's event loop."""
+        now = time.monotonic()
+        self.last_progress = now
+        self.stats = outputs.stats
+        if self.observer is not None:
             try:
-                command = self._commands.get_nowait()
-            except queue.Empty:
-                return
-            if isinstance(command, _Add):
-                if command.request_id not in self._streams:
-                    continue  # the caller left before the engine saw the request
-                try:
-                    self.engine.add_request(
-                        command.request_id,
-                        command.prompt_token_ids,
-                        command.params,
-                        prompt=command.prompt,
-                    )
-                except Exception as exc:  # noqa: BLE001 - fails this request only
-                    self._deliver(command.request_id, exc)
-            elif isinstance(command, _Abort):
-                output = self.engine.abort_request(command.request_id, command.index)
-                if output is not None:
-                    self._observe([output])
-            else:
-                for request_id in list(self.engine.groups):
-                    output = self.engine.abort_request(request_id)
-                    if output is not None:
-                        self._observe([output])
-                        self._deliver(request_id, output)
+                self.observer.observe_step(outputs)
+            except Exception:  # noqa: BLE001
+                logger.exception("metrics observer failed; the engine keeps running")
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestDelta]]] = {}
+        for delta in outputs.requests:
+            stream = self._streams.get(delta.request_id)
+            if stream is not None:
+                by_loop.setdefault(stream.loop, []).append((stream, delta))
+        for loop, items in by_loop.items():
+            try:
+                loop.call_soon_threadsafe(_absorb_all, items, now)
+            except RuntimeError:  # that event loop has closed: nobody is listening
+                pass
 
-    def _observe(self, outputs: list[RequestOutput]) -> None:
-        """Report to the observer (metrics); its failure must not stop the engine."""
-        if self.on_step is None:
-            return
-        try:
-            self.on_step(self.engine, outputs)
-        except Exception:  # noqa: BLE001
-            logger.exception("step observer failed; the engine keeps running")
+    def _on_death(self, reason: str) -> None:
+        logger.error("%s; every request in flight fails, restart the server", reason)
+        self.dead = EngineDeadError(reason)
+        for stream in list(self._streams.values()):
+            try:
+                stream.loop.call_soon_threadsafe(stream.fail, self.dead)
+            except RuntimeError:
+                pass
 
-    def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
-        stream = self._streams.get(request_id)
-        if stream is None:
-            return
-        try:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
-        except RuntimeError:  # the caller's event loop has closed: nobody is listening
-            pass
 
-    def _fail_all(self, error: BaseException) -> None:
-        for request_id in list(self._streams):
-            self._deliver(request_id, error)
+def _absorb_all(items: list[tuple[RequestStream, RequestDelta]], now: float) -> None:
+    for stream, delta in items:
+        stream.absorb(delta, now)

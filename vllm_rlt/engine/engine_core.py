@@ -16,7 +16,9 @@ from vllm_rlt.core.contract import SchedulerOutput
 from vllm_rlt.core.memory import MemoryPlan, plan_from_profile, plan_kv_cache
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
+from vllm_rlt.engine.messages import CompletionDelta, EngineStats, RequestDelta
 from vllm_rlt.engine.output_processor import OutputProcessor
+from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.exit import make_exit_policy
 from vllm_rlt.outputs import RequestMetrics, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
@@ -38,6 +40,8 @@ class RequestGroup:
     arrival_time: float
     finish_reasons: dict[int, str] = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request alone
+    sent: list[int] = field(default_factory=list)  # tokens already sent, per completion
+    finish_sent: set[int] = field(default_factory=set)  # completions whose end was sent
 
 
 class EngineCore:
@@ -92,6 +96,16 @@ class EngineCore:
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()
+        )
+        self.checker = RequestChecker(
+            RequestLimits(
+                vocab_size=cfg.vocab_size,
+                max_model_len=self.max_model_len,
+                num_blocks=self.memory_plan.num_blocks,
+                block_size=cache_config.block_size,
+                num_loops=self.num_loops,
+            ),
+            exit_config,
         )
         self.groups: dict[str, RequestGroup] = {}
         # no_refill cohorts depend on the previous pass's exits, so they run synchronously.
@@ -192,76 +206,22 @@ class EngineCore:
     def check_request(
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> tuple[int, int, tuple[int, ...] | None]:
-        """Every check that depends only on configuration (so another thread may call it):
-        returns (min_loops, max_loops, trace depths of the decode inputs or None)."""
-        require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
-        self._validate(prompt, params)
-        min_loops, max_loops = params.resolved_loops(self.num_loops)
-        return min_loops, max_loops, self._trace_for(request_id, params, min_loops, max_loops)
-
-    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
-        require(
-            isinstance(prompt, (list, tuple)) and len(prompt) > 0,
-            "prompt must contain at least one token",
-            "prompt",
-        )
-        vocab = self.model.config.vocab_size
-        for token in prompt:
-            require(
-                isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab,
-                f"prompt_token_ids entries must be integers in [0, {vocab - 1}], got {token!r}",
-                "prompt",
-            )
-        for token in params.stop_token_ids:
-            require(
-                token < vocab,
-                f"stop_token_ids entries must be in [0, {vocab - 1}], got {token}",
-                "stop_token_ids",
-            )
-        total = len(prompt) + params.max_tokens
-        require(
-            total <= self.max_model_len,
-            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the model's context length {self.max_model_len}",
-            "max_tokens",
-        )
-        needed = self.kv.blocks_for(len(prompt) + params.max_tokens - 1)
-        require(
-            needed <= self.kv.num_blocks,
-            f"prompt + max_tokens needs {needed} KV blocks but the cache has "
-            f"{self.kv.num_blocks}; lower max_tokens or raise num_blocks",
-            "max_tokens",
-        )
-        params.resolved_loops(self.num_loops)
-
-    def _trace_for(
-        self, request_id: str, params: SamplingParams, min_loops: int, max_loops: int
-    ) -> tuple[int, ...] | None:
-        if self.exit_config.mode != "trace":
-            return None
-        depths = self.exit_config.depths_by_request.get(request_id)
-        require(depths is not None, f"exit trace has no depths for request_id {request_id!r}")
-        require(
-            depths[0] == self.num_loops,
-            f"exit trace for {request_id!r}: the first depth is the prefill depth and must be "
-            f"{self.num_loops}, got {depths[0]}",
-        )
-        require(
-            len(depths) >= params.max_tokens,
-            f"exit trace for {request_id!r} has {len(depths)} depths; max_tokens="
-            f"{params.max_tokens} needs at least {params.max_tokens}",
-        )
-        for index, depth in enumerate(depths[1:], start=1):
-            require(
-                min_loops <= depth <= max_loops,
-                f"exit trace for {request_id!r}: depth {index} must be in "
-                f"[{min_loops}, {max_loops}] (min_loops, max_loops), got {depth}",
-            )
-        return tuple(depths[1:])
+        """Every check that depends only on configuration: returns (min_loops, max_loops,
+        trace depths of the decode inputs or None)."""
+        return self.checker.check(request_id, prompt, params)
 
     def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """Stop a request (or only its completion `index`) at any time; blocks and slots
         are freed at once."""
+        group = self._abort(request_id, index)
+        return None if group is None else self._finalize(group)
+
+    def abort_request_delta(self, request_id: str, index: int | None = None) -> RequestDelta | None:
+        """`abort_request`, answered with what changed since the last delta."""
+        group = self._abort(request_id, index)
+        return None if group is None else self._delta(group)
+
+    def _abort(self, request_id: str, index: int | None) -> RequestGroup | None:
         group = self.groups.get(str(request_id))
         if group is None:
             return None
@@ -271,9 +231,8 @@ class EngineCore:
             if not child.is_finished:
                 self.scheduler.finish(child, "abort")
                 group.finish_reasons[position] = "abort"
-        output = self._finalize(group)
         self._drain_if_idle()
-        return output
+        return group
 
     @property
     def has_unfinished(self) -> bool:
@@ -287,7 +246,15 @@ class EngineCore:
 
     # ----------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
-        """Run one pass; return an output for every group that progressed.
+        """Run one pass; return a cumulative output for every group that progressed."""
+        return [self._finalize(group) for group in self._step()]
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """Run one pass; return what each group that progressed produced in it."""
+        return [self._delta(group) for group in self._step()]
+
+    def _step(self) -> list[RequestGroup]:
+        """Run one pass; return every group that progressed.
 
         With asynchronous scheduling the pass launched here is collected by the next step:
         the host plans and launches pass k+1 before it processes pass k's tokens. A failure
@@ -336,9 +303,8 @@ class EngineCore:
                     self.scheduler.finish(request, reason)
                     group.finish_reasons[group.children.index(request)] = reason
                 progressed[group.request_id] = group
-        outputs = [self._finalize(group) for group in progressed.values()]
         self._drain_if_idle()
-        return outputs
+        return list(progressed.values())
 
     def _admit(self, new_slots) -> list[tuple[Request, BaseException]]:
         """Write each newly admitted request's slot; the requests whose admission failed."""
@@ -377,7 +343,7 @@ class EngineCore:
             self.outputs.completion(child, index, group.finish_reasons.get(index))
             for index, child in enumerate(group.children)
         ]
-        finished = len(group.finish_reasons) == len(group.children)
+        finished = self._forget_if_finished(group)
         first_times = [c.first_token_time for c in group.children if c.first_token_time]
         depths = [d for c in group.children for d in c.exit_depths[1:]]
         metrics = RequestMetrics(
@@ -387,11 +353,6 @@ class EngineCore:
             time_to_first_token=(min(first_times) - group.arrival_time) if first_times else None,
             mean_loops_per_token=sum(depths) / len(depths) if depths else None,
         )
-        if finished:
-            del self.groups[group.request_id]
-            for child in group.children:
-                self.outputs.drop(child.request_id)
-                del self._group_of[child.request_id]
         return RequestOutput(
             request_id=group.request_id,
             prompt=group.prompt,
@@ -400,6 +361,55 @@ class EngineCore:
             finished=finished,
             metrics=metrics,
             error=group.error,
+        )
+
+    def _delta(self, group: RequestGroup) -> RequestDelta:
+        if not group.sent:
+            group.sent = [0] * len(group.children)
+        completions = []
+        for index, child in enumerate(group.children):
+            start, end = group.sent[index], len(child.output_token_ids)
+            reason = group.finish_reasons.get(index)
+            if start == end and (reason is None or index in group.finish_sent):
+                continue
+            group.sent[index] = end
+            if reason is not None:
+                group.finish_sent.add(index)
+            with_logprobs = child.params.logprobs is not None
+            completions.append(
+                CompletionDelta(
+                    index=index,
+                    start=start,
+                    token_ids=child.output_token_ids[start:end],
+                    exit_depths=child.exit_depths[start:end],
+                    logprobs=child.logprobs[start:end] if with_logprobs else None,
+                    top_logprobs=[list(top) for top in child.top_logprobs[start:end]]
+                    if with_logprobs
+                    else None,
+                    finish_reason=reason,
+                )
+            )
+        finished = self._forget_if_finished(group)
+        return RequestDelta(group.request_id, completions, finished, error=group.error)
+
+    def _forget_if_finished(self, group: RequestGroup) -> bool:
+        """Drop a group whose completions have all ended; whether it had."""
+        if len(group.finish_reasons) < len(group.children):
+            return False
+        if self.groups.pop(group.request_id, None) is not None:
+            for child in group.children:
+                self.outputs.drop(child.request_id)
+                del self._group_of[child.request_id]
+        return True
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            num_running=len(self.scheduler.running),
+            num_waiting=len(self.scheduler.waiting),
+            num_free_blocks=self.kv.num_free_blocks,
+            num_blocks=self.kv.num_blocks,
+            num_passes=self.num_passes,
+            num_rows=self.num_rows_total,
         )
 
     def all_blocks_free(self) -> bool:

@@ -19,7 +19,7 @@ BENCHMARKS = {
     "serve": ("vllm_rlt.bench.serve", "load generator against a running server"),
     "accuracy": ("vllm_rlt.bench.accuracy", "task accuracy at each depth and exit threshold"),
 }
-SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client")
+SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "zmq", "orjson")
 DESCRIPTION = """Inference engine for looped language models.
 
 examples:
@@ -156,6 +156,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
     group.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log one line per HTTP request (off: it costs throughput under load)",
+    )
+    group.add_argument(
         "--stall-timeout",
         type=float,
         default=60.0,
@@ -208,8 +214,8 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     missing = missing_serve_modules()
     if missing:
         parser.error(
-            f"the server needs the 'serve' extra ({', '.join(missing)} not installed): "
-            "pip install 'vllm-rlt[serve]' (from a clone: pip install -e '.[serve]')"
+            f"vllm-rlt serve needs the serve extra ({', '.join(missing)} not installed): "
+            'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")'
         )
     from vllm_rlt.entrypoints.openai.server import ServerSettings, serve
     from vllm_rlt.models.load import check_model_source
@@ -251,6 +257,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         max_connections=ns.limit_concurrency,
         max_header_bytes=ns.max_header_bytes,
         exit_on_load_error=ns.exit_on_load_error,
+        access_log=ns.access_log,
         llm_kwargs=engine_args.llm_kwargs(),
     )
     try:

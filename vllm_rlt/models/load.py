@@ -74,6 +74,14 @@ def check_model_source(model: str | Path | None) -> None:
     resolve_family(raw)
 
 
+def load_tokenizer(model: str | Path | None) -> Tokenizer | None:
+    """The model's tokenizer, or None for a folder without tokenizer.json."""
+    if str(model) == TOY_NAME:
+        return Tokenizer.byte_level()
+    folder = model_folder(model)
+    return Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
+
+
 def load_model_and_tokenizer(
     model: str | Path | None, dtype: torch.dtype, device: torch.device
 ) -> tuple[OuroModel, Tokenizer | None, str]:
@@ -81,7 +89,5 @@ def load_model_and_tokenizer(
     if str(model) == TOY_NAME:
         config = OuroConfig.from_dict(toy_config_dict())
         return OuroModel(config, toy_weights(), dtype, device), Tokenizer.byte_level(), TOY_NAME
-    folder = model_folder(model)
-    loaded = load_model(folder, dtype, device)
-    tokenizer = Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
-    return loaded, tokenizer, DEFAULT_MODEL_NAME if model is None else str(model)
+    loaded = load_model(model_folder(model), dtype, device)
+    return loaded, load_tokenizer(model), DEFAULT_MODEL_NAME if model is None else str(model)

@@ -11,9 +11,7 @@ import signal
 import threading
 from collections.abc import Callable
 
-import h11
 import uvicorn
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 logger = logging.getLogger("vllm_rlt.server")
 
@@ -36,20 +34,22 @@ def raw_error(status: int, message: str, kind: str) -> bytes:
     return head + body
 
 
-class LimitedH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with our limits: a client must complete each request head
-    within `header_timeout` seconds of its first byte (or of connecting), at most
-    `max_connections` connections are served (the rest get a 503 and are closed), and a
-    malformed request gets a JSON 400 instead of plain text."""
+class ConnectionLimits:
+    """Our limits on top of a uvicorn HTTP protocol: a client must complete each request
+    head within `header_timeout` seconds of its first byte (or of connecting) and within
+    `max_header_bytes`, at most `max_connections` connections are served (the rest get a
+    503 and are closed), and a malformed request gets a JSON 400 instead of plain text."""
 
     header_timeout: float = 30.0
     max_connections: int | None = None
+    max_header_bytes: int = 16 * 1024
 
     def connection_made(self, transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(transport)  # type: ignore[misc]
         self._head_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0
         self._refused = self.max_connections is not None and (
-            len(self.connections) > self.max_connections
+            len(self.connections) > self.max_connections  # type: ignore[attr-defined]
         )
         if self._refused:
             message = f"too many open connections (limit {self.max_connections}); retry later"
@@ -58,43 +58,44 @@ class LimitedH11Protocol(H11Protocol):
             # reset the connection and could lose the reply.
             if transport.can_write_eof():
                 transport.write_eof()
-            self._head_timer = self.loop.call_later(1.0, transport.close)
+            self._head_timer = self.loop.call_later(1.0, transport.close)  # type: ignore[attr-defined]
             return
         self._arm_head_timer()
 
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # read and dropped, so the client's close ends the connection cleanly
-        super().data_received(data)
+        waiting_for_head = not self._in_request()
+        super().data_received(data)  # type: ignore[misc]
         if self._in_request():
             self._cancel_head_timer()
-        elif self._head_timer is None:
+            self._head_bytes = 0
+            return
+        if self._head_timer is None:
             self._arm_head_timer()  # the first byte of a next request on a kept-alive connection
+        if waiting_for_head and not self.transport.is_closing():  # type: ignore[attr-defined]
+            self._head_bytes += len(data)
+            if self._head_bytes > self.max_header_bytes:
+                self.send_400_response("request head too large")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()
-        super().connection_lost(exc)
+        super().connection_lost(exc)  # type: ignore[misc]
 
     def send_400_response(self, msg: str) -> None:
         message = (
             "invalid HTTP request: malformed request line, header or Content-Length, or a "
-            f"request head over {self.config.h11_max_incomplete_event_size} bytes"
+            f"request head over {self.max_header_bytes} bytes"
         )
-        body = error_body(400, message, "invalid_request_error")
-        headers = [(b"content-type", b"application/json"), (b"connection", b"close")]
-        for event in (
-            h11.Response(status_code=400, headers=headers, reason=b"Bad Request"),
-            h11.Data(data=body),
-            h11.EndOfMessage(),
-        ):
-            self.transport.write(self.conn.send(event))
-        self.transport.close()
+        self.transport.write(raw_error(400, message, "invalid_request_error"))  # type: ignore[attr-defined]
+        self.transport.close()  # type: ignore[attr-defined]
 
     def _in_request(self) -> bool:
-        return self.cycle is not None and not self.cycle.response_complete
+        cycle = self.cycle  # type: ignore[attr-defined]
+        return cycle is not None and not cycle.response_complete
 
     def _arm_head_timer(self) -> None:
-        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)
+        self._head_timer = self.loop.call_later(self.header_timeout, self._head_timed_out)  # type: ignore[attr-defined]
 
     def _cancel_head_timer(self) -> None:
         if self._head_timer is not None:
@@ -103,15 +104,26 @@ class LimitedH11Protocol(H11Protocol):
 
     def _head_timed_out(self) -> None:
         self._head_timer = None
-        if not self._in_request() and not self.transport.is_closing():
-            self.transport.close()
+        if not self._in_request() and not self.transport.is_closing():  # type: ignore[attr-defined]
+            self.transport.close()  # type: ignore[attr-defined]
 
 
-def limited_protocol(header_timeout: float, max_connections: int | None) -> type[H11Protocol]:
+def limited_protocol(
+    header_timeout: float, max_connections: int | None, max_header_bytes: int
+) -> type:
+    """uvicorn's fastest HTTP protocol available (httptools, else h11) with our limits."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
     return type(
         "ServerProtocol",
-        (LimitedH11Protocol,),
-        {"header_timeout": header_timeout, "max_connections": max_connections},
+        (ConnectionLimits, base),
+        {
+            "header_timeout": header_timeout,
+            "max_connections": max_connections,
+            "max_header_bytes": max_header_bytes,
+        },
     )
 
 

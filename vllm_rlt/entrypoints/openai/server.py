@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import json
+import importlib.util
 import logging
 import os
 import socket
@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,7 +26,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm_rlt
 from vllm_rlt.engine.async_llm import AsyncLLM
-from vllm_rlt.engine.llm import LLM
 from vllm_rlt.entrypoints.openai.connection import DrainingServer, limited_protocol
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
 from vllm_rlt.entrypoints.openai.protocol import (
@@ -61,6 +61,8 @@ class ServerSettings:
     max_connections: int | None = 4096
     max_header_bytes: int = 16 * 1024
     exit_on_load_error: bool = True
+    access_log: bool = False
+    engine_in_process: bool = False  # the core on a thread of this process (tests)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -77,25 +79,28 @@ class ServerState:
 
     def load(self) -> None:
         try:
-            llm = LLM(**self.settings.llm_kwargs)
-            metrics = ServerMetrics(llm.engine.num_loops)
             engine = AsyncLLM(
-                llm.engine, self.settings.max_queue, metrics.on_step, tokenizer=llm.tokenizer
+                self.settings.llm_kwargs,
+                self.settings.max_queue,
+                in_process=self.settings.engine_in_process,
             )
-            name = self.settings.served_model_name or llm.model_name
+            metrics = ServerMetrics(engine.info.num_loops)
+            engine.observer = metrics
+            name = self.settings.served_model_name or engine.model_name
             self.serving = OpenAIServing(
                 engine,
-                llm.tokenizer,
+                engine.tokenizer,
                 name,
                 self.settings.request_timeout,
                 self.settings.max_sequences_per_request,
             )
             self.metrics, self.engine = metrics, engine
             logger.info(
-                "model %s loaded (%s, %d KV blocks); ready",
+                "model %s loaded (%s, %d KV blocks) in the engine core%s; ready",
                 name,
-                llm.engine.model.device,
-                llm.engine.kv.num_blocks,
+                engine.info.device,
+                engine.info.num_blocks,
+                "" if engine.client.process is None else f" (pid {engine.client.process.pid})",
             )
         except BaseException as exc:  # reported by /health and every route
             self.load_error = exc
@@ -126,8 +131,15 @@ class ServerState:
         return running
 
 
+class FastJSONResponse(JSONResponse):
+    """JSON rendered by orjson: several times faster than the standard library."""
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
 def error_response(error: APIError, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return FastJSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 class _BodyTooLarge(Exception):
@@ -225,7 +237,9 @@ BODY_MODELS = {
 
 
 def build_app(state: ServerState) -> FastAPI:
-    app = FastAPI(title="vllm-rlt", version=vllm_rlt.__version__)
+    app = FastAPI(
+        title="vllm-rlt", version=vllm_rlt.__version__, default_response_class=FastJSONResponse
+    )
     app.state.server = state
     settings = state.settings
     app.add_middleware(
@@ -347,17 +361,17 @@ async def _respond(serving: OpenAIServing, job, stream: bool, options, request: 
             work = asyncio.ensure_future(serving.run(job))
             if not await _first_of(work, gone):
                 return Response(status_code=499)
-            return JSONResponse(work.result())
+            return FastJSONResponse(work.result())
         events = serving.stream(job, include_usage=bool(options and options.include_usage))
         first = asyncio.ensure_future(anext(events))
         if not await _first_of(first, gone):
             await events.aclose()
             return Response(status_code=499)
         head = first.result()
-        if head.startswith('data: {"error"'):  # failed before streaming: a plain error reply
+        if head.startswith(b'data: {"error"'):  # failed before streaming: a plain error reply
             await events.aclose()
-            body = json.loads(head[len("data: ") :])
-            return JSONResponse(body, status_code=body["error"]["code"])
+            body = orjson.loads(head[len(b"data: ") :])
+            return FastJSONResponse(body, status_code=body["error"]["code"])
 
         async def body_events():
             try:
@@ -399,7 +413,11 @@ def build_server(
         host=host,
         port=port,
         log_level=log_level,
-        http=limited_protocol(settings.header_timeout, settings.max_connections),
+        http=limited_protocol(
+            settings.header_timeout, settings.max_connections, settings.max_header_bytes
+        ),
+        loop="uvloop" if importlib.util.find_spec("uvloop") else "asyncio",
+        access_log=settings.access_log,
         timeout_keep_alive=settings.keep_alive_timeout,
         h11_max_incomplete_event_size=settings.max_header_bytes,
         # Our own drain aborts what is left at drain_timeout; the margin lets those

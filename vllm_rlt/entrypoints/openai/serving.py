@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
+
+import orjson
 
 from vllm_rlt.engine.async_llm import (
     AsyncLLM,
@@ -84,7 +85,7 @@ class OpenAIServing:
         self.engine = engine
         self.tokenizer = tokenizer
         self.model_name = model_name
-        self.max_model_len = engine.engine.max_model_len
+        self.max_model_len = engine.max_model_len
         self.request_timeout = request_timeout
         self.max_sequences_per_request = max_sequences_per_request
         self.closing = False  # shutting down: new requests get 503, aborted ones too
@@ -182,7 +183,7 @@ class OpenAIServing:
     def _check(self, request_id: str, ids: list[int], params: SamplingParams) -> None:
         """Every check the engine makes at admission, so bad input is a 400 here."""
         try:
-            self.engine.engine.check_request(request_id, ids, params)
+            self.engine.check_request(request_id, ids, params)
         except ValueError as exc:
             raise as_api_error(exc) from exc
 
@@ -251,7 +252,7 @@ class OpenAIServing:
             "usage": self._usage(job, [o for f in finals for o in f.outputs]),
         }
 
-    async def stream(self, job: Job, include_usage: bool) -> AsyncIterator[str]:
+    async def stream(self, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
         """Streaming: SSE events, one finish_reason per choice, optional usage, then DONE.
         An error before the first chunk is a single error event (the caller turns it into
         a plain error reply)."""
@@ -301,7 +302,7 @@ class OpenAIServing:
                 body = self._chunk(job, [])
                 body["usage"] = self._usage(job, completions)
                 yield _sse(body)
-            yield "data: [DONE]\n\n"
+            yield b"data: [DONE]\n\n"
         finally:
             for task in tasks:
                 task.cancel()
@@ -428,8 +429,8 @@ class OpenAIServing:
         return text
 
 
-def _sse(body: dict[str, Any]) -> str:
-    return f"data: {json.dumps(body, ensure_ascii=False)}\n\n"
+def _sse(body: dict[str, Any]) -> bytes:
+    return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 def _aborted(output: RequestOutput) -> bool:

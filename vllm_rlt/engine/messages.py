@@ -1,0 +1,130 @@
+"""What crosses between the frontend and the engine-core process: msgspec structs encoded
+as msgpack. Commands flow in (add, abort, control calls); one `EngineOutputs` flows out per
+step with the new tokens of every request that progressed, never text, never pickle."""
+
+from __future__ import annotations
+
+import msgspec
+
+from vllm_rlt.sampling_params import SamplingParams
+
+# ----------------------------------------------------------------- frontend -> core
+
+
+class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
+    """Abort a request, or only its completion `index`."""
+
+    request_id: str
+    index: int | None = None
+
+
+class AbortAll(msgspec.Struct, tag="abort_all", array_like=True):
+    pass
+
+
+class ControlCall(msgspec.Struct, tag="call", array_like=True):
+    """A call answered by a `ControlReply` with the same `call_id`: "stats" or "shutdown"."""
+
+    call_id: int
+    name: str
+
+
+Command = AddRequest | AbortRequest | AbortAll | ControlCall
+
+# ----------------------------------------------------------------- core -> frontend
+
+
+class EngineInfo(msgspec.Struct, array_like=True):
+    """The startup handshake: what the frontend needs to validate and shape requests."""
+
+    model_name: str
+    device: str
+    num_loops: int
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    max_num_seqs: int
+
+
+class Ready(msgspec.Struct, tag="ready", array_like=True):
+    info: EngineInfo
+
+
+class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
+    """`kind` is "invalid" (a bad argument: the message says it all), "os" (a file or
+    device problem) or "internal" (with its traceback)."""
+
+    kind: str
+    message: str
+    traceback: str = ""
+
+
+class CompletionDelta(msgspec.Struct, array_like=True):
+    """What one completion produced since the previous message: tokens `start` onwards."""
+
+    index: int
+    start: int
+    token_ids: list[int]
+    exit_depths: list[int]
+    logprobs: list[float] | None  # the sampled tokens' logprobs, when asked for
+    top_logprobs: list[list[tuple[int, float]]] | None
+    finish_reason: str | None
+
+
+class RequestDelta(msgspec.Struct, array_like=True):
+    """One request's progress in a step. `finished`: the core holds nothing of it any more.
+    `error` says why the core failed it alone (`invalid`: a bad request, else internal)."""
+
+    request_id: str
+    completions: list[CompletionDelta]
+    finished: bool
+    error: str | None = None
+    error_param: str | None = None
+    invalid: bool = False
+
+
+class EngineStats(msgspec.Struct, array_like=True):
+    """Counters the metrics read; passes, rows and preemptions count since startup."""
+
+    num_running: int
+    num_waiting: int
+    num_free_blocks: int
+    num_blocks: int
+    num_passes: int
+    num_rows: int
+    num_preemptions: int = 0
+
+
+class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    requests: list[RequestDelta]
+    stats: EngineStats
+
+
+class ControlReply(msgspec.Struct, tag="reply", array_like=True):
+    call_id: int
+    value: dict[str, int | bool | str]
+
+
+class EngineDead(msgspec.Struct, tag="dead", array_like=True):
+    """The core's last message: the error that stopped it."""
+
+    message: str
+    traceback: str
+
+
+Message = Ready | StartupFailed | EngineOutputs | ControlReply | EngineDead
+
+
+def command_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Command)
+
+
+def message_codec() -> tuple[msgspec.msgpack.Encoder, msgspec.msgpack.Decoder]:
+    return msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(Message)

@@ -1,0 +1,96 @@
+"""The checks a request must pass before it may run, from configuration alone: the frontend
+makes them before queueing (a bad request is a 400 there) and the core again on arrival."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from vllm_rlt.config import ExitConfig, require
+from vllm_rlt.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    vocab_size: int
+    max_model_len: int
+    num_blocks: int
+    block_size: int
+    num_loops: int
+
+
+class RequestChecker:
+    def __init__(self, limits: RequestLimits, exit_config: ExitConfig) -> None:
+        self.limits = limits
+        self.exit_config = exit_config
+
+    def check(
+        self, request_id: str, prompt: list[int], params: SamplingParams
+    ) -> tuple[int, int, tuple[int, ...] | None]:
+        """(min_loops, max_loops, trace depths of the decode inputs or None); raises
+        ParamError naming the field on bad input."""
+        require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
+        self._validate(prompt, params)
+        min_loops, max_loops = params.resolved_loops(self.limits.num_loops)
+        return min_loops, max_loops, self._trace_for(request_id, params, min_loops, max_loops)
+
+    def _validate(self, prompt: list[int], params: SamplingParams) -> None:
+        limits = self.limits
+        require(
+            isinstance(prompt, (list, tuple)) and len(prompt) > 0,
+            "prompt must contain at least one token",
+            "prompt",
+        )
+        vocab = limits.vocab_size
+        for token in prompt:
+            require(
+                isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab,
+                f"prompt_token_ids entries must be integers in [0, {vocab - 1}], got {token!r}",
+                "prompt",
+            )
+        for token in params.stop_token_ids:
+            require(
+                token < vocab,
+                f"stop_token_ids entries must be in [0, {vocab - 1}], got {token}",
+                "stop_token_ids",
+            )
+        total = len(prompt) + params.max_tokens
+        require(
+            total <= limits.max_model_len,
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
+            f"exceeds the model's context length {limits.max_model_len}",
+            "max_tokens",
+        )
+        # The last sampled token is never forwarded: prompt + max_tokens - 1 positions.
+        needed = max(1, -(-(len(prompt) + params.max_tokens - 1) // limits.block_size))
+        require(
+            needed <= limits.num_blocks,
+            f"prompt + max_tokens needs {needed} KV blocks but the cache has "
+            f"{limits.num_blocks}; lower max_tokens or raise num_blocks",
+            "max_tokens",
+        )
+
+    def _trace_for(
+        self, request_id: str, params: SamplingParams, min_loops: int, max_loops: int
+    ) -> tuple[int, ...] | None:
+        if self.exit_config.mode != "trace":
+            return None
+        num_loops = self.limits.num_loops
+        depths = self.exit_config.depths_by_request.get(request_id)
+        require(depths is not None, f"exit trace has no depths for request_id {request_id!r}")
+        require(
+            depths[0] == num_loops,
+            f"exit trace for {request_id!r}: the first depth is the prefill depth and must be "
+            f"{num_loops}, got {depths[0]}",
+        )
+        require(
+            len(depths) >= params.max_tokens,
+            f"exit trace for {request_id!r} has {len(depths)} depths; max_tokens="
+            f"{params.max_tokens} needs at least {params.max_tokens}",
+        )
+        for index, depth in enumerate(depths[1:], start=1):
+            require(
+                min_loops <= depth <= max_loops,
+                f"exit trace for {request_id!r}: depth {index} must be in "
+                f"[{min_loops}, {max_loops}] (min_loops, max_loops), got {depth}",
+            )
+        return tuple(depths[1:])
