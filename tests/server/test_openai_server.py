@@ -233,9 +233,9 @@ def test_disconnect_mid_stream_frees_blocks(server):
         "ignore_eos": True,
     }
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as reply:
-        for line in reply.iter_lines():
-            if line.startswith("data: "):
-                break
+        lines = reply.iter_lines()  # kept: dropping the iterator would close the stream
+        while not next(lines).startswith("data: "):
+            pass
         stats = state.engine.engine_stats()
         assert stats["num_free_blocks"] < stats["num_blocks"]
     wait_idle(state)

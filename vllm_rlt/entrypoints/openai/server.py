@@ -340,16 +340,27 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         serving = state.ready()
-        job = await asyncio.to_thread(serving.completion_job, body)
+        job = await _build(serving.completion_job, body, request)
         return await _respond(serving, job, body.stream, body.stream_options, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving = state.ready()
-        job = await asyncio.to_thread(serving.chat_job, body)
+        job = await _build(serving.chat_job, body, request)
         return await _respond(serving, job, body.stream, body.stream_options, request)
 
     return app
+
+
+INLINE_BODY_BYTES = 16 * 1024
+
+
+async def _build(make_job, body, request: Request):
+    """Tokenize and validate: on the event loop for a small body (a thread hop costs more
+    than the work), on a worker thread for a large one (so it cannot stall other clients)."""
+    if len(await request.body()) <= INLINE_BODY_BYTES:
+        return make_job(body)
+    return await asyncio.to_thread(make_job, body)
 
 
 async def _respond(serving: OpenAIServing, job, stream: bool, options, request: Request):

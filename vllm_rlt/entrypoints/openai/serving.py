@@ -257,33 +257,23 @@ class OpenAIServing:
         An error before the first chunk is a single error event (the caller turns it into
         a plain error reply)."""
         streams = self._open(job)
-        merged: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, stream: RequestStream) -> None:
-            try:
-                async for output in stream:
-                    await merged.put((index, output))
-            except BaseException as exc:  # noqa: BLE001 - forwarded to the response
-                await merged.put((index, exc))
-            finally:
-                await merged.put((index, None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+        items = _merged(streams)
         cursors: dict[int, ChoiceCursor] = {}
         latest: dict[int, RequestOutput] = {}
-        open_streams = len(tasks)
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         try:
-            while open_streams:
-                timeout = None if deadline is None else max(0.0, deadline - time.monotonic())
+            while True:
                 try:
-                    index, item = await asyncio.wait_for(merged.get(), timeout)
+                    if deadline is None:
+                        index, item = await anext(items)
+                    else:
+                        remaining = max(0.0, deadline - time.monotonic())
+                        index, item = await asyncio.wait_for(anext(items), remaining)
+                except StopAsyncIteration:
+                    break
                 except asyncio.TimeoutError:
                     yield _sse(APIError(504, "request timed out", "timeout_error").body())
                     return
-                if item is None:
-                    open_streams -= 1
-                    continue
                 if isinstance(item, BaseException):
                     yield _sse(_error_body(item))
                     return
@@ -304,8 +294,7 @@ class OpenAIServing:
                 yield _sse(body)
             yield b"data: [DONE]\n\n"
         finally:
-            for task in tasks:
-                task.cancel()
+            await items.aclose()
             for stream in streams:
                 stream.close()
 
@@ -427,6 +416,43 @@ class OpenAIServing:
         if "\ufffd" in text and self.tokenizer is not None:
             return self.tokenizer.convert_ids_to_tokens([token])[0]
         return text
+
+
+async def _merged(
+    streams: list[RequestStream],
+) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
+    """(prompt index, output or the error that ended it) from every stream as they come;
+    one stream is read directly, without a task in between."""
+    if len(streams) == 1:
+        try:
+            async for output in streams[0]:
+                yield 0, output
+        except Exception as exc:  # noqa: BLE001 - forwarded to the response
+            yield 0, exc
+        return
+    merged: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, stream: RequestStream) -> None:
+        try:
+            async for output in stream:
+                await merged.put((index, output))
+        except BaseException as exc:  # noqa: BLE001 - forwarded to the response
+            await merged.put((index, exc))
+        finally:
+            await merged.put((index, None))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    open_streams = len(tasks)
+    try:
+        while open_streams:
+            index, item = await merged.get()
+            if item is None:
+                open_streams -= 1
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
 
 
 def _sse(body: dict[str, Any]) -> bytes:
