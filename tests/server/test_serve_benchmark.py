@@ -35,10 +35,11 @@ def test_serve_benchmark_reports_latency_percentiles(server, tmp_path, capsys):
     report = json.loads(out.read_text())
     assert report == json.loads(captured.out)
     assert report["model"] == "toy"  # no --model: the one the server lists
-    assert report["completed"] == 8 and not report["failed"]
+    assert report["completed"] == 8 and not report["failed"] and report["num_failed"] == 0
+    assert report["total_output_tokens"] == 8 * 5  # every token, counted by its exit depth
     assert report["output_tokens_per_s"] > 0 and report["request_throughput_per_s"] > 0
-    for key in ("ttft_s", "tpot_s", "itl_s"):
-        assert 0 < report[key]["p50"] <= report[key]["p99"]
+    for key in ("ttft_s", "tpot_s", "itl_s", "e2el_s"):
+        assert 0 < report[key]["p50"] <= report[key]["p90"] <= report[key]["p99"]
     assert "requests" in captured.err and "8/8" in captured.err  # the progress bar
     wait_idle(state)
 
@@ -64,6 +65,7 @@ def test_serve_benchmark_explicit_model_is_used_as_given(renamed_server, capsys)
     assert main(["--url", url, "--api-key", "sesame", "--model", "nope", *SMALL]) == 1
     report = json.loads(capsys.readouterr().out)
     assert report["model"] == "nope" and report["completed"] == 0
+    assert report["num_failed"] == 4
     assert report["failed"] and all("HTTP 404" in error for error in report["failed"])
     wait_idle(state)
 
@@ -90,3 +92,36 @@ def test_serve_benchmark_reports_the_servers_refusal_in_one_line(renamed_server,
     url, _ = renamed_server
     line = _fails_in_one_line(["--url", url, *SMALL], capsys)  # no API key: 401
     assert f"{url}/v1/models" in line and "HTTP 401" in line
+
+
+def test_serve_benchmark_launches_the_server_and_compares_it_with_offline(capsys):
+    argv = ["--launch", "toy", "--compare-offline", *SMALL, "--", "--max-num-seqs", "8"]
+    assert main(argv) == 0
+    captured = capsys.readouterr()
+    report = json.loads(captured.out)
+    assert report["model"] == "toy" and report["completed"] == 4 and not report["failed"]
+    assert report["total_output_tokens"] == 4 * 3
+    launch = report["launch"]
+    assert launch["model"] == "toy" and launch["server_flags"] == ["--max-num-seqs", "8"]
+    assert launch["exit_code"] == 0 and launch["ready_s"] > 0  # stopped by SIGTERM, cleanly
+    assert report["url"].startswith("http://127.0.0.1:")
+    assert report["environment"]["torch"] and report["environment"]["cpu"]
+    offline = report["offline"]
+    assert offline["total_output_tokens"] == 4 * 3
+    assert offline["output_tokens_per_s"] > 0 and offline["ttft_s"]["p50"] > 0
+    ratio = report["ratio"]
+    assert ratio["output_tokens_per_s"] == pytest.approx(
+        report["output_tokens_per_s"] / offline["output_tokens_per_s"]
+    )
+    assert ratio["ttft_p50"] == pytest.approx(report["ttft_s"]["p50"] / offline["ttft_s"]["p50"])
+    assert "4/4" in captured.err and "offline" in captured.err  # both progress bars
+
+
+def test_serve_benchmark_fails_early_when_the_launched_server_exits(capsys):
+    assert main(["--launch", "toy", *SMALL, "--", "--no-such-server-flag"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert "--no-such-server-flag" in captured.err  # the server's own complaint, relayed
+    assert captured.err.splitlines()[-1] == (
+        "vllm-rlt bench serve: error: the launched server exited with code 2 before it was ready"
+    )

@@ -15,7 +15,13 @@ BENCHES = {"throughput": throughput.main, "accuracy": accuracy.main, "serve": se
 DEFAULT_SHOWN = {
     "throughput": ["(default: toy)", "(default: all of the model's loops)"],
     "accuracy": ["(default: 200)", "(default: last_exited)", "(default: the built-in"],
-    "serve": ["(default: 64)", "(default: ask the server"],
+    "serve": [
+        "(default: 64)",
+        "(default: ask the server",
+        "(default: http://127.0.0.1:8000)",
+        "(default: no limit)",
+        "(default: 1)",
+    ],
 }
 
 

@@ -2,8 +2,9 @@
 tests, a thread) behind an `EngineCoreClient`; this side validates requests, turns tokens
 into text, applies stop strings, and hands each caller its outputs.
 
-Each engine message wakes the event loop once, whatever the number of requests in it, and
-a stream that is read slower than tokens arrive gets them merged into one output.
+Engine messages are read by a task of the event loop (one wakeup per engine step, whatever
+the number of requests in it), and a stream that is read slower than tokens arrive gets
+them merged into one output.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ class RequestFailedError(RuntimeError):
 
 
 class StepObserver(Protocol):
-    """What the metrics implement: engine steps (on the reader thread) and finished
-    requests (on the event loop)."""
+    """What the metrics implement: engine steps and finished requests (on the event
+    loop)."""
 
     def observe_step(self, outputs: EngineOutputs) -> None: ...
 
@@ -274,7 +275,8 @@ class AsyncLLM:
         self.stats: EngineStats | None = None  # as of the latest engine step
         self._streams: dict[str, RequestStream] = {}
         self.tokenizer: Tokenizer | None = load_tokenizer(llm_kwargs.get("model"))
-        self.client = EngineCoreClient(llm_kwargs, self._on_outputs, self._on_death, in_process)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads outputs
+        self.client = EngineCoreClient(llm_kwargs, self._on_death, in_process)
         info = self.client.info
         self.info = info
         self.model_name = info.model_name
@@ -334,6 +336,7 @@ class AsyncLLM:
         """Queue a request now and return its stream (call it from the event loop)."""
         if self.dead is not None:
             raise EngineDeadError(str(self.dead))
+        self._read_outputs_here()
         require(request_id not in self._streams, f"request_id {request_id!r} is already in use")
         self.check_capacity(params.n)
         stream = RequestStream(self, request_id, prompt, list(prompt_token_ids), params)
@@ -388,9 +391,19 @@ class AsyncLLM:
         if not stream.engine_done:
             self.abort(stream.request_id)
 
-    # ----------------------------------------------------------------- reader thread
+    # ----------------------------------------------------------------- engine outputs
+    def _read_outputs_here(self) -> None:
+        """Engine outputs are read on the event loop of the first request, and all requests
+        must come from that loop (one frontend serves one loop)."""
+        loop = asyncio.get_running_loop()
+        if self._loop is None:
+            self._loop = loop
+            self.client.start_reading(self._on_outputs)
+        elif self._loop is not loop:
+            raise RuntimeError("AsyncLLM serves the event loop of its first request only")
+
     def _on_outputs(self, outputs: EngineOutputs) -> None:
-        """One engine step: metrics here, then one wakeup of each caller's event loop."""
+        """One engine step, on the event loop: metrics, then each stream's new tokens."""
         now = time.monotonic()
         self.last_progress = now
         self.stats = outputs.stats
@@ -399,27 +412,23 @@ class AsyncLLM:
                 self.observer.observe_step(outputs)
             except Exception:  # noqa: BLE001
                 logger.exception("metrics observer failed; the engine keeps running")
-        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[RequestStream, RequestDelta]]] = {}
+        streams = self._streams
         for delta in outputs.requests:
-            stream = self._streams.get(delta.request_id)
+            stream = streams.get(delta.request_id)
             if stream is not None:
-                by_loop.setdefault(stream.loop, []).append((stream, delta))
-        for loop, items in by_loop.items():
-            try:
-                loop.call_soon_threadsafe(_absorb_all, items, now)
-            except RuntimeError:  # that event loop has closed: nobody is listening
-                pass
+                stream.absorb(delta, now)
 
     def _on_death(self, reason: str) -> None:
+        """The core is gone (any thread): every open stream fails."""
         logger.error("%s; every request in flight fails, restart the server", reason)
         self.dead = EngineDeadError(reason)
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._fail_streams)
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+    def _fail_streams(self) -> None:
         for stream in list(self._streams.values()):
-            try:
-                stream.loop.call_soon_threadsafe(stream.fail, self.dead)
-            except RuntimeError:
-                pass
-
-
-def _absorb_all(items: list[tuple[RequestStream, RequestDelta]], now: float) -> None:
-    for stream, delta in items:
-        stream.absorb(delta, now)
+            stream.fail(self.dead)  # type: ignore[arg-type]

@@ -1,16 +1,20 @@
 """The frontend's handle on the engine core: start it (its own process by default, or a
-thread in this process), send it commands, and receive its messages on a reader thread.
+thread in this process), send it commands, make control calls, and read its outputs on the
+caller's event loop.
 
-The reader hands every `EngineOutputs` to a callback, once per engine step, and notices
-at once when the core process dies (its sentinel joins the poll), so callers never wait
-on a dead engine.
+Outputs are read by a task of the event loop that serves the requests, not by a thread: a
+second Python thread would contend with the loop for the interpreter lock at every engine
+step. A watcher thread that sleeps in the kernel until the core process exits notices its
+death at once, so callers never wait on a dead engine.
 """
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import multiprocessing
+import multiprocessing.connection
 import os
 import shutil
 import signal
@@ -18,10 +22,11 @@ import tempfile
 import threading
 import uuid
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
+import msgspec
 import zmq
+import zmq.asyncio
 
 from vllm_rlt.engine.core_proc import run_engine_core, serve_engine
 from vllm_rlt.engine.engine_core import EngineCore
@@ -46,53 +51,59 @@ class EngineCoreDied(RuntimeError):
 
 
 class EngineCoreClient:
-    """Owns the core's process (or thread) and both sockets.
+    """Owns the core's process (or thread) and the three sockets: commands in, control
+    calls (request-reply), outputs back.
 
-    `on_outputs(outputs)` and `on_death(reason)` run on the reader thread. Construction
-    blocks until the core has loaded its model: a startup failure raises the core's own
-    error (ValueError / OSError with its one-line message, else RuntimeError).
+    Construction blocks until the core has loaded its model: a startup failure raises the
+    core's own error (ValueError / OSError with its one-line message, else RuntimeError).
+    `on_death(reason)` may run on any thread.
     """
 
     def __init__(
         self,
         llm_kwargs: dict[str, Any],
-        on_outputs: Callable[[EngineOutputs], None],
         on_death: Callable[[str], None],
         in_process: bool = False,
     ) -> None:
-        self.on_outputs = on_outputs
         self.on_death = on_death
         self.in_process = in_process
         self.context = zmq.Context()
         self._encode = command_codec()[0].encode
         self._decode = message_codec()[1].decode
+        self._decode_reply = msgspec.msgpack.Decoder(ControlReply).decode
         self._send_lock = threading.Lock()
-        self._calls: dict[int, Future] = {}
+        self._call_lock = threading.Lock()
         self._call_ids = itertools.count()
         self._closing = False  # the sockets are being released: send nothing more
         self._stopping = False  # the core was told to stop: its exit is no death
+        self._reader: asyncio.Task | None = None
         self.dead_reason: str | None = None
         self._ipc_dir: str | None = None
         if in_process:
             tag = uuid.uuid4().hex
-            input_address, output_address = f"inproc://in-{tag}", f"inproc://out-{tag}"
+            addresses = (f"inproc://in-{tag}", f"inproc://ctl-{tag}", f"inproc://out-{tag}")
         else:
             self._ipc_dir = tempfile.mkdtemp(prefix="vllm-rlt-")
-            input_address = f"ipc://{self._ipc_dir}/in"
-            output_address = f"ipc://{self._ipc_dir}/out"
+            addresses = tuple(f"ipc://{self._ipc_dir}/{name}" for name in ("in", "ctl", "out"))
         self.input = self.context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)
-        self.input.bind(input_address)
+        self.input.bind(addresses[0])
+        self.control = self.context.socket(zmq.REQ)
+        # A call that timed out must not wedge the socket: the next call may send again,
+        # and a late reply to the old call is told apart and dropped.
+        self.control.setsockopt(zmq.REQ_RELAXED, 1)
+        self.control.setsockopt(zmq.REQ_CORRELATE, 1)
+        self.control.bind(addresses[1])
         self.output = self.context.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
-        self.output.bind(output_address)
+        self.output.bind(addresses[2])
         self.process: multiprocessing.process.BaseProcess | None = None
         self.thread: threading.Thread | None = None
         self.core_engine: EngineCore | None = None  # in-process only: the engine itself
         if in_process:
             self.thread = threading.Thread(
                 target=serve_engine,
-                args=(llm_kwargs, self.context, input_address, output_address, self._built),
+                args=(llm_kwargs, self.context, addresses, self._built),
                 name="vllm-rlt-engine-core",
                 daemon=True,
             )
@@ -101,7 +112,7 @@ class EngineCoreClient:
             # spawn: the parent may hold CUDA state and threads that fork would copy.
             self.process = multiprocessing.get_context("spawn").Process(
                 target=run_engine_core,
-                args=(llm_kwargs, input_address, output_address, os.getpid()),
+                args=(llm_kwargs, addresses, os.getpid()),
                 name="vllm-rlt-engine-core",
                 daemon=False,
             )
@@ -112,8 +123,7 @@ class EngineCoreClient:
             self._stop_core(timeout=5.0)
             self._release_sockets()
             raise
-        self._reader = threading.Thread(target=self._read, name="vllm-rlt-core-reader", daemon=True)
-        self._reader.start()
+        threading.Thread(target=self._watch, name="vllm-rlt-core-watch", daemon=True).start()
 
     # ----------------------------------------------------------------- startup
     def _built(self, engine: EngineCore) -> None:
@@ -144,65 +154,62 @@ class EngineCoreClient:
                 self.input.send(data, copy=False)
 
     def call(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
-        """A control call ("stats", "shutdown"), answered by the core between passes."""
+        """A control call ("stats", "shutdown"), answered by the core between passes;
+        blocks the calling thread."""
         if self.dead_reason is not None:
             raise EngineCoreDied(self.dead_reason)
-        call_id = next(self._call_ids)
-        future: Future = Future()
-        self._calls[call_id] = future
-        self.send(ControlCall(call_id, name))
-        try:
-            return future.result(timeout)
-        finally:
-            self._calls.pop(call_id, None)
+        with self._call_lock:
+            call_id = next(self._call_ids)
+            self.control.send(self._encode(ControlCall(call_id, name)))
+            if not self.control.poll(int(timeout * 1000)):
+                raise TimeoutError(f"the engine core did not answer {name!r} within {timeout} s")
+            reply = self._decode_reply(self.control.recv())
+        if self.dead_reason is not None:
+            raise EngineCoreDied(self.dead_reason)
+        return reply.value
 
     def core_alive(self) -> bool:
         if self.process is not None:
             return self.process.is_alive()
         return self.thread is not None and self.thread.is_alive()
 
-    # ----------------------------------------------------------------- reader thread
-    def _read(self) -> None:
-        poller = zmq.Poller()
-        poller.register(self.output, zmq.POLLIN)
-        sentinel = self.process.sentinel if self.process is not None else None
-        if sentinel is not None:
-            poller.register(sentinel, zmq.POLLIN)
+    # ----------------------------------------------------------------- outputs
+    def start_reading(self, on_outputs: Callable[[EngineOutputs], None]) -> None:
+        """Read outputs on the running event loop from now on (call it there, once)."""
+        if self._reader is not None:
+            raise RuntimeError("outputs are already read on an event loop")
+        socket = zmq.asyncio.Socket.from_socket(self.output)
+        self._reader = asyncio.get_running_loop().create_task(self._read(socket, on_outputs))
+
+    async def _read(self, socket: zmq.asyncio.Socket, on_outputs) -> None:
         while True:
-            ready = dict(poller.poll(None if sentinel is not None else 500))
-            if self.output in ready:
-                # Everything already queued goes first, so a death notice comes last.
-                while self.output.poll(0):
-                    if not self._handle(self._decode(self.output.recv(copy=False))):
-                        return
-                continue
-            if sentinel is not None and sentinel in ready or not self.core_alive():
-                if not self._stopping:
-                    self._died(f"the engine core process died ({self._exit_status()})")
+            message = self._decode(await socket.recv(copy=False))
+            if isinstance(message, EngineOutputs):
+                try:
+                    on_outputs(message)
+                except Exception:  # noqa: BLE001 - a caller's bug must not stop the reader
+                    logger.exception("handling engine outputs failed")
+            elif isinstance(message, EngineDead):
+                logger.error("engine stopped after an error:\n%s", message.traceback.rstrip())
+                self._died(f"engine stopped: {message.message}")
                 return
 
-    def _handle(self, message) -> bool:
-        """Act on one message; False once the core has stopped."""
-        if isinstance(message, EngineOutputs):
-            try:
-                self.on_outputs(message)
-            except Exception:  # noqa: BLE001 - a caller's bug must not stop the reader
-                logger.exception("handling engine outputs failed")
-        elif isinstance(message, ControlReply):
-            future = self._calls.get(message.call_id)
-            if future is not None and not future.done():
-                future.set_result(message.value)
-        elif isinstance(message, EngineDead):
-            logger.error("engine stopped after an error:\n%s", message.traceback.rstrip())
-            self._died(f"engine stopped: {message.message}")
-            return False
-        return True
+    def _watch(self) -> None:
+        """Sleep until the core ends; an end nobody asked for is a death."""
+        if self.process is not None:
+            multiprocessing.connection.wait([self.process.sentinel])
+        elif self.thread is not None:
+            self.thread.join()
+        if not self._stopping:
+            # A core that failed a pass sent its traceback first: give the reader a moment
+            # to report that cause rather than the bare exit.
+            threading.Event().wait(0.5)
+            self._died(f"the engine core process died ({self._exit_status()})")
 
     def _died(self, reason: str) -> None:
+        if self.dead_reason is not None:
+            return
         self.dead_reason = reason
-        for future in list(self._calls.values()):
-            if not future.done():
-                future.set_exception(EngineCoreDied(reason))
         self.on_death(reason)
 
     def _exit_status(self) -> str:
@@ -226,7 +233,11 @@ class EngineCoreClient:
             except Exception:  # noqa: BLE001 - stopped below by force
                 logger.warning("the engine core did not answer the shutdown call")
         self._stop_core(timeout)
-        self._reader.join(timeout=5)
+        if self._reader is not None:
+            try:
+                self._reader.get_loop().call_soon_threadsafe(self._reader.cancel)
+            except RuntimeError:  # its event loop has closed, and the task with it
+                pass
         self._release_sockets()
 
     def _stop_core(self, timeout: float) -> None:

@@ -1,8 +1,10 @@
 """The engine core's own loop, in its own process (or a thread, for tests that reach into
-the engine): take commands from a ZeroMQ socket, step, push one message per step.
+the engine): take commands from a ZeroMQ socket, step, push one message per step that
+produced something.
 
-The loop never waits while it has work: it drains the commands that arrived, runs a pass,
-and sends that pass's deltas with the engine counters. Idle, it blocks on its input. It
+The loop never waits while it has work: it drains the commands that arrived, answers the
+control calls (a request-reply socket of their own), runs a pass, and sends that pass's
+deltas with the engine counters. Idle, it blocks on its inputs. It
 leaves when told to, when its parent process dies, or after an error, which it reports
 in its last message.
 """
@@ -18,6 +20,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
 import zmq
 
 from vllm_rlt.engine.engine_core import EngineCore
@@ -42,28 +45,40 @@ logger = logging.getLogger(__name__)
 PARENT_POLL_S = 0.5
 
 
-class CoreLoop:
-    """Drives one EngineCore from the commands on `inputs`, writing to `outputs`."""
+HEARTBEAT_S = 0.1  # while busy without new tokens, counters still go out this often
 
-    def __init__(self, engine: EngineCore, inputs: zmq.Socket, outputs: zmq.Socket) -> None:
+
+class CoreLoop:
+    """Drives one EngineCore from the commands on `inputs` and the calls on `control`,
+    writing to `outputs`."""
+
+    def __init__(
+        self, engine: EngineCore, inputs: zmq.Socket, control: zmq.Socket, outputs: zmq.Socket
+    ) -> None:
         self.engine = engine
         self.inputs = inputs
+        self.control = control
         self.outputs = outputs
         self.encode = message_codec()[0].encode
         self.decode = command_codec()[1].decode
+        self.decode_call = msgspec.msgpack.Decoder(ControlCall).decode
+        self.poller = zmq.Poller()
+        self.poller.register(inputs, zmq.POLLIN)
+        self.poller.register(control, zmq.POLLIN)
         self.stopping = False
+        self.last_sent = 0.0
 
     def run(self) -> None:
         """Serve until a shutdown call; any error is sent as the last message, then raised."""
         try:
             while not self.stopping:
-                deltas, replies = self._take_commands(block=not self.engine.has_unfinished)
+                deltas = self._take_commands(block=not self.engine.has_unfinished)
                 if self.engine.has_unfinished and not self.stopping:
                     deltas.extend(self.engine.step_deltas())
-                if deltas or replies or self.stopping:
+                now = time.monotonic()
+                if deltas or self.stopping or now - self.last_sent >= HEARTBEAT_S:
                     self._send(EngineOutputs(deltas, self.engine.stats()))
-                for reply in replies:
-                    self._send(reply)
+                    self.last_sent = now
         except BaseException as exc:
             self._send(EngineDead(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
             raise
@@ -71,13 +86,13 @@ class CoreLoop:
     def _send(self, message) -> None:
         self.outputs.send(self.encode(message), copy=False)
 
-    def _take_commands(self, block: bool) -> tuple[list[RequestDelta], list[ControlReply]]:
+    def _take_commands(self, block: bool) -> list[RequestDelta]:
+        """Apply every command and answer every call that arrived (idle: wait for one)."""
         deltas: list[RequestDelta] = []
-        replies: list[ControlReply] = []
-        timeout = None if block else 0
-        while self.inputs.poll(timeout):
+        if block:
+            self.poller.poll(None)
+        while self.inputs.poll(0):
             command = self.decode(self.inputs.recv(copy=False))
-            timeout = 0
             if isinstance(command, AddRequest):
                 failure = self._add(command)
                 if failure is not None:
@@ -88,9 +103,11 @@ class CoreLoop:
                     deltas.append(delta)
             elif isinstance(command, AbortAll):
                 deltas.extend(self._abort_all())
-            elif isinstance(command, ControlCall):
-                replies.append(ControlReply(command.call_id, self._control(command.name)))
-        return deltas, replies
+        while self.control.poll(0):
+            call = self.decode_call(self.control.recv(copy=False))
+            reply = ControlReply(call.call_id, self._control(call.name, deltas))
+            self.control.send(self.encode(reply))
+        return deltas
 
     def _add(self, command: AddRequest) -> RequestDelta | None:
         """Queue a request; a failure (bad input or otherwise) fails it alone."""
@@ -116,10 +133,10 @@ class CoreLoop:
                 deltas.append(delta)
         return deltas
 
-    def _control(self, name: str) -> dict[str, Any]:
+    def _control(self, name: str, deltas: list[RequestDelta]) -> dict[str, Any]:
         engine = self.engine
         if name == "shutdown":
-            self._abort_all()
+            deltas.extend(self._abort_all())
             self.stopping = True
             return {"stopped": True}
         if name == "stats":
@@ -172,14 +189,16 @@ def startup_failure(exc: BaseException) -> StartupFailed:
 def serve_engine(
     llm_kwargs: dict[str, Any],
     context: zmq.Context,
-    input_address: str,
-    output_address: str,
+    addresses: tuple[str, str, str],
     on_built: Callable[[EngineCore], None] | None = None,
 ) -> int:
     """Build the engine, report ready (or why not), run the loop; the exit code.
     `on_built` hands an in-process caller the engine itself."""
+    input_address, control_address, output_address = addresses
     inputs = context.socket(zmq.PULL)
     inputs.connect(input_address)
+    control = context.socket(zmq.REP)
+    control.connect(control_address)
     outputs = context.socket(zmq.PUSH)
     outputs.setsockopt(zmq.SNDHWM, 0)
     outputs.connect(output_address)
@@ -193,7 +212,7 @@ def serve_engine(
         on_built(engine)
     outputs.send(encode(Ready(engine_info(engine, model_name))))
     try:
-        CoreLoop(engine, inputs, outputs).run()
+        CoreLoop(engine, inputs, control, outputs).run()
     except BaseException:  # noqa: BLE001 - already sent as EngineDead
         logger.debug("engine core stopped after an error", exc_info=True)
         return 1
@@ -201,7 +220,7 @@ def serve_engine(
 
 
 def run_engine_core(
-    llm_kwargs: dict[str, Any], input_address: str, output_address: str, parent_pid: int
+    llm_kwargs: dict[str, Any], addresses: tuple[str, str, str], parent_pid: int
 ) -> None:
     """Entry point of the engine-core process."""
     # The frontend owns the lifetime: Ctrl+C or SIGTERM reach it, it drains, then it tells
@@ -210,7 +229,7 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
     context = zmq.Context()
-    code = serve_engine(llm_kwargs, context, input_address, output_address)
+    code = serve_engine(llm_kwargs, context, addresses)
     # Let the last messages leave, then exit without tearing the interpreter down: the
     # device and the runtime's threads need no orderly teardown, and it could hang.
     context.destroy(linger=5000)

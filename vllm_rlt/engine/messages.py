@@ -28,14 +28,16 @@ class AbortAll(msgspec.Struct, tag="abort_all", array_like=True):
     pass
 
 
+Command = AddRequest | AbortRequest | AbortAll
+
+
 class ControlCall(msgspec.Struct, tag="call", array_like=True):
-    """A call answered by a `ControlReply` with the same `call_id`: "stats" or "shutdown"."""
+    """A call on the control socket, answered by a `ControlReply` with the same `call_id`:
+    "stats" or "shutdown"."""
 
     call_id: int
     name: str
 
-
-Command = AddRequest | AbortRequest | AbortAll | ControlCall
 
 # ----------------------------------------------------------------- core -> frontend
 

@@ -1,6 +1,6 @@
 """Prometheus metrics of the server, including the looped-model figures (exit depths,
 loops per token, passes per second, rows per pass). Engine steps are observed on the
-frontend's reader thread, finished requests on the event loop; the engine core itself
+frontend's event loop, as are finished requests; the engine core itself
 only counts."""
 
 from __future__ import annotations

@@ -30,9 +30,10 @@ def first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | N
     else:
         return None
     for key, item in items:
-        found = first_lone_surrogate(item, f"{path}.{key}" if path else str(key))
-        if found is not None:
-            return found
+        if isinstance(item, (str, dict, list)):  # token ids and numbers hold no text
+            found = first_lone_surrogate(item, f"{path}.{key}" if path else str(key))
+            if found is not None:
+                return found
     return None
 
 

@@ -124,7 +124,10 @@ class OpenAIServing:
         for index, prompt in enumerate(texts):
             ids = self.encode(prompt)
             self._check(f"{request_id}-{index}", ids, params)  # ids are valid before decoding
-            text = prompt if isinstance(prompt, str) else self._decode(ids)
+            # Text of token-id prompts is only shown with echo.
+            text = (
+                prompt if isinstance(prompt, str) else self._decode(ids) if request.echo else None
+            )
             prompts.append((text, ids))
         return Job(
             "completion",
