@@ -32,6 +32,25 @@ class RequestMetrics:
     time_to_first_token: float | None = None
     mean_loops_per_token: float | None = None
 
+    @classmethod
+    def of(
+        cls,
+        arrival: float,
+        first_token: float | None,
+        finished: float | None,
+        decode_depths: list[int],
+    ) -> RequestMetrics:
+        """The figures from the times and the decode tokens' exit depths."""
+        return cls(
+            arrival_time=arrival,
+            first_token_time=first_token,
+            finished_time=finished,
+            time_to_first_token=None if first_token is None else first_token - arrival,
+            mean_loops_per_token=(
+                sum(decode_depths) / len(decode_depths) if decode_depths else None
+            ),
+        )
+
 
 @dataclass
 class RequestOutput:

@@ -226,13 +226,8 @@ class RequestStream:
             for index, c in enumerate(self.completions)
         ]
         depths = [d for c in self.completions for d in c.exit_depths[1:]]
-        first = self.first_token_time
-        metrics = RequestMetrics(
-            arrival_time=self.arrival_time,
-            first_token_time=first,
-            finished_time=self.finished_time,
-            time_to_first_token=None if first is None else first - self.arrival_time,
-            mean_loops_per_token=sum(depths) / len(depths) if depths else None,
+        metrics = RequestMetrics.of(
+            self.arrival_time, self.first_token_time, self.finished_time, depths
         )
         return RequestOutput(
             request_id=self.request_id,

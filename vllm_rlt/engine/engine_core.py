@@ -346,12 +346,11 @@ class EngineCore:
         finished = self._forget_if_finished(group)
         first_times = [c.first_token_time for c in group.children if c.first_token_time]
         depths = [d for c in group.children for d in c.exit_depths[1:]]
-        metrics = RequestMetrics(
-            arrival_time=group.arrival_time,
-            first_token_time=min(first_times) if first_times else None,
-            finished_time=time.monotonic() if finished else None,
-            time_to_first_token=(min(first_times) - group.arrival_time) if first_times else None,
-            mean_loops_per_token=sum(depths) / len(depths) if depths else None,
+        metrics = RequestMetrics.of(
+            group.arrival_time,
+            min(first_times) if first_times else None,
+            time.monotonic() if finished else None,
+            depths,
         )
         return RequestOutput(
             request_id=group.request_id,
