@@ -142,7 +142,11 @@ def test_logprobs_counts_differ_within_one_batch(make_engine):
             completion.token_ids
         )  # greedy: the sampled token is the top one, so no extra entry
     first, second = outputs["one"].outputs[0].logprobs, outputs["five"].outputs[0].logprobs
-    assert all(a.items() <= b.items() for a, b in zip(first, second, strict=True))
+    for a, b in zip(first, second, strict=True):
+        # The same prompt in two rows: the same top token; its logprob may differ in the
+        # last bits, since a CPU matmul need not treat every row of a batch alike.
+        assert a.keys() <= b.keys()
+        assert all(value == pytest.approx(b[token], abs=1e-5) for token, value in a.items())
 
 
 # --------------------------------------------------------------------------- sampler unit

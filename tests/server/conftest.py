@@ -5,19 +5,22 @@ the engine."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import socket
 import subprocess
+import sys
 import threading
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
-from vllm_rlt import CacheConfig, SchedulerConfig
+from vllm_rlt import LLM, CacheConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.entrypoints.openai.server import ServerSettings, ServerState, build_server
 
 
@@ -69,6 +72,60 @@ def wait_healthy(url: str, process: subprocess.Popen, timeout: float = 120.0) ->
         assert process.poll() is None, f"the server exited with {process.returncode}"
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.1)
+
+
+@contextmanager
+def serve_process(*flags: str):
+    """`vllm-rlt serve toy` in a subprocess, up and healthy; yields (process, url)."""
+    port = _free_port()
+    root = Path(__file__).resolve().parents[2]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "serve", "toy", "--port", str(port)]
+        + list(flags),
+        cwd=root,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(url, process)
+        yield process, url
+    finally:
+        if process.poll() is None:
+            process.kill()
+        process.wait()
+
+
+def check_concurrent_streams(url: str, count: int, max_tokens: int = 12) -> list:
+    """`count` streaming clients at once, each seeded; every streamed text must equal
+    LLM.generate's with the same seed. Returns the offline outputs."""
+    prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(count)]
+    params = dict(max_tokens=max_tokens, temperature=0.8, top_k=40)
+
+    async def one(api: openai.AsyncOpenAI, index: int) -> str:
+        stream = await api.completions.create(
+            model="toy",
+            prompt=prompts[index],
+            seed=index,
+            stream=True,
+            max_tokens=params["max_tokens"],
+            temperature=params["temperature"],
+            extra_body={"top_k": params["top_k"]},
+        )
+        return "".join([choice.text async for chunk in stream for choice in chunk.choices])
+
+    async def all_streams() -> list[str]:
+        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as api:
+            return await asyncio.gather(*(one(api, i) for i in range(count)))
+
+    streamed = asyncio.run(all_streams())
+    offline = LLM(model="toy").generate(
+        prompts, [SamplingParams(seed=i, **params) for i in range(count)], use_tqdm=False
+    )
+    assert streamed == [output.outputs[0].text for output in offline]
+    return offline
 
 
 def wait_idle(state: ServerState, timeout: float = 30.0) -> None:

@@ -3,24 +3,18 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
-import subprocess
-import sys
 import threading
 import time
-from contextlib import contextmanager
-from pathlib import Path
 
 import httpx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tests.server.conftest import (
-    _free_port,
     core_pid,
     process_exists,
-    wait_healthy,
+    serve_process,
     wait_idle,
 )
 
@@ -97,30 +91,6 @@ def test_fuzzed_bodies_never_give_5xx(server):
         check()
         assert http.get("/health").status_code == 200
     wait_idle(state)
-
-
-@contextmanager
-def serve_process(*flags: str):
-    """`vllm-rlt serve toy` in a subprocess, up and healthy; yields (process, url)."""
-    port = _free_port()
-    root = Path(__file__).resolve().parents[2]
-    process = subprocess.Popen(
-        [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "serve", "toy", "--port", str(port)]
-        + list(flags),
-        cwd=root,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_healthy(url, process)
-        yield process, url
-    finally:
-        if process.poll() is None:
-            process.kill()
-        process.wait()
 
 
 def sse_events(reply: httpx.Response, on_first=None) -> list[str]:

@@ -10,7 +10,7 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server.conftest import running_server, wait_idle
+from tests.server.conftest import check_concurrent_streams, running_server, wait_idle
 from vllm_rlt import LLM, SamplingParams
 
 
@@ -194,32 +194,7 @@ def test_errors_use_the_openai_error_object(server):
 def test_concurrent_streams_equal_offline_generation(server):
     """64 streaming clients at once; each output equals LLM.generate with the same seed."""
     url, state = server
-    prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(64)]
-    params = dict(max_tokens=12, temperature=0.8, top_k=40)
-
-    async def one(api: openai.AsyncOpenAI, index: int) -> str:
-        stream = await api.completions.create(
-            model="toy",
-            prompt=prompts[index],
-            seed=index,
-            stream=True,
-            max_tokens=params["max_tokens"],
-            temperature=params["temperature"],
-            extra_body={"top_k": params["top_k"]},
-        )
-        return "".join([choice.text async for chunk in stream for choice in chunk.choices])
-
-    async def all_streams() -> list[str]:
-        async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as api:
-            return await asyncio.gather(*(one(api, i) for i in range(64)))
-
-    streamed = asyncio.run(all_streams())
-    offline = LLM(model="toy").generate(
-        prompts,
-        [SamplingParams(seed=i, **params) for i in range(64)],
-        use_tqdm=False,
-    )
-    assert streamed == [o.outputs[0].text for o in offline]
+    check_concurrent_streams(url, 64)
     wait_idle(state)
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -101,6 +102,7 @@ def test_serve_benchmark_launches_the_server_and_compares_it_with_offline(capsys
     report = json.loads(captured.out)
     assert report["model"] == "toy" and report["completed"] == 4 and not report["failed"]
     assert report["total_output_tokens"] == 4 * 3
+    assert report["command"] == shlex.join(["vllm-rlt", "bench", "serve", *argv])
     launch = report["launch"]
     assert launch["model"] == "toy" and launch["server_flags"] == ["--max-num-seqs", "8"]
     assert launch["exit_code"] == 0 and launch["ready_s"] > 0  # stopped by SIGTERM, cleanly

@@ -778,8 +778,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args.launch is not None:
             launch.update(model=args.launch, server_flags=server_flags)
-            command = ["vllm_rlt.entrypoints.cli", "serve", args.launch]
-            with launched(command, server_flags, launch) as url:
+            server = ["vllm_rlt.entrypoints.cli", "serve", args.launch]
+            with launched(server, server_flags, launch) as url:
                 result = measure(parser, args, url, prompts, offsets)
         elif args.stub:
             launch.update(stub=True)

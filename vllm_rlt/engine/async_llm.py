@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from vllm_rlt.config import ExitConfig, ParamError, require
-from vllm_rlt.engine.core_client import EngineCoreClient
+from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -250,8 +250,11 @@ class AsyncLLM:
     loop. `in_process=True` runs the core on a thread of this process instead (tests use it
     to reach into the engine); the messages are the same.
 
+    `attach` joins a core that another process started (one of several API servers);
+    `llm_kwargs` then only names the model, for its tokenizer.
+
     `max_waiting` bounds the sequences (completions) that wait for a slot: a request is
-    refused when it would raise the sequences in the engine above `max_num_seqs +
+    refused when it would raise this frontend's sequences above `max_num_seqs +
     max_waiting`, and refused for good when it alone exceeds that.
     """
 
@@ -261,6 +264,7 @@ class AsyncLLM:
         max_waiting: int | None = None,
         observer: StepObserver | None = None,
         in_process: bool = False,
+        attach: CoreAttachment | None = None,
     ) -> None:
         self.max_waiting = max_waiting
         self.observer = observer
@@ -271,7 +275,10 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self.tokenizer: Tokenizer | None = load_tokenizer(llm_kwargs.get("model"))
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads outputs
-        self.client = EngineCoreClient(llm_kwargs, self._on_death, in_process)
+        if attach is not None:
+            self.client = EngineCoreClient.attach(attach, self._on_death)
+        else:
+            self.client = EngineCoreClient(llm_kwargs, self._on_death, in_process)
         info = self.client.info
         self.info = info
         self.model_name = info.model_name
@@ -337,7 +344,9 @@ class AsyncLLM:
         stream = RequestStream(self, request_id, prompt, list(prompt_token_ids), params)
         self._streams[request_id] = stream
         self.num_sequences += params.n
-        self.client.send(AddRequest(request_id, stream.prompt_token_ids, params))
+        self.client.send(
+            AddRequest(request_id, stream.prompt_token_ids, params, self.client.client)
+        )
         return stream
 
     async def generate(
@@ -361,7 +370,7 @@ class AsyncLLM:
 
     def abort_all(self) -> None:
         """End every request now: each stream gets a final output with finish reason abort."""
-        self.client.send(AbortAll())
+        self.client.send(AbortAll(self.client.client))
 
     def engine_stats(self, timeout: float = 30.0) -> dict[str, Any]:
         """The core's own view, asked over the control channel: requests, free blocks and

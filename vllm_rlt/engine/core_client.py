@@ -20,17 +20,22 @@ import shutil
 import signal
 import tempfile
 import threading
+import time
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import recv_monitor_message
 
-from vllm_rlt.engine.core_proc import run_engine_core, serve_engine
+from vllm_rlt.config import require
+from vllm_rlt.engine.core_proc import Peer, run_engine_core, serve_engine
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.messages import (
+    AbortAll,
     Command,
     ControlCall,
     ControlReply,
@@ -50,13 +55,26 @@ class EngineCoreDied(RuntimeError):
     """The engine core stopped; the message says why."""
 
 
+@dataclass
+class CoreAttachment:
+    """What another process (an API server) needs to join a core it did not start: its
+    client number, the addresses reserved for it, the core's handshake, and the read end of
+    the core's lifeline (end-of-file once the core has exited)."""
+
+    client: int
+    addresses: Peer
+    info: EngineInfo
+    lifeline: multiprocessing.connection.Connection
+
+
 class EngineCoreClient:
     """Owns the core's process (or thread) and the three sockets: commands in, control
     calls (request-reply), outputs back.
 
     Construction blocks until the core has loaded its model: a startup failure raises the
     core's own error (ValueError / OSError with its one-line message, else RuntimeError).
-    `on_death(reason)` may run on any thread.
+    `api_servers` reserves that many more clients for other processes to `attach` with
+    (`attachments`). `on_death(reason)` may run on any thread.
     """
 
     def __init__(
@@ -64,9 +82,89 @@ class EngineCoreClient:
         llm_kwargs: dict[str, Any],
         on_death: Callable[[str], None],
         in_process: bool = False,
+        api_servers: int = 0,
     ) -> None:
-        self.on_death = on_death
+        require(
+            not (in_process and api_servers),
+            "an engine core on a thread serves this process alone",
+        )
+        if in_process:
+            tag = uuid.uuid4().hex
+            peers = [(f"inproc://in-{tag}", f"inproc://ctl-{tag}", f"inproc://out-{tag}")]
+            ipc_dir = None
+        else:
+            ipc_dir = tempfile.mkdtemp(prefix="vllm-rlt-")
+            peers = [
+                tuple(f"ipc://{ipc_dir}/{name}-{client}" for name in ("in", "ctl", "out"))
+                for client in range(1 + api_servers)
+            ]
+        self._open(on_death, 0, peers[0], ipc_dir)
         self.in_process = in_process
+        self.process: multiprocessing.process.BaseProcess | None = None
+        self.thread: threading.Thread | None = None
+        self.core_engine: EngineCore | None = None  # in-process only: the engine itself
+        self.attachments: list[CoreAttachment] = []
+        lifeline_read = lifeline_write = None
+        if in_process:
+            self.thread = threading.Thread(
+                target=serve_engine,
+                args=(llm_kwargs, self.context, peers, self._built),
+                name="vllm-rlt-engine-core",
+                daemon=True,
+            )
+            self.thread.start()
+        else:
+            # spawn: the parent may hold CUDA state and threads that fork would copy.
+            spawn = multiprocessing.get_context("spawn")
+            if api_servers:
+                lifeline_read, lifeline_write = spawn.Pipe(duplex=False)
+            self.process = spawn.Process(
+                target=run_engine_core,
+                args=(llm_kwargs, peers, os.getpid(), lifeline_write),
+                name="vllm-rlt-engine-core",
+                daemon=False,
+            )
+            self.process.start()
+            if lifeline_write is not None:
+                lifeline_write.close()  # the core holds the only write end now
+        try:
+            self.info = self._wait_ready()
+        except BaseException:
+            self._stop_core(timeout=5.0)
+            self._release_sockets()
+            raise
+        if lifeline_read is not None:
+            self.attachments = [
+                CoreAttachment(client, peers[client], self.info, lifeline_read)
+                for client in range(1, 1 + api_servers)
+            ]
+        threading.Thread(target=self._watch, name="vllm-rlt-core-watch", daemon=True).start()
+
+    @classmethod
+    def attach(cls, attachment: CoreAttachment, on_death: Callable[[str], None]):
+        """Join a running core as client `attachment.client` (in an API-server process).
+        Blocks until the core's connections to this client's sockets are up."""
+        self = cls.__new__(cls)
+        self._open(on_death, attachment.client, attachment.addresses, None)
+        self.in_process = False
+        self.process = self.thread = self.core_engine = None
+        self.attachments = []
+        self.info = attachment.info
+        self._lifeline = attachment.lifeline
+        try:
+            self._wait_connected()
+        except BaseException:
+            self._release_sockets()
+            raise
+        threading.Thread(target=self._watch, name="vllm-rlt-core-watch", daemon=True).start()
+        return self
+
+    def _open(
+        self, on_death: Callable[[str], None], client: int, addresses: Peer, ipc_dir: str | None
+    ) -> None:
+        """Bind this client's sockets (the core connects to them)."""
+        self.on_death = on_death
+        self.client = client
         self.context = zmq.Context()
         self._encode = command_codec()[0].encode
         self._decode = message_codec()[1].decode
@@ -75,16 +173,11 @@ class EngineCoreClient:
         self._call_lock = threading.Lock()
         self._call_ids = itertools.count()
         self._closing = False  # the sockets are being released: send nothing more
-        self._stopping = False  # the core was told to stop: its exit is no death
+        self._stopping = False  # this side is leaving: the core's end is no death
         self._reader: asyncio.Task | None = None
+        self._lifeline: multiprocessing.connection.Connection | None = None
         self.dead_reason: str | None = None
-        self._ipc_dir: str | None = None
-        if in_process:
-            tag = uuid.uuid4().hex
-            addresses = (f"inproc://in-{tag}", f"inproc://ctl-{tag}", f"inproc://out-{tag}")
-        else:
-            self._ipc_dir = tempfile.mkdtemp(prefix="vllm-rlt-")
-            addresses = tuple(f"ipc://{self._ipc_dir}/{name}" for name in ("in", "ctl", "out"))
+        self._ipc_dir = ipc_dir
         self.input = self.context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)
         self.input.bind(addresses[0])
@@ -97,33 +190,6 @@ class EngineCoreClient:
         self.output = self.context.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
         self.output.bind(addresses[2])
-        self.process: multiprocessing.process.BaseProcess | None = None
-        self.thread: threading.Thread | None = None
-        self.core_engine: EngineCore | None = None  # in-process only: the engine itself
-        if in_process:
-            self.thread = threading.Thread(
-                target=serve_engine,
-                args=(llm_kwargs, self.context, addresses, self._built),
-                name="vllm-rlt-engine-core",
-                daemon=True,
-            )
-            self.thread.start()
-        else:
-            # spawn: the parent may hold CUDA state and threads that fork would copy.
-            self.process = multiprocessing.get_context("spawn").Process(
-                target=run_engine_core,
-                args=(llm_kwargs, addresses, os.getpid()),
-                name="vllm-rlt-engine-core",
-                daemon=False,
-            )
-            self.process.start()
-        try:
-            self.info = self._wait_ready()
-        except BaseException:
-            self._stop_core(timeout=5.0)
-            self._release_sockets()
-            raise
-        threading.Thread(target=self._watch, name="vllm-rlt-core-watch", daemon=True).start()
 
     # ----------------------------------------------------------------- startup
     def _built(self, engine: EngineCore) -> None:
@@ -142,6 +208,29 @@ class EngineCoreClient:
                 raise RuntimeError(
                     f"the engine core process exited during startup ({self._exit_status()})"
                 )
+
+    def _wait_connected(self, timeout: float = 60.0) -> None:
+        """Until the core has connected to all three sockets: a command sent before would
+        block the caller, and outputs would have no way back."""
+        monitors = [s.get_monitor_socket(zmq.EVENT_ACCEPTED) for s in self.sockets]
+        deadline = time.monotonic() + timeout
+        try:
+            for monitor in monitors:
+                while not monitor.poll(100):
+                    if self._lifeline is not None and self._lifeline.poll(0):
+                        raise RuntimeError("the engine core exited before this server joined")
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"the engine core did not connect within {timeout} s")
+                recv_monitor_message(monitor)
+        finally:
+            for socket in self.sockets:
+                socket.disable_monitor()
+            for monitor in monitors:
+                monitor.close(linger=0)
+
+    @property
+    def sockets(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
+        return self.input, self.control, self.output
 
     # ----------------------------------------------------------------- commands
     def send(self, command: Command) -> None:
@@ -171,6 +260,8 @@ class EngineCoreClient:
     def core_alive(self) -> bool:
         if self.process is not None:
             return self.process.is_alive()
+        if self._lifeline is not None:
+            return not self._lifeline.poll(0)
         return self.thread is not None and self.thread.is_alive()
 
     # ----------------------------------------------------------------- outputs
@@ -198,6 +289,8 @@ class EngineCoreClient:
         """Sleep until the core ends; an end nobody asked for is a death."""
         if self.process is not None:
             multiprocessing.connection.wait([self.process.sentinel])
+        elif self._lifeline is not None:
+            multiprocessing.connection.wait([self._lifeline])
         elif self.thread is not None:
             self.thread.join()
         if not self._stopping:
@@ -213,6 +306,8 @@ class EngineCoreClient:
         self.on_death(reason)
 
     def _exit_status(self) -> str:
+        if self._lifeline is not None:
+            return "the server's main process logs its exit status"
         if self.process is None:
             return "its thread ended"
         code = self.process.exitcode
@@ -225,9 +320,13 @@ class EngineCoreClient:
 
     # ----------------------------------------------------------------- shutdown
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Ask the core to stop (it aborts what is left), wait for it, free the sockets."""
+        """Ask the core to stop (it aborts what is left), wait for it, free the sockets.
+        A client that joined with `attach` only aborts its own requests and leaves: the
+        core's owner stops it."""
         self._stopping = True
-        if self.dead_reason is None and self.core_alive():
+        if self._lifeline is not None:
+            self.send(AbortAll(self.client))
+        elif self.dead_reason is None and self.core_alive():
             try:
                 self.call("shutdown", timeout)
             except Exception:  # noqa: BLE001 - stopped below by force
@@ -253,7 +352,8 @@ class EngineCoreClient:
     def _release_sockets(self) -> None:
         with self._send_lock:
             self._closing = True
-            self.context.destroy(linger=0)
+            # An attached client's last aborts must still leave; the owner's core is gone.
+            self.context.destroy(linger=1000 if self._lifeline is not None else 0)
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
 

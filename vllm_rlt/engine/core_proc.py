@@ -39,21 +39,31 @@ from vllm_rlt.engine.messages import (
     command_codec,
     message_codec,
 )
+from vllm_rlt.engine.pass_rate import PassRate
 
 logger = logging.getLogger(__name__)
 
 PARENT_POLL_S = 0.5
+LINGER_MS = 5000
 
 
 HEARTBEAT_S = 0.1  # while busy without new tokens, counters still go out this often
 
 
 class CoreLoop:
-    """Drives one EngineCore from the commands on `inputs` and the calls on `control`,
-    writing to `outputs`."""
+    """Drives one EngineCore from the commands on `inputs` and the calls on `control`.
+
+    `outputs` holds one socket per client (frontend): each request's deltas go back to the
+    client that sent it, and the counters go with every message. With a single client,
+    nothing needs routing.
+    """
 
     def __init__(
-        self, engine: EngineCore, inputs: zmq.Socket, control: zmq.Socket, outputs: zmq.Socket
+        self,
+        engine: EngineCore,
+        inputs: zmq.Socket,
+        control: zmq.Socket,
+        outputs: list[zmq.Socket],
     ) -> None:
         self.engine = engine
         self.inputs = inputs
@@ -66,77 +76,116 @@ class CoreLoop:
         self.poller.register(inputs, zmq.POLLIN)
         self.poller.register(control, zmq.POLLIN)
         self.stopping = False
-        self.last_sent = 0.0
+        self.routed = len(outputs) > 1
+        self.owners: dict[str, int] = {}  # request id -> its client (routed mode only)
+        self.outbox: list[list[RequestDelta]] = [[] for _ in outputs]
+        self.last_sent = [0.0] * len(outputs)
+        self.rate = PassRate()
 
     def run(self) -> None:
         """Serve until a shutdown call; any error is sent as the last message, then raised."""
+        engine = self.engine
         try:
             while not self.stopping:
-                deltas = self._take_commands(block=not self.engine.has_unfinished)
-                if self.engine.has_unfinished and not self.stopping:
-                    deltas.extend(self.engine.step_deltas())
-                now = time.monotonic()
-                if deltas or self.stopping or now - self.last_sent >= HEARTBEAT_S:
-                    self._send(EngineOutputs(deltas, self.engine.stats()))
-                    self.last_sent = now
+                self._take_commands(block=not engine.has_unfinished)
+                if engine.has_unfinished and not self.stopping:
+                    self._route(engine.step_deltas())
+                    self.rate.record(engine.num_passes, engine.num_rows_total)
+                self._publish()
         except BaseException as exc:
-            self._send(EngineDead(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            dead = self.encode(EngineDead(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
+            for socket in self.outputs:
+                socket.send(dead, copy=False)
             raise
 
-    def _send(self, message) -> None:
-        self.outputs.send(self.encode(message), copy=False)
+    # ----------------------------------------------------------------- outputs
+    def _route(self, deltas: list[RequestDelta]) -> None:
+        if not self.routed:
+            self.outbox[0].extend(deltas)
+            return
+        owners, outbox = self.owners, self.outbox
+        for delta in deltas:
+            request_id = delta.request_id
+            client = owners.pop(request_id, 0) if delta.finished else owners.get(request_id, 0)
+            outbox[client].append(delta)
 
-    def _take_commands(self, block: bool) -> list[RequestDelta]:
+    def _publish(self) -> None:
+        """Send each client its deltas; a client with requests in flight but nothing new
+        still hears from the core every HEARTBEAT_S (its stall check reads that)."""
+        now = time.monotonic()
+        stats = None
+        for client, deltas in enumerate(self.outbox):
+            if not deltas:
+                if now - self.last_sent[client] < HEARTBEAT_S or not self._busy(client):
+                    continue
+            if stats is None:
+                stats = self.engine.stats()
+            self.outputs[client].send(self.encode(EngineOutputs(deltas, stats)), copy=False)
+            self.outbox[client] = []
+            self.last_sent[client] = now
+
+    def _busy(self, client: int) -> bool:
+        if not self.routed:
+            return self.engine.has_unfinished
+        return client in self.owners.values()
+
+    # ----------------------------------------------------------------- commands
+    def _take_commands(self, block: bool) -> None:
         """Apply every command and answer every call that arrived (idle: wait for one)."""
-        deltas: list[RequestDelta] = []
         if block:
             self.poller.poll(None)
         while self.inputs.poll(0):
             command = self.decode(self.inputs.recv(copy=False))
             if isinstance(command, AddRequest):
-                failure = self._add(command)
-                if failure is not None:
-                    deltas.append(failure)
+                self._add(command)
             elif isinstance(command, AbortRequest):
                 delta = self.engine.abort_request_delta(command.request_id, command.index)
                 if delta is not None:
-                    deltas.append(delta)
+                    self._route([delta])
             elif isinstance(command, AbortAll):
-                deltas.extend(self._abort_all())
+                self._abort_all(command.client)
         while self.control.poll(0):
             call = self.decode_call(self.control.recv(copy=False))
-            reply = ControlReply(call.call_id, self._control(call.name, deltas))
+            reply = ControlReply(call.call_id, self._control(call.name))
             self.control.send(self.encode(reply))
-        return deltas
 
-    def _add(self, command: AddRequest) -> RequestDelta | None:
+    def _add(self, command: AddRequest) -> None:
         """Queue a request; a failure (bad input or otherwise) fails it alone."""
+        request_id, client = command.request_id, command.client
         try:
-            self.engine.add_request(command.request_id, command.prompt_token_ids, command.params)
+            if request_id in self.owners:
+                raise ValueError(f"request_id {request_id!r} is already in use")
+            self.engine.add_request(request_id, command.prompt_token_ids, command.params)
         except Exception as exc:  # noqa: BLE001 - fails this request only
             invalid = isinstance(exc, ValueError)
-            return RequestDelta(
-                command.request_id,
+            failure = RequestDelta(
+                request_id,
                 [],
                 True,
                 error=str(exc) if invalid else f"{type(exc).__name__}: {exc}",
                 error_param=getattr(exc, "param", None),
                 invalid=invalid,
             )
-        return None
+            self.outbox[client if self.routed else 0].append(failure)
+            return
+        if self.routed:
+            self.owners[request_id] = client
 
-    def _abort_all(self) -> list[RequestDelta]:
-        deltas = []
-        for request_id in list(self.engine.groups):
+    def _abort_all(self, client: int | None = None) -> None:
+        """Abort the requests of `client` (None: of every client)."""
+        if client is None or not self.routed:
+            request_ids = list(self.engine.groups)
+        else:
+            request_ids = [rid for rid, owner in self.owners.items() if owner == client]
+        for request_id in request_ids:
             delta = self.engine.abort_request_delta(request_id)
             if delta is not None:
-                deltas.append(delta)
-        return deltas
+                self._route([delta])
 
-    def _control(self, name: str, deltas: list[RequestDelta]) -> dict[str, Any]:
+    def _control(self, name: str) -> dict[str, Any]:
         engine = self.engine
         if name == "shutdown":
-            deltas.extend(self._abort_all())
+            self._abort_all()
             self.stopping = True
             return {"stopped": True}
         if name == "stats":
@@ -152,6 +201,9 @@ class CoreLoop:
                 "num_waiting": stats.num_waiting,
                 "num_passes": stats.num_passes,
                 "num_rows": stats.num_rows,
+                "num_preemptions": stats.num_preemptions,
+                "passes_per_second": self.rate.passes_per_second(),
+                "rows_per_pass": self.rate.rows_per_pass(),
             }
         return {"error": f"unknown control call {name!r}"}
 
@@ -186,31 +238,46 @@ def startup_failure(exc: BaseException) -> StartupFailed:
     return StartupFailed("internal", f"{type(exc).__name__}: {exc}", traceback.format_exc())
 
 
+Peer = tuple[str, str, str]  # a client's (commands, control, outputs) addresses
+
+
 def serve_engine(
     llm_kwargs: dict[str, Any],
     context: zmq.Context,
-    addresses: tuple[str, str, str],
+    peers: list[Peer],
     on_built: Callable[[EngineCore], None] | None = None,
 ) -> int:
-    """Build the engine, report ready (or why not), run the loop; the exit code.
+    """Build the engine, report ready (or why not) to the first peer, run the loop; the
+    exit code. Each peer (frontend) bound its addresses; the core connects to all of them.
     `on_built` hands an in-process caller the engine itself."""
-    input_address, control_address, output_address = addresses
     inputs = context.socket(zmq.PULL)
-    inputs.connect(input_address)
     control = context.socket(zmq.REP)
-    control.connect(control_address)
-    outputs = context.socket(zmq.PUSH)
-    outputs.setsockopt(zmq.SNDHWM, 0)
-    outputs.connect(output_address)
+    outputs = []
+    for input_address, control_address, output_address in peers:
+        inputs.connect(input_address)
+        control.connect(control_address)
+        output = context.socket(zmq.PUSH)
+        output.setsockopt(zmq.SNDHWM, 0)
+        output.connect(output_address)
+        outputs.append(output)
+    try:
+        return _serve(llm_kwargs, inputs, control, outputs, on_built)
+    finally:
+        # Let the last messages leave (a client that is gone never takes them).
+        for socket in (inputs, control, *outputs):
+            socket.close(linger=LINGER_MS)
+
+
+def _serve(llm_kwargs, inputs, control, outputs, on_built) -> int:
     encode = message_codec()[0].encode
     try:
         engine, model_name = build_engine(llm_kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported to the frontend, one line
-        outputs.send(encode(startup_failure(exc)))
+        outputs[0].send(encode(startup_failure(exc)))
         return 1
     if on_built is not None:
         on_built(engine)
-    outputs.send(encode(Ready(engine_info(engine, model_name))))
+    outputs[0].send(encode(Ready(engine_info(engine, model_name))))
     try:
         CoreLoop(engine, inputs, control, outputs).run()
     except BaseException:  # noqa: BLE001 - already sent as EngineDead
@@ -220,23 +287,26 @@ def serve_engine(
 
 
 def run_engine_core(
-    llm_kwargs: dict[str, Any], addresses: tuple[str, str, str], parent_pid: int
+    llm_kwargs: dict[str, Any], peers: list[Peer], parent_pid: int, lifeline: Any = None
 ) -> None:
-    """Entry point of the engine-core process."""
+    """Entry point of the engine-core process. `lifeline` is the write end of a pipe that
+    this process holds, unused, until it ends: processes that are not its parent learn of
+    its end when their read end reports end-of-file."""
     # The frontend owns the lifetime: Ctrl+C or SIGTERM reach it, it drains, then it tells
     # the core to stop. Without its parent (killed), the core leaves by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     context = zmq.Context()
-    code = serve_engine(llm_kwargs, context, addresses)
+    code = serve_engine(llm_kwargs, context, peers)
     # Let the last messages leave, then exit without tearing the interpreter down: the
     # device and the runtime's threads need no orderly teardown, and it could hang.
-    context.destroy(linger=5000)
+    context.term()
     os._exit(code)
 
 
-def _exit_with_parent(parent_pid: int) -> None:
+def exit_with_parent(parent_pid: int) -> None:
+    """Run on a daemon thread: end this process at once when its parent is gone."""
     while True:
         if os.getppid() != parent_pid:
             os._exit(0)

@@ -93,6 +93,7 @@ class EngineCore:
             from vllm_rlt.worker.cuda_graphs import DecodeGraphs
 
             self.runner.graphs = DecodeGraphs(self.runner)
+            self.runner.graphs.capture_all()
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()

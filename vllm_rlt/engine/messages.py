@@ -12,9 +12,12 @@ from vllm_rlt.sampling_params import SamplingParams
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
+    """`client`: which frontend sent it (its outputs go back to that one alone)."""
+
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    client: int = 0
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
@@ -25,7 +28,9 @@ class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
 
 
 class AbortAll(msgspec.Struct, tag="abort_all", array_like=True):
-    pass
+    """Abort every request of frontend `client`."""
+
+    client: int = 0
 
 
 Command = AddRequest | AbortRequest | AbortAll
@@ -111,7 +116,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
 
 class ControlReply(msgspec.Struct, tag="reply", array_like=True):
     call_id: int
-    value: dict[str, int | bool | str]
+    value: dict[str, bool | int | float | str]
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):

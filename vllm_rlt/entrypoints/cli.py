@@ -156,6 +156,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
     group.add_argument(
+        "--api-server-count",
+        type=int,
+        default=1,
+        help="API-server processes sharing the port and the engine core: HTTP, JSON and "
+        "text work spread over more CPU cores (--max-queue then applies to each)",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -196,7 +203,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--exit-on-load-error",
         action=argparse.BooleanOptionalAction,
         default=True,
-        help="end the process when the model fails to load (else keep answering 503)",
+        help="end the process when the model fails to load (else keep answering 503; with "
+        "several API servers it always ends)",
     )
 
 
@@ -217,6 +225,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             f"vllm-rlt serve needs the serve extra ({', '.join(missing)} not installed): "
             'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")'
         )
+    from vllm_rlt.entrypoints.openai.api_servers import MAX_API_SERVERS, APIServerFailed
     from vllm_rlt.entrypoints.openai.server import ServerSettings, serve
     from vllm_rlt.models.load import check_model_source
 
@@ -236,6 +245,10 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             parser.error(f"--{name.replace('_', '-')} must be >= 0 seconds, got {value}")
     if ns.request_timeout is not None and not ns.request_timeout > 0:
         parser.error(f"--request-timeout must be > 0 seconds, got {ns.request_timeout}")
+    if not 1 <= ns.api_server_count <= MAX_API_SERVERS:
+        parser.error(
+            f"--api-server-count must be in [1, {MAX_API_SERVERS}], got {ns.api_server_count}"
+        )
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
     try:
@@ -258,12 +271,16 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         max_header_bytes=ns.max_header_bytes,
         exit_on_load_error=ns.exit_on_load_error,
         access_log=ns.access_log,
+        api_server_count=ns.api_server_count,
         llm_kwargs=engine_args.llm_kwargs(),
     )
     try:
         load_error = serve(settings, ns.host, ns.port, ns.shutdown_timeout)
     except OSError as exc:
         parser.error(f"cannot listen on {ns.host}:{ns.port}: {exc.strerror or exc}")
+    except APIServerFailed as exc:
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 1
     if load_error is None:
         return 0
     if isinstance(load_error, (ValueError, OSError)):

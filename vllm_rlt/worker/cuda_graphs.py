@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import gc
+import sys
+
 import torch
+from tqdm import tqdm
 
 from vllm_rlt.sampling_params import MAX_LOGPROBS
 
@@ -26,8 +30,8 @@ class DecodeGraphs:
 
     Padding rows point at the runner's dummy slot, whose block table addresses the dummy
     block. Inputs (the slot list) and outputs live in buffers with fixed addresses; the runner
-    copies the slot list in and the packed results out through pinned memory. Graphs are
-    captured lazily, on first use of a (size, variant).
+    copies the slot list in and the packed results out through pinned memory. `capture_all`
+    records the common variants of every size up front; the rest are captured on first use.
     """
 
     def __init__(self, runner) -> None:
@@ -52,6 +56,16 @@ class DecodeGraphs:
         graph.replay()
         return output[:count]
 
+    def capture_all(self) -> None:
+        """Capture every size, greedy and sampled, now (largest first, so the smaller ones
+        reuse its memory): otherwise the first pass of a new batch size would pay its
+        capture inside some request's latency. Variants with top logprobs stay lazy."""
+        keys = [(size, greedy, False) for size in reversed(self.sizes) for greedy in (True, False)]
+        gc.collect()  # free what an earlier engine left, before its memory is needed
+        for key in tqdm(keys, desc="capturing CUDA graphs", unit="graph", file=sys.stderr):
+            if key not in self.graphs:
+                self._capture(key)
+
     def _capture(self, key: tuple[int, bool, bool]) -> None:
         size, greedy, with_top = key
         num_top = MAX_LOGPROBS if with_top else 0
@@ -69,6 +83,14 @@ class DecodeGraphs:
             step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            output = step()
+        # No garbage collection inside the capture: freeing an unreachable engine's graphs
+        # there would invalidate it.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                output = step()
+        finally:
+            if collecting:
+                gc.enable()
         self.graphs[key] = (graph, output)

@@ -133,15 +133,23 @@ class DrainingServer(uvicorn.Server):
     waiting request gets an error reply; exit 0 (uvicorn would re-raise the signal)."""
 
     def __init__(
-        self, config: uvicorn.Config, drain_timeout: float, abort_all: Callable[[], int]
+        self,
+        config: uvicorn.Config,
+        drain_timeout: float,
+        abort_all: Callable[[], int],
+        stop_signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+        announce: bool = True,
     ) -> None:
         super().__init__(config)
         self.drain_timeout = drain_timeout
         self.abort_all = abort_all
+        self.stop_signals = stop_signals
+        self.announce = announce
 
     async def startup(self, sockets=None) -> None:
         await super().startup(sockets)
-        if sockets and self.started:  # uvicorn only announces sockets it bound itself
+        # uvicorn only announces sockets it bound itself
+        if sockets and self.started and self.announce:
             host, port = sockets[0].getsockname()[:2]
             logger.info("serving on http://%s:%d (CTRL+C or SIGTERM to stop)", host, port)
 
@@ -168,12 +176,9 @@ class DrainingServer(uvicorn.Server):
         if threading.current_thread() is not threading.main_thread():
             yield
             return
-        previous = {sig: signal.signal(sig, self.handle_exit) for sig in _EXIT_SIGNALS}
+        previous = {sig: signal.signal(sig, self.handle_exit) for sig in self.stop_signals}
         try:
             yield
         finally:
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
-
-
-_EXIT_SIGNALS = (signal.SIGINT, signal.SIGTERM)

@@ -1,73 +1,33 @@
 """Prometheus metrics of the server, including the looped-model figures (exit depths,
-loops per token, passes per second, rows per pass). Engine steps are observed on the
-frontend's event loop, as are finished requests; the engine core itself
-only counts."""
+loops per token, passes per second, rows per pass).
+
+Request figures (latencies, tokens, exit depths) are counted by the frontend that served
+the request, on its event loop. Engine figures (requests running and waiting, KV usage,
+passes and their rate) are the core's own counters, read over its control channel when
+/metrics is scraped. With several API servers, each counts its requests in prometheus'
+multiprocess files and every scrape sums them all."""
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import deque
-from collections.abc import Callable
+import os
+from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from vllm_rlt.engine.messages import EngineOutputs
+from vllm_rlt.engine.pass_rate import RATE_WINDOW_S
 from vllm_rlt.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-RATE_WINDOW_S = 5.0
-
-
-class PassRate:
-    """Passes per second and rows per pass over the last `window` seconds, read at scrape
-    time (so an idle engine reads 0 passes per second, not its last busy rate)."""
-
-    def __init__(
-        self, window: float = RATE_WINDOW_S, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.window = window
-        self.clock = clock
-        self._lock = threading.Lock()
-        # (time, passes, rows): cumulative engine counters; the first is the window's base.
-        self._samples: deque[tuple[float, int, int]] = deque([(clock(), 0, 0)])
-
-    def record(self, passes: int, rows: int) -> None:
-        now = self.clock()
-        with self._lock:
-            self._samples.append((now, passes, rows))
-            # Keep one sample at or before the window's start as the base.
-            while len(self._samples) > 1 and self._samples[1][0] <= now - self.window:
-                self._samples.popleft()
-
-    def _span(self) -> tuple[float, int, int]:
-        """(seconds, passes, rows) over the window ending now."""
-        now = self.clock()
-        with self._lock:
-            start, passes0, rows0 = self._samples[0]
-            _, passes1, rows1 = self._samples[-1]
-        return max(now - start, 1e-9), passes1 - passes0, rows1 - rows0
-
-    def passes_per_second(self) -> float:
-        seconds, passes, _ = self._span()
-        return passes / seconds
-
-    def rows_per_pass(self) -> float:
-        _, passes, rows = self._span()
-        return rows / passes if passes else 0.0
+EXIT_DEPTH = "vllm_rlt:exit_depth"
 
 
 class ServerMetrics:
-    def __init__(self, num_loops: int, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, num_loops: int) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
-        self.running = Gauge("vllm_rlt:num_requests_running", "Requests in a slot", registry=r)
-        self.waiting = Gauge(
-            "vllm_rlt:num_requests_waiting", "Requests not yet admitted", registry=r
-        )
-        self.kv_usage = Gauge(
-            "vllm_rlt:kv_cache_usage_perc", "Fraction of KV blocks held", registry=r
-        )
         self.ttft = Histogram(
             "vllm_rlt:time_to_first_token_seconds",
             "Time to first token",
@@ -97,46 +57,29 @@ class ServerMetrics:
             registry=r,
         )
         self.exit_depth = Histogram(
-            "vllm_rlt:exit_depth",
+            EXIT_DEPTH,
             "Loops each decode token ran",
             buckets=tuple(range(1, num_loops + 1)),
             registry=r,
         )
-        self.mean_loops = Gauge(
-            "vllm_rlt:mean_loops_per_token", "Mean loops per decode token", registry=r
-        )
-        self.passes = Counter("vllm_rlt:passes", "Passes over the layer stack", registry=r)
-        self.preemptions = Counter(
-            "vllm_rlt:num_preemptions", "Requests preempted to free KV blocks", registry=r
-        )
-        self.rate = PassRate(clock=clock)
-        Gauge(
-            "vllm_rlt:passes_per_second",
-            f"Passes per second over the last {RATE_WINDOW_S:g} s",
-            registry=r,
-        ).set_function(self.rate.passes_per_second)
-        Gauge(
-            "vllm_rlt:rows_per_pass",
-            f"Mean rows per pass over the last {RATE_WINDOW_S:g} s",
-            registry=r,
-        ).set_function(self.rate.rows_per_pass)
-        self._counted = (0, 0)  # (passes, preemptions) already added to the counters
-        self._depth_sum = 0
-        self._depth_count = 0
+
+    def render(self, engine: dict[str, Any] | None) -> bytes:
+        """The scrape: every API server's request figures and the core's counters
+        (`engine`, the core's answer to "stats"; None when it could not answer)."""
+        directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
+        if directory:
+            summed = CollectorRegistry()
+            MultiProcessCollector(summed, directory)
+            families = list(summed.collect())
+        else:
+            families = list(self.registry.collect())
+        families.extend(_mean_loops(families))
+        if engine is not None:
+            families.extend(_engine_families(engine))
+        return generate_latest(_Families(families))
 
     def observe_step(self, outputs: EngineOutputs) -> None:
-        """One engine step: its counters, and the exit depth of every new decode token."""
-        stats = outputs.stats
-        self.running.set(stats.num_running)
-        self.waiting.set(stats.num_waiting)
-        self.kv_usage.set(1.0 - stats.num_free_blocks / max(stats.num_blocks, 1))
-        passes, preemptions = self._counted
-        if stats.num_passes > passes:
-            self.passes.inc(stats.num_passes - passes)
-        if stats.num_preemptions > preemptions:
-            self.preemptions.inc(stats.num_preemptions - preemptions)
-        self._counted = (stats.num_passes, stats.num_preemptions)
-        self.rate.record(stats.num_passes, stats.num_rows)
+        """One engine step: the exit depth of every new decode token."""
         tokens = 0
         for delta in outputs.requests:
             for completion in delta.completions:
@@ -146,12 +89,8 @@ class ServerMetrics:
                 skip = 1 if completion.start == 0 else 0
                 for depth in completion.exit_depths[skip:]:
                     self.exit_depth.observe(depth)
-                    self._depth_sum += depth
-                    self._depth_count += 1
         if tokens:
             self.generation_tokens.inc(tokens)
-        if self._depth_count:
-            self.mean_loops.set(self._depth_sum / self._depth_count)
 
     def observe_finished(self, output: RequestOutput) -> None:
         metrics = output.metrics
@@ -168,3 +107,59 @@ class ServerMetrics:
                     tokens - len(output.outputs)
                 )
                 self.tpot.observe(per_token)
+
+
+class _Families:
+    """Collected families, in the shape `generate_latest` reads."""
+
+    def __init__(self, families: list[Metric]) -> None:
+        self.families = families
+
+    def collect(self) -> list[Metric]:
+        return self.families
+
+
+def _mean_loops(families: list[Metric]) -> list[Metric]:
+    """Mean loops per decode token, from the exit-depth histogram's sum and count."""
+    total = count = 0.0
+    for family in families:
+        if family.name == EXIT_DEPTH:
+            for sample in family.samples:
+                if sample.name == EXIT_DEPTH + "_sum":
+                    total += sample.value
+                elif sample.name == EXIT_DEPTH + "_count":
+                    count += sample.value
+    if not count:
+        return []
+    gauge = GaugeMetricFamily("vllm_rlt:mean_loops_per_token", "Mean loops per decode token")
+    gauge.add_metric([], total / count)
+    return [gauge]
+
+
+def _engine_families(stats: dict[str, Any]) -> list[Metric]:
+    def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+        return GaugeMetricFamily(name, documentation, value=value)
+
+    def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
+        return CounterMetricFamily(name, documentation, value=value)
+
+    window = f"over the last {RATE_WINDOW_S:g} s"
+    return [
+        gauge("vllm_rlt:num_requests_running", "Requests in a slot", stats["num_running"]),
+        gauge("vllm_rlt:num_requests_waiting", "Requests not yet admitted", stats["num_waiting"]),
+        gauge(
+            "vllm_rlt:kv_cache_usage_perc",
+            "Fraction of KV blocks held",
+            1.0 - stats["num_free_blocks"] / max(stats["num_blocks"], 1),
+        ),
+        counter("vllm_rlt:passes", "Passes over the layer stack", stats["num_passes"]),
+        counter(
+            "vllm_rlt:num_preemptions",
+            "Requests preempted to free KV blocks",
+            stats["num_preemptions"],
+        ),
+        gauge(
+            "vllm_rlt:passes_per_second", f"Passes per second {window}", stats["passes_per_second"]
+        ),
+        gauge("vllm_rlt:rows_per_pass", f"Mean rows per pass {window}", stats["rows_per_pass"]),
+    ]

@@ -8,6 +8,7 @@ import hmac
 import importlib.util
 import logging
 import os
+import signal
 import socket
 import sys
 import threading
@@ -21,11 +22,12 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm_rlt
 from vllm_rlt.engine.async_llm import AsyncLLM
+from vllm_rlt.engine.core_client import CoreAttachment
 from vllm_rlt.entrypoints.openai.connection import DrainingServer, limited_protocol
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
 from vllm_rlt.entrypoints.openai.protocol import (
@@ -63,14 +65,16 @@ class ServerSettings:
     exit_on_load_error: bool = True
     access_log: bool = False
     engine_in_process: bool = False  # the core on a thread of this process (tests)
+    api_server_count: int = 1
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class ServerState:
     """What the routes need; filled in once the model has loaded (in the background)."""
 
-    def __init__(self, settings: ServerSettings) -> None:
+    def __init__(self, settings: ServerSettings, attach: CoreAttachment | None = None) -> None:
         self.settings = settings
+        self.attach = attach  # join a core another process started (one of several servers)
         self.engine: AsyncLLM | None = None
         self.serving: OpenAIServing | None = None
         self.metrics: ServerMetrics | None = None
@@ -83,6 +87,7 @@ class ServerState:
                 self.settings.llm_kwargs,
                 self.settings.max_queue,
                 in_process=self.settings.engine_in_process,
+                attach=self.attach,
             )
             metrics = ServerMetrics(engine.info.num_loops)
             engine.observer = metrics
@@ -95,6 +100,14 @@ class ServerState:
                 self.settings.max_sequences_per_request,
             )
             self.metrics, self.engine = metrics, engine
+            if self.attach is not None:
+                logger.info(
+                    "API server %d of %d ready (pid %d)",
+                    self.attach.client,
+                    self.settings.api_server_count,
+                    os.getpid(),
+                )
+                return
             logger.info(
                 "model %s loaded (%s, %d KV blocks) in the engine core%s; ready",
                 name,
@@ -313,10 +326,14 @@ def build_app(state: ServerState) -> FastAPI:
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
         state.ready()
-        assert state.metrics is not None
-        return PlainTextResponse(
-            generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST
-        )
+        assert state.metrics is not None and state.engine is not None
+        try:
+            engine = await asyncio.to_thread(state.engine.engine_stats, METRICS_CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - the request figures still go out
+            logger.warning("/metrics without the engine's counters: %s", exc)
+            engine = None
+        text = await asyncio.to_thread(state.metrics.render, engine)
+        return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
@@ -353,6 +370,7 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 INLINE_BODY_BYTES = 16 * 1024
+METRICS_CALL_TIMEOUT_S = 5.0
 
 
 async def _build(make_job, body, request: Request):
@@ -416,7 +434,13 @@ async def _disconnected(request: Request) -> None:
 
 
 def build_server(
-    state: ServerState, host: str, port: int, drain_timeout: float, log_level: str = "info"
+    state: ServerState,
+    host: str,
+    port: int,
+    drain_timeout: float,
+    log_level: str = "info",
+    stop_signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+    announce: bool = True,
 ) -> DrainingServer:
     settings = state.settings
     config = uvicorn.Config(
@@ -435,7 +459,7 @@ def build_server(
         # requests send their final chunks before uvicorn would cancel them.
         timeout_graceful_shutdown=drain_timeout + 10,
     )
-    return DrainingServer(config, drain_timeout, state.abort_all)
+    return DrainingServer(config, drain_timeout, state.abort_all, stop_signals, announce)
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -470,6 +494,10 @@ def serve(
     """Run until SIGTERM/SIGINT: stop accepting, let requests finish within the timeout,
     abort the rest, exit. Returns the load error when the model failed to load and
     `exit_on_load_error` ended the server; raises OSError when the port cannot be bound."""
+    if settings.api_server_count > 1:
+        from vllm_rlt.entrypoints.openai.api_servers import serve_with_api_servers
+
+        return serve_with_api_servers(settings, host, port, shutdown_timeout)
     sock = listen(host, port)
     log_like_uvicorn()
     state = ServerState(settings)
