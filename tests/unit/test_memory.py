@@ -10,6 +10,7 @@ from vllm_rlt.core.memory import (
     CPU_DEFAULT_BLOCKS,
     DEFAULT_RESERVE_BYTES,
     bytes_per_block,
+    check_explicit_plan,
     plan_from_profile,
     plan_kv_cache,
 )
@@ -65,3 +66,23 @@ def test_profiled_plan_without_room_names_the_setting():
         plan_from_profile(
             CacheConfig(gpu_memory_utilization=0.1), CONFIG, 4, torch.bfloat16, GIB, GIB, 0, 0, 10
         )
+
+
+@pytest.mark.parametrize("field", ["num_blocks", "kv_cache_memory_bytes"])
+def test_an_explicit_pool_too_large_for_the_device_is_refused_with_its_numbers(field):
+    per_block = bytes_per_block(CONFIG, 4, 16, torch.bfloat16)
+    room = 10 * GIB - 2 * GIB - 1 * GIB - DEFAULT_RESERVE_BYTES
+    fits = room // per_block
+    if field == "num_blocks":
+        config = CacheConfig(num_blocks=fits + 1)
+    else:
+        config = CacheConfig(kv_cache_memory_bytes=(fits + 1) * per_block)
+    plan = plan_kv_cache(config, CONFIG, 4, torch.bfloat16)
+    with pytest.raises(ValueError) as caught:
+        check_explicit_plan(plan, 10 * GIB, 2 * GIB, 1 * GIB, "cuda:0")
+    message = str(caught.value)
+    assert message.startswith(f"{field}: a KV cache of {fits + 1} blocks")
+    assert "10.00 GiB free" in message and f"at most {fits} blocks" in message
+    assert "\n" not in message
+    exact = plan_kv_cache(CacheConfig(num_blocks=fits), CONFIG, 4, torch.bfloat16)
+    check_explicit_plan(exact, 10 * GIB, 2 * GIB, 1 * GIB, "cuda:0")  # fits exactly

@@ -78,8 +78,9 @@ def run_engine(engine: EngineCore, prompts: list[list[int]], params: SamplingPar
     first: dict[str, float] = {}
     done: dict[str, float] = {}
     outputs = {}
-    passes = 0
+    passes = max_running = 0
     while engine.has_unfinished:
+        max_running = max(max_running, len(engine.scheduler.running))
         for out in engine.step():
             now = time.perf_counter()
             first.setdefault(out.request_id, now)
@@ -88,7 +89,10 @@ def run_engine(engine: EngineCore, prompts: list[list[int]], params: SamplingPar
                 outputs[out.request_id] = out.outputs[0]
         passes += 1
     end = time.perf_counter()
-    decode_start = max(first.values())
+    # All at once: decode runs from the last first token on. Queued (the KV pool holds
+    # fewer): later prefills interleave with decode, so the window starts at the first.
+    queued = max_running < len(prompts)
+    decode_start = min(first.values()) if queued else max(first.values())
     tokens = sum(len(o.token_ids) for o in outputs.values())
     decode_tokens = tokens - len(outputs)
     depths = [d for o in outputs.values() for d in o.exit_depths[1:]]
@@ -105,12 +109,18 @@ def run_engine(engine: EngineCore, prompts: list[list[int]], params: SamplingPar
         "mean_loops": statistics.fmean(depths) if depths else None,
         "passes": passes,
         "wall_s": end - start,
+        "max_running": max_running,
+        "decode_window": "first first token to end" if queued else "last first token to end",
     }
 
 
-def build_engine(model, args, concurrency: int, exit_config: ExitConfig) -> EngineCore:
+def build_engine(
+    model, args, concurrency: int, exit_config: ExitConfig, whole_pool: bool = True
+) -> EngineCore:
+    """`whole_pool`: KV blocks for every request at once; else the pool is sized from the
+    device's free memory and the scheduler queues what does not fit."""
     max_len = args.prompt_len + args.output_len
-    blocks = concurrency * -(-max_len // args.block_size) + 8
+    blocks = concurrency * -(-max_len // args.block_size) + 8 if whole_pool else None
     return EngineCore(
         model,
         None,
@@ -168,7 +178,14 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
             exit_threshold=1.0,
             max_loops=args.depth,
         )
-    engine = build_engine(model, args, concurrency, exit_config)
+    kv_pool = "every request at once"
+    try:
+        engine = build_engine(model, args, concurrency, exit_config)
+    except ValueError as exc:
+        if not str(exc).startswith("num_blocks:"):
+            raise
+        engine = build_engine(model, args, concurrency, exit_config, whole_pool=False)
+        kv_pool = f"sized to the device ({engine.kv.num_blocks} blocks): {exc}"
     progress.set_description(f"concurrency {concurrency}: engine")
     engine_runs = []
     for index in range(args.warmup + args.repeats):
@@ -179,6 +196,8 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
     best = max(engine_runs, key=lambda r: r["decode_tokens_per_s"])
     result: dict[str, Any] = {
         "concurrency": concurrency,
+        "kv_pool": kv_pool,
+        "kv_bytes_per_position": engine.memory_plan.bytes_per_block // engine.kv.block_size,
         "execution": execution(engine),
         "engine": best,
     }
@@ -201,8 +220,9 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
     if model.device.type == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
         torch.cuda.reset_peak_memory_stats()
+        at_once = min(concurrency, best["max_running"])  # the KV pool may hold fewer
         bound = roofline(
-            model, args, concurrency, best["mean_loops"] or 1.0, copy_bandwidth(model.device)
+            model, args, at_once, best["mean_loops"] or 1.0, copy_bandwidth(model.device)
         )
         bound["fraction_achieved"] = (
             best["decode_tokens_per_s"] / bound["decode_tokens_per_s_bound"]

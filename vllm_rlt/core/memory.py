@@ -87,3 +87,33 @@ def plan_from_profile(
         "kv_cache_bytes": blocks * per_block,
     }
     return MemoryPlan(blocks, cache_config.block_size, planes, per_block, "gpu_profile", details)
+
+
+def _gib(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB"
+
+
+def check_explicit_plan(
+    plan: MemoryPlan,
+    free_bytes: int,
+    pass_peak_bytes: int,
+    graph_bytes: int,
+    device: str,
+) -> None:
+    """A pool sized by `num_blocks` or `kv_cache_memory_bytes` must fit in what the device
+    has free (after the weights) beside a maximum-size pass, the CUDA graphs and the
+    reserve: a one-line ValueError with the numbers before anything is allocated."""
+    room = free_bytes - pass_peak_bytes - graph_bytes - DEFAULT_RESERVE_BYTES
+    needed = plan.num_blocks * plan.bytes_per_block
+    if needed <= room:
+        return
+    field = "num_blocks" if plan.source == "num_blocks" else "kv_cache_memory_bytes"
+    fits = max(room // plan.bytes_per_block, 0)
+    raise ValueError(
+        f"{field}: a KV cache of {plan.num_blocks} blocks needs {_gib(needed)}, but {device} "
+        f"has {_gib(free_bytes)} free, of which a maximum-size pass takes "
+        f"{_gib(pass_peak_bytes)}, CUDA graphs {_gib(graph_bytes)} and the reserve "
+        f"{_gib(DEFAULT_RESERVE_BYTES)}: at most {fits} blocks of {plan.bytes_per_block} bytes "
+        "fit (leave num_blocks and kv_cache_memory_bytes unset to size the pool "
+        "automatically)"
+    )

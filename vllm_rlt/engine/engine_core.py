@@ -13,7 +13,12 @@ from vllm_rlt.attention import get_backend
 from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, require
 from vllm_rlt.core.block_pool import KVCacheManager
 from vllm_rlt.core.contract import SchedulerOutput
-from vllm_rlt.core.memory import MemoryPlan, plan_from_profile, plan_kv_cache
+from vllm_rlt.core.memory import (
+    MemoryPlan,
+    check_explicit_plan,
+    plan_from_profile,
+    plan_kv_cache,
+)
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.messages import CompletionDelta, EngineStats, RequestDelta
@@ -122,7 +127,7 @@ class EngineCore:
     def _plan_memory(self, cache_config, scheduler_config, execution_config, planes, ops):
         cfg, device = self.model.config, self.model.device
         explicit = cache_config.num_blocks is not None or cache_config.kv_cache_memory_bytes
-        if device.type != "cuda" or explicit:
+        if device.type != "cuda":
             return plan_kv_cache(cache_config, cfg, planes, self.model.dtype)
         from vllm_rlt.worker.memory_profile import peak_pass_bytes
 
@@ -134,6 +139,13 @@ class EngineCore:
             if execution_config.cuda_graphs and not ops.needs_segments
             else 0
         )
+        if explicit:
+            plan = plan_kv_cache(cache_config, cfg, planes, self.model.dtype)
+            free, _ = torch.cuda.mem_get_info(device)
+            # Memory the allocator holds but nothing uses (the profiled pass's) is free too.
+            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+            check_explicit_plan(plan, free, pass_peak, graph_pool, str(device))
+            return plan
         total = torch.cuda.get_device_properties(device).total_memory
         per_seq = -(-self.max_model_len // cache_config.block_size)
         return plan_from_profile(

@@ -17,7 +17,7 @@ def _rms_norm_kernel(
     x_ptr, w_ptr, out_ptr, x_stride, out_stride, n, eps, BLOCK: tl.constexpr, USE_PDL: tl.constexpr
 ):
     pdl_enter(USE_PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -47,7 +47,7 @@ def _add_rms_norm2_kernel(
 ):
     """x_out = x + w1 * norm(y) (x + y without NORM_BRANCH); n_out = w2 * norm(x_out)."""
     pdl_enter(USE_PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     dtype = x_out_ptr.dtype.element_ty
@@ -71,7 +71,7 @@ def _add_rms_norm2_kernel(
 @triton.jit
 def _silu_mul_kernel(gu_ptr, out_ptr, gu_stride, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
     pdl_enter(USE_PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     dtype = out_ptr.dtype.element_ty
@@ -112,7 +112,7 @@ def _rope_write_kernel(
 ):
     """Rotate q into q_out; rotate k and write k, v into planes lo..hi-1 of the cache."""
     pdl_enter(USE_PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
@@ -168,7 +168,7 @@ def _paged_attention_kernel(
 ):
     """One query row and head over positions 0..pos of its plane, with online softmax."""
     pdl_enter(USE_PDL)
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     head = tl.program_id(1)
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     d = tl.arange(0, HEAD_DIM)
