@@ -164,8 +164,8 @@ def test_max_num_seqs_bounds_running():
 
 
 def _blocked_setup(max_admission_bypasses: int, **config) -> tuple[Scheduler, FakeRunner]:
-    """12 blocks of 4: a running request holds 8, so a 5-block request is blocked while
-    1-block requests still fit (4 of them)."""
+    """12 blocks of 4: a running request holds 8, so a request whose first chunk needs 5
+    is blocked while 1-block requests still fit (with the 1-block watermark, 3 of them)."""
     scheduler = make_scheduler(
         num_blocks=12,
         block_size=4,
@@ -174,7 +174,7 @@ def _blocked_setup(max_admission_bypasses: int, **config) -> tuple[Scheduler, Fa
         **config,
     )
     runner = FakeRunner(scheduler)
-    holder = make_request("holder", 16, 17, arrival=0)  # 32 positions = 8 blocks
+    holder = make_request("holder", 32, 1, arrival=0)  # 32 prompt positions = 8 blocks
     scheduler.add_request(holder)
     step(scheduler, runner)
     assert scheduler.kv.num_free_blocks == 4
@@ -184,7 +184,7 @@ def _blocked_setup(max_admission_bypasses: int, **config) -> tuple[Scheduler, Fa
 def test_short_request_bypasses_blocked_long_one():
     """A blocked long request does not stall short ones behind it while bypasses remain."""
     scheduler, runner = _blocked_setup(max_admission_bypasses=8)
-    long = make_request("long", 10, 11, arrival=1)  # 20 positions = 5 blocks
+    long = make_request("long", 20, 1, arrival=1)  # a 20-position prompt = 5 blocks
     short = make_request("short", 2, 2, arrival=2)
     scheduler.add_request(long)
     scheduler.add_request(short)
@@ -198,7 +198,7 @@ def test_short_request_bypasses_blocked_long_one():
 def test_bypass_limit_across_passes():
     """Once the long request was bypassed max_admission_bypasses times, later requests wait."""
     scheduler, runner = _blocked_setup(max_admission_bypasses=2)
-    long = make_request("long", 10, 11, arrival=1)
+    long = make_request("long", 20, 1, arrival=1)
     scheduler.add_request(long)
     admitted = []
     for i in range(3):
@@ -216,7 +216,7 @@ def test_bypass_limit_within_one_scan():
     """The bound also holds when several short requests are scanned in the same pass: with
     max_admission_bypasses=2, only two of four fitting short requests may pass the long one."""
     scheduler, runner = _blocked_setup(max_admission_bypasses=2)
-    long = make_request("long", 10, 11, arrival=1)
+    long = make_request("long", 20, 1, arrival=1)
     shorts = [make_request(f"s{i}", 2, 2, arrival=2 + i) for i in range(4)]
     for request in [long, *shorts]:
         scheduler.add_request(request)
@@ -230,7 +230,7 @@ def test_bypass_limit_within_one_scan():
 
 def test_zero_bypasses_is_strict_fifo():
     scheduler, runner = _blocked_setup(max_admission_bypasses=0)
-    scheduler.add_request(make_request("long", 10, 11, arrival=1))
+    scheduler.add_request(make_request("long", 20, 1, arrival=1))
     scheduler.add_request(make_request("short", 2, 2, arrival=2))
     out = step(scheduler, runner)
     assert not out.new_slots
@@ -242,7 +242,7 @@ def test_zero_bypasses_is_strict_fifo():
 def test_admission_scan_limit_bounds_the_scan():
     """Requests beyond admission_scan_limit are not looked at this pass even if they fit."""
     scheduler, runner = _blocked_setup(max_admission_bypasses=8, admission_scan_limit=2)
-    scheduler.add_request(make_request("long", 10, 11, arrival=1))
+    scheduler.add_request(make_request("long", 20, 1, arrival=1))
     scheduler.add_request(make_request("s0", 2, 2, arrival=2))
     scheduler.add_request(make_request("s1", 2, 2, arrival=3))
     out = step(scheduler, runner)
@@ -339,7 +339,7 @@ def test_one_position_prefill_gives_single_position_chunks():
 
 
 def test_finish_frees_blocks_and_slot_in_every_phase():
-    """finish() releases the reservation and the slot whether waiting, prefilling or decoding."""
+    """finish() releases the blocks and the slot whether waiting, prefilling or decoding."""
     scheduler = make_scheduler(num_blocks=8, block_size=4, max_num_seqs=2, max_num_batched_tokens=8)
     runner = FakeRunner(scheduler)
     decoding, prefilling = make_request("d", 2, 8, 0), make_request("p", 8, 2, 1)
@@ -352,9 +352,11 @@ def test_finish_frees_blocks_and_slot_in_every_phase():
     scheduler.add_request(waiting)
     step(scheduler, runner)
     assert prefilling.status is RequestStatus.PREFILL and waiting.status is RequestStatus.WAITING
-    assert scheduler.kv.num_free_blocks == 8 - 3 - 3  # 9 positions each = 3 blocks
+    held = len(scheduler.kv.block_table("p"))
+    assert held == 2  # its first chunk: 8 prompt positions (the decoder holds 1 or 2)
+    free = scheduler.kv.num_free_blocks
     scheduler.finish(prefilling, "abort")
-    assert scheduler.kv.num_free_blocks == 5 and len(scheduler.free_slots) == 1
+    assert scheduler.kv.num_free_blocks == free + held and len(scheduler.free_slots) == 1
     scheduler.finish(waiting, "abort")
     assert not scheduler.waiting and waiting.finish_reason == "abort"
     scheduler.finish(decoding, "abort")

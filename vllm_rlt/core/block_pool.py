@@ -1,4 +1,7 @@
-"""KV block pool and per-request block tables; every block spans all planes."""
+"""KV block pool and per-request block tables; every block spans all planes.
+
+Blocks are taken as positions are about to be written (`grow`), never for a request's
+whole lifetime up front, and all of a request's blocks return at once (`free`)."""
 
 from __future__ import annotations
 
@@ -19,19 +22,24 @@ class KVCacheManager:
     def blocks_for(self, num_positions: int) -> int:
         return max(1, -(-num_positions // self.block_size))
 
-    def can_allocate(self, num_positions: int) -> bool:
-        return self.blocks_for(num_positions) <= len(self._free)
+    def missing(self, request_id: str, num_positions: int) -> int:
+        """Blocks the request lacks to hold `num_positions` positions."""
+        held = len(self._tables.get(request_id, ()))
+        return max(0, self.blocks_for(num_positions) - held)
 
-    def allocate(self, request_id: str, num_positions: int) -> list[int]:
-        """Reserve blocks for the request's whole lifetime (full reservation at admission)."""
-        if request_id in self._tables:
-            raise RuntimeError(f"request {request_id!r} already holds blocks")
-        count = self.blocks_for(num_positions)
+    def can_grow(self, request_id: str, num_positions: int) -> bool:
+        return self.missing(request_id, num_positions) <= len(self._free)
+
+    def grow(self, request_id: str, num_positions: int) -> list[tuple[int, int]]:
+        """Take the blocks the request lacks for `num_positions` positions; returns each new
+        block as (its index in the request's table, its id)."""
+        count = self.missing(request_id, num_positions)
         if count > len(self._free):
             raise RuntimeError(f"need {count} blocks, {len(self._free)} free")
-        blocks = [self._free.pop() for _ in range(count)]
-        self._tables[request_id] = blocks
-        return blocks
+        table = self._tables.setdefault(request_id, [])
+        start = len(table)
+        table.extend(self._free.pop() for _ in range(count))
+        return list(enumerate(table[start:], start))
 
     def free(self, request_id: str) -> None:
         blocks = self._tables.pop(request_id, None)
@@ -39,7 +47,7 @@ class KVCacheManager:
             self._free.extend(reversed(blocks))
 
     def block_table(self, request_id: str) -> list[int]:
-        return self._tables[request_id]
+        return self._tables.get(request_id, [])
 
     def all_free(self) -> bool:
         return len(self._free) == self.num_blocks and not self._tables

@@ -7,10 +7,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class NewSlot:
-    """A request admitted into a runner slot: everything its device row needs, once."""
+    """A request admitted into a runner slot: everything its device row needs, once. Its
+    blocks arrive through `SchedulerOutput.block_updates`, as they are needed.
+
+    A request resumed after preemption has produced `num_generated` tokens already: its
+    first decode input is `first_token` at position `prompt_len` (its prompt and replayed
+    outputs fill the positions before); a fresh request has `first_token` -1 and samples
+    its first token at the end of its prompt."""
 
     slot: int
-    block_ids: tuple[int, ...]
     prompt_len: int
     min_loops: int
     max_loops: int
@@ -24,11 +29,18 @@ class NewSlot:
     num_logprobs: int
     banned_until_min_tokens: tuple[int, ...]  # EOS / stop ids masked before min_tokens
     decode_depths: tuple[int, ...] | None  # trace mode: the depth of each decode input
+    first_token: int = -1
+    num_generated: int = 0
 
 
 @dataclass(frozen=True)
 class PrefillChunk:
-    """Positions [start, start + len(token_ids)) of one request, all at `loop` this pass."""
+    """Positions [start, start + len(token_ids)) of one request, all at `loop` this pass.
+
+    A prompt chunk runs every loop (`depth` = the model's loops) and writes each loop's K/V
+    to that loop's plane. A replay chunk re-computes generated tokens of a preempted request
+    that all exited at `depth`: like the decode rows they were, it writes each loop's K/V to
+    that plane and every deeper one (`deep_writes`), so the cache ends as decoding left it."""
 
     slot: int
     request_id: str
@@ -36,6 +48,8 @@ class PrefillChunk:
     token_ids: tuple[int, ...]
     loop: int
     samples: bool  # last chunk of the prompt at its last loop: sample the first output token
+    depth: int = 0  # loops this chunk runs; 0: all of the model's
+    deep_writes: bool = False
 
 
 @dataclass(frozen=True)
@@ -47,6 +61,9 @@ class SchedulerOutput:
     decode_request_ids: tuple[str, ...]  # who owned each decode slot when it was scheduled
     prefill_chunks: tuple[PrefillChunk, ...]
     max_context: int  # upper bound of (position + 1) over all rows, for attention padding
+    # (slot, index in its block table, block id): blocks taken for this pass's rows, to be
+    # written into the device tables before it runs
+    block_updates: tuple[tuple[int, int, int], ...] = ()
 
     @property
     def num_rows(self) -> int:

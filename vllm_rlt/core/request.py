@@ -35,6 +35,13 @@ class Request:
     chunk_start: int = 0  # the prefill chunk in flight: positions and next loop
     chunk_len: int = 0
     chunk_loop: int = 0
+    chunk_depth: int = 0  # loops the chunk in flight runs
+    # What admission must compute before decoding, as (end position, depth, replayed):
+    # the prompt at full depth, then (after a preemption) the generated tokens that were
+    # decode inputs, in runs of equal exit depth. Set when the request gets a slot.
+    prefill_plan: list[tuple[int, int, bool]] = field(default_factory=list)
+    preempted_in: int = -1  # the scheduling round that last preempted it
+    sequence: int = 0  # arrival order, set by the scheduler
     token_in_flight: bool = False  # a decode token has started its loops but not exited
     bypass_count: int = 0
     output_token_ids: list[int] = field(default_factory=list)
@@ -48,6 +55,36 @@ class Request:
     @property
     def prompt_len(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Positions computed before decoding: the prompt, plus every generated token but
+        the last when the request resumes after a preemption."""
+        return self.prompt_len + max(len(self.output_token_ids) - 1, 0)
+
+    def context_token_ids(self, start: int, end: int) -> tuple[int, ...]:
+        """The input token of positions [start, end): prompt, then generated tokens."""
+        prompt, length = self.prompt_token_ids, self.prompt_len
+        head = tuple(prompt[start : min(end, length)])
+        if end <= length:
+            return head
+        return head + tuple(self.output_token_ids[max(start - length, 0) : end - length])
+
+    def plan_prefill(self, num_loops: int) -> None:
+        """The prompt at full depth; then each generated decode input (position P + i - 1
+        for token i >= 1) at the depth token i exited with, grouped in equal runs."""
+        plan = [(self.prompt_len, num_loops, False)]
+        for i, depth in enumerate(self.exit_depths[1 : len(self.output_token_ids)], 1):
+            end = self.prompt_len + i
+            if plan[-1][2] and plan[-1][1] == depth:
+                plan[-1] = (end, depth, True)
+            else:
+                plan.append((end, depth, True))
+        self.prefill_plan = plan
+
+    def prefill_segment(self, position: int) -> tuple[int, int, bool]:
+        """The plan's segment that holds `position`."""
+        return next(segment for segment in self.prefill_plan if position < segment[0])
 
     @property
     def reserved_positions(self) -> int:

@@ -1,4 +1,5 @@
-"""Loop-level continuous batching: admission, the rows of each pass, and block reservation."""
+"""Loop-level continuous batching: admission, the rows of each pass, blocks taken as
+positions are about to be written, and exact preemption when they run out."""
 
 from __future__ import annotations
 
@@ -40,9 +41,18 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
         self.requests: dict[str, Request] = {}
+        self.round = 0  # schedule() calls so far
+        self.num_preemptions = 0
+        self.block_updates: list[tuple[int, int, int]] = []
+        # Admission leaves this many blocks free: running requests' next tokens take them,
+        # so a burst of admissions does not preempt at once.
+        self.watermark_blocks = max(1, kv.num_blocks // 100)
+        self._sequence = 0
 
     # ----------------------------------------------------------------- request lifecycle
     def add_request(self, request: Request) -> None:
+        request.sequence = self._sequence
+        self._sequence += 1
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -68,85 +78,158 @@ class Scheduler:
 
     # ----------------------------------------------------------------- one pass
     def schedule(self) -> SchedulerOutput:
-        budget = self.config.max_num_batched_tokens
+        """Blocks first (decode rows, then new prefill chunks in rank order, preempting
+        the lowest-ranked requests when the pool runs dry), then the pass's rows from what
+        still runs."""
+        self.round += 1
+        self.block_updates: list[tuple[int, int, int]] = []
+        self._reserve_decode_blocks()
+        new_slots = self._admit()
+        self._start_chunks()
+
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODE]
-        # Budget one row for every decoding request, even one idling until its no_refill
-        # cohort restarts, so a prefill chunk started now still fits when the cohort does.
-        rows = len(decoding)
         in_flight = [r for r in decoding if r.token_in_flight]
         if self.config.mode == "no_refill" and in_flight:
             decoding = in_flight
         decoding.sort(key=lambda r: r.slot)  # type: ignore[arg-type, return-value]
         # +1: with asynchronous scheduling the device may be one token ahead of this view.
         max_context = max((r.context_len + 1 for r in decoding), default=0)
-
-        chunks: list[PrefillChunk] = []
         prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILL]
-        for request in prefilling:
-            if request.chunk_len:
-                chunks.append(self._chunk(request))
-                rows += request.chunk_len
-
-        new_slots = self._admit()
-        prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILL]
-        prefilling.sort(key=lambda r: r.arrival_time)
-        for request in prefilling:
-            if request.chunk_len:
-                continue
-            if len(chunks) >= self.config.max_prefill_batches_before_decode or rows >= budget:
-                break
-            length = min(
-                self.chunk_limit, request.prompt_len - request.num_prefilled, budget - rows
-            )
-            request.chunk_start, request.chunk_len, request.chunk_loop = (
-                request.num_prefilled,
-                length,
-                0,
-            )
-            chunks.append(self._chunk(request))
-            rows += length
+        chunks = [self._chunk(r) for r in sorted(prefilling, key=self._rank) if r.chunk_len]
         for chunk in chunks:
             max_context = max(max_context, chunk.start + len(chunk.token_ids))
             self._advance_chunk(self.running[chunk.slot])
         return SchedulerOutput(
-            new_slots=tuple(new_slots),
+            new_slots=tuple(new for new in new_slots if new.slot in self.running),
             decode_slots=tuple(r.slot for r in decoding),  # type: ignore[misc]
             decode_request_ids=tuple(r.request_id for r in decoding),
             prefill_chunks=tuple(chunks),
             max_context=max_context,
+            block_updates=tuple(self.block_updates),
         )
+
+    def _start_chunks(self) -> None:
+        """Start the next chunk of prefilling requests, in rank order, while the row budget
+        and the chunk limit allow and blocks can be had. Every decoding request counts one
+        row, even one idling until its no_refill cohort restarts, so a chunk started now
+        still fits when the cohort does."""
+        running = list(self.running.values())
+        rows = sum(1 for r in running if r.status is RequestStatus.DECODE)
+        rows += sum(r.chunk_len for r in running if r.status is RequestStatus.PREFILL)
+        chunks = sum(1 for r in running if r.status is RequestStatus.PREFILL and r.chunk_len)
+        budget = self.config.max_num_batched_tokens
+        waiting = [r for r in running if r.status is RequestStatus.PREFILL and not r.chunk_len]
+        for request in sorted(waiting, key=self._rank):
+            if request.slot is None:
+                continue  # preempted for a request ranked above it
+            if chunks >= self.config.max_prefill_batches_before_decode or rows >= budget:
+                return
+            end, depth, _ = request.prefill_segment(request.num_prefilled)
+            length = min(self.chunk_limit, end - request.num_prefilled, budget - rows)
+            if not self._reserve(request, request.num_prefilled + length, preempt_own=False):
+                return  # it waits for blocks, and so does everything ranked below it
+            request.chunk_start, request.chunk_len = request.num_prefilled, length
+            request.chunk_loop, request.chunk_depth = 0, depth
+            rows += length
+            chunks += 1
+        # Preemptions above removed rows only, so the budget still holds.
+
+    # ----------------------------------------------------------------- blocks
+    def _rank(self, request: Request) -> tuple[float, int]:
+        """Who keeps blocks first: earlier arrival (admission order)."""
+        return (request.arrival_time, request.sequence)
+
+    def _reserve_decode_blocks(self) -> None:
+        """Every decoding request gets the block of the position it may write next (one
+        ahead: the device may be a token ahead of this view), preempting the lowest-ranked
+        running requests when the pool runs dry, itself last."""
+        decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODE]
+        for request in sorted(decoding, key=self._rank):
+            if request.slot is None:
+                continue  # preempted for a request ranked above it
+            needed = min(request.context_len + 1, request.reserved_positions)
+            self._reserve(request, needed, preempt_own=True)
+
+    def _reserve(self, request: Request, num_positions: int, preempt_own: bool) -> bool:
+        """Blocks for `num_positions` positions of `request`, preempting running requests
+        ranked below it while they lack; with `preempt_own`, the request itself when none
+        is left below it. False if it got none (and, with `preempt_own`, lost its slot)."""
+        while not self.kv.can_grow(request.request_id, num_positions):
+            below = [r for r in self.running.values() if self._rank(r) > self._rank(request)]
+            if below:
+                self._preempt(max(below, key=self._rank))
+            else:
+                if preempt_own:
+                    self._preempt(request)
+                return False
+        for index, block in self.kv.grow(request.request_id, num_positions):
+            self.block_updates.append((request.slot, index, block))  # type: ignore[arg-type]
+        return True
+
+    def _preempt(self, request: Request) -> None:
+        """Give back its slot and every block; it waits at the head of the queue and, once
+        admitted again, recomputes its prompt and its generated tokens exactly (see
+        `Request.plan_prefill`). A pass in flight may still hold rows of it: their results
+        are dropped (it no longer owns that slot), their writes precede in stream order
+        every pass that hands its blocks to another request."""
+        assert request.slot is not None
+        del self.running[request.slot]
+        self.free_slots.append(request.slot)
+        self.kv.free(request.request_id)
+        request.slot = None
+        request.status = RequestStatus.WAITING
+        request.num_prefilled = request.chunk_start = request.chunk_len = 0
+        request.chunk_loop = request.chunk_depth = 0
+        request.token_in_flight = False
+        request.preempted_in = self.round
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
 
     def _advance_chunk(self, request: Request) -> None:
         """Prefill progress is known in advance, so it moves when a loop is scheduled: the
         next pass can be planned before this one's results come back."""
         request.chunk_loop += 1
-        if request.chunk_loop == self.num_loops:
+        if request.chunk_loop == request.chunk_depth:
             request.num_prefilled = request.chunk_start + request.chunk_len
             request.chunk_len = 0
-            if request.num_prefilled == request.prompt_len:
+            if request.num_prefilled == request.prefill_len:
                 request.status = RequestStatus.DECODE
 
     def _chunk(self, request: Request) -> PrefillChunk:
         start, length = request.chunk_start, request.chunk_len
-        last = start + length == request.prompt_len and request.chunk_loop == self.num_loops - 1
+        end = start + length
+        replayed = request.prefill_segment(start)[2]
+        last = (
+            end == request.prefill_len
+            and request.chunk_loop == request.chunk_depth - 1
+            and not request.output_token_ids
+        )
         return PrefillChunk(
             slot=request.slot,  # type: ignore[arg-type]
             request_id=request.request_id,
             start=start,
-            token_ids=tuple(request.prompt_token_ids[start : start + length]),
+            token_ids=request.context_token_ids(start, end),
             loop=request.chunk_loop,
             samples=last,
+            depth=request.chunk_depth,
+            deep_writes=replayed,
         )
 
     def _admit(self) -> list[NewSlot]:
         """FIFO admission with a bounded scan; a blocked request is bypassed a bounded number
-        of times, after which nothing behind it is admitted until it fits."""
+        of times, after which nothing behind it is admitted until it fits. A request needs
+        the blocks of its first chunk beside the watermark kept for running requests' next
+        tokens; one preempted in this round waits for the next (a pass in flight may still
+        carry its rows)."""
         admitted: list[NewSlot] = []
         blocked: list[Request] = []
+        promised = 0  # first-chunk blocks of the requests admitted in this scan
         for request in list(self.waiting)[: self.config.admission_scan_limit]:
             if not self.free_slots:
                 break
-            if not self.kv.can_allocate(request.reserved_positions):
+            first = self.kv.blocks_for(min(request.prefill_len, self.chunk_limit))
+            fits = promised + first + self.watermark_blocks <= self.kv.num_free_blocks
+            if not fits or request.preempted_in == self.round:
                 if request.bypass_count >= self.config.max_admission_bypasses:
                     break
                 blocked.append(request)
@@ -155,21 +238,22 @@ class Scheduler:
                 break
             for earlier in blocked:
                 earlier.bypass_count += 1
+            promised += first
             admitted.append(self._place(request))
         return admitted
 
     def _place(self, request: Request) -> NewSlot:
         self.waiting.remove(request)
         slot = self.free_slots.pop()
-        blocks = self.kv.allocate(request.request_id, request.reserved_positions)
         request.slot = slot
         request.status = RequestStatus.PREFILL
+        request.plan_prefill(self.num_loops)
         self.running[slot] = request
         params = request.params
+        resumed = bool(request.output_token_ids)
         return NewSlot(
             slot=slot,
-            block_ids=tuple(blocks),
-            prompt_len=request.prompt_len,
+            prompt_len=request.prefill_len,
             min_loops=request.min_loops,
             max_loops=request.max_loops,
             exit_threshold=request.exit_threshold,
@@ -182,6 +266,8 @@ class Scheduler:
             num_logprobs=params.logprobs or 0,
             banned_until_min_tokens=tuple(request_banned_ids(request)),
             decode_depths=request.decode_depths,
+            first_token=request.output_token_ids[-1] if resumed else -1,
+            num_generated=len(request.output_token_ids),
         )
 
     # ----------------------------------------------------------------- results

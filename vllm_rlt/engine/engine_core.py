@@ -422,6 +422,7 @@ class EngineCore:
             num_blocks=self.kv.num_blocks,
             num_passes=self.num_passes,
             num_rows=self.num_rows_total,
+            num_preemptions=self.scheduler.num_preemptions,
         )
 
     def all_blocks_free(self) -> bool:

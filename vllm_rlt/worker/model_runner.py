@@ -36,7 +36,7 @@ class HostUploads:
     """Small int64 host-to-device uploads through a ring of pinned buffers, so they need not
     wait for the device; a buffer is reused only after later passes were collected."""
 
-    def __init__(self, size: int, device: torch.device, depth: int = 4) -> None:
+    def __init__(self, size: int, device: torch.device, depth: int = 8) -> None:
         self.device = device
         pinned = device.type == "cuda"
         self.ring = [torch.empty(size, dtype=torch.int64, pin_memory=pinned) for _ in range(depth)]
@@ -45,6 +45,11 @@ class HostUploads:
     def upload(self, values, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.device.type != "cuda":
             return torch.tensor(values, dtype=torch.int64)
+        if len(values) > self.ring[0].numel():
+            # Grow the ring; a buffer an earlier copy still reads stays alive until it ends
+            # (the pinned allocator tracks its stream use).
+            size = 2 * len(values)
+            self.ring = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in self.ring]
         host = self.ring[self.next][: len(values)]
         self.next = (self.next + 1) % len(self.ring)
         host.copy_(torch.tensor(values, dtype=torch.int64))
@@ -124,6 +129,11 @@ class ModelRunner:
         """Enqueue one pass and the copy of its results to the host; does not wait for it.
         Its new slots must have been admitted (`admit`) first."""
         st = self.state
+        if out.block_updates:
+            # One upload and one scatter: (slot, index, block) of every block taken.
+            flat = self.uploads.upload([v for update in out.block_updates for v in update])
+            slots, indices, blocks = flat.view(-1, 3).unbind(1)
+            st.block_table[slots, indices] = blocks
         samplers = list(out.decode_slots) + [c.slot for c in out.prefill_chunks if c.samples]
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
         greedy = all(st.greedy[s] for s in samplers)
@@ -207,7 +217,7 @@ class ModelRunner:
             if chunk.samples:
                 prefill_samplers.append(chunk.slot)
                 prefill_rows.append(row + n - 1)
-            elif chunk.loop < self.num_loops - 1:
+            elif chunk.loop < (chunk.depth or self.num_loops) - 1:
                 self.prefill_hidden[chunk.slot] = hidden[row : row + n]
             row += n
         if prefill_samplers:

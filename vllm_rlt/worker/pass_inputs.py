@@ -58,12 +58,21 @@ def gather_rows(
     slots = torch.cat([torch.full((len(c.token_ids),), c.slot) for c in chunks])
     positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks])
     loops = torch.cat([torch.full((len(c.token_ids),), c.loop) for c in chunks])
-    host = torch.stack([slots, positions, loops]).to(decode.device)  # [3, prefill rows]
+    # A prompt row writes its own plane; a replayed row also the deeper ones, as the
+    # decode row it was did.
+    deep = geo.write_deeper_planes
+    write_hi = torch.cat(
+        [
+            torch.full((len(c.token_ids),), geo.planes if deep and c.deep_writes else c.loop + 1)
+            for c in chunks
+        ]
+    )
+    host = torch.stack([slots, positions, loops, write_hi]).to(decode.device)  # [4, rows]
     return PassRows(
         slots=torch.cat([decode, host[0]]),
         positions=torch.cat([rows.positions, host[1]]),
         loops=torch.cat([d_loops, host[2]]),
-        write_hi=torch.cat([d_hi, host[2] + 1]),
+        write_hi=torch.cat([d_hi, host[3]]),
     )
 
 

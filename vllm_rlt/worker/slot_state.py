@@ -59,7 +59,9 @@ class SlotState:
         s = new.slot
         self.loop[s] = 0
         self.position[s] = new.prompt_len
-        self.num_generated[s] = 0
+        self.num_generated[s] = new.num_generated
+        if new.first_token >= 0:  # resumed: its next decode input is already known
+            self.token[s] = new.first_token
         self.survival[s] = 1.0
         self.pending[s] = False
         self.min_loops[s] = new.min_loops
@@ -74,8 +76,7 @@ class SlotState:
         self.banned[s] = False
         if new.banned_until_min_tokens:
             self.banned[s, list(new.banned_until_min_tokens)] = True
-        self.block_table[s] = self.dummy_block
-        self.block_table[s, : len(new.block_ids)] = torch.tensor(new.block_ids)
+        self.block_table[s] = self.dummy_block  # its blocks come as they are taken
         if new.decode_depths is not None:
             depths = new.decode_depths[: self.trace.shape[1]]
             self.trace[s, : len(depths)] = torch.tensor(depths)
