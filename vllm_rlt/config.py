@@ -9,6 +9,7 @@ from typing import Any
 
 KV_LAYOUTS = ("last_exited", "shared")
 SCHEDULING_MODES = ("refill", "no_refill")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 
 
@@ -92,7 +93,9 @@ class SchedulerConfig:
     `max_prefill_batches_before_decode` bounds how many prefill chunks may be in flight at once,
     so decode rows keep most of every pass. Admission scans at most `admission_scan_limit`
     waiting requests, and a request that cannot be admitted is passed by later ones at most
-    `max_admission_bypasses` times before admission waits for it.
+    `max_admission_bypasses` times before admission waits for it. `scheduling_policy`
+    "fcfs" serves requests in arrival order; "priority" by `SamplingParams.priority` (lower
+    first), then arrival, and preempts running requests of a higher value for a waiting one.
     """
 
     mode: str = "refill"
@@ -102,8 +105,15 @@ class SchedulerConfig:
     max_prefill_batches_before_decode: int = 4
     admission_scan_limit: int = 64
     max_admission_bypasses: int = 8
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
+        require(
+            self.scheduling_policy in SCHEDULING_POLICIES,
+            f"scheduling_policy must be one of {', '.join(SCHEDULING_POLICIES)}, got "
+            f"{self.scheduling_policy!r}",
+            "scheduling_policy",
+        )
         require(
             self.mode in SCHEDULING_MODES,
             f"mode must be one of {', '.join(SCHEDULING_MODES)}, got {self.mode!r}",

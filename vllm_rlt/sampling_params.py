@@ -10,6 +10,7 @@ MAX_LOGPROBS = 20
 MAX_N = 128
 MAX_TOP_K = 2**31 - 1  # any k at or above the vocabulary size keeps every token
 MAX_SEED = 2**63 - 1
+MAX_PRIORITY = 2**31 - 1
 
 
 @dataclass
@@ -21,6 +22,8 @@ class SamplingParams:
     `min_loops` / `max_loops` bound each decode token's exit depth (None: 1 and the model's
     depth); `exit_threshold` is the exit policy's threshold q (1.0 = always run max_loops).
     `include_stop_str_in_output` keeps the stop string that ended the text at its end.
+    `priority` orders requests under the "priority" scheduling policy: lower runs first, and
+    running requests of a higher value are preempted for it.
     """
 
     n: int = 1
@@ -39,9 +42,11 @@ class SamplingParams:
     max_loops: int | None = None
     exit_threshold: float | None = None
     include_stop_str_in_output: bool = False
+    priority: int = 0
 
     def __post_init__(self) -> None:
         require_int(self.n, "n", 1, MAX_N)
+        require_int(self.priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
         require_int(self.max_tokens, "max_tokens", 1)
         require_int(self.min_tokens, "min_tokens", 0, self.max_tokens)
         _require_float(self.temperature, "temperature", 0.0, 100.0)

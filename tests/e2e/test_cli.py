@@ -37,6 +37,8 @@ ERRORS = {
     ),
     "negative_temperature": (["--temperature", "-1"], "temperature"),
     "unknown_kv_layout": (["--kv-layout", "nope"], "kv-layout"),
+    "priority_under_fcfs": (["--priority", "2"], "--scheduling-policy priority"),
+    "unknown_scheduling_policy": (["--scheduling-policy", "lifo"], "scheduling-policy"),
 }
 
 

@@ -157,3 +157,43 @@ def test_preemption_keeps_sampling_logprobs_and_n(make_engine, layout, async_sch
                 assert a.keys() == b.keys()
                 # Other rows share the passes in each run: the last bits may differ.
                 assert all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
+
+
+def _priority_engine(make_engine, **kwargs):
+    return make_engine(
+        num_blocks=64, max_num_seqs=1, scheduling_policy="priority", prefill_chunk_size=4, **kwargs
+    )
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_more_urgent_request_preempts_and_both_stay_exact(make_engine, async_scheduling):
+    """One slot: a request of priority 0 arriving while one of priority 5 decodes takes the
+    slot at once, finishes first, and the other resumes where it was, unchanged."""
+    low = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=0.6, priority=5)
+    high = SamplingParams(max_tokens=6, temperature=0.0, exit_threshold=0.6, priority=0)
+    prompts = _prompts()
+    alone = {
+        rid: drain(_priority_engine(make_engine), {0: [(rid, prompt, params)]})[rid]
+        for rid, prompt, params in (("low", prompts[3], low), ("high", prompts[1], high))
+    }
+    engine = _priority_engine(make_engine, async_scheduling=async_scheduling)
+    engine.add_request("low", prompts[3], low)
+    finished_order = []
+    while len(engine.scheduler.requests["low"].output_token_ids) < 3:
+        finished_order += [o.request_id for o in engine.step() if o.finished]
+    outputs = drain(engine, {0: [("high", prompts[1], high)]})
+    finished_order += [rid for rid in outputs if rid not in finished_order]
+    assert engine.scheduler.num_preemptions >= 1
+    assert finished_order == ["high", "low"]
+    for rid in ("low", "high"):
+        got, want = outputs[rid].outputs[0], alone[rid].outputs[0]
+        assert got.token_ids == want.token_ids and got.exit_depths == want.exit_depths
+
+
+def test_priority_needs_the_priority_policy(make_engine):
+    engine = make_engine()
+    with pytest.raises(ValueError, match="priority 3 needs the priority scheduling policy") as e:
+        engine.add_request("r", [5, 6], SamplingParams(priority=3))
+    assert e.value.param == "priority"
+    with pytest.raises(ValueError, match=r"priority must be in \[-2147483647, 2147483647\]"):
+        SamplingParams(priority=2**31)

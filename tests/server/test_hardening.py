@@ -124,6 +124,15 @@ def test_prompt_token_ids_out_of_range_are_400(server):
     )
 
 
+def test_priority_is_bounded_and_needs_the_priority_policy(server):
+    url, _ = server
+    for value, says in ((2**31, "priority"), ("high", "priority"), (3, "--scheduling-policy")):
+        body = {"model": "toy", "prompt": "x", "max_tokens": 2, "priority": value}
+        error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "priority")
+        assert says in error["message"]
+    assert_healthy(url)
+
+
 def test_lone_surrogates_are_400_naming_the_field(server):
     url, _ = server
     cases = [

@@ -47,6 +47,7 @@ class Scheduler:
         # Admission leaves this many blocks free: running requests' next tokens take them,
         # so a burst of admissions does not preempt at once.
         self.watermark_blocks = max(1, kv.num_blocks // 100)
+        self.by_priority = config.scheduling_policy == "priority"
         self._sequence = 0
 
     # ----------------------------------------------------------------- request lifecycle
@@ -135,9 +136,11 @@ class Scheduler:
         # Preemptions above removed rows only, so the budget still holds.
 
     # ----------------------------------------------------------------- blocks
-    def _rank(self, request: Request) -> tuple[float, int]:
-        """Who keeps blocks first: earlier arrival (admission order)."""
-        return (request.arrival_time, request.sequence)
+    def _rank(self, request: Request) -> tuple[int, float, int]:
+        """Who runs and keeps blocks first: lower priority value (under the priority
+        policy), then earlier arrival."""
+        priority = request.params.priority if self.by_priority else 0
+        return (priority, request.arrival_time, request.sequence)
 
     def _reserve_decode_blocks(self) -> None:
         """Every decoding request gets the block of the position it may write next (one
@@ -224,7 +227,10 @@ class Scheduler:
         admitted: list[NewSlot] = []
         blocked: list[Request] = []
         promised = 0  # first-chunk blocks of the requests admitted in this scan
-        for request in list(self.waiting)[: self.config.admission_scan_limit]:
+        queue = sorted(self.waiting, key=self._rank) if self.by_priority else list(self.waiting)
+        if self.by_priority and queue:
+            self._make_room(queue[0])
+        for request in queue[: self.config.admission_scan_limit]:
             if not self.free_slots:
                 break
             first = self.kv.blocks_for(min(request.prefill_len, self.chunk_limit))
@@ -241,6 +247,18 @@ class Scheduler:
             promised += first
             admitted.append(self._place(request))
         return admitted
+
+    def _make_room(self, request: Request) -> None:
+        """Priority policy: preempt running requests ranked below `request`, lowest first,
+        until it has a slot and its first chunk's blocks."""
+        if request.preempted_in == self.round:
+            return
+        first = self.kv.blocks_for(min(request.prefill_len, self.chunk_limit))
+        while not self.free_slots or first + self.watermark_blocks > self.kv.num_free_blocks:
+            below = [r for r in self.running.values() if self._rank(r) > self._rank(request)]
+            if not below:
+                return
+            self._preempt(max(below, key=self._rank))
 
     def _place(self, request: Request) -> NewSlot:
         self.waiting.remove(request)

@@ -291,6 +291,7 @@ class AsyncLLM:
                 num_blocks=info.num_blocks,
                 block_size=info.block_size,
                 num_loops=info.num_loops,
+                scheduling_policy=info.scheduling_policy,
             ),
             llm_kwargs.get("exit_config") or ExitConfig(),
         )

@@ -110,6 +110,7 @@ class EngineCore:
                 num_blocks=self.memory_plan.num_blocks,
                 block_size=cache_config.block_size,
                 num_loops=self.num_loops,
+                scheduling_policy=scheduler_config.scheduling_policy,
             ),
             exit_config,
         )

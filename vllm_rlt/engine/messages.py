@@ -58,6 +58,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     num_blocks: int
     block_size: int
     max_num_seqs: int
+    scheduling_policy: str = "fcfs"
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

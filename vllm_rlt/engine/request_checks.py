@@ -16,6 +16,17 @@ class RequestLimits:
     num_blocks: int
     block_size: int
     num_loops: int
+    scheduling_policy: str = "fcfs"
+
+
+def check_priority(priority: int, scheduling_policy: str) -> None:
+    """A priority other than 0 means something only under the priority policy."""
+    require(
+        priority == 0 or scheduling_policy == "priority",
+        f"priority {priority} needs the priority scheduling policy "
+        "(--scheduling-policy priority); under fcfs it must be 0",
+        "priority",
+    )
 
 
 class RequestChecker:
@@ -40,6 +51,7 @@ class RequestChecker:
             "prompt must contain at least one token",
             "prompt",
         )
+        check_priority(params.priority, limits.scheduling_policy)
         vocab = limits.vocab_size
         # The common case at C speed; the loop names the culprit of a bad one.
         valid = all(type(token) is int for token in prompt)

@@ -12,6 +12,7 @@ from vllm_rlt.config import (
     EXIT_MODES,
     KV_LAYOUTS,
     SCHEDULING_MODES,
+    SCHEDULING_POLICIES,
     CacheConfig,
     ExecutionConfig,
     ExitConfig,
@@ -79,6 +80,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default="refill",
         help="refill: a row freed by an exit is refilled at once; no_refill: the decode "
         "cohort waits for its slowest token",
+    )
+    sched.add_argument(
+        "--scheduling-policy",
+        choices=SCHEDULING_POLICIES,
+        default="fcfs",
+        help="fcfs: arrival order; priority: each request's priority (lower first), and "
+        "running requests of a higher value are preempted for a waiting one",
     )
     sched.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
     sched.add_argument(
@@ -195,6 +203,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
             max_prefill_batches_before_decode=ns.max_prefill_batches_before_decode,
             admission_scan_limit=ns.admission_scan_limit,
             max_admission_bypasses=ns.max_admission_bypasses,
+            scheduling_policy=ns.scheduling_policy,
         ),
         exit_config=ExitConfig(
             mode=ns.exit_mode,

@@ -41,6 +41,12 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--sampling-seed", type=int, default=None, help="per-request seed (default: random)"
     )
     group.add_argument(
+        "--priority",
+        type=int,
+        default=0,
+        help="every prompt's priority (lower runs first; needs --scheduling-policy priority)",
+    )
+    group.add_argument(
         "--stop", action="append", default=None, help="stop string (repeatable; default: none)"
     )
     group.add_argument(
@@ -81,6 +87,7 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
         min_loops=ns.min_loops,
         max_loops=ns.max_loops,
         exit_threshold=ns.exit_threshold,
+        priority=ns.priority,
     )
 
 
@@ -308,10 +315,12 @@ def warn_untrained_prompts(model: str | None, prompts: list[str]) -> None:
 
 def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from vllm_rlt.engine.llm import LLM
+    from vllm_rlt.engine.request_checks import check_priority
 
     try:
         engine_args = engine_args_from(ns)
         params = sampling_params_from(ns)
+        check_priority(params.priority, ns.scheduling_policy)
     except ValueError as exc:
         parser.error(str(exc))
     try:

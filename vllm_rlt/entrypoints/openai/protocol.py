@@ -8,7 +8,14 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
-from vllm_rlt.sampling_params import MAX_LOGPROBS, MAX_N, MAX_SEED, MAX_TOP_K, SamplingParams
+from vllm_rlt.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_PRIORITY,
+    MAX_SEED,
+    MAX_TOP_K,
+    SamplingParams,
+)
 
 MAX_STOP_STRINGS = 64  # each is searched for after every token
 TokenId = Annotated[int, Strict()]  # `true` or `1.5` is no token id
@@ -89,6 +96,7 @@ class SamplingFields(RequestBody):
     max_loops: int | None = Field(default=None, ge=1)
     exit_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
     return_exit_depths: bool = False
+    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -108,6 +116,7 @@ class SamplingFields(RequestBody):
             min_loops=self.min_loops,
             max_loops=self.max_loops,
             exit_threshold=self.exit_threshold,
+            priority=self.priority,
         )
 
 

@@ -1,0 +1,87 @@
+"""Property tests of the block pool under the scheduler: random arrivals, aborts, priorities
+and pools small enough to preempt all the time never leak a block, hand one to two requests,
+or leave work undone."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tests.unit.test_scheduler import FakeRunner, T, assert_idle, make_request, make_scheduler
+from vllm_rlt.core.request import RequestStatus
+
+
+def assert_blocks_consistent(scheduler) -> None:
+    kv = scheduler.kv
+    tables = kv._tables
+    held = [block for table in tables.values() for block in table]
+    assert len(held) == len(set(held)), "a block is in two tables"
+    assert not set(held) & set(kv._free), "a block is both held and free"
+    assert len(held) + len(kv._free) == kv.num_blocks, "a block leaked"
+    running = {r.request_id for r in scheduler.running.values()}
+    assert set(tables) <= running, "a request that does not run holds blocks"
+    for request in scheduler.running.values():
+        assert request.status is not RequestStatus.WAITING
+    for request in scheduler.waiting:
+        assert request.slot is None and request.request_id not in tables
+
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_random_traffic_never_leaks_or_shares_a_block(data):
+    block_size = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
+    num_blocks = data.draw(st.integers(3, 24), label="num_blocks")
+    policy = data.draw(st.sampled_from(["fcfs", "priority"]), label="policy")
+    scheduler = make_scheduler(
+        num_blocks=num_blocks,
+        block_size=block_size,
+        max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
+        max_num_batched_tokens=16,
+        prefill_chunk_size=data.draw(st.integers(1, 8), label="chunk"),
+        mode=data.draw(st.sampled_from(["refill", "no_refill"]), label="mode"),
+        scheduling_policy=policy,
+    )
+    rng_depths: dict[tuple[str, int], int] = {}
+
+    def depth(request, index: int) -> int:
+        key = (request.request_id, index)
+        if key not in rng_depths:
+            rng_depths[key] = data.draw(st.integers(1, T), label="depth")
+        return rng_depths[key]
+
+    runner = FakeRunner(scheduler, depth)
+    capacity = num_blocks * block_size
+    added = 0
+    for _ in range(data.draw(st.integers(1, 120), label="actions")):
+        action = data.draw(st.sampled_from(["add", "step", "step", "step", "abort"]))
+        if action == "add":
+            prompt_len = data.draw(st.integers(1, min(12, capacity)))
+            max_tokens = data.draw(st.integers(1, capacity - prompt_len + 1))
+            request = make_request(f"r{added}", prompt_len, max_tokens, arrival=added)
+            if policy == "priority":
+                priority = data.draw(st.integers(-2, 2))
+                request.params = replace(request.params, priority=priority)
+            scheduler.add_request(request)
+            added += 1
+        elif action == "abort" and scheduler.requests:
+            victim = data.draw(st.sampled_from(sorted(scheduler.requests)))
+            scheduler.finish(scheduler.requests[victim], "abort")
+        else:
+            _step(scheduler, runner)
+        assert_blocks_consistent(scheduler)
+    for _ in range(20000):
+        if not scheduler.has_unfinished:
+            break
+        _step(scheduler, runner)
+        assert_blocks_consistent(scheduler)
+    assert_idle(scheduler)
+
+
+def _step(scheduler, runner) -> None:
+    out = scheduler.schedule()
+    assert not out.is_empty or not scheduler.has_unfinished, "an empty pass with work queued"
+    for request in scheduler.update(out, runner.execute(out)):
+        if len(request.output_token_ids) >= request.params.max_tokens:
+            scheduler.finish(request, "length")
