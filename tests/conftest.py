@@ -47,12 +47,18 @@ def make_engine(toy_model):
         num_blocks: int = 128,
         block_size: int = 4,
         async_scheduling: bool = False,
+        enable_prefix_caching: bool = True,
         **scheduler_kwargs,
     ) -> EngineCore:
         engine = EngineCore(
             toy_model,
             Tokenizer.byte_level(),
-            CacheConfig(layout=layout, num_blocks=num_blocks, block_size=block_size),
+            CacheConfig(
+                layout=layout,
+                num_blocks=num_blocks,
+                block_size=block_size,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
             SchedulerConfig(**scheduler_kwargs),
             exit_config or ExitConfig(),
             ExecutionConfig(async_scheduling=async_scheduling),

@@ -52,6 +52,9 @@ class CacheConfig:
     `layout` is "last_exited" (one plane per loop; an earlier token is read at min(loop, its
     exit depth)) or "shared" (one plane overwritten every loop). `num_blocks=None` sizes the
     pool automatically; `kv_cache_memory_bytes` sizes it from a byte budget instead.
+    `enable_prefix_caching` shares the K/V of full prompt blocks between requests whose
+    prompts start alike (prompt positions run every loop, so this is exact in every layout
+    and exit mode).
     """
 
     layout: str = "last_exited"
@@ -59,6 +62,7 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         require(

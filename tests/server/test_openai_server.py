@@ -285,12 +285,23 @@ def test_metrics_parse_and_move(server):
 
     before = sample("vllm_rlt:generation_tokens_total")
     depth_before = sample("vllm_rlt:exit_depth_count")
-    client(url).completions.create(
-        model="toy", prompt="metrics", max_tokens=7, extra_body={"ignore_eos": True}
+    queries, hits = (
+        sample("vllm_rlt:prefix_cache_queries_total"),
+        sample("vllm_rlt:prefix_cache_hits_total"),
     )
+    prompt = "metrics of a prompt longer than a block, sent twice"
+    for _ in range(2):
+        client(url).completions.create(
+            model="toy", prompt=prompt, max_tokens=7, extra_body={"ignore_eos": True}
+        )
     wait_idle(state)
-    assert sample("vllm_rlt:generation_tokens_total") == before + 7
-    assert sample("vllm_rlt:exit_depth_count") == depth_before + 6
+    prompt_len = len(prompt.encode())
+    assert sample("vllm_rlt:prefix_cache_queries_total") == queries + 2 * prompt_len
+    # The second time every full block but the one holding the last position is cached.
+    assert sample("vllm_rlt:prefix_cache_hits_total") == hits + (prompt_len - 1) // 16 * 16
+    assert sample("vllm_rlt:num_cached_blocks") >= (prompt_len - 1) // 16
+    assert sample("vllm_rlt:generation_tokens_total") == before + 14
+    assert sample("vllm_rlt:exit_depth_count") == depth_before + 12
     assert sample("vllm_rlt:passes_total") > 0
     assert sample("vllm_rlt:time_to_first_token_seconds_count") >= 1
     assert 1 <= sample("vllm_rlt:mean_loops_per_token") <= 4

@@ -118,3 +118,19 @@ def test_generate_shows_a_bar_only_for_more_than_one_prompt(toy_llm, capfd):
     captured = capfd.readouterr()
     assert "Generating" in captured.err and "2/2" in captured.err
     assert "Generating" not in captured.out
+
+
+@pytest.mark.parametrize("caching", [True, False])
+def test_throughput_with_a_shared_prefix_finds_it_cached(caching, capsys):
+    argv = ["--shape", "toy", "--device", "cpu", "--concurrency", "2", "--output-len", "2"]
+    argv += ["--prompt-len", "3", "--shared-prefix-len", "32", "--repeats", "1", "--no-baseline"]
+    if not caching:
+        argv.append("--no-enable-prefix-caching")
+    assert throughput.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"]["shared_prefix_len"] == 32
+    assert report["workload"]["enable_prefix_caching"] is caching
+    assert ("--no-enable-prefix-caching" in report["command"]) is not caching
+    (result,) = report["results"]
+    # The warm-up run caches the prefix's 2 blocks; the timed run finds them (2 x 32 of 70).
+    assert result["prefix_cache_hit_rate"] == (pytest.approx(64 / 140) if caching else 0.0)

@@ -1,6 +1,6 @@
-"""Property tests of the block pool under the scheduler: random arrivals, aborts, priorities
-and pools small enough to preempt all the time never leak a block, hand one to two requests,
-or leave work undone."""
+"""Property tests of the block pool under the scheduler: random arrivals, aborts, priorities,
+prefix caching (the prompts share their first tokens) and pools small enough to preempt all
+the time never leak a block, miscount a shared one, or leave work undone."""
 
 from __future__ import annotations
 
@@ -16,10 +16,20 @@ from vllm_rlt.core.request import RequestStatus
 def assert_blocks_consistent(scheduler) -> None:
     kv = scheduler.kv
     tables = kv._tables
-    held = [block for table in tables.values() for block in table]
-    assert len(held) == len(set(held)), "a block is in two tables"
-    assert not set(held) & set(kv._free), "a block is both held and free"
-    assert len(held) + len(kv._free) == kv.num_blocks, "a block leaked"
+    held = {block for table in tables.values() for block in table}
+    for block in range(kv.num_blocks):
+        holders = sum(table.count(block) for table in tables.values())
+        assert kv._refs[block] == holders, (
+            f"block {block}: {kv._refs[block]} refs, {holders} holders"
+        )
+    if not kv.enable_caching:
+        assert all(kv._refs[b] <= 1 for b in held), "an uncached block is shared"
+    free, evictable = set(kv._free), set(kv._evictable)
+    assert len(free) == len(kv._free), "a block is free twice"
+    assert not held & free and not held & evictable and not free & evictable
+    assert len(held) + len(free) + len(evictable) == kv.num_blocks, "a block leaked"
+    assert evictable <= set(kv._hash_of) and not free & set(kv._hash_of)
+    assert {kv._block_of[h] for h in kv._hash_of.values()} == set(kv._hash_of)
     running = {r.request_id for r in scheduler.running.values()}
     assert set(tables) <= running, "a request that does not run holds blocks"
     for request in scheduler.running.values():
@@ -28,7 +38,7 @@ def assert_blocks_consistent(scheduler) -> None:
         assert request.slot is None and request.request_id not in tables
 
 
-@settings(max_examples=80, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(data=st.data())
 def test_random_traffic_never_leaks_or_shares_a_block(data):
     block_size = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
@@ -42,6 +52,7 @@ def test_random_traffic_never_leaks_or_shares_a_block(data):
         prefill_chunk_size=data.draw(st.integers(1, 8), label="chunk"),
         mode=data.draw(st.sampled_from(["refill", "no_refill"]), label="mode"),
         scheduling_policy=policy,
+        enable_caching=data.draw(st.booleans(), label="caching"),
     )
     rng_depths: dict[tuple[str, int], int] = {}
 

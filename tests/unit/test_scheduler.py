@@ -32,9 +32,13 @@ def make_request(request_id: str, prompt_len: int, max_tokens: int, arrival: flo
 
 
 def make_scheduler(
-    num_blocks: int = 64, block_size: int = 4, one_position_prefill: bool = False, **config
+    num_blocks: int = 64,
+    block_size: int = 4,
+    one_position_prefill: bool = False,
+    enable_caching: bool = False,
+    **config,
 ) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size)
+    kv = KVCacheManager(num_blocks, block_size, enable_caching)
     config.setdefault("max_num_seqs", 4)
     return Scheduler(
         SchedulerConfig(**config), kv, num_loops=T, one_position_prefill=one_position_prefill

@@ -119,17 +119,23 @@ def build_engine(
 ) -> EngineCore:
     """`whole_pool`: KV blocks for every request at once; else the pool is sized from the
     device's free memory and the scheduler queues what does not fit."""
-    max_len = args.prompt_len + args.output_len
+    prompt_len = args.shared_prefix_len + args.prompt_len
+    max_len = prompt_len + args.output_len
     blocks = concurrency * -(-max_len // args.block_size) + 8 if whole_pool else None
     return EngineCore(
         model,
         None,
-        CacheConfig(layout=args.kv_layout, block_size=args.block_size, num_blocks=blocks),
+        CacheConfig(
+            layout=args.kv_layout,
+            block_size=args.block_size,
+            num_blocks=blocks,
+            enable_prefix_caching=args.enable_prefix_caching,
+        ),
         SchedulerConfig(
             mode=args.mode,
             max_num_seqs=max(concurrency, 1),
-            max_num_batched_tokens=max(concurrency * args.prompt_len, 2048),
-            prefill_chunk_size=max(args.prompt_len, 1),
+            max_num_batched_tokens=max(concurrency * prompt_len, 2048),
+            prefill_chunk_size=max(prompt_len, 1),
             max_prefill_batches_before_decode=max(concurrency, 1),
         ),
         exit_config,
@@ -157,9 +163,17 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
     loops = model.config.num_loops
     rng = random.Random(args.seed + concurrency)
     vocab = model.config.vocab_size
-    prompts = [
-        [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(concurrency)
-    ]
+    prefix = [rng.randrange(3, vocab) for _ in range(args.shared_prefix_len)]
+
+    def fresh_prompts() -> list[list[int]]:
+        """New prompts for every run (only the shared prefix repeats), so that no run finds
+        an earlier run's prompts in the prefix cache."""
+        return [
+            prefix + [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+            for _ in range(concurrency)
+        ]
+
+    prompts = fresh_prompts()
     ids = [f"b{i}" for i in range(concurrency)]
     if args.depth_trace_mean is not None:
         exit_config = ExitConfig(
@@ -189,7 +203,7 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
     progress.set_description(f"concurrency {concurrency}: engine")
     engine_runs = []
     for index in range(args.warmup + args.repeats):
-        timing = run_engine(engine, prompts, params)
+        timing = run_engine(engine, prompts if index == 0 else fresh_prompts(), params)
         if index >= args.warmup:
             engine_runs.append(timing)
         progress.update(1)
@@ -198,6 +212,11 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
         "concurrency": concurrency,
         "kv_pool": kv_pool,
         "kv_bytes_per_position": engine.memory_plan.bytes_per_block // engine.kv.block_size,
+        "prefix_cache_hit_rate": (
+            engine.scheduler.prefix_hits / engine.scheduler.prefix_queries
+            if engine.scheduler.prefix_queries
+            else 0.0
+        ),
         "execution": execution(engine),
         "engine": best,
     }
@@ -208,7 +227,7 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
         baseline = []
         progress.set_description(f"concurrency {concurrency}: baseline")
         for _ in range(args.repeats + args.warmup):
-            naive = NaiveOuro(model, concurrency, args.prompt_len + args.output_len)
+            naive = NaiveOuro(model, concurrency, len(prompts[0]) + args.output_len)
             baseline.append(naive.generate(batch, args.output_len, naive_loops))
             del naive
             progress.update(1)
@@ -257,7 +276,7 @@ def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float)
         for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
     )
     head_bytes = model.lm_head.numel() * element
-    mean_context = args.prompt_len + args.output_len / 2
+    mean_context = args.shared_prefix_len + args.prompt_len + args.output_len / 2
     kv_bytes = (
         concurrency
         * mean_context
@@ -322,6 +341,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: on)",
     )
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    parser.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens every prompt starts with (the same for all), before its own --prompt-len "
+        "ones; with prefix caching the warm-up run leaves them cached for the timed runs",
+    )
+    parser.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the K/V of full prompt blocks between requests",
+    )
     parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")
     parser.add_argument(
         "--concurrency",
@@ -359,8 +391,8 @@ def command_line(args: argparse.Namespace) -> str:
     """The flags that shaped the run (not where its JSON went), as one command to rerun."""
     parts = ["vllm-rlt bench throughput"]
     for name, value in sorted(vars(args).items()):
-        if name == "async_scheduling" and value is False:  # on by default: say it was off
-            parts.append("--no-async-scheduling")
+        if name in ("async_scheduling", "enable_prefix_caching") and value is False:
+            parts.append("--no-" + name.replace("_", "-"))  # on by default: say it was off
             continue
         if name == "output" or value is None or value is False:
             continue
@@ -399,6 +431,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(dtype).removeprefix("torch."),
         "workload": {
             "prompt_len": args.prompt_len,
+            "shared_prefix_len": args.shared_prefix_len,
+            "enable_prefix_caching": args.enable_prefix_caching,
             "output_len": args.output_len,
             "depth": None if args.depth_trace_mean is not None else args.depth,
             "depth_trace_mean": args.depth_trace_mean,
@@ -419,6 +453,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("prompt_len", "output_len", "block_size", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.shared_prefix_len < 0:
+        parser.error(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
     if args.warmup < 0:
         parser.error(f"--warmup must be >= 0, got {args.warmup}")
     if min(args.concurrency) < 1:

@@ -1,23 +1,54 @@
 """KV block pool and per-request block tables; every block spans all planes.
 
-Blocks are taken as positions are about to be written (`grow`), never for a request's
-whole lifetime up front, and all of a request's blocks return at once (`free`)."""
+Blocks are taken as positions are about to be written (`grow`), never for a request's whole
+lifetime up front. With prefix caching, a full block of prompt positions is registered under
+a hash chain of its tokens once every loop has written it (prompt positions always run at
+full depth, so its K/V is the same whoever computed it); a later request whose prompt starts
+with the same blocks shares them (`match_prefix`). A block nobody holds but that is cached
+stays findable until the pool needs it: free blocks are taken first, then cached ones, least
+recently released first."""
 
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
+
+
+def block_hashes(salt: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
+    """The chained hash of each full block of `token_ids`: sha256 of the previous block's
+    hash and this block's ids (the first block chains from `salt`: model, layout, dtype)."""
+    hashes, previous = [], salt
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        block = array("q", token_ids[start : start + block_size]).tobytes()
+        previous = hashlib.sha256(previous + block).digest()
+        hashes.append(previous)
+    return hashes
+
 
 class KVCacheManager:
-    """Owns the free list and each request's block table, and the all-free invariant."""
+    """Owns the free list, reference counts, each request's block table, and the hashes of
+    the cached blocks."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = False) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        self.enable_caching = enable_caching
+        self._free: list[int] = list(range(num_blocks - 1, -1, -1))  # held by none, unhashed
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # held by none, hashed
+        self._refs = [0] * num_blocks
+        self._hash_of: dict[int, bytes] = {}
+        self._block_of: dict[bytes, int] = {}
         self._tables: dict[str, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        """Blocks a request may take now (cached blocks nobody holds count: they can go)."""
+        return len(self._free) + len(self._evictable)
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._block_of)
 
     def blocks_for(self, num_positions: int) -> int:
         return max(1, -(-num_positions // self.block_size))
@@ -28,26 +59,76 @@ class KVCacheManager:
         return max(0, self.blocks_for(num_positions) - held)
 
     def can_grow(self, request_id: str, num_positions: int) -> bool:
-        return self.missing(request_id, num_positions) <= len(self._free)
+        return self.missing(request_id, num_positions) <= self.num_free_blocks
 
     def grow(self, request_id: str, num_positions: int) -> list[tuple[int, int]]:
         """Take the blocks the request lacks for `num_positions` positions; returns each new
         block as (its index in the request's table, its id)."""
         count = self.missing(request_id, num_positions)
-        if count > len(self._free):
-            raise RuntimeError(f"need {count} blocks, {len(self._free)} free")
+        if count > self.num_free_blocks:
+            raise RuntimeError(f"need {count} blocks, {self.num_free_blocks} free")
         table = self._tables.setdefault(request_id, [])
         start = len(table)
-        table.extend(self._free.pop() for _ in range(count))
+        for _ in range(count):
+            block = self._take()
+            self._refs[block] = 1
+            table.append(block)
         return list(enumerate(table[start:], start))
 
+    def _take(self) -> int:
+        if self._free:
+            return self._free.pop()
+        block, _ = self._evictable.popitem(last=False)  # least recently released
+        del self._block_of[self._hash_of.pop(block)]
+        return block
+
+    # ----------------------------------------------------------------- prefix caching
+    def count_hits(self, hashes: list[bytes]) -> int:
+        """How many leading blocks of a prompt with these hashes are cached."""
+        hits = 0
+        for block_hash in hashes:
+            if block_hash not in self._block_of:
+                break
+            hits += 1
+        return hits
+
+    def match_prefix(self, request_id: str, hashes: list[bytes]) -> list[tuple[int, int]]:
+        """Start an empty table with the cached blocks of the prompt's first `len(hashes)`
+        blocks that are cached; returns them as (index, block id)."""
+        if request_id in self._tables:
+            raise RuntimeError(f"request {request_id!r} already holds blocks")
+        table = self._tables[request_id] = []
+        for block_hash in hashes[: self.count_hits(hashes)]:
+            block = self._block_of[block_hash]
+            if self._refs[block] == 0:
+                del self._evictable[block]
+            self._refs[block] += 1
+            table.append(block)
+        return list(enumerate(table))
+
+    def register(self, request_id: str, index: int, block_hash: bytes) -> None:
+        """Block `index` of the request holds the K/V of the prompt block with this hash,
+        from now on (in stream order). A prompt another request is computing at the same
+        time keeps the first block registered; its copy stays private."""
+        block = self._tables[request_id][index]
+        if block_hash not in self._block_of and block not in self._hash_of:
+            self._block_of[block_hash] = block
+            self._hash_of[block] = block_hash
+
+    # ----------------------------------------------------------------- release
     def free(self, request_id: str) -> None:
-        blocks = self._tables.pop(request_id, None)
-        if blocks:
-            self._free.extend(reversed(blocks))
+        """Release the request's blocks; the last blocks of a prompt go first when the pool
+        later needs cached ones back (released in reverse order)."""
+        for block in reversed(self._tables.pop(request_id, [])):
+            self._refs[block] -= 1
+            if self._refs[block] == 0:
+                if block in self._hash_of:
+                    self._evictable[block] = None
+                else:
+                    self._free.append(block)
 
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 
     def all_free(self) -> bool:
-        return len(self._free) == self.num_blocks and not self._tables
+        return self.num_free_blocks == self.num_blocks and not self._tables

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections import deque
 
 from vllm_rlt.config import SchedulerConfig
-from vllm_rlt.core.block_pool import KVCacheManager
+from vllm_rlt.core.block_pool import KVCacheManager, block_hashes
 from vllm_rlt.core.contract import (
     ModelRunnerOutput,
     NewSlot,
@@ -31,6 +31,7 @@ class Scheduler:
         kv: KVCacheManager,
         num_loops: int,
         one_position_prefill: bool,
+        cache_salt: bytes = b"",
     ) -> None:
         self.config = config
         self.kv = kv
@@ -48,6 +49,9 @@ class Scheduler:
         # so a burst of admissions does not preempt at once.
         self.watermark_blocks = max(1, kv.num_blocks // 100)
         self.by_priority = config.scheduling_policy == "priority"
+        self.cache_salt = cache_salt  # what else shapes a block's K/V: model, layout, dtype
+        self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of them, found
         self._sequence = 0
 
     # ----------------------------------------------------------------- request lifecycle
@@ -190,13 +194,24 @@ class Scheduler:
 
     def _advance_chunk(self, request: Request) -> None:
         """Prefill progress is known in advance, so it moves when a loop is scheduled: the
-        next pass can be planned before this one's results come back."""
+        next pass can be planned before this one's results come back. So do the prompt
+        blocks it completes enter the prefix cache: whoever finds them runs in a later pass,
+        after this one's writes."""
         request.chunk_loop += 1
         if request.chunk_loop == request.chunk_depth:
             request.num_prefilled = request.chunk_start + request.chunk_len
             request.chunk_len = 0
+            if self.kv.enable_caching:
+                self._register_prompt_blocks(request)
             if request.num_prefilled == request.prefill_len:
                 request.status = RequestStatus.DECODE
+
+    def _register_prompt_blocks(self, request: Request) -> None:
+        assert request.block_hashes is not None
+        done = min(request.num_prefilled, request.prompt_len) // self.kv.block_size
+        for index in range(request.num_registered, done):
+            self.kv.register(request.request_id, index, request.block_hashes[index])
+        request.num_registered = max(request.num_registered, done)
 
     def _chunk(self, request: Request) -> PrefillChunk:
         start, length = request.chunk_start, request.chunk_len
@@ -233,8 +248,10 @@ class Scheduler:
         for request in queue[: self.config.admission_scan_limit]:
             if not self.free_slots:
                 break
-            first = self.kv.blocks_for(min(request.prefill_len, self.chunk_limit))
-            fits = promised + first + self.watermark_blocks <= self.kv.num_free_blocks
+            hits = self._usable_hits(request)
+            cached = hits * self.kv.block_size
+            first = self.kv.blocks_for(min(request.prefill_len, cached + self.chunk_limit))
+            fits = promised + first + self._watermark() <= self.kv.num_free_blocks
             if not fits or request.preempted_in == self.round:
                 if request.bypass_count >= self.config.max_admission_bypasses:
                     break
@@ -248,17 +265,37 @@ class Scheduler:
             admitted.append(self._place(request))
         return admitted
 
+    def _watermark(self) -> int:
+        """Blocks admission leaves for running requests' next tokens (none when nothing
+        runs: a request that needs the whole pool must still start)."""
+        return self.watermark_blocks if self.running else 0
+
     def _make_room(self, request: Request) -> None:
         """Priority policy: preempt running requests ranked below `request`, lowest first,
         until it has a slot and its first chunk's blocks."""
         if request.preempted_in == self.round:
             return
         first = self.kv.blocks_for(min(request.prefill_len, self.chunk_limit))
-        while not self.free_slots or first + self.watermark_blocks > self.kv.num_free_blocks:
+        while not self.free_slots or first + self._watermark() > self.kv.num_free_blocks:
             below = [r for r in self.running.values() if self._rank(r) > self._rank(request)]
             if not below:
                 return
             self._preempt(max(below, key=self._rank))
+
+    def _usable_hits(self, request: Request) -> int:
+        """Leading prompt blocks the prefix cache holds, as many as may be skipped: a
+        request with no token yet must still compute its last prompt position (it samples
+        the first token there)."""
+        if not self.kv.enable_caching:
+            return 0
+        if request.block_hashes is None:
+            request.block_hashes = block_hashes(
+                self.cache_salt, request.prompt_token_ids, self.kv.block_size
+            )
+        usable = request.block_hashes
+        if not request.output_token_ids:
+            usable = usable[: (request.prompt_len - 1) // self.kv.block_size]
+        return self.kv.count_hits(usable)
 
     def _place(self, request: Request) -> NewSlot:
         self.waiting.remove(request)
@@ -267,6 +304,19 @@ class Scheduler:
         request.status = RequestStatus.PREFILL
         request.plan_prefill(self.num_loops)
         self.running[slot] = request
+        if self.kv.enable_caching:
+            hits = self._usable_hits(request)
+            assert request.block_hashes is not None
+            for index, block in self.kv.match_prefix(
+                request.request_id, request.block_hashes[:hits]
+            ):
+                self.block_updates.append((slot, index, block))
+            request.num_registered = hits
+            request.num_prefilled = hits * self.kv.block_size
+            self.prefix_queries += request.prompt_len
+            self.prefix_hits += request.num_prefilled
+            if request.num_prefilled == request.prefill_len:
+                request.status = RequestStatus.DECODE  # resumed, its whole context cached
         params = request.params
         resumed = bool(request.output_token_ids)
         return NewSlot(

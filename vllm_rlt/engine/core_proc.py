@@ -202,6 +202,9 @@ class CoreLoop:
                 "num_passes": stats.num_passes,
                 "num_rows": stats.num_rows,
                 "num_preemptions": stats.num_preemptions,
+                "prefix_cache_queries": stats.prefix_cache_queries,
+                "prefix_cache_hits": stats.prefix_cache_hits,
+                "num_cached_blocks": engine.kv.num_cached_blocks,
                 "passes_per_second": self.rate.passes_per_second(),
                 "rows_per_pass": self.rate.rows_per_pass(),
             }

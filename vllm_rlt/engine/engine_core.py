@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import random
 import time
@@ -80,9 +81,19 @@ class EngineCore:
             num_blocks=self.memory_plan.num_blocks,
             write_deeper_planes=cache_config.layout == "last_exited",
         )
-        self.kv = KVCacheManager(self.memory_plan.num_blocks, cache_config.block_size)
+        self.kv = KVCacheManager(
+            self.memory_plan.num_blocks,
+            cache_config.block_size,
+            enable_caching=cache_config.enable_prefix_caching,
+        )
+        # A cached block's K/V depends on the weights, the layout and the dtype too.
+        salt = repr((vars(cfg), cache_config.layout, str(model.dtype)))
         self.scheduler = Scheduler(
-            scheduler_config, self.kv, self.num_loops, one_position_prefill=planes == 1
+            scheduler_config,
+            self.kv,
+            self.num_loops,
+            one_position_prefill=planes == 1,
+            cache_salt=hashlib.sha256(salt.encode()).digest(),
         )
         trace_len = self.max_model_len if exit_config.mode == "trace" else 1
         self.runner = ModelRunner(
@@ -424,6 +435,8 @@ class EngineCore:
             num_passes=self.num_passes,
             num_rows=self.num_rows_total,
             num_preemptions=self.scheduler.num_preemptions,
+            prefix_cache_queries=self.scheduler.prefix_queries,
+            prefix_cache_hits=self.scheduler.prefix_hits,
         )
 
     def all_blocks_free(self) -> bool:

@@ -51,6 +51,24 @@ class LLM:
         )
         self._counter = 0
 
+    def stats(self) -> dict[str, Any]:
+        """The engine's counters since it was built: passes and rows, preemptions, KV
+        blocks (free, total, in the prefix cache) and prefix-cache lookups (prompt tokens
+        looked up, found, and their ratio)."""
+        stats = self.engine.stats()
+        queries = stats.prefix_cache_queries
+        return {
+            "num_passes": stats.num_passes,
+            "num_rows": stats.num_rows,
+            "num_preemptions": stats.num_preemptions,
+            "num_free_blocks": stats.num_free_blocks,
+            "num_blocks": stats.num_blocks,
+            "num_cached_blocks": self.engine.kv.num_cached_blocks,
+            "prefix_cache_queries": queries,
+            "prefix_cache_hits": stats.prefix_cache_hits,
+            "prefix_cache_hit_rate": stats.prefix_cache_hits / queries if queries else 0.0,
+        }
+
     def generate(
         self,
         prompts: Any,

@@ -108,6 +108,8 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_passes: int
     num_rows: int
     num_preemptions: int = 0
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of them, found there
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):

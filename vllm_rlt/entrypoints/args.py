@@ -52,6 +52,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "prefill included (a quarter of the memory, different numerics)",
     )
     cache.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    cache.add_argument(
+        "--enable-prefix-caching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="share the K/V of full prompt blocks between requests whose prompts start "
+        "alike (exact: prompt positions run every loop)",
+    )
     sizing = cache.add_mutually_exclusive_group()
     sizing.add_argument(
         "--num-blocks",
@@ -190,6 +197,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         attention_backend=ns.attention_backend,
         cache_config=CacheConfig(
             layout=ns.kv_layout,
+            enable_prefix_caching=ns.enable_prefix_caching,
             block_size=ns.block_size,
             num_blocks=ns.num_blocks,
             kv_cache_memory_bytes=ns.kv_cache_memory_bytes,

@@ -158,6 +158,26 @@ def _engine_families(stats: dict[str, Any]) -> list[Metric]:
             "Requests preempted to free KV blocks",
             stats["num_preemptions"],
         ),
+        counter(
+            "vllm_rlt:prefix_cache_queries",
+            "Prompt tokens looked up in the prefix cache",
+            stats["prefix_cache_queries"],
+        ),
+        counter(
+            "vllm_rlt:prefix_cache_hits",
+            "Prompt tokens found in the prefix cache",
+            stats["prefix_cache_hits"],
+        ),
+        gauge(
+            "vllm_rlt:num_free_blocks",
+            "KV blocks free (cached ones included)",
+            stats["num_free_blocks"],
+        ),
+        gauge(
+            "vllm_rlt:num_cached_blocks",
+            "KV blocks in the prefix cache",
+            stats["num_cached_blocks"],
+        ),
         gauge(
             "vllm_rlt:passes_per_second", f"Passes per second {window}", stats["passes_per_second"]
         ),
