@@ -306,3 +306,22 @@ def test_metrics_parse_and_move(server):
     assert sample("vllm_rlt:time_to_first_token_seconds_count") >= 1
     assert 1 <= sample("vllm_rlt:mean_loops_per_token") <= 4
     json.dumps(sample("vllm_rlt:kv_cache_usage_perc"))
+
+
+def test_chat_without_max_tokens_runs_until_the_pool_is_full():
+    """Blocks are taken as tokens come, so a chat without max_tokens may use the whole
+    context: here the 8-block pool (128 positions) is smaller than the model's."""
+    with running_server(num_blocks=8, max_num_seqs=2) as (url, state):
+        reply = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={
+                "model": "toy",
+                "messages": [{"role": "user", "content": "go"}],
+                "ignore_eos": True,
+            },
+            timeout=300,
+        ).json()
+        usage = reply["usage"]
+        assert reply["choices"][0]["finish_reason"] == "length"
+        assert usage["prompt_tokens"] + usage["completion_tokens"] == 8 * 16
+        wait_idle(state)

@@ -23,9 +23,6 @@ from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
-# Blocks are reserved for prompt + max_tokens at admission, so "until the context is full"
-# would reserve a whole context per request; chat without max_tokens gets this instead.
-DEFAULT_CHAT_MAX_TOKENS = 256
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 
 
@@ -86,6 +83,11 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
+        # Chat without max_tokens runs until the context is full: the model's, or the KV
+        # pool's when that is smaller (blocks are taken as tokens come, so this costs
+        # nothing up front).
+        info = engine.info
+        self.context_room = min(engine.max_model_len, info.num_blocks * info.block_size)
         self.request_timeout = request_timeout
         self.max_sequences_per_request = max_sequences_per_request
         self.closing = False  # shutting down: new requests get 503, aborted ones too
@@ -162,7 +164,7 @@ class OpenAIServing:
         self.check_fan_out(1, request.n)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:
-            max_tokens = max(1, min(DEFAULT_CHAT_MAX_TOKENS, self.max_model_len - len(ids)))
+            max_tokens = max(1, self.context_room - len(ids))
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens, num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
