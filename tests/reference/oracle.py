@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-LAYOUTS = ("last_exited", "shared")
+LAYOUTS = ("last_exited", "shared", "shared_decode")
 EXIT_MODES = ("ouro", "ouro_delayed", "trace")
 
 
@@ -128,7 +128,8 @@ class _KVStore:
     the output.
     """
 
-    def __init__(self, model: _Ouro, capacity: int) -> None:
+    def __init__(self, model: _Ouro, capacity: int, prompt_len: int) -> None:
+        self.prompt_len = prompt_len
         shape = (model.num_loops, capacity, model.num_kv_heads, model.head_dim)
         self.k = [torch.full(shape, float("nan")) for _ in range(model.num_layers)]
         self.v = [torch.full(shape, float("nan")) for _ in range(model.num_layers)]
@@ -140,7 +141,10 @@ class _KVStore:
         which each of positions 0..position is read (docs/design.md §3.3).
         """
         earlier = self.exit_depth[:position]  # e_j, j < position
-        if layout == "last_exited":
+        # SHARED_DECODE reads like LAST_EXITED while the prompt prefills (every e_j is T
+        # there, so min(t, e_j) = t), and like SHARED once decoding: final K/V (loop e_j).
+        prefilling = layout == "shared_decode" and position < self.prompt_len
+        if layout == "last_exited" or prefilling:
             earlier = torch.clamp(earlier, max=loop)  # min(t, e_j)
         own = torch.tensor([loop])  # the query's own position: its current loop
         return torch.cat([earlier, own]) - 1
@@ -286,7 +290,7 @@ def reference_generate(
         trace,
     )
     # The last sampled token is never forwarded (docs/design.md §3.6).
-    store = _KVStore(model, capacity=len(prompt_ids) + max_tokens - 1)
+    store = _KVStore(model, capacity=len(prompt_ids) + max_tokens - 1, prompt_len=len(prompt_ids))
 
     full_depth = _exit_at(num_loops)
     for position, token_id in enumerate(prompt_ids):

@@ -87,6 +87,18 @@ def test_layouts_agree_until_an_earlier_token_is_read(generate: partial) -> None
     assert not torch.allclose(shared.logits[1], last.logits[1])
 
 
+def test_shared_decode_prefills_like_last_exited_and_decodes_like_shared(generate) -> None:
+    """SHARED_DECODE (docs/design.md §3.3): the first token equals LAST_EXITED's bit for bit
+    (the prompt computes the same); a decode token reads every earlier position at its
+    final K/V, as SHARED does, which differs from LAST_EXITED's min(t, e_j)."""
+    last = generate(PROMPT, max_tokens=4, layout="last_exited")
+    decode_shared = generate(PROMPT, max_tokens=4, layout="shared_decode")
+    shared = generate(PROMPT, max_tokens=4, layout="shared")
+    torch.testing.assert_close(decode_shared.logits[0], last.logits[0], atol=0, rtol=0)
+    assert not torch.allclose(decode_shared.logits[0], shared.logits[0])  # prompt differs
+    assert not torch.allclose(decode_shared.logits[1], last.logits[1])  # decode differs
+
+
 def test_ouro_threshold_depths_vary_within_bounds(generate: partial) -> None:
     out = generate(PROMPT, max_tokens=16, exit_threshold=0.5, min_loops=2)
     decode_depths = out.exit_depths[1:]
