@@ -39,28 +39,43 @@ def _traces() -> dict[str, tuple[int, ...]]:
     }
 
 
+def oracle_outputs(
+    toy_config, toy_state, prompts, max_tokens, traces, layout: str, policy: str, **kwargs
+) -> list:
+    """The oracle's output for each prompt (trace policy: `traces["r{i}"]`)."""
+    mode, threshold = POLICIES[policy]
+    return [
+        reference_generate(
+            toy_config,
+            toy_state,
+            prompt,
+            max_tokens=max_tokens[i],
+            layout=layout,
+            exit_mode=mode,
+            exit_threshold=threshold,
+            trace=list(traces[f"r{i}"]) if mode == "trace" else None,
+            **kwargs,
+        )
+        for i, prompt in enumerate(prompts)
+    ]
+
+
 _ORACLE_CACHE: dict[tuple[str, str], list] = {}
 
 
 def _oracle(toy_config, toy_state, layout: str, policy: str) -> list:
     key = (layout, policy)
     if key not in _ORACLE_CACHE:
-        mode, threshold = POLICIES[policy]
-        traces = _traces()
-        _ORACLE_CACHE[key] = [
-            reference_generate(
-                toy_config,
-                toy_state,
-                prompt,
-                max_tokens=MAX_TOKENS[i],
-                layout=layout,
-                exit_mode=mode,
-                exit_threshold=threshold,
-                trace=list(traces[f"r{i}"]) if mode == "trace" else None,
-                eos_token_ids=EOS,
-            )
-            for i, prompt in enumerate(_prompts())
-        ]
+        _ORACLE_CACHE[key] = oracle_outputs(
+            toy_config,
+            toy_state,
+            _prompts(),
+            MAX_TOKENS,
+            _traces(),
+            layout,
+            policy,
+            eos_token_ids=EOS,
+        )
     return _ORACLE_CACHE[key]
 
 

@@ -10,8 +10,7 @@ import random
 import pytest
 
 from tests.conftest import drain
-from tests.e2e.test_engine_vs_oracle import POLICIES
-from tests.reference.oracle import reference_generate
+from tests.e2e.test_engine_vs_oracle import POLICIES, oracle_outputs
 from vllm_rlt import ExitConfig, SamplingParams
 
 # Short prompts decode at once; the first request then grows to 7 blocks of 4 and takes
@@ -38,21 +37,16 @@ _ORACLE: dict[tuple[str, str], list] = {}
 
 def _oracle(toy_config, toy_state, layout: str, policy: str) -> list:
     if (layout, policy) not in _ORACLE:
-        mode, threshold = POLICIES[policy]
-        _ORACLE[layout, policy] = [
-            reference_generate(
-                toy_config,
-                toy_state,
-                prompt,
-                max_tokens=MAX_TOKENS[i],
-                layout=layout,
-                exit_mode=mode,
-                exit_threshold=threshold,
-                trace=list(_traces()[f"r{i}"]) if mode == "trace" else None,
-                ignore_eos=True,
-            )
-            for i, prompt in enumerate(_prompts())
-        ]
+        _ORACLE[layout, policy] = oracle_outputs(
+            toy_config,
+            toy_state,
+            _prompts(),
+            MAX_TOKENS,
+            _traces(),
+            layout,
+            policy,
+            ignore_eos=True,
+        )
     return _ORACLE[layout, policy]
 
 

@@ -12,7 +12,7 @@ from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.gpu
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
 
 
 def _cuda_engine(
@@ -54,14 +54,6 @@ def _run(engine, policy):
     outputs = drain(engine, arrivals)
     assert engine.all_blocks_free()
     return outputs
-
-
-@pytest.fixture(autouse=True)
-def _exact_float32():
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
 
 
 BACKENDS = [

@@ -14,15 +14,7 @@ from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 
-pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def _exact_float32():
-    previous = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cuda.matmul.allow_tf32 = previous
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
 
 
 @pytest.mark.parametrize(

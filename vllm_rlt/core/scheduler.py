@@ -68,11 +68,7 @@ class Scheduler:
         if request.status is RequestStatus.WAITING:
             self.waiting.remove(request)
         else:
-            assert request.slot is not None
-            del self.running[request.slot]
-            self.free_slots.append(request.slot)
-            self.kv.free(request.request_id)
-            request.slot = None
+            self._release(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
         del self.requests[request.request_id]
@@ -173,17 +169,21 @@ class Scheduler:
             self.block_updates.append((request.slot, index, block))  # type: ignore[arg-type]
         return True
 
+    def _release(self, request: Request) -> None:
+        """Give back a running request's slot and blocks."""
+        assert request.slot is not None
+        del self.running[request.slot]
+        self.free_slots.append(request.slot)
+        self.kv.free(request.request_id)
+        request.slot = None
+
     def _preempt(self, request: Request) -> None:
         """Give back its slot and every block; it waits at the head of the queue and, once
         admitted again, recomputes its prompt and its generated tokens exactly (see
         `Request.plan_prefill`). A pass in flight may still hold rows of it: their results
         are dropped (it no longer owns that slot), their writes precede in stream order
         every pass that hands its blocks to another request."""
-        assert request.slot is not None
-        del self.running[request.slot]
-        self.free_slots.append(request.slot)
-        self.kv.free(request.request_id)
-        request.slot = None
+        self._release(request)
         request.status = RequestStatus.WAITING
         request.num_prefilled = request.chunk_start = request.chunk_len = 0
         request.chunk_loop = request.chunk_depth = 0
