@@ -134,3 +134,22 @@ def test_throughput_with_a_shared_prefix_finds_it_cached(caching, capsys):
     (result,) = report["results"]
     # The warm-up run caches the prefix's 2 blocks; the timed run finds them (2 x 32 of 70).
     assert result["prefix_cache_hit_rate"] == (pytest.approx(64 / 140) if caching else 0.0)
+
+
+def test_throughput_max_tokens_above_the_output_ends_requests_early(capsys):
+    argv = ["--shape", "toy", "--device", "cpu", "--concurrency", "2", "--output-len", "3"]
+    argv += ["--prompt-len", "4", "--max-tokens", "50", "--repeats", "1", "--no-baseline"]
+    assert throughput.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"]["max_tokens"] == 50 and report["workload"]["output_len"] == 3
+    (result,) = report["results"]
+    assert result["full_reservation_at_once"] == 2  # the CPU pool holds both at full length
+    engine = result["engine"]
+    tokens = round(engine["end_to_end_tokens_per_s"] * engine["wall_s"])
+    # 2 requests x 3 tokens; asynchronous scheduling may let one more each out before the stop
+    assert 6 <= tokens <= 8
+    bad = [*argv[:-5], "--max-tokens", "2"]
+    with pytest.raises(SystemExit) as exited:
+        throughput.main(bad)
+    assert exited.value.code == 2
+    assert "--max-tokens must be >= --output-len (3), got 2" in capsys.readouterr().err

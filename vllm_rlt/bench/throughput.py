@@ -67,8 +67,15 @@ def make_traces(
     return {rid: (loops, *rng.choices(depths, weights, k=max(output_len - 1, 1))) for rid in ids}
 
 
-def run_engine(engine: EngineCore, prompts: list[list[int]], params: SamplingParams) -> dict:
-    """Run one batch to completion, recording when each request got each token."""
+def run_engine(
+    engine: EngineCore,
+    prompts: list[list[int]],
+    params: SamplingParams,
+    stop_after: int | None = None,
+) -> dict:
+    """Run one batch to completion, recording when each request got each token.
+    `stop_after`: end each request after that many tokens, as EOS would, whatever its
+    max_tokens (the client's cap, which full-lifetime reservation had to hold blocks for)."""
     sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
     ids = [f"b{i}" for i in range(len(prompts))]
     sync()
@@ -84,6 +91,8 @@ def run_engine(engine: EngineCore, prompts: list[list[int]], params: SamplingPar
         for out in engine.step():
             now = time.perf_counter()
             first.setdefault(out.request_id, now)
+            if stop_after and not out.finished and len(out.outputs[0].token_ids) >= stop_after:
+                out = engine.abort_request(out.request_id)
             if out.finished:
                 done[out.request_id] = now
                 outputs[out.request_id] = out.outputs[0]
@@ -114,13 +123,17 @@ def run_engine(engine: EngineCore, prompts: list[list[int]], params: SamplingPar
     }
 
 
+def max_tokens_of(args: argparse.Namespace) -> int:
+    return args.max_tokens or args.output_len
+
+
 def build_engine(
     model, args, concurrency: int, exit_config: ExitConfig, whole_pool: bool = True
 ) -> EngineCore:
     """`whole_pool`: KV blocks for every request at once; else the pool is sized from the
     device's free memory and the scheduler queues what does not fit."""
     prompt_len = args.shared_prefix_len + args.prompt_len
-    max_len = prompt_len + args.output_len
+    max_len = prompt_len + max_tokens_of(args)
     blocks = concurrency * -(-max_len // args.block_size) + 8 if whole_pool else None
     return EngineCore(
         model,
@@ -182,16 +195,17 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
                 ids, args.output_len, args.depth_trace_mean, loops, args.seed
             ),
         )
-        params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+        params = SamplingParams(max_tokens=max_tokens_of(args), temperature=0.0, ignore_eos=True)
     else:
         exit_config = ExitConfig()
         params = SamplingParams(
-            max_tokens=args.output_len,
+            max_tokens=max_tokens_of(args),
             temperature=0.0,
             ignore_eos=True,
             exit_threshold=1.0,
             max_loops=args.depth,
         )
+    stop_after = args.output_len if max_tokens_of(args) > args.output_len else None
     kv_pool = "every request at once"
     try:
         engine = build_engine(model, args, concurrency, exit_config)
@@ -203,7 +217,8 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
     progress.set_description(f"concurrency {concurrency}: engine")
     engine_runs = []
     for index in range(args.warmup + args.repeats):
-        timing = run_engine(engine, prompts if index == 0 else fresh_prompts(), params)
+        batch = prompts if index == 0 else fresh_prompts()
+        timing = run_engine(engine, batch, params, stop_after)
         if index >= args.warmup:
             engine_runs.append(timing)
         progress.update(1)
@@ -212,6 +227,11 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
         "concurrency": concurrency,
         "kv_pool": kv_pool,
         "kv_bytes_per_position": engine.memory_plan.bytes_per_block // engine.kv.block_size,
+        # What holding blocks for prompt + max_tokens from admission on would let run.
+        "full_reservation_at_once": min(
+            concurrency,
+            engine.kv.num_blocks // engine.kv.blocks_for(len(prompts[0]) + max_tokens_of(args) - 1),
+        ),
         "prefix_cache_hit_rate": (
             engine.scheduler.prefix_hits / engine.scheduler.prefix_queries
             if engine.scheduler.prefix_queries
@@ -342,6 +362,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
     parser.add_argument(
+        "--max-tokens",
+        type=int,
+        default=None,
+        help="each request's max_tokens when larger than --output-len: requests still end "
+        "after --output-len tokens, as at an EOS, but ask for this many (default: "
+        "--output-len)",
+    )
+    parser.add_argument(
         "--shared-prefix-len",
         type=int,
         default=0,
@@ -434,6 +462,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "shared_prefix_len": args.shared_prefix_len,
             "enable_prefix_caching": args.enable_prefix_caching,
             "output_len": args.output_len,
+            "max_tokens": max_tokens_of(args),
             "depth": None if args.depth_trace_mean is not None else args.depth,
             "depth_trace_mean": args.depth_trace_mean,
             "kv_layout": args.kv_layout,
@@ -453,6 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("prompt_len", "output_len", "block_size", "repeats"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.max_tokens is not None and args.max_tokens < args.output_len:
+        parser.error(
+            f"--max-tokens must be >= --output-len ({args.output_len}), got {args.max_tokens}"
+        )
     if args.shared_prefix_len < 0:
         parser.error(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
     if args.warmup < 0:
