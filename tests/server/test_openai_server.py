@@ -325,3 +325,30 @@ def test_chat_without_max_tokens_runs_until_the_pool_is_full():
         assert reply["choices"][0]["finish_reason"] == "length"
         assert usage["prompt_tokens"] + usage["completion_tokens"] == 8 * 16
         wait_idle(state)
+
+
+def test_vllm_metric_names_mirror_ours_with_the_model_name(server):
+    """Routers and dashboards read vLLM's names: each is the same figure as ours, labelled
+    with the served model's name."""
+    from vllm_rlt.entrypoints.openai.metrics import VLLM_NAMES
+
+    url, state = server
+    client(url).completions.create(model="toy", prompt="for the routers", max_tokens=3)
+    wait_idle(state)
+    families = {
+        family.name: family
+        for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text)
+    }
+    for ours, theirs in VLLM_NAMES.items():
+        # the parser drops the _total of counters from family names
+        ours, theirs = ours.removesuffix("_total"), theirs.removesuffix("_total")
+        assert theirs in families, f"{theirs} missing"
+        mine = {
+            (s.name.split(":", 1)[1], tuple(sorted(s.labels.items()))): s.value
+            for s in families[ours].samples
+        }
+        for sample in families[theirs].samples:
+            labels = dict(sample.labels)
+            assert labels.pop("model_name") == "toy"
+            key = (sample.name.split(":", 1)[1], tuple(sorted(labels.items())))
+            assert key in mine and sample.value == mine[key], (theirs, key)

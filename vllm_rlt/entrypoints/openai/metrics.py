@@ -24,8 +24,27 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 EXIT_DEPTH = "vllm_rlt:exit_depth"
 
 
+# Ours -> vLLM's name for the same figure: routers (gateway-api-inference-extension, vLLM's
+# production stack) and Grafana dashboards read these, with a model_name label.
+VLLM_NAMES = {
+    "vllm_rlt:num_requests_running": "vllm:num_requests_running",
+    "vllm_rlt:num_requests_waiting": "vllm:num_requests_waiting",
+    "vllm_rlt:kv_cache_usage_perc": "vllm:kv_cache_usage_perc",
+    "vllm_rlt:prompt_tokens": "vllm:prompt_tokens",
+    "vllm_rlt:generation_tokens": "vllm:generation_tokens",
+    "vllm_rlt:request_success": "vllm:request_success",
+    "vllm_rlt:time_to_first_token_seconds": "vllm:time_to_first_token_seconds",
+    "vllm_rlt:time_per_output_token_seconds": "vllm:time_per_output_token_seconds",
+    "vllm_rlt:e2e_request_latency_seconds": "vllm:e2e_request_latency_seconds",
+    "vllm_rlt:num_preemptions": "vllm:num_preemptions",
+    "vllm_rlt:prefix_cache_queries": "vllm:prefix_cache_queries",
+    "vllm_rlt:prefix_cache_hits": "vllm:prefix_cache_hits",
+}
+
+
 class ServerMetrics:
-    def __init__(self, num_loops: int) -> None:
+    def __init__(self, num_loops: int, model_name: str = "") -> None:
+        self.model_name = model_name
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -76,6 +95,7 @@ class ServerMetrics:
         families.extend(_mean_loops(families))
         if engine is not None:
             families.extend(_engine_families(engine))
+        families.extend(_vllm_aliases(families, self.model_name))
         return generate_latest(_Families(families))
 
     def observe_step(self, outputs: EngineOutputs) -> None:
@@ -183,3 +203,24 @@ def _engine_families(stats: dict[str, Any]) -> list[Metric]:
         ),
         gauge("vllm_rlt:rows_per_pass", f"Mean rows per pass {window}", stats["rows_per_pass"]),
     ]
+
+
+def _vllm_aliases(families: list[Metric], model_name: str) -> list[Metric]:
+    """A copy of every family vLLM also has, under vLLM's name, each sample labelled with
+    the served model's name."""
+    aliases = []
+    for family in families:
+        name = VLLM_NAMES.get(family.name)
+        if name is None:
+            continue
+        alias = Metric(name, family.documentation, family.type)
+        for sample in family.samples:
+            alias.add_sample(
+                name + sample.name[len(family.name) :],
+                {**sample.labels, "model_name": model_name},
+                sample.value,
+                sample.timestamp,
+                sample.exemplar,
+            )
+        aliases.append(alias)
+    return aliases

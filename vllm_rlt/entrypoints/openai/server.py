@@ -89,9 +89,9 @@ class ServerState:
                 in_process=self.settings.engine_in_process,
                 attach=self.attach,
             )
-            metrics = ServerMetrics(engine.info.num_loops)
-            engine.observer = metrics
             name = self.settings.served_model_name or engine.model_name
+            metrics = ServerMetrics(engine.info.num_loops, name)
+            engine.observer = metrics
             self.serving = OpenAIServing(
                 engine,
                 engine.tokenizer,
