@@ -191,3 +191,68 @@ def test_priority_needs_the_priority_policy(make_engine):
     assert e.value.param == "priority"
     with pytest.raises(ValueError, match=r"priority must be in \[-2147483647, 2147483647\]"):
         SamplingParams(priority=2**31)
+
+
+def _plain_params(**kwargs) -> SamplingParams:
+    return SamplingParams(temperature=0.0, exit_threshold=0.7, ignore_eos=True, **kwargs)
+
+
+def test_a_resumed_request_whose_context_is_all_cached_still_gets_its_block(make_engine):
+    """Preempted right after its first token, with a prompt of whole blocks still in the
+    prefix cache: it must recompute the end of its prompt (and so take a block for its next
+    position), not decode at once into a position without a block."""
+    prompt = list(range(10, 18))  # two full blocks of 4
+    params = _plain_params(max_tokens=6)
+    reference = drain(make_engine(), {0: [("a", prompt, params)]})["a"].outputs[0]
+    engine = make_engine()
+    engine.add_request("a", prompt, params)
+    request = engine.scheduler.requests["a"]
+    while len(request.output_token_ids) < 1:
+        engine.step()
+    engine.scheduler._preempt(request)  # what the pool running dry does
+    got = drain(engine)["a"].outputs[0]
+    assert engine.scheduler.prefix_hits > 0
+    assert (got.token_ids, got.exit_depths) == (reference.token_ids, reference.exit_depths)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_a_slot_taken_over_in_one_round_gets_none_of_the_old_owners_blocks(
+    make_engine, async_scheduling
+):
+    """Priority policy: a low-priority request takes a block, is then preempted in the same
+    round for a waiting request that gets its slot; the block update it left must not reach
+    the newcomer's table (its last write would land in another request's block)."""
+
+    def params(max_tokens, priority):
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            exit_threshold=1.0,
+            priority=priority,
+            ignore_eos=True,
+        )
+
+    def arrivals(use_priority):
+        return {
+            0: [
+                ("L", [5, 6, 7, 8, 9], params(20, 5 if use_priority else 0)),
+                ("M", [21, 22, 23, 24, 25, 26], params(30, 1 if use_priority else 0)),
+            ],
+            17: [("W", [100, 101, 102], params(6, 0))],
+        }
+
+    small = dict(max_num_seqs=2, prefill_chunk_size=4, max_num_batched_tokens=64)
+    engine = make_engine(
+        num_blocks=64,
+        enable_prefix_caching=False,
+        async_scheduling=async_scheduling,
+        scheduling_policy="priority",
+        **small,
+    )
+    got = drain(engine, arrivals(True))
+    assert engine.scheduler.num_preemptions > 0
+    reference = drain(
+        make_engine(num_blocks=256, enable_prefix_caching=False, **small), arrivals(False)
+    )
+    for rid in "LMW":
+        assert got[rid].outputs[0].token_ids == reference[rid].outputs[0].token_ids, rid

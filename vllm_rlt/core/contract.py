@@ -50,6 +50,7 @@ class PrefillChunk:
     samples: bool  # last chunk of the prompt at its last loop: sample the first output token
     depth: int = 0  # loops this chunk runs; 0: all of the model's
     deep_writes: bool = False
+    admission: int = 0  # which admission of the request scheduled it (see SchedulerOutput)
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class SchedulerOutput:
     # (slot, index in its block table, block id): blocks taken for this pass's rows, to be
     # written into the device tables before it runs
     block_updates: tuple[tuple[int, int, int], ...] = ()
+    # The admission of each decode slot's owner: a result that comes back after its request
+    # left the slot (finished, preempted) and came back, or after its id was reused, is not
+    # that request's any more.
+    decode_admissions: tuple[int, ...] = ()
 
     @property
     def num_rows(self) -> int:
@@ -73,10 +78,17 @@ class SchedulerOutput:
     def is_empty(self) -> bool:
         return not self.decode_slots and not self.prefill_chunks
 
-    def owners(self) -> dict[int, str]:
-        """slot -> the request its result belongs to (a slot may be reused before it arrives)."""
-        owners = dict(zip(self.decode_slots, self.decode_request_ids, strict=True))
-        owners.update((chunk.slot, chunk.request_id) for chunk in self.prefill_chunks)
+    def owners(self) -> dict[int, tuple[str, int]]:
+        """slot -> (request id, admission) of the request its result belongs to (a slot may
+        be reused before it arrives)."""
+        owners = dict(
+            zip(
+                self.decode_slots,
+                zip(self.decode_request_ids, self.decode_admissions, strict=True),
+                strict=True,
+            )
+        )
+        owners.update((c.slot, (c.request_id, c.admission)) for c in self.prefill_chunks)
         return owners
 
 

@@ -42,6 +42,7 @@ class Request:
     prefill_plan: list[tuple[int, int, bool]] = field(default_factory=list)
     preempted_in: int = -1  # the scheduling round that last preempted it
     sequence: int = 0  # arrival order, set by the scheduler
+    admission: int = 0  # the scheduler's number for its latest placement in a slot
     block_hashes: list[bytes] | None = None  # of the prompt's full blocks (prefix caching)
     num_registered: int = 0  # prompt blocks of its table registered in the prefix cache
     token_in_flight: bool = False  # a decode token has started its loops but not exited

@@ -53,6 +53,7 @@ class Scheduler:
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of them, found
         self._sequence = 0
+        self._admissions = 0  # every placement gets its own number (see _owner)
 
     # ----------------------------------------------------------------- request lifecycle
     def add_request(self, request: Request) -> None:
@@ -104,6 +105,7 @@ class Scheduler:
             new_slots=tuple(new for new in new_slots if new.slot in self.running),
             decode_slots=tuple(r.slot for r in decoding),  # type: ignore[misc]
             decode_request_ids=tuple(r.request_id for r in decoding),
+            decode_admissions=tuple(r.admission for r in decoding),
             prefill_chunks=tuple(chunks),
             max_context=max_context,
             block_updates=tuple(self.block_updates),
@@ -170,12 +172,16 @@ class Scheduler:
         return True
 
     def _release(self, request: Request) -> None:
-        """Give back a running request's slot and blocks."""
-        assert request.slot is not None
-        del self.running[request.slot]
-        self.free_slots.append(request.slot)
+        """Give back a running request's slot and blocks, and drop the block updates this
+        round queued for that slot: the slot may go to another request in the same round."""
+        slot = request.slot
+        assert slot is not None
+        del self.running[slot]
+        self.free_slots.append(slot)
         self.kv.free(request.request_id)
         request.slot = None
+        if any(update[0] == slot for update in self.block_updates):
+            self.block_updates = [u for u in self.block_updates if u[0] != slot]
 
     def _preempt(self, request: Request) -> None:
         """Give back its slot and every block; it waits at the head of the queue and, once
@@ -231,6 +237,7 @@ class Scheduler:
             samples=last,
             depth=request.chunk_depth,
             deep_writes=replayed,
+            admission=request.admission,
         )
 
     def _admit(self) -> list[NewSlot]:
@@ -292,9 +299,10 @@ class Scheduler:
             request.block_hashes = block_hashes(
                 self.cache_salt, request.prompt_token_ids, self.kv.block_size
             )
-        usable = request.block_hashes
-        if not request.output_token_ids:
-            usable = usable[: (request.prompt_len - 1) // self.kv.block_size]
+        # At least one position is left to compute, so the request starts as a prefill that
+        # takes its blocks like any other (for a resumed request that replays nothing, the
+        # end of its prompt is recomputed).
+        usable = request.block_hashes[: (request.prefill_len - 1) // self.kv.block_size]
         return self.kv.count_hits(usable)
 
     def _place(self, request: Request) -> NewSlot:
@@ -302,6 +310,8 @@ class Scheduler:
         slot = self.free_slots.pop()
         request.slot = slot
         request.status = RequestStatus.PREFILL
+        self._admissions += 1
+        request.admission = self._admissions
         request.plan_prefill(self.num_loops)
         self.running[slot] = request
         if self.kv.enable_caching:
@@ -315,8 +325,6 @@ class Scheduler:
             request.num_prefilled = hits * self.kv.block_size
             self.prefix_queries += request.prompt_len
             self.prefix_hits += request.num_prefilled
-            if request.num_prefilled == request.prefill_len:
-                request.status = RequestStatus.DECODE  # resumed, its whole context cached
         params = request.params
         resumed = bool(request.output_token_ids)
         return NewSlot(
@@ -363,9 +371,12 @@ class Scheduler:
             touched.append(request)
         return touched
 
-    def _owner(self, owners: dict[int, str], slot: int) -> Request | None:
-        request = self.requests.get(owners.get(slot, ""))
-        return request if request is not None and request.slot == slot else None
+    def _owner(self, owners: dict[int, tuple[str, int]], slot: int) -> Request | None:
+        request_id, admission = owners.get(slot, ("", -1))
+        request = self.requests.get(request_id)
+        if request is None or request.slot != slot or request.admission != admission:
+            return None
+        return request
 
 
 def request_banned_ids(request: Request) -> list[int]:

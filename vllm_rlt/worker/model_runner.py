@@ -114,9 +114,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def admit(self, new: NewSlot) -> None:
-        """Write a newly admitted request's slot. If that fails, the slot's block table points
-        at the dummy block, so the rows already scheduled for it write nothing that another
-        request reads."""
+        """Write a newly admitted request's slot. If that fails, the request is failed after
+        the pass is queued: its rows there write only its own blocks, which nobody reads
+        before they are written again (they are freed after that pass, in stream order)."""
         try:
             self.state.admit(new)
         except BaseException:
