@@ -160,15 +160,21 @@ class Scheduler:
         ranked below it while they lack; with `preempt_own`, the request itself when none
         is left below it. False if it got none (and, with `preempt_own`, lost its slot)."""
         while not self.kv.can_grow(request.request_id, num_positions):
-            below = [r for r in self.running.values() if self._rank(r) > self._rank(request)]
-            if below:
-                self._preempt(max(below, key=self._rank))
-            else:
+            if not self._preempt_one_below(request):
                 if preempt_own:
                     self._preempt(request)
                 return False
         for index, block in self.kv.grow(request.request_id, num_positions):
             self.block_updates.append((request.slot, index, block))  # type: ignore[arg-type]
+        return True
+
+    def _preempt_one_below(self, request: Request) -> bool:
+        """Preempt the lowest-ranked running request ranked below `request`; False if none is."""
+        rank = self._rank(request)
+        below = [r for r in self.running.values() if self._rank(r) > rank]
+        if not below:
+            return False
+        self._preempt(max(below, key=self._rank))
         return True
 
     def _release(self, request: Request) -> None:
@@ -269,7 +275,7 @@ class Scheduler:
             for earlier in blocked:
                 earlier.bypass_count += 1
             promised += first
-            admitted.append(self._place(request))
+            admitted.append(self._place(request, hits))
         return admitted
 
     def _watermark(self) -> int:
@@ -284,10 +290,8 @@ class Scheduler:
             return
         first = self.kv.blocks_for(min(request.prefill_len, self.chunk_limit))
         while not self.free_slots or first + self._watermark() > self.kv.num_free_blocks:
-            below = [r for r in self.running.values() if self._rank(r) > self._rank(request)]
-            if not below:
+            if not self._preempt_one_below(request):
                 return
-            self._preempt(max(below, key=self._rank))
 
     def _usable_hits(self, request: Request) -> int:
         """Leading prompt blocks the prefix cache holds, as many as may be skipped: a
@@ -305,7 +309,8 @@ class Scheduler:
         usable = request.block_hashes[: (request.prefill_len - 1) // self.kv.block_size]
         return self.kv.count_hits(usable)
 
-    def _place(self, request: Request) -> NewSlot:
+    def _place(self, request: Request, hits: int) -> NewSlot:
+        """Give `request` a slot, starting its table with its first `hits` cached blocks."""
         self.waiting.remove(request)
         slot = self.free_slots.pop()
         request.slot = slot
@@ -315,7 +320,6 @@ class Scheduler:
         request.plan_prefill(self.num_loops)
         self.running[slot] = request
         if self.kv.enable_caching:
-            hits = self._usable_hits(request)
             assert request.block_hashes is not None
             for index, block in self.kv.match_prefix(
                 request.request_id, request.block_hashes[:hits]
