@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
-KV_LAYOUTS = ("last_exited", "shared")
+KV_LAYOUTS = ("last_exited", "shared", "shared_decode")
 SCHEDULING_MODES = ("refill", "no_refill")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
@@ -50,11 +50,15 @@ class CacheConfig:
     """Paged KV cache settings.
 
     `layout` is "last_exited" (one plane per loop; an earlier token is read at min(loop, its
-    exit depth)) or "shared" (one plane overwritten every loop). `num_blocks=None` sizes the
+    exit depth)), "shared" (one plane overwritten every loop) or "shared_decode" (a prompt
+    keeps one plane per loop while it prefills, then only its final plane; decode tokens
+    share one plane). A block holds `block_size` positions of every plane under
+    last_exited, of one plane otherwise. `num_blocks=None` sizes the
     pool automatically; `kv_cache_memory_bytes` sizes it from a byte budget instead.
     `enable_prefix_caching` shares the K/V of full prompt blocks between requests whose
-    prompts start alike (prompt positions run every loop, so this is exact in every layout
-    and exit mode).
+    prompts start alike (prompt positions run every loop, so this is exact in every exit
+    mode). It does not apply under shared_decode, which frees a prompt's per-loop planes
+    once the prompt is done, while a later prompt needs them to continue from the prefix.
     """
 
     layout: str = "last_exited"

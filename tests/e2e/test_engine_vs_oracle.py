@@ -103,7 +103,11 @@ def _run(make_engine, layout, policy, mode, chunk, async_scheduling=False):
 # SHARED prefill runs one position at a time whatever the chunk size, so one size suffices.
 MATRIX = [
     (layout, policy, mode, chunk)
-    for layout, chunks in (("last_exited", (1, 4, 64)), ("shared", (4,)))
+    for layout, chunks in (
+        ("last_exited", (1, 4, 64)),
+        ("shared", (4,)),
+        ("shared_decode", (1, 4, 64)),
+    )
     for policy in POLICIES
     for mode in ("refill", "no_refill")
     for chunk in chunks
@@ -121,7 +125,7 @@ def test_engine_matches_oracle(make_engine, toy_config, toy_state, layout, polic
 
 
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
 def test_async_scheduling_matches_oracle(make_engine, toy_config, toy_state, layout, policy):
     """Launching pass k+1 before reading pass k changes nothing in the outputs."""
     expected = _oracle(toy_config, toy_state, layout, policy)

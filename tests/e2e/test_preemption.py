@@ -17,7 +17,9 @@ from vllm_rlt import ExitConfig, SamplingParams
 # the blocks of the later ones, which have tokens by then: they are replayed on return.
 PROMPT_LENGTHS = (2, 2, 3, 5)
 MAX_TOKENS = (24, 12, 12, 10)
-POOL = 8  # blocks: the largest request fits alone, no two of them together
+# Blocks: the largest request fits alone, no two of them together. (Under SHARED_DECODE a
+# block holds one plane, not four: the 5-token prompt takes all 8 while it prefills.)
+POOL = 8
 
 
 def _prompts() -> list[list[int]]:
@@ -78,7 +80,7 @@ def _engine(make_engine, layout, policy, mode, async_scheduling, num_blocks):
 
 CASES = [
     (layout, policy, mode, async_scheduling)
-    for layout in ("last_exited", "shared")
+    for layout in ("last_exited", "shared", "shared_decode")
     for policy in POLICIES
     for mode, async_scheduling in (("refill", False), ("no_refill", False), ("refill", True))
 ]
@@ -115,7 +117,7 @@ def test_preempted_requests_still_equal_the_oracle(
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
 def test_preemption_keeps_sampling_logprobs_and_n(make_engine, layout, async_scheduling):
     """Seeded sampling, top logprobs and two completions per request, under the ouro rule:
     a run preempted many times equals one with room for everything."""

@@ -69,7 +69,7 @@ BACKENDS = [
 )
 @pytest.mark.parametrize("mode", ["refill", "no_refill"])
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
 def test_cuda_float32_matches_oracle(
     toy_config, toy_state, layout, policy, mode, backend, graphs, async_scheduling
 ):
@@ -93,7 +93,7 @@ def test_cuda_float32_matches_oracle(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
 def test_graphs_equal_eager_with_sampling(toy_config, toy_state, dtype, layout):
     """Same kernels, replayed or launched, synchronously or not: identical tokens, depths
     and logprobs, also for seeded sampling with logprobs."""

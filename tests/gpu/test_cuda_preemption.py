@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
     ids=["torch", "graphs-no_refill", "graphs-async"],
 )
 @pytest.mark.parametrize("policy", list(POLICIES))
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
 def test_cuda_preemption_equals_oracle(
     toy_config, toy_state, layout, policy, backend, graphs, async_scheduling, mode
 ):

@@ -80,28 +80,38 @@ class _State:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("planes", [4, 1])
+@pytest.mark.parametrize(
+    ("planes", "table_planes"), [(4, 1), (1, 1), (1, 4)], ids=["last_exited", "shared", "sd"]
+)
 @pytest.mark.parametrize("kv_heads", [16, 4])
-def test_rope_write_and_paged_attention(triton_ops, dtype, planes, kv_heads):
-    """Decode rows at mixed loops plus a prefill chunk: same cache contents, same outputs."""
+def test_rope_write_and_paged_attention(triton_ops, dtype, planes, table_planes, kv_heads):
+    """Decode rows at mixed loops plus prefill chunks: same cache contents, same outputs.
+    With a table row per loop (SHARED_DECODE), a prompt chunk at loop 0 goes through its
+    slot's first row, one at the last loop and every decode row through the last."""
     from vllm_rlt.core.contract import PrefillChunk
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    heads, dim, bs, num_blocks, slots = 16, 128, 16, 64, 8
+    heads, dim, bs, slots = 16, 128, 16, 8
+    table_rows = (slots + 2) * table_planes
+    num_blocks = 8 * table_rows
     geo = KVGeometry(
-        planes=planes, block_size=bs, num_blocks=num_blocks, write_deeper_planes=planes > 1
+        planes=planes,
+        block_size=bs,
+        num_blocks=num_blocks,
+        write_deeper_planes=planes > 1,
+        table_planes=table_planes,
     )
-    table = torch.full((slots + 2, 16), num_blocks, dtype=torch.int64, device="cuda")
+    table = torch.full((table_rows, 16), num_blocks, dtype=torch.int64, device="cuda")
     perm = torch.randperm(num_blocks, generator=gen, device="cuda")
-    for s in range(slots):
-        table[s, :8] = perm[s * 8 : (s + 1) * 8]
-    table[slots, :8] = perm[:8]  # slot 8: a second request's prompt
+    for row in range(table_rows):
+        table[row, :8] = perm[row * 8 : (row + 1) * 8]
+    loops = max(planes, table_planes)
     loop = torch.tensor([0, 1, 2, 3, 3, 0, 2, 1, 0], device="cuda") % planes
     position = torch.tensor([5, 17, 40, 63, 1, 100, 33, 0, 0], device="cuda")
     state = _State(table, loop, position)
     decode = torch.arange(6, device="cuda")
     chunks = (
-        PrefillChunk(7, "a", start=20, token_ids=tuple(range(45)), loop=planes - 1, samples=False),
+        PrefillChunk(7, "a", start=20, token_ids=tuple(range(45)), loop=loops - 1, samples=False),
         PrefillChunk(8, "b", start=0, token_ids=tuple(range(5)), loop=0, samples=False),
     )
     rows = gather_rows(decode, chunks, state, geo)

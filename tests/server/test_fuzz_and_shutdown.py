@@ -186,3 +186,29 @@ def test_sigterm_past_the_timeout_aborts_cleanly():
         assert_core_gone(log)
         assert "Traceback" not in log
         assert len([line for line in log.splitlines() if "aborting" in line]) == 1
+
+
+def test_shared_decode_server_serves_and_refuses_a_prompt_its_pool_cannot_prefill():
+    """`serve --kv-layout shared_decode`: the frontend's checks know a prompt takes one block
+    per loop while it prefills (a 400 naming the prompt, before the engine sees it), and
+    requests that fit complete, with every block back afterwards."""
+    flags = ("--kv-layout", "shared_decode", "--num-blocks", "16", "--block-size", "4")
+    with serve_process(*flags) as (process, url):
+        too_long = {"model": "toy", "prompt": [5] * 17, "max_tokens": 2}
+        reply = httpx.post(f"{url}/v1/completions", json=too_long, timeout=60)
+        assert reply.status_code == 400
+        error = reply.json()["error"]
+        assert error["param"] == "prompt"
+        assert "the prompt (17 tokens) needs 20 KV blocks while it prefills" in error["message"]
+        fits = {"model": "toy", "prompt": [5] * 16, "max_tokens": 8, "ignore_eos": True}
+        for _ in range(2):
+            reply = httpx.post(f"{url}/v1/completions", json=fits, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 8
+        assert httpx.get(f"{url}/health").status_code == 200
+        usage = [
+            float(line.split()[-1])
+            for line in httpx.get(f"{url}/metrics").text.splitlines()
+            if line.startswith("vllm:kv_cache_usage_perc")
+        ]
+        assert usage == [0.0]

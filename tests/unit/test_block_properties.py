@@ -31,7 +31,12 @@ def assert_blocks_consistent(scheduler) -> None:
     assert evictable <= set(kv._hash_of) and not free & set(kv._hash_of)
     assert {kv._block_of[h] for h in kv._hash_of.values()} == set(kv._hash_of)
     running = {r.request_id for r in scheduler.running.values()}
-    assert set(tables) <= running, "a request that does not run holds blocks"
+    owners = {key if isinstance(key, str) else key[0] for key in tables}
+    assert owners <= running, "a request that does not run holds blocks"
+    for key in tables:
+        if not isinstance(key, str):  # SHARED_DECODE: a per-loop table of a prompt
+            request = scheduler.requests[key[0]]
+            assert request.num_prefilled < request.prompt_len, "per-loop table kept too long"
     for request in scheduler.running.values():
         assert request.status is not RequestStatus.WAITING
     for request in scheduler.waiting:
@@ -42,9 +47,12 @@ def assert_blocks_consistent(scheduler) -> None:
 @given(data=st.data())
 def test_random_traffic_never_leaks_or_shares_a_block(data):
     block_size = data.draw(st.sampled_from([1, 2, 4]), label="block_size")
-    num_blocks = data.draw(st.integers(3, 24), label="num_blocks")
+    # 1: a block table per request; T: SHARED_DECODE, a prompt also holds one per loop
+    table_planes = data.draw(st.sampled_from([1, T]), label="table_planes")
+    num_blocks = data.draw(st.integers(3 if table_planes == 1 else T, 24), label="num_blocks")
     policy = data.draw(st.sampled_from(["fcfs", "priority"]), label="policy")
     scheduler = make_scheduler(
+        table_planes=table_planes,
         num_blocks=num_blocks,
         block_size=block_size,
         max_num_seqs=data.draw(st.integers(1, 4), label="max_num_seqs"),
@@ -52,7 +60,7 @@ def test_random_traffic_never_leaks_or_shares_a_block(data):
         prefill_chunk_size=data.draw(st.integers(1, 8), label="chunk"),
         mode=data.draw(st.sampled_from(["refill", "no_refill"]), label="mode"),
         scheduling_policy=policy,
-        enable_caching=data.draw(st.booleans(), label="caching"),
+        enable_caching=table_planes == 1 and data.draw(st.booleans(), label="caching"),
     )
     rng_depths: dict[tuple[str, int], int] = {}
 
@@ -68,7 +76,9 @@ def test_random_traffic_never_leaks_or_shares_a_block(data):
     for _ in range(data.draw(st.integers(1, 120), label="actions")):
         action = data.draw(st.sampled_from(["add", "step", "step", "step", "abort"]))
         if action == "add":
-            prompt_len = data.draw(st.integers(1, min(12, capacity)))
+            # as the request checks allow: the whole context, and the prompt at every loop
+            prompt_cap = (num_blocks // table_planes) * block_size
+            prompt_len = data.draw(st.integers(1, min(12, prompt_cap)))
             max_tokens = data.draw(st.integers(1, capacity - prompt_len + 1))
             request = make_request(f"r{added}", prompt_len, max_tokens, arrival=added)
             if policy == "priority":

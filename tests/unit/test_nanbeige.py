@@ -131,17 +131,18 @@ def _dense_logits(w: dict[str, torch.Tensor], ids: list[int]) -> torch.Tensor:
     return x @ w["lm_head.weight"].T
 
 
-@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+@pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
 def test_engine_matches_a_dense_recompute(tmp_path, layout):
     """Fixed depth 2 with LAST_EXITED is exactly the HF computation; SHARED equals it on a
-    one-token prompt's first token (nothing earlier to read)."""
+    one-token prompt's first token (nothing earlier to read), SHARED_DECODE on any prompt's
+    first token (its prompt computes as under LAST_EXITED)."""
     weights = _tiny_weights()
     (tmp_path / "config.json").write_text(json.dumps(TINY))
     save_file(weights, str(tmp_path / "model.safetensors"))
     from vllm_rlt import CacheConfig
 
     llm = LLM(model=str(tmp_path), cache_config=CacheConfig(layout=layout, num_blocks=64))
-    prompt = [5, 77, 123, 9, 250, 31, 64] if layout == "last_exited" else [5]
+    prompt = [5] if layout == "shared" else [5, 77, 123, 9, 250, 31, 64]
     params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
     completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert completion.exit_depths == [2] * 6

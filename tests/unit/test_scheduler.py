@@ -36,12 +36,17 @@ def make_scheduler(
     block_size: int = 4,
     one_position_prefill: bool = False,
     enable_caching: bool = False,
+    table_planes: int = 1,
     **config,
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
     config.setdefault("max_num_seqs", 4)
     return Scheduler(
-        SchedulerConfig(**config), kv, num_loops=T, one_position_prefill=one_position_prefill
+        SchedulerConfig(**config),
+        kv,
+        num_loops=T,
+        one_position_prefill=one_position_prefill,
+        table_planes=table_planes,
     )
 
 
@@ -368,3 +373,48 @@ def test_finish_frees_blocks_and_slot_in_every_phase():
     assert decoding.finish_reason == "abort"
     assert_idle(scheduler)
     assert scheduler.schedule().is_empty
+
+
+def test_shared_decode_prompt_holds_every_loop_table_until_its_last_loop():
+    """SHARED_DECODE: a prefilling prompt takes a block per loop for each of its position
+    blocks (table row slot * T + loop); when its last chunk is scheduled at its last loop,
+    the per-loop tables are freed and only the final one (row slot * T + T - 1) grows."""
+    scheduler = make_scheduler(
+        num_blocks=32, table_planes=T, prefill_chunk_size=4, max_num_batched_tokens=16
+    )
+    runner = FakeRunner(scheduler)
+    request = make_request("r", 8, 6)
+    scheduler.add_request(request)
+    first = step(scheduler, runner)  # chunk 1 (positions 0-3), loop 0
+    slot = request.slot
+    assert sorted(row for row, _, _ in first.block_updates) == [slot * T + p for p in range(T)]
+    assert scheduler.kv.num_free_blocks == 32 - T
+    while request.status is RequestStatus.PREFILL:
+        out = step(scheduler, runner)
+    # The pass that ran the prompt's last loop was scheduled after the per-loop tables went.
+    assert out.prefill_chunks[0].loop == T - 1
+    assert scheduler.kv.num_free_blocks == 32 - 2
+    assert all(scheduler.kv.block_table(("r", loop)) == [] for loop in range(T - 1))
+    updates = [u for _ in range(4 * T) for u in step(scheduler, runner).block_updates]
+    assert {row for row, _, _ in updates} == {slot * T + T - 1}
+    run_all(scheduler, runner)
+    assert_idle(scheduler)
+
+
+def test_shared_decode_replays_generated_tokens_one_position_at_a_time():
+    """A preempted SHARED_DECODE request re-prefills its prompt in chunks, but its generated
+    tokens one position per chunk: each read every earlier one at its final K/V."""
+    scheduler = make_scheduler(
+        num_blocks=64, table_planes=T, prefill_chunk_size=8, max_num_batched_tokens=16
+    )
+    runner = FakeRunner(scheduler)
+    request = make_request("r", 3, 8)
+    scheduler.add_request(request)
+    while len(request.output_token_ids) < 4:
+        step(scheduler, runner)
+    scheduler._preempt(request)
+    passes = run_all(scheduler, runner)
+    chunks = [c for out in passes for c in out.prefill_chunks if c.loop == 0]
+    assert [(c.start, len(c.token_ids)) for c in chunks] == [(0, 3), (3, 1), (4, 1), (5, 1)]
+    assert [c.deep_writes for c in chunks] == [False, True, True, True]
+    assert_idle(scheduler)

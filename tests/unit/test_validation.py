@@ -120,7 +120,10 @@ def test_resolved_loops_checks_model_depth(kwargs: dict[str, Any], match: str) -
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"layout": "paged"}, r"layout must be one of last_exited, shared, got 'paged'"),
+        (
+            {"layout": "paged"},
+            r"layout must be one of last_exited, shared, shared_decode, got 'paged'",
+        ),
         ({"block_size": 0}, r"block_size must be in \[1, 1024\], got 0"),
         ({"block_size": 2048}, r"block_size must be in \[1, 1024\], got 2048"),
         ({"block_size": 4.0}, r"block_size must be an integer in \[1, 1024\], got 4\.0"),
@@ -243,6 +246,8 @@ TRACES = {
 ENGINES: dict[str, dict[str, Any]] = {
     "default": {},
     "small_kv": {"num_blocks": 4, "block_size": 4},
+    # one-plane blocks: a prompt takes one per loop while it prefills
+    "small_shared_decode": {"layout": "shared_decode", "num_blocks": 8, "block_size": 4},
     "trace": {"exit_config": ExitConfig(mode="trace", depths_by_request=TRACES)},
 }
 
@@ -310,6 +315,14 @@ BAD_REQUESTS = {
         [7] * 10,
         greedy(max_tokens=8),
         r"prompt \+ max_tokens needs 5 KV blocks but the cache has 4",
+    ),
+    "prompt_prefill_beyond_pool": BadRequest(
+        "small_shared_decode",
+        "bad",
+        [7] * 9,
+        greedy(max_tokens=1),
+        r"prompt \(9 tokens\) needs 12 KV blocks while it prefills \(one plane per loop\) "
+        "but the cache has 8",
     ),
     "trace_missing_request": BadRequest(
         "trace", "unknown", [10], greedy(), r"exit trace has no depths for request_id 'unknown'"

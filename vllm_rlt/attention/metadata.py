@@ -29,7 +29,7 @@ class PrefillTiles:
     row: torch.Tensor  # [tiles] first row of the tile in the pass
     length: torch.Tensor  # [tiles] rows in the tile
     position: torch.Tensor  # [tiles] position of the first row
-    slot: torch.Tensor  # [tiles]
+    table: torch.Tensor  # [tiles] block-table row the tile reads through
     plane: torch.Tensor  # [tiles] plane the tile reads
 
     @property
@@ -43,17 +43,19 @@ class AttentionMetadata:
 
     The KV cache of a layer is a flat array of `planes * slots_per_plane` entries, so one flat
     index names both the plane and the token slot. Row r attends over positions
-    0..positions[r] of plane `read_plane[r]` through its slot's block table, and writes its own
-    K/V into planes write_lo[r] .. write_hi[r] - 1 at entry `row_entry[r]` of each plane.
+    0..positions[r] of plane `read_plane[r]` through block-table row `row_tables[r]`, and writes
+    its own K/V into planes write_lo[r] .. write_hi[r] - 1 at entry `row_entry[r]` of each
+    plane. A slot has one table row, or under SHARED_DECODE one per loop (see
+    `KVGeometry.table_planes`).
     """
 
     positions: torch.Tensor  # [rows] absolute token position
-    row_slots: torch.Tensor  # [rows] slot whose block table the row uses
+    row_tables: torch.Tensor  # [rows] block-table row the row reads and writes through
     read_plane: torch.Tensor  # [rows]
     write_lo: torch.Tensor  # [rows]
     write_hi: torch.Tensor  # [rows]
     row_entry: torch.Tensor  # [rows] block * block_size + offset within a plane
-    block_table: torch.Tensor  # [slots + 1, max_blocks] (the slot state's table)
+    block_table: torch.Tensor  # [table rows, max_blocks] (the slot state's table)
     planes: int
     slots_per_plane: int
     block_size: int

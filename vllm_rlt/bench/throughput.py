@@ -134,7 +134,10 @@ def build_engine(
     device's free memory and the scheduler queues what does not fit."""
     prompt_len = args.shared_prefix_len + args.prompt_len
     max_len = prompt_len + max_tokens_of(args)
-    blocks = concurrency * -(-max_len // args.block_size) + 8 if whole_pool else None
+    per_request = -(-max_len // args.block_size)
+    if args.kv_layout == "shared_decode":  # one-plane blocks, every loop's while prefilling
+        per_request += (model.config.num_loops - 1) * -(-prompt_len // args.block_size)
+    blocks = concurrency * per_request + 8 if whole_pool else None
     return EngineCore(
         model,
         None,
@@ -226,7 +229,12 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
     result: dict[str, Any] = {
         "concurrency": concurrency,
         "kv_pool": kv_pool,
+        # K/V bytes a context position holds; a prompt position while its prompt prefills
+        # holds `kv_bytes_per_position_prefilling` (more only under shared_decode).
         "kv_bytes_per_position": engine.memory_plan.bytes_per_block // engine.kv.block_size,
+        "kv_bytes_per_position_prefilling": engine.memory_plan.bytes_per_block
+        // engine.kv.block_size
+        * engine.scheduler.table_planes,
         # What holding blocks for prompt + max_tokens from admission on would let run.
         "full_reservation_at_once": min(
             concurrency,

@@ -1,4 +1,9 @@
-"""KV block pool and per-request block tables; every block spans all planes.
+"""KV block pool and per-request block tables.
+
+A block holds `block_size` positions of whatever the cache's block spans: every loop plane
+(LAST_EXITED) or one plane (SHARED, SHARED_DECODE). A table is keyed by its owner: the
+request id, or under SHARED_DECODE also (request id, loop) for the per-loop tables a prompt
+holds while it prefills.
 
 Blocks are taken as positions are about to be written (`grow`), never for a request's whole
 lifetime up front. With prefix caching, a full block of prompt positions is registered under
@@ -13,6 +18,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
+from collections.abc import Hashable
 
 
 def block_hashes(salt: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
@@ -39,7 +45,7 @@ class KVCacheManager:
         self._refs = [0] * num_blocks
         self._hash_of: dict[int, bytes] = {}
         self._block_of: dict[bytes, int] = {}
-        self._tables: dict[str, list[int]] = {}
+        self._tables: dict[Hashable, list[int]] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -53,21 +59,18 @@ class KVCacheManager:
     def blocks_for(self, num_positions: int) -> int:
         return max(1, -(-num_positions // self.block_size))
 
-    def missing(self, request_id: str, num_positions: int) -> int:
-        """Blocks the request lacks to hold `num_positions` positions."""
-        held = len(self._tables.get(request_id, ()))
+    def missing(self, owner: Hashable, num_positions: int) -> int:
+        """Blocks the table of `owner` lacks to hold `num_positions` positions."""
+        held = len(self._tables.get(owner, ()))
         return max(0, self.blocks_for(num_positions) - held)
 
-    def can_grow(self, request_id: str, num_positions: int) -> bool:
-        return self.missing(request_id, num_positions) <= self.num_free_blocks
-
-    def grow(self, request_id: str, num_positions: int) -> list[tuple[int, int]]:
-        """Take the blocks the request lacks for `num_positions` positions; returns each new
-        block as (its index in the request's table, its id)."""
-        count = self.missing(request_id, num_positions)
+    def grow(self, owner: Hashable, num_positions: int) -> list[tuple[int, int]]:
+        """Take the blocks the table of `owner` lacks for `num_positions` positions; returns
+        each new block as (its index in the table, its id)."""
+        count = self.missing(owner, num_positions)
         if count > self.num_free_blocks:
             raise RuntimeError(f"need {count} blocks, {self.num_free_blocks} free")
-        table = self._tables.setdefault(request_id, [])
+        table = self._tables.setdefault(owner, [])
         start = len(table)
         for _ in range(count):
             block = self._take()
@@ -116,10 +119,10 @@ class KVCacheManager:
             self._hash_of[block] = block_hash
 
     # ----------------------------------------------------------------- release
-    def free(self, request_id: str) -> None:
-        """Release the request's blocks; the last blocks of a prompt go first when the pool
-        later needs cached ones back (released in reverse order)."""
-        for block in reversed(self._tables.pop(request_id, [])):
+    def free(self, owner: Hashable) -> None:
+        """Release the blocks of `owner`'s table; the last blocks of a prompt go first when
+        the pool later needs cached ones back (released in reverse order)."""
+        for block in reversed(self._tables.pop(owner, [])):
             self._refs[block] -= 1
             if self._refs[block] == 0:
                 if block in self._hash_of:

@@ -62,8 +62,9 @@ class SchedulerOutput:
     decode_request_ids: tuple[str, ...]  # who owned each decode slot when it was scheduled
     prefill_chunks: tuple[PrefillChunk, ...]
     max_context: int  # upper bound of (position + 1) over all rows, for attention padding
-    # (slot, index in its block table, block id): blocks taken for this pass's rows, to be
-    # written into the device tables before it runs
+    # (table row, index in it, block id): blocks taken for this pass's rows, to be written
+    # into the device tables before it runs. A slot has one table row, or one per loop under
+    # SHARED_DECODE (row slot * loops + loop; the last is the final plane's).
     block_updates: tuple[tuple[int, int, int], ...] = ()
     # The admission of each decode slot's owner: a result that comes back after its request
     # left the slot (finished, preempted) and came back, or after its id was reused, is not

@@ -38,7 +38,14 @@ def bytes_per_block(model_config, planes: int, block_size: int, dtype: torch.dty
     return per_token * block_size * planes * model_config.num_hidden_layers
 
 
-def plan_kv_cache(cache_config, model_config, planes: int, dtype: torch.dtype) -> MemoryPlan:
+def plan_kv_cache(
+    cache_config,
+    model_config,
+    planes: int,
+    dtype: torch.dtype,
+    default_blocks: int = CPU_DEFAULT_BLOCKS,
+) -> MemoryPlan:
+    """An explicit pool size, or `default_blocks` (the CPU default)."""
     per_block = bytes_per_block(model_config, planes, cache_config.block_size, dtype)
     if cache_config.num_blocks is not None:
         blocks, source = cache_config.num_blocks, "num_blocks"
@@ -50,7 +57,7 @@ def plan_kv_cache(cache_config, model_config, planes: int, dtype: torch.dtype) -
                 f"one KV block ({per_block} bytes)"
             )
     else:
-        blocks, source = CPU_DEFAULT_BLOCKS, "cpu_default"
+        blocks, source = default_blocks, "cpu_default"
     return MemoryPlan(blocks, cache_config.block_size, planes, per_block, source)
 
 

@@ -32,12 +32,17 @@ class Scheduler:
         num_loops: int,
         one_position_prefill: bool,
         cache_salt: bytes = b"",
+        table_planes: int = 1,
     ) -> None:
         self.config = config
         self.kv = kv
         self.num_loops = num_loops
         # SHARED layout: a position must finish every loop before the next one starts.
         self.chunk_limit = 1 if one_position_prefill else config.prefill_chunk_size
+        # Block-table rows per slot (see KVGeometry). Above one (SHARED_DECODE), a prompt
+        # also holds a table per loop but the last, under the key (request id, loop), until
+        # its last position finishes its last loop; those blocks are then freed.
+        self.table_planes = table_planes
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
@@ -127,8 +132,10 @@ class Scheduler:
                 continue  # preempted for a request ranked above it
             if chunks >= self.config.max_prefill_batches_before_decode or rows >= budget:
                 return
-            end, depth, _ = request.prefill_segment(request.num_prefilled)
-            length = min(self.chunk_limit, end - request.num_prefilled, budget - rows)
+            end, depth, replayed = request.prefill_segment(request.num_prefilled)
+            # SHARED_DECODE replays decode tokens as they ran: one position after another.
+            limit = 1 if replayed and self.table_planes > 1 else self.chunk_limit
+            length = min(limit, end - request.num_prefilled, budget - rows)
             if not self._reserve(request, request.num_prefilled + length, preempt_own=False):
                 return  # it waits for blocks, and so does everything ranked below it
             request.chunk_start, request.chunk_len = request.num_prefilled, length
@@ -159,14 +166,35 @@ class Scheduler:
         """Blocks for `num_positions` positions of `request`, preempting running requests
         ranked below it while they lack; with `preempt_own`, the request itself when none
         is left below it. False if it got none (and, with `preempt_own`, lost its slot)."""
-        while not self.kv.can_grow(request.request_id, num_positions):
+        tables = self._tables_to_grow(request, num_positions)
+        while sum(self.kv.missing(key, n) for key, _, n in tables) > self.kv.num_free_blocks:
             if not self._preempt_one_below(request):
                 if preempt_own:
                     self._preempt(request)
                 return False
-        for index, block in self.kv.grow(request.request_id, num_positions):
-            self.block_updates.append((request.slot, index, block))  # type: ignore[arg-type]
+        for key, row, n in tables:
+            for index, block in self.kv.grow(key, n):
+                self.block_updates.append((row, index, block))
         return True
+
+    def _tables_to_grow(self, request: Request, num_positions: int):
+        """(block-table key, device table row, positions) of every table that must hold
+        `num_positions` positions: the request's own, and while its prompt prefills under
+        SHARED_DECODE, one per loop but the last for the prompt positions among them."""
+        slot, planes = request.slot, self.table_planes
+        assert slot is not None
+        tables = [(request.request_id, slot * planes + planes - 1, num_positions)]
+        if planes > 1 and request.num_prefilled < request.prompt_len:
+            prompt = min(num_positions, request.prompt_len)
+            tables += [
+                ((request.request_id, loop), slot * planes + loop, prompt)
+                for loop in range(planes - 1)
+            ]
+        return tables
+
+    def _free_prompt_planes(self, request: Request) -> None:
+        for loop in range(self.table_planes - 1):
+            self.kv.free((request.request_id, loop))
 
     def _preempt_one_below(self, request: Request) -> bool:
         """Preempt the lowest-ranked running request ranked below `request`; False if none is."""
@@ -185,9 +213,11 @@ class Scheduler:
         del self.running[slot]
         self.free_slots.append(slot)
         self.kv.free(request.request_id)
+        self._free_prompt_planes(request)
         request.slot = None
-        if any(update[0] == slot for update in self.block_updates):
-            self.block_updates = [u for u in self.block_updates if u[0] != slot]
+        rows = range(slot * self.table_planes, (slot + 1) * self.table_planes)
+        if any(update[0] in rows for update in self.block_updates):
+            self.block_updates = [u for u in self.block_updates if u[0] not in rows]
 
     def _preempt(self, request: Request) -> None:
         """Give back its slot and every block; it waits at the head of the queue and, once
@@ -215,6 +245,10 @@ class Scheduler:
             request.chunk_len = 0
             if self.kv.enable_caching:
                 self._register_prompt_blocks(request)
+            if request.num_prefilled >= request.prompt_len:
+                # Its last loop reads and writes the final plane only, so the per-loop
+                # planes may go to a request scheduled after this pass (stream order).
+                self._free_prompt_planes(request)
             if request.num_prefilled == request.prefill_len:
                 request.status = RequestStatus.DECODE
 
@@ -262,8 +296,7 @@ class Scheduler:
             if not self.free_slots:
                 break
             hits = self._usable_hits(request)
-            cached = hits * self.kv.block_size
-            first = self.kv.blocks_for(min(request.prefill_len, cached + self.chunk_limit))
+            first = self._first_chunk_blocks(request, hits * self.kv.block_size)
             fits = promised + first + self._watermark() <= self.kv.num_free_blocks
             if not fits or request.preempted_in == self.round:
                 if request.bypass_count >= self.config.max_admission_bypasses:
@@ -288,10 +321,17 @@ class Scheduler:
         until it has a slot and its first chunk's blocks."""
         if request.preempted_in == self.round:
             return
-        first = self.kv.blocks_for(min(request.prefill_len, self.chunk_limit))
+        first = self._first_chunk_blocks(request, 0)
         while not self.free_slots or first + self._watermark() > self.kv.num_free_blocks:
             if not self._preempt_one_below(request):
                 return
+
+    def _first_chunk_blocks(self, request: Request, cached: int) -> int:
+        """Blocks the first chunk takes: it starts after the cached positions and ends at
+        the end of the prompt at the latest; under SHARED_DECODE every loop's table takes
+        them."""
+        positions = min(request.prompt_len, cached + self.chunk_limit)
+        return self.kv.blocks_for(positions) * self.table_planes
 
     def _usable_hits(self, request: Request) -> int:
         """Leading prompt blocks the prefix cache holds, as many as may be skipped: a

@@ -292,6 +292,7 @@ class AsyncLLM:
                 block_size=info.block_size,
                 num_loops=info.num_loops,
                 scheduling_policy=info.scheduling_policy,
+                prompt_tables=info.prompt_tables,
             ),
             llm_kwargs.get("exit_config") or ExitConfig(),
         )

@@ -15,6 +15,7 @@ from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerC
 from vllm_rlt.core.block_pool import KVCacheManager
 from vllm_rlt.core.contract import SchedulerOutput
 from vllm_rlt.core.memory import (
+    CPU_DEFAULT_BLOCKS,
     MemoryPlan,
     check_explicit_plan,
     plan_from_profile,
@@ -71,20 +72,25 @@ class EngineCore:
         self.num_loops = cfg.num_loops
         self.max_model_len = cfg.max_position_embeddings
         self.attention_backend, ops = get_backend(attention_backend, model.device)
-        planes = self.num_loops if cache_config.layout == "last_exited" else 1
+        layout = cache_config.layout
+        planes = self.num_loops if layout == "last_exited" else 1
+        table_planes = self.num_loops if layout == "shared_decode" else 1
         self.memory_plan: MemoryPlan = self._plan_memory(
-            cache_config, scheduler_config, execution_config, planes, ops
+            cache_config, scheduler_config, execution_config, planes, table_planes, ops
         )
         geometry = KVGeometry(
             planes=planes,
             block_size=cache_config.block_size,
             num_blocks=self.memory_plan.num_blocks,
-            write_deeper_planes=cache_config.layout == "last_exited",
+            write_deeper_planes=layout == "last_exited",
+            table_planes=table_planes,
         )
         self.kv = KVCacheManager(
             self.memory_plan.num_blocks,
             cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching,
+            # SHARED_DECODE keeps only the final plane of a finished prompt, and a prompt
+            # that continues a cached prefix would need every loop's.
+            enable_caching=cache_config.enable_prefix_caching and layout != "shared_decode",
         )
         # A cached block's K/V depends on the weights, the layout and the dtype too.
         salt = repr((vars(cfg), cache_config.layout, str(model.dtype)))
@@ -92,8 +98,9 @@ class EngineCore:
             scheduler_config,
             self.kv,
             self.num_loops,
-            one_position_prefill=planes == 1,
+            one_position_prefill=layout == "shared",
             cache_salt=hashlib.sha256(salt.encode()).digest(),
+            table_planes=table_planes,
         )
         trace_len = self.max_model_len if exit_config.mode == "trace" else 1
         self.runner = ModelRunner(
@@ -122,6 +129,7 @@ class EngineCore:
                 block_size=cache_config.block_size,
                 num_loops=self.num_loops,
                 scheduling_policy=scheduler_config.scheduling_policy,
+                prompt_tables=table_planes,
             ),
             exit_config,
         )
@@ -136,11 +144,16 @@ class EngineCore:
         self.num_passes = 0
         self.num_rows_total = 0  # rows over all passes, for the rows-per-pass metric
 
-    def _plan_memory(self, cache_config, scheduler_config, execution_config, planes, ops):
+    def _plan_memory(
+        self, cache_config, scheduler_config, execution_config, planes, table_planes, ops
+    ):
+        """`table_planes` one-plane blocks hold what one block of every plane holds, so
+        defaults and caps count that many per position block under SHARED_DECODE."""
         cfg, device = self.model.config, self.model.device
         explicit = cache_config.num_blocks is not None or cache_config.kv_cache_memory_bytes
         if device.type != "cuda":
-            return plan_kv_cache(cache_config, cfg, planes, self.model.dtype)
+            default = CPU_DEFAULT_BLOCKS * table_planes
+            return plan_kv_cache(cache_config, cfg, planes, self.model.dtype, default)
         from vllm_rlt.worker.memory_profile import peak_pass_bytes
 
         seqs = scheduler_config.max_num_seqs
@@ -169,7 +182,7 @@ class EngineCore:
             torch.cuda.memory_allocated(device),
             pass_peak,
             graph_pool,
-            seqs * per_seq,
+            seqs * per_seq * table_planes,
         )
 
     # ----------------------------------------------------------------- requests

@@ -59,6 +59,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     block_size: int
     max_num_seqs: int
     scheduling_policy: str = "fcfs"
+    prompt_tables: int = 1  # block tables a prefilling prompt holds (RequestLimits)
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

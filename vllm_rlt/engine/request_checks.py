@@ -17,6 +17,7 @@ class RequestLimits:
     block_size: int
     num_loops: int
     scheduling_policy: str = "fcfs"
+    prompt_tables: int = 1  # block tables a prefilling prompt holds (SHARED_DECODE: loops)
 
 
 def check_priority(priority: int, scheduling_policy: str) -> None:
@@ -77,6 +78,14 @@ class RequestChecker:
             f"prompt + max_tokens needs {needed} KV blocks but the cache has "
             f"{limits.num_blocks}; lower max_tokens or raise num_blocks",
             "max_tokens",
+        )
+        prefill = limits.prompt_tables * -(-len(prompt) // limits.block_size)
+        require(
+            prefill <= limits.num_blocks,
+            f"the prompt ({len(prompt)} tokens) needs {prefill} KV blocks while it prefills "
+            f"(one plane per loop) but the cache has {limits.num_blocks}; shorten the prompt "
+            "or raise num_blocks",
+            "prompt",
         )
 
     @staticmethod

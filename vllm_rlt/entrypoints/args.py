@@ -49,7 +49,10 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_LAYOUTS,
         default="last_exited",
         help="last_exited: one plane per loop (exact); shared: one plane for every loop, "
-        "prefill included (a quarter of the memory, different numerics)",
+        "prefill included (a quarter of the memory, different numerics); shared_decode: "
+        "one plane per loop while a prompt prefills, then one plane per position (the "
+        "prompt computes as under last_exited; decode shares, as the Ouro report "
+        "validates; no prefix caching)",
     )
     cache.add_argument("--block-size", type=int, default=16, help="positions per KV block")
     cache.add_argument(
@@ -57,7 +60,7 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="share the K/V of full prompt blocks between requests whose prompts start "
-        "alike (exact: prompt positions run every loop)",
+        "alike (exact: prompt positions run every loop; not under shared_decode)",
     )
     sizing = cache.add_mutually_exclusive_group()
     sizing.add_argument(
@@ -65,7 +68,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="KV blocks in the pool (default: sized from device memory on CUDA, "
-        f"else {CPU_DEFAULT_BLOCKS})",
+        f"else {CPU_DEFAULT_BLOCKS}, times the loops under shared_decode, whose blocks hold "
+        "one plane)",
     )
     sizing.add_argument(
         "--kv-cache-memory-bytes",

@@ -152,7 +152,7 @@ def _paged_attention_kernel(
     v_cache_ptr,
     out_ptr,
     positions_ptr,
-    slots_ptr,
+    table_rows_ptr,
     planes_ptr,
     block_table_ptr,
     block_table_stride,
@@ -173,7 +173,7 @@ def _paged_attention_kernel(
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     d = tl.arange(0, HEAD_DIM)
     pos = tl.load(positions_ptr + row)
-    slot = tl.load(slots_ptr + row)
+    table_row = tl.load(table_rows_ptr + row)
     plane = tl.load(planes_ptr + row)
     q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d).to(tl.float32)
     m = tl.full((), float("-inf"), tl.float32)
@@ -184,7 +184,7 @@ def _paged_attention_kernel(
         j = start + tl.arange(0, BLOCK_N)
         valid = j < context
         block = tl.load(
-            block_table_ptr + slot * block_table_stride + j // block_size, mask=valid, other=0
+            block_table_ptr + table_row * block_table_stride + j // block_size, mask=valid, other=0
         )
         entry = (
             plane * slots_per_plane + block * block_size + j % block_size
@@ -213,7 +213,7 @@ def _prefill_attention_kernel(
     tile_row_ptr,
     tile_len_ptr,
     tile_pos_ptr,
-    tile_slot_ptr,
+    tile_table_ptr,
     tile_plane_ptr,
     block_table_ptr,
     block_table_stride,
@@ -237,7 +237,7 @@ def _prefill_attention_kernel(
     row0 = tl.load(tile_row_ptr + tile)
     count = tl.load(tile_len_ptr + tile)
     pos0 = tl.load(tile_pos_ptr + tile)
-    slot = tl.load(tile_slot_ptr + tile)
+    table_row = tl.load(tile_table_ptr + tile)
     plane = tl.load(tile_plane_ptr + tile)
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
@@ -253,7 +253,9 @@ def _prefill_attention_kernel(
         j = start + tl.arange(0, BLOCK_N)
         keys_valid = j < context
         block = tl.load(
-            block_table_ptr + slot * block_table_stride + j // block_size, mask=keys_valid, other=0
+            block_table_ptr + table_row * block_table_stride + j // block_size,
+            mask=keys_valid,
+            other=0,
         )
         entry = (plane * slots_per_plane + block * block_size + j % block_size) * NUM_KV_HEADS
         offsets = (entry + kv_head)[:, None] * HEAD_DIM + d[None, :]

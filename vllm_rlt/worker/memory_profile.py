@@ -14,7 +14,7 @@ def _profile_metadata(rows: int, planes: int, block_size: int, device) -> Attent
     zeros = torch.zeros(rows, dtype=torch.int64, device=device)
     return AttentionMetadata(
         positions=zeros,
-        row_slots=zeros,
+        row_tables=zeros,
         read_plane=zeros,
         write_lo=zeros,
         write_hi=torch.full_like(zeros, planes),

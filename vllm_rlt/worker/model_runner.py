@@ -100,6 +100,7 @@ class ModelRunner:
             trace_len,
             model.dtype,
             model.device,
+            geometry.table_planes,
         )
         self.dummy_slot = max_slots
         self.prefill_hidden: dict[int, torch.Tensor] = {}  # slot -> [chunk, hidden]
@@ -120,7 +121,7 @@ class ModelRunner:
         try:
             self.state.admit(new)
         except BaseException:
-            self.state.block_table[new.slot] = self.state.dummy_block
+            self.state.clear_tables(new.slot)
             raise
         self.prefill_hidden.pop(new.slot, None)
 
@@ -130,10 +131,10 @@ class ModelRunner:
         Its new slots must have been admitted (`admit`) first."""
         st = self.state
         if out.block_updates:
-            # One upload and one scatter: (slot, index, block) of every block taken.
+            # One upload and one scatter: (table row, index, block) of every block taken.
             flat = self.uploads.upload([v for update in out.block_updates for v in update])
-            slots, indices, blocks = flat.view(-1, 3).unbind(1)
-            st.block_table[slots, indices] = blocks
+            table_rows, indices, blocks = flat.view(-1, 3).unbind(1)
+            st.block_table[table_rows, indices] = blocks
         samplers = list(out.decode_slots) + [c.slot for c in out.prefill_chunks if c.samples]
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
         greedy = all(st.greedy[s] for s in samplers)

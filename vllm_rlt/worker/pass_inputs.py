@@ -19,12 +19,26 @@ from vllm_rlt.worker.slot_state import SlotState
 
 @dataclass
 class KVGeometry:
-    """Shape of the cache: planes of `slots_per_plane` entries, the last block a dummy."""
+    """Shape of the cache: planes of `slots_per_plane` entries, the last block a dummy.
+
+    Each slot has `table_planes` block-table rows. One (LAST_EXITED, SHARED): a block holds
+    a position range at every plane. SHARED_DECODE has one cache plane and a table row per
+    loop instead: a prompt row at loop t reads and writes through row t, and the last row
+    (the final plane) serves the prompt's last loop and every generated position, so the
+    per-loop rows' blocks can be freed once the prompt is done."""
 
     planes: int
     block_size: int
     num_blocks: int
     write_deeper_planes: bool  # LAST_EXITED: a decode row also writes every deeper plane
+    table_planes: int = 1
+
+    def table_row(self, slot, plane):
+        """Block-table row of `slot` at `plane` (ints or tensors)."""
+        return slot * self.table_planes + plane
+
+    def final_table_row(self, slot):
+        return self.table_row(slot, self.table_planes - 1)
 
     @property
     def slots_per_plane(self) -> int:
@@ -39,7 +53,7 @@ class KVGeometry:
 class PassRows:
     """Per-row tensors of one pass: decode rows first, then prefill chunk rows."""
 
-    slots: torch.Tensor  # [rows] slot of each row
+    tables: torch.Tensor  # [rows] block-table row each row reads and writes through
     positions: torch.Tensor  # [rows]
     loops: torch.Tensor  # [rows] 0-based loop each row runs
     write_hi: torch.Tensor  # [rows] one past the deepest plane a row writes
@@ -52,10 +66,10 @@ def gather_rows(
     the host. With no chunks every op stays on the device (the CUDA-graph case)."""
     d_loops = state.loop[decode]
     d_hi = torch.full_like(d_loops, geo.planes) if geo.write_deeper_planes else d_loops + 1
-    rows = PassRows(decode, state.position[decode], d_loops, d_hi)
+    rows = PassRows(geo.final_table_row(decode), state.position[decode], d_loops, d_hi)
     if not chunks:
         return rows
-    slots = torch.cat([torch.full((len(c.token_ids),), c.slot) for c in chunks])
+    tables = torch.cat([torch.full((len(c.token_ids),), _chunk_table_row(c, geo)) for c in chunks])
     positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks])
     loops = torch.cat([torch.full((len(c.token_ids),), c.loop) for c in chunks])
     # A prompt row writes its own plane; a replayed row also the deeper ones, as the
@@ -67,13 +81,21 @@ def gather_rows(
             for c in chunks
         ]
     )
-    host = torch.stack([slots, positions, loops, write_hi]).to(decode.device)  # [4, rows]
+    host = torch.stack([tables, positions, loops, write_hi]).to(decode.device)  # [4, rows]
     return PassRows(
-        slots=torch.cat([decode, host[0]]),
+        tables=torch.cat([rows.tables, host[0]]),
         positions=torch.cat([rows.positions, host[1]]),
         loops=torch.cat([d_loops, host[2]]),
         write_hi=torch.cat([d_hi, host[3]]),
     )
+
+
+def _chunk_table_row(chunk: PrefillChunk, geo: KVGeometry) -> int:
+    """A prompt chunk uses its loop's table row; a replayed one, like the decode rows it
+    was, the final one (with a single table row per slot both are the slot's)."""
+    if chunk.deep_writes or geo.table_planes == 1:
+        return geo.final_table_row(chunk.slot)
+    return geo.table_row(chunk.slot, chunk.loop)
 
 
 def build_metadata(
@@ -90,11 +112,11 @@ def build_metadata(
     shared = geo.planes == 1
     meta = AttentionMetadata(
         positions=rows.positions,
-        row_slots=rows.slots,
+        row_tables=rows.tables,
         read_plane=torch.zeros_like(rows.loops) if shared else rows.loops,
         write_lo=torch.zeros_like(rows.loops) if shared else rows.loops,
         write_hi=torch.ones_like(rows.loops) if shared else rows.write_hi,
-        row_entry=state.block_table[rows.slots, rows.positions // bs] * bs + rows.positions % bs,
+        row_entry=state.block_table[rows.tables, rows.positions // bs] * bs + rows.positions % bs,
         block_table=state.block_table,
         planes=geo.planes,
         slots_per_plane=spp,
@@ -119,7 +141,8 @@ def _prefill_tiles(
         plane = 0 if geo.planes == 1 else chunk.loop
         for offset in range(0, n, tile_rows):
             length = min(tile_rows, n - offset)
-            fields.append((row + offset, length, chunk.start + offset, chunk.slot, plane))
+            table = _chunk_table_row(chunk, geo)
+            fields.append((row + offset, length, chunk.start + offset, table, plane))
         row += n
     table = torch.tensor(fields, dtype=torch.int64).T.contiguous().to(rows.positions.device)
     return PrefillTiles(*table)  # [5, tiles] -> one tensor per field
@@ -132,7 +155,7 @@ def _segments(
     geo: KVGeometry,
     max_context: int,
 ) -> Segments:
-    """One segment per decode row and per prefill chunk (rows sharing request and plane)."""
+    """One segment per decode row and per prefill chunk (rows sharing table row and plane)."""
     device = rows.positions.device
     num_rows = rows.positions.shape[0]
     num_decode = num_rows - sum(len(c.token_ids) for c in chunks)
@@ -146,13 +169,13 @@ def _segments(
         start += n
     seg_rows = seg_rows.to(device)
     first_rows = seg_rows[:, 0]
-    seg_slots, seg_loops = rows.slots[first_rows], rows.loops[first_rows]
+    seg_tables, seg_loops = rows.tables[first_rows], rows.loops[first_rows]
     padded_pos = torch.cat([rows.positions, rows.positions.new_full((1,), PAD_QUERY_POSITION)])
     q_pos = padded_pos[seg_rows]  # [segs, max_q]
 
     bs = geo.block_size
     kv_pos = torch.arange(max(max_context, 1), device=device)  # [max_kv]
-    blocks = state.block_table[seg_slots][:, kv_pos // bs]  # [segs, max_kv]
+    blocks = state.block_table[seg_tables][:, kv_pos // bs]  # [segs, max_kv]
     read_plane = torch.zeros_like(seg_loops) if geo.planes == 1 else seg_loops
     kv_index = read_plane.unsqueeze(1) * geo.slots_per_plane + blocks * bs + kv_pos % bs
     last_q = q_pos.masked_fill(q_pos == PAD_QUERY_POSITION, -1).amax(dim=1)

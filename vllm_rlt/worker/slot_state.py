@@ -25,6 +25,7 @@ class SlotState:
         trace_len: int,
         dtype: torch.dtype,
         device: torch.device,
+        table_planes: int = 1,
     ) -> None:
         n = max_slots + 1
         i64 = dict(dtype=torch.int64, device=device)
@@ -46,9 +47,10 @@ class SlotState:
         self.seed = torch.zeros(n, **i64)  # [slots]
         self.min_tokens = torch.zeros(n, **i64)  # [slots]
         self.banned = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)  # [slots, vocab]
+        self.table_planes = table_planes
         self.block_table = torch.full(
-            (n, max_blocks_per_seq), dummy_block, **i64
-        )  # [slots, blocks]
+            (n * table_planes, max_blocks_per_seq), dummy_block, **i64
+        )  # [slots * table_planes, blocks]: row slot * table_planes + plane
         self.trace = torch.ones(n, max(trace_len, 1), **i64)  # [slots, decode tokens]
         self.dummy_block = dummy_block
         self.num_logprobs = [0] * n  # host copy: how many top logprobs each slot wants
@@ -76,12 +78,17 @@ class SlotState:
         self.banned[s] = False
         if new.banned_until_min_tokens:
             self.banned[s, list(new.banned_until_min_tokens)] = True
-        self.block_table[s] = self.dummy_block  # its blocks come as they are taken
+        self.clear_tables(s)  # its blocks come as they are taken
         if new.decode_depths is not None:
             depths = new.decode_depths[: self.trace.shape[1]]
             self.trace[s, : len(depths)] = torch.tensor(depths)
         self.num_logprobs[s] = new.num_logprobs
         self.greedy[s] = new.temperature == 0.0
+
+    def clear_tables(self, slot: int) -> None:
+        """Point every table row of `slot` at the dummy block."""
+        first = slot * self.table_planes
+        self.block_table[first : first + self.table_planes] = self.dummy_block
 
     def reset_dummy(self, slot: int) -> None:
         """Padding rows advance the dummy slot like a real one; pin it back to position 0."""
