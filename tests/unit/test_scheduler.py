@@ -418,3 +418,31 @@ def test_shared_decode_replays_generated_tokens_one_position_at_a_time():
     assert [(c.start, len(c.token_ids)) for c in chunks] == [(0, 3), (3, 1), (4, 1), (5, 1)]
     assert [c.deep_writes for c in chunks] == [False, True, True, True]
     assert_idle(scheduler)
+
+
+def test_priority_admission_counts_prefix_hits_before_preempting():
+    """An urgent request whose prompt is mostly cached in blocks a running request holds
+    needs only the blocks of its uncached tail: nothing is preempted for the rest."""
+    from dataclasses import replace
+
+    scheduler = make_scheduler(
+        num_blocks=6,
+        enable_caching=True,
+        scheduling_policy="priority",
+        prefill_chunk_size=8,
+        max_num_batched_tokens=16,
+    )
+    runner = FakeRunner(scheduler)
+    low = make_request("low", 12, 12)
+    low.params = replace(low.params, priority=5)
+    scheduler.add_request(low)
+    while len(low.output_token_ids) < 2:
+        step(scheduler, runner)
+    assert scheduler.kv.num_free_blocks == 2  # 3 prompt blocks and 1 decode block held
+    urgent = make_request("urgent", 12, 2, arrival=1.0)  # the same 12 prompt tokens
+    scheduler.add_request(urgent)
+    step(scheduler, runner)
+    assert scheduler.num_preemptions == 0
+    assert urgent.status is RequestStatus.PREFILL and low.status is RequestStatus.DECODE
+    run_all(scheduler, runner)
+    assert_idle(scheduler)

@@ -318,20 +318,21 @@ class Scheduler:
 
     def _make_room(self, request: Request) -> None:
         """Priority policy: preempt running requests ranked below `request`, lowest first,
-        until it has a slot and its first chunk's blocks."""
+        until it has a slot and its first chunk's blocks (its cached prompt blocks need none)."""
         if request.preempted_in == self.round:
             return
-        first = self._first_chunk_blocks(request, 0)
+        first = self._first_chunk_blocks(request, self._usable_hits(request) * self.kv.block_size)
         while not self.free_slots or first + self._watermark() > self.kv.num_free_blocks:
             if not self._preempt_one_below(request):
                 return
 
     def _first_chunk_blocks(self, request: Request, cached: int) -> int:
-        """Blocks the first chunk takes: it starts after the cached positions and ends at
-        the end of the prompt at the latest; under SHARED_DECODE every loop's table takes
-        them."""
-        positions = min(request.prompt_len, cached + self.chunk_limit)
-        return self.kv.blocks_for(positions) * self.table_planes
+        """New blocks the first chunk takes: it starts after the `cached` positions (whole
+        blocks found in the prefix cache) and ends at the end of the prompt at the latest;
+        under SHARED_DECODE every loop's table takes them."""
+        end = min(request.prompt_len, cached + self.chunk_limit)
+        new = self.kv.blocks_for(end) - cached // self.kv.block_size
+        return new * self.table_planes
 
     def _usable_hits(self, request: Request) -> int:
         """Leading prompt blocks the prefix cache holds, as many as may be skipped: a
