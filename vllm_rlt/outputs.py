@@ -64,3 +64,24 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     error: str | None = None
+    # With SamplingParams.prompt_logprobs: None for the first prompt position, then per
+    # position the prompt token's logprob and the top alternatives (vLLM's shape). Set once
+    # the whole prompt has been computed.
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+
+
+def prompt_logprob_entries(
+    prompt_token_ids: list[int],
+    values: dict[int, tuple[float, tuple[tuple[int, float], ...]]],
+) -> list[dict[int, float] | None] | None:
+    """vLLM's prompt_logprobs list from per-position values, or None until every position
+    after the first has its value."""
+    if len(values) < len(prompt_token_ids) - 1:
+        return None
+    entries: list[dict[int, float] | None] = [None]
+    for position in range(1, len(prompt_token_ids)):
+        chosen, top = values[position]
+        entry = dict(top)
+        entry[prompt_token_ids[position]] = chosen
+        entries.append(entry)
+    return entries

@@ -19,6 +19,10 @@ class SamplingParams:
 
     `temperature=0` is greedy. `seed` makes a sampled request reproducible whatever else is in
     the batch. `logprobs=N` returns the sampled token's logprob and the top N alternatives.
+    `prompt_logprobs=N` returns, for every prompt position after the first, the prompt
+    token's logprob and the top N alternatives (prompt positions run every loop, so they come
+    from the final loop's LM head); such a request computes its whole prompt, without prefix
+    cache hits.
     `min_loops` / `max_loops` bound each decode token's exit depth (None: 1 and the model's
     depth); `exit_threshold` is the exit policy's threshold q (1.0 = always run max_loops).
     `include_stop_str_in_output` keeps the stop string that ended the text at its end.
@@ -38,6 +42,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     min_loops: int | None = None
     max_loops: int | None = None
     exit_threshold: float | None = None
@@ -71,8 +76,9 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token_id in self.stop_token_ids:
             require_int(token_id, "stop_token_ids entry", 0, param="stop_token_ids")
-        if self.logprobs is not None:
-            require_int(self.logprobs, "logprobs", 0, MAX_LOGPROBS)
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                require_int(getattr(self, name), name, 0, MAX_LOGPROBS)
         if self.min_loops is not None:
             require_int(self.min_loops, "min_loops", 1)
         if self.max_loops is not None:

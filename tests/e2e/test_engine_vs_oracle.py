@@ -162,3 +162,48 @@ def test_fixed_depth_logprobs_equal_dense_recompute(make_engine, toy_config, toy
             assert logprob == pytest.approx(float(row[token_id]), abs=1e-4)
         top = torch.topk(row, 5).indices.tolist()
         assert set(top) <= set(entry)
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_prompt_logprobs_equal_dense_recompute(
+    make_engine, toy_config, toy_state, layout, async_scheduling
+):
+    """Prompt positions run every loop: their logprobs are the final loop's LM head, which
+    LAST_EXITED and SHARED_DECODE compute exactly as a dense forward does (SHARED reads
+    earlier positions at their last loop, so only position 1's equals it). Chunks of 3, two
+    completions, and a second request with the same prompt that would otherwise hit the
+    prefix cache (its first completion computes the whole prompt; the second may hit):
+    every request gets the whole list, vLLM's shape."""
+    engine = make_engine(layout=layout, prefill_chunk_size=3, async_scheduling=async_scheduling)
+    prompt = _prompts()[3]
+    params = SamplingParams(n=2, max_tokens=3, temperature=0.0, prompt_logprobs=4)
+    outputs = drain(engine, {0: [("a", prompt, params)], 9: [("b", prompt, params)]})
+    dense = reference_dense_logits(toy_config, toy_state, prompt).log_softmax(-1)
+    checked = len(prompt) if layout != "shared" else 2
+    for rid in ("a", "b"):
+        entries = outputs[rid].prompt_logprobs
+        assert entries is not None and len(entries) == len(prompt) and entries[0] is None
+        for position in range(1, checked):
+            row, entry = dense[position - 1], entries[position]
+            assert prompt[position] in entry and len(entry) in (4, 5)
+            for token_id, logprob in entry.items():
+                assert logprob == pytest.approx(float(row[token_id]), abs=1e-4)
+            assert set(torch.topk(row, 4).indices.tolist()) <= set(entry)
+
+
+def test_prompt_logprobs_cost_nothing_when_not_asked(make_engine):
+    """Without prompt_logprobs no chunk carries targets, so the LM head runs on no prompt
+    row but each prompt's last."""
+    engine = make_engine(prefill_chunk_size=4)
+    seen = []
+    schedule = engine.scheduler.schedule
+
+    def recording():
+        out = schedule()
+        seen.extend(chunk.prompt_targets for chunk in out.prefill_chunks)
+        return out
+
+    engine.scheduler.schedule = recording
+    outputs = drain(engine, {0: [("r", _prompts()[3], SamplingParams(max_tokens=2))]})
+    assert seen and not any(seen) and outputs["r"].prompt_logprobs is None

@@ -119,8 +119,8 @@ def test_preempted_requests_still_equal_the_oracle(
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 @pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
 def test_preemption_keeps_sampling_logprobs_and_n(make_engine, layout, async_scheduling):
-    """Seeded sampling, top logprobs and two completions per request, under the ouro rule:
-    a run preempted many times equals one with room for everything."""
+    """Seeded sampling, top logprobs, prompt logprobs and two completions per request,
+    under the ouro rule: a run preempted many times equals one with room for everything."""
     arrivals = {
         0: [
             (
@@ -132,6 +132,7 @@ def test_preemption_keeps_sampling_logprobs_and_n(make_engine, layout, async_sch
                     temperature=0.9,
                     seed=i,
                     logprobs=3,
+                    prompt_logprobs=2,
                     exit_threshold=0.6,
                     ignore_eos=True,
                 ),
@@ -146,6 +147,12 @@ def test_preemption_keeps_sampling_logprobs_and_n(make_engine, layout, async_sch
         if pool == POOL:
             assert max(engine.preempted_with, default=0) >= 2
     for rid, expected in runs[256].items():
+        got_prompt, want_prompt = runs[POOL][rid].prompt_logprobs, expected.prompt_logprobs
+        assert got_prompt is not None and want_prompt is not None
+        assert len(got_prompt) == len(want_prompt) and got_prompt[0] is None
+        for a, b in zip(got_prompt[1:], want_prompt[1:], strict=True):
+            assert a.keys() == b.keys()
+            assert all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
         for got, want in zip(runs[POOL][rid].outputs, expected.outputs, strict=True):
             assert got.token_ids == want.token_ids and got.exit_depths == want.exit_depths
             assert len(got.logprobs) == len(want.logprobs)

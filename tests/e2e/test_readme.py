@@ -81,7 +81,7 @@ def run_shell(command: str, cwd: Path, timeout: float = 600) -> subprocess.Compl
 def test_the_readme_has_the_commands_this_test_expects():
     assert any(c.startswith("vllm-rlt generate --prompt") for _, c in CPU_COMMANDS)
     assert SERVE_COMMAND.split("#")[0].split() == ["vllm-rlt", "serve"]
-    assert {c.split()[0] for _, c in SERVER_COMMANDS} == {"curl", "vllm-rlt"}
+    assert {c.split()[0] for _, c in SERVER_COMMANDS} == {"curl", "vllm-rlt", "lm_eval"}
     assert len(fenced_blocks("python")) == 2
 
 
@@ -124,8 +124,12 @@ def test_server_commands_run_as_written(tmp_path):
     try:
         wait_healthy(SERVER, server)
         for _, command in SERVER_COMMANDS:
-            run = run_shell(command, tmp_path)
+            # lm-eval's tasks name their files from the repository root, as the README says
+            run = run_shell(command, ROOT if command.startswith("lm_eval") else tmp_path)
             assert run.returncode == 0, (command, run.stderr[-2000:])
+            if command.startswith("lm_eval"):
+                table = run.stdout.replace(" ", "")
+                assert "|ouro_tasks_generate_depth1|1|none|0|exact_match|↑|0.325|" in table
             if command.startswith("curl"):
                 assert '"text":"936"' in run.stdout.replace(" ", ""), run.stdout
             if command.startswith("vllm-rlt bench serve"):

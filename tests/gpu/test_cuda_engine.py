@@ -199,3 +199,35 @@ def test_automatic_kv_sizing_honours_the_budget(toy_config, toy_state):
     assert plan.num_blocks <= 8 * per_seq
     outputs = drain(engine, {0: [("a", _prompts()[1], SamplingParams(max_tokens=5))]})
     assert len(outputs["a"].outputs[0].token_ids) == 5 and engine.all_blocks_free()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_prompt_logprobs_equal_dense_recompute(toy_config, toy_state, backend):
+    """Prompt logprobs on the device (chunks of 4, graphs and async on for the triton
+    backend) equal a dense float32 forward of the prompt, within 1e-4."""
+    from tests.reference.oracle import reference_dense_logits
+
+    fast = backend == "triton"
+    engine = _cuda_engine(
+        toy_config,
+        toy_state,
+        torch.float32,
+        "last_exited",
+        "ouro_q0.7",
+        "refill",
+        backend,
+        graphs=fast,
+        async_scheduling=fast,
+    )
+    prompt = _prompts()[3]
+    params = SamplingParams(max_tokens=4, temperature=0.0, prompt_logprobs=3)
+    output = drain(engine, {0: [("p", prompt, params)]})["p"]
+    dense = reference_dense_logits(toy_config, toy_state, prompt).log_softmax(-1)
+    entries = output.prompt_logprobs
+    assert entries is not None and entries[0] is None and len(entries) == len(prompt)
+    for position in range(1, len(prompt)):
+        row = dense[position - 1]
+        for token_id, logprob in entries[position].items():
+            assert logprob == pytest.approx(float(row[token_id]), abs=1e-4)
+        assert set(torch.topk(row, 3).indices.tolist()) <= set(entries[position])
+    assert engine.all_blocks_free()

@@ -1,4 +1,4 @@
-"""/health through loading, failure and a dead engine; timeouts; echo."""
+"""/health through loading, failure and a dead engine; timeouts; echo and prompt scoring."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import openai
 from fastapi.testclient import TestClient
 
 from tests.server.conftest import core_engine, running_server, wait_idle
+from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.entrypoints.openai.server import ServerSettings, ServerState, build_app
 
 
@@ -53,6 +54,64 @@ def test_echo_prepends_the_prompt(server):
         model="toy", prompt="echo me", max_tokens=4, temperature=0.0, echo=True
     )
     assert echoed.choices[0].text == "echo me" + plain.choices[0].text
+
+
+def test_echo_with_logprobs_scores_the_prompt(server):
+    """lm-eval's loglikelihood call (echo, logprobs, max_tokens 0 or 1): the prompt tokens'
+    logprobs (None for the first) equal the engine's prompt_logprobs, followed by the
+    generated token's when one is asked for, also when streamed."""
+    url, _ = server
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    prompt = "score this"
+    ids = httpx.post(f"{url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2)
+    want = LLM(model="toy").generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    assert want is not None
+    for max_tokens in (0, 1):
+        reply = api.completions.create(
+            model="toy", prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0
+        )
+        choice = reply.choices[0]
+        logprobs = choice.logprobs
+        assert len(logprobs.token_logprobs) == len(ids) + max_tokens
+        assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+        for position in range(1, len(ids)):
+            value = logprobs.token_logprobs[position]
+            assert abs(value - want[position][ids[position]]) < 1e-5
+            assert len(logprobs.top_logprobs[position]) == 2
+            assert max(logprobs.top_logprobs[position].values()) >= value - 1e-6
+        assert reply.usage.completion_tokens == max_tokens
+        assert choice.text.startswith(prompt) and (max_tokens or choice.text == prompt)
+        assert choice.finish_reason == "length"
+        streamed = api.completions.create(
+            model="toy",
+            prompt=prompt,
+            max_tokens=max_tokens,
+            echo=True,
+            logprobs=2,
+            temperature=0,
+            stream=True,
+        )
+        values = [v for chunk in streamed for v in chunk.choices[0].logprobs.token_logprobs]
+        assert values == logprobs.token_logprobs
+
+
+def test_max_tokens_zero_needs_echo(server):
+    url, _ = server
+    body = {"model": "toy", "prompt": "x", "max_tokens": 0}
+    reply = httpx.post(f"{url}/v1/completions", json=body)
+    assert reply.status_code == 400
+    error = reply.json()["error"]
+    assert error["param"] == "max_tokens" and "only allowed with echo" in error["message"]
+
+
+def test_tokenizer_info_for_remote_tokenizers(server):
+    url, _ = server
+    info = httpx.get(f"{url}/tokenizer_info").json()
+    assert info["eos_token"] is not None and info["chat_template"]
+    tokens = httpx.post(f"{url}/tokenize", json={"prompt": "abc"}).json()["tokens"]
+    back = httpx.post(f"{url}/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert back == "abc"
 
 
 def test_one_failing_request_fails_alone(monkeypatch):

@@ -98,6 +98,8 @@ def test_accuracy_runs_with_the_kv_layout_asked_for(monkeypatch, capsys):
     assert [engine.cache_config.layout for engine in engines] == ["shared"]
     settings = [row["setting"] for row in report["rows"]]
     assert settings == ["depth 1", "depth 2", "depth 3", "depth 4", "ouro q=0.5"]
+    # one problem per task: its only choice is the right one
+    assert report["loglikelihood_accuracy"] == {task: 1.0 for task in accuracy.TASKS}
     for setting in settings:  # one progress bar per setting, named after it
         assert f"{setting}: 100%" in captured.err
 

@@ -1,9 +1,15 @@
 """Task accuracy through the engine: exact match on held-out problems at fixed depths and
-with the `ouro` exit policy at several thresholds, each with its mean loops per token.
+with the `ouro` exit policy at several thresholds, each with its mean loops per token; and
+multiple-choice accuracy by loglikelihood (the right answer against three other problems'
+answers, scored with the prompt logprobs of the full-depth prefill).
 
     vllm-rlt bench accuracy --per-task 200                 # the built-in ouro-tasks model
     vllm-rlt bench accuracy --model path/to/trained --per-task 200
     vllm-rlt bench accuracy --kv-layout shared --thresholds 0.5 0.9
+    vllm-rlt bench accuracy --per-task 20 --write-lm-eval-data tasks.jsonl
+
+The last writes the same problems and choices as an lm-evaluation-harness dataset (see
+benchmarks/lm_eval/), so lm-eval against `vllm-rlt serve` can be checked against this report.
 
 Each setting shows a progress bar over its prompts on stderr; the JSON report goes to stdout.
 """
@@ -28,6 +34,61 @@ from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.training.data import TASKS, held_out, training_set
 
 THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
+NUM_CHOICES = 4
+
+
+def documents(sets: dict[str, list]) -> list[dict[str, Any]]:
+    """One record per problem: its task, prompt, answer, and the answer among three wrong
+    ones (the next distinct answers of the same task's problems), the right one first."""
+    records = []
+    for task in TASKS:
+        answers = [answer for _, answer in sets[task]]
+        for index, (prompt, answer) in enumerate(sets[task]):
+            choices = [answer]
+            for other in answers[index + 1 :] + answers[:index]:
+                if len(choices) == NUM_CHOICES:
+                    break
+                if other not in choices:
+                    choices.append(other)
+            records.append(
+                {"task": task, "prompt": prompt, "answer": answer, "choices": choices, "label": 0}
+            )
+    return records
+
+
+def loglikelihood_accuracy(llm: LLM, records: list[dict[str, Any]]) -> dict[str, float]:
+    """Per task, how often the right choice has the highest summed logprob of its tokens
+    after the prompt (ties go to the earlier choice), tokenized as lm-eval does: the
+    continuation is what encoding prompt + choice adds to the prompt's own tokens."""
+    tokenizer = llm.get_tokenizer()
+    prompts, spans = [], []
+    for record in records:
+        context = tokenizer.encode(record["prompt"], add_special_tokens=False)
+        for choice in record["choices"]:
+            whole = tokenizer.encode(record["prompt"] + choice, add_special_tokens=False)
+            prompts.append(whole)
+            spans.append(len(context))
+    params = SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=0)
+    bar = partial(tqdm, desc="loglikelihood", file=sys.stderr)
+    outputs = llm.generate(prompts, params, use_tqdm=bar)
+    scores = []
+    for ids, start, output in zip(prompts, spans, outputs, strict=True):
+        entries = output.prompt_logprobs
+        assert entries is not None
+        scores.append(sum(entries[p][ids[p]] for p in range(start, len(ids))))  # type: ignore[index]
+    correct: dict[str, list[bool]] = {task: [] for task in TASKS}
+    start = 0
+    for record in records:  # fewer choices when a task has fewer distinct answers
+        own = scores[start : start + len(record["choices"])]
+        start += len(own)
+        correct[record["task"]].append(own.index(max(own)) == record["label"])
+    return {task: sum(hits) / len(hits) for task, hits in correct.items() if hits}
+
+
+def write_lm_eval_data(records: list[dict[str, Any]], path: str) -> None:
+    with open(path, "w", encoding="utf-8") as out:
+        for record in records:
+            out.write(json.dumps(record) + "\n")
 
 
 def evaluate(
@@ -64,6 +125,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if record.is_file():  # hold out exactly what this model was not trained on
         train_size = json.loads(record.read_text())["args"]["train_size"]
     sets = {task: held_out(task, args.per_task, training_set(task, train_size)) for task in TASKS}
+    records = documents(sets)
+    if args.write_lm_eval_data:
+        write_lm_eval_data(records, args.write_lm_eval_data)
     rows = []
     for depth in range(1, llm.engine.num_loops + 1):
         params = SamplingParams(max_tokens=12, temperature=0.0, max_loops=depth, exit_threshold=1.0)
@@ -80,6 +144,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "per_task": args.per_task,
         "train_size": train_size,
         "rows": rows,
+        "loglikelihood_accuracy": loglikelihood_accuracy(llm, records),
     }
 
 
@@ -112,6 +177,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--output", default=None, help="also write the JSON report here (default: stdout only)"
+    )
+    parser.add_argument(
+        "--write-lm-eval-data",
+        default=None,
+        metavar="PATH",
+        help="also write the problems and choices as an lm-eval jsonl dataset (default: no)",
     )
     args = parser.parse_args(argv)
     if args.per_task < 1:

@@ -51,6 +51,10 @@ class PrefillChunk:
     depth: int = 0  # loops this chunk runs; 0: all of the model's
     deep_writes: bool = False
     admission: int = 0  # which admission of the request scheduled it (see SchedulerOutput)
+    # Prompt logprobs, at a prompt chunk's last loop: the prompt tokens its first rows
+    # predict (row i predicts position start + i + 1), each with the top `prompt_top`.
+    prompt_targets: tuple[int, ...] = ()
+    prompt_top: int = 0
 
 
 @dataclass(frozen=True)
@@ -105,8 +109,20 @@ class SampledToken:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Logprobs of the prompt tokens at positions start, start + 1, ... of a slot's request,
+    each with its top alternatives (id, logprob)."""
+
+    slot: int
+    start: int
+    logprobs: tuple[float, ...]
+    top: tuple[tuple[tuple[int, float], ...], ...]
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """What one pass produced, read back from the device once."""
 
     sampled: tuple[SampledToken, ...]
     decode_slots_continuing: tuple[int, ...]  # decode rows whose token needs more loops
+    prompt_logprobs: tuple[PromptLogprobs, ...] = ()

@@ -51,6 +51,12 @@ class Request:
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    # Prompt logprobs, for the one completion of a prompt that reports them: the top count
+    # asked for, and per prompt position (from 1) the token's logprob and top alternatives.
+    prompt_logprobs: int | None = None
+    prompt_logprob_values: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = field(
+        default_factory=dict
+    )
     finish_reason: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None

@@ -268,6 +268,14 @@ class Scheduler:
             and request.chunk_loop == request.chunk_depth - 1
             and not request.output_token_ids
         )
+        targets: tuple[int, ...] = ()
+        if (
+            request.prompt_logprobs is not None
+            and not replayed
+            and request.chunk_loop == request.chunk_depth - 1
+            and not request.output_token_ids  # a resumed request has them already
+        ):
+            targets = tuple(request.prompt_token_ids[start + 1 : min(end + 1, request.prompt_len)])
         return PrefillChunk(
             slot=request.slot,  # type: ignore[arg-type]
             request_id=request.request_id,
@@ -278,6 +286,8 @@ class Scheduler:
             depth=request.chunk_depth,
             deep_writes=replayed,
             admission=request.admission,
+            prompt_targets=targets,
+            prompt_top=request.prompt_logprobs or 0,
         )
 
     def _admit(self) -> list[NewSlot]:
@@ -344,6 +354,9 @@ class Scheduler:
             request.block_hashes = block_hashes(
                 self.cache_salt, request.prompt_token_ids, self.kv.block_size
             )
+        if request.prompt_logprobs is not None:
+            return 0  # they come from computing every prompt position (its blocks still
+            # enter the cache for others)
         # At least one position is left to compute, so the request starts as a prefill that
         # takes its blocks like any other (for a resumed request that replays nothing, the
         # end of its prompt is recomputed).
@@ -403,6 +416,11 @@ class Scheduler:
             request = self._owner(owners, slot)
             if request is not None:
                 request.token_in_flight = True
+        for values in result.prompt_logprobs:
+            request = self._owner(owners, values.slot)
+            if request is not None:
+                for offset, entry in enumerate(zip(values.logprobs, values.top, strict=True)):
+                    request.prompt_logprob_values[values.start + offset] = entry
         touched = []
         for sampled in result.sampled:
             request = self._owner(owners, sampled.slot)

@@ -139,6 +139,7 @@ class RequestStream:
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
         self.failure: BaseException | None = None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
         self.fresh = False  # the core sent something the caller has not read
         self.waiter: asyncio.Future | None = None
         self.finished = False  # the caller has seen the last output
@@ -147,6 +148,8 @@ class RequestStream:
 
     # ----------------------------------------------------------------- event loop side
     def absorb(self, delta: RequestDelta, now: float) -> None:
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
         for part in delta.completions:
             completion = self.completions[part.index]
             completion.token_ids.extend(part.token_ids)
@@ -236,6 +239,7 @@ class RequestStream:
             outputs=outputs,
             finished=all(c.finish_reason is not None for c in self.completions),
             metrics=metrics,
+            prompt_logprobs=self.prompt_logprobs,
         )
 
     def close(self) -> None:

@@ -27,7 +27,7 @@ from vllm_rlt.engine.messages import CompletionDelta, EngineStats, RequestDelta
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.exit import make_exit_policy
-from vllm_rlt.outputs import RequestMetrics, RequestOutput
+from vllm_rlt.outputs import RequestMetrics, RequestOutput, prompt_logprob_entries
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.worker.model_runner import ModelRunner, PendingPass
@@ -49,6 +49,14 @@ class RequestGroup:
     error: str | None = None  # why the engine failed this request alone
     sent: list[int] = field(default_factory=list)  # tokens already sent, per completion
     finish_sent: set[int] = field(default_factory=set)  # completions whose end was sent
+    prompt_logprobs_sent: bool = False
+
+    def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
+        """From the first completion, which alone computes them (see Request)."""
+        first = self.children[0]
+        if first.prompt_logprobs is None:
+            return None
+        return prompt_logprob_entries(self.prompt_token_ids, first.prompt_logprob_values)
 
 
 class EngineCore:
@@ -227,6 +235,7 @@ class EngineCore:
                     max_loops=max_loops,
                     exit_threshold=float(threshold),
                     seed=seed,
+                    prompt_logprobs=params.prompt_logprobs if index == 0 else None,
                     decode_depths=decode_depths,
                     eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
                     stop_token_ids=frozenset(params.stop_token_ids),
@@ -398,6 +407,7 @@ class EngineCore:
             finished=finished,
             metrics=metrics,
             error=group.error,
+            prompt_logprobs=group.prompt_logprobs(),
         )
 
     def _delta(self, group: RequestGroup) -> RequestDelta:
@@ -426,8 +436,18 @@ class EngineCore:
                     finish_reason=reason,
                 )
             )
+        prompt_logprobs = None
+        if not group.prompt_logprobs_sent:
+            prompt_logprobs = group.prompt_logprobs()
+            group.prompt_logprobs_sent = prompt_logprobs is not None
         finished = self._forget_if_finished(group)
-        return RequestDelta(group.request_id, completions, finished, error=group.error)
+        return RequestDelta(
+            group.request_id,
+            completions,
+            finished,
+            error=group.error,
+            prompt_logprobs=prompt_logprobs,
+        )
 
     def _forget_if_finished(self, group: RequestGroup) -> bool:
         """Drop a group whose completions have all ended; whether it had."""

@@ -14,6 +14,7 @@ from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.models.load import load_model_and_tokenizer, resolve_device, resolve_dtype
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.tokenizer import Tokenizer
 
 
 class LLM:
@@ -50,6 +51,11 @@ class LLM:
             attention_backend,
         )
         self._counter = 0
+
+    def get_tokenizer(self) -> Tokenizer:
+        """The model's tokenizer (ValueError for a folder without one)."""
+        require(self.tokenizer is not None, "this model folder has no tokenizer.json")
+        return self.tokenizer  # type: ignore[return-value]
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters since it was built: passes and rows, preemptions, KV

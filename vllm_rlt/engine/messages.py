@@ -97,6 +97,8 @@ class RequestDelta(msgspec.Struct, array_like=True):
     error: str | None = None
     error_param: str | None = None
     invalid: bool = False
+    # Sent once, in the first delta after the whole prompt was computed (RequestOutput).
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class EngineStats(msgspec.Struct, array_like=True):

@@ -56,6 +56,20 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     group.add_argument(
+        "--logprobs",
+        type=int,
+        default=None,
+        help="each generated token's logprob and this many top alternatives (with --json; "
+        "default: none)",
+    )
+    group.add_argument(
+        "--prompt-logprobs",
+        type=int,
+        default=None,
+        help="each prompt token's logprob (from the final loop) and this many top "
+        "alternatives (with --json; default: none)",
+    )
+    group.add_argument(
         "--min-loops", type=int, default=None, help="fewest loops a token runs (default: 1)"
     )
     group.add_argument(
@@ -84,6 +98,8 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
         stop=ns.stop,
         include_stop_str_in_output=ns.include_stop_str_in_output,
         ignore_eos=ns.ignore_eos,
+        logprobs=ns.logprobs,
+        prompt_logprobs=ns.prompt_logprobs,
         min_loops=ns.min_loops,
         max_loops=ns.max_loops,
         exit_threshold=ns.exit_threshold,
@@ -346,6 +362,11 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
                 "exit_depths": completion.exit_depths,
                 "finish_reason": completion.finish_reason,
             }
+            if params.logprobs is not None:
+                record["logprobs"] = completion.logprobs
+            if params.prompt_logprobs is not None:
+                record["prompt_token_ids"] = output.prompt_token_ids
+                record["prompt_logprobs"] = output.prompt_logprobs
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(f"{prompt}{completion.text}")

@@ -385,6 +385,16 @@ class Tokenizer:
         return self._eos_ids
 
     @property
+    def eos_token(self) -> str | None:
+        """The EOS token's text, None when the model declares none."""
+        return self._eos_token
+
+    @property
+    def bos_token(self) -> str | None:
+        """The BOS token's text, None when the model declares none."""
+        return self._bos_token
+
+    @property
     def bos_token_id(self) -> int | None:
         """The BOS id, None when the model declares no BOS token."""
         return self._bos_id

@@ -72,7 +72,7 @@ class DecodeGraphs:
         slots = self.slots[:size]
 
         def step() -> torch.Tensor:
-            return self.runner.run_pass(slots, (), 0, greedy, num_top)
+            return self.runner.run_pass(slots, (), 0, greedy, num_top)[0]
 
         # Warm up on a side stream (compiles kernels, sets up cuBLAS) with padding rows only,
         # so no real slot's state moves; capture records work without running it.

@@ -11,6 +11,7 @@ from vllm_rlt.core.contract import (
     ModelRunnerOutput,
     NewSlot,
     PrefillChunk,
+    PromptLogprobs,
     SampledToken,
     SchedulerOutput,
 )
@@ -21,6 +22,18 @@ from vllm_rlt.worker.slot_state import SlotState
 
 # Fields packed per sampling row before the top logprobs: exited, token, depth, logprob.
 PACKED_FIELDS = 4
+# Prompt rows whose logits are held at once for prompt logprobs ([rows, vocab] float32).
+PROMPT_LOGPROB_ROWS = 256
+
+
+@dataclass
+class PromptRows:
+    """Prompt logprobs of one chunk: [targets, 1 + 2 * top] (logprob, top ids, top values)."""
+
+    slot: int
+    start: int  # position of the first target
+    top: int
+    values: torch.Tensor
 
 
 @dataclass
@@ -30,6 +43,7 @@ class PendingPass:
     samplers: list[int]  # slot of each packed row
     packed: torch.Tensor  # [samplers, PACKED_FIELDS + 2 * top] float32, on the host when CUDA
     done: torch.cuda.Event | None
+    prompt: list[PromptRows]  # on the host when CUDA
 
 
 class HostUploads:
@@ -138,23 +152,32 @@ class ModelRunner:
         samplers = list(out.decode_slots) + [c.slot for c in out.prefill_chunks if c.samples]
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
         greedy = all(st.greedy[s] for s in samplers)
+        prompt: list[PromptRows] = []
         if self.graphs is not None and not out.prefill_chunks:
             packed = self.graphs.replay(out.decode_slots, greedy, num_top)
         else:
             decode = self.uploads.upload(out.decode_slots)
-            packed = self.run_pass(decode, out.prefill_chunks, out.max_context, greedy, num_top)
+            packed, prompt = self.run_pass(
+                decode, out.prefill_chunks, out.max_context, greedy, num_top
+            )
         if packed.is_cuda:
             host = packed.to("cpu", non_blocking=True)  # pinned, so it overlaps
+            for rows in prompt:
+                rows.values = rows.values.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return PendingPass(samplers, host, done)
-        return PendingPass(samplers, packed, None)
+            return PendingPass(samplers, host, done, prompt)
+        return PendingPass(samplers, packed, None, prompt)
 
     def collect(self, pending: PendingPass) -> ModelRunnerOutput:
         """Wait for a launched pass (the one host sync of a pass) and decode its results."""
         if pending.done is not None:
             pending.done.synchronize()
-        return self._to_output(pending.packed.tolist(), pending.samplers)
+        output = self._to_output(pending.packed.tolist(), pending.samplers)
+        if not pending.prompt:
+            return output
+        prompt = tuple(_prompt_logprobs(rows) for rows in pending.prompt)
+        return ModelRunnerOutput(output.sampled, output.decode_slots_continuing, prompt)
 
     def run_pass(
         self,
@@ -163,8 +186,9 @@ class ModelRunner:
         max_context: int,
         greedy: bool,
         num_top: int,
-    ) -> torch.Tensor:
-        """One pass on the device; returns [samplers, PACKED_FIELDS + 2 * num_top] float32."""
+    ) -> tuple[torch.Tensor, list[PromptRows]]:
+        """One pass on the device; returns [samplers, PACKED_FIELDS + 2 * num_top] float32
+        and the prompt logprobs of the chunks that ask for them."""
         st, model = self.state, self.model
         rows = gather_rows(decode, chunks, st, self.geo)
         num_decode = decode.shape[0]
@@ -192,6 +216,7 @@ class ModelRunner:
             self.ops.prefill_tile_rows(model.dtype),
         )
         hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
+        prompt = self._prompt_rows(hidden, chunks, num_decode)
 
         d_hidden = hidden[:num_decode]
         loops_done = d_loops + 1
@@ -249,7 +274,30 @@ class ModelRunner:
             flags = torch.cat([flags, torch.ones_like(p_slots, dtype=torch.bool)])
         st.reset_dummy(self.dummy_slot)
         fields = torch.stack([flags.float(), tokens.float(), depths.float(), chosen_lp], 1)
-        return torch.cat([fields, top_ids.float(), top_lp], dim=1)
+        return torch.cat([fields, top_ids.float(), top_lp], dim=1), prompt
+
+    def _prompt_rows(
+        self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
+    ) -> list[PromptRows]:
+        """The LM head on the prompt rows whose next token's logprob was asked for (and on
+        no others), a bounded number of rows at a time."""
+        results = []
+        for chunk in chunks:
+            count = len(chunk.prompt_targets)
+            if count:
+                targets = torch.tensor(chunk.prompt_targets, device=hidden.device)
+                parts = []
+                for lo in range(0, count, PROMPT_LOGPROB_ROWS):
+                    hi = min(count, lo + PROMPT_LOGPROB_ROWS)
+                    logits = self.model.coda(hidden[row + lo : row + hi], self.ops)
+                    chosen, top_ids, top_lp = token_logprobs(
+                        logits, targets[lo:hi], chunk.prompt_top
+                    )
+                    parts.append(torch.cat([chosen.unsqueeze(1), top_ids.float(), top_lp], 1))
+                values = torch.cat(parts)
+                results.append(PromptRows(chunk.slot, chunk.start + 1, chunk.prompt_top, values))
+            row += len(chunk.token_ids)
+        return results
 
     def _sample(
         self,
@@ -290,3 +338,14 @@ class ModelRunner:
             )
             sampled.append(SampledToken(slot, int(values[1]), int(values[2]), values[3], top))
         return ModelRunnerOutput(tuple(sampled), tuple(continuing))
+
+
+def _prompt_logprobs(rows: PromptRows) -> PromptLogprobs:
+    values = rows.values.tolist()
+    top = rows.top
+    return PromptLogprobs(
+        slot=rows.slot,
+        start=rows.start,
+        logprobs=tuple(v[0] for v in values),
+        top=tuple(tuple((int(v[1 + j]), v[1 + top + j]) for j in range(top)) for v in values),
+    )

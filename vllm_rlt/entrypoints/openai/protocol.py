@@ -121,8 +121,12 @@ class SamplingFields(RequestBody):
 
 
 class CompletionRequest(SamplingFields):
+    """`echo` returns the prompt before the completion, and with `logprobs` the prompt
+    tokens' logprobs before the generated ones' (the first prompt token has none);
+    `max_tokens: 0` with `echo` returns the prompt alone (scoring, as lm-eval does)."""
+
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=1)
+    max_tokens: int | None = Field(default=16, ge=0)
     logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
 
@@ -130,8 +134,13 @@ class CompletionRequest(SamplingFields):
     def _check(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
             raise ValueError("prompt must not be empty")
-        if self.echo and self.logprobs is not None:
-            raise ValueError("echo with logprobs is not supported (no prompt logprobs)")
+        if self.max_tokens == 0 and not self.echo:
+            raise PydanticCustomError(
+                "field_error",
+                "{field}: 0 is only allowed with echo=true (it returns the prompt alone); "
+                "otherwise it must be at least 1",
+                {"field": "max_tokens"},
+            )
         return self
 
     def prompts(self) -> list[str | list[int]]:
@@ -199,7 +208,7 @@ def describe_validation_error(errors: list[dict[str, Any]], model: type[BaseMode
     # Each member of a union reports its own error; a member's type mismatch says least.
     best = next((e for e in errors if not e["type"].endswith("_type")), errors[0])
     kind = best["type"]
-    if kind == "invalid_unicode":
+    if kind in ("invalid_unicode", "field_error"):  # raised by our own validators
         return best["msg"], best["ctx"]["field"]
     if kind == "json_invalid":
         return f"request body is not valid JSON: {best.get('msg', '')}", None

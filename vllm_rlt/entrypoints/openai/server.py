@@ -345,6 +345,22 @@ def build_app(state: ServerState) -> FastAPI:
             tokens = tokenizer.encode(body.prompt or "", body.add_special_tokens)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict[str, Any]:
+        """What a client needs to tokenize as the server does (lm-eval's remote tokenizer
+        reads it, with /tokenize and /detokenize)."""
+        serving = state.ready()
+        tokenizer = serving.tokenizer_for(None)
+        return {
+            "tokenizer_class": "vllm-rlt",
+            "eos_token": tokenizer.eos_token,
+            "bos_token": tokenizer.bos_token,
+            "pad_token": None,
+            "chat_template": tokenizer.chat_template,
+            "vocab_size": tokenizer.vocab_size,
+            "model_max_length": serving.max_model_len,
+        }
+
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         tokenizer = state.ready().tokenizer_for(body.model)

@@ -6,7 +6,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import orjson
@@ -67,6 +67,7 @@ class Job:
     num_logprobs: int | None
     echo: bool = False
     exit_depths: bool = False
+    prompt_only: bool = False  # max_tokens 0 with echo: the one token generated is not shown
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -120,7 +121,10 @@ class OpenAIServing:
         self.check_model(request.model)
         texts = request.prompts()
         self.check_fan_out(len(texts), request.n)
-        params = self._params(request, request.max_tokens or 16, request.logprobs)
+        max_tokens = 16 if request.max_tokens is None else request.max_tokens
+        params = self._params(request, max(max_tokens, 1), request.logprobs)
+        if request.echo and request.logprobs is not None:
+            params = replace(params, prompt_logprobs=request.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = []
         for index, prompt in enumerate(texts):
@@ -139,6 +143,7 @@ class OpenAIServing:
             request.logprobs,
             echo=request.echo,
             exit_depths=request.return_exit_depths,
+            prompt_only=max_tokens == 0,
         )
 
     def tokenizer_for(self, model: str | None) -> Tokenizer:
@@ -247,14 +252,15 @@ class OpenAIServing:
         for prompt_index, output in enumerate(finals):
             for completion in output.outputs:
                 choice_index = prompt_index * job.params.n + completion.index
-                choices.append(self._choice(job, prompt_index, choice_index, completion))
+                completion = _shown(job, completion)
+                choices.append(self._choice(job, prompt_index, choice_index, completion, output))
         return {
             "id": job.request_id,
             "object": "text_completion" if job.kind == "completion" else "chat.completion",
             "created": job.created,
             "model": self.model_name,
             "choices": choices,
-            "usage": self._usage(job, [o for f in finals for o in f.outputs]),
+            "usage": self._usage(job, [_shown(job, o) for f in finals for o in f.outputs]),
         }
 
     async def stream(self, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
@@ -289,11 +295,12 @@ class OpenAIServing:
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
                     cursor = cursors.setdefault(choice_index, ChoiceCursor())
-                    chunk = self._delta(job, index, choice_index, completion, cursor)
+                    completion = _shown(job, completion)
+                    chunk = self._delta(job, index, choice_index, completion, cursor, item)
                     if chunk is not None:
                         yield _sse(self._chunk(job, [chunk]))
             if include_usage:
-                completions = [o for output in latest.values() for o in output.outputs]
+                completions = [_shown(job, o) for output in latest.values() for o in output.outputs]
                 body = self._chunk(job, [])
                 body["usage"] = self._usage(job, completions)
                 yield _sse(body)
@@ -314,13 +321,20 @@ class OpenAIServing:
         }
 
     def _choice(
-        self, job: Job, prompt_index: int, index: int, completion: CompletionOutput
+        self,
+        job: Job,
+        prompt_index: int,
+        index: int,
+        completion: CompletionOutput,
+        output: RequestOutput,
     ) -> dict[str, Any]:
         text = completion.text
         if job.echo:
             text = (job.prompts[prompt_index][0] or "") + text
         choice: dict[str, Any] = {"index": index, "finish_reason": completion.finish_reason}
         logprobs = self._logprobs(job, completion, 0, len(completion.token_ids))
+        if job.echo and logprobs is not None:
+            logprobs = self._with_prompt(job, prompt_index, output, logprobs)
         if job.kind == "completion":
             choice.update(text=text, logprobs=logprobs)
         else:
@@ -336,12 +350,17 @@ class OpenAIServing:
         index: int,
         completion: CompletionOutput,
         cursor: ChoiceCursor,
+        output: RequestOutput,
     ) -> dict[str, Any] | None:
         """The new part of one choice, or None; text that could still turn into a stop
-        string is held back until it cannot."""
+        string is held back until it cannot. With echo and logprobs the first chunk waits
+        for the prompt's logprobs (another completion of the prompt may come first)."""
         if cursor.finished:
             return None
         finished = completion.finish_reason is not None
+        echo_logprobs = job.echo and job.num_logprobs is not None and not cursor.started
+        if echo_logprobs and output.prompt_logprobs is None and not finished:
+            return None
         end = len(completion.text)
         if not finished and job.params.stop:
             end = max(cursor.text, end - max(len(s) for s in job.params.stop) + 1)
@@ -358,6 +377,8 @@ class OpenAIServing:
         if job.echo and not cursor.started:
             text = (job.prompts[prompt_index][0] or "") + text
         logprobs = self._logprobs(job, completion, cursor.tokens, tokens)
+        if echo_logprobs and logprobs is not None:
+            logprobs = self._with_prompt(job, prompt_index, output, logprobs)
         chunk: dict[str, Any] = {
             "index": index,
             "logprobs": logprobs,
@@ -409,6 +430,27 @@ class OpenAIServing:
             "top_logprobs": [{self._token_text(t): v for t, v in top} for _, _, top in entries],
         }
 
+    def _with_prompt(
+        self, job: Job, prompt_index: int, output: RequestOutput, logprobs: dict[str, Any]
+    ) -> dict[str, Any]:
+        """Completion logprobs preceded by the prompt tokens' (None for the first one)."""
+        ids = job.prompts[prompt_index][1]
+        entries = output.prompt_logprobs or [None] * len(ids)
+        tokens, values, tops = [], [], []
+        for token, entry in zip(ids, entries, strict=True):
+            tokens.append(self._token_text(token))
+            values.append(None if entry is None else entry.get(token))
+            if entry is None:
+                tops.append(None)
+                continue
+            top = sorted(entry.items(), key=lambda item: -item[1])[: job.num_logprobs]
+            tops.append({self._token_text(t): v for t, v in top})
+        return {
+            "tokens": tokens + logprobs["tokens"],
+            "token_logprobs": values + logprobs["token_logprobs"],
+            "top_logprobs": tops + logprobs["top_logprobs"],
+        }
+
     def _token_fields(self, token: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token)
         raw = self.tokenizer.token_bytes(token) if self.tokenizer else text.encode("utf-8")
@@ -421,6 +463,21 @@ class OpenAIServing:
         if "\ufffd" in text and self.tokenizer is not None:
             return self.tokenizer.convert_ids_to_tokens([token])[0]
         return text
+
+
+def _shown(job: Job, completion: CompletionOutput) -> CompletionOutput:
+    """What the client sees of a completion: nothing generated for a prompt-only job."""
+    if not job.prompt_only:
+        return completion
+    return replace(
+        completion,
+        text="",
+        token_ids=[],
+        exit_depths=[],
+        logprobs=None if completion.logprobs is None else [],
+        finish_reason=None if completion.finish_reason is None else "length",
+        cumulative_logprob=None,
+    )
 
 
 async def _merged(
