@@ -11,6 +11,9 @@ MAX_N = 128
 MAX_TOP_K = 2**31 - 1  # any k at or above the vocabulary size keeps every token
 MAX_SEED = 2**63 - 1
 MAX_PRIORITY = 2**31 - 1
+MAX_REPETITION_PENALTY = 10.0
+MAX_PENALTY = 2.0  # frequency and presence, either sign (OpenAI's range)
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -28,6 +31,14 @@ class SamplingParams:
     `include_stop_str_in_output` keeps the stop string that ended the text at its end.
     `priority` orders requests under the "priority" scheduling policy: lower runs first, and
     running requests of a higher value are preempted for it.
+
+    vLLM's logit adjustments, applied in this order before temperature and filtering (the
+    reported logprobs are the model's, before them): `logit_bias` adds a value per token id;
+    `repetition_penalty` divides a positive logit (multiplies a negative one) of every token
+    seen in the prompt or the output; `frequency_penalty` subtracts per occurrence in the
+    output and `presence_penalty` once for any. `skip_special_tokens` leaves special tokens
+    out of the text; `spaces_between_special_tokens` (when they are kept) separates them from
+    the text around them with a space.
     """
 
     n: int = 1
@@ -48,6 +59,12 @@ class SamplingParams:
     exit_threshold: float | None = None
     include_stop_str_in_output: bool = False
     priority: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         require_int(self.n, "n", 1, MAX_N)
@@ -61,7 +78,29 @@ class SamplingParams:
         _require_float(self.min_p, "min_p", 0.0, 1.0)
         if self.seed is not None:
             require_int(self.seed, "seed", 0, MAX_SEED)
-        for flag in ("ignore_eos", "include_stop_str_in_output"):
+        _require_float(self.repetition_penalty, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY)
+        require(
+            self.repetition_penalty > 0.0,
+            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got 0.0",
+            "repetition_penalty",
+        )
+        for name in ("frequency_penalty", "presence_penalty"):
+            _require_float(getattr(self, name), name, -MAX_PENALTY, MAX_PENALTY)
+        if self.logit_bias is not None:
+            require(
+                isinstance(self.logit_bias, dict),
+                f"logit_bias must map token ids to numbers, got {self.logit_bias!r}",
+                "logit_bias",
+            )
+            for token_id, value in self.logit_bias.items():
+                require_int(token_id, "logit_bias key", 0, param="logit_bias")
+                _require_float(value, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        for flag in (
+            "ignore_eos",
+            "include_stop_str_in_output",
+            "skip_special_tokens",
+            "spaces_between_special_tokens",
+        ):
             value = getattr(self, flag)
             require(isinstance(value, bool), f"{flag} must be true or false, got {value!r}", flag)
         if isinstance(self.stop, str):
@@ -95,6 +134,16 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Any of logit_bias and the three penalties is on."""
+        return bool(
+            self.logit_bias
+            or self.repetition_penalty != 1.0
+            or self.frequency_penalty
+            or self.presence_penalty
+        )
 
     def resolved_loops(self, total_loops: int) -> tuple[int, int]:
         """(min_loops, max_loops) with defaults filled in, checked against the model depth."""

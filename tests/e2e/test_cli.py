@@ -39,6 +39,8 @@ ERRORS = {
     "unknown_kv_layout": (["--kv-layout", "nope"], "kv-layout"),
     "priority_under_fcfs": (["--priority", "2"], "--scheduling-policy priority"),
     "unknown_scheduling_policy": (["--scheduling-policy", "lifo"], "scheduling-policy"),
+    "presence_penalty_out_of_range": (["--presence-penalty", "5"], "presence_penalty"),
+    "prompt_logprobs_out_of_range": (["--prompt-logprobs", "21"], "prompt_logprobs"),
 }
 
 
@@ -82,6 +84,11 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
         "serve_unloadable_weights": (["serve", str(no_weights), "--port", str(_free_port())], None),
         "untrained_prompt": (["generate", "--prompt", "1000*1=", "--max-tokens", "4"], None),
         "trained_prompt": (["generate", "--prompt", "347+589=", "--no-progress"], None),
+        "logprobs": (
+            ["generate", "--prompt", "347+589=", *BASE, "--logprobs", "1", "--prompt-logprobs"]
+            + ["2", "--repetition-penalty", "1.2"],
+            None,
+        ),
         "surrogate_prompt": (["generate", "--prompt", b"ab\xff", "--model", "toy"], None),
         "help": (["--help"], None),
         "help_bench": (["bench", "--help"], None),
@@ -123,6 +130,17 @@ def test_exit_trace_by_prompt_index(runs):
     records = _records(runs["trace"])
     assert [r["exit_depths"] for r in records] == TRACE
     assert all(r["finish_reason"] == "length" for r in records)
+
+
+def test_json_with_logprobs_and_prompt_logprobs(runs):
+    [record] = _records(runs["logprobs"])
+    ids = record["prompt_token_ids"]
+    assert record["prompt_logprobs"][0] is None and len(record["prompt_logprobs"]) == len(ids)
+    for token, entry in zip(ids[1:], record["prompt_logprobs"][1:], strict=True):
+        assert str(token) in entry and len(entry) in (2, 3)  # JSON keys are strings
+    assert len(record["logprobs"]) == len(record["token_ids"])
+    for token, entry in zip(record["token_ids"], record["logprobs"], strict=True):
+        assert str(token) in entry
 
 
 @pytest.mark.parametrize("name", list(ERRORS))

@@ -230,3 +230,83 @@ def test_sample_frequencies_follow_softmax():
         expected = torch.cat([expected.double(), torch.zeros(5 - expected.numel())])
         got = frequencies(**kwargs)
         assert torch.allclose(got, expected, atol=0.03), (kwargs, got, expected)
+
+
+# --------------------------------------------------------------------------- logit adjustments
+# A bias that makes the toy repeat token 65, alone and with each penalty against it.
+BIAS = {"logit_bias": {65: 6.0}}
+ADJUSTMENTS = {
+    "bias": BIAS,
+    "repetition": {**BIAS, "repetition_penalty": 1.8},
+    "frequency": {**BIAS, "frequency_penalty": 1.0},
+    "presence": {**BIAS, "presence_penalty": 2.0},
+    "all": {
+        "logit_bias": {65: 10.0, 66: -100.0},
+        "repetition_penalty": 1.3,
+        "frequency_penalty": 0.6,
+        "presence_penalty": -0.4,
+    },
+}
+
+
+def _reference_adjusted_greedy(toy_config, toy_state, prompt, max_tokens, adjustments):
+    """Fixed-depth greedy decoding from a dense forward of the whole sequence at every step
+    (LAST_EXITED at full depth is exactly that), each step's logits adjusted by the plain
+    per-token reference of tests/unit/test_penalties.py."""
+    from tests.reference.oracle import reference_dense_logits
+    from tests.unit.test_penalties import reference_adjust
+
+    outputs: list[int] = []
+    for _ in range(max_tokens):
+        logits = reference_dense_logits(toy_config, toy_state, prompt + outputs)[-1]
+        adjusted = reference_adjust(
+            logits,
+            prompt,
+            outputs,
+            adjustments.get("repetition_penalty", 1.0),
+            adjustments.get("frequency_penalty", 0.0),
+            adjustments.get("presence_penalty", 0.0),
+            adjustments.get("logit_bias", {}),
+        )
+        outputs.append(int(adjusted.argmax()))
+    return outputs
+
+
+@pytest.mark.parametrize("name", list(ADJUSTMENTS))
+def test_logit_adjustments_equal_the_reference(make_engine, toy_config, toy_state, name):
+    """Greedy decoding with each adjustment (prompt of one chunk and a half, async on) equals
+    the reference, changes the plain greedy text, and leaves a request without adjustments
+    in the same passes untouched."""
+    adjustments = ADJUSTMENTS[name]
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, exit_threshold=1.0, ignore_eos=True, **adjustments
+    )
+    plain = replace(params, **{k: SamplingParams().__dict__[k] for k in adjustments})
+    engine = make_engine(prefill_chunk_size=4, async_scheduling=True)
+    outputs = drain(
+        engine, {0: [("adjusted", PROMPT + [65, 65], params), ("plain", PROMPT, plain)]}
+    )
+    want = _reference_adjusted_greedy(toy_config, toy_state, PROMPT + [65, 65], 10, adjustments)
+    assert outputs["adjusted"].outputs[0].token_ids == want
+    # Each adjustment matters here: the bias against plain greedy, a penalty against the bias.
+    baseline = {} if name in ("bias", "all") else BIAS
+    assert want != _reference_adjusted_greedy(
+        toy_config, toy_state, PROMPT + [65, 65], 10, baseline
+    )
+    assert outputs["plain"].outputs[0].token_ids == _greedy_tokens(make_engine, 10)
+
+
+def test_adjusted_requests_resume_with_their_counts(make_engine, toy_config, toy_state):
+    """A pool that preempts: the frequency counts of a resumed request include the tokens it
+    made before, so its output still equals the reference."""
+    adjustments = ADJUSTMENTS["all"]
+    params = SamplingParams(
+        max_tokens=14, temperature=0.0, exit_threshold=1.0, ignore_eos=True, **adjustments
+    )
+    engine = make_engine(num_blocks=8, block_size=4, prefill_chunk_size=4, max_num_seqs=3)
+    prompts = {f"r{i}": PROMPT[: 2 + i] for i in range(3)}
+    outputs = drain(engine, {0: [(rid, prompt, params) for rid, prompt in prompts.items()]})
+    assert engine.scheduler.num_preemptions > 0
+    for rid, prompt in prompts.items():
+        want = _reference_adjusted_greedy(toy_config, toy_state, prompt, 14, adjustments)
+        assert outputs[rid].outputs[0].token_ids == want, rid

@@ -231,3 +231,35 @@ def test_cuda_prompt_logprobs_equal_dense_recompute(toy_config, toy_state, backe
             assert logprob == pytest.approx(float(row[token_id]), abs=1e-4)
         assert set(torch.topk(row, 3).indices.tolist()) <= set(entries[position])
     assert engine.all_blocks_free()
+
+
+@pytest.mark.parametrize("name", ["bias", "frequency", "all"])
+def test_cuda_logit_adjustments_equal_the_reference(toy_config, toy_state, name):
+    """Logit bias and penalties on the device, in CUDA graphs with async scheduling, next to
+    a request without them: float32 greedy tokens equal the dense reference's."""
+    from tests.e2e.test_sampling import ADJUSTMENTS, PROMPT, _reference_adjusted_greedy
+
+    adjustments = ADJUSTMENTS[name]
+    engine = _cuda_engine(
+        toy_config,
+        toy_state,
+        torch.float32,
+        "last_exited",
+        "ouro_q1.0",
+        "refill",
+        "triton",
+        graphs=True,
+        async_scheduling=True,
+    )
+    params = SamplingParams(
+        max_tokens=10, temperature=0.0, exit_threshold=1.0, ignore_eos=True, **adjustments
+    )
+    plain = SamplingParams(max_tokens=10, temperature=0.0, exit_threshold=1.0, ignore_eos=True)
+    prompt = PROMPT + [65, 65]
+    outputs = drain(engine, {0: [("adjusted", prompt, params), ("plain", prompt, plain)]})
+    want = _reference_adjusted_greedy(toy_config, toy_state, prompt, 10, adjustments)
+    assert outputs["adjusted"].outputs[0].token_ids == want
+    assert outputs["plain"].outputs[0].token_ids == _reference_adjusted_greedy(
+        toy_config, toy_state, prompt, 10, {}
+    )
+    assert engine.all_blocks_free()

@@ -96,6 +96,51 @@ def test_echo_with_logprobs_scores_the_prompt(server):
         assert values == logprobs.token_logprobs
 
 
+def test_vllm_sampling_extensions(server):
+    """logit_bias (string keys), the three penalties and the special-token text options
+    reach the engine: the server's text equals the offline engine's for the same params."""
+    url, _ = server
+    api = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+    adjust = {"repetition_penalty": 1.3, "frequency_penalty": 0.6, "presence_penalty": -0.4}
+    reply = api.completions.create(
+        model="toy",
+        prompt="adjust me",
+        max_tokens=8,
+        temperature=0,
+        logit_bias={"65": 10.0},
+        extra_body={**adjust, "ignore_eos": True},
+    )
+    params = SamplingParams(
+        max_tokens=8, temperature=0.0, logit_bias={65: 10.0}, ignore_eos=True, **adjust
+    )
+    want = LLM(model="toy").generate(["adjust me"], params, use_tqdm=False)[0].outputs[0]
+    assert reply.choices[0].text == want.text
+    end = {"logit_bias": {"2": 100.0}, "ignore_eos": True, "max_tokens": 2}  # <|im_end|>
+    body = {"model": "toy", "prompt": "x", "temperature": 0, **end}
+    texts = [
+        httpx.post(f"{url}/v1/completions", json={**body, **flags}).json()["choices"][0]["text"]
+        for flags in (
+            {},
+            {"skip_special_tokens": False},
+            {"skip_special_tokens": False, "spaces_between_special_tokens": False},
+        )
+    ]
+    # the space rule also separates the first one from the prompt's text before it
+    assert texts == ["", " <|im_end|> <|im_end|>", "<|im_end|><|im_end|>"]
+    for field, value, message in (
+        ("logit_bias", {"a": 1.0}, "logit_bias keys must be token ids, got 'a'"),
+        ("logit_bias", {"99999": 1.0}, "logit_bias keys must be token ids in [0, "),
+        ("logit_bias", {"3": 500}, "must be in [-100.0, 100.0]"),
+        ("presence_penalty", 3, "presence_penalty: must be in [-2.0, 2.0], got 3"),
+        ("repetition_penalty", 0, "repetition_penalty: must be in (0.0, 10.0], got 0"),
+    ):
+        reply = httpx.post(f"{url}/v1/completions", json={**body, field: value})
+        assert reply.status_code == 400, (field, value)
+        error = reply.json()["error"]
+        assert error["param"] is not None and error["param"].startswith(field), error
+        assert message in error["message"], error
+
+
 def test_max_tokens_zero_needs_echo(server):
     url, _ = server
     body = {"model": "toy", "prompt": "x", "max_tokens": 0}

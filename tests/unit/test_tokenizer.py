@@ -353,3 +353,20 @@ def test_token_bytes_give_the_raw_bytes_of_partial_characters(tmp_path):
     tokenizer.save_pretrained(tmp_path)
     reloaded = Tokenizer.from_pretrained(tmp_path)
     assert b"".join(reloaded.token_bytes(i) for i in ids) == "é日x".encode()
+
+
+def test_spaces_between_special_tokens_and_skipping_them() -> None:
+    """Hugging Face's rule for kept added tokens: joined with the text around them by a
+    space, or by nothing; skipped, they leave the text as if absent. Streaming equals the
+    whole decode either way."""
+    tok = Tokenizer.byte_level()
+    ids = byte_ids("ab") + [IM_END_ID] + byte_ids("c d") + [IM_START_ID, IM_END_ID]
+    assert tok.decode(ids) == "abc d"
+    assert tok.decode(ids, skip_special_tokens=False) == "ab<|im_end|>c d<|im_start|><|im_end|>"
+    spaced = tok.decode(ids, skip_special_tokens=False, spaces_between_special_tokens=True)
+    assert spaced == "ab <|im_end|> c d <|im_start|> <|im_end|>"
+    assert tok.decode(ids, spaces_between_special_tokens=True) == "abc d"
+    for spaces in (False, True):
+        stream = IncrementalDetokenizer(tok, byte_ids("x"), False, spaces)
+        text = "".join(stream.add(token) for token in ids) + stream.flush()
+        assert text == tok.decode(byte_ids("x") + ids, False, spaces)[len("x") :]

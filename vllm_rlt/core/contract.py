@@ -6,6 +6,19 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
+class Penalties:
+    """A request's logit adjustments (SamplingParams) and the tokens they look at: the
+    prompt (for the repetition penalty) and the outputs so far (a resumed request's)."""
+
+    repetition: float
+    frequency: float
+    presence: float
+    logit_bias: tuple[tuple[int, float], ...]
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class NewSlot:
     """A request admitted into a runner slot: everything its device row needs, once. Its
     blocks arrive through `SchedulerOutput.block_updates`, as they are needed.
@@ -31,6 +44,7 @@ class NewSlot:
     decode_depths: tuple[int, ...] | None  # trace mode: the depth of each decode input
     first_token: int = -1
     num_generated: int = 0
+    penalties: Penalties | None = None  # None: the logits go to sampling as they are
 
 
 @dataclass(frozen=True)

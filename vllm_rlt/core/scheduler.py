@@ -10,6 +10,7 @@ from vllm_rlt.core.block_pool import KVCacheManager, block_hashes
 from vllm_rlt.core.contract import (
     ModelRunnerOutput,
     NewSlot,
+    Penalties,
     PrefillChunk,
     SchedulerOutput,
 )
@@ -402,6 +403,7 @@ class Scheduler:
             decode_depths=request.decode_depths,
             first_token=request.output_token_ids[-1] if resumed else -1,
             num_generated=len(request.output_token_ids),
+            penalties=request_penalties(request),
         )
 
     # ----------------------------------------------------------------- results
@@ -440,6 +442,22 @@ class Scheduler:
         if request is None or request.slot != slot or request.admission != admission:
             return None
         return request
+
+
+def request_penalties(request: Request) -> Penalties | None:
+    params = request.params
+    if not params.adjusts_logits:
+        return None
+    return Penalties(
+        repetition=params.repetition_penalty,
+        frequency=params.frequency_penalty,
+        presence=params.presence_penalty,
+        logit_bias=tuple(sorted((params.logit_bias or {}).items())),
+        prompt_token_ids=(
+            tuple(request.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
+        ),
+        output_token_ids=tuple(request.output_token_ids),
+    )
 
 
 def request_banned_ids(request: Request) -> list[int]:

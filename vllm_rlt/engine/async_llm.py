@@ -65,7 +65,14 @@ class TextStage:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params) -> None:
         self.params = params
         self.trackers = [
-            TextTracker(tokenizer, prompt_token_ids, params.stop, params.include_stop_str_in_output)
+            TextTracker(
+                tokenizer,
+                prompt_token_ids,
+                params.stop,
+                params.include_stop_str_in_output,
+                params.skip_special_tokens,
+                params.spaces_between_special_tokens,
+            )
             for _ in range(params.n)
         ]
         self.seen = [0] * params.n

@@ -19,9 +19,15 @@ class TextTracker:
         prompt_token_ids: list[int],
         stops: list[str],
         include_stop: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
     ) -> None:
         self.detokenizer = (
-            IncrementalDetokenizer(tokenizer, prompt_token_ids) if tokenizer is not None else None
+            IncrementalDetokenizer(
+                tokenizer, prompt_token_ids, skip_special_tokens, spaces_between_special_tokens
+            )
+            if tokenizer is not None
+            else None
         )
         self.stops = stops
         self.include_stop = include_stop
@@ -81,6 +87,8 @@ class OutputProcessor:
             request.prompt_token_ids,
             stops,  # type: ignore[arg-type]
             params.include_stop_str_in_output,
+            params.skip_special_tokens,
+            params.spaces_between_special_tokens,
         )
         self.states[request.request_id] = CompletionState(tracker)
 

@@ -58,6 +58,12 @@ class RequestChecker:
         valid = all(type(token) is int for token in prompt)
         if not (valid and 0 <= min(prompt) and max(prompt) < vocab):
             self._check_each_token(prompt, vocab)
+        for token in params.logit_bias or {}:
+            require(
+                token < vocab,
+                f"logit_bias keys must be token ids in [0, {vocab - 1}], got {token}",
+                "logit_bias",
+            )
         for token in params.stop_token_ids:
             require(
                 token < vocab,

@@ -56,6 +56,18 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
     )
     group.add_argument("--ignore-eos", action="store_true", help="do not stop at EOS")
     group.add_argument(
+        "--repetition-penalty",
+        type=float,
+        default=1.0,
+        help="divide positive logits (multiply negative ones) of prompt and output tokens",
+    )
+    group.add_argument(
+        "--frequency-penalty", type=float, default=0.0, help="subtract per output occurrence"
+    )
+    group.add_argument(
+        "--presence-penalty", type=float, default=0.0, help="subtract once a token was output"
+    )
+    group.add_argument(
         "--logprobs",
         type=int,
         default=None,
@@ -100,6 +112,9 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
         ignore_eos=ns.ignore_eos,
         logprobs=ns.logprobs,
         prompt_logprobs=ns.prompt_logprobs,
+        repetition_penalty=ns.repetition_penalty,
+        frequency_penalty=ns.frequency_penalty,
+        presence_penalty=ns.presence_penalty,
         min_loops=ns.min_loops,
         max_loops=ns.max_loops,
         exit_threshold=ns.exit_threshold,

@@ -32,9 +32,11 @@ class IncrementalDetokenizer:
         tokenizer: Tokenizer,
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._spaces = spaces_between_special_tokens
         self._ids = list(prompt_token_ids[-CONTEXT_TOKENS:])
         self._prefix_text = self._decode(self._ids)
         if self._prefix_text.endswith(REPLACEMENT_CHAR):
@@ -77,4 +79,4 @@ class IncrementalDetokenizer:
         return piece
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+        return self._tokenizer.decode(ids, self._skip_special_tokens, self._spaces)

@@ -421,9 +421,34 @@ class Tokenizer:
             ids.insert(0, self._bos_id)
         return ids
 
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        """Text of `ids`; incomplete or invalid UTF-8 byte sequences come out as U+FFFD."""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=skip_special_tokens)
+    def decode(
+        self,
+        ids: Sequence[int],
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = False,
+    ) -> str:
+        """Text of `ids`; incomplete or invalid UTF-8 byte sequences come out as U+FFFD.
+
+        `spaces_between_special_tokens` follows Hugging Face's slow tokenizers: the added
+        tokens kept in the text and the runs of text between them are joined with spaces
+        (the fast tokenizers, like this one by default, join them with nothing)."""
+        ids = list(ids)
+        if not spaces_between_special_tokens:
+            return self._tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+        added = self._tokenizer.get_added_tokens_decoder()
+        parts, run = [], []
+        for token_id in ids:
+            token = added.get(token_id)
+            if token is None:
+                run.append(token_id)
+            elif not (skip_special_tokens and token.special):
+                if run:
+                    parts.append(self._tokenizer.decode(run, skip_special_tokens=False))
+                parts.append(token.content)
+                run = []
+        if run:
+            parts.append(self._tokenizer.decode(run, skip_special_tokens=False))
+        return " ".join(parts)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The raw bytes one token stands for (a byte-level token may hold part of a

@@ -16,6 +16,7 @@ from vllm_rlt.core.contract import (
     SchedulerOutput,
 )
 from vllm_rlt.exit import ExitInputs, ExitPolicy
+from vllm_rlt.layers.penalties import apply_penalties
 from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
 from vllm_rlt.worker.slot_state import SlotState
@@ -152,13 +153,14 @@ class ModelRunner:
         samplers = list(out.decode_slots) + [c.slot for c in out.prefill_chunks if c.samples]
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
         greedy = all(st.greedy[s] for s in samplers)
+        adjusted = any(st.adjusted[s] for s in samplers)
         prompt: list[PromptRows] = []
         if self.graphs is not None and not out.prefill_chunks:
-            packed = self.graphs.replay(out.decode_slots, greedy, num_top)
+            packed = self.graphs.replay(out.decode_slots, greedy, num_top, adjusted)
         else:
             decode = self.uploads.upload(out.decode_slots)
             packed, prompt = self.run_pass(
-                decode, out.prefill_chunks, out.max_context, greedy, num_top
+                decode, out.prefill_chunks, out.max_context, greedy, num_top, adjusted
             )
         if packed.is_cuda:
             host = packed.to("cpu", non_blocking=True)  # pinned, so it overlaps
@@ -186,9 +188,11 @@ class ModelRunner:
         max_context: int,
         greedy: bool,
         num_top: int,
+        adjusted: bool = False,
     ) -> tuple[torch.Tensor, list[PromptRows]]:
         """One pass on the device; returns [samplers, PACKED_FIELDS + 2 * num_top] float32
-        and the prompt logprobs of the chunks that ask for them."""
+        and the prompt logprobs of the chunks that ask for them. `adjusted`: some sampling
+        row's request has logit_bias or penalties."""
         st, model = self.state, self.model
         rows = gather_rows(decode, chunks, st, self.geo)
         num_decode = decode.shape[0]
@@ -256,7 +260,7 @@ class ModelRunner:
         if prefill_samplers:
             live = torch.cat([exited, torch.ones_like(p_slots, dtype=torch.bool)])
         tokens, chosen_lp, top_ids, top_lp = self._sample(
-            sample_hidden, sample_slots, live, greedy, num_top
+            sample_hidden, sample_slots, live, greedy, num_top, adjusted
         )
 
         st.token[decode] = torch.where(exited, tokens[:num_decode], st.token[decode])
@@ -306,13 +310,26 @@ class ModelRunner:
         live: torch.Tensor,  # [samplers] bool: rows whose token is kept
         greedy: bool,
         num_top: int,
+        adjusted: bool,
     ):
         st = self.state
         logits = self.model.coda(hidden, self.ops, live)  # [samplers, vocab]
         before_min = st.num_generated[slots] < st.min_tokens[slots]
         logits = logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
+        sampled_from = logits
+        penalties = st.penalties
+        if adjusted and penalties is not None:
+            sampled_from = apply_penalties(
+                logits,
+                penalties.output_counts[slots],
+                penalties.prompt_mask[slots],
+                penalties.repetition[slots],
+                penalties.frequency[slots],
+                penalties.presence[slots],
+                penalties.bias[slots],
+            )
         tokens = greedy_or_sample(
-            logits,
+            sampled_from,
             greedy,
             st.temperature[slots],
             st.top_k[slots],
@@ -321,6 +338,8 @@ class ModelRunner:
             st.seed[slots],
             st.num_generated[slots],
         )
+        if adjusted and penalties is not None:  # count each kept token for later ones
+            penalties.output_counts.index_put_((slots, tokens), live.int(), accumulate=True)
         chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
         return tokens, chosen, top_ids, top_lp
 

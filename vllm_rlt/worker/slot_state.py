@@ -4,7 +4,41 @@ from __future__ import annotations
 
 import torch
 
-from vllm_rlt.core.contract import NewSlot
+from vllm_rlt.core.contract import NewSlot, Penalties
+
+
+class PenaltyState:
+    """Per-slot inputs of the logit adjustments (see layers/penalties.py), made when the
+    first request that uses them is admitted; every other slot's row stays neutral."""
+
+    def __init__(self, slots: int, vocab_size: int, device: torch.device) -> None:
+        f32 = dict(dtype=torch.float32, device=device)
+        self.output_counts = torch.zeros(slots, vocab_size, dtype=torch.int32, device=device)
+        self.prompt_mask = torch.zeros(slots, vocab_size, dtype=torch.bool, device=device)
+        self.bias = torch.zeros(slots, vocab_size, **f32)
+        self.repetition = torch.ones(slots, **f32)
+        self.frequency = torch.zeros(slots, **f32)
+        self.presence = torch.zeros(slots, **f32)
+
+    def set(self, slot: int, penalties: Penalties | None) -> None:
+        """Write one slot's row: neutral for None."""
+        for table in (self.output_counts, self.prompt_mask, self.bias):
+            table[slot] = 0
+        if penalties is None:
+            self.repetition[slot], self.frequency[slot], self.presence[slot] = 1.0, 0.0, 0.0
+            return
+        self.repetition[slot] = penalties.repetition
+        self.frequency[slot] = penalties.frequency
+        self.presence[slot] = penalties.presence
+        device = self.bias.device
+        if penalties.logit_bias:
+            ids, values = zip(*penalties.logit_bias, strict=True)
+            self.bias[slot, list(ids)] = torch.tensor(values, dtype=torch.float32, device=device)
+        if penalties.prompt_token_ids:
+            self.prompt_mask[slot, list(penalties.prompt_token_ids)] = True
+        if penalties.output_token_ids:
+            ids = torch.tensor(penalties.output_token_ids, dtype=torch.int64, device=device)
+            self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
 
 class SlotState:
@@ -55,6 +89,9 @@ class SlotState:
         self.dummy_block = dummy_block
         self.num_logprobs = [0] * n  # host copy: how many top logprobs each slot wants
         self.greedy = [True] * n  # host copy: temperature == 0
+        self.adjusted = [False] * n  # host copy: the slot's request adjusts its logits
+        self.penalties: PenaltyState | None = None
+        self.vocab_size = vocab_size
 
     def admit(self, new: NewSlot) -> None:
         """Write a newly admitted request's row (a handful of small host-to-device copies)."""
@@ -84,6 +121,11 @@ class SlotState:
             self.trace[s, : len(depths)] = torch.tensor(depths)
         self.num_logprobs[s] = new.num_logprobs
         self.greedy[s] = new.temperature == 0.0
+        if new.penalties is not None and self.penalties is None:
+            self.penalties = PenaltyState(len(self.greedy), self.vocab_size, self.hidden.device)
+        if self.penalties is not None:
+            self.penalties.set(s, new.penalties)
+        self.adjusted[s] = new.penalties is not None
 
     def clear_tables(self, slot: int) -> None:
         """Point every table row of `slot` at the dummy block."""

@@ -8,10 +8,13 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
 from pydantic_core import PydanticCustomError
 
+from vllm_rlt.config import ParamError
 from vllm_rlt.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
+    MAX_PENALTY,
     MAX_PRIORITY,
+    MAX_REPETITION_PENALTY,
     MAX_SEED,
     MAX_TOP_K,
     SamplingParams,
@@ -89,8 +92,13 @@ class SamplingFields(RequestBody):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
-    frequency_penalty: float = Field(default=0.0, ge=0.0, le=0.0)
+    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    # token id (as a string, JSON's only key type) -> bias added to its logit
+    logit_bias: dict[str, float] | None = None  # ranges checked by SamplingParams
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
     # Looped-model extensions.
     min_loops: int | None = Field(default=None, ge=1)
     max_loops: int | None = Field(default=None, ge=1)
@@ -117,7 +125,23 @@ class SamplingFields(RequestBody):
             max_loops=self.max_loops,
             exit_threshold=self.exit_threshold,
             priority=self.priority,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logit_bias=self._logit_bias(),
+            skip_special_tokens=self.skip_special_tokens,
+            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
+
+    def _logit_bias(self) -> dict[int, float] | None:
+        if self.logit_bias is None:
+            return None
+        bias = {}
+        for key, value in self.logit_bias.items():
+            if not key.isdigit():
+                raise ParamError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            bias[int(key)] = value
+        return bias
 
 
 class CompletionRequest(SamplingFields):
