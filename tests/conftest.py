@@ -48,6 +48,7 @@ def make_engine(toy_model):
         block_size: int = 4,
         async_scheduling: bool = False,
         enable_prefix_caching: bool = True,
+        speculative_config=None,
         **scheduler_kwargs,
     ) -> EngineCore:
         engine = EngineCore(
@@ -63,6 +64,7 @@ def make_engine(toy_model):
             exit_config or ExitConfig(),
             ExecutionConfig(async_scheduling=async_scheduling),
             "torch",
+            speculative_config,
         )
         engines.append(engine)
         return engine

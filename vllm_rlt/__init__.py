@@ -1,6 +1,12 @@
 """vllm-rlt: an inference engine for looped language models with loop-level batching."""
 
-from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.config import (
+    CacheConfig,
+    ExecutionConfig,
+    ExitConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from vllm_rlt.engine.llm import LLM
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
@@ -16,5 +22,6 @@ __all__ = [
     "RequestOutput",
     "SamplingParams",
     "SchedulerConfig",
+    "SpeculativeConfig",
     "__version__",
 ]

@@ -180,6 +180,26 @@ class ExitConfig:
         return (ExitConfig, (self.mode, self.seed, dict(self.depths_by_request)))
 
 
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Self-speculative decoding: the model's first `draft_loops` loops draft
+    `num_speculative_tokens` tokens one after another, and the remaining loops verify them
+    in one chunk, for greedy requests at a fixed depth (see docs/structure.md). The draft
+    depth must be below the target depth, which is each request's max_loops."""
+
+    num_speculative_tokens: int = 2
+    draft_loops: int = 2
+
+    def __post_init__(self) -> None:
+        require_int(
+            self.num_speculative_tokens, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS
+        )
+        require_int(self.draft_loops, "draft_loops", 1)
+
+
 @dataclass(frozen=True)
 class ExecutionConfig:
     """How passes are executed.

@@ -25,6 +25,7 @@ def _cuda_engine(
     backend="torch",
     graphs=False,
     async_scheduling=False,
+    speculative_config=None,
 ):
     exit_mode, _ = POLICIES[policy]
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, dtype, "cuda")
@@ -36,6 +37,7 @@ def _cuda_engine(
         ExitConfig(mode=exit_mode, depths_by_request=_traces() if exit_mode == "trace" else {}),
         ExecutionConfig(cuda_graphs=graphs, async_scheduling=async_scheduling),
         backend,
+        speculative_config,
     )
 
 
@@ -263,3 +265,32 @@ def test_cuda_logit_adjustments_equal_the_reference(toy_config, toy_state, name)
         toy_config, toy_state, prompt, 10, {}
     )
     assert engine.all_blocks_free()
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_speculation_equals_plain_greedy(toy_config, toy_state, backend):
+    """Self-speculative rounds on the device (graphs and async for the triton backend; the
+    plain requests' decode passes still replay graphs) give plain greedy decoding's tokens."""
+    from vllm_rlt import SpeculativeConfig
+
+    fast = backend == "triton"
+    outputs = []
+    for spec in (None, SpeculativeConfig(num_speculative_tokens=3, draft_loops=2)):
+        engine = _cuda_engine(
+            toy_config,
+            toy_state,
+            torch.float32,
+            "last_exited",
+            "ouro_q1.0",
+            "refill",
+            backend,
+            graphs=fast,
+            async_scheduling=fast,
+            speculative_config=spec,
+        )
+        outputs.append(_run(engine, "ouro_q1.0"))
+        if spec is not None:
+            assert engine.scheduler.num_drafted > 0
+    plain, speculative = outputs
+    for rid, want in plain.items():
+        assert speculative[rid].outputs[0].token_ids == want.outputs[0].token_ids, rid

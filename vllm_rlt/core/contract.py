@@ -69,6 +69,14 @@ class PrefillChunk:
     # predict (row i predicts position start + i + 1), each with the top `prompt_top`.
     prompt_targets: tuple[int, ...] = ()
     prompt_top: int = 0
+    # Self-speculation (see core/speculation.py). A draft step: one position running the
+    # draft loops; at its last loop the greedy draft token is read and the row's state kept.
+    # A verify chunk: the round's positions from the draft depth on, starting from the kept
+    # states (`from_drafts` on its first pass); at its last loop every row's greedy token and
+    # its logprob are read.
+    draft: bool = False
+    verify: bool = False
+    from_drafts: bool = False
 
 
 @dataclass(frozen=True)
@@ -134,9 +142,20 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True)
+class SpeculationResult:
+    """A draft step's token (one entry), or a verify chunk's greedy tokens and logprobs."""
+
+    slot: int
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    verify: bool
+
+
+@dataclass(frozen=True)
 class ModelRunnerOutput:
     """What one pass produced, read back from the device once."""
 
     sampled: tuple[SampledToken, ...]
     decode_slots_continuing: tuple[int, ...]  # decode rows whose token needs more loops
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
+    speculation: tuple[SpeculationResult, ...] = ()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from vllm_rlt.core.speculation import SpecRound
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -46,6 +47,8 @@ class Request:
     block_hashes: list[bytes] | None = None  # of the prompt's full blocks (prefix caching)
     num_registered: int = 0  # prompt blocks of its table registered in the prefix cache
     token_in_flight: bool = False  # a decode token has started its loops but not exited
+    speculates: bool = False  # decodes in self-speculative rounds (set by the engine)
+    spec_round: SpecRound | None = None
     bypass_count: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from vllm_rlt.config import SchedulerConfig
+from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.block_pool import KVCacheManager, block_hashes
 from vllm_rlt.core.contract import (
     ModelRunnerOutput,
@@ -13,8 +13,10 @@ from vllm_rlt.core.contract import (
     Penalties,
     PrefillChunk,
     SchedulerOutput,
+    SpeculationResult,
 )
 from vllm_rlt.core.request import Request, RequestStatus
+from vllm_rlt.core.speculation import SpecRound
 
 
 class Scheduler:
@@ -34,6 +36,7 @@ class Scheduler:
         one_position_prefill: bool,
         cache_salt: bytes = b"",
         table_planes: int = 1,
+        speculation: SpeculativeConfig | None = None,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -44,6 +47,9 @@ class Scheduler:
         # also holds a table per loop but the last, under the key (request id, loop), until
         # its last position finishes its last loop; those blocks are then freed.
         self.table_planes = table_planes
+        self.speculation = speculation
+        self.num_drafted = 0  # draft tokens verified
+        self.num_accepted = 0  # of them, accepted
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
@@ -96,6 +102,8 @@ class Scheduler:
         self._start_chunks()
 
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODE]
+        speculating = [r for r in decoding if r.speculates]
+        decoding = [r for r in decoding if not r.speculates]
         in_flight = [r for r in decoding if r.token_in_flight]
         if self.config.mode == "no_refill" and in_flight:
             decoding = in_flight
@@ -105,8 +113,14 @@ class Scheduler:
         prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILL]
         chunks = [self._chunk(r) for r in sorted(prefilling, key=self._rank) if r.chunk_len]
         for chunk in chunks:
-            max_context = max(max_context, chunk.start + len(chunk.token_ids))
             self._advance_chunk(self.running[chunk.slot])
+        for request in sorted(speculating, key=self._rank):
+            spec_round = request.spec_round
+            if spec_round is not None and not spec_round.pending:
+                chunks.append(self._spec_chunk(request, spec_round))
+                spec_round.advance()
+        for chunk in chunks:
+            max_context = max(max_context, chunk.start + len(chunk.token_ids))
         return SchedulerOutput(
             new_slots=tuple(new for new in new_slots if new.slot in self.running),
             decode_slots=tuple(r.slot for r in decoding),  # type: ignore[misc]
@@ -123,7 +137,7 @@ class Scheduler:
         row, even one idling until its no_refill cohort restarts, so a chunk started now
         still fits when the cohort does."""
         running = list(self.running.values())
-        rows = sum(1 for r in running if r.status is RequestStatus.DECODE)
+        rows = sum(self._decode_rows(r) for r in running if r.status is RequestStatus.DECODE)
         rows += sum(r.chunk_len for r in running if r.status is RequestStatus.PREFILL)
         chunks = sum(1 for r in running if r.status is RequestStatus.PREFILL and r.chunk_len)
         budget = self.config.max_num_batched_tokens
@@ -145,6 +159,52 @@ class Scheduler:
             chunks += 1
         # Preemptions above removed rows only, so the budget still holds.
 
+    def _decode_rows(self, request: Request) -> int:
+        """Rows a decoding request may take in a pass: a speculating one, its verify chunk."""
+        if request.speculates and self.speculation is not None:
+            return self.speculation.num_speculative_tokens + 1
+        return 1
+
+    def _spec_chunk(self, request: Request, spec_round: SpecRound) -> PrefillChunk:
+        if spec_round.verifying:
+            start, tokens, depth = (
+                spec_round.start,
+                tuple(spec_round.inputs),
+                spec_round.target_loops,
+            )
+        else:
+            start = spec_round.start + spec_round.step
+            tokens, depth = (spec_round.inputs[-1],), spec_round.draft_loops
+        return PrefillChunk(
+            slot=request.slot,  # type: ignore[arg-type]
+            request_id=request.request_id,
+            start=start,
+            token_ids=tokens,
+            loop=spec_round.loop,
+            samples=False,
+            depth=depth,
+            admission=request.admission,
+            draft=not spec_round.verifying,
+            verify=spec_round.verifying,
+            from_drafts=spec_round.verifying and spec_round.loop == spec_round.draft_loops,
+        )
+
+    def _start_round(self, request: Request) -> int:
+        """Open a speculative round at the request's last token; the positions it needs."""
+        assert self.speculation is not None
+        outputs = len(request.output_token_ids)
+        drafts = min(
+            self.speculation.num_speculative_tokens, request.params.max_tokens - outputs - 1
+        )
+        request.spec_round = SpecRound(
+            start=request.prompt_len + outputs - 1,
+            inputs=[request.output_token_ids[-1]],
+            size=drafts + 1,
+            draft_loops=self.speculation.draft_loops,
+            target_loops=request.max_loops,
+        )
+        return request.spec_round.start + request.spec_round.size
+
     # ----------------------------------------------------------------- blocks
     def _rank(self, request: Request) -> tuple[int, float, int]:
         """Who runs and keeps blocks first: lower priority value (under the priority
@@ -160,6 +220,11 @@ class Scheduler:
         for request in sorted(decoding, key=self._rank):
             if request.slot is None:
                 continue  # preempted for a request ranked above it
+            if request.speculates:
+                # (a round starts from the last token, which async scheduling may not know yet)
+                if request.spec_round is None and request.output_token_ids:
+                    self._reserve(request, self._start_round(request), preempt_own=True)
+                continue
             needed = min(request.context_len + 1, request.reserved_positions)
             self._reserve(request, needed, preempt_own=True)
 
@@ -231,6 +296,7 @@ class Scheduler:
         request.num_prefilled = request.chunk_start = request.chunk_len = 0
         request.chunk_loop = request.chunk_depth = 0
         request.token_in_flight = False
+        request.spec_round = None
         request.preempted_in = self.round
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -423,7 +489,7 @@ class Scheduler:
             if request is not None:
                 for offset, entry in enumerate(zip(values.logprobs, values.top, strict=True)):
                     request.prompt_logprob_values[values.start + offset] = entry
-        touched = []
+        touched = [r for s in result.speculation if (r := self._speculated(owners, s))]
         for sampled in result.sampled:
             request = self._owner(owners, sampled.slot)
             if request is None:
@@ -435,6 +501,26 @@ class Scheduler:
             request.top_logprobs.append(sampled.top_logprobs)
             touched.append(request)
         return touched
+
+    def _speculated(self, owners, result: SpeculationResult) -> Request | None:
+        """Record a draft token, or commit a verified round's tokens; the request when it
+        received tokens."""
+        request = self._owner(owners, result.slot)
+        spec_round = None if request is None else request.spec_round
+        if request is None or spec_round is None:
+            return None
+        if not result.verify:
+            spec_round.on_draft(result.tokens[0])
+            return None
+        count = spec_round.accept(result.tokens)
+        self.num_drafted += spec_round.size - 1
+        self.num_accepted += count - 1
+        request.output_token_ids.extend(result.tokens[:count])
+        request.exit_depths.extend([spec_round.target_loops] * count)
+        request.logprobs.extend(result.logprobs[:count])
+        request.top_logprobs.extend([()] * count)
+        request.spec_round = None
+        return request
 
     def _owner(self, owners: dict[int, tuple[str, int]], slot: int) -> Request | None:
         request_id, admission = owners.get(slot, ("", -1))

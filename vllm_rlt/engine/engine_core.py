@@ -11,7 +11,14 @@ from dataclasses import dataclass, field
 import torch
 
 from vllm_rlt.attention import get_backend
-from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, require
+from vllm_rlt.config import (
+    CacheConfig,
+    ExecutionConfig,
+    ExitConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    require,
+)
 from vllm_rlt.core.block_pool import KVCacheManager
 from vllm_rlt.core.contract import SchedulerOutput
 from vllm_rlt.core.memory import (
@@ -71,6 +78,7 @@ class EngineCore:
         exit_config: ExitConfig,
         execution_config: ExecutionConfig,
         attention_backend: str = "auto",
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -78,6 +86,9 @@ class EngineCore:
         self.cache_config = cache_config
         self.exit_config = exit_config
         self.num_loops = cfg.num_loops
+        self.speculative_config = speculative_config
+        if speculative_config is not None:
+            _check_speculation(speculative_config, cfg.num_loops, cache_config, scheduler_config)
         self.max_model_len = cfg.max_position_embeddings
         self.attention_backend, ops = get_backend(attention_backend, model.device)
         layout = cache_config.layout
@@ -109,6 +120,7 @@ class EngineCore:
             one_position_prefill=layout == "shared",
             cache_salt=hashlib.sha256(salt.encode()).digest(),
             table_planes=table_planes,
+            speculation=speculative_config,
         )
         trace_len = self.max_model_len if exit_config.mode == "trace" else 1
         self.runner = ModelRunner(
@@ -240,6 +252,7 @@ class EngineCore:
                     eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
                     stop_token_ids=frozenset(params.stop_token_ids),
                     arrival_time=now,
+                    speculates=self._speculates(params, max_loops, float(threshold)),
                 )
             )
         self.groups[request_id] = RequestGroup(
@@ -249,6 +262,22 @@ class EngineCore:
             self._group_of[child.request_id] = request_id
             self.outputs.add(child)
             self.scheduler.add_request(child)
+
+    def _speculates(self, params: SamplingParams, max_loops: int, threshold: float) -> bool:
+        """Whether a request decodes in speculative rounds: greedy at a fixed depth deeper
+        than the draft, with nothing that needs each token's full logits (top logprobs,
+        logit adjustments, a min_tokens ban). Others decode loop by loop as usual."""
+        config = self.speculative_config
+        return (
+            config is not None
+            and params.temperature == 0.0
+            and self.exit_config.mode in ("ouro", "ouro_delayed")
+            and threshold >= 1.0
+            and config.draft_loops < max_loops
+            and not params.logprobs
+            and not params.adjusts_logits
+            and params.min_tokens == 0
+        )
 
     def check_request(
         self, request_id: str, prompt: list[int], params: SamplingParams
@@ -474,3 +503,23 @@ class EngineCore:
 
     def all_blocks_free(self) -> bool:
         return self.kv.all_free() and not self.scheduler.running and self._in_flight is None
+
+
+def _check_speculation(config, num_loops: int, cache_config, scheduler_config) -> None:
+    require(
+        config.draft_loops < num_loops,
+        f"draft_loops must be in [1, {num_loops - 1}] (below the model's {num_loops} loops), "
+        f"got {config.draft_loops}",
+        "draft_loops",
+    )
+    require(
+        cache_config.layout == "last_exited",
+        "speculative decoding needs the last_exited KV layout (a verify chunk reads each "
+        f"earlier position at its own loop), got {cache_config.layout!r}",
+        "kv_layout",
+    )
+    require(
+        scheduler_config.mode == "refill",
+        f"speculative decoding needs the refill scheduling mode, got {scheduler_config.mode!r}",
+        "mode",
+    )

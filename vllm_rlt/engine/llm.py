@@ -9,7 +9,14 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig, require
+from vllm_rlt.config import (
+    CacheConfig,
+    ExecutionConfig,
+    ExitConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    require,
+)
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.models.load import load_model_and_tokenizer, resolve_device, resolve_dtype
 from vllm_rlt.outputs import RequestOutput
@@ -35,6 +42,7 @@ class LLM:
         exit_config: ExitConfig | None = None,
         execution_config: ExecutionConfig | None = None,
         attention_backend: str = "auto",
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
@@ -49,6 +57,7 @@ class LLM:
             exit_config or ExitConfig(),
             execution_config or ExecutionConfig(),
             attention_backend,
+            speculative_config,
         )
         self._counter = 0
 

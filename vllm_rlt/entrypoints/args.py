@@ -17,6 +17,7 @@ from vllm_rlt.config import (
     ExecutionConfig,
     ExitConfig,
     SchedulerConfig,
+    SpeculativeConfig,
 )
 from vllm_rlt.core.memory import CPU_DEFAULT_BLOCKS
 
@@ -151,6 +152,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="plan and launch the next pass while the device runs the current one",
     )
+    spec = parser.add_argument_group("self-speculative decoding")
+    spec.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=None,
+        help="draft this many tokens per round with the first --draft-loops loops and verify "
+        "them with the rest (greedy fixed-depth requests; default: off)",
+    )
+    spec.add_argument(
+        "--draft-loops",
+        type=int,
+        default=2,
+        help="loops a draft token runs (with --speculative-tokens)",
+    )
 
 
 @dataclass(frozen=True)
@@ -165,6 +180,7 @@ class EngineArgs:
     scheduler_config: SchedulerConfig
     exit_config: ExitConfig
     execution_config: ExecutionConfig
+    speculative_config: SpeculativeConfig | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -224,5 +240,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         ),
         execution_config=ExecutionConfig(
             cuda_graphs=not ns.enforce_eager, async_scheduling=ns.async_scheduling, seed=ns.seed
+        ),
+        speculative_config=None
+        if ns.speculative_tokens is None
+        else SpeculativeConfig(
+            num_speculative_tokens=ns.speculative_tokens, draft_loops=ns.draft_loops
         ),
     )

@@ -14,6 +14,7 @@ from vllm_rlt.core.contract import (
     PromptLogprobs,
     SampledToken,
     SchedulerOutput,
+    SpeculationResult,
 )
 from vllm_rlt.exit import ExitInputs, ExitPolicy
 from vllm_rlt.layers.penalties import apply_penalties
@@ -38,6 +39,15 @@ class PromptRows:
 
 
 @dataclass
+class SpeculationRows:
+    """A draft step's or verify chunk's greedy tokens: [rows, 2] (token, logprob)."""
+
+    slot: int
+    verify: bool
+    values: torch.Tensor
+
+
+@dataclass
 class PendingPass:
     """A launched pass: its results arrive in `packed` once `done` has fired."""
 
@@ -45,6 +55,7 @@ class PendingPass:
     packed: torch.Tensor  # [samplers, PACKED_FIELDS + 2 * top] float32, on the host when CUDA
     done: torch.cuda.Event | None
     prompt: list[PromptRows]  # on the host when CUDA
+    speculation: list[SpeculationRows]  # on the host when CUDA
 
 
 class HostUploads:
@@ -119,6 +130,8 @@ class ModelRunner:
         )
         self.dummy_slot = max_slots
         self.prefill_hidden: dict[int, torch.Tensor] = {}  # slot -> [chunk, hidden]
+        # slot -> the draft-depth state of each draft step of its round so far, [1, hidden]
+        self.draft_hidden: dict[int, list[torch.Tensor]] = {}
         self.graphs = None  # set by the engine when CUDA graphs are enabled
         self.uploads = HostUploads(max_slots + 1, model.device)
 
@@ -139,6 +152,7 @@ class ModelRunner:
             self.state.clear_tables(new.slot)
             raise
         self.prefill_hidden.pop(new.slot, None)
+        self.draft_hidden.pop(new.slot, None)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingPass:
@@ -155,31 +169,35 @@ class ModelRunner:
         greedy = all(st.greedy[s] for s in samplers)
         adjusted = any(st.adjusted[s] for s in samplers)
         prompt: list[PromptRows] = []
+        speculation: list[SpeculationRows] = []
         if self.graphs is not None and not out.prefill_chunks:
             packed = self.graphs.replay(out.decode_slots, greedy, num_top, adjusted)
         else:
             decode = self.uploads.upload(out.decode_slots)
-            packed, prompt = self.run_pass(
+            packed, prompt, speculation = self.run_pass(
                 decode, out.prefill_chunks, out.max_context, greedy, num_top, adjusted
             )
         if packed.is_cuda:
             host = packed.to("cpu", non_blocking=True)  # pinned, so it overlaps
-            for rows in prompt:
+            for rows in [*prompt, *speculation]:
                 rows.values = rows.values.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return PendingPass(samplers, host, done, prompt)
-        return PendingPass(samplers, packed, None, prompt)
+            return PendingPass(samplers, host, done, prompt, speculation)
+        return PendingPass(samplers, packed, None, prompt, speculation)
 
     def collect(self, pending: PendingPass) -> ModelRunnerOutput:
         """Wait for a launched pass (the one host sync of a pass) and decode its results."""
         if pending.done is not None:
             pending.done.synchronize()
         output = self._to_output(pending.packed.tolist(), pending.samplers)
-        if not pending.prompt:
+        if not pending.prompt and not pending.speculation:
             return output
         prompt = tuple(_prompt_logprobs(rows) for rows in pending.prompt)
-        return ModelRunnerOutput(output.sampled, output.decode_slots_continuing, prompt)
+        speculation = tuple(_speculation_result(rows) for rows in pending.speculation)
+        return ModelRunnerOutput(
+            output.sampled, output.decode_slots_continuing, prompt, speculation
+        )
 
     def run_pass(
         self,
@@ -189,10 +207,11 @@ class ModelRunner:
         greedy: bool,
         num_top: int,
         adjusted: bool = False,
-    ) -> tuple[torch.Tensor, list[PromptRows]]:
-        """One pass on the device; returns [samplers, PACKED_FIELDS + 2 * num_top] float32
-        and the prompt logprobs of the chunks that ask for them. `adjusted`: some sampling
-        row's request has logit_bias or penalties."""
+    ) -> tuple[torch.Tensor, list[PromptRows], list[SpeculationRows]]:
+        """One pass on the device; returns [samplers, PACKED_FIELDS + 2 * num_top] float32,
+        the prompt logprobs of the chunks that ask for them and the tokens of speculation
+        chunks at their last loop. `adjusted`: some sampling row's request has logit_bias or
+        penalties."""
         st, model = self.state, self.model
         rows = gather_rows(decode, chunks, st, self.geo)
         num_decode = decode.shape[0]
@@ -207,6 +226,8 @@ class ModelRunner:
             if chunk.loop == 0:
                 ids = torch.tensor(chunk.token_ids, dtype=torch.int64, device=model.device)
                 inputs.append(model.prelude(ids))
+            elif chunk.from_drafts:
+                inputs.append(torch.cat(self.draft_hidden.pop(chunk.slot)))
             else:
                 inputs.append(self.prefill_hidden.pop(chunk.slot))
         hidden = torch.cat(inputs) if len(inputs) > 1 else inputs[0]  # [rows, hidden]
@@ -221,6 +242,7 @@ class ModelRunner:
         )
         hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
         prompt = self._prompt_rows(hidden, chunks, num_decode)
+        speculation = self._speculation_rows(hidden, chunks, num_decode)
 
         d_hidden = hidden[:num_decode]
         loops_done = d_loops + 1
@@ -278,7 +300,27 @@ class ModelRunner:
             flags = torch.cat([flags, torch.ones_like(p_slots, dtype=torch.bool)])
         st.reset_dummy(self.dummy_slot)
         fields = torch.stack([flags.float(), tokens.float(), depths.float(), chosen_lp], 1)
-        return torch.cat([fields, top_ids.float(), top_lp], dim=1), prompt
+        return torch.cat([fields, top_ids.float(), top_lp], dim=1), prompt, speculation
+
+    def _speculation_rows(
+        self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
+    ) -> list[SpeculationRows]:
+        """Greedy tokens of draft steps and verify chunks at their last loop; a draft step's
+        state is kept for its round's verify chunk."""
+        results = []
+        for chunk in chunks:
+            count = len(chunk.token_ids)
+            if (chunk.draft or chunk.verify) and chunk.loop == chunk.depth - 1:
+                rows = hidden[row : row + count]
+                if chunk.draft:
+                    self.draft_hidden.setdefault(chunk.slot, []).append(rows.clone())
+                logits = self.model.coda(rows, self.ops)
+                tokens = logits.argmax(dim=-1)
+                chosen, _, _ = token_logprobs(logits, tokens, 0)
+                values = torch.stack([tokens.float(), chosen], 1)
+                results.append(SpeculationRows(chunk.slot, chunk.verify, values))
+            row += count
+        return results
 
     def _prompt_rows(
         self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
@@ -367,4 +409,14 @@ def _prompt_logprobs(rows: PromptRows) -> PromptLogprobs:
         start=rows.start,
         logprobs=tuple(v[0] for v in values),
         top=tuple(tuple((int(v[1 + j]), v[1 + top + j]) for j in range(top)) for v in values),
+    )
+
+
+def _speculation_result(rows: SpeculationRows) -> SpeculationResult:
+    values = rows.values.tolist()
+    return SpeculationResult(
+        slot=rows.slot,
+        tokens=tuple(int(v[0]) for v in values),
+        logprobs=tuple(v[1] for v in values),
+        verify=rows.verify,
     )

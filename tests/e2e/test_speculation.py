@@ -1,0 +1,123 @@
+"""Self-speculative decoding is exact: greedy fixed-depth outputs with drafts of d loops
+verified by the remaining ones equal plain decoding, for every K and d, with other requests
+in the same passes, chunked prompts, asynchronous scheduling, stops inside an accepted run,
+n > 1 and preemption."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.conftest import drain
+from vllm_rlt import SamplingParams, SpeculativeConfig
+
+PROMPT_LENGTHS = (1, 5, 13, 23)
+MAX_TOKENS = (9, 17, 11, 14)
+ARRIVALS = (0, 0, 3, 8)
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(17)
+    return [[rng.randrange(3, 259) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def _greedy(i: int, **kwargs) -> SamplingParams:
+    return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, exit_threshold=1.0, **kwargs)
+
+
+def _run(make_engine, spec=None, params_of=_greedy, **kwargs):
+    engine = make_engine(
+        prefill_chunk_size=4, max_num_batched_tokens=64, speculative_config=spec, **kwargs
+    )
+    arrivals: dict[int, list] = {}
+    for i, prompt in enumerate(_prompts()):
+        arrivals.setdefault(ARRIVALS[i], []).append((f"r{i}", prompt, params_of(i)))
+    return engine, drain(engine, arrivals)
+
+
+def _tokens(outputs) -> dict:
+    return {
+        (rid, c.index): (c.token_ids, c.exit_depths, c.finish_reason, c.text)
+        for rid, o in outputs.items()
+        for c in o.outputs
+    }
+
+
+@pytest.mark.parametrize(("tokens", "draft_loops"), [(1, 1), (2, 3), (4, 2), (3, 3)])
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_speculation_equals_plain_greedy(make_engine, tokens, draft_loops, async_scheduling):
+    _, plain = _run(make_engine)
+    spec = SpeculativeConfig(num_speculative_tokens=tokens, draft_loops=draft_loops)
+    engine, speculative = _run(make_engine, spec, async_scheduling=async_scheduling)
+    assert _tokens(speculative) == _tokens(plain)
+    assert engine.scheduler.num_drafted > 0
+    if draft_loops == 3:  # three of four loops: the drafts mostly agree
+        assert engine.scheduler.num_accepted > 0
+
+
+def test_the_built_in_model_accepts_its_two_loop_drafts():
+    """The built-in model answers at depth 2 almost as at depth 4, so drafts of two loops
+    are accepted (nearly) always: same answers, fewer passes."""
+    from vllm_rlt import LLM
+    from vllm_rlt.training.data import held_out, training_set
+
+    prompts = [prompt for prompt, _ in held_out("add", 20, training_set("add", 40000))]
+    params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=1.0)
+    plain = LLM()
+    want = [o.outputs[0].text for o in plain.generate(prompts, params, use_tqdm=False)]
+    spec = LLM(speculative_config=SpeculativeConfig(num_speculative_tokens=3, draft_loops=2))
+    got = [o.outputs[0].text for o in spec.generate(prompts, params, use_tqdm=False)]
+    assert got == want
+    scheduler = spec.engine.scheduler
+    assert scheduler.num_accepted >= 0.9 * scheduler.num_drafted > 0
+    assert spec.engine.num_passes < plain.engine.num_passes
+
+
+def test_stops_n_and_unspeculated_requests(make_engine):
+    """A stop token inside an accepted run cuts there; two completions each speculate; a
+    sampled request (not speculated) is unchanged beside them."""
+    _, plain = _run(make_engine)
+    stop = plain["r1"].outputs[0].token_ids[6]
+
+    def params_of(i: int) -> SamplingParams:
+        if i == 2:
+            return SamplingParams(max_tokens=11, temperature=0.8, seed=5, exit_threshold=1.0)
+        if i == 3:
+            return _greedy(i, n=2)
+        return _greedy(i, stop_token_ids=[stop])
+
+    _, want = _run(make_engine, params_of=params_of)
+    spec = SpeculativeConfig(num_speculative_tokens=4, draft_loops=3)
+    _, got = _run(make_engine, spec, params_of=params_of)
+    assert _tokens(got) == _tokens(want)
+    assert got["r1"].outputs[0].finish_reason == "stop"
+
+
+def test_preempted_speculating_requests_stay_exact(make_engine):
+    _, plain = _run(make_engine)
+    spec = SpeculativeConfig(num_speculative_tokens=3, draft_loops=2)
+    engine, got = _run(make_engine, spec, num_blocks=11, max_num_seqs=4)
+    assert engine.scheduler.num_preemptions > 0
+    assert _tokens(got) == _tokens(plain)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"draft_loops": 4}, r"draft_loops must be in \[1, 3\]"),
+        ({"layout": "shared"}, "needs the last_exited KV layout"),
+        ({"mode": "no_refill"}, "needs the refill scheduling mode"),
+    ],
+)
+def test_unsupported_combinations_are_refused(make_engine, kwargs, message):
+    spec = SpeculativeConfig(draft_loops=kwargs.pop("draft_loops", 2))
+    with pytest.raises(ValueError, match=message):
+        make_engine(speculative_config=spec, **kwargs)
+
+
+def test_config_ranges():
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 16\]"):
+        SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match=r"draft_loops must be in \[1, inf\]"):
+        SpeculativeConfig(draft_loops=0)
