@@ -35,6 +35,8 @@ def _bench_report() -> dict:
         train_size=40000,
         thresholds=[0.5],
         write_lm_eval_data=None,
+        speculative_tokens=None,
+        draft_loops=2,
     )
     return run(args)
 

@@ -121,3 +121,20 @@ def test_config_ranges():
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match=r"draft_loops must be in \[1, inf\]"):
         SpeculativeConfig(draft_loops=0)
+
+
+def test_stats_count_drafts_and_acceptance():
+    from vllm_rlt import LLM
+
+    llm = LLM(speculative_config=SpeculativeConfig(num_speculative_tokens=2, draft_loops=2))
+    params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=1.0)
+    llm.generate(["347+589=", "912-358="], params, use_tqdm=False)
+    stats = llm.stats()
+    assert stats["spec_num_drafts"] > 0
+    assert 0 < stats["spec_num_accepted_tokens"] <= stats["spec_num_draft_tokens"]
+    assert stats["spec_acceptance_rate"] == (
+        stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"]
+    )
+    per_position = stats["spec_accepted_per_position"]
+    assert len(per_position) == 2 and sum(per_position) == stats["spec_num_accepted_tokens"]
+    assert per_position[0] >= per_position[1]  # a later draft is kept only after the earlier

@@ -212,3 +212,21 @@ def test_shared_decode_server_serves_and_refuses_a_prompt_its_pool_cannot_prefil
             if line.startswith("vllm:kv_cache_usage_perc")
         ]
         assert usage == [0.0]
+
+
+def test_speculating_server_reports_drafts_in_metrics():
+    with serve_process("--speculative-tokens", "2", "--draft-loops", "2") as (process, url):
+        body = {"model": "toy", "prompt": "spec", "max_tokens": 12, "temperature": 0}
+        body |= {"exit_threshold": 1.0, "ignore_eos": True}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200 and reply.json()["usage"]["completion_tokens"] == 12
+        lines = httpx.get(f"{url}/metrics").text.splitlines()
+
+        def value(prefix: str) -> float:
+            return next(float(line.split()[-1]) for line in lines if line.startswith(prefix))
+
+        assert value("vllm:spec_decode_num_drafts") > 0
+        drafted = value("vllm:spec_decode_num_draft_tokens")
+        assert drafted > 0 and value("vllm:spec_decode_num_accepted_tokens") <= drafted
+        per_position = [line for line in lines if "spec_decode_num_accepted_tokens_per_pos" in line]
+        assert any('position="1"' in line for line in per_position)

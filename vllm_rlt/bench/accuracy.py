@@ -26,7 +26,7 @@ from typing import Any
 from tqdm import tqdm
 
 from vllm_rlt.bench.report import emit_report
-from vllm_rlt.config import KV_LAYOUTS, CacheConfig
+from vllm_rlt.config import KV_LAYOUTS, CacheConfig, SpeculativeConfig
 from vllm_rlt.engine.llm import LLM
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.models.load import model_folder
@@ -97,8 +97,14 @@ def evaluate(
     """Exact match per task and the mean loops of decode tokens, for one setting."""
     prompts = [prompt for task in TASKS for prompt, _ in sets[task]]
     bar = partial(tqdm, desc=setting, file=sys.stderr)
+    before = llm.stats()
     outputs = llm.generate(prompts, params, use_tqdm=bar)
+    after = llm.stats()
     result: dict[str, Any] = {"setting": setting, "exact_match": {}, "mean_loops": None}
+    drafted = after["spec_num_draft_tokens"] - before["spec_num_draft_tokens"]
+    if drafted:  # self-speculation ran (fixed-depth settings deeper than the draft)
+        accepted = after["spec_num_accepted_tokens"] - before["spec_num_accepted_tokens"]
+        result["spec_acceptance_rate"] = accepted / drafted
     depths: list[int] = []
     index = 0
     for task in TASKS:
@@ -119,6 +125,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         dtype=args.dtype,
         cache_config=CacheConfig(layout=args.kv_layout),
+        speculative_config=None
+        if args.speculative_tokens is None
+        else SpeculativeConfig(args.speculative_tokens, args.draft_loops),
     )
     record = model_folder(args.model) / "training_record.json"
     train_size = args.train_size
@@ -139,6 +148,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "accuracy",
         "model": llm.model_name,
         "kv_layout": args.kv_layout,
+        "speculative_tokens": args.speculative_tokens,
+        "draft_loops": args.draft_loops if args.speculative_tokens is not None else None,
         "device": str(llm.engine.model.device),
         "dtype": str(llm.engine.model.dtype).removeprefix("torch."),
         "per_task": args.per_task,
@@ -177,6 +188,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--output", default=None, help="also write the JSON report here (default: stdout only)"
+    )
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=None,
+        help="self-speculative decoding with this many draft tokens (fixed-depth settings "
+        "deeper than --draft-loops; each then reports its acceptance rate; default: off)",
+    )
+    parser.add_argument(
+        "--draft-loops", type=int, default=2, help="loops of a draft token (default: 2)"
     )
     parser.add_argument(
         "--write-lm-eval-data",

@@ -48,8 +48,11 @@ class Scheduler:
         # its last position finishes its last loop; those blocks are then freed.
         self.table_planes = table_planes
         self.speculation = speculation
+        self.num_rounds = 0  # speculative rounds verified
         self.num_drafted = 0  # draft tokens verified
         self.num_accepted = 0  # of them, accepted
+        # accepted_at[i]: rounds whose draft token i + 1 was accepted
+        self.accepted_at = [0] * (speculation.num_speculative_tokens if speculation else 0)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
@@ -513,8 +516,11 @@ class Scheduler:
             spec_round.on_draft(result.tokens[0])
             return None
         count = spec_round.accept(result.tokens)
+        self.num_rounds += 1
         self.num_drafted += spec_round.size - 1
         self.num_accepted += count - 1
+        for position in range(count - 1):
+            self.accepted_at[position] += 1
         request.output_token_ids.extend(result.tokens[:count])
         request.exit_depths.extend([spec_round.target_loops] * count)
         request.logprobs.extend(result.logprobs[:count])

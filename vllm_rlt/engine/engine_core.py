@@ -499,6 +499,10 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
+            spec_num_drafts=self.scheduler.num_rounds,
+            spec_num_draft_tokens=self.scheduler.num_drafted,
+            spec_num_accepted_tokens=self.scheduler.num_accepted,
+            spec_accepted_per_position=list(self.scheduler.accepted_at),
         )
 
     def all_blocks_free(self) -> bool:

@@ -72,6 +72,7 @@ class LLM:
         looked up, found, and their ratio)."""
         stats = self.engine.stats()
         queries = stats.prefix_cache_queries
+        drafted = stats.spec_num_draft_tokens
         return {
             "num_passes": stats.num_passes,
             "num_rows": stats.num_rows,
@@ -82,6 +83,11 @@ class LLM:
             "prefix_cache_queries": queries,
             "prefix_cache_hits": stats.prefix_cache_hits,
             "prefix_cache_hit_rate": stats.prefix_cache_hits / queries if queries else 0.0,
+            "spec_num_drafts": stats.spec_num_drafts,
+            "spec_num_draft_tokens": drafted,
+            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
+            "spec_acceptance_rate": stats.spec_num_accepted_tokens / drafted if drafted else 0.0,
+            "spec_accepted_per_position": list(stats.spec_accepted_per_position),
         }
 
     def generate(

@@ -113,6 +113,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, found there
+    spec_num_drafts: int = 0  # speculative rounds verified
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_position: list[int] = []  # rounds that accepted draft i + 1
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
@@ -122,7 +126,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
 
 class ControlReply(msgspec.Struct, tag="reply", array_like=True):
     call_id: int
-    value: dict[str, bool | int | float | str]
+    value: dict[str, bool | int | float | str | list[int]]
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):

@@ -39,6 +39,12 @@ VLLM_NAMES = {
     "vllm_rlt:num_preemptions": "vllm:num_preemptions",
     "vllm_rlt:prefix_cache_queries": "vllm:prefix_cache_queries",
     "vllm_rlt:prefix_cache_hits": "vllm:prefix_cache_hits",
+    "vllm_rlt:spec_decode_num_drafts": "vllm:spec_decode_num_drafts",
+    "vllm_rlt:spec_decode_num_draft_tokens": "vllm:spec_decode_num_draft_tokens",
+    "vllm_rlt:spec_decode_num_accepted_tokens": "vllm:spec_decode_num_accepted_tokens",
+    "vllm_rlt:spec_decode_num_accepted_tokens_per_pos": (
+        "vllm:spec_decode_num_accepted_tokens_per_pos"
+    ),
 }
 
 
@@ -202,7 +208,34 @@ def _engine_families(stats: dict[str, Any]) -> list[Metric]:
             "vllm_rlt:passes_per_second", f"Passes per second {window}", stats["passes_per_second"]
         ),
         gauge("vllm_rlt:rows_per_pass", f"Mean rows per pass {window}", stats["rows_per_pass"]),
+        counter(
+            "vllm_rlt:spec_decode_num_drafts",
+            "Self-speculative rounds verified",
+            stats["spec_num_drafts"],
+        ),
+        counter(
+            "vllm_rlt:spec_decode_num_draft_tokens",
+            "Draft tokens verified",
+            stats["spec_num_draft_tokens"],
+        ),
+        counter(
+            "vllm_rlt:spec_decode_num_accepted_tokens",
+            "Draft tokens accepted",
+            stats["spec_num_accepted_tokens"],
+        ),
+        _per_position(stats["spec_accepted_per_position"]),
     ]
+
+
+def _per_position(accepted: list[int]) -> CounterMetricFamily:
+    family = CounterMetricFamily(
+        "vllm_rlt:spec_decode_num_accepted_tokens_per_pos",
+        "Rounds whose draft token at this position (0 = the first) was accepted",
+        labels=["position"],
+    )
+    for position, count in enumerate(accepted):
+        family.add_metric([str(position)], count)
+    return family
 
 
 def _vllm_aliases(families: list[Metric], model_name: str) -> list[Metric]:
