@@ -6,6 +6,7 @@ n > 1 and preemption."""
 from __future__ import annotations
 
 import random
+from collections import Counter
 
 import pytest
 
@@ -23,7 +24,9 @@ def _prompts() -> list[list[int]]:
 
 
 def _greedy(i: int, **kwargs) -> SamplingParams:
-    return SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, exit_threshold=1.0, **kwargs)
+    return SamplingParams(
+        max_tokens=MAX_TOKENS[i], **{"temperature": 0.0, "exit_threshold": 1.0, **kwargs}
+    )
 
 
 def _run(make_engine, spec=None, params_of=_greedy, **kwargs):
@@ -76,13 +79,13 @@ def test_the_built_in_model_accepts_its_two_loop_drafts():
 
 def test_stops_n_and_unspeculated_requests(make_engine):
     """A stop token inside an accepted run cuts there; two completions each speculate; a
-    sampled request (not speculated) is unchanged beside them."""
+    sampled request at adaptive depth (not speculated) is unchanged beside them."""
     _, plain = _run(make_engine)
     stop = plain["r1"].outputs[0].token_ids[6]
 
     def params_of(i: int) -> SamplingParams:
-        if i == 2:
-            return SamplingParams(max_tokens=11, temperature=0.8, seed=5, exit_threshold=1.0)
+        if i == 2:  # adaptive depth: decodes loop by loop as usual
+            return SamplingParams(max_tokens=11, temperature=0.8, seed=5, exit_threshold=0.7)
         if i == 3:
             return _greedy(i, n=2)
         return _greedy(i, stop_token_ids=[stop])
@@ -138,3 +141,71 @@ def test_stats_count_drafts_and_acceptance():
     per_position = stats["spec_accepted_per_position"]
     assert len(per_position) == 2 and sum(per_position) == stats["spec_num_accepted_tokens"]
     assert per_position[0] >= per_position[1]  # a later draft is kept only after the earlier
+
+
+def test_sampled_speculation_follows_the_target_distribution(make_engine):
+    """Rejection sampling keeps the target's distribution: over 1,500 seeded requests the
+    speculated second and third tokens are distributed as plain sampling's (total
+    variation at the level two samples of this size differ by), while decoding at the
+    draft depth alone is far off. The first token comes from the prefill: identical."""
+
+    def draws(spec=None, max_loops=None) -> list[tuple[int, ...]]:
+        engine = make_engine(
+            num_blocks=2048, max_num_seqs=256, max_num_batched_tokens=4096, speculative_config=spec
+        )
+        params = [
+            SamplingParams(
+                max_tokens=3,
+                temperature=1.0,
+                top_k=6,
+                seed=seed,
+                exit_threshold=1.0,
+                max_loops=max_loops,
+                ignore_eos=True,
+            )
+            for seed in range(1500)
+        ]
+        outputs = drain(
+            engine, {0: [(f"s{i}", [40, 71, 12, 200, 9], p) for i, p in enumerate(params)]}
+        )
+        if spec is not None:
+            assert 0 < engine.scheduler.num_accepted < engine.scheduler.num_drafted
+        return [tuple(o.outputs[0].token_ids) for o in outputs.values()]
+
+    def distance(a: list[tuple[int, ...]], b: list[tuple[int, ...]], index: int) -> float:
+        count_a = Counter(x[index] for x in a)
+        count_b = Counter(x[index] for x in b)
+        tokens = set(count_a) | set(count_b)
+        return 0.5 * sum(abs(count_a[t] / len(a) - count_b[t] / len(b)) for t in tokens)
+
+    plain = draws()
+    speculative = draws(SpeculativeConfig(num_speculative_tokens=2, draft_loops=2))
+    shallow = draws(max_loops=2)
+    assert distance(speculative, plain, 0) == 0.0
+    for index, bound in ((1, 0.1), (2, 0.15)):
+        assert distance(speculative, plain, index) < bound
+        assert distance(shallow, plain, index) > 2 * bound
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_sampled_speculation_is_reproducible_under_preemption(make_engine, async_scheduling):
+    """Seeded draws depend on the request and the token's index only: a run that preempts
+    gives the same sampled tokens as one with room for everything."""
+    spec = SpeculativeConfig(num_speculative_tokens=3, draft_loops=2)
+
+    def params_of(i: int) -> SamplingParams:
+        return _greedy(i, temperature=0.9, top_p=0.9, seed=40 + i)
+
+    runs = []
+    for blocks in (11, 128):
+        engine, outputs = _run(
+            make_engine,
+            spec,
+            params_of=params_of,
+            num_blocks=blocks,
+            max_num_seqs=4,
+            async_scheduling=async_scheduling,
+        )
+        runs.append(_tokens(outputs))
+        assert (engine.scheduler.num_preemptions > 0) == (blocks == 11)
+    assert runs[0] == runs[1]

@@ -294,3 +294,43 @@ def test_cuda_speculation_equals_plain_greedy(toy_config, toy_state, backend):
     plain, speculative = outputs
     for rid, want in plain.items():
         assert speculative[rid].outputs[0].token_ids == want.outputs[0].token_ids, rid
+
+
+def test_cuda_sampled_speculation_is_reproducible(toy_config, toy_state):
+    """Rejection sampling on the device (graphs and async on): two runs with the same seeds
+    give the same tokens, drafts are both accepted and refused, every block comes back."""
+    from vllm_rlt import SpeculativeConfig
+
+    runs = []
+    for _ in range(2):
+        engine = _cuda_engine(
+            toy_config,
+            toy_state,
+            torch.float32,
+            "last_exited",
+            "ouro_q1.0",
+            "refill",
+            "triton",
+            graphs=True,
+            async_scheduling=True,
+            speculative_config=SpeculativeConfig(num_speculative_tokens=3, draft_loops=2),
+        )
+        params = SamplingParams(max_tokens=12, temperature=1.0, top_k=8, exit_threshold=1.0)
+        arrivals = {
+            0: [
+                (f"s{seed}", _prompts()[seed % 4], replace_seed(params, seed)) for seed in range(16)
+            ]
+        }
+        outputs = drain(engine, arrivals)
+        scheduler = engine.scheduler
+        assert 0 < scheduler.num_accepted < scheduler.num_drafted
+        assert engine.all_blocks_free()
+        runs.append({rid: o.outputs[0].token_ids for rid, o in outputs.items()})
+    assert runs[0] == runs[1]
+    assert all(len(tokens) == 12 or tokens[-1] in (0, 2) for tokens in runs[0].values())
+
+
+def replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
+    from dataclasses import replace
+
+    return replace(params, seed=seed)

@@ -77,6 +77,7 @@ class PrefillChunk:
     draft: bool = False
     verify: bool = False
     from_drafts: bool = False
+    sample_index: int = 0  # output index of the token a draft step (verify row 0) samples
 
 
 @dataclass(frozen=True)
@@ -143,12 +144,17 @@ class PromptLogprobs:
 
 @dataclass(frozen=True)
 class SpeculationResult:
-    """A draft step's token (one entry), or a verify chunk's greedy tokens and logprobs."""
+    """A draft step's token (one entry of `tokens`). Or, per verify row: whether the draft
+    token after it is accepted (`accepted`, with that token's logprob), and the token to
+    commit there instead (after the last row: the one past every draft), with its logprob.
+    Logprobs are the model's, before temperature and filtering."""
 
     slot: int
     tokens: tuple[int, ...]
     logprobs: tuple[float, ...]
     verify: bool
+    accepted: tuple[bool, ...] = ()
+    accepted_logprobs: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -190,6 +190,7 @@ class Scheduler:
             draft=not spec_round.verifying,
             verify=spec_round.verifying,
             from_drafts=spec_round.verifying and spec_round.loop == spec_round.draft_loops,
+            sample_index=spec_round.first_index + (0 if spec_round.verifying else spec_round.step),
         )
 
     def _start_round(self, request: Request) -> int:
@@ -203,6 +204,7 @@ class Scheduler:
             start=request.prompt_len + outputs - 1,
             inputs=[request.output_token_ids[-1]],
             size=drafts + 1,
+            first_index=outputs,
             draft_loops=self.speculation.draft_loops,
             target_loops=request.max_loops,
         )
@@ -515,16 +517,16 @@ class Scheduler:
         if not result.verify:
             spec_round.on_draft(result.tokens[0])
             return None
-        count = spec_round.accept(result.tokens)
+        kept = spec_round.accept(result.accepted)
         self.num_rounds += 1
         self.num_drafted += spec_round.size - 1
-        self.num_accepted += count - 1
-        for position in range(count - 1):
+        self.num_accepted += kept
+        for position in range(kept):
             self.accepted_at[position] += 1
-        request.output_token_ids.extend(result.tokens[:count])
-        request.exit_depths.extend([spec_round.target_loops] * count)
-        request.logprobs.extend(result.logprobs[:count])
-        request.top_logprobs.extend([()] * count)
+        request.output_token_ids.extend([*spec_round.inputs[1 : kept + 1], result.tokens[kept]])
+        request.exit_depths.extend([spec_round.target_loops] * (kept + 1))
+        request.logprobs.extend([*result.accepted_logprobs[:kept], result.logprobs[kept]])
+        request.top_logprobs.extend([()] * (kept + 1))
         request.spec_round = None
         return request
 

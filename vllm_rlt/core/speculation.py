@@ -4,12 +4,18 @@ A round starts at position `start`, whose input is the request's last committed 
 draft step runs one position through the draft loops and yields a draft token, the next
 position's input. Once `size` positions have been drafted, one verify chunk runs all of them
 through the remaining loops as a causal chunk (each reads the ones before it at every loop),
-from the states the draft steps left. Its greedy tokens are the target's: the draft tokens
-are accepted while they agree with them, and the target token where they first differ (or
-after the last) is committed too. Drafting writes loops 1..d of each position and verifying
-loops d+1..D, exactly what decoding those tokens one by one at depth D writes, so the result
-is the non-speculative greedy output; K/V of rejected positions is overwritten when those
-positions are computed again, before anything reads it.
+from the states the draft steps left. Drafting writes loops 1..d of each position and
+verifying loops d+1..D: exactly what decoding those tokens one by one at depth D writes, so
+the target's distribution at each position is the non-speculative one. K/V of rejected
+positions is overwritten when those positions are computed again, before anything reads it.
+
+Greedy: the draft tokens are accepted while they agree with the target's tokens, and the
+target token where they first differ (or after the last) is committed too, so the output is
+plain greedy decoding's. Sampled: each draft token y, drawn from the draft distribution q, is
+accepted with probability min(1, p(y) / q(y)) under the target distribution p; the first
+refused one is replaced by a draw from the residual max(0, p - q) (normalised), and a round
+whose drafts are all accepted adds a draw from p, so the committed tokens follow the target's
+distribution.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ class SpecRound:
     start: int  # position of the round's first input, the last committed token
     inputs: list[int]  # that token, then each draft token as it becomes known
     size: int  # positions the round verifies (1 + its draft tokens)
+    first_index: int  # output index of the round's first new token
     draft_loops: int
     target_loops: int
     loop: int = 0  # next loop of the draft step or verify chunk to schedule
@@ -51,10 +58,11 @@ class SpecRound:
             self.inputs.append(token)
             self.pending = False
 
-    def accept(self, targets: tuple[int, ...]) -> int:
-        """How many of the verified positions' target tokens to commit: the agreeing draft
-        tokens, and one more."""
-        accepted = 0
-        while accepted < self.size - 1 and self.inputs[accepted + 1] == targets[accepted]:
-            accepted += 1
-        return accepted + 1
+    def accept(self, accepted: tuple[bool, ...]) -> int:
+        """How many draft tokens to keep: those before the first the verify chunk refused
+        (greedy: that differs from the target's token; sampled: that rejection sampling
+        refused)."""
+        kept = 0
+        while kept < self.size - 1 and accepted[kept]:
+            kept += 1
+        return kept

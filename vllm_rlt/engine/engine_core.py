@@ -264,13 +264,12 @@ class EngineCore:
             self.scheduler.add_request(child)
 
     def _speculates(self, params: SamplingParams, max_loops: int, threshold: float) -> bool:
-        """Whether a request decodes in speculative rounds: greedy at a fixed depth deeper
-        than the draft, with nothing that needs each token's full logits (top logprobs,
-        logit adjustments, a min_tokens ban). Others decode loop by loop as usual."""
+        """Whether a request decodes in speculative rounds: at a fixed depth deeper than the
+        draft, with nothing that needs each token's full logits (top logprobs, logit
+        adjustments, a min_tokens ban). Others decode loop by loop as usual."""
         config = self.speculative_config
         return (
             config is not None
-            and params.temperature == 0.0
             and self.exit_config.mode in ("ouro", "ouro_delayed")
             and threshold >= 1.0
             and config.draft_loops < max_loops

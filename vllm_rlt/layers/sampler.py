@@ -42,6 +42,24 @@ def sample(
     """Sampled token ids [rows], all rows at once with no per-row Python loop."""
     greedy_ids = logits.argmax(dim=-1)
     vocab = logits.shape[-1]
+    sorted_logits, sorted_ids = _filtered_sorted(logits, temperature, top_k, top_p, min_p)
+    noise = seeded_uniform(seeds, counters, vocab).gather(1, sorted_ids)
+    gumbel = -torch.log(-torch.log(noise))
+    choice = (sorted_logits.double() + gumbel).argmax(dim=-1, keepdim=True)
+    sampled_ids = sorted_ids.gather(1, choice).squeeze(1)
+    return torch.where(temperature == 0.0, greedy_ids, sampled_ids)
+
+
+def _filtered_sorted(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature-scaled logits sorted in descending order, -inf where top-k, top-p or
+    min-p drop them, and the ids of each sorted position."""
+    vocab = logits.shape[-1]
     scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [rows, vocab]
     rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
@@ -53,12 +71,27 @@ def sample(
         probs < min_p.unsqueeze(1) * probs[:, :1]
     )
     drop &= rank > 0  # the most likely candidate always survives
-    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-    noise = seeded_uniform(seeds, counters, vocab).gather(1, sorted_ids)
-    gumbel = -torch.log(-torch.log(noise))
-    choice = (sorted_logits.double() + gumbel).argmax(dim=-1, keepdim=True)
-    sampled_ids = sorted_ids.gather(1, choice).squeeze(1)
-    return torch.where(temperature == 0.0, greedy_ids, sampled_ids)
+    return sorted_logits.masked_fill(drop, float("-inf")), sorted_ids
+
+
+def filtered_probs(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    min_p: torch.Tensor,
+) -> torch.Tensor:
+    """The distribution `sample` draws from, [rows, vocab] float32 (temperature > 0)."""
+    sorted_logits, sorted_ids = _filtered_sorted(logits, temperature, top_k, top_p, min_p)
+    probs = sorted_logits.softmax(dim=-1)
+    return torch.zeros_like(probs).scatter_(1, sorted_ids, probs)
+
+
+def sample_from(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """One id per row of `probs` [rows, vocab] (rows need not be normalised), drawn with the
+    same counter-based noise as `sample`."""
+    noise = seeded_uniform(seeds, counters, probs.shape[-1])
+    return (probs.double().log() - torch.log(-torch.log(noise))).argmax(dim=-1)
 
 
 def greedy_or_sample(

@@ -18,7 +18,13 @@ from vllm_rlt.core.contract import (
 )
 from vllm_rlt.exit import ExitInputs, ExitPolicy
 from vllm_rlt.layers.penalties import apply_penalties
-from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
+from vllm_rlt.layers.sampler import (
+    filtered_probs,
+    greedy_or_sample,
+    sample_from,
+    seeded_uniform,
+    token_logprobs,
+)
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
 from vllm_rlt.worker.slot_state import SlotState
 
@@ -40,7 +46,9 @@ class PromptRows:
 
 @dataclass
 class SpeculationRows:
-    """A draft step's or verify chunk's greedy tokens: [rows, 2] (token, logprob)."""
+    """A draft step's token, [1, 2] (token, logprob), or a verify chunk's rows, [rows, 4]
+    (token to commit instead of the next draft, its logprob, next draft accepted, that
+    draft's logprob); see SpeculationResult."""
 
     slot: int
     verify: bool
@@ -130,8 +138,10 @@ class ModelRunner:
         )
         self.dummy_slot = max_slots
         self.prefill_hidden: dict[int, torch.Tensor] = {}  # slot -> [chunk, hidden]
-        # slot -> the draft-depth state of each draft step of its round so far, [1, hidden]
+        # slot -> the draft-depth state of each draft step of its round so far, [1, hidden],
+        # and for a sampled request each step's draft distribution, [1, vocab]
         self.draft_hidden: dict[int, list[torch.Tensor]] = {}
+        self.draft_probs: dict[int, list[torch.Tensor]] = {}
         self.graphs = None  # set by the engine when CUDA graphs are enabled
         self.uploads = HostUploads(max_slots + 1, model.device)
 
@@ -153,6 +163,7 @@ class ModelRunner:
             raise
         self.prefill_hidden.pop(new.slot, None)
         self.draft_hidden.pop(new.slot, None)
+        self.draft_probs.pop(new.slot, None)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingPass:
@@ -305,22 +316,72 @@ class ModelRunner:
     def _speculation_rows(
         self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
     ) -> list[SpeculationRows]:
-        """Greedy tokens of draft steps and verify chunks at their last loop; a draft step's
-        state is kept for its round's verify chunk."""
+        """Draft tokens and verify decisions of speculation chunks at their last loop (see
+        core/speculation.py); a draft step's state is kept for its round's verify chunk."""
         results = []
         for chunk in chunks:
             count = len(chunk.token_ids)
             if (chunk.draft or chunk.verify) and chunk.loop == chunk.depth - 1:
                 rows = hidden[row : row + count]
+                logits = self.model.coda(rows, self.ops)
                 if chunk.draft:
                     self.draft_hidden.setdefault(chunk.slot, []).append(rows.clone())
-                logits = self.model.coda(rows, self.ops)
-                tokens = logits.argmax(dim=-1)
-                chosen, _, _ = token_logprobs(logits, tokens, 0)
-                values = torch.stack([tokens.float(), chosen], 1)
+                    values = self._draft(chunk, logits)
+                else:
+                    values = self._verify(chunk, logits)
                 results.append(SpeculationRows(chunk.slot, chunk.verify, values))
             row += count
         return results
+
+    def _distribution(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
+        """The distribution the slot's request samples from, per row of `logits`."""
+        st, rows = self.state, logits.shape[0]
+        index = torch.full((rows,), slot, dtype=torch.int64, device=logits.device)
+        return filtered_probs(
+            logits, st.temperature[index], st.top_k[index], st.top_p[index], st.min_p[index]
+        )
+
+    def _noise_inputs(self, slot: int, counters: torch.Tensor, stream: int):
+        """Seeds and counters of the slot's request for one of the speculation streams
+        (0 drafts, 1 acceptance, 2 replacements), apart from each other for every token."""
+        seeds = self.state.seed[slot].expand(counters.shape[0])
+        return seeds, counters * 3 + stream
+
+    def _draft(self, chunk: PrefillChunk, logits: torch.Tensor) -> torch.Tensor:
+        if self.state.greedy[chunk.slot]:
+            token = logits.argmax(dim=-1)
+        else:
+            probs = self._distribution(chunk.slot, logits)
+            self.draft_probs.setdefault(chunk.slot, []).append(probs)
+            counters = torch.full((1,), chunk.sample_index, device=logits.device)
+            token = sample_from(probs, *self._noise_inputs(chunk.slot, counters, 0))
+        chosen, _, _ = token_logprobs(logits, token, 0)
+        return torch.stack([token.float(), chosen], 1)
+
+    def _verify(self, chunk: PrefillChunk, logits: torch.Tensor) -> torch.Tensor:
+        rows, device = logits.shape[0], logits.device
+        drafted = torch.tensor(chunk.token_ids[1:], dtype=torch.int64, device=device)
+        index = torch.arange(rows - 1, device=device)
+        if self.state.greedy[chunk.slot]:
+            instead = logits.argmax(dim=-1)
+            accepted = instead[:-1] == drafted
+        else:
+            target = self._distribution(chunk.slot, logits)
+            draft = torch.cat(self.draft_probs.pop(chunk.slot))
+            p, q = target[index, drafted], draft[index, drafted]
+            counters = chunk.sample_index + torch.arange(rows, device=device)
+            seeds, accept_counters = self._noise_inputs(chunk.slot, counters[:-1], 1)
+            uniform = seeded_uniform(seeds, accept_counters, 1)[:, 0]
+            accepted = uniform * q <= p
+            residual = (target - draft).clamp_min(0.0)
+            residual[-1] = target[-1]  # past the last draft: a draw from the target
+            instead = sample_from(residual, *self._noise_inputs(chunk.slot, counters, 2))
+        logprobs = logits.log_softmax(dim=-1)
+        instead_lp = logprobs.gather(1, instead.unsqueeze(1)).squeeze(1)
+        padded = torch.zeros(rows, 2, device=device)
+        padded[:-1, 0] = accepted.float()
+        padded[:-1, 1] = logprobs[index, drafted]
+        return torch.cat([torch.stack([instead.float(), instead_lp], 1), padded], 1)
 
     def _prompt_rows(
         self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
@@ -419,4 +480,6 @@ def _speculation_result(rows: SpeculationRows) -> SpeculationResult:
         tokens=tuple(int(v[0]) for v in values),
         logprobs=tuple(v[1] for v in values),
         verify=rows.verify,
+        accepted=tuple(bool(v[2]) for v in values[:-1]) if rows.verify else (),
+        accepted_logprobs=tuple(v[3] for v in values[:-1]) if rows.verify else (),
     )
