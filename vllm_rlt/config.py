@@ -188,16 +188,28 @@ class SpeculativeConfig:
     """Self-speculative decoding: the model's first `draft_loops` loops draft
     `num_speculative_tokens` tokens one after another, and the remaining loops verify them
     in one chunk, for greedy requests at a fixed depth (see docs/structure.md). The draft
-    depth must be below the target depth, which is each request's max_loops."""
+    depth must be below the target depth, which is each request's max_loops.
+
+    `replay_acceptance_rate` is for benchmarks only: each draft token is accepted with this
+    probability instead of being checked, so random weights cost what a model with that
+    acceptance would (the outputs are then not the model's)."""
 
     num_speculative_tokens: int = 2
     draft_loops: int = 2
+    replay_acceptance_rate: float | None = None
 
     def __post_init__(self) -> None:
         require_int(
             self.num_speculative_tokens, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS
         )
         require_int(self.draft_loops, "draft_loops", 1)
+        rate = self.replay_acceptance_rate
+        require(
+            rate is None
+            or (isinstance(rate, (int, float)) and not isinstance(rate, bool) and 0 <= rate <= 1),
+            f"replay_acceptance_rate must be in [0, 1], got {rate!r}",
+            "replay_acceptance_rate",
+        )
 
 
 @dataclass(frozen=True)

@@ -155,3 +155,15 @@ def test_throughput_max_tokens_above_the_output_ends_requests_early(capsys):
         throughput.main(bad)
     assert exited.value.code == 2
     assert "--max-tokens must be >= --output-len (3), got 2" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("rate", [0.0, 1.0])
+def test_throughput_with_replayed_speculation(capsys, rate):
+    """--spec-acceptance-rate makes random weights accept drafts at the rate asked for."""
+    argv = ["--device", "cpu", "--concurrency", "2", "--output-len", "9", "--prompt-len", "3"]
+    argv += ["--repeats", "1", "--warmup", "0", "--no-baseline", "--speculative-tokens", "2"]
+    argv += ["--spec-acceptance-rate", str(rate)]
+    assert throughput.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"]["speculative_tokens"] == 2
+    assert report["results"][0]["spec_acceptance_rate"] == rate

@@ -31,7 +31,14 @@ from tqdm import tqdm
 from vllm_rlt.bench.naive import NaiveOuro
 from vllm_rlt.bench.report import emit_report
 from vllm_rlt.bench.shapes import SHAPES, random_model
-from vllm_rlt.config import KV_LAYOUTS, CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.config import (
+    KV_LAYOUTS,
+    CacheConfig,
+    ExecutionConfig,
+    ExitConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
@@ -157,6 +164,11 @@ def build_engine(
         exit_config,
         ExecutionConfig(cuda_graphs=not args.enforce_eager, async_scheduling=args.async_scheduling),
         args.attention_backend,
+        None
+        if args.speculative_tokens is None
+        else SpeculativeConfig(
+            args.speculative_tokens, args.draft_loops, args.spec_acceptance_rate
+        ),
     )
 
 
@@ -239,6 +251,11 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
         "full_reservation_at_once": min(
             concurrency,
             engine.kv.num_blocks // engine.kv.blocks_for(len(prompts[0]) + max_tokens_of(args) - 1),
+        ),
+        "spec_acceptance_rate": (
+            engine.scheduler.num_accepted / engine.scheduler.num_drafted
+            if engine.scheduler.num_drafted
+            else None
         ),
         "prefix_cache_hit_rate": (
             engine.scheduler.prefix_hits / engine.scheduler.prefix_queries
@@ -392,6 +409,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")
     parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        default=None,
+        help="self-speculative decoding with this many draft tokens per round (default: off)",
+    )
+    parser.add_argument(
+        "--draft-loops", type=int, default=2, help="loops of a draft token (default: 2)"
+    )
+    parser.add_argument(
+        "--spec-acceptance-rate",
+        type=float,
+        default=None,
+        help="accept each draft token with this probability instead of checking it, so "
+        "random weights cost what that acceptance would (default: check)",
+    )
+    parser.add_argument(
         "--concurrency",
         type=int,
         nargs="+",
@@ -475,6 +508,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "depth_trace_mean": args.depth_trace_mean,
             "kv_layout": args.kv_layout,
             "mode": args.mode,
+            "speculative_tokens": args.speculative_tokens,
+            "draft_loops": args.draft_loops if args.speculative_tokens is not None else None,
+            "spec_acceptance_rate": args.spec_acceptance_rate,
             "attention_backend_requested": args.attention_backend,
             **results[0]["execution"],
         },

@@ -132,6 +132,8 @@ class EngineCore:
             ops,
             trace_len,
         )
+        if speculative_config is not None:
+            self.runner.replay_acceptance_rate = speculative_config.replay_acceptance_rate
         if execution_config.cuda_graphs and model.device.type == "cuda" and not ops.needs_segments:
             from vllm_rlt.worker.cuda_graphs import DecodeGraphs
 

@@ -142,6 +142,7 @@ class ModelRunner:
         # and for a sampled request each step's draft distribution, [1, vocab]
         self.draft_hidden: dict[int, list[torch.Tensor]] = {}
         self.draft_probs: dict[int, list[torch.Tensor]] = {}
+        self.replay_acceptance_rate: float | None = None  # see SpeculativeConfig
         self.graphs = None  # set by the engine when CUDA graphs are enabled
         self.uploads = HostUploads(max_slots + 1, model.device)
 
@@ -376,6 +377,10 @@ class ModelRunner:
             residual = (target - draft).clamp_min(0.0)
             residual[-1] = target[-1]  # past the last draft: a draw from the target
             instead = sample_from(residual, *self._noise_inputs(chunk.slot, counters, 2))
+        if self.replay_acceptance_rate is not None:
+            counters = chunk.sample_index + torch.arange(rows - 1, device=device)
+            uniform = seeded_uniform(*self._noise_inputs(chunk.slot, counters, 1), 1)[:, 0]
+            accepted = uniform < self.replay_acceptance_rate
         logprobs = logits.log_softmax(dim=-1)
         instead_lp = logprobs.gather(1, instead.unsqueeze(1)).squeeze(1)
         padded = torch.zeros(rows, 2, device=device)
