@@ -30,6 +30,7 @@ def _greedy(i: int, **kwargs) -> SamplingParams:
 
 
 def _run(make_engine, spec=None, params_of=_greedy, **kwargs):
+    kwargs.setdefault("max_num_seqs", 8)  # every one may verify K + 1 rows in a pass
     engine = make_engine(
         prefill_chunk_size=4, max_num_batched_tokens=64, speculative_config=spec, **kwargs
     )
@@ -209,3 +210,34 @@ def test_sampled_speculation_is_reproducible_under_preemption(make_engine, async
         runs.append(_tokens(outputs))
         assert (engine.scheduler.num_preemptions > 0) == (blocks == 11)
     assert runs[0] == runs[1]
+
+
+def test_blocks_taken_in_a_pass_with_no_rows_reach_the_tables(make_engine):
+    """With asynchronous scheduling every running request may wait on the pass in flight
+    (a speculative round waits for its draft token), so a schedule can have no rows but
+    still take blocks, such as the cached prefix of a request it admits: they must reach
+    the device tables before any later pass."""
+    from vllm_rlt.core.contract import SchedulerOutput
+
+    engine = make_engine(async_scheduling=True)
+    drain(engine, {0: [("warm", [5, 6, 7], SamplingParams(max_tokens=2))]})
+    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=1))
+    schedule = engine.scheduler.schedule
+    calls = []
+
+    def empty_with_a_block() -> SchedulerOutput:
+        if calls:
+            return schedule()
+        calls.append(schedule())  # launch the real first pass, keep it in flight
+        return calls[0]
+
+    engine.scheduler.schedule = empty_with_a_block
+    engine.step()  # the real pass is now in flight
+    row = engine.scheduler.running[next(iter(engine.scheduler.running))].slot
+    empty = SchedulerOutput((), (), (), (), 0, ((row, 7, 3),))
+    engine.scheduler.schedule = lambda: empty
+    engine.step()
+    assert int(engine.runner.state.block_table[row, 7]) == 3
+    engine.runner.state.block_table[row, 7] = engine.runner.state.dummy_block
+    engine.scheduler.schedule = schedule
+    drain(engine)

@@ -95,6 +95,13 @@ class KVCacheManager:
             hits += 1
         return hits
 
+    def free_among_hits(self, hashes: list[bytes]) -> int:
+        """Of the cached blocks these leading hashes find, how many nobody holds: counted as
+        free now, they stop being free once matched."""
+        return sum(
+            1 for h in hashes[: self.count_hits(hashes)] if self._refs[self._block_of[h]] == 0
+        )
+
     def match_prefix(self, request_id: str, hashes: list[bytes]) -> list[tuple[int, int]]:
         """Start an empty table with the cached blocks of the prompt's first `len(hashes)`
         blocks that are cached; returns them as (index, block id)."""

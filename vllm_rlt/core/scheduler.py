@@ -163,9 +163,9 @@ class Scheduler:
         # Preemptions above removed rows only, so the budget still holds.
 
     def _decode_rows(self, request: Request) -> int:
-        """Rows a decoding request may take in a pass: a speculating one, its verify chunk."""
-        if request.speculates and self.speculation is not None:
-            return self.speculation.num_speculative_tokens + 1
+        """Rows a decoding request takes in this pass: a speculating one, its round's."""
+        if request.speculates:
+            return 0 if request.spec_round is None else request.spec_round.rows_next_pass
         return 1
 
     def _spec_chunk(self, request: Request, spec_round: SpecRound) -> PrefillChunk:
@@ -378,7 +378,7 @@ class Scheduler:
             if not self.free_slots:
                 break
             hits = self._usable_hits(request)
-            first = self._first_chunk_blocks(request, hits * self.kv.block_size)
+            first = self._first_chunk_blocks(request, hits)
             fits = promised + first + self._watermark() <= self.kv.num_free_blocks
             if not fits or request.preempted_in == self.round:
                 if request.bypass_count >= self.config.max_admission_bypasses:
@@ -403,18 +403,24 @@ class Scheduler:
         until it has a slot and its first chunk's blocks (its cached prompt blocks need none)."""
         if request.preempted_in == self.round:
             return
-        first = self._first_chunk_blocks(request, self._usable_hits(request) * self.kv.block_size)
+        first = self._first_chunk_blocks(request, self._usable_hits(request))
         while not self.free_slots or first + self._watermark() > self.kv.num_free_blocks:
             if not self._preempt_one_below(request):
                 return
 
-    def _first_chunk_blocks(self, request: Request, cached: int) -> int:
-        """New blocks the first chunk takes: it starts after the `cached` positions (whole
-        blocks found in the prefix cache) and ends at the end of the prompt at the latest;
-        under SHARED_DECODE every loop's table takes them."""
-        end = min(request.prompt_len, cached + self.chunk_limit)
-        new = self.kv.blocks_for(end) - cached // self.kv.block_size
-        return new * self.table_planes
+    def _first_chunk_blocks(self, request: Request, hits: int) -> int:
+        """Blocks admission takes from the free count for the first chunk: the new ones (it
+        starts after the `hits` cached blocks and ends with the prompt, or for a resumed
+        request whose cache covers the prompt, within its replay), plus the cached ones that
+        nobody holds (matching them takes them out of the free count); under SHARED_DECODE
+        every loop's table takes the new ones."""
+        cached = hits * self.kv.block_size
+        segment_end = request.prompt_len if cached < request.prompt_len else request.prefill_len
+        end = min(segment_end, cached + self.chunk_limit)
+        new = (self.kv.blocks_for(end) - hits) * self.table_planes
+        if hits and request.block_hashes is not None:
+            new += self.kv.free_among_hits(request.block_hashes[:hits])
+        return new
 
     def _usable_hits(self, request: Request) -> int:
         """Leading prompt blocks the prefix cache holds, as many as may be skipped: a

@@ -36,6 +36,13 @@ class SpecRound:
     pending: bool = False  # a scheduled step's or chunk's result has not come back
 
     @property
+    def rows_next_pass(self) -> int:
+        """Rows the round takes in the next pass: none while it waits for a result."""
+        if self.pending:
+            return 0
+        return self.size if self.verifying else 1
+
+    @property
     def step(self) -> int:
         """The draft step in flight: the position offset it computes."""
         return len(self.inputs) - 1

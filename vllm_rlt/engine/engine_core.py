@@ -347,7 +347,12 @@ class EngineCore:
                 launched = (scheduled, self.runner.launch(scheduled))
                 self.num_passes += 1
                 self.num_rows_total += scheduled.num_rows
-            elif self._in_flight is None:
+            elif scheduled.block_updates:
+                # Nothing runs now (with asynchronous scheduling every request may be
+                # waiting on the pass in flight), but the blocks taken, such as an admitted
+                # request's cached prefix, must reach its table before any later pass.
+                self.runner.apply_block_updates(scheduled.block_updates)
+            if scheduled.is_empty and self._in_flight is None:
                 # Admission validated every reservation against the pool, so an idle pass
                 # with work queued means a scheduler invariant broke: fail, do not spin.
                 raise RuntimeError("scheduler produced an empty pass while requests wait")
@@ -522,6 +527,14 @@ def _check_speculation(config, num_loops: int, cache_config, scheduler_config) -
         "speculative decoding needs the last_exited KV layout (a verify chunk reads each "
         f"earlier position at its own loop), got {cache_config.layout!r}",
         "kv_layout",
+    )
+    rows = scheduler_config.max_num_seqs * (config.num_speculative_tokens + 1)
+    require(
+        rows <= scheduler_config.max_num_batched_tokens,
+        f"max_num_batched_tokens must be at least max_num_seqs x (num_speculative_tokens + 1) "
+        f"= {rows} (every request may verify a round in the same pass), got "
+        f"{scheduler_config.max_num_batched_tokens}",
+        "max_num_batched_tokens",
     )
     require(
         scheduler_config.mode == "refill",

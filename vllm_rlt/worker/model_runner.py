@@ -171,11 +171,7 @@ class ModelRunner:
         """Enqueue one pass and the copy of its results to the host; does not wait for it.
         Its new slots must have been admitted (`admit`) first."""
         st = self.state
-        if out.block_updates:
-            # One upload and one scatter: (table row, index, block) of every block taken.
-            flat = self.uploads.upload([v for update in out.block_updates for v in update])
-            table_rows, indices, blocks = flat.view(-1, 3).unbind(1)
-            st.block_table[table_rows, indices] = blocks
+        self.apply_block_updates(out.block_updates)
         samplers = list(out.decode_slots) + [c.slot for c in out.prefill_chunks if c.samples]
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
         greedy = all(st.greedy[s] for s in samplers)
@@ -197,6 +193,15 @@ class ModelRunner:
             done.record()
             return PendingPass(samplers, host, done, prompt, speculation)
         return PendingPass(samplers, packed, None, prompt, speculation)
+
+    @torch.inference_mode()
+    def apply_block_updates(self, updates: tuple[tuple[int, int, int], ...]) -> None:
+        """Write the blocks a schedule took into the device tables (in stream order): one
+        upload and one scatter of every (table row, index, block)."""
+        if updates:
+            flat = self.uploads.upload([v for update in updates for v in update])
+            table_rows, indices, blocks = flat.view(-1, 3).unbind(1)
+            self.state.block_table[table_rows, indices] = blocks
 
     def collect(self, pending: PendingPass) -> ModelRunnerOutput:
         """Wait for a launched pass (the one host sync of a pass) and decode its results."""
