@@ -1,6 +1,8 @@
 """Split a decode step into device time (graph replay) and host time, and list the kernels.
 
 python -m benchmarks.profile_pass --shape ouro-1.4b --concurrency 1 64
+python -m benchmarks.profile_pass --concurrency 1 8 --speculative-tokens 1 --draft-loops 2 \
+    --spec-acceptance-rate 0.8
 """
 
 from __future__ import annotations
@@ -10,13 +12,20 @@ import time
 import torch
 
 from vllm_rlt.bench.shapes import random_model
-from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.config import (
+    CacheConfig,
+    ExecutionConfig,
+    ExitConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
 
-def profile(model, concurrency: int, steps: int) -> None:
+def profile(model, concurrency: int, steps: int, spec: SpeculativeConfig | None) -> None:
     engine = EngineCore(
         model,
         None,
@@ -29,6 +38,7 @@ def profile(model, concurrency: int, steps: int) -> None:
         ExitConfig(),
         ExecutionConfig(),
         "auto",
+        spec,
     )
     params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
     for i in range(concurrency):
@@ -54,7 +64,10 @@ def profile(model, concurrency: int, steps: int) -> None:
     step_ms = (time.perf_counter() - start) / steps * 1e3
     parts = ", ".join(f"{k} {v / steps * 1e3:.3f} ms" for k, v in spent.items())
     print(f"concurrency {concurrency}: {parts}")
-    graph, _ = next(iter(engine.runner.graphs.graphs.values()))
+    rows = concurrency * engine.num_lanes
+    graphs = engine.runner.graphs
+    size = next(s for s in graphs.sizes if s >= rows)
+    graph, _ = graphs.graphs[(size, True, False, False, spec is not None)]
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(steps):
@@ -81,10 +94,11 @@ def main() -> None:
         "--concurrency", type=int, nargs="+", default=[1, 64], help="rows per decode pass"
     )
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per case")
+    add_speculation_args(parser, replay=True)
     args = parser.parse_args()
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
     for concurrency in args.concurrency:
-        profile(model, concurrency, args.steps)
+        profile(model, concurrency, args.steps, speculative_config(args))
 
 
 if __name__ == "__main__":

@@ -181,27 +181,52 @@ class ExitConfig:
 
 
 MAX_SPECULATIVE_TOKENS = 16
+# `num_speculative_tokens="auto"` drafts only while at most this many requests run: on an
+# H200 (Ouro-1.4B shape, bf16, two-loop drafts, 80% acceptance) speculation gained 1.09x
+# at 64 requests decoding at once and lost at 128 (docs/benchmarks).
+AUTO_DISABLE_BY_BATCH_SIZE = 64
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """Self-speculative decoding: the model's first `draft_loops` loops draft
-    `num_speculative_tokens` tokens one after another, and the remaining loops verify them
-    in one chunk, for greedy requests at a fixed depth (see docs/structure.md). The draft
-    depth must be below the target depth, which is each request's max_loops.
+    """Self-speculative decoding: the model's first `draft_loops` loops draft the next
+    token while the remaining loops verify the previous one, in the same passes (see
+    docs/structure.md). It applies to requests at a fixed depth (each request's max_loops)
+    deeper than the draft, without top logprobs, logit adjustments or min_tokens; others
+    decode as usual.
+
+    `num_speculative_tokens` caps the draft tokens a request runs ahead of its last
+    verified one; more than ceil(depth / draft_loops) - 1 never run, since a draft is
+    verified by the time that many more are made. "auto" takes that many and sets
+    `disable_by_batch_size` to AUTO_DISABLE_BY_BATCH_SIZE unless it is given.
+    `disable_by_batch_size`: while more requests than this run, lanes do not draft and
+    each speculating request decodes as a plain row from its next refused or undrafted
+    token on (speculation costs rows, and pays only at low load).
 
     `replay_acceptance_rate` is for benchmarks only: each draft token is accepted with this
     probability instead of being checked, so random weights cost what a model with that
     acceptance would (the outputs are then not the model's)."""
 
-    num_speculative_tokens: int = 2
+    num_speculative_tokens: int | str = 2
     draft_loops: int = 2
     replay_acceptance_rate: float | None = None
+    disable_by_batch_size: int | None = None
 
     def __post_init__(self) -> None:
-        require_int(
-            self.num_speculative_tokens, "num_speculative_tokens", 1, MAX_SPECULATIVE_TOKENS
+        tokens = self.num_speculative_tokens
+        require(
+            not isinstance(tokens, str) or tokens == "auto",
+            f"num_speculative_tokens must be 'auto' or an integer in [1, "
+            f"{MAX_SPECULATIVE_TOKENS}], got {tokens!r}",
+            "num_speculative_tokens",
         )
+        if tokens != "auto":
+            require_int(
+                self.num_speculative_tokens,
+                "num_speculative_tokens",
+                1,
+                MAX_SPECULATIVE_TOKENS,
+            )
         require_int(self.draft_loops, "draft_loops", 1)
         rate = self.replay_acceptance_rate
         require(
@@ -210,6 +235,21 @@ class SpeculativeConfig:
             f"replay_acceptance_rate must be in [0, 1], got {rate!r}",
             "replay_acceptance_rate",
         )
+        if self.disable_by_batch_size is not None:
+            require_int(self.disable_by_batch_size, "disable_by_batch_size", 1)
+
+    @property
+    def max_ahead(self) -> int:
+        """The cap on drafts ahead of the verified token ("auto": none below the pipeline's)."""
+        tokens = self.num_speculative_tokens
+        return MAX_SPECULATIVE_TOKENS if tokens == "auto" else int(tokens)
+
+    @property
+    def batch_limit(self) -> int | None:
+        """Requests running at admission from which a request decodes without speculation."""
+        if self.disable_by_batch_size is None and self.num_speculative_tokens == "auto":
+            return AUTO_DISABLE_BY_BATCH_SIZE
+        return self.disable_by_batch_size
 
 
 @dataclass(frozen=True)

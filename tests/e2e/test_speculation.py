@@ -1,7 +1,8 @@
 """Self-speculative decoding is exact: greedy fixed-depth outputs with drafts of d loops
 verified by the remaining ones equal plain decoding, for every K and d, with other requests
-in the same passes, chunked prompts, asynchronous scheduling, stops inside an accepted run,
-n > 1 and preemption."""
+in the same passes, chunked prompts, asynchronous scheduling, stops right after an
+accepted draft, n > 1 and preemption; and it pipelines: an accepted draft saves D - d
+passes."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import pytest
 
 from tests.conftest import drain
 from vllm_rlt import SamplingParams, SpeculativeConfig
+from vllm_rlt.config import AUTO_DISABLE_BY_BATCH_SIZE
 
 PROMPT_LENGTHS = (1, 5, 13, 23)
 MAX_TOKENS = (9, 17, 11, 14)
@@ -30,7 +32,7 @@ def _greedy(i: int, **kwargs) -> SamplingParams:
 
 
 def _run(make_engine, spec=None, params_of=_greedy, **kwargs):
-    kwargs.setdefault("max_num_seqs", 8)  # every one may verify K + 1 rows in a pass
+    kwargs.setdefault("max_num_seqs", 8)  # up to four lanes each: 32 decode rows
     engine = make_engine(
         prefill_chunk_size=4, max_num_batched_tokens=64, speculative_config=spec, **kwargs
     )
@@ -80,13 +82,15 @@ def test_the_built_in_model_accepts_its_two_loop_drafts():
 
 def test_stops_n_and_unspeculated_requests(make_engine):
     """A stop token inside an accepted run cuts there; two completions each speculate; a
-    sampled request at adaptive depth (not speculated) is unchanged beside them."""
+    sampled request that asks for top logprobs (not speculated) is unchanged beside them."""
     _, plain = _run(make_engine)
     stop = plain["r1"].outputs[0].token_ids[6]
 
     def params_of(i: int) -> SamplingParams:
-        if i == 2:  # adaptive depth: decodes loop by loop as usual
-            return SamplingParams(max_tokens=11, temperature=0.8, seed=5, exit_threshold=0.7)
+        if i == 2:  # top logprobs: decodes loop by loop as usual
+            return SamplingParams(
+                max_tokens=11, temperature=0.8, seed=5, exit_threshold=0.7, logprobs=2
+            )
         if i == 3:
             return _greedy(i, n=2)
         return _greedy(i, stop_token_ids=[stop])
@@ -123,14 +127,51 @@ def test_unsupported_combinations_are_refused(make_engine, kwargs, message):
 def test_config_ranges():
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 16\]"):
         SpeculativeConfig(num_speculative_tokens=0)
+    with pytest.raises(ValueError, match=r"must be 'auto' or an integer in \[1, 16\]"):
+        SpeculativeConfig(num_speculative_tokens="many")
     with pytest.raises(ValueError, match=r"draft_loops must be in \[1, inf\]"):
         SpeculativeConfig(draft_loops=0)
+    with pytest.raises(ValueError, match=r"disable_by_batch_size must be in \[1, inf\]"):
+        SpeculativeConfig(disable_by_batch_size=0)
+    auto = SpeculativeConfig(num_speculative_tokens="auto")
+    assert auto.batch_limit == AUTO_DISABLE_BY_BATCH_SIZE and auto.max_ahead == 16
+    assert SpeculativeConfig("auto", disable_by_batch_size=3).batch_limit == 3
+    assert SpeculativeConfig(2).batch_limit is None
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_drafting_stops_under_load_and_resumes(make_engine, async_scheduling):
+    """With disable_by_batch_size 1, lanes draft only while a single request runs; the
+    others decode in their own slot, one row each, and every output stays exact."""
+    _, plain = _run(make_engine)
+    spec = SpeculativeConfig(3, 2, disable_by_batch_size=1)
+    engine, got = _run(make_engine, spec, async_scheduling=async_scheduling)
+    assert _tokens(got) == _tokens(plain)
+    assert engine.scheduler.num_drafted > 0  # the last request runs alone for a while
+
+
+def test_under_load_speculation_costs_no_rows(make_engine):
+    """Two requests that always run together, limit 1: not one draft, and exactly the
+    passes and rows of plain decoding."""
+    params = SamplingParams(max_tokens=9, exit_threshold=1.0, ignore_eos=True)
+    arrivals = {0: [("a", [5, 6], params), ("b", [7, 8, 9], params)]}
+    runs = []
+    for spec in (None, SpeculativeConfig("auto", 2, disable_by_batch_size=1)):
+        engine = make_engine(speculative_config=spec)
+        outputs = drain(engine, arrivals)
+        runs.append(([o.outputs[0].token_ids for o in outputs.values()], engine.num_passes))
+        rows = engine.num_rows_total
+    assert runs[0] == runs[1]
+    assert engine.scheduler.num_drafted == 0
+    plain_engine = make_engine()
+    drain(plain_engine, arrivals)
+    assert rows == plain_engine.num_rows_total
 
 
 def test_stats_count_drafts_and_acceptance():
     from vllm_rlt import LLM
 
-    llm = LLM(speculative_config=SpeculativeConfig(num_speculative_tokens=2, draft_loops=2))
+    llm = LLM(speculative_config=SpeculativeConfig(num_speculative_tokens=3, draft_loops=1))
     params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=1.0)
     llm.generate(["347+589=", "912-358="], params, use_tqdm=False)
     stats = llm.stats()
@@ -139,9 +180,28 @@ def test_stats_count_drafts_and_acceptance():
     assert stats["spec_acceptance_rate"] == (
         stats["spec_num_accepted_tokens"] / stats["spec_num_draft_tokens"]
     )
+    # One-loop drafts on four loops: up to three run ahead of the verified token, and one
+    # made two ahead is verified only once the one before it was accepted.
     per_position = stats["spec_accepted_per_position"]
-    assert len(per_position) == 2 and sum(per_position) == stats["spec_num_accepted_tokens"]
-    assert per_position[0] >= per_position[1]  # a later draft is kept only after the earlier
+    assert len(per_position) == 3 and sum(per_position) == stats["spec_num_accepted_tokens"]
+    assert per_position[0] >= per_position[1] >= per_position[2]
+
+
+@pytest.mark.parametrize(("rate", "draft_loops"), [(1.0, 2), (1.0, 1), (1.0, 3), (0.0, 2)])
+def test_each_accepted_draft_saves_the_verify_loops(make_engine, rate, draft_loops):
+    """With every draft accepted a token takes d passes after the first decode token's D;
+    with none, D as without speculation (the refused position restarts at once)."""
+    loops, max_tokens = 4, 9
+    spec = SpeculativeConfig(3, draft_loops, replay_acceptance_rate=rate)
+    engine = make_engine(speculative_config=spec, async_scheduling=False)
+    params = SamplingParams(max_tokens=max_tokens, exit_threshold=1.0, ignore_eos=True)
+    outputs = drain(engine, {0: [("r", [7], params)]})
+    assert len(outputs["r"].outputs[0].token_ids) == max_tokens
+    per_token = draft_loops if rate == 1.0 else loops
+    assert engine.num_passes == 2 * loops + (max_tokens - 2) * per_token
+    # every decode position drafts its successor but the last, which has none to compute
+    assert engine.scheduler.num_drafted == max_tokens - 2
+    assert engine.scheduler.num_accepted == rate * (max_tokens - 2)
 
 
 def test_sampled_speculation_follows_the_target_distribution(make_engine):
@@ -213,10 +273,9 @@ def test_sampled_speculation_is_reproducible_under_preemption(make_engine, async
 
 
 def test_blocks_taken_in_a_pass_with_no_rows_reach_the_tables(make_engine):
-    """With asynchronous scheduling every running request may wait on the pass in flight
-    (a speculative round waits for its draft token), so a schedule can have no rows but
-    still take blocks, such as the cached prefix of a request it admits: they must reach
-    the device tables before any later pass."""
+    """A schedule can have no rows but still take blocks, such as the cached prefix of a
+    request it admits (with asynchronous scheduling, when every running request waits on
+    the pass in flight): they must reach the device tables before any later pass."""
     from vllm_rlt.core.contract import SchedulerOutput
 
     engine = make_engine(async_scheduling=True)
@@ -241,3 +300,46 @@ def test_blocks_taken_in_a_pass_with_no_rows_reach_the_tables(make_engine):
     engine.runner.state.block_table[row, 7] = engine.runner.state.dummy_block
     engine.scheduler.schedule = schedule
     drain(engine)
+
+
+ADAPTIVE_CASES = [
+    (policy, draft_loops, async_scheduling)
+    for policy in ("ouro_q0.3", "ouro_q0.7", "ouro_delayed_q0.5", "trace")
+    for draft_loops, async_scheduling in ((1, False), (2, False), (2, True))
+]
+
+
+@pytest.mark.parametrize(("policy", "draft_loops", "async_scheduling"), ADAPTIVE_CASES)
+def test_adaptive_depth_speculation_is_exact(make_engine, policy, draft_loops, async_scheduling):
+    """Under every exit rule, speculating requests give plain decoding's tokens and exit
+    depths: a token's exit decision reads the same state as without speculation, and one
+    that comes while the token is still a draft waits for its verification."""
+    from tests.e2e.test_engine_vs_oracle import POLICIES
+    from vllm_rlt import ExitConfig
+
+    mode, threshold = POLICIES[policy]
+    rng = random.Random(11)
+    traces = {
+        f"r{i}": (4, *(rng.randint(1, 4) for _ in range(n - 1))) for i, n in enumerate(MAX_TOKENS)
+    }
+    exit_config = ExitConfig(mode=mode, depths_by_request=traces if mode == "trace" else {})
+
+    def params_of(i: int) -> SamplingParams:
+        return _greedy(i, exit_threshold=threshold)
+
+    def depths(outputs) -> dict:
+        return {rid: o.outputs[0].exit_depths for rid, o in outputs.items()}
+
+    _, plain = _run(make_engine, params_of=params_of, exit_config=exit_config)
+    spec = SpeculativeConfig(3, draft_loops)
+    engine, got = _run(
+        make_engine,
+        spec,
+        params_of=params_of,
+        exit_config=exit_config,
+        async_scheduling=async_scheduling,
+    )
+    assert _tokens(got) == _tokens(plain)
+    assert depths(got) == depths(plain)
+    assert len({d for ds in depths(plain).values() for d in ds}) > 1  # depths do vary
+    assert engine.scheduler.num_drafted > 0

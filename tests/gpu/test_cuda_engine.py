@@ -139,26 +139,46 @@ def test_graphs_equal_eager_with_sampling(toy_config, toy_state, dtype, layout):
                 assert sorted(got.values()) == pytest.approx(sorted(want.values()), abs=tolerance)
 
 
-def test_decode_pass_has_no_hidden_host_sync(toy_config, toy_state):
-    """A decode-only pass, eager and replayed, under sync debug mode "error"."""
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "lanes"])
+def test_decode_pass_has_no_hidden_host_sync(toy_config, toy_state, speculative):
+    """A decode-only pass, eager and replayed, under sync debug mode "error"; with
+    speculation, a sampled pass of lanes (drafts, acceptance and restarts on the device)."""
+    from vllm_rlt import SpeculativeConfig
+
+    spec = SpeculativeConfig(num_speculative_tokens=3, draft_loops=2) if speculative else None
     engine = _cuda_engine(
-        toy_config, toy_state, torch.bfloat16, "last_exited", "ouro_q0.7", "refill", "triton", True
+        toy_config,
+        toy_state,
+        torch.bfloat16,
+        "last_exited",
+        "ouro_q0.7",
+        "refill",
+        "triton",
+        True,
+        speculative_config=spec,
     )
+    threshold, temperature = (1.0, 1.0) if speculative else (0.5, 0.0)
     for i, prompt in enumerate(_prompts()):
         engine.add_request(
-            f"r{i}", prompt, SamplingParams(max_tokens=20, temperature=0.0, exit_threshold=0.5)
+            f"r{i}",
+            prompt,
+            SamplingParams(max_tokens=20, temperature=temperature, exit_threshold=threshold),
         )
-    while any(r.status.value != "decode" for r in engine.scheduler.running.values()):
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.status.value != "decode" for r in scheduler.running.values()):
         engine.step()
     engine.step()  # one decode pass (a replay) first: later passes are the steady state
     runner = engine.runner
-    slots = torch.tensor(sorted(engine.scheduler.running), device="cuda")
+    rows = scheduler.schedule().decode_slots
+    assert rows
+    slots = torch.tensor(rows, dtype=torch.int64, device="cuda")
+    greedy = not speculative
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        runner.run_pass(slots, (), 0, True, 0)
-        graph, _ = next(iter(runner.graphs.graphs.values()))
-        graph.replay()
+        runner.run_pass(slots, (), 0, greedy, 0, False, speculative)
+        key = next(k for k in runner.graphs.graphs if k[1] == greedy and k[4] == speculative)
+        runner.graphs.graphs[key][0].replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
@@ -267,33 +287,42 @@ def test_cuda_logit_adjustments_equal_the_reference(toy_config, toy_state, name)
     assert engine.all_blocks_free()
 
 
+@pytest.mark.parametrize("policy", ["ouro_q1.0", "ouro_q0.7", "trace"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-def test_cuda_speculation_equals_plain_greedy(toy_config, toy_state, backend):
-    """Self-speculative rounds on the device (graphs and async for the triton backend; the
-    plain requests' decode passes still replay graphs) give plain greedy decoding's tokens."""
+def test_cuda_speculation_equals_plain_greedy(toy_config, toy_state, backend, policy):
+    """Self-speculation lanes on the device (graphs and async for the triton backend) give
+    plain greedy decoding's tokens and exit depths, at a fixed depth and adaptive ones,
+    with one-loop drafts (four lanes) and two-loop ones."""
     from vllm_rlt import SpeculativeConfig
 
     fast = backend == "triton"
     outputs = []
-    for spec in (None, SpeculativeConfig(num_speculative_tokens=3, draft_loops=2)):
+    for spec in (
+        None,
+        SpeculativeConfig(num_speculative_tokens=3, draft_loops=2),
+        SpeculativeConfig(num_speculative_tokens=3, draft_loops=1),
+    ):
         engine = _cuda_engine(
             toy_config,
             toy_state,
             torch.float32,
             "last_exited",
-            "ouro_q1.0",
+            policy,
             "refill",
             backend,
             graphs=fast,
             async_scheduling=fast,
             speculative_config=spec,
         )
-        outputs.append(_run(engine, "ouro_q1.0"))
+        outputs.append(_run(engine, policy))
         if spec is not None:
             assert engine.scheduler.num_drafted > 0
-    plain, speculative = outputs
-    for rid, want in plain.items():
-        assert speculative[rid].outputs[0].token_ids == want.outputs[0].token_ids, rid
+    plain, *speculative = outputs
+    for run in speculative:
+        for rid, want in plain.items():
+            got = run[rid].outputs[0]
+            assert got.token_ids == want.outputs[0].token_ids, rid
+            assert got.exit_depths == want.outputs[0].exit_depths, rid
 
 
 def test_cuda_sampled_speculation_is_reproducible(toy_config, toy_state):

@@ -215,7 +215,7 @@ def test_shared_decode_server_serves_and_refuses_a_prompt_its_pool_cannot_prefil
 
 
 def test_speculating_server_reports_drafts_in_metrics():
-    with serve_process("--speculative-tokens", "2", "--draft-loops", "2") as (process, url):
+    with serve_process("--speculative-tokens", "3", "--draft-loops", "1") as (process, url):
         body = {"model": "toy", "prompt": "spec", "max_tokens": 12, "temperature": 0}
         body |= {"exit_threshold": 1.0, "ignore_eos": True}
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
@@ -229,4 +229,5 @@ def test_speculating_server_reports_drafts_in_metrics():
         drafted = value("vllm:spec_decode_num_draft_tokens")
         assert drafted > 0 and value("vllm:spec_decode_num_accepted_tokens") <= drafted
         per_position = [line for line in lines if "spec_decode_num_accepted_tokens_per_pos" in line]
-        assert any('position="1"' in line for line in per_position)
+        # one-loop drafts on four loops run up to three ahead of the verified token
+        assert any('position="2"' in line for line in per_position)

@@ -26,8 +26,9 @@ from typing import Any
 from tqdm import tqdm
 
 from vllm_rlt.bench.report import emit_report
-from vllm_rlt.config import KV_LAYOUTS, CacheConfig, SpeculativeConfig
+from vllm_rlt.config import KV_LAYOUTS, CacheConfig
 from vllm_rlt.engine.llm import LLM
+from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.models.load import model_folder
 from vllm_rlt.sampling_params import SamplingParams
@@ -125,9 +126,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         device=args.device,
         dtype=args.dtype,
         cache_config=CacheConfig(layout=args.kv_layout),
-        speculative_config=None
-        if args.speculative_tokens is None
-        else SpeculativeConfig(args.speculative_tokens, args.draft_loops),
+        speculative_config=speculative_config(args),
     )
     record = model_folder(args.model) / "training_record.json"
     train_size = args.train_size
@@ -189,16 +188,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--output", default=None, help="also write the JSON report here (default: stdout only)"
     )
-    parser.add_argument(
-        "--speculative-tokens",
-        type=int,
-        default=None,
-        help="self-speculative decoding with this many draft tokens (fixed-depth settings "
-        "deeper than --draft-loops; each then reports its acceptance rate; default: off)",
-    )
-    parser.add_argument(
-        "--draft-loops", type=int, default=2, help="loops of a draft token (default: 2)"
-    )
+    add_speculation_args(parser)
     parser.add_argument(
         "--write-lm-eval-data",
         default=None,

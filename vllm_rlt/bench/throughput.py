@@ -37,9 +37,9 @@ from vllm_rlt.config import (
     ExecutionConfig,
     ExitConfig,
     SchedulerConfig,
-    SpeculativeConfig,
 )
 from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -164,11 +164,7 @@ def build_engine(
         exit_config,
         ExecutionConfig(cuda_graphs=not args.enforce_eager, async_scheduling=args.async_scheduling),
         args.attention_backend,
-        None
-        if args.speculative_tokens is None
-        else SpeculativeConfig(
-            args.speculative_tokens, args.draft_loops, args.spec_acceptance_rate
-        ),
+        speculative_config(args),
     )
 
 
@@ -408,22 +404,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share the K/V of full prompt blocks between requests",
     )
     parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")
-    parser.add_argument(
-        "--speculative-tokens",
-        type=int,
-        default=None,
-        help="self-speculative decoding with this many draft tokens per round (default: off)",
-    )
-    parser.add_argument(
-        "--draft-loops", type=int, default=2, help="loops of a draft token (default: 2)"
-    )
-    parser.add_argument(
-        "--spec-acceptance-rate",
-        type=float,
-        default=None,
-        help="accept each draft token with this probability instead of checking it, so "
-        "random weights cost what that acceptance would (default: check)",
-    )
+    add_speculation_args(parser, replay=True)
     parser.add_argument(
         "--concurrency",
         type=int,

@@ -45,6 +45,10 @@ class NewSlot:
     first_token: int = -1
     num_generated: int = 0
     penalties: Penalties | None = None  # None: the logits go to sampling as they are
+    # Self-speculation (worker/spec_lanes.py): the request decodes in lanes, none of
+    # which computes a position past `last_position` (the one that samples its last token).
+    speculates: bool = False
+    last_position: int = 0
 
 
 @dataclass(frozen=True)
@@ -69,15 +73,6 @@ class PrefillChunk:
     # predict (row i predicts position start + i + 1), each with the top `prompt_top`.
     prompt_targets: tuple[int, ...] = ()
     prompt_top: int = 0
-    # Self-speculation (see core/speculation.py). A draft step: one position running the
-    # draft loops; at its last loop the greedy draft token is read and the row's state kept.
-    # A verify chunk: the round's positions from the draft depth on, starting from the kept
-    # states (`from_drafts` on its first pass); at its last loop every row's greedy token and
-    # its logprob are read.
-    draft: bool = False
-    verify: bool = False
-    from_drafts: bool = False
-    sample_index: int = 0  # output index of the token a draft step (verify row 0) samples
 
 
 @dataclass(frozen=True)
@@ -97,6 +92,11 @@ class SchedulerOutput:
     # left the slot (finished, preempted) and came back, or after its id was reused, is not
     # that request's any more.
     decode_admissions: tuple[int, ...] = ()
+    # Self-speculation: whether some decode rows are lanes of a speculating request, and
+    # whether lanes may draft in this pass; `round` numbers the schedule.
+    speculating: bool = False
+    drafting: bool = False
+    round: int = 0
 
     @property
     def num_rows(self) -> int:
@@ -129,6 +129,11 @@ class SampledToken:
     exit_depth: int
     logprob: float
     top_logprobs: tuple[tuple[int, float], ...]
+    # Self-speculation: a draft stood at this token's position; whether it was accepted;
+    # how many drafts ahead of the verified token it was made (1 = the next one).
+    drafted: bool = False
+    accepted: bool = False
+    ahead: int = 0
 
 
 @dataclass(frozen=True)
@@ -143,25 +148,9 @@ class PromptLogprobs:
 
 
 @dataclass(frozen=True)
-class SpeculationResult:
-    """A draft step's token (one entry of `tokens`). Or, per verify row: whether the draft
-    token after it is accepted (`accepted`, with that token's logprob), and the token to
-    commit there instead (after the last row: the one past every draft), with its logprob.
-    Logprobs are the model's, before temperature and filtering."""
-
-    slot: int
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
-    verify: bool
-    accepted: tuple[bool, ...] = ()
-    accepted_logprobs: tuple[float, ...] = ()
-
-
-@dataclass(frozen=True)
 class ModelRunnerOutput:
     """What one pass produced, read back from the device once."""
 
     sampled: tuple[SampledToken, ...]
     decode_slots_continuing: tuple[int, ...]  # decode rows whose token needs more loops
     prompt_logprobs: tuple[PromptLogprobs, ...] = ()
-    speculation: tuple[SpeculationResult, ...] = ()

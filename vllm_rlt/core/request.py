@@ -5,7 +5,6 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
-from vllm_rlt.core.speculation import SpecRound
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -47,8 +46,9 @@ class Request:
     block_hashes: list[bytes] | None = None  # of the prompt's full blocks (prefix caching)
     num_registered: int = 0  # prompt blocks of its table registered in the prefix cache
     token_in_flight: bool = False  # a decode token has started its loops but not exited
-    speculates: bool = False  # decodes in self-speculative rounds (set by the engine)
-    spec_round: SpecRound | None = None
+    speculates: bool = False  # decodes in self-speculation lanes (set by the engine)
+    # Drafting is off and only its own slot's lane works: it decodes as a plain row.
+    lanes_collapsed: bool = False
     bypass_count: int = 0
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)

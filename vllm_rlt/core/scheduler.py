@@ -13,10 +13,8 @@ from vllm_rlt.core.contract import (
     Penalties,
     PrefillChunk,
     SchedulerOutput,
-    SpeculationResult,
 )
 from vllm_rlt.core.request import Request, RequestStatus
-from vllm_rlt.core.speculation import SpecRound
 
 
 class Scheduler:
@@ -37,6 +35,7 @@ class Scheduler:
         cache_salt: bytes = b"",
         table_planes: int = 1,
         speculation: SpeculativeConfig | None = None,
+        lanes_per_request: int = 1,
     ) -> None:
         self.config = config
         self.kv = kv
@@ -48,11 +47,14 @@ class Scheduler:
         # its last position finishes its last loop; those blocks are then freed.
         self.table_planes = table_planes
         self.speculation = speculation
-        self.num_rounds = 0  # speculative rounds verified
+        # Self-speculation: a speculating request decodes in this many lanes, the slots
+        # slot + j * max_num_seqs (see worker/spec_lanes.py), every pass.
+        self.lanes_per_request = lanes_per_request
+        self.last_drafting_round = 0  # the latest schedule that let lanes draft
         self.num_drafted = 0  # draft tokens verified
         self.num_accepted = 0  # of them, accepted
-        # accepted_at[i]: rounds whose draft token i + 1 was accepted
-        self.accepted_at = [0] * (speculation.num_speculative_tokens if speculation else 0)
+        # accepted_at[i]: accepted drafts made i + 1 tokens ahead of the verified one
+        self.accepted_at = [0] * max(lanes_per_request - 1, 0) if speculation else []
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))
@@ -105,30 +107,33 @@ class Scheduler:
         self._start_chunks()
 
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODE]
-        speculating = [r for r in decoding if r.speculates]
-        decoding = [r for r in decoding if not r.speculates]
+        drafting = self._drafting()
+        if drafting:
+            self.last_drafting_round = self.round
+            for request in decoding:
+                request.lanes_collapsed = False
         in_flight = [r for r in decoding if r.token_in_flight]
         if self.config.mode == "no_refill" and in_flight:
             decoding = in_flight
         decoding.sort(key=lambda r: r.slot)  # type: ignore[arg-type, return-value]
-        # +1: with asynchronous scheduling the device may be one token ahead of this view.
-        max_context = max((r.context_len + 1 for r in decoding), default=0)
+        # +1: with asynchronous scheduling the device may be one token ahead of this view
+        # (and speculation lanes as many positions ahead as there are lanes).
+        max_context = max((r.context_len + self._decode_rows(r) for r in decoding), default=0)
+        rows = [(slot, r) for r in decoding for slot in self._row_slots(r)]
         prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILL]
         chunks = [self._chunk(r) for r in sorted(prefilling, key=self._rank) if r.chunk_len]
         for chunk in chunks:
             self._advance_chunk(self.running[chunk.slot])
-        for request in sorted(speculating, key=self._rank):
-            spec_round = request.spec_round
-            if spec_round is not None and not spec_round.pending:
-                chunks.append(self._spec_chunk(request, spec_round))
-                spec_round.advance()
         for chunk in chunks:
             max_context = max(max_context, chunk.start + len(chunk.token_ids))
         return SchedulerOutput(
             new_slots=tuple(new for new in new_slots if new.slot in self.running),
-            decode_slots=tuple(r.slot for r in decoding),  # type: ignore[misc]
-            decode_request_ids=tuple(r.request_id for r in decoding),
-            decode_admissions=tuple(r.admission for r in decoding),
+            decode_slots=tuple(slot for slot, _ in rows),
+            decode_request_ids=tuple(r.request_id for _, r in rows),
+            decode_admissions=tuple(r.admission for _, r in rows),
+            speculating=any(self._decode_rows(r) > 1 for r in decoding),
+            drafting=drafting,
+            round=self.round,
             prefill_chunks=tuple(chunks),
             max_context=max_context,
             block_updates=tuple(self.block_updates),
@@ -163,52 +168,21 @@ class Scheduler:
         # Preemptions above removed rows only, so the budget still holds.
 
     def _decode_rows(self, request: Request) -> int:
-        """Rows a decoding request takes in this pass: a speculating one, its round's."""
-        if request.speculates:
-            return 0 if request.spec_round is None else request.spec_round.rows_next_pass
+        """Rows a decoding request takes in every pass: one, or one per speculation lane."""
+        if request.speculates and not request.lanes_collapsed:
+            return self.lanes_per_request
         return 1
 
-    def _spec_chunk(self, request: Request, spec_round: SpecRound) -> PrefillChunk:
-        if spec_round.verifying:
-            start, tokens, depth = (
-                spec_round.start,
-                tuple(spec_round.inputs),
-                spec_round.target_loops,
-            )
-        else:
-            start = spec_round.start + spec_round.step
-            tokens, depth = (spec_round.inputs[-1],), spec_round.draft_loops
-        return PrefillChunk(
-            slot=request.slot,  # type: ignore[arg-type]
-            request_id=request.request_id,
-            start=start,
-            token_ids=tokens,
-            loop=spec_round.loop,
-            samples=False,
-            depth=depth,
-            admission=request.admission,
-            draft=not spec_round.verifying,
-            verify=spec_round.verifying,
-            from_drafts=spec_round.verifying and spec_round.loop == spec_round.draft_loops,
-            sample_index=spec_round.first_index + (0 if spec_round.verifying else spec_round.step),
-        )
+    def _row_slots(self, request: Request) -> list[int]:
+        slot = request.slot
+        assert slot is not None
+        return [slot + j * self.config.max_num_seqs for j in range(self._decode_rows(request))]
 
-    def _start_round(self, request: Request) -> int:
-        """Open a speculative round at the request's last token; the positions it needs."""
-        assert self.speculation is not None
-        outputs = len(request.output_token_ids)
-        drafts = min(
-            self.speculation.num_speculative_tokens, request.params.max_tokens - outputs - 1
-        )
-        request.spec_round = SpecRound(
-            start=request.prompt_len + outputs - 1,
-            inputs=[request.output_token_ids[-1]],
-            size=drafts + 1,
-            first_index=outputs,
-            draft_loops=self.speculation.draft_loops,
-            target_loops=request.max_loops,
-        )
-        return request.spec_round.start + request.spec_round.size
+    def _drafting(self) -> bool:
+        """Lanes draft in this pass unless more than `disable_by_batch_size` requests run
+        (speculation costs rows, and pays only at low load)."""
+        limit = self.speculation.batch_limit if self.speculation else None
+        return self.speculation is not None and (limit is None or len(self.running) <= limit)
 
     # ----------------------------------------------------------------- blocks
     def _rank(self, request: Request) -> tuple[int, float, int]:
@@ -225,12 +199,10 @@ class Scheduler:
         for request in sorted(decoding, key=self._rank):
             if request.slot is None:
                 continue  # preempted for a request ranked above it
-            if request.speculates:
-                # (a round starts from the last token, which async scheduling may not know yet)
-                if request.spec_round is None and request.output_token_ids:
-                    self._reserve(request, self._start_round(request), preempt_own=True)
-                continue
-            needed = min(request.context_len + 1, request.reserved_positions)
+            # Speculation lanes may run as many positions ahead as there are lanes.
+            needed = min(
+                request.context_len + self._decode_rows(request), request.reserved_positions
+            )
             self._reserve(request, needed, preempt_own=True)
 
     def _reserve(self, request: Request, num_positions: int, preempt_own: bool) -> bool:
@@ -301,7 +273,6 @@ class Scheduler:
         request.num_prefilled = request.chunk_start = request.chunk_len = 0
         request.chunk_loop = request.chunk_depth = 0
         request.token_in_flight = False
-        request.spec_round = None
         request.preempted_in = self.round
         self.num_preemptions += 1
         self.waiting.appendleft(request)
@@ -446,6 +417,8 @@ class Scheduler:
         self.waiting.remove(request)
         slot = self.free_slots.pop()
         request.slot = slot
+        # Admission leaves only the request's own lane working (see worker/spec_lanes.py).
+        request.lanes_collapsed = True
         request.status = RequestStatus.PREFILL
         self._admissions += 1
         request.admission = self._admissions
@@ -481,6 +454,8 @@ class Scheduler:
             first_token=request.output_token_ids[-1] if resumed else -1,
             num_generated=len(request.output_token_ids),
             penalties=request_penalties(request),
+            speculates=request.speculates,
+            last_position=request.prompt_len + params.max_tokens - 2,
         )
 
     # ----------------------------------------------------------------- results
@@ -500,7 +475,7 @@ class Scheduler:
             if request is not None:
                 for offset, entry in enumerate(zip(values.logprobs, values.top, strict=True)):
                     request.prompt_logprob_values[values.start + offset] = entry
-        touched = [r for s in result.speculation if (r := self._speculated(owners, s))]
+        touched = []
         for sampled in result.sampled:
             request = self._owner(owners, sampled.slot)
             if request is None:
@@ -511,35 +486,24 @@ class Scheduler:
             request.logprobs.append(sampled.logprob)
             request.top_logprobs.append(sampled.top_logprobs)
             touched.append(request)
+            if request.speculates and not sampled.accepted:
+                # The next position restarted in the request's own lane and every other
+                # lane stopped; with no draft since, that lane works alone.
+                if self.last_drafting_round < output.round:
+                    request.lanes_collapsed = True
+            if sampled.drafted:
+                self.num_drafted += 1
+                if sampled.accepted:
+                    self.num_accepted += 1
+                    if 0 < sampled.ahead <= len(self.accepted_at):
+                        self.accepted_at[sampled.ahead - 1] += 1
         return touched
-
-    def _speculated(self, owners, result: SpeculationResult) -> Request | None:
-        """Record a draft token, or commit a verified round's tokens; the request when it
-        received tokens."""
-        request = self._owner(owners, result.slot)
-        spec_round = None if request is None else request.spec_round
-        if request is None or spec_round is None:
-            return None
-        if not result.verify:
-            spec_round.on_draft(result.tokens[0])
-            return None
-        kept = spec_round.accept(result.accepted)
-        self.num_rounds += 1
-        self.num_drafted += spec_round.size - 1
-        self.num_accepted += kept
-        for position in range(kept):
-            self.accepted_at[position] += 1
-        request.output_token_ids.extend([*spec_round.inputs[1 : kept + 1], result.tokens[kept]])
-        request.exit_depths.extend([spec_round.target_loops] * (kept + 1))
-        request.logprobs.extend([*result.accepted_logprobs[:kept], result.logprobs[kept]])
-        request.top_logprobs.extend([()] * (kept + 1))
-        request.spec_round = None
-        return request
 
     def _owner(self, owners: dict[int, tuple[str, int]], slot: int) -> Request | None:
         request_id, admission = owners.get(slot, ("", -1))
         request = self.requests.get(request_id)
-        if request is None or request.slot != slot or request.admission != admission:
+        own_slot = slot % self.config.max_num_seqs  # of a speculation lane, its request's
+        if request is None or request.slot != own_slot or request.admission != admission:
             return None
         return request
 

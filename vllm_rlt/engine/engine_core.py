@@ -39,6 +39,7 @@ from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.worker.model_runner import ModelRunner, PendingPass
 from vllm_rlt.worker.pass_inputs import KVGeometry
+from vllm_rlt.worker.spec_lanes import SpecLanes, lanes_per_request
 
 logger = logging.getLogger(__name__)
 
@@ -87,10 +88,31 @@ class EngineCore:
         self.exit_config = exit_config
         self.num_loops = cfg.num_loops
         self.speculative_config = speculative_config
+        num_lanes = 1
         if speculative_config is not None:
-            _check_speculation(speculative_config, cfg.num_loops, cache_config, scheduler_config)
+            num_lanes = lanes_per_request(
+                cfg.num_loops,
+                speculative_config.draft_loops,
+                speculative_config.max_ahead,
+            )
+            _check_speculation(
+                speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
+            )
         self.max_model_len = cfg.max_position_embeddings
         self.attention_backend, ops = get_backend(attention_backend, model.device)
+        # Made before the cache is sized, so the memory plan sees its buffers.
+        lanes = None
+        if speculative_config is not None:
+            lanes = SpecLanes(
+                scheduler_config.max_num_seqs,
+                num_lanes,
+                speculative_config.draft_loops,
+                speculative_config.max_ahead,
+                cfg.vocab_size,
+                model.device,
+                speculative_config.replay_acceptance_rate,
+            )
+        self.num_lanes = num_lanes
         layout = cache_config.layout
         planes = self.num_loops if layout == "last_exited" else 1
         table_planes = self.num_loops if layout == "shared_decode" else 1
@@ -121,19 +143,20 @@ class EngineCore:
             cache_salt=hashlib.sha256(salt.encode()).digest(),
             table_planes=table_planes,
             speculation=speculative_config,
+            lanes_per_request=num_lanes,
         )
         trace_len = self.max_model_len if exit_config.mode == "trace" else 1
+        seqs = scheduler_config.max_num_seqs
         self.runner = ModelRunner(
             model,
             geometry,
-            scheduler_config.max_num_seqs,
+            seqs * num_lanes,
             self.max_model_len,
             make_exit_policy(exit_config.mode, model, exit_config.seed),
             ops,
             trace_len,
+            lanes,
         )
-        if speculative_config is not None:
-            self.runner.replay_acceptance_rate = speculative_config.replay_acceptance_rate
         if execution_config.cuda_graphs and model.device.type == "cuda" and not ops.needs_segments:
             from vllm_rlt.worker.cuda_graphs import DecodeGraphs
 
@@ -180,9 +203,19 @@ class EngineCore:
 
         seqs = scheduler_config.max_num_seqs
         rows = scheduler_config.max_num_batched_tokens
-        pass_peak = peak_pass_bytes(self.model, ops, rows, seqs, planes, cache_config.block_size)
+        samplers = seqs * self.num_lanes  # every speculation lane may need the LM head
+        pass_peak = peak_pass_bytes(
+            self.model, ops, rows, samplers, planes, cache_config.block_size
+        )
         graph_pool = (
-            peak_pass_bytes(self.model, ops, seqs, seqs, planes, cache_config.block_size)
+            peak_pass_bytes(
+                self.model,
+                ops,
+                samplers,
+                samplers,
+                planes,
+                cache_config.block_size,
+            )
             if execution_config.cuda_graphs and not ops.needs_segments
             else 0
         )
@@ -254,7 +287,7 @@ class EngineCore:
                     eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
                     stop_token_ids=frozenset(params.stop_token_ids),
                     arrival_time=now,
-                    speculates=self._speculates(params, max_loops, float(threshold)),
+                    speculates=self._speculates(params, max_loops),
                 )
             )
         self.groups[request_id] = RequestGroup(
@@ -265,15 +298,13 @@ class EngineCore:
             self.outputs.add(child)
             self.scheduler.add_request(child)
 
-    def _speculates(self, params: SamplingParams, max_loops: int, threshold: float) -> bool:
-        """Whether a request decodes in speculative rounds: at a fixed depth deeper than the
-        draft, with nothing that needs each token's full logits (top logprobs, logit
-        adjustments, a min_tokens ban). Others decode loop by loop as usual."""
+    def _speculates(self, params: SamplingParams, max_loops: int) -> bool:
+        """Whether a request decodes in speculation lanes: its depth may exceed the draft's,
+        and nothing needs each token's full logits (top logprobs, logit adjustments, a
+        min_tokens ban). Others decode loop by loop as usual."""
         config = self.speculative_config
         return (
             config is not None
-            and self.exit_config.mode in ("ouro", "ouro_delayed")
-            and threshold >= 1.0
             and config.draft_loops < max_loops
             and not params.logprobs
             and not params.adjusts_logits
@@ -505,7 +536,7 @@ class EngineCore:
             num_preemptions=self.scheduler.num_preemptions,
             prefix_cache_queries=self.scheduler.prefix_queries,
             prefix_cache_hits=self.scheduler.prefix_hits,
-            spec_num_drafts=self.scheduler.num_rounds,
+            spec_num_drafts=self.scheduler.num_drafted,
             spec_num_draft_tokens=self.scheduler.num_drafted,
             spec_num_accepted_tokens=self.scheduler.num_accepted,
             spec_accepted_per_position=list(self.scheduler.accepted_at),
@@ -515,7 +546,9 @@ class EngineCore:
         return self.kv.all_free() and not self.scheduler.running and self._in_flight is None
 
 
-def _check_speculation(config, num_loops: int, cache_config, scheduler_config) -> None:
+def _check_speculation(
+    config, num_loops: int, cache_config, scheduler_config, num_lanes: int
+) -> None:
     require(
         config.draft_loops < num_loops,
         f"draft_loops must be in [1, {num_loops - 1}] (below the model's {num_loops} loops), "
@@ -524,15 +557,15 @@ def _check_speculation(config, num_loops: int, cache_config, scheduler_config) -
     )
     require(
         cache_config.layout == "last_exited",
-        "speculative decoding needs the last_exited KV layout (a verify chunk reads each "
+        "speculative decoding needs the last_exited KV layout (a drafted position reads each "
         f"earlier position at its own loop), got {cache_config.layout!r}",
         "kv_layout",
     )
-    rows = scheduler_config.max_num_seqs * (config.num_speculative_tokens + 1)
+    rows = scheduler_config.max_num_seqs * num_lanes
     require(
         rows <= scheduler_config.max_num_batched_tokens,
-        f"max_num_batched_tokens must be at least max_num_seqs x (num_speculative_tokens + 1) "
-        f"= {rows} (every request may verify a round in the same pass), got "
+        f"max_num_batched_tokens must be at least max_num_seqs x {num_lanes} = {rows} (a "
+        f"speculating request decodes in {num_lanes} rows per pass), got "
         f"{scheduler_config.max_num_batched_tokens}",
         "max_num_batched_tokens",
     )

@@ -113,10 +113,10 @@ class EngineStats(msgspec.Struct, array_like=True):
     num_preemptions: int = 0
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of them, found there
-    spec_num_drafts: int = 0  # speculative rounds verified
+    spec_num_drafts: int = 0  # draft tokens verified (each on its own)
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
-    spec_accepted_per_position: list[int] = []  # rounds that accepted draft i + 1
+    spec_accepted_per_position: list[int] = []  # accepted drafts made i + 1 ahead
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):

@@ -96,22 +96,7 @@ class OutputProcessor:
         self.states.pop(request_id, None)
 
     def process(self, request: Request) -> str | None:
-        """Consume the request's new tokens; return a finish reason when it must stop. The
-        tokens after the one that ended it (a speculative round commits several at once)
-        are dropped."""
-        reason = self._scan(request)
-        if reason is not None:
-            count = self.states[request.request_id].num_seen
-            for values in (
-                request.output_token_ids,
-                request.exit_depths,
-                request.logprobs,
-                request.top_logprobs,
-            ):
-                del values[count:]
-        return reason
-
-    def _scan(self, request: Request) -> str | None:
+        """Consume the request's new tokens; return a finish reason when it must stop."""
         state = self.states[request.request_id]
         params = request.params
         while state.num_seen < len(request.output_token_ids):

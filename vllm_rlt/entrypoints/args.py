@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 from vllm_rlt.config import (
+    AUTO_DISABLE_BY_BATCH_SIZE,
     EXIT_MODES,
     KV_LAYOUTS,
+    MAX_SPECULATIVE_TOKENS,
     SCHEDULING_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -152,19 +154,65 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="plan and launch the next pass while the device runs the current one",
     )
+    add_speculation_args(parser)
+
+
+def _speculative_tokens(value: str) -> int | str:
+    if value == "auto":
+        return value
+    try:
+        return int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be 'auto' or an integer in [1, {MAX_SPECULATIVE_TOKENS}], got {value!r}"
+        ) from None
+
+
+def add_speculation_args(parser: argparse.ArgumentParser, replay: bool = False) -> None:
+    """Self-speculation flags; `replay` adds the benchmarks' replayed acceptance."""
     spec = parser.add_argument_group("self-speculative decoding")
     spec.add_argument(
         "--speculative-tokens",
-        type=int,
+        type=_speculative_tokens,
         default=None,
-        help="draft this many tokens per round with the first --draft-loops loops and verify "
-        "them with the rest (greedy fixed-depth requests; default: off)",
+        help="draft tokens a request may run ahead of its last verified one, drafted by the "
+        "first --draft-loops loops and verified by the rest in the same passes (greedy or "
+        "sampled requests at a fixed depth); 'auto': as many as the pipeline uses, and "
+        f"drafting only while at most {AUTO_DISABLE_BY_BATCH_SIZE} requests run (default: off)",
     )
     spec.add_argument(
         "--draft-loops",
         type=int,
         default=2,
         help="loops a draft token runs (with --speculative-tokens)",
+    )
+    spec.add_argument(
+        "--speculative-disable-by-batch-size",
+        type=int,
+        default=None,
+        help="while more requests than this run, lanes stop drafting and speculating "
+        "requests decode as plain rows (default: none; with 'auto', "
+        f"{AUTO_DISABLE_BY_BATCH_SIZE})",
+    )
+    if replay:
+        spec.add_argument(
+            "--spec-acceptance-rate",
+            type=float,
+            default=None,
+            help="accept each draft token with this probability instead of checking it, so "
+            "random weights cost what that acceptance would (default: check)",
+        )
+
+
+def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
+    """The flags of `add_speculation_args` as a config (None: speculation off)."""
+    if ns.speculative_tokens is None:
+        return None
+    return SpeculativeConfig(
+        num_speculative_tokens=ns.speculative_tokens,
+        draft_loops=ns.draft_loops,
+        replay_acceptance_rate=getattr(ns, "spec_acceptance_rate", None),
+        disable_by_batch_size=ns.speculative_disable_by_batch_size,
     )
 
 
@@ -241,9 +289,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         execution_config=ExecutionConfig(
             cuda_graphs=not ns.enforce_eager, async_scheduling=ns.async_scheduling, seed=ns.seed
         ),
-        speculative_config=None
-        if ns.speculative_tokens is None
-        else SpeculativeConfig(
-            num_speculative_tokens=ns.speculative_tokens, draft_loops=ns.draft_loops
-        ),
+        speculative_config=speculative_config(ns),
     )

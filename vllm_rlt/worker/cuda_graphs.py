@@ -41,18 +41,24 @@ class DecodeGraphs:
         largest = self.sizes[-1]
         self.slots = torch.full((largest,), runner.dummy_slot, dtype=torch.int64, device=device)
         self.pool = torch.cuda.graph_pool_handle()
-        # (batch size, greedy, with top logprobs, with logit adjustments) -> graph, output
+        # (batch size, greedy, with top logprobs, with logit adjustments, with speculation
+        # lanes) -> graph, output
         self.graphs: dict[
-            tuple[int, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]
+            tuple[int, bool, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]
         ] = {}
 
     def replay(
-        self, decode_slots: tuple[int, ...], greedy: bool, num_top: int, adjusted: bool = False
+        self,
+        decode_slots: tuple[int, ...],
+        greedy: bool,
+        num_top: int,
+        adjusted: bool = False,
+        speculating: bool = False,
     ) -> torch.Tensor:
         """Enqueue the pass; returns the packed results [len(decode_slots), fields]."""
         count = len(decode_slots)
         size = next(s for s in self.sizes if s >= count)
-        key = (size, greedy, num_top > 0, adjusted)
+        key = (size, greedy, num_top > 0, adjusted, speculating)
         if key not in self.graphs:
             self._capture(key)
         padded = list(decode_slots) + [self.runner.dummy_slot] * (size - count)
@@ -64,25 +70,27 @@ class DecodeGraphs:
     def capture_all(self) -> None:
         """Capture every size, greedy and sampled, now (largest first, so the smaller ones
         reuse its memory): otherwise the first pass of a new batch size would pay its
-        capture inside some request's latency. Variants with top logprobs or logit
-        adjustments stay lazy."""
+        capture inside some request's latency; with speculation, the variants with lanes
+        too. Variants with top logprobs or logit adjustments stay lazy."""
+        lanes = (False, True) if self.runner.lanes is not None else (False,)
         keys = [
-            (size, greedy, False, False)
+            (size, greedy, False, False, speculating)
             for size in reversed(self.sizes)
             for greedy in (True, False)
+            for speculating in lanes
         ]
         gc.collect()  # free what an earlier engine left, before its memory is needed
         for key in tqdm(keys, desc="capturing CUDA graphs", unit="graph", file=sys.stderr):
             if key not in self.graphs:
                 self._capture(key)
 
-    def _capture(self, key: tuple[int, bool, bool, bool]) -> None:
-        size, greedy, with_top, adjusted = key
+    def _capture(self, key: tuple[int, bool, bool, bool, bool]) -> None:
+        size, greedy, with_top, adjusted, speculating = key
         num_top = MAX_LOGPROBS if with_top else 0
         slots = self.slots[:size]
 
         def step() -> torch.Tensor:
-            return self.runner.run_pass(slots, (), 0, greedy, num_top, adjusted)[0]
+            return self.runner.run_pass(slots, (), 0, greedy, num_top, adjusted, speculating)[0]
 
         # Warm up on a side stream (compiles kernels, sets up cuBLAS) with padding rows only,
         # so no real slot's state moves; capture records work without running it.

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -14,22 +14,17 @@ from vllm_rlt.core.contract import (
     PromptLogprobs,
     SampledToken,
     SchedulerOutput,
-    SpeculationResult,
 )
 from vllm_rlt.exit import ExitInputs, ExitPolicy
 from vllm_rlt.layers.penalties import apply_penalties
-from vllm_rlt.layers.sampler import (
-    filtered_probs,
-    greedy_or_sample,
-    sample_from,
-    seeded_uniform,
-    token_logprobs,
-)
+from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
 from vllm_rlt.worker.slot_state import SlotState
+from vllm_rlt.worker.spec_lanes import SpecLanes
 
-# Fields packed per sampling row before the top logprobs: exited, token, depth, logprob.
-PACKED_FIELDS = 4
+# Fields packed per sampling row before the top logprobs: exited, token, depth, logprob,
+# and for self-speculation: the draft's outcome (0 none, 1 accepted, 2 refused), its lead.
+PACKED_FIELDS = 6
 # Prompt rows whose logits are held at once for prompt logprobs ([rows, vocab] float32).
 PROMPT_LOGPROB_ROWS = 256
 
@@ -45,17 +40,6 @@ class PromptRows:
 
 
 @dataclass
-class SpeculationRows:
-    """A draft step's token, [1, 2] (token, logprob), or a verify chunk's rows, [rows, 4]
-    (token to commit instead of the next draft, its logprob, next draft accepted, that
-    draft's logprob); see SpeculationResult."""
-
-    slot: int
-    verify: bool
-    values: torch.Tensor
-
-
-@dataclass
 class PendingPass:
     """A launched pass: its results arrive in `packed` once `done` has fired."""
 
@@ -63,7 +47,6 @@ class PendingPass:
     packed: torch.Tensor  # [samplers, PACKED_FIELDS + 2 * top] float32, on the host when CUDA
     done: torch.cuda.Event | None
     prompt: list[PromptRows]  # on the host when CUDA
-    speculation: list[SpeculationRows]  # on the host when CUDA
 
 
 class HostUploads:
@@ -78,7 +61,8 @@ class HostUploads:
 
     def upload(self, values, out: torch.Tensor | None = None) -> torch.Tensor:
         if self.device.type != "cuda":
-            return torch.tensor(values, dtype=torch.int64)
+            values = torch.tensor(values, dtype=torch.int64)
+            return values if out is None else out.copy_(values)
         if len(values) > self.ring[0].numel():
             # Grow the ring; a buffer an earlier copy still reads stays alive until it ends
             # (the pinned allocator tracks its stream use).
@@ -110,6 +94,7 @@ class ModelRunner:
         exit_policy: ExitPolicy,
         ops: Any,
         trace_len: int,
+        lanes: SpecLanes | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -138,11 +123,8 @@ class ModelRunner:
         )
         self.dummy_slot = max_slots
         self.prefill_hidden: dict[int, torch.Tensor] = {}  # slot -> [chunk, hidden]
-        # slot -> the draft-depth state of each draft step of its round so far, [1, hidden],
-        # and for a sampled request each step's draft distribution, [1, vocab]
-        self.draft_hidden: dict[int, list[torch.Tensor]] = {}
-        self.draft_probs: dict[int, list[torch.Tensor]] = {}
-        self.replay_acceptance_rate: float | None = None  # see SpeculativeConfig
+        # Self-speculation: `max_slots` counts every lane (see worker/spec_lanes.py)
+        self.lanes = lanes
         self.graphs = None  # set by the engine when CUDA graphs are enabled
         self.uploads = HostUploads(max_slots + 1, model.device)
 
@@ -159,12 +141,15 @@ class ModelRunner:
         before they are written again (they are freed after that pass, in stream order)."""
         try:
             self.state.admit(new)
+            if self.lanes is not None:
+                self.lanes.admit(new.slot, new.speculates, new.prompt_len, new.last_position)
+                if new.speculates:  # every lane samples with the request's settings
+                    for lane in self.lanes.lane_slots(new.slot)[1:]:
+                        self.state.admit(replace(new, slot=lane))
         except BaseException:
             self.state.clear_tables(new.slot)
             raise
         self.prefill_hidden.pop(new.slot, None)
-        self.draft_hidden.pop(new.slot, None)
-        self.draft_probs.pop(new.slot, None)
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingPass:
@@ -176,23 +161,25 @@ class ModelRunner:
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
         greedy = all(st.greedy[s] for s in samplers)
         adjusted = any(st.adjusted[s] for s in samplers)
+        speculating = self.lanes is not None and out.speculating
+        if speculating:
+            self.uploads.upload([int(out.drafting)], out=self.lanes.drafting)
         prompt: list[PromptRows] = []
-        speculation: list[SpeculationRows] = []
         if self.graphs is not None and not out.prefill_chunks:
-            packed = self.graphs.replay(out.decode_slots, greedy, num_top, adjusted)
+            packed = self.graphs.replay(out.decode_slots, greedy, num_top, adjusted, speculating)
         else:
             decode = self.uploads.upload(out.decode_slots)
-            packed, prompt, speculation = self.run_pass(
-                decode, out.prefill_chunks, out.max_context, greedy, num_top, adjusted
+            packed, prompt = self.run_pass(
+                decode, out.prefill_chunks, out.max_context, greedy, num_top, adjusted, speculating
             )
         if packed.is_cuda:
             host = packed.to("cpu", non_blocking=True)  # pinned, so it overlaps
-            for rows in [*prompt, *speculation]:
+            for rows in prompt:
                 rows.values = rows.values.to("cpu", non_blocking=True)
             done = torch.cuda.Event()
             done.record()
-            return PendingPass(samplers, host, done, prompt, speculation)
-        return PendingPass(samplers, packed, None, prompt, speculation)
+            return PendingPass(samplers, host, done, prompt)
+        return PendingPass(samplers, packed, None, prompt)
 
     @torch.inference_mode()
     def apply_block_updates(self, updates: tuple[tuple[int, int, int], ...]) -> None:
@@ -208,13 +195,10 @@ class ModelRunner:
         if pending.done is not None:
             pending.done.synchronize()
         output = self._to_output(pending.packed.tolist(), pending.samplers)
-        if not pending.prompt and not pending.speculation:
+        if not pending.prompt:
             return output
         prompt = tuple(_prompt_logprobs(rows) for rows in pending.prompt)
-        speculation = tuple(_speculation_result(rows) for rows in pending.speculation)
-        return ModelRunnerOutput(
-            output.sampled, output.decode_slots_continuing, prompt, speculation
-        )
+        return ModelRunnerOutput(output.sampled, output.decode_slots_continuing, prompt)
 
     def run_pass(
         self,
@@ -224,13 +208,15 @@ class ModelRunner:
         greedy: bool,
         num_top: int,
         adjusted: bool = False,
-    ) -> tuple[torch.Tensor, list[PromptRows], list[SpeculationRows]]:
-        """One pass on the device; returns [samplers, PACKED_FIELDS + 2 * num_top] float32,
-        the prompt logprobs of the chunks that ask for them and the tokens of speculation
-        chunks at their last loop. `adjusted`: some sampling row's request has logit_bias or
-        penalties."""
+        speculating: bool = False,
+    ) -> tuple[torch.Tensor, list[PromptRows]]:
+        """One pass on the device; returns [samplers, PACKED_FIELDS + 2 * num_top] float32
+        and the prompt logprobs of the chunks that ask for them. `adjusted`: some sampling
+        row's request has logit_bias or penalties. `speculating`: some decode rows are
+        speculation lanes."""
         st, model = self.state, self.model
-        rows = gather_rows(decode, chunks, st, self.geo)
+        lanes = self.lanes if speculating else None
+        rows = gather_rows(decode, chunks, st, self.geo, lanes)
         num_decode = decode.shape[0]
         d_loops = rows.loops[:num_decode]
 
@@ -243,8 +229,6 @@ class ModelRunner:
             if chunk.loop == 0:
                 ids = torch.tensor(chunk.token_ids, dtype=torch.int64, device=model.device)
                 inputs.append(model.prelude(ids))
-            elif chunk.from_drafts:
-                inputs.append(torch.cat(self.draft_hidden.pop(chunk.slot)))
             else:
                 inputs.append(self.prefill_hidden.pop(chunk.slot))
         hidden = torch.cat(inputs) if len(inputs) > 1 else inputs[0]  # [rows, hidden]
@@ -259,7 +243,6 @@ class ModelRunner:
         )
         hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
         prompt = self._prompt_rows(hidden, chunks, num_decode)
-        speculation = self._speculation_rows(hidden, chunks, num_decode)
 
         d_hidden = hidden[:num_decode]
         loops_done = d_loops + 1
@@ -276,6 +259,16 @@ class ModelRunner:
                 target_depth=st.trace[decode, trace_index],
             )
         )
+        exited, survival, pending = decision.exit, decision.survival, decision.pending
+        d_positions = st.position[decode]
+        if lanes is not None:
+            exited, drafting, held, hold = lanes.events(decode, d_positions, loops_done, exited)
+            # A held lane keeps its state; released, it samples from the state it exited
+            # with, at the depth it exited at.
+            d_hidden = torch.where(held.unsqueeze(1), st.hidden[decode], d_hidden)
+            loops_done = torch.where(held, st.loop[decode], loops_done)
+            survival = torch.where(held, st.survival[decode], survival)
+            pending = torch.where(held, st.pending[decode], pending)
 
         # Rows that may sample: every decode row (kept only where it exits), and the last
         # position of each prompt that just finished its last loop.
@@ -294,21 +287,61 @@ class ModelRunner:
             p_rows = torch.tensor(prefill_rows, dtype=torch.int64, device=model.device)
             sample_hidden = torch.cat([d_hidden, hidden[p_rows]])
             sample_slots = torch.cat([decode, p_slots])
-        exited = decision.exit
         live = exited & (decode != self.dummy_slot)  # padding rows of a graph never count
         if prefill_samplers:
             live = torch.cat([exited, torch.ones_like(p_slots, dtype=torch.bool)])
-        tokens, chosen_lp, top_ids, top_lp = self._sample(
-            sample_hidden, sample_slots, live, greedy, num_top, adjusted
+        head = live  # rows that need the LM head
+        if lanes is not None:
+            head = live | torch.cat([drafting, torch.zeros_like(live[num_decode:])])
+        logits, sampled_from = self._logits(sample_hidden, sample_slots, head, adjusted)
+        tokens = greedy_or_sample(
+            sampled_from,
+            greedy,
+            st.temperature[sample_slots],
+            st.top_k[sample_slots],
+            st.top_p[sample_slots],
+            st.min_p[sample_slots],
+            st.seed[sample_slots],
+            st.num_generated[sample_slots],
         )
+        outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
+        if lanes is not None:
+            spec_tokens, accepted, had_draft, probs = lanes.choose(
+                st, decode, d_positions, logits[:num_decode], exited, greedy
+            )
+            is_lane = lanes.is_lane[decode]
+            tokens = torch.cat(
+                [torch.where(is_lane, spec_tokens, tokens[:num_decode]), tokens[num_decode:]]
+            )
+            pad = torch.zeros_like(live[num_decode:], dtype=torch.float32)
+            drafted_outcome = torch.where(accepted, 1.0, 2.0) * had_draft
+            outcome = torch.cat([drafted_outcome, pad])
+            ahead = torch.cat([lanes.drafted_ahead(decode).float() * had_draft, pad])
+        if adjusted and st.penalties is not None:  # count each kept token for later ones
+            st.penalties.output_counts.index_put_(
+                (sample_slots, tokens), live.int(), accumulate=True
+            )
+        chosen_lp, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
 
         st.token[decode] = torch.where(exited, tokens[:num_decode], st.token[decode])
         st.position[decode] += exited.long()
         st.loop[decode] = torch.where(exited, 0, loops_done)
-        st.survival[decode] = torch.where(exited, 1.0, decision.survival)
-        st.pending[decode] = decision.pending & ~exited
+        st.survival[decode] = torch.where(exited, 1.0, survival)
+        st.pending[decode] = pending & ~exited
         st.num_generated[decode] += exited.long()
         st.hidden[decode] = d_hidden
+        if lanes is not None:
+            lanes.step(
+                st,
+                decode,
+                d_positions,
+                exited,
+                drafting,
+                hold,
+                accepted,
+                tokens[:num_decode],
+                probs,
+            )
         depths, flags = loops_done, exited
         if prefill_samplers:
             st.token[p_slots] = tokens[num_decode:]
@@ -316,82 +349,10 @@ class ModelRunner:
             depths = torch.cat([depths, torch.full_like(p_slots, self.num_loops)])
             flags = torch.cat([flags, torch.ones_like(p_slots, dtype=torch.bool)])
         st.reset_dummy(self.dummy_slot)
-        fields = torch.stack([flags.float(), tokens.float(), depths.float(), chosen_lp], 1)
-        return torch.cat([fields, top_ids.float(), top_lp], dim=1), prompt, speculation
-
-    def _speculation_rows(
-        self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
-    ) -> list[SpeculationRows]:
-        """Draft tokens and verify decisions of speculation chunks at their last loop (see
-        core/speculation.py); a draft step's state is kept for its round's verify chunk."""
-        results = []
-        for chunk in chunks:
-            count = len(chunk.token_ids)
-            if (chunk.draft or chunk.verify) and chunk.loop == chunk.depth - 1:
-                rows = hidden[row : row + count]
-                logits = self.model.coda(rows, self.ops)
-                if chunk.draft:
-                    self.draft_hidden.setdefault(chunk.slot, []).append(rows.clone())
-                    values = self._draft(chunk, logits)
-                else:
-                    values = self._verify(chunk, logits)
-                results.append(SpeculationRows(chunk.slot, chunk.verify, values))
-            row += count
-        return results
-
-    def _distribution(self, slot: int, logits: torch.Tensor) -> torch.Tensor:
-        """The distribution the slot's request samples from, per row of `logits`."""
-        st, rows = self.state, logits.shape[0]
-        index = torch.full((rows,), slot, dtype=torch.int64, device=logits.device)
-        return filtered_probs(
-            logits, st.temperature[index], st.top_k[index], st.top_p[index], st.min_p[index]
+        fields = torch.stack(
+            [flags.float(), tokens.float(), depths.float(), chosen_lp, outcome, ahead], 1
         )
-
-    def _noise_inputs(self, slot: int, counters: torch.Tensor, stream: int):
-        """Seeds and counters of the slot's request for one of the speculation streams
-        (0 drafts, 1 acceptance, 2 replacements), apart from each other for every token."""
-        seeds = self.state.seed[slot].expand(counters.shape[0])
-        return seeds, counters * 3 + stream
-
-    def _draft(self, chunk: PrefillChunk, logits: torch.Tensor) -> torch.Tensor:
-        if self.state.greedy[chunk.slot]:
-            token = logits.argmax(dim=-1)
-        else:
-            probs = self._distribution(chunk.slot, logits)
-            self.draft_probs.setdefault(chunk.slot, []).append(probs)
-            counters = torch.full((1,), chunk.sample_index, device=logits.device)
-            token = sample_from(probs, *self._noise_inputs(chunk.slot, counters, 0))
-        chosen, _, _ = token_logprobs(logits, token, 0)
-        return torch.stack([token.float(), chosen], 1)
-
-    def _verify(self, chunk: PrefillChunk, logits: torch.Tensor) -> torch.Tensor:
-        rows, device = logits.shape[0], logits.device
-        drafted = torch.tensor(chunk.token_ids[1:], dtype=torch.int64, device=device)
-        index = torch.arange(rows - 1, device=device)
-        if self.state.greedy[chunk.slot]:
-            instead = logits.argmax(dim=-1)
-            accepted = instead[:-1] == drafted
-        else:
-            target = self._distribution(chunk.slot, logits)
-            draft = torch.cat(self.draft_probs.pop(chunk.slot))
-            p, q = target[index, drafted], draft[index, drafted]
-            counters = chunk.sample_index + torch.arange(rows, device=device)
-            seeds, accept_counters = self._noise_inputs(chunk.slot, counters[:-1], 1)
-            uniform = seeded_uniform(seeds, accept_counters, 1)[:, 0]
-            accepted = uniform * q <= p
-            residual = (target - draft).clamp_min(0.0)
-            residual[-1] = target[-1]  # past the last draft: a draw from the target
-            instead = sample_from(residual, *self._noise_inputs(chunk.slot, counters, 2))
-        if self.replay_acceptance_rate is not None:
-            counters = chunk.sample_index + torch.arange(rows - 1, device=device)
-            uniform = seeded_uniform(*self._noise_inputs(chunk.slot, counters, 1), 1)[:, 0]
-            accepted = uniform < self.replay_acceptance_rate
-        logprobs = logits.log_softmax(dim=-1)
-        instead_lp = logprobs.gather(1, instead.unsqueeze(1)).squeeze(1)
-        padded = torch.zeros(rows, 2, device=device)
-        padded[:-1, 0] = accepted.float()
-        padded[:-1, 1] = logprobs[index, drafted]
-        return torch.cat([torch.stack([instead.float(), instead_lp], 1), padded], 1)
+        return torch.cat([fields, top_ids.float(), top_lp], dim=1), prompt
 
     def _prompt_rows(
         self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
@@ -416,45 +377,25 @@ class ModelRunner:
             row += len(chunk.token_ids)
         return results
 
-    def _sample(
-        self,
-        hidden: torch.Tensor,
-        slots: torch.Tensor,
-        live: torch.Tensor,  # [samplers] bool: rows whose token is kept
-        greedy: bool,
-        num_top: int,
-        adjusted: bool,
-    ):
+    def _logits(self, hidden, slots, head, adjusted: bool):
+        """(the model's logits, what sampling draws from: with the min_tokens ban and the
+        logit adjustments) of the rows; the LM head may skip rows outside `head`."""
         st = self.state
-        logits = self.model.coda(hidden, self.ops, live)  # [samplers, vocab]
+        logits = self.model.coda(hidden, self.ops, head)  # [samplers, vocab]
         before_min = st.num_generated[slots] < st.min_tokens[slots]
         logits = logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
-        sampled_from = logits
         penalties = st.penalties
-        if adjusted and penalties is not None:
-            sampled_from = apply_penalties(
-                logits,
-                penalties.output_counts[slots],
-                penalties.prompt_mask[slots],
-                penalties.repetition[slots],
-                penalties.frequency[slots],
-                penalties.presence[slots],
-                penalties.bias[slots],
-            )
-        tokens = greedy_or_sample(
-            sampled_from,
-            greedy,
-            st.temperature[slots],
-            st.top_k[slots],
-            st.top_p[slots],
-            st.min_p[slots],
-            st.seed[slots],
-            st.num_generated[slots],
+        if not adjusted or penalties is None:
+            return logits, logits
+        return logits, apply_penalties(
+            logits,
+            penalties.output_counts[slots],
+            penalties.prompt_mask[slots],
+            penalties.repetition[slots],
+            penalties.frequency[slots],
+            penalties.presence[slots],
+            penalties.bias[slots],
         )
-        if adjusted and penalties is not None:  # count each kept token for later ones
-            penalties.output_counts.index_put_((slots, tokens), live.int(), accumulate=True)
-        chosen, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
-        return tokens, chosen, top_ids, top_lp
 
     def _to_output(self, packed: list[list[float]], slots: list[int]) -> ModelRunnerOutput:
         sampled, continuing = [], []
@@ -468,7 +409,19 @@ class ModelRunner:
                 (int(values[PACKED_FIELDS + j]), values[PACKED_FIELDS + num_top + j])
                 for j in range(min(want, num_top))
             )
-            sampled.append(SampledToken(slot, int(values[1]), int(values[2]), values[3], top))
+            outcome = int(values[4])
+            sampled.append(
+                SampledToken(
+                    slot,
+                    int(values[1]),
+                    int(values[2]),
+                    values[3],
+                    top,
+                    drafted=outcome > 0,
+                    accepted=outcome == 1,
+                    ahead=int(values[5]),
+                )
+            )
         return ModelRunnerOutput(tuple(sampled), tuple(continuing))
 
 
@@ -480,16 +433,4 @@ def _prompt_logprobs(rows: PromptRows) -> PromptLogprobs:
         start=rows.start,
         logprobs=tuple(v[0] for v in values),
         top=tuple(tuple((int(v[1 + j]), v[1 + top + j]) for j in range(top)) for v in values),
-    )
-
-
-def _speculation_result(rows: SpeculationRows) -> SpeculationResult:
-    values = rows.values.tolist()
-    return SpeculationResult(
-        slot=rows.slot,
-        tokens=tuple(int(v[0]) for v in values),
-        logprobs=tuple(v[1] for v in values),
-        verify=rows.verify,
-        accepted=tuple(bool(v[2]) for v in values[:-1]) if rows.verify else (),
-        accepted_logprobs=tuple(v[3] for v in values[:-1]) if rows.verify else (),
     )

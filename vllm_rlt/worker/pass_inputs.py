@@ -15,6 +15,7 @@ from vllm_rlt.attention.metadata import (
 )
 from vllm_rlt.core.contract import PrefillChunk
 from vllm_rlt.worker.slot_state import SlotState
+from vllm_rlt.worker.spec_lanes import SpecLanes
 
 
 @dataclass
@@ -60,13 +61,20 @@ class PassRows:
 
 
 def gather_rows(
-    decode: torch.Tensor, chunks: tuple[PrefillChunk, ...], state: SlotState, geo: KVGeometry
+    decode: torch.Tensor,
+    chunks: tuple[PrefillChunk, ...],
+    state: SlotState,
+    geo: KVGeometry,
+    lanes: SpecLanes | None = None,
 ) -> PassRows:
     """Decode rows [decode] read position and loop from slot state; prefill rows come from
-    the host. With no chunks every op stays on the device (the CUDA-graph case)."""
-    d_loops = state.loop[decode]
+    the host. With no chunks every op stays on the device (the CUDA-graph case). Speculation
+    lanes use their request's block table."""
+    table_slots, positions, d_loops = decode, state.position[decode], state.loop[decode]
+    if lanes is not None:
+        table_slots, positions, d_loops = lanes.idle_rows(decode, positions, d_loops)
     d_hi = torch.full_like(d_loops, geo.planes) if geo.write_deeper_planes else d_loops + 1
-    rows = PassRows(geo.final_table_row(decode), state.position[decode], d_loops, d_hi)
+    rows = PassRows(geo.final_table_row(table_slots), positions, d_loops, d_hi)
     if not chunks:
         return rows
     tables = torch.cat([torch.full((len(c.token_ids),), _chunk_table_row(c, geo)) for c in chunks])

@@ -210,7 +210,7 @@ def _engine_families(stats: dict[str, Any]) -> list[Metric]:
         gauge("vllm_rlt:rows_per_pass", f"Mean rows per pass {window}", stats["rows_per_pass"]),
         counter(
             "vllm_rlt:spec_decode_num_drafts",
-            "Self-speculative rounds verified",
+            "Self-speculative drafts verified (each draft is verified on its own)",
             stats["spec_num_drafts"],
         ),
         counter(
@@ -230,7 +230,8 @@ def _engine_families(stats: dict[str, Any]) -> list[Metric]:
 def _per_position(accepted: list[int]) -> CounterMetricFamily:
     family = CounterMetricFamily(
         "vllm_rlt:spec_decode_num_accepted_tokens_per_pos",
-        "Rounds whose draft token at this position (0 = the first) was accepted",
+        "Accepted draft tokens by how far ahead of the verified token they were made "
+        "(0 = the next one)",
         labels=["position"],
     )
     for position, count in enumerate(accepted):
