@@ -343,3 +343,32 @@ def test_adaptive_depth_speculation_is_exact(make_engine, policy, draft_loops, a
     assert depths(got) == depths(plain)
     assert len({d for ds in depths(plain).values() for d in ds}) > 1  # depths do vary
     assert engine.scheduler.num_drafted > 0
+
+
+def test_lanes_coming_back_stay_within_the_row_budget(make_engine):
+    """A collapsed request (one row) gets its lanes back when drafting resumes; that pass
+    counts all of them before prefill chunks take the rest of the budget."""
+    budget = 20
+    engine = make_engine(
+        speculative_config=SpeculativeConfig(3, 1, disable_by_batch_size=2),
+        max_num_seqs=5,
+        max_num_batched_tokens=budget,
+        prefill_chunk_size=16,
+    )
+    scheduler = engine.scheduler
+    long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+    engine.add_request("a", [5, 6, 7], long)
+    engine.add_request("b", [8, 9], short)
+    engine.add_request("c", [10, 11], short)
+    while len(scheduler.running) + len(scheduler.waiting) > 1:
+        engine.step()  # three run: drafting is off and "a" decodes in its own slot
+    (lone,) = scheduler.running.values()
+    assert lone.lanes_collapsed
+    for name in ("d", "e"):
+        engine.add_request(name, [12] * 30, short)
+    output = scheduler.schedule()  # one runs: "a" gets its lanes back, then the prompts
+    assert not lone.lanes_collapsed and output.drafting
+    assert output.num_rows == budget
+    for request_id in list(engine.groups):
+        engine.abort_request(request_id)

@@ -102,16 +102,18 @@ class Scheduler:
         still runs."""
         self.round += 1
         self.block_updates: list[tuple[int, int, int]] = []
+        # Speculation lanes come back before blocks and the row budget are counted.
+        drafting = self._drafting()
+        if drafting:
+            self.last_drafting_round = self.round
+            for request in self.running.values():
+                if request.status is RequestStatus.DECODE:
+                    request.lanes_collapsed = False
         self._reserve_decode_blocks()
         new_slots = self._admit()
         self._start_chunks()
 
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODE]
-        drafting = self._drafting()
-        if drafting:
-            self.last_drafting_round = self.round
-            for request in decoding:
-                request.lanes_collapsed = False
         in_flight = [r for r in decoding if r.token_in_flight]
         if self.config.mode == "no_refill" and in_flight:
             decoding = in_flight

@@ -307,7 +307,7 @@ class ModelRunner:
         outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
         if lanes is not None:
             spec_tokens, accepted, had_draft, probs = lanes.choose(
-                st, decode, d_positions, logits[:num_decode], exited, greedy
+                st, decode, d_positions, logits[:num_decode], exited, tokens[:num_decode], greedy
             )
             is_lane = lanes.is_lane[decode]
             tokens = torch.cat(

@@ -133,9 +133,10 @@ class SpecLanes:
         )
         return exited, drafting, held, hold
 
-    def choose(self, state, slots, positions, logits, exited, greedy: bool):
+    def choose(self, state, slots, positions, logits, exited, plain, greedy: bool):
         """Tokens of the lane rows: the committed token where a lane exits, the draft where
-        it drafts. Returns (tokens, accepted, had_draft, probs or None)."""
+        it drafts. A token with no draft to check is `plain`, the draw plain decoding
+        makes. Returns (tokens, accepted, had_draft, probs or None)."""
         lane_exit = exited & self.is_lane[slots]
         succ = self.next[slots]
         had_draft = (
@@ -168,7 +169,7 @@ class SpecLanes:
             residual = (probs - q).clamp_min(0.0)
             residual = torch.where(residual.sum(1, keepdim=True) > 0, residual, probs)
             replaced = sample_from(residual, seeds, index * 3 + 2)
-            committed = torch.where(had_draft & take, drafted_token, replaced)
+            committed = torch.where(had_draft, torch.where(take, drafted_token, replaced), plain)
             draft = sample_from(probs, seeds, index * 3)
             greedy_row = temperature == 0
             accepted = had_draft & torch.where(greedy_row, target == drafted_token, take)
