@@ -191,9 +191,8 @@ AUTO_DISABLE_BY_BATCH_SIZE = 64
 class SpeculativeConfig:
     """Self-speculative decoding: the model's first `draft_loops` loops draft the next
     token while the remaining loops verify the previous one, in the same passes (see
-    docs/structure.md). It applies to requests at a fixed depth (each request's max_loops)
-    deeper than the draft, without top logprobs, logit adjustments or min_tokens; others
-    decode as usual.
+    docs/structure.md). It applies to requests whose max_loops exceeds the draft's, at any
+    exit rule, without logit adjustments; others decode as usual.
 
     `num_speculative_tokens` caps the draft tokens a request runs ahead of its last
     verified one; more than ceil(depth / draft_loops) - 1 never run, since a draft is

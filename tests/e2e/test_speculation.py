@@ -82,14 +82,14 @@ def test_the_built_in_model_accepts_its_two_loop_drafts():
 
 def test_stops_n_and_unspeculated_requests(make_engine):
     """A stop token inside an accepted run cuts there; two completions each speculate; a
-    sampled request that asks for top logprobs (not speculated) is unchanged beside them."""
+    sampled request with a presence penalty (not speculated) is unchanged beside them."""
     _, plain = _run(make_engine)
     stop = plain["r1"].outputs[0].token_ids[6]
 
     def params_of(i: int) -> SamplingParams:
-        if i == 2:  # top logprobs: decodes loop by loop as usual
+        if i == 2:  # a logit adjustment: decodes loop by loop as usual
             return SamplingParams(
-                max_tokens=11, temperature=0.8, seed=5, exit_threshold=0.7, logprobs=2
+                max_tokens=11, temperature=0.8, seed=5, exit_threshold=0.7, presence_penalty=0.5
             )
         if i == 3:
             return _greedy(i, n=2)
@@ -372,3 +372,28 @@ def test_lanes_coming_back_stay_within_the_row_budget(make_engine):
     assert output.num_rows == budget
     for request_id in list(engine.groups):
         engine.abort_request(request_id)
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_logprobs_and_min_tokens_speculate_exactly(make_engine, async_scheduling):
+    """Lanes give top logprobs from the committing lane's full-depth logits (a held lane's
+    from the state it exited with) and apply the min_tokens ban to drafts and commits
+    alike: tokens, exit depths and logprobs equal plain decoding's."""
+
+    def params_of(i: int) -> SamplingParams:
+        return _greedy(
+            i, logprobs=3, min_tokens=MAX_TOKENS[i] - 2, exit_threshold=(1.0, 0.7)[i % 2]
+        )
+
+    _, plain = _run(make_engine, params_of=params_of)
+    engine, got = _run(
+        make_engine, SpeculativeConfig(3, 2), params_of=params_of, async_scheduling=async_scheduling
+    )
+    assert engine.scheduler.num_drafted > 0
+    assert _tokens(got) == _tokens(plain)
+    for rid, want in plain.items():
+        ours, theirs = got[rid].outputs[0], want.outputs[0]
+        assert ours.exit_depths == theirs.exit_depths
+        for mine, ref in zip(ours.logprobs, theirs.logprobs, strict=True):
+            assert mine.keys() == ref.keys()
+            assert all(abs(mine[k] - ref[k]) < 1e-4 for k in ref)

@@ -300,16 +300,10 @@ class EngineCore:
 
     def _speculates(self, params: SamplingParams, max_loops: int) -> bool:
         """Whether a request decodes in speculation lanes: its depth may exceed the draft's,
-        and nothing needs each token's full logits (top logprobs, logit adjustments, a
-        min_tokens ban). Others decode loop by loop as usual."""
+        and it has no logit adjustments (their counts of earlier tokens live per slot, and
+        a lane would count unverified drafts). Others decode loop by loop as usual."""
         config = self.speculative_config
-        return (
-            config is not None
-            and config.draft_loops < max_loops
-            and not params.logprobs
-            and not params.adjusts_logits
-            and params.min_tokens == 0
-        )
+        return config is not None and config.draft_loops < max_loops and not params.adjusts_logits
 
     def check_request(
         self, request_id: str, prompt: list[int], params: SamplingParams

@@ -176,8 +176,8 @@ def add_speculation_args(parser: argparse.ArgumentParser, replay: bool = False) 
         type=_speculative_tokens,
         default=None,
         help="draft tokens a request may run ahead of its last verified one, drafted by the "
-        "first --draft-loops loops and verified by the rest in the same passes (greedy or "
-        "sampled requests at a fixed depth); 'auto': as many as the pipeline uses, and "
+        "first --draft-loops loops and verified by the rest in the same passes (requests "
+        "without logit adjustments, at any exit rule); 'auto': as many as the pipeline uses, and "
         f"drafting only while at most {AUTO_DISABLE_BY_BATCH_SIZE} requests run (default: off)",
     )
     spec.add_argument(
