@@ -66,6 +66,14 @@ def test_two_api_servers_equal_offline_and_sum_their_metrics_then_survive_a_dead
             generated = sum(len(output.outputs[0].token_ids) for output in offline)
             assert metric(url, "vllm_rlt:generation_tokens_total") == generated
         assert metric(url, "vllm_rlt:passes_total") > 0
+        # and says which server served each request
+        served = [
+            line
+            for line in httpx.get(f"{url}/metrics").text.splitlines()
+            if line.startswith("vllm_rlt:api_server_requests_total{")
+        ]
+        assert served and all(re.search(r'api_server="[12]"', line) for line in served)
+        assert metric(url, "vllm_rlt:api_server_requests_total") == 32
         assert metric(url, "vllm_rlt:num_requests_running") == 0
 
         os.kill(pids["core"], signal.SIGKILL)

@@ -49,8 +49,9 @@ VLLM_NAMES = {
 
 
 class ServerMetrics:
-    def __init__(self, num_loops: int, model_name: str = "") -> None:
+    def __init__(self, num_loops: int, model_name: str = "", api_server: int = 1) -> None:
         self.model_name = model_name
+        self.api_server = str(api_server)  # which of `--api-server-count` servers this is
         self.registry = CollectorRegistry()
         r = self.registry
         self.ttft = Histogram(
@@ -79,6 +80,13 @@ class ServerMetrics:
             "vllm_rlt:request_success",
             "Finished requests by finish reason",
             ["finished_reason"],
+            registry=r,
+        )
+        # How evenly the kernel spreads connections over several API servers.
+        self.api_server_requests = Counter(
+            "vllm_rlt:api_server_requests",
+            "Finished requests by the API server (1 to --api-server-count) that served them",
+            ["api_server"],
             registry=r,
         )
         self.exit_depth = Histogram(
@@ -122,6 +130,7 @@ class ServerMetrics:
         metrics = output.metrics
         tokens = sum(len(c.token_ids) for c in output.outputs)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
+        self.api_server_requests.labels(self.api_server).inc()
         for completion in output.outputs:
             self.request_success.labels(completion.finish_reason or "abort").inc()
         if metrics.time_to_first_token is not None:

@@ -90,7 +90,8 @@ class ServerState:
                 attach=self.attach,
             )
             name = self.settings.served_model_name or engine.model_name
-            metrics = ServerMetrics(engine.info.num_loops, name)
+            index = self.attach.client if self.attach is not None else 1
+            metrics = ServerMetrics(engine.info.num_loops, name, index)
             engine.observer = metrics
             self.serving = OpenAIServing(
                 engine,
