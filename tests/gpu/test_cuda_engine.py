@@ -41,6 +41,22 @@ def _cuda_engine(
     )
 
 
+def _fast_fixed_depth_engine(toy_config, toy_state, speculative_config=None):
+    """float32, last_exited, depth 4 (ouro q = 1.0), triton with graphs and async."""
+    return _cuda_engine(
+        toy_config,
+        toy_state,
+        torch.float32,
+        "last_exited",
+        "ouro_q1.0",
+        "refill",
+        "triton",
+        graphs=True,
+        async_scheduling=True,
+        speculative_config=speculative_config,
+    )
+
+
 def _run(engine, policy):
     _, threshold = POLICIES[policy]
     arrivals = {
@@ -262,17 +278,7 @@ def test_cuda_logit_adjustments_equal_the_reference(toy_config, toy_state, name)
     from tests.e2e.test_sampling import ADJUSTMENTS, PROMPT, _reference_adjusted_greedy
 
     adjustments = ADJUSTMENTS[name]
-    engine = _cuda_engine(
-        toy_config,
-        toy_state,
-        torch.float32,
-        "last_exited",
-        "ouro_q1.0",
-        "refill",
-        "triton",
-        graphs=True,
-        async_scheduling=True,
-    )
+    engine = _fast_fixed_depth_engine(toy_config, toy_state)
     params = SamplingParams(
         max_tokens=10, temperature=0.0, exit_threshold=1.0, ignore_eos=True, **adjustments
     )
@@ -332,16 +338,9 @@ def test_cuda_sampled_speculation_is_reproducible(toy_config, toy_state):
 
     runs = []
     for _ in range(2):
-        engine = _cuda_engine(
+        engine = _fast_fixed_depth_engine(
             toy_config,
             toy_state,
-            torch.float32,
-            "last_exited",
-            "ouro_q1.0",
-            "refill",
-            "triton",
-            graphs=True,
-            async_scheduling=True,
             speculative_config=SpeculativeConfig(num_speculative_tokens=3, draft_loops=2),
         )
         params = SamplingParams(max_tokens=12, temperature=1.0, top_k=8, exit_threshold=1.0)

@@ -54,7 +54,7 @@ class Scheduler:
         self.num_drafted = 0  # draft tokens verified
         self.num_accepted = 0  # of them, accepted
         # accepted_at[i]: accepted drafts made i + 1 tokens ahead of the verified one
-        self.accepted_at = [0] * max(lanes_per_request - 1, 0) if speculation else []
+        self.accepted_at = [0] * (lanes_per_request - 1)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
         self.free_slots: list[int] = list(range(config.max_num_seqs - 1, -1, -1))

@@ -136,7 +136,8 @@ class SpecLanes:
     def choose(self, state, slots, positions, logits, exited, plain, greedy: bool):
         """Tokens of the lane rows: the committed token where a lane exits, the draft where
         it drafts. A token with no draft to check is `plain`, the draw plain decoding
-        makes. Returns (tokens, accepted, had_draft, probs or None)."""
+        makes (the argmax on a greedy row: lanes have no logit adjustments). Returns
+        (tokens, accepted, had_draft, probs or None)."""
         lane_exit = exited & self.is_lane[slots]
         succ = self.next[slots]
         had_draft = (
@@ -146,7 +147,7 @@ class SpecLanes:
             & (state.position[succ] == positions + 1)
         )
         drafted_token = state.token[succ]
-        target = logits.argmax(dim=-1)
+        target = plain  # greedy rows
         index = state.num_generated[slots]  # output index of the token these rows choose
         seeds = state.seed[slots]
         probs = None
