@@ -1,14 +1,19 @@
-"""Time the skinny linear kernel over launch shapes against cuBLAS, at Ouro-1.4B layer shapes.
+"""Time the skinny linear kernel over launch shapes against cuBLAS, at Ouro-1.4B layer shapes,
+to choose the rows of LINEAR_PLANS (vllm_rlt/attention/triton_backend.py).
 
 Each case runs back to back in a CUDA graph over enough weight copies to defeat the L2 cache,
-as the layers of a real pass do.
+as the layers of a real pass do. Layers that feed the residual add and norm (o, down) are
+timed together with that norm kernel, which is where split-K slices are summed; their cuBLAS
+figure is cuBLAS plus the same norm. Every launch shape is compiled first in parallel worker
+processes (Triton's on-disk cache keeps the binaries), then timed one at a time.
 
-python -m benchmarks.tune_linear [--rows 1 8 16 32 64]
+python -m benchmarks.tune_linear [--rows 1 16 32 64] [--shapes o down] [--jobs 8]
 """
 
 from __future__ import annotations
 
 import itertools
+import multiprocessing
 
 import torch
 import torch.nn.functional as F
@@ -16,68 +21,132 @@ import torch.nn.functional as F
 from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.attention.triton_backend import TritonOps
 from vllm_rlt.entrypoints.parser import CLIParser
-from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear
+from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
 
-# name: (N, K, SiLU-mul epilogue)
+# name: (N, K, SiLU-mul epilogue, feeds the residual add and norm)
 SHAPES = {
-    "qkv": (6144, 2048, False),
-    "o": (2048, 2048, False),
-    "gate_up": (11264, 2048, True),
-    "down": (2048, 5632, False),
-    "lm_head": (49152, 2048, False),
+    "qkv": (6144, 2048, False, False),
+    "o": (2048, 2048, False, True),
+    "gate_up": (11264, 2048, True, False),
+    "down": (2048, 5632, False, True),
+    "lm_head": (49152, 2048, False, False),
 }
 L2_DEFEAT_BYTES = 160 * 2**20
 
 
-def tune(name: str, rows: list[int], configs: list[SkinnyConfig]) -> None:
-    n, k, silu = SHAPES[name]
+def tile_rows(rows: int) -> int:
+    return 16 if rows <= 16 else 32 if rows <= 32 else 64
+
+
+def candidates(name: str, rows: int) -> list[SkinnyConfig]:
+    """Launch shapes worth timing for this layer and row count."""
+    block_m = tile_rows(rows)
+    feeds_norm = SHAPES[name][3]
+    if block_m == 16:
+        grid = itertools.product((16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4))
+    else:
+        grid = itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4), (1, 2))
+    return [
+        SkinnyConfig(block_n, block_k, warps, stages, block_m, split)
+        for block_n, block_k, warps, stages, split in grid
+        if split == 1 or feeds_norm
+    ]
+
+
+def case(name: str, rows: int, copies: int):
+    """Inputs, weights and the two callables (cuBLAS path, skinny path) of one case."""
+    n, k, silu, feeds_norm = SHAPES[name]
+    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+    ops = TritonOps()
+    if feeds_norm:
+        h = torch.randn(rows, n, device="cuda", dtype=torch.bfloat16)
+        w1 = torch.ones(n, device="cuda", dtype=torch.bfloat16)
+
+        def cublas(i):
+            return ops.add_rms_norm2(h, F.linear(x, weights[i]), w1, w1, 1e-6)
+
+        def skinny(i, c):
+            if c.split_k == 1:
+                return ops.add_rms_norm2(h, skinny_linear(x, weights[i], c), w1, w1, 1e-6)
+            return ops._add_rms_norm2(h, skinny_linear_partials(x, weights[i], c), w1, w1, 1e-6)
+
+    elif silu:  # what the skinny epilogue replaces: cuBLAS, then the SiLU-mul kernel
+
+        def cublas(i):
+            return ops.silu_mul(F.linear(x, weights[i]))
+
+        def skinny(i, c):
+            return skinny_linear(x, weights[i], c, silu_mul=True)
+
+    else:
+
+        def cublas(i):
+            return F.linear(x, weights[i])
+
+        def skinny(i, c):
+            return skinny_linear(x, weights[i], c)
+
+    return cublas, skinny
+
+
+def compile_all(job: tuple[str, int]) -> int:
+    """Worker: run every candidate once so Triton compiles and caches it."""
+    name, rows = job
+    _, skinny = case(name, rows, 1)
+    for config in candidates(name, rows):
+        try:
+            skinny(0, config)
+        except Exception:  # shapes that exceed shared memory or registers
+            pass
+    torch.cuda.synchronize()
+    return rows
+
+
+def tune(name: str, rows: list[int]) -> None:
+    n, k = SHAPES[name][:2]
     nbytes = n * k * 2
     copies = max(4, -(-L2_DEFEAT_BYTES // nbytes))
-    weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
-    ops = TritonOps()
     for m in rows:
-        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        if silu:  # what the skinny epilogue replaces: cuBLAS, then the SiLU-mul kernel
-            cublas = graph_time_us(lambda i, x=x: ops.silu_mul(F.linear(x, weights[i])), copies)
-        else:
-            cublas = graph_time_us(lambda i, x=x: F.linear(x, weights[i]), copies)
+        cublas, skinny = case(name, m, copies)
+        base = graph_time_us(cublas, copies)
         timed = []
-        for config in configs:
+        for config in candidates(name, m):
             try:
-                us = graph_time_us(
-                    lambda i, x=x, c=config: skinny_linear(x, weights[i], c, silu_mul=silu), copies
-                )
+                us = graph_time_us(lambda i, c=config, s=skinny: s(i, c), copies)
             except Exception as error:  # shapes that exceed shared memory or registers
                 print(f"  skip {config}: {type(error).__name__}")
                 continue
             timed.append((us, config))
         timed.sort(key=lambda item: item[0])
         print(
-            f"{name} N={n} K={k} rows={m}: cuBLAS {cublas:.1f} us "
-            f"({nbytes / cublas / 1e3:.0f} GB/s); skinny best {timed[0][0]:.1f} us "
-            f"({nbytes / timed[0][0] / 1e3:.0f} GB/s), x{cublas / timed[0][0]:.2f}"
+            f"{name} N={n} K={k} rows={m}: cuBLAS {base:.1f} us "
+            f"({nbytes / base / 1e3:.0f} GB/s); skinny best {timed[0][0]:.1f} us "
+            f"({nbytes / timed[0][0] / 1e3:.0f} GB/s), x{base / timed[0][0]:.2f}",
+            flush=True,
         )
         for us, config in timed[:4]:
-            print(f"    {us:7.1f} us  {config}")
+            print(f"    {us:7.1f} us  {config}", flush=True)
 
 
 def main() -> None:
     parser = CLIParser(prog="python -m benchmarks.tune_linear", description=__doc__)
     parser.add_argument(
-        "--rows", type=int, nargs="+", default=[1, 8, 16, 32, 64], help="rows per pass"
+        "--rows", type=int, nargs="+", default=[1, 16, 32, 64], help="rows per pass"
     )
     parser.add_argument(
         "--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="layer shapes"
     )
+    parser.add_argument(
+        "--jobs", type=int, default=8, help="processes that compile launch shapes first"
+    )
     args = parser.parse_args()
-    configs = [
-        SkinnyConfig(block_n, block_k, warps, stages)
-        for block_n, block_k, warps, stages in itertools.product(
-            (16, 32, 64), (128, 256, 512), (4, 8), (2, 3, 4)
-        )
-    ]
+    jobs = [(name, m) for name in args.shapes for m in sorted({tile_rows(r) for r in args.rows})]
+    with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
+        for _ in pool.imap_unordered(compile_all, jobs):
+            pass
     for name in args.shapes:
-        tune(name, args.rows, configs)
+        tune(name, args.rows)
 
 
 if __name__ == "__main__":

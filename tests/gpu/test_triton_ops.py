@@ -45,7 +45,7 @@ def test_norms_and_activation(triton_ops, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 64])
 @pytest.mark.parametrize(
     "n,k", [(2048, 2048), (6144, 2048), (11264, 2048), (49152, 2048), (1000, 100), (2048, 5632)]
 )
@@ -66,10 +66,31 @@ def test_linear_layers(triton_ops, dtype, rows, n, k):
     live[-1] = True
     got = triton_ops.linear(x, w, live)
     torch.testing.assert_close(got[-1], ref.linear(x, w)[-1], atol=tol, rtol=tol)
-    from vllm_rlt.attention.triton_backend import use_skinny  # needs triton: import here
+    from vllm_rlt.attention.triton_backend import linear_plan  # needs triton: import here
 
-    if use_skinny(rows, w):  # one row tile: nothing live means no weight read, zero outputs
+    if linear_plan(rows, w) is not None:  # one row tile: nothing live, no weight read, zeros
         assert not triton_ops.linear(x, w, idle).any()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 64, 65])
+@pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 5632), (1000, 100), (96, 700)])
+@pytest.mark.parametrize("branch_norm", [True, False])
+def test_linear_add_rms_norm2(triton_ops, dtype, rows, n, k, branch_norm):
+    """The projection fused with the residual add and norm (split-K slices summed by the
+    norm kernel where the plan splits) against the torch ops."""
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
+    h = torch.randn(rows, n, device="cuda", generator=gen).to(dtype)
+    w1 = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(dtype)
+    w2 = (1 + 0.1 * torch.randn(n, device="cuda", generator=gen)).to(dtype)
+    w_branch = w1 if branch_norm else None
+    tol = TOL[dtype]
+    got = triton_ops.linear_add_rms_norm2(h, x, w, w_branch, w2, 1e-6)
+    want = TorchOps().linear_add_rms_norm2(h, x, w, w_branch, w2, 1e-6)
+    for g, expected in zip(got, want, strict=True):
+        torch.testing.assert_close(g, expected, atol=tol, rtol=tol)
 
 
 class _State:

@@ -29,6 +29,13 @@ class TorchOps:
         x = x + (branch if w_branch is None else rms_norm(branch, w_branch, eps))
         return x, rms_norm(x, w_next, eps)
 
+    def linear_add_rms_norm2(
+        self, x: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, w_branch, w_next, eps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm2 of x and the projected branch inp @ weight.T: one op, so that a
+        backend may fuse the projection's reduction into the norm."""
+        return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up from interleaved columns gate_0, up_0, gate_1, up_1, ..."""
         gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)

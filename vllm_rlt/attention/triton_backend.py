@@ -3,13 +3,15 @@ attention that resolves each row's plane and block table inside the kernel."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import torch.nn.functional as F
 import triton
 
 from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
-from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear
+from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
 from vllm_rlt.kernels.triton_kernels import (
     _add_rms_norm2_kernel,
     _paged_attention_kernel,
@@ -29,31 +31,57 @@ FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
 # Programmatic dependent launch where the GPU has it (Hopper and newer).
 USE_PDL = True
 
-# Linear layers of passes with at most this many rows use the skinny kernel (cuBLAS above).
-SKINNY_MAX_ROWS = 16
+# Linear layers: per layer shape, the launch shape for passes of up to so many rows, in
+# increasing order; a pass with more rows than the last entry runs cuBLAS. Chosen with
+# benchmarks/tune_linear.py on an H200 in bf16 at Ouro-1.4B shapes (o 2048 x 2048, qkv
+# 6144 x 2048, gate_up 11264 x 2048, LM head 49152 x 2048, down 2048 x 5632); block_k is
+# in bf16 elements. Split-K (last field) is used only where the product feeds the residual
+# add and norm, which sums the slices.
+LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
+    "narrow": (  # N <= 4096, N >= K (o): 1.06-1.15x cuBLAS with the norm that follows
+        (16, SkinnyConfig(32, 128, 4, 4, 16, 2)),
+        (32, SkinnyConfig(32, 128, 4, 4, 32, 2)),
+        (64, SkinnyConfig(32, 128, 4, 4, 64, 2)),
+    ),
+    "medium": ((16, SkinnyConfig(64, 256, 4, 4, 16)),),  # N <= 8192 (qkv): 0.89x at 32 rows
+    "wide": (  # N <= 16384 (gate_up + SiLU-mul): 1.06-1.14x cuBLAS + SiLU-mul
+        (16, SkinnyConfig(32, 128, 4, 4, 16)),
+        (32, SkinnyConfig(32, 128, 4, 4, 32)),
+        (64, SkinnyConfig(128, 128, 8, 4, 64)),
+    ),
+    "head": (  # wider (LM head): 1.05-1.09x
+        (16, SkinnyConfig(64, 256, 4, 3, 16)),
+        (32, SkinnyConfig(128, 128, 4, 3, 32)),
+        (64, SkinnyConfig(128, 64, 8, 3, 64)),
+    ),
+    "deep": ((16, SkinnyConfig(32, 128, 4, 4, 16, 4)),),  # N < K (down): 0.96x at 32 rows
+}
 
 
-def use_skinny(rows: int, weight: torch.Tensor) -> bool:
-    """Few rows and a layer at least as wide as it is deep. Narrow, deep layers (the down
-    projection, 2048 x 5632) stay on cuBLAS, whose split-K keeps more SMs busy: the skinny
-    kernel measured 0.93-0.97x there, and 1.0-1.13x on the others (tune_linear.py, H200)."""
-    n, k = weight.shape
-    return rows <= SKINNY_MAX_ROWS and n >= k
-
-
-def skinny_config(n: int, element_size: int) -> SkinnyConfig:
-    """Launch shape by output width, from benchmarks/tune_linear.py on an H200 in bf16 at
-    Ouro-1.4B shapes (o 2048, qkv 6144, gate_up 11264, LM head 49152 columns); wider
-    elements take proportionally shorter K chunks, so a stage holds the same bytes."""
+def layer_class(n: int, k: int) -> str:
+    """Which LINEAR_PLANS row a weight of N outputs and K inputs takes."""
+    if n < k:
+        return "deep"
     if n <= 4096:
-        block_n, block_k, stages = 16, 256, 4
-    elif n <= 8192:
-        block_n, block_k, stages = 64, 256, 4
-    elif n <= 16384:
-        block_n, block_k, stages = 32, 128, 4
-    else:
-        block_n, block_k, stages = 64, 128, 2
-    return SkinnyConfig(block_n, block_k * 2 // element_size, warps=4, stages=stages)
+        return "narrow"
+    if n <= 8192:
+        return "medium"
+    return "wide" if n <= 16384 else "head"
+
+
+def linear_plan(rows: int, weight: torch.Tensor, split_ok: bool = False) -> SkinnyConfig | None:
+    """The skinny launch shape for this many rows, or None for cuBLAS. Without split_ok
+    (the consumer needs the finished product), a split-K plan runs with one slice. Wider
+    elements take proportionally shorter K chunks, so a stage holds the same bytes."""
+    n, k = weight.shape
+    for most_rows, config in LINEAR_PLANS[layer_class(n, k)]:
+        if rows <= most_rows:
+            return replace(
+                config,
+                block_k=config.block_k * 2 // weight.element_size(),
+                split_k=config.split_k if split_ok else 1,
+            )
+    return None
 
 
 class TritonOps:
@@ -91,21 +119,40 @@ class TritonOps:
     def add_rms_norm2(
         self, x: torch.Tensor, branch: torch.Tensor, w_branch, w_next, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._add_rms_norm2(x, branch.unsqueeze(0), w_branch, w_next, eps)
+
+    def linear_add_rms_norm2(
+        self, x: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, w_branch, w_next, eps
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
+        partial sums and the norm kernel adds them up, so no reduction kernel runs."""
+        config = linear_plan(inp.shape[0], weight, split_ok=True)
+        if config is None or config.split_k == 1:
+            return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
+        parts = skinny_linear_partials(inp, weight, config, pdl=self.pdl)
+        return self._add_rms_norm2(x, parts, w_branch, w_next, eps)
+
+    def _add_rms_norm2(
+        self, x: torch.Tensor, parts: torch.Tensor, w_branch, w_next, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """parts: [slices, rows, hidden], the branch as partial sums (one slice: finished)."""
         rows, n = x.shape
         x_out, normed = torch.empty_like(x), torch.empty_like(x)
         if rows:
             _add_rms_norm2_kernel[(rows,)](
                 x,
-                branch,
+                parts,
                 w_next if w_branch is None else w_branch,
                 w_next,
                 x_out,
                 normed,
                 x.stride(0),
-                branch.stride(0),
+                parts.stride(1),
+                parts.stride(0),
                 n,
                 eps,
                 BLOCK=triton.next_power_of_2(n),
+                PARTS=parts.shape[0],
                 NORM_BRANCH=w_branch is not None,
                 **launch_options(self.pdl),
             )
@@ -130,18 +177,18 @@ class TritonOps:
     def linear(
         self, x: torch.Tensor, weight: torch.Tensor, live: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x @ weight.T; few rows stream the weight once, and with `live` a pass in which no
-        row is live skips the weight (those rows' outputs are zero)."""
-        if not use_skinny(x.shape[0], weight):
+        """x @ weight.T; few rows stream the weight once, and with `live` a row tile none of
+        whose rows is live skips the weight (those rows' outputs are zero)."""
+        config = linear_plan(x.shape[0], weight)
+        if config is None:
             return F.linear(x, weight)
-        config = skinny_config(weight.shape[0], weight.element_size())
         return skinny_linear(x, weight, config, live=live, pdl=self.pdl)
 
     def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
-        if not use_skinny(x.shape[0], gate_up):
+        config = linear_plan(x.shape[0], gate_up)
+        if config is None:
             return self.silu_mul(F.linear(x, gate_up))
-        config = skinny_config(gate_up.shape[0], gate_up.element_size())
         return skinny_linear(x, gate_up, config, silu_mul=True, pdl=self.pdl)
 
     def attention(

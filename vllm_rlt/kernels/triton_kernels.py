@@ -39,19 +39,27 @@ def _add_rms_norm2_kernel(
     n_out_ptr,
     x_stride,
     y_stride,
+    y_part_stride,
     n,
     eps,
     BLOCK: tl.constexpr,
+    PARTS: tl.constexpr,
     NORM_BRANCH: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """x_out = x + w1 * norm(y) (x + y without NORM_BRANCH); n_out = w2 * norm(x_out)."""
+    """x_out = x + w1 * norm(y) (x + y without NORM_BRANCH); n_out = w2 * norm(x_out).
+    y is the sum of PARTS float32 partial products (split-K), added in order and rounded
+    once like a GEMM's output, or with PARTS = 1 the finished branch."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     dtype = x_out_ptr.dtype.element_ty
-    y = tl.load(y_ptr + row * y_stride + cols, mask=mask, other=0.0).to(tl.float32)
+    y = tl.zeros((BLOCK,), tl.float32)
+    for part in tl.static_range(PARTS):
+        y_offsets = part * y_part_stride + row * y_stride + cols
+        y += tl.load(y_ptr + y_offsets, mask=mask, other=0.0).to(tl.float32)
+    y = y.to(dtype).to(tl.float32)
     if NORM_BRANCH:
         y_rstd = 1.0 / tl.sqrt(tl.sum(y * y, axis=0) / n + eps)
         w1 = tl.load(w1_ptr + cols, mask=mask, other=0.0).to(tl.float32)

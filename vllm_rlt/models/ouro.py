@@ -212,10 +212,11 @@ class OuroModel:
     ) -> torch.Tensor:
         """One loop of the layer stack, ending with the per-loop final norm; [rows, hidden].
 
-        Each residual add is fused with the norm that follows it: the post-attention add with
-        the pre-MLP norm, the post-MLP add with the next layer's pre-attention norm (or, after
-        the last layer, the loop's final norm). A family without sandwich norms (branch norm
-        None) adds the branch as it is.
+        Each residual add is fused with the projection before it and the norm after it: the
+        post-attention add with o and the pre-MLP norm, the post-MLP add with down and the
+        next layer's pre-attention norm (or, after the last layer, the loop's final norm). A
+        family without sandwich
+        norms (branch norm None) adds the branch as it is.
         """
         cfg = self.config
         eps = cfg.rms_norm_eps
@@ -232,16 +233,16 @@ class OuroModel:
                 self.rotary,
                 self.scale,
             )
-            x, b = ops.add_rms_norm2(
-                x, ops.linear(attn, layer.o), layer.attn_out_norm, layer.mlp_norm, eps
+            x, b = ops.linear_add_rms_norm2(
+                x, attn, layer.o, layer.attn_out_norm, layer.mlp_norm, eps
             )
-            mlp = ops.linear(ops.linear_silu_mul(b, layer.gate_up), layer.down)
+            mlp = ops.linear_silu_mul(b, layer.gate_up)
             following = (
                 self.layers[index + 1].attn_norm
                 if index + 1 < len(self.layers)
                 else self.final_norm
             )
-            x, a = ops.add_rms_norm2(x, mlp, layer.mlp_out_norm, following, eps)
+            x, a = ops.linear_add_rms_norm2(x, mlp, layer.down, layer.mlp_out_norm, following, eps)
         return a
 
     def gate(self, hidden: torch.Tensor) -> torch.Tensor:
