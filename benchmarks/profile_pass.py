@@ -29,7 +29,9 @@ def profile(model, concurrency: int, steps: int, spec: SpeculativeConfig | None)
     engine = EngineCore(
         model,
         None,
-        CacheConfig(num_blocks=concurrency * 40 + 8),
+        # 64 prompt tokens plus at most one token per step (16 warm-up steps and the timed
+        # ones), in blocks of 16: large concurrencies fit beside the weights
+        CacheConfig(num_blocks=concurrency * (-(-(64 + 16 + steps) // 16) + 1) + 8),
         SchedulerConfig(
             max_num_seqs=concurrency,
             max_num_batched_tokens=max(2048, 64 * concurrency),

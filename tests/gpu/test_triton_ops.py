@@ -105,10 +105,14 @@ class _State:
     ("planes", "table_planes"), [(4, 1), (1, 1), (1, 4)], ids=["last_exited", "shared", "sd"]
 )
 @pytest.mark.parametrize("kv_heads", [16, 4])
-def test_rope_write_and_paged_attention(triton_ops, dtype, planes, table_planes, kv_heads):
-    """Decode rows at mixed loops plus prefill chunks: same cache contents, same outputs.
-    With a table row per loop (SHARED_DECODE), a prompt chunk at loop 0 goes through its
-    slot's first row, one at the last loop and every decode row through the last."""
+@pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
+def test_rope_write_and_paged_attention(
+    triton_ops, dtype, planes, table_planes, kv_heads, with_prompts
+):
+    """Decode rows at mixed loops, with or without prefill chunks: same cache contents, same
+    outputs. With a table row per loop (SHARED_DECODE), a prompt chunk at loop 0 goes
+    through its slot's first row, one at the last loop and every decode row through the
+    last."""
     from vllm_rlt.core.contract import PrefillChunk
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -135,6 +139,8 @@ def test_rope_write_and_paged_attention(triton_ops, dtype, planes, table_planes,
         PrefillChunk(7, "a", start=20, token_ids=tuple(range(45)), loop=loops - 1, samples=False),
         PrefillChunk(8, "b", start=0, token_ids=tuple(range(5)), loop=0, samples=False),
     )
+    if not with_prompts:
+        chunks = ()
     rows = gather_rows(decode, chunks, state, geo)
     meta: AttentionMetadata = build_metadata(rows, chunks, state, geo, 128, with_segments=True)
     tiled = build_metadata(
@@ -146,7 +152,7 @@ def test_rope_write_and_paged_attention(triton_ops, dtype, planes, table_planes,
         with_segments=False,
         tile_rows=triton_ops.prefill_tile_rows(dtype),
     )
-    assert tiled.prefill_tiles is not None and tiled.num_decode == 6
+    assert (tiled.prefill_tiles is not None and tiled.num_decode == 6) == with_prompts
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen
     ).to(dtype)
