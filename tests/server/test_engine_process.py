@@ -30,7 +30,7 @@ LONG = {"model": "toy", "prompt": "long", "max_tokens": 4000, "ignore_eos": True
 
 def metric(url: str, name: str) -> float:
     for line in httpx.get(f"{url}/metrics").text.splitlines():
-        if line.startswith(name + " "):
+        if line.startswith((name + " ", name + "{")):
             return float(line.split()[-1])
     raise AssertionError(f"{name} not in /metrics")
 

@@ -150,7 +150,7 @@ def test_sigterm_past_the_timeout_aborts_cleanly():
             return next(
                 float(line.split()[-1])
                 for line in text.splitlines()
-                if line.startswith("vllm_rlt:num_requests_waiting ")
+                if line.startswith("vllm_rlt:num_requests_waiting{")
             )
 
         behind = threading.Thread(target=wait_behind)

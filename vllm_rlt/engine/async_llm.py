@@ -18,6 +18,7 @@ from typing import Any, Protocol
 
 from vllm_rlt.config import ExitConfig, ParamError, require
 from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
+from vllm_rlt.engine.dp_client import DataParallelClient
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -262,7 +263,8 @@ class AsyncLLM:
     to reach into the engine); the messages are the same.
 
     `attach` joins a core that another process started (one of several API servers);
-    `llm_kwargs` then only names the model, for its tokenizer.
+    `llm_kwargs` then only names the model, for its tokenizer. `data_parallel_size` N > 1
+    starts N cores (one per GPU) and places each request on the least loaded one.
 
     `max_waiting` bounds the sequences (completions) that wait for a slot: a request is
     refused when it would raise this frontend's sequences above `max_num_seqs +
@@ -276,6 +278,7 @@ class AsyncLLM:
         observer: StepObserver | None = None,
         in_process: bool = False,
         attach: CoreAttachment | None = None,
+        data_parallel_size: int = 1,
     ) -> None:
         self.max_waiting = max_waiting
         self.observer = observer
@@ -286,8 +289,14 @@ class AsyncLLM:
         self._streams: dict[str, RequestStream] = {}
         self.tokenizer: Tokenizer | None = load_tokenizer(llm_kwargs.get("model"))
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads outputs
+        self.client: EngineCoreClient | DataParallelClient
         if attach is not None:
+            require(data_parallel_size == 1, "API servers that attach run one engine core")
             self.client = EngineCoreClient.attach(attach, self._on_death)
+        elif data_parallel_size > 1:
+            self.client = DataParallelClient(
+                llm_kwargs, self._on_death, data_parallel_size, in_process
+            )
         else:
             self.client = EngineCoreClient(llm_kwargs, self._on_death, in_process)
         info = self.client.info

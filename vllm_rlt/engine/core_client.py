@@ -74,7 +74,8 @@ class EngineCoreClient:
     Construction blocks until the core has loaded its model: a startup failure raises the
     core's own error (ValueError / OSError with its one-line message, else RuntimeError).
     `api_servers` reserves that many more clients for other processes to `attach` with
-    (`attachments`). `on_death(reason)` may run on any thread.
+    (`attachments`). `env` is set in the core's process first (its GPU). `on_death(reason)`
+    may run on any thread.
     """
 
     def __init__(
@@ -83,6 +84,7 @@ class EngineCoreClient:
         on_death: Callable[[str], None],
         in_process: bool = False,
         api_servers: int = 0,
+        env: dict[str, str] | None = None,
     ) -> None:
         require(
             not (in_process and api_servers),
@@ -120,7 +122,7 @@ class EngineCoreClient:
                 lifeline_read, lifeline_write = spawn.Pipe(duplex=False)
             self.process = spawn.Process(
                 target=run_engine_core,
-                args=(llm_kwargs, peers, os.getpid(), lifeline_write),
+                args=(llm_kwargs, peers, os.getpid(), lifeline_write, env),
                 name="vllm-rlt-engine-core",
                 daemon=False,
             )

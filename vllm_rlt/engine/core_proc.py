@@ -296,11 +296,17 @@ def _serve(llm_kwargs, inputs, control, outputs, on_built) -> int:
 
 
 def run_engine_core(
-    llm_kwargs: dict[str, Any], peers: list[Peer], parent_pid: int, lifeline: Any = None
+    llm_kwargs: dict[str, Any],
+    peers: list[Peer],
+    parent_pid: int,
+    lifeline: Any = None,
+    env: dict[str, str] | None = None,
 ) -> None:
     """Entry point of the engine-core process. `lifeline` is the write end of a pipe that
     this process holds, unused, until it ends: processes that are not its parent learn of
-    its end when their read end reports end-of-file."""
+    its end when their read end reports end-of-file. `env` is set before anything touches
+    the device (CUDA_VISIBLE_DEVICES of one data-parallel rank)."""
+    os.environ.update(env or {})
     # The frontend owns the lifetime: Ctrl+C or SIGTERM reach it, it drains, then it tells
     # the core to stop. Without its parent (killed), the core leaves by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

@@ -201,6 +201,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "text work spread over more CPU cores (--max-queue then applies to each)",
     )
     group.add_argument(
+        "--data-parallel-size",
+        type=int,
+        default=1,
+        help="engine cores, each a whole engine on its own GPU (the first N visible), behind "
+        "this server; each request goes to the least loaded one",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -263,6 +270,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             f"vllm-rlt serve needs the serve extra ({', '.join(missing)} not installed): "
             'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")'
         )
+    from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, core_environments
     from vllm_rlt.entrypoints.openai.api_servers import MAX_API_SERVERS, APIServerFailed
     from vllm_rlt.entrypoints.openai.server import ServerSettings, serve
     from vllm_rlt.models.load import check_model_source
@@ -287,11 +295,22 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(
             f"--api-server-count must be in [1, {MAX_API_SERVERS}], got {ns.api_server_count}"
         )
+    if not 1 <= ns.data_parallel_size <= MAX_DATA_PARALLEL:
+        parser.error(
+            f"--data-parallel-size must be in [1, {MAX_DATA_PARALLEL}], got {ns.data_parallel_size}"
+        )
+    if ns.data_parallel_size > 1 and ns.api_server_count > 1:
+        parser.error(
+            "--data-parallel-size > 1 runs with one API server: --api-server-count "
+            f"{ns.api_server_count} with it is not supported"
+        )
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
     try:
         engine_args = engine_args_from(ns)
         check_model_source(ns.model)
+        if ns.data_parallel_size > 1:
+            core_environments(ns.device, ns.data_parallel_size)  # GPUs enough, plain "cuda"
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     settings = ServerSettings(
@@ -310,6 +329,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         exit_on_load_error=ns.exit_on_load_error,
         access_log=ns.access_log,
         api_server_count=ns.api_server_count,
+        data_parallel_size=ns.data_parallel_size,
         llm_kwargs=engine_args.llm_kwargs(),
     )
     try:

@@ -108,7 +108,7 @@ class ServerMetrics:
             families = list(self.registry.collect())
         families.extend(_mean_loops(families))
         if engine is not None:
-            families.extend(_engine_families(engine))
+            families.extend(_engine_families(engine.get("engines", [engine])))
         families.extend(_vllm_aliases(families, self.model_name))
         return generate_latest(_Families(families))
 
@@ -171,80 +171,79 @@ def _mean_loops(families: list[Metric]) -> list[Metric]:
     return [gauge]
 
 
-def _engine_families(stats: dict[str, Any]) -> list[Metric]:
-    def gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
-        return GaugeMetricFamily(name, documentation, value=value)
+def _engine_families(engines: list[dict[str, Any]]) -> list[Metric]:
+    """The cores' counters, one sample per core labelled `engine` (its data-parallel rank;
+    "0" with one core), as vLLM labels them: sum by engine for the server's total."""
+    labels = ["engine"]
 
-    def counter(name: str, documentation: str, value: float) -> CounterMetricFamily:
-        return CounterMetricFamily(name, documentation, value=value)
+    def family(kind, name: str, documentation: str, value) -> Metric:
+        metric = kind(name, documentation, labels=labels)
+        for rank, stats in enumerate(engines):
+            metric.add_metric([str(rank)], value(stats))
+        return metric
 
     window = f"over the last {RATE_WINDOW_S:g} s"
-    return [
-        gauge("vllm_rlt:num_requests_running", "Requests in a slot", stats["num_running"]),
-        gauge("vllm_rlt:num_requests_waiting", "Requests not yet admitted", stats["num_waiting"]),
-        gauge(
-            "vllm_rlt:kv_cache_usage_perc",
-            "Fraction of KV blocks held",
-            1.0 - stats["num_free_blocks"] / max(stats["num_blocks"], 1),
-        ),
-        counter("vllm_rlt:passes", "Passes over the layer stack", stats["num_passes"]),
-        counter(
-            "vllm_rlt:num_preemptions",
-            "Requests preempted to free KV blocks",
-            stats["num_preemptions"],
-        ),
-        counter(
+    gauges = (
+        ("vllm_rlt:num_requests_running", "Requests in a slot", "num_running"),
+        ("vllm_rlt:num_requests_waiting", "Requests not yet admitted", "num_waiting"),
+        ("vllm_rlt:num_free_blocks", "KV blocks free (cached ones included)", "num_free_blocks"),
+        ("vllm_rlt:num_cached_blocks", "KV blocks in the prefix cache", "num_cached_blocks"),
+        ("vllm_rlt:passes_per_second", f"Passes per second {window}", "passes_per_second"),
+        ("vllm_rlt:rows_per_pass", f"Mean rows per pass {window}", "rows_per_pass"),
+    )
+    counters = (
+        ("vllm_rlt:passes", "Passes over the layer stack", "num_passes"),
+        ("vllm_rlt:num_preemptions", "Requests preempted to free KV blocks", "num_preemptions"),
+        (
             "vllm_rlt:prefix_cache_queries",
             "Prompt tokens looked up in the prefix cache",
-            stats["prefix_cache_queries"],
+            "prefix_cache_queries",
         ),
-        counter(
+        (
             "vllm_rlt:prefix_cache_hits",
             "Prompt tokens found in the prefix cache",
-            stats["prefix_cache_hits"],
+            "prefix_cache_hits",
         ),
-        gauge(
-            "vllm_rlt:num_free_blocks",
-            "KV blocks free (cached ones included)",
-            stats["num_free_blocks"],
-        ),
-        gauge(
-            "vllm_rlt:num_cached_blocks",
-            "KV blocks in the prefix cache",
-            stats["num_cached_blocks"],
-        ),
-        gauge(
-            "vllm_rlt:passes_per_second", f"Passes per second {window}", stats["passes_per_second"]
-        ),
-        gauge("vllm_rlt:rows_per_pass", f"Mean rows per pass {window}", stats["rows_per_pass"]),
-        counter(
+        (
             "vllm_rlt:spec_decode_num_drafts",
             "Self-speculative drafts verified (each draft is verified on its own)",
-            stats["spec_num_drafts"],
+            "spec_num_drafts",
         ),
-        counter(
-            "vllm_rlt:spec_decode_num_draft_tokens",
-            "Draft tokens verified",
-            stats["spec_num_draft_tokens"],
-        ),
-        counter(
+        ("vllm_rlt:spec_decode_num_draft_tokens", "Draft tokens verified", "spec_num_draft_tokens"),
+        (
             "vllm_rlt:spec_decode_num_accepted_tokens",
             "Draft tokens accepted",
-            stats["spec_num_accepted_tokens"],
+            "spec_num_accepted_tokens",
         ),
-        _per_position(stats["spec_accepted_per_position"]),
+    )
+    families = [
+        family(GaugeMetricFamily, name, doc, lambda s, k=key: s[k]) for name, doc, key in gauges
     ]
+    families.append(
+        family(
+            GaugeMetricFamily,
+            "vllm_rlt:kv_cache_usage_perc",
+            "Fraction of KV blocks held",
+            lambda s: 1.0 - s["num_free_blocks"] / max(s["num_blocks"], 1),
+        )
+    )
+    families += [
+        family(CounterMetricFamily, name, doc, lambda s, k=key: s[k]) for name, doc, key in counters
+    ]
+    families.append(_per_position(engines))
+    return families
 
 
-def _per_position(accepted: list[int]) -> CounterMetricFamily:
+def _per_position(engines: list[dict[str, Any]]) -> CounterMetricFamily:
     family = CounterMetricFamily(
         "vllm_rlt:spec_decode_num_accepted_tokens_per_pos",
         "Accepted draft tokens by how far ahead of the verified token they were made "
         "(0 = the next one)",
-        labels=["position"],
+        labels=["engine", "position"],
     )
-    for position, count in enumerate(accepted):
-        family.add_metric([str(position)], count)
+    for rank, stats in enumerate(engines):
+        for position, count in enumerate(stats["spec_accepted_per_position"]):
+            family.add_metric([str(rank), str(position)], count)
     return family
 
 

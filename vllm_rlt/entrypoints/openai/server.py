@@ -66,6 +66,7 @@ class ServerSettings:
     access_log: bool = False
     engine_in_process: bool = False  # the core on a thread of this process (tests)
     api_server_count: int = 1
+    data_parallel_size: int = 1
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -88,6 +89,7 @@ class ServerState:
                 self.settings.max_queue,
                 in_process=self.settings.engine_in_process,
                 attach=self.attach,
+                data_parallel_size=self.settings.data_parallel_size,
             )
             name = self.settings.served_model_name or engine.model_name
             index = self.attach.client if self.attach is not None else 1
@@ -109,12 +111,17 @@ class ServerState:
                     os.getpid(),
                 )
                 return
+            processes = getattr(engine.client, "processes", None) or [engine.client.process]
+            pids = ", ".join(str(p.pid) for p in processes if p is not None)
             logger.info(
-                "model %s loaded (%s, %d KV blocks) in the engine core%s; ready",
+                "model %s loaded (%s, %d KV blocks) in %s%s; ready",
                 name,
                 engine.info.device,
                 engine.info.num_blocks,
-                "" if engine.client.process is None else f" (pid {engine.client.process.pid})",
+                "the engine core"
+                if self.settings.data_parallel_size == 1
+                else f"{self.settings.data_parallel_size} data-parallel engine cores",
+                f" (pid {pids})" if pids else "",
             )
         except BaseException as exc:  # reported by /health and every route
             self.load_error = exc
@@ -298,7 +305,9 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse({"status": status}, status_code=503)
         engine = state.engine
         if engine.dead is not None:
-            return JSONResponse({"status": "engine stopped"}, status_code=503)
+            return JSONResponse(
+                {"status": "engine stopped", "reason": str(engine.dead)}, status_code=503
+            )
         stalled = time.monotonic() - engine.last_progress > settings.stall_timeout
         if engine.has_work and stalled:
             return JSONResponse({"status": "stalled"}, status_code=503)

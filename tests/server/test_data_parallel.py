@@ -1,0 +1,114 @@
+"""`vllm-rlt serve --data-parallel-size 2`: two engine cores behind one server. Outputs equal
+the offline engine's request for request, both cores serve, /metrics labels each core, and a
+core that dies turns /health to 503 naming it, with nothing left hanging."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import httpx
+
+from tests.server.conftest import check_concurrent_streams, process_exists, serve_process
+from vllm_rlt.engine.dp_client import DataParallelClient
+
+_CORE_PIDS = re.compile(r"2 data-parallel engine cores \(pid (\d+), (\d+)\)")
+
+
+def samples(url: str, name: str) -> dict[str, float]:
+    """A metric's value per `engine` label."""
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line.startswith(name + "{"):
+            engine = re.search(r'engine="(\d+)"', line)
+            assert engine, line
+            values[engine.group(1)] = float(line.split()[-1])
+    return values
+
+
+def test_two_cores_equal_offline_label_their_metrics_and_a_dead_core_is_named():
+    flags = ("--data-parallel-size", "2", "--shutdown-timeout", "5")
+    with serve_process(*flags) as (process, url):
+        log = ""
+        while not _CORE_PIDS.search(log):
+            line = process.stderr.readline()
+            assert line, f"the server's log ended early:\n{log}"
+            log += line
+        pids = [int(pid) for pid in _CORE_PIDS.search(log).groups()]
+
+        check_concurrent_streams(url, 24, max_tokens=10)
+        passes = samples(url, "vllm_rlt:passes_total")
+        assert set(passes) == {"0", "1"} and all(value > 0 for value in passes.values())
+        assert sum(samples(url, "vllm_rlt:num_requests_running").values()) == 0
+
+        os.kill(pids[1], signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while (health := httpx.get(f"{url}/health")).status_code != 503:
+            assert time.monotonic() < deadline, "/health stayed 200 without core 1"
+            time.sleep(0.05)
+        assert "engine core 1 (of 2)" in health.json()["reason"]
+        reply = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "x"})
+        assert reply.status_code == 503
+
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(120)
+        assert code == 0, process.stderr.read()
+        deadline = time.monotonic() + 60
+        while process_exists(pids[0]):
+            assert time.monotonic() < deadline, "core 0 outlived the server"
+            time.sleep(0.05)
+
+
+def test_data_parallel_flags_out_of_range_are_one_line_errors():
+    cases = [
+        (["--data-parallel-size", "0"], "--data-parallel-size must be in [1, 64], got 0"),
+        (
+            ["--data-parallel-size", "2", "--api-server-count", "2"],
+            "--data-parallel-size > 1 runs with one API server",
+        ),
+        (
+            ["--data-parallel-size", "2", "--device", "cuda:1"],
+            "data parallelism gives each core one GPU: use device 'cuda', not 'cuda:1'",
+        ),
+        (
+            ["--data-parallel-size", "2", "--device", "cuda"],
+            "data_parallel_size 2 needs 2 GPUs, but 1 is visible",
+        ),
+    ]
+    for flags, message in cases:
+        reply = subprocess.run(
+            [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "serve", "toy", *flags],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "CUDA_VISIBLE_DEVICES": "0"},
+        )
+        assert reply.returncode == 2, (flags, reply.stderr)
+        assert message in reply.stderr, (flags, reply.stderr)
+
+
+class _Core:
+    def __init__(self, slots: int) -> None:
+        self.info = type("Info", (), {"max_num_seqs": slots})()
+
+
+def test_a_request_goes_to_the_least_loaded_core():
+    """Fewest sequences waiting beyond the core's slots first, then the lowest KV use,
+    then the fewest sequences."""
+    client = DataParallelClient.__new__(DataParallelClient)
+    client.cores = [_Core(4), _Core(4)]
+    client._sequences = [0, 0]
+    client._kv_usage = [0.0, 0.0]
+    assert client.choose(1) == 0  # a tie goes to the first
+    client._sequences = [1, 0]
+    assert client.choose(1) == 1  # fewer sequences
+    client._kv_usage = [0.1, 0.5]
+    assert client.choose(1) == 0  # lower KV use beats fewer sequences while nobody waits
+    client._sequences = [4, 1]
+    assert client.choose(1) == 1  # core 0 would make one wait
+    client._sequences = [6, 6]
+    client._kv_usage = [0.9, 0.2]
+    assert client.choose(2) == 1  # both would queue as many: KV use decides

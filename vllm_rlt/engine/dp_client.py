@@ -1,0 +1,230 @@
+"""`--data-parallel-size N`: N engine cores, one per GPU, behind one frontend.
+
+Each core is a whole engine in its own process (the model's weights, its KV cache, its
+scheduler) on one GPU, reached through its own `EngineCoreClient`. The frontend places
+every request on the core with the least load: the fewest sequences waiting beyond its
+slots, then the lowest KV-cache use it last reported, then the fewest sequences. A request
+stays on its core, and its aborts follow it. A core that dies stops the whole frontend, as
+one core's death does (every request fails, /health answers 503 and names the core).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable
+from functools import partial
+from typing import Any
+
+import msgspec
+
+from vllm_rlt.config import require, require_int
+from vllm_rlt.engine.core_client import EngineCoreClient
+from vllm_rlt.engine.messages import (
+    AbortAll,
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineOutputs,
+)
+
+MAX_DATA_PARALLEL = 64
+
+# Counters and gauges that add up over cores in the frontend's "stats" answer; the rest
+# (rates, means, flags) are combined below.
+_SUMMED = (
+    "num_requests",
+    "num_free_blocks",
+    "num_blocks",
+    "num_free_slots",
+    "num_running",
+    "num_waiting",
+    "num_passes",
+    "num_rows",
+    "num_preemptions",
+    "prefix_cache_queries",
+    "prefix_cache_hits",
+    "spec_num_drafts",
+    "spec_num_draft_tokens",
+    "spec_num_accepted_tokens",
+    "num_cached_blocks",
+    "passes_per_second",
+)
+
+
+def core_environments(device: str, size: int) -> list[dict[str, str]]:
+    """The environment of each core's process: on CUDA, one visible GPU each."""
+    require_int(size, "data_parallel_size", 1, MAX_DATA_PARALLEL)
+    if not device.startswith("cuda"):
+        return [{} for _ in range(size)]
+    require(
+        device == "cuda",
+        f"data parallelism gives each core one GPU: use device 'cuda', not {device!r} "
+        "(choose the GPUs with CUDA_VISIBLE_DEVICES)",
+        "device",
+    )
+    visible = _visible_gpus()
+    require(
+        size <= len(visible),
+        f"data_parallel_size {size} needs {size} GPUs, but {len(visible)} "
+        f"{'is' if len(visible) == 1 else 'are'} visible",
+        "data_parallel_size",
+    )
+    return [{"CUDA_VISIBLE_DEVICES": visible[rank]} for rank in range(size)]
+
+
+def _visible_gpus() -> list[str]:
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+    import torch  # only counts devices (NVML): no CUDA context in the frontend
+
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
+class DataParallelClient:
+    """The `EngineCoreClient` interface over several cores, for `AsyncLLM`.
+
+    Commands and reads happen on the frontend's event loop; `on_death(reason)` may run on
+    any thread.
+    """
+
+    def __init__(
+        self,
+        llm_kwargs: dict[str, Any],
+        on_death: Callable[[str], None],
+        size: int,
+        in_process: bool = False,
+    ) -> None:
+        envs = core_environments(str(llm_kwargs.get("device", "cpu")), size)
+        self.on_death = on_death
+        self.dead_reason: str | None = None
+        self._death_lock = threading.Lock()
+        self.cores: list[EngineCoreClient] = []
+        try:
+            for rank, env in enumerate(envs):
+                died = partial(self._core_died, rank)
+                self.cores.append(EngineCoreClient(llm_kwargs, died, in_process, env=env))
+        except BaseException:
+            self.shutdown()
+            raise
+        infos = [core.info for core in self.cores]
+        # What one request may use is bounded by the smallest core; slots add up.
+        self.info = msgspec.structs.replace(
+            infos[0],
+            num_blocks=min(info.num_blocks for info in infos),
+            max_num_seqs=sum(info.max_num_seqs for info in infos),
+        )
+        self.client = 0  # this frontend's client number at every core
+        self.in_process = in_process
+        self.process = None  # several: see `processes`
+        self.core_engine = None
+        self._owner: dict[str, tuple[int, int]] = {}  # request id -> (rank, sequences)
+        self._sequences = [0] * size  # per core: sequences of unfinished requests
+        self._kv_usage = [0.0] * size  # per core: as of its latest step
+
+    @property
+    def size(self) -> int:
+        return len(self.cores)
+
+    @property
+    def processes(self) -> list[Any]:
+        return [core.process for core in self.cores if core.process is not None]
+
+    # ----------------------------------------------------------------- routing
+    def choose(self, sequences: int) -> int:
+        """The core a new request of `sequences` completions goes to."""
+
+        def load(rank: int) -> tuple[int, float, int]:
+            slots = self.cores[rank].info.max_num_seqs
+            waiting = max(0, self._sequences[rank] + sequences - slots)
+            return waiting, self._kv_usage[rank], self._sequences[rank]
+
+        return min(range(self.size), key=lambda rank: (*load(rank), rank))
+
+    def send(self, command: Command) -> None:
+        if isinstance(command, AddRequest):
+            n = command.params.n
+            rank = self.choose(n)
+            self._owner[command.request_id] = (rank, n)
+            self._sequences[rank] += n
+            self.cores[rank].send(command)
+        elif isinstance(command, AbortRequest):
+            owner = self._owner.get(command.request_id)
+            targets = self.cores if owner is None else [self.cores[owner[0]]]
+            for core in targets:
+                core.send(command)
+        elif isinstance(command, AbortAll):
+            for core in self.cores:
+                core.send(AbortAll(core.client))
+        else:
+            for core in self.cores:
+                core.send(command)
+
+    def rank_of(self, request_id: str) -> int | None:
+        """The core an unfinished request runs on."""
+        owner = self._owner.get(request_id)
+        return None if owner is None else owner[0]
+
+    # ----------------------------------------------------------------- outputs
+    def start_reading(self, on_outputs: Callable[[EngineOutputs], None]) -> None:
+        for rank, core in enumerate(self.cores):
+            core.start_reading(partial(self._outputs, rank, on_outputs))
+
+    def _outputs(self, rank: int, on_outputs, outputs: EngineOutputs) -> None:
+        stats = outputs.stats
+        self._kv_usage[rank] = 1.0 - stats.num_free_blocks / max(stats.num_blocks, 1)
+        for delta in outputs.requests:
+            if delta.finished:
+                owner = self._owner.get(delta.request_id)
+                if owner is not None and owner[0] == rank:
+                    del self._owner[delta.request_id]
+                    self._sequences[rank] -= owner[1]
+        on_outputs(outputs)
+
+    # ----------------------------------------------------------------- control
+    def call(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
+        """Ask every core; "stats" answers the sums, with each core's own in "engines"."""
+        values = [core.call(name, timeout) for core in self.cores]
+        if name != "stats":
+            return values[0]
+        total: dict[str, Any] = {key: sum(v[key] for v in values) for key in _SUMMED}
+        total["has_unfinished"] = any(v["has_unfinished"] for v in values)
+        total["all_blocks_free"] = all(v["all_blocks_free"] for v in values)
+        rows = sum(v["rows_per_pass"] * v["passes_per_second"] for v in values)
+        total["rows_per_pass"] = rows / total["passes_per_second"] if rows else 0.0
+        positions = max(len(v["spec_accepted_per_position"]) for v in values)
+        total["spec_accepted_per_position"] = [
+            sum(
+                v["spec_accepted_per_position"][i]
+                for v in values
+                if i < len(v["spec_accepted_per_position"])
+            )
+            for i in range(positions)
+        ]
+        total["engines"] = values
+        return total
+
+    def core_alive(self) -> bool:
+        return all(core.core_alive() for core in self.cores)
+
+    def _core_died(self, rank: int, reason: str) -> None:
+        with self._death_lock:
+            if self.dead_reason is not None:
+                return
+            self.dead_reason = f"engine core {rank} (of {self.size}): {reason}"
+        for other, core in enumerate(self.cores):  # their requests fail with the frontend
+            if other != rank:
+                core.send(AbortAll(core.client))
+        self.on_death(self.dead_reason)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop every core at once (each drains in its own process)."""
+        threads = [
+            threading.Thread(target=core.shutdown, args=(timeout,), daemon=True)
+            for core in self.cores
+        ]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
