@@ -7,22 +7,29 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 import httpx
 
-from tests.server.conftest import check_concurrent_streams, process_exists, serve_process
+from tests.server.conftest import (
+    _free_port,
+    check_concurrent_streams,
+    process_exists,
+    serve_process,
+)
 from vllm_rlt.engine.dp_client import DataParallelClient
 
 _CORE_PIDS = re.compile(r"2 data-parallel engine cores \(pid (\d+), (\d+)\)")
 
 
-def samples(url: str, name: str) -> dict[str, float]:
+def samples(url: str, name: str, api_key: str | None = None) -> dict[str, float]:
     """A metric's value per `engine` label."""
     values = {}
-    for line in httpx.get(f"{url}/metrics").text.splitlines():
+    headers = {} if api_key is None else {"Authorization": f"Bearer {api_key}"}
+    for line in httpx.get(f"{url}/metrics", headers=headers).text.splitlines():
         if line.startswith(name + "{"):
             engine = re.search(r'engine="(\d+)"', line)
             assert engine, line
@@ -63,6 +70,69 @@ def test_two_cores_equal_offline_label_their_metrics_and_a_dead_core_is_named():
             time.sleep(0.05)
 
 
+def _free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports."""
+    while True:
+        first = _free_port()
+        sockets = []
+        try:
+            for port in range(first, first + count):
+                sock = socket.socket()
+                sockets.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return first
+        except OSError:
+            continue
+        finally:
+            for sock in sockets:
+                sock.close()
+
+
+def _headless(rpc_port: int, api_key: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "serve", "toy", "--headless"]
+        + ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
+        + ["--data-parallel-start-rank", "1", "--data-parallel-rpc-port", str(rpc_port)]
+        + ["--api-key", api_key],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def test_a_core_on_another_host_joins_with_the_api_key_and_its_death_is_named():
+    """The frontend runs core 0, a `--headless` process core 1 over the encrypted TCP
+    channel on loopback: outputs equal offline, both cores serve, an engine with another
+    API key is refused without disturbing anything, and killing the headless host turns
+    /health to 503 naming core 1."""
+    rpc_port = _free_ports(6)  # rank 1's three ports start at rpc_port + 3
+    remote = _headless(rpc_port, "x")
+    try:
+        flags = ("--data-parallel-size", "2", "--data-parallel-size-local", "1")
+        flags += ("--data-parallel-rpc-port", str(rpc_port), "--api-key", "x")
+        with serve_process(*flags, "--shutdown-timeout", "5") as (process, url):
+            check_concurrent_streams(url, 24, max_tokens=10)
+            passes = samples(url, "vllm_rlt:passes_total", api_key="x")
+            assert set(passes) == {"0", "1"} and all(value > 0 for value in passes.values())
+
+            intruder = _headless(rpc_port, "not the key")
+            assert intruder.wait(120) == 1
+            assert "refused this engine's encrypted handshake" in intruder.stderr.read()
+            assert httpx.get(f"{url}/health").status_code == 200
+
+            remote.kill()  # its core follows its parent out within a second
+            deadline = time.monotonic() + 30
+            while (health := httpx.get(f"{url}/health")).status_code != 503:
+                assert time.monotonic() < deadline, "/health stayed 200 without core 1"
+                time.sleep(0.05)
+            assert "engine core 1 (of 2)" in health.json()["reason"]
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(120) == 0, process.stderr.read()
+    finally:
+        remote.kill()
+        remote.wait()
+
+
 def test_data_parallel_flags_out_of_range_are_one_line_errors():
     cases = [
         (["--data-parallel-size", "0"], "--data-parallel-size must be in [1, 64], got 0"),
@@ -77,6 +147,23 @@ def test_data_parallel_flags_out_of_range_are_one_line_errors():
         (
             ["--data-parallel-size", "2", "--device", "cuda"],
             "data_parallel_size 2 needs 2 GPUs, but 1 is visible",
+        ),
+        (
+            ["--data-parallel-size", "2", "--data-parallel-size-local", "1"],
+            "cores on other hosts need --api-key",
+        ),
+        (
+            ["--data-parallel-size", "2", "--data-parallel-size-local", "3"],
+            "--data-parallel-size-local must be in [0, 2], got 3",
+        ),
+        (
+            ["--headless", "--data-parallel-size", "2", "--data-parallel-start-rank", "2"],
+            "--data-parallel-start-rank must be in [0, 0]",
+        ),
+        (
+            ["--data-parallel-size", "2", "--data-parallel-size-local", "1", "--api-key", "k"]
+            + ["--data-parallel-rpc-port", "65533"],
+            "data_parallel_rpc_port must leave room for 3 ports per core: 65533 to 65538",
         ),
     ]
     for flags, message in cases:

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 from vllm_rlt.config import ExitConfig, ParamError, require
 from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
-from vllm_rlt.engine.dp_client import DataParallelClient
+from vllm_rlt.engine.dp_client import DataParallelClient, RemoteCores
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -264,7 +264,8 @@ class AsyncLLM:
 
     `attach` joins a core that another process started (one of several API servers);
     `llm_kwargs` then only names the model, for its tokenizer. `data_parallel_size` N > 1
-    starts N cores (one per GPU) and places each request on the least loaded one.
+    starts N cores (one per GPU) and places each request on the least loaded one;
+    `remote_cores` says which of them connect from other hosts.
 
     `max_waiting` bounds the sequences (completions) that wait for a slot: a request is
     refused when it would raise this frontend's sequences above `max_num_seqs +
@@ -279,6 +280,7 @@ class AsyncLLM:
         in_process: bool = False,
         attach: CoreAttachment | None = None,
         data_parallel_size: int = 1,
+        remote_cores: RemoteCores | None = None,
     ) -> None:
         self.max_waiting = max_waiting
         self.observer = observer
@@ -293,9 +295,9 @@ class AsyncLLM:
         if attach is not None:
             require(data_parallel_size == 1, "API servers that attach run one engine core")
             self.client = EngineCoreClient.attach(attach, self._on_death)
-        elif data_parallel_size > 1:
+        elif data_parallel_size > 1 or remote_cores is not None:
             self.client = DataParallelClient(
-                llm_kwargs, self._on_death, data_parallel_size, in_process
+                llm_kwargs, self._on_death, data_parallel_size, in_process, remote_cores
             )
         else:
             self.client = EngineCoreClient(llm_kwargs, self._on_death, in_process)

@@ -32,7 +32,7 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from vllm_rlt.config import require
-from vllm_rlt.engine.core_proc import Peer, run_engine_core, serve_engine
+from vllm_rlt.engine.core_proc import run_engine_core, serve_engine
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.messages import (
     AbortAll,
@@ -46,6 +46,12 @@ from vllm_rlt.engine.messages import (
     StartupFailed,
     command_codec,
     message_codec,
+)
+from vllm_rlt.engine.remote_channel import (
+    ChannelKeys,
+    LinkWatch,
+    Peer,
+    secure_server,
 )
 
 logger = logging.getLogger(__name__)
@@ -161,10 +167,34 @@ class EngineCoreClient:
         threading.Thread(target=self._watch, name="vllm-rlt-core-watch", daemon=True).start()
         return self
 
+    @classmethod
+    def remote(cls, addresses: Peer, keys: ChannelKeys, on_death: Callable[[str], None], rank: int):
+        """Serve a core on another host (`serve --headless`) over the encrypted channel:
+        bind its TCP addresses and block until it has loaded its model and reported ready.
+        Its death is the end of its connection."""
+        self = cls.__new__(cls)
+        self._open(on_death, 0, addresses, None, keys)
+        self.in_process = False
+        self.process = self.thread = self.core_engine = None
+        self.attachments = []
+        logger.info("waiting for engine core %d to connect at %s", rank, addresses[0])
+        try:
+            self.info = self._wait_ready()
+        except BaseException:
+            self._release_sockets()
+            raise
+        threading.Thread(target=self._watch, name="vllm-rlt-core-watch", daemon=True).start()
+        return self
+
     def _open(
-        self, on_death: Callable[[str], None], client: int, addresses: Peer, ipc_dir: str | None
+        self,
+        on_death: Callable[[str], None],
+        client: int,
+        addresses: Peer,
+        ipc_dir: str | None,
+        keys: ChannelKeys | None = None,
     ) -> None:
-        """Bind this client's sockets (the core connects to them)."""
+        """Bind this client's sockets (the core connects to them), encrypted with `keys`."""
         self.on_death = on_death
         self.client = client
         self.context = zmq.Context()
@@ -178,20 +208,24 @@ class EngineCoreClient:
         self._stopping = False  # this side is leaving: the core's end is no death
         self._reader: asyncio.Task | None = None
         self._lifeline: multiprocessing.connection.Connection | None = None
+        self._link: LinkWatch | None = None  # a core on another host
         self.dead_reason: str | None = None
         self._ipc_dir = ipc_dir
         self.input = self.context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)
-        self.input.bind(addresses[0])
         self.control = self.context.socket(zmq.REQ)
         # A call that timed out must not wedge the socket: the next call may send again,
         # and a late reply to the old call is told apart and dropped.
         self.control.setsockopt(zmq.REQ_RELAXED, 1)
         self.control.setsockopt(zmq.REQ_CORRELATE, 1)
-        self.control.bind(addresses[1])
         self.output = self.context.socket(zmq.PULL)
         self.output.setsockopt(zmq.RCVHWM, 0)
-        self.output.bind(addresses[2])
+        if keys is not None:  # watched from before an engine can connect
+            self._link = LinkWatch(self.output)
+        for socket, address in zip(self.sockets, addresses, strict=True):
+            if keys is not None:
+                secure_server(socket, keys)
+            socket.bind(address)
 
     # ----------------------------------------------------------------- startup
     def _built(self, engine: EngineCore) -> None:
@@ -260,6 +294,8 @@ class EngineCoreClient:
         return reply.value
 
     def core_alive(self) -> bool:
+        if self._link is not None:
+            return not self._link.gone.is_set()
         if self.process is not None:
             return self.process.is_alive()
         if self._lifeline is not None:
@@ -289,7 +325,9 @@ class EngineCoreClient:
 
     def _watch(self) -> None:
         """Sleep until the core ends; an end nobody asked for is a death."""
-        if self.process is not None:
+        if self._link is not None:
+            self._link.gone.wait()
+        elif self.process is not None:
             multiprocessing.connection.wait([self.process.sentinel])
         elif self._lifeline is not None:
             multiprocessing.connection.wait([self._lifeline])
@@ -308,6 +346,8 @@ class EngineCoreClient:
         self.on_death(reason)
 
     def _exit_status(self) -> str:
+        if self._link is not None:
+            return "its connection from another host closed"
         if self._lifeline is not None:
             return "the server's main process logs its exit status"
         if self.process is None:
@@ -352,6 +392,8 @@ class EngineCoreClient:
             self.thread.join(timeout)
 
     def _release_sockets(self) -> None:
+        if self._link is not None:
+            self._link.close()
         with self._send_lock:
             self._closing = True
             # An attached client's last aborts must still leave; the owner's core is gone.

@@ -40,6 +40,12 @@ from vllm_rlt.engine.messages import (
     message_codec,
 )
 from vllm_rlt.engine.pass_rate import PassRate
+from vllm_rlt.engine.remote_channel import (
+    ChannelKeys,
+    Peer,
+    refuse_on_bad_key,
+    secure_client,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -247,26 +253,29 @@ def startup_failure(exc: BaseException) -> StartupFailed:
     return StartupFailed("internal", f"{type(exc).__name__}: {exc}", traceback.format_exc())
 
 
-Peer = tuple[str, str, str]  # a client's (commands, control, outputs) addresses
-
-
 def serve_engine(
     llm_kwargs: dict[str, Any],
     context: zmq.Context,
     peers: list[Peer],
     on_built: Callable[[EngineCore], None] | None = None,
+    keys: ChannelKeys | None = None,
 ) -> int:
     """Build the engine, report ready (or why not) to the first peer, run the loop; the
-    exit code. Each peer (frontend) bound its addresses; the core connects to all of them.
+    exit code. Each peer (frontend) bound its addresses; the core connects to all of them,
+    over the encrypted channel when given its `keys` (a frontend on another host).
     `on_built` hands an in-process caller the engine itself."""
     inputs = context.socket(zmq.PULL)
     control = context.socket(zmq.REP)
     outputs = []
     for input_address, control_address, output_address in peers:
-        inputs.connect(input_address)
-        control.connect(control_address)
         output = context.socket(zmq.PUSH)
         output.setsockopt(zmq.SNDHWM, 0)
+        if keys is not None:
+            for socket in (inputs, control, output):
+                secure_client(socket, keys)
+            refuse_on_bad_key(output, output_address, _refused)
+        inputs.connect(input_address)
+        control.connect(control_address)
         output.connect(output_address)
         outputs.append(output)
     try:
@@ -295,12 +304,18 @@ def _serve(llm_kwargs, inputs, control, outputs, on_built) -> int:
     return 0
 
 
+def _refused(message: str) -> None:
+    logger.error("%s", message)
+    os._exit(3)
+
+
 def run_engine_core(
     llm_kwargs: dict[str, Any],
     peers: list[Peer],
     parent_pid: int,
     lifeline: Any = None,
     env: dict[str, str] | None = None,
+    keys: ChannelKeys | None = None,
 ) -> None:
     """Entry point of the engine-core process. `lifeline` is the write end of a pipe that
     this process holds, unused, until it ends: processes that are not its parent learn of
@@ -313,7 +328,7 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     context = zmq.Context()
-    code = serve_engine(llm_kwargs, context, peers)
+    code = serve_engine(llm_kwargs, context, peers, keys=keys)
     # Let the last messages leave, then exit without tearing the interpreter down: the
     # device and the runtime's threads need no orderly teardown, and it could hang.
     context.term()

@@ -6,6 +6,10 @@ every request on the core with the least load: the fewest sequences waiting beyo
 slots, then the lowest KV-cache use it last reported, then the fewest sequences. A request
 stays on its core, and its aborts follow it. A core that dies stops the whole frontend, as
 one core's death does (every request fails, /health answers 503 and names the core).
+
+Cores may also run on other hosts (`serve --headless`): they connect to this frontend over
+an encrypted channel keyed by the API key (`remote_channel.py`), and count as the ranks
+after the local ones.
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -27,6 +32,7 @@ from vllm_rlt.engine.messages import (
     Command,
     EngineOutputs,
 )
+from vllm_rlt.engine.remote_channel import ChannelKeys, remote_peer
 
 MAX_DATA_PARALLEL = 64
 
@@ -50,6 +56,17 @@ _SUMMED = (
     "num_cached_blocks",
     "passes_per_second",
 )
+
+
+@dataclass(frozen=True)
+class RemoteCores:
+    """Ranks from `local_size` on run on other hosts (`serve --headless`) and connect to
+    this frontend at `address`, ports from `rpc_port` on, over the encrypted channel."""
+
+    local_size: int
+    address: str
+    rpc_port: int
+    keys: ChannelKeys
 
 
 def core_environments(device: str, size: int) -> list[dict[str, str]]:
@@ -95,16 +112,24 @@ class DataParallelClient:
         on_death: Callable[[str], None],
         size: int,
         in_process: bool = False,
+        remote: RemoteCores | None = None,
     ) -> None:
-        envs = core_environments(str(llm_kwargs.get("device", "cpu")), size)
+        local = size if remote is None else remote.local_size
+        envs = core_environments(str(llm_kwargs.get("device", "cpu")), local) if local else []
         self.on_death = on_death
         self.dead_reason: str | None = None
         self._death_lock = threading.Lock()
         self.cores: list[EngineCoreClient] = []
         try:
-            for rank, env in enumerate(envs):
+            for rank in range(size):
                 died = partial(self._core_died, rank)
-                self.cores.append(EngineCoreClient(llm_kwargs, died, in_process, env=env))
+                if rank < local:
+                    core = EngineCoreClient(llm_kwargs, died, in_process, env=envs[rank])
+                else:
+                    assert remote is not None
+                    peer = remote_peer(remote.address, remote.rpc_port, rank)
+                    core = EngineCoreClient.remote(peer, remote.keys, died, rank)
+                self.cores.append(core)
         except BaseException:
             self.shutdown()
             raise

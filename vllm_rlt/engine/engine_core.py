@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -35,6 +37,7 @@ from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.exit import make_exit_policy
 from vllm_rlt.outputs import RequestMetrics, RequestOutput, prompt_logprob_entries
+from vllm_rlt.parallel.tensor_parallel import TensorParallel
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.worker.model_runner import ModelRunner, PendingPass
@@ -80,6 +83,7 @@ class EngineCore:
         execution_config: ExecutionConfig,
         attention_backend: str = "auto",
         speculative_config: SpeculativeConfig | None = None,
+        tensor_parallel: TensorParallel | None = None,
     ) -> None:
         cfg = model.config
         self.model = model
@@ -119,6 +123,12 @@ class EngineCore:
         self.memory_plan: MemoryPlan = self._plan_memory(
             cache_config, scheduler_config, execution_config, planes, table_planes, ops
         )
+        if tensor_parallel is not None:  # every rank's scheduler must see the same pool
+            fewest = tensor_parallel.min_over_ranks(self.memory_plan.num_blocks)
+            self.memory_plan = dataclasses.replace(self.memory_plan, num_blocks=fewest)
+        # Tensor parallelism: rank 0 sends each call that changes the engine to the other
+        # ranks first (see parallel/tensor_parallel.py).
+        self.mirror: Callable[[str, tuple], None] | None = None
         geometry = KVGeometry(
             planes=planes,
             block_size=cache_config.block_size,
@@ -249,6 +259,8 @@ class EngineCore:
         prompt: str | None = None,
     ) -> None:
         """Validate and queue a request; any error leaves the engine untouched."""
+        if self.mirror is not None:
+            self.mirror("add_request", (request_id, prompt_token_ids, params, prompt))
         request_id = str(request_id)
         require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
         child_ids = (
@@ -315,11 +327,15 @@ class EngineCore:
     def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """Stop a request (or only its completion `index`) at any time; blocks and slots
         are freed at once."""
+        if self.mirror is not None:
+            self.mirror("abort_request", (request_id, index))
         group = self._abort(request_id, index)
         return None if group is None else self._finalize(group)
 
     def abort_request_delta(self, request_id: str, index: int | None = None) -> RequestDelta | None:
         """`abort_request`, answered with what changed since the last delta."""
+        if self.mirror is not None:
+            self.mirror("abort_request_delta", (request_id, index))
         group = self._abort(request_id, index)
         return None if group is None else self._delta(group)
 
@@ -343,16 +359,22 @@ class EngineCore:
     def leave_text_to_caller(self) -> None:
         """Stop detokenizing here (and so checking stop strings): the caller turns tokens
         into text on its own thread. Only valid before any request was added."""
+        if self.mirror is not None:
+            self.mirror("leave_text_to_caller", ())
         require(not self.groups, "leave_text_to_caller must come before the first request")
         self.outputs = OutputProcessor(self.tokenizer, make_text=False)
 
     # ----------------------------------------------------------------- one step
     def step(self) -> list[RequestOutput]:
         """Run one pass; return a cumulative output for every group that progressed."""
+        if self.mirror is not None:
+            self.mirror("step", ())
         return [self._finalize(group) for group in self._step()]
 
     def step_deltas(self) -> list[RequestDelta]:
         """Run one pass; return what each group that progressed produced in it."""
+        if self.mirror is not None:
+            self.mirror("step_deltas", ())
         return [self._delta(group) for group in self._step()]
 
     def _step(self) -> list[RequestGroup]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -20,6 +21,16 @@ from vllm_rlt.config import (
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.models.load import load_model_and_tokenizer, resolve_device, resolve_dtype
 from vllm_rlt.outputs import RequestOutput
+from vllm_rlt.parallel.tensor_parallel import (
+    TensorParallel,
+    check_tensor_parallel,
+    free_port,
+    join_group,
+    rank_device,
+    shard_model,
+    start_followers,
+    stop_followers,
+)
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -30,6 +41,9 @@ class LLM:
     `model=None` (or "ouro-tasks") is the built-in tiny Ouro trained on checkable tasks, e.g.
     "347+589=" -> "936"; "toy" is a random-weight toy for tests; otherwise a Hugging Face
     checkpoint folder.
+
+    `tensor_parallel_size` N > 1 splits the model over N processes (this one is rank 0;
+    on CUDA rank r runs on cuda:r), each with 1/N of every layer's heads and MLP features.
     """
 
     def __init__(
@@ -43,12 +57,35 @@ class LLM:
         execution_config: ExecutionConfig | None = None,
         attention_backend: str = "auto",
         speculative_config: SpeculativeConfig | None = None,
+        tensor_parallel_size: int = 1,
+        _tensor_parallel_rank: tuple[int, int] | None = None,
     ) -> None:
         resolved_device = resolve_device(device)
         resolved_dtype = resolve_dtype(dtype, resolved_device)
-        loaded, tokenizer, name = load_model_and_tokenizer(model, resolved_dtype, resolved_device)
+        rank, port = _tensor_parallel_rank or (0, 0)
+        load_on = rank_device(resolved_device, rank)
+        loaded, tokenizer, name = load_model_and_tokenizer(model, resolved_dtype, load_on)
         self.model_name = name
         self.tokenizer = tokenizer
+        self.tensor_parallel: TensorParallel | None = None
+        if tensor_parallel_size != 1:
+            check_tensor_parallel(tensor_parallel_size, loaded.config, resolved_device)
+            if rank == 0:
+                port = free_port()
+                follower_kwargs = {
+                    "model": model,
+                    "device": device,
+                    "dtype": dtype,
+                    "cache_config": cache_config,
+                    "scheduler_config": scheduler_config,
+                    "exit_config": exit_config,
+                    "execution_config": execution_config,
+                    "attention_backend": attention_backend,
+                    "speculative_config": speculative_config,
+                }
+                followers = start_followers(tensor_parallel_size, port, follower_kwargs)
+            self.tensor_parallel = join_group(rank, tensor_parallel_size, port, resolved_device)
+            shard_model(loaded, self.tensor_parallel)
         self.engine = EngineCore(
             loaded,
             tokenizer,
@@ -58,7 +95,11 @@ class LLM:
             execution_config or ExecutionConfig(),
             attention_backend,
             speculative_config,
+            self.tensor_parallel,
         )
+        if self.tensor_parallel is not None and rank == 0:
+            self.engine.mirror = self.tensor_parallel.mirror
+            weakref.finalize(self.engine, stop_followers, self.tensor_parallel, followers)
         self._counter = 0
 
     def get_tokenizer(self) -> Tokenizer:

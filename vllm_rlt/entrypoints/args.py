@@ -34,6 +34,13 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     model.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=1,
+        help="processes (GPUs: cuda:0 .. cuda:N-1) that split every layer's heads and MLP "
+        "features; N must divide the heads, the KV heads and the MLP width",
+    )
+    model.add_argument(
         "--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: bf16 on CUDA)"
     )
     model.add_argument(
@@ -229,6 +236,7 @@ class EngineArgs:
     exit_config: ExitConfig
     execution_config: ExecutionConfig
     speculative_config: SpeculativeConfig | None = None
+    tensor_parallel_size: int = 1
 
     def llm_kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -290,4 +298,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
             cuda_graphs=not ns.enforce_eager, async_scheduling=ns.async_scheduling, seed=ns.seed
         ),
         speculative_config=speculative_config(ns),
+        tensor_parallel_size=ns.tensor_parallel_size,
     )

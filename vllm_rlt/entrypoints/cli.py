@@ -208,6 +208,36 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "this server; each request goes to the least loaded one",
     )
     group.add_argument(
+        "--data-parallel-size-local",
+        type=int,
+        default=None,
+        help="of the --data-parallel-size cores, how many run on this host (the rest connect "
+        "from other hosts with --headless; needs --api-key) (default: all)",
+    )
+    group.add_argument(
+        "--data-parallel-address",
+        default="127.0.0.1",
+        help="the frontend's address that cores on other hosts connect to",
+    )
+    group.add_argument(
+        "--data-parallel-rpc-port",
+        type=int,
+        default=13345,
+        help="first port of the channel to cores on other hosts (3 ports per core)",
+    )
+    group.add_argument(
+        "--headless",
+        action="store_true",
+        help="run --data-parallel-size-local engine cores here for the frontend at "
+        "--data-parallel-address, and no HTTP server",
+    )
+    group.add_argument(
+        "--data-parallel-start-rank",
+        type=int,
+        default=0,
+        help="with --headless: the rank of this host's first core",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -270,9 +300,11 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             f"vllm-rlt serve needs the serve extra ({', '.join(missing)} not installed): "
             'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")'
         )
-    from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, core_environments
+    from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, RemoteCores, core_environments
+    from vllm_rlt.engine.remote_channel import channel_keys, check_ports
+    from vllm_rlt.entrypoints.headless import run_headless
     from vllm_rlt.entrypoints.openai.api_servers import MAX_API_SERVERS, APIServerFailed
-    from vllm_rlt.entrypoints.openai.server import ServerSettings, serve
+    from vllm_rlt.entrypoints.openai.server import ServerSettings, log_like_uvicorn, serve
     from vllm_rlt.models.load import check_model_source
 
     if ns.model_path is not None:
@@ -299,20 +331,59 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(
             f"--data-parallel-size must be in [1, {MAX_DATA_PARALLEL}], got {ns.data_parallel_size}"
         )
+    if ns.data_parallel_size > 1 and ns.tensor_parallel_size > 1:
+        parser.error(
+            "--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported: choose one"
+        )
     if ns.data_parallel_size > 1 and ns.api_server_count > 1:
         parser.error(
             "--data-parallel-size > 1 runs with one API server: --api-server-count "
             f"{ns.api_server_count} with it is not supported"
+        )
+    size = ns.data_parallel_size
+    local = size if ns.data_parallel_size_local is None else ns.data_parallel_size_local
+    if not (1 if ns.headless else 0) <= local <= size:
+        parser.error(
+            f"--data-parallel-size-local must be in [{1 if ns.headless else 0}, {size}], "
+            f"got {local}"
+        )
+    if ns.headless and not 0 <= ns.data_parallel_start_rank <= size - local:
+        parser.error(
+            f"--data-parallel-start-rank must be in [0, {size - local}] (the ranks of "
+            f"{local} cores among {size}), got {ns.data_parallel_start_rank}"
+        )
+    remote = ns.headless or local < size
+    if remote and not ns.api_key:
+        parser.error(
+            "cores on other hosts need --api-key (or VLLM_RLT_API_KEY): it keys the "
+            "encrypted channel between them and the frontend"
         )
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
     try:
         engine_args = engine_args_from(ns)
         check_model_source(ns.model)
-        if ns.data_parallel_size > 1:
-            core_environments(ns.device, ns.data_parallel_size)  # GPUs enough, plain "cuda"
+        if local > 1 or ns.headless:
+            core_environments(ns.device, local)  # GPUs enough, a plain "cuda"
+        if remote:
+            check_ports(ns.data_parallel_rpc_port, size)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
+    if ns.headless:
+        log_like_uvicorn()
+        return run_headless(
+            engine_args.llm_kwargs(),
+            local,
+            ns.data_parallel_start_rank,
+            ns.data_parallel_address,
+            ns.data_parallel_rpc_port,
+            ns.api_key,
+        )
+    remote_cores = None
+    if local < size:
+        remote_cores = RemoteCores(
+            local, ns.data_parallel_address, ns.data_parallel_rpc_port, channel_keys(ns.api_key)
+        )
     settings = ServerSettings(
         served_model_name=ns.served_model_name,
         api_key=ns.api_key,
@@ -330,6 +401,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         access_log=ns.access_log,
         api_server_count=ns.api_server_count,
         data_parallel_size=ns.data_parallel_size,
+        remote_cores=remote_cores,
         llm_kwargs=engine_args.llm_kwargs(),
     )
     try:

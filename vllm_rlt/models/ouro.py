@@ -178,6 +178,8 @@ class OuroModel:
 
     # Ouro wraps each branch output in its own norm before the residual add.
     branch_norms = True
+    # Set by parallel.tensor_parallel.shard_model on a model split over ranks.
+    tensor_parallel: Any = None
 
     def _load_layer(self, take, prefix: str) -> OuroLayerWeights:
         def branch_norm(name: str) -> torch.Tensor | None:
@@ -233,17 +235,24 @@ class OuroModel:
                 self.rotary,
                 self.scale,
             )
-            x, b = ops.linear_add_rms_norm2(
-                x, attn, layer.o, layer.attn_out_norm, layer.mlp_norm, eps
-            )
+            x, b = self._add_branch(ops, x, attn, layer.o, layer.attn_out_norm, layer.mlp_norm)
             mlp = ops.linear_silu_mul(b, layer.gate_up)
             following = (
                 self.layers[index + 1].attn_norm
                 if index + 1 < len(self.layers)
                 else self.final_norm
             )
-            x, a = ops.linear_add_rms_norm2(x, mlp, layer.down, layer.mlp_out_norm, following, eps)
+            x, a = self._add_branch(ops, x, mlp, layer.down, layer.mlp_out_norm, following)
         return a
+
+    def _add_branch(self, ops, x, inp, weight, w_branch, w_next):
+        """The residual add of a branch projected by `weight`, fused with the norms around
+        it; under tensor parallelism the ranks' partial products are summed first."""
+        eps = self.config.rms_norm_eps
+        if self.tensor_parallel is None:
+            return ops.linear_add_rms_norm2(x, inp, weight, w_branch, w_next, eps)
+        branch = self.tensor_parallel.all_reduce(ops.linear(inp, weight))
+        return ops.add_rms_norm2(x, branch, w_branch, w_next, eps)
 
     def gate(self, hidden: torch.Tensor) -> torch.Tensor:
         """Exit-gate logits [rows] in float32 from the end-of-loop state [rows, hidden]."""

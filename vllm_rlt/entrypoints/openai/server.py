@@ -28,6 +28,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vllm_rlt
 from vllm_rlt.engine.async_llm import AsyncLLM
 from vllm_rlt.engine.core_client import CoreAttachment
+from vllm_rlt.engine.dp_client import RemoteCores
 from vllm_rlt.entrypoints.openai.connection import DrainingServer, limited_protocol
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
 from vllm_rlt.entrypoints.openai.protocol import (
@@ -67,6 +68,7 @@ class ServerSettings:
     engine_in_process: bool = False  # the core on a thread of this process (tests)
     api_server_count: int = 1
     data_parallel_size: int = 1
+    remote_cores: RemoteCores | None = None  # data-parallel ranks on other hosts
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
@@ -90,6 +92,7 @@ class ServerState:
                 in_process=self.settings.engine_in_process,
                 attach=self.attach,
                 data_parallel_size=self.settings.data_parallel_size,
+                remote_cores=self.settings.remote_cores,
             )
             name = self.settings.served_model_name or engine.model_name
             index = self.attach.client if self.attach is not None else 1

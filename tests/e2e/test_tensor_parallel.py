@@ -1,0 +1,63 @@
+"""Tensor parallelism over gloo on the CPU: the toy model split over two processes gives the
+float32 tokens and exit depths of one process, and logprobs equal up to the order of the
+all-reduce's sums, in every exit mode, KV layout and scheduling mode."""
+
+from __future__ import annotations
+
+import pytest
+
+from vllm_rlt import LLM, CacheConfig, ExitConfig, SamplingParams, SchedulerConfig
+
+PROMPTS = ["hello world", "347+589=", "a longer prompt about loops and depth", "x"]
+# depth of the prefill (all loops) then of each decode input, per request id (trace mode)
+TRACES = {str(i): (4,) + tuple(1 + (i + j) % 4 for j in range(16)) for i in range(len(PROMPTS))}
+
+
+def _params() -> list[SamplingParams]:
+    return [
+        SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, exit_threshold=0.5),
+        SamplingParams(max_tokens=10, temperature=0.0, logprobs=2, exit_threshold=1.0),
+        SamplingParams(max_tokens=10, temperature=0.8, seed=7, logprobs=2, exit_threshold=0.7),
+        SamplingParams(max_tokens=10, temperature=0.0, n=2, exit_threshold=0.3),
+    ]
+
+
+def _generate(tensor_parallel_size: int, **engine) -> list:
+    llm = LLM(model="toy", tensor_parallel_size=tensor_parallel_size, **engine)
+    return llm.generate(PROMPTS, _params(), use_tqdm=False)
+
+
+@pytest.mark.parametrize(
+    ("exit_mode", "layout", "scheduling"),
+    [  # every exit mode, both layouts, both scheduling modes
+        ("ouro", "last_exited", "refill"),
+        ("ouro", "shared", "no_refill"),
+        ("ouro_delayed", "shared", "refill"),
+        ("random_lookahead", "last_exited", "refill"),
+        ("trace", "shared", "refill"),
+    ],
+)
+def test_two_ranks_equal_one_process(exit_mode, layout, scheduling):
+    engine = {
+        "cache_config": CacheConfig(num_blocks=64, layout=layout),
+        "scheduler_config": SchedulerConfig(mode=scheduling),
+        "exit_config": ExitConfig(
+            mode=exit_mode, depths_by_request=TRACES if exit_mode == "trace" else {}
+        ),
+    }
+    one, two = _generate(1, **engine), _generate(2, **engine)
+    for single, split in zip(one, two, strict=True):
+        for a, b in zip(single.outputs, split.outputs, strict=True):
+            assert a.token_ids == b.token_ids
+            assert a.exit_depths == b.exit_depths
+            assert (a.logprobs is None) == (b.logprobs is None)
+            for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
+                assert x.keys() == y.keys()
+                assert all(abs(x[token] - y[token]) < 1e-4 for token in x)
+
+
+def test_unsupported_splits_are_clear_errors():
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 3 must divide the model's"):
+        LLM(model="toy", tensor_parallel_size=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size must be in \[1, 64\], got 0"):
+        LLM(model="toy", tensor_parallel_size=0)

@@ -1,0 +1,215 @@
+"""Tensor parallelism over torch.distributed: one model split over N processes.
+
+Each rank holds 1/N of every layer: its share of the attention heads (q, k and v rows of
+those heads: column-parallel) and of the MLP's intermediate features (gate/up rows:
+column-parallel), and the matching columns of o and down (row-parallel). After o and after
+down, one all-reduce sums the ranks' partial products, so every rank holds the whole
+residual stream. The embedding, the norms, the exit gate and the LM head are replicated:
+all ranks compute them from the same all-reduced state, so they take the same exit
+decisions and draw the same tokens. The KV cache of a rank holds its heads only.
+
+Every rank runs a whole engine (scheduler included), and rank 0, the one that serves
+requests, mirrors each call that changes its engine to the others before it makes it
+(`TensorParallel.mirror`). Since the engines start equal and see equal inputs and equal
+model outputs, they stay equal, and only rank 0's outputs are used. NCCL carries the
+collectives on CUDA (CUDA graphs capture them), gloo on the CPU; the mirrored calls go
+over a gloo group of their own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import multiprocessing
+import os
+import socket
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from vllm_rlt.config import require, require_int
+
+logger = logging.getLogger(__name__)
+
+MAX_TENSOR_PARALLEL = 64
+PARENT_POLL_S = 0.5
+
+
+@dataclass
+class TensorParallel:
+    """This process's place in the group and the groups it talks through."""
+
+    rank: int
+    world: int
+    device_group: Any  # collectives of the model (NCCL on CUDA, gloo on the CPU)
+    control_group: Any  # mirrored engine calls, pickled (gloo)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(tensor, group=self.device_group)
+        return tensor
+
+    def min_over_ranks(self, value: int) -> int:
+        """The smallest of every rank's value (the KV blocks all of them can hold)."""
+        held = torch.tensor([value], dtype=torch.int64)
+        dist.all_reduce(held, op=dist.ReduceOp.MIN, group=self.control_group)
+        return int(held.item())
+
+    def mirror(self, name: str, args: tuple) -> None:
+        """Rank 0: send an engine call to the other ranks, which make it too."""
+        dist.broadcast_object_list([(name, args)], src=0, group=self.control_group)
+
+    def receive(self) -> tuple[str, tuple]:
+        box: list[Any] = [None]
+        dist.broadcast_object_list(box, src=0, group=self.control_group)
+        return box[0]
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def check_tensor_parallel(size: int, config: Any, device: torch.device) -> None:
+    """Every reason a model cannot be split `size` ways here, as one clear error."""
+    require_int(size, "tensor_parallel_size", 1, MAX_TENSOR_PARALLEL)
+    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        value = getattr(config, name)
+        require(
+            value % size == 0,
+            f"tensor_parallel_size {size} must divide the model's {name} ({value})",
+            "tensor_parallel_size",
+        )
+    if device.type == "cuda":
+        count = torch.cuda.device_count()
+        require(
+            size <= count,
+            f"tensor_parallel_size {size} needs {size} GPUs, but {count} "
+            f"{'is' if count == 1 else 'are'} visible",
+            "tensor_parallel_size",
+        )
+        require(
+            device.index in (None, 0),
+            f"with tensor parallelism rank r runs on cuda:r: use device 'cuda', not '{device}'",
+            "device",
+        )
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    return torch.device("cuda", rank) if device.type == "cuda" else device
+
+
+def join_group(rank: int, world: int, port: int, device: torch.device) -> TensorParallel:
+    """Join the group on loopback (blocks until every rank has)."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(rank_device(device, rank))
+    dist.init_process_group(
+        backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
+    control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    return TensorParallel(rank, world, dist.group.WORLD, control)
+
+
+def shard_model(model: Any, tp: TensorParallel) -> Any:
+    """Keep this rank's share of every layer (in place) and make the model all-reduce the
+    row-parallel products; the config then describes this rank's share."""
+    cfg = model.config
+    rank, world = tp.rank, tp.world
+    heads, kv_heads = cfg.num_attention_heads // world, cfg.num_key_value_heads // world
+    dim, inter = cfg.head_dim, cfg.intermediate_size // world
+
+    def rows(tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
+        return tensor[start : start + count]
+
+    for layer in model.layers:
+        q, k, v = layer.qkv.split(
+            [
+                cfg.num_attention_heads * dim,
+                cfg.num_key_value_heads * dim,
+                cfg.num_key_value_heads * dim,
+            ]
+        )
+        layer.qkv = torch.cat(
+            [
+                rows(q, rank * heads * dim, heads * dim),
+                rows(k, rank * kv_heads * dim, kv_heads * dim),
+                rows(v, rank * kv_heads * dim, kv_heads * dim),
+            ]
+        ).contiguous()
+        layer.o = layer.o[:, rank * heads * dim : (rank + 1) * heads * dim].contiguous()
+        # gate/up rows interleave gate_j, up_j: a rank's features are one block of rows
+        layer.gate_up = rows(layer.gate_up, 2 * rank * inter, 2 * inter).contiguous()
+        layer.down = layer.down[:, rank * inter : (rank + 1) * inter].contiguous()
+    model.config = dataclasses.replace(
+        cfg, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter
+    )
+    model.tensor_parallel = tp
+    return model
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_followers(world: int, port: int, llm_kwargs: dict[str, Any]) -> list[Any]:
+    """Spawn ranks 1 .. world - 1, each building the same engine from `llm_kwargs`."""
+    spawn = multiprocessing.get_context("spawn")
+    processes = []
+    for rank in range(1, world):
+        process = spawn.Process(
+            target=run_follower,
+            args=(rank, world, port, llm_kwargs, os.getpid()),
+            name=f"vllm-rlt-tp-rank-{rank}",
+            daemon=True,
+        )
+        process.start()
+        processes.append(process)
+    return processes
+
+
+def stop_followers(tp: TensorParallel, followers: list[Any], timeout: float = 30.0) -> None:
+    """Rank 0, when its engine goes: tell the other ranks to stop, and wait for them."""
+    try:
+        tp.mirror("stop", ())
+        tp.close()
+    except Exception:  # noqa: BLE001 - a rank already gone: those left are killed below
+        logger.debug("stopping the other tensor-parallel ranks failed", exc_info=True)
+    for process in followers:
+        process.join(timeout)
+        if process.is_alive():
+            process.kill()
+
+
+def run_follower(
+    rank: int, world: int, port: int, llm_kwargs: dict[str, Any], parent_pid: int
+) -> None:
+    """A rank other than 0: build the engine like rank 0, then make every call rank 0
+    mirrors until it says stop. It leaves with its parent."""
+    from vllm_rlt.engine.llm import LLM
+
+    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    llm = LLM(**llm_kwargs, tensor_parallel_size=world, _tensor_parallel_rank=(rank, port))
+    follow(llm.engine, llm.tensor_parallel)
+
+
+def follow(engine: Any, tp: TensorParallel) -> None:
+    while True:
+        name, args = tp.receive()
+        if name == "stop":
+            tp.close()
+            return
+        try:
+            getattr(engine, name)(*args)
+        except Exception:  # noqa: BLE001 - rank 0 got the same error and reported it
+            logger.debug("mirrored %s failed as on rank 0", name, exc_info=True)
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(0)
