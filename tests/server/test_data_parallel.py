@@ -165,6 +165,11 @@ def test_data_parallel_flags_out_of_range_are_one_line_errors():
             + ["--data-parallel-rpc-port", "65533"],
             "data_parallel_rpc_port must leave room for 3 ports per core: 65533 to 65538",
         ),
+        (
+            ["--headless", "--data-parallel-size", "2", "--data-parallel-size-local", "1"]
+            + ["--api-key", "k", "--data-parallel-address", "no such host"],
+            "data_parallel_address 'no such host' does not resolve",
+        ),
     ]
     for flags, message in cases:
         reply = subprocess.run(

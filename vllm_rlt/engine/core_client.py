@@ -173,7 +173,13 @@ class EngineCoreClient:
         bind its TCP addresses and block until it has loaded its model and reported ready.
         Its death is the end of its connection."""
         self = cls.__new__(cls)
-        self._open(on_death, 0, addresses, None, keys)
+        try:
+            self._open(on_death, 0, addresses, None, keys)
+        except zmq.ZMQError as exc:  # an address of another host, a port in use
+            self.context.destroy(linger=0)
+            raise OSError(
+                f"cannot listen for engine core {rank} at {addresses[0]}: {exc.strerror}"
+            ) from None
         self.in_process = False
         self.process = self.thread = self.core_engine = None
         self.attachments = []

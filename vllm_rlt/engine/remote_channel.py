@@ -17,12 +17,13 @@ import hashlib
 import logging
 import threading
 from dataclasses import dataclass
+from socket import getaddrinfo
 
 import zmq
 from zmq.utils import z85
 from zmq.utils.monitor import recv_monitor_message
 
-from vllm_rlt.config import require
+from vllm_rlt.config import ParamError, require
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +70,16 @@ def check_ports(rpc_port: int, size: int) -> None:
         "must lie in [1024, 65535]",
         "data_parallel_rpc_port",
     )
+
+
+def check_address(address: str) -> None:
+    """An address both sides can use: a name or IP that resolves."""
+    try:
+        getaddrinfo(address, None)
+    except (OSError, UnicodeError) as exc:
+        raise ParamError(
+            f"data_parallel_address {address!r} does not resolve: {exc}", "data_parallel_address"
+        ) from None
 
 
 def _heartbeats(socket: zmq.Socket) -> None:

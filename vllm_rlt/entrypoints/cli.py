@@ -301,7 +301,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")'
         )
     from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, RemoteCores, core_environments
-    from vllm_rlt.engine.remote_channel import channel_keys, check_ports
+    from vllm_rlt.engine.remote_channel import channel_keys, check_address, check_ports
     from vllm_rlt.entrypoints.headless import run_headless
     from vllm_rlt.entrypoints.openai.api_servers import MAX_API_SERVERS, APIServerFailed
     from vllm_rlt.entrypoints.openai.server import ServerSettings, log_like_uvicorn, serve
@@ -367,6 +367,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             core_environments(ns.device, local)  # GPUs enough, a plain "cuda"
         if remote:
             check_ports(ns.data_parallel_rpc_port, size)
+            check_address(ns.data_parallel_address)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if ns.headless:
