@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 
 import httpx
@@ -37,8 +38,32 @@ def samples(url: str, name: str, api_key: str | None = None) -> dict[str, float]
     return values
 
 
+def _long_streams(url: str, count: int, stop: threading.Event) -> list[threading.Thread]:
+    """`count` streaming requests that run until `stop` is set (then they disconnect)."""
+    body = {"model": "toy", "prompt": "go", "max_tokens": 3000, "ignore_eos": True}
+
+    def stream() -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", json={**body, "stream": True}) as r:
+            for _ in r.iter_lines():
+                if stop.is_set():
+                    return
+
+    threads = [threading.Thread(target=stream) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
+def _health_until(url: str, status: int, timeout: float = 30.0) -> httpx.Response:
+    deadline = time.monotonic() + timeout
+    while (health := httpx.get(f"{url}/health")).status_code != status:
+        assert time.monotonic() < deadline, f"/health never answered {status}"
+        time.sleep(0.05)
+    return health
+
+
 def test_two_cores_equal_offline_label_their_metrics_and_a_dead_core_is_named():
-    flags = ("--data-parallel-size", "2", "--shutdown-timeout", "5")
+    flags = ("--data-parallel-size", "2", "--shutdown-timeout", "5", "--stall-timeout", "2")
     with serve_process(*flags) as (process, url):
         log = ""
         while not _CORE_PIDS.search(log):
@@ -52,11 +77,29 @@ def test_two_cores_equal_offline_label_their_metrics_and_a_dead_core_is_named():
         assert set(passes) == {"0", "1"} and all(value > 0 for value in passes.values())
         assert sum(samples(url, "vllm_rlt:num_requests_running").values()) == 0
 
-        os.kill(pids[1], signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while (health := httpx.get(f"{url}/health")).status_code != 503:
-            assert time.monotonic() < deadline, "/health stayed 200 without core 1"
+        # A core that stops moving while it has work: /health names it, then recovers.
+        stop = threading.Event()
+        streams = _long_streams(url, 2, stop)  # one on each core
+        deadline = time.monotonic() + 60
+        while min(samples(url, "vllm_rlt:num_requests_running").values()) < 1:
+            assert time.monotonic() < deadline, "the two streams did not reach both cores"
             time.sleep(0.05)
+        os.kill(pids[1], signal.SIGSTOP)
+        try:
+            health = _health_until(url, 503)
+            assert health.json() == {
+                "status": "stalled",
+                "reason": "engine core 1 made no progress for 2 s",
+            }
+        finally:
+            os.kill(pids[1], signal.SIGCONT)
+        _health_until(url, 200)
+        stop.set()
+        for thread in streams:
+            thread.join(60)
+
+        os.kill(pids[1], signal.SIGKILL)
+        health = _health_until(url, 503)
         assert "engine core 1 (of 2)" in health.json()["reason"]
         reply = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "x"})
         assert reply.status_code == 503

@@ -329,6 +329,18 @@ class AsyncLLM:
         """Requests whose streams are open (queued or running)."""
         return len(self._streams)
 
+    def stalled(self, timeout: float) -> str | None:
+        """Why the engine counts as stalled (work waits and no pass completed for `timeout`
+        seconds; with several cores, on any one of them), or None."""
+        if isinstance(self.client, DataParallelClient):
+            rank = self.client.stalled_rank(timeout)
+            return (
+                None if rank is None else f"engine core {rank} made no progress for {timeout:g} s"
+            )
+        if self.has_work and time.monotonic() - self.last_progress > timeout:
+            return f"no pass completed for {timeout:g} s"
+        return None
+
     def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Every check the core makes on arrival: bad input raises ParamError here."""
         self.checker.check(request_id, prompt, params)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -147,6 +148,7 @@ class DataParallelClient:
         self._owner: dict[str, tuple[int, int]] = {}  # request id -> (rank, sequences)
         self._sequences = [0] * size  # per core: sequences of unfinished requests
         self._kv_usage = [0.0] * size  # per core: as of its latest step
+        self._heard = [time.monotonic()] * size  # per core: its latest message, or work
 
     @property
     def size(self) -> int:
@@ -171,6 +173,8 @@ class DataParallelClient:
         if isinstance(command, AddRequest):
             n = command.params.n
             rank = self.choose(n)
+            if self._sequences[rank] == 0:  # an idle core owes no message until now
+                self._heard[rank] = time.monotonic()
             self._owner[command.request_id] = (rank, n)
             self._sequences[rank] += n
             self.cores[rank].send(command)
@@ -186,6 +190,15 @@ class DataParallelClient:
             for core in self.cores:
                 core.send(command)
 
+    def stalled_rank(self, timeout: float) -> int | None:
+        """A core with work that has sent nothing for `timeout` seconds (a busy core
+        reports at least every heartbeat), or None."""
+        now = time.monotonic()
+        for rank in range(self.size):
+            if self._sequences[rank] > 0 and now - self._heard[rank] > timeout:
+                return rank
+        return None
+
     def rank_of(self, request_id: str) -> int | None:
         """The core an unfinished request runs on."""
         owner = self._owner.get(request_id)
@@ -198,6 +211,7 @@ class DataParallelClient:
 
     def _outputs(self, rank: int, on_outputs, outputs: EngineOutputs) -> None:
         stats = outputs.stats
+        self._heard[rank] = time.monotonic()
         self._kv_usage[rank] = 1.0 - stats.num_free_blocks / max(stats.num_blocks, 1)
         for delta in outputs.requests:
             if delta.finished:

@@ -12,7 +12,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -311,9 +310,9 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse(
                 {"status": "engine stopped", "reason": str(engine.dead)}, status_code=503
             )
-        stalled = time.monotonic() - engine.last_progress > settings.stall_timeout
-        if engine.has_work and stalled:
-            return JSONResponse({"status": "stalled"}, status_code=503)
+        stalled = engine.stalled(settings.stall_timeout)
+        if stalled is not None:
+            return JSONResponse({"status": "stalled", "reason": stalled}, status_code=503)
         return JSONResponse({"status": "ok"})
 
     @app.get("/version")
