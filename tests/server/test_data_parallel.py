@@ -176,6 +176,23 @@ def test_a_core_on_another_host_joins_with_the_api_key_and_its_death_is_named():
         remote.wait()
 
 
+def test_a_headless_host_leaves_when_its_frontend_is_gone():
+    """SIGKILL of the frontend: the headless engine notices the closed connection and
+    leaves, and its process exits 1 so that a supervisor can restart it."""
+    rpc_port = _free_ports(6)
+    remote = _headless(rpc_port, "x")
+    try:
+        flags = ("--data-parallel-size", "2", "--data-parallel-size-local", "1")
+        flags += ("--data-parallel-rpc-port", str(rpc_port), "--api-key", "x")
+        with serve_process(*flags) as (process, _):
+            process.kill()
+        assert remote.wait(120) == 1
+        assert "went away" in remote.stderr.read()
+    finally:
+        remote.kill()
+        remote.wait()
+
+
 def test_data_parallel_flags_out_of_range_are_one_line_errors():
     cases = [
         (["--data-parallel-size", "0"], "--data-parallel-size must be in [1, 64], got 0"),

@@ -176,6 +176,8 @@ class EngineCoreClient:
         try:
             self._open(on_death, 0, addresses, None, keys)
         except zmq.ZMQError as exc:  # an address of another host, a port in use
+            if self._link is not None:
+                self._link.close()
             self.context.destroy(linger=0)
             raise OSError(
                 f"cannot listen for engine core {rank} at {addresses[0]}: {exc.strerror}"

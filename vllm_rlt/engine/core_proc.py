@@ -43,8 +43,8 @@ from vllm_rlt.engine.pass_rate import PassRate
 from vllm_rlt.engine.remote_channel import (
     ChannelKeys,
     Peer,
-    refuse_on_bad_key,
     secure_client,
+    watch_frontend,
 )
 
 logger = logging.getLogger(__name__)
@@ -273,7 +273,7 @@ def serve_engine(
         if keys is not None:
             for socket in (inputs, control, output):
                 secure_client(socket, keys)
-            refuse_on_bad_key(output, output_address, _refused)
+            watch_frontend(output, output_address, _frontend_lost)
         inputs.connect(input_address)
         control.connect(control_address)
         output.connect(output_address)
@@ -304,7 +304,7 @@ def _serve(llm_kwargs, inputs, control, outputs, on_built) -> int:
     return 0
 
 
-def _refused(message: str) -> None:
+def _frontend_lost(message: str) -> None:
     logger.error("%s", message)
     os._exit(3)
 

@@ -171,6 +171,10 @@ class DataParallelClient:
 
     def send(self, command: Command) -> None:
         if isinstance(command, AddRequest):
+            owner = self._owner.get(command.request_id)
+            if owner is not None:  # still running there: that core refuses it, as one would
+                self.cores[owner[0]].send(command)
+                return
             n = command.params.n
             rank = self.choose(n)
             if self._sequences[rank] == 0:  # an idle core owes no message until now

@@ -68,6 +68,7 @@ class LLM:
         self.model_name = name
         self.tokenizer = tokenizer
         self.tensor_parallel: TensorParallel | None = None
+        followers: list[Any] = []
         if tensor_parallel_size != 1:
             check_tensor_parallel(tensor_parallel_size, loaded.config, resolved_device)
             if rank == 0:
@@ -84,19 +85,29 @@ class LLM:
                     "speculative_config": speculative_config,
                 }
                 followers = start_followers(tensor_parallel_size, port, follower_kwargs)
-            self.tensor_parallel = join_group(rank, tensor_parallel_size, port, resolved_device)
-            shard_model(loaded, self.tensor_parallel)
-        self.engine = EngineCore(
-            loaded,
-            tokenizer,
-            cache_config or CacheConfig(),
-            scheduler_config or SchedulerConfig(),
-            exit_config or ExitConfig(),
-            execution_config or ExecutionConfig(),
-            attention_backend,
-            speculative_config,
-            self.tensor_parallel,
-        )
+        try:
+            if tensor_parallel_size != 1:
+                self.tensor_parallel = join_group(
+                    rank, tensor_parallel_size, port, resolved_device, followers
+                )
+                shard_model(loaded, self.tensor_parallel)
+            self.engine = EngineCore(
+                loaded,
+                tokenizer,
+                cache_config or CacheConfig(),
+                scheduler_config or SchedulerConfig(),
+                exit_config or ExitConfig(),
+                execution_config or ExecutionConfig(),
+                attention_backend,
+                speculative_config,
+                self.tensor_parallel,
+            )
+        except BaseException:
+            if self.tensor_parallel is not None:
+                self.tensor_parallel.close()
+            for process in followers:
+                process.kill()
+            raise
         if self.tensor_parallel is not None and rank == 0:
             self.engine.mirror = self.tensor_parallel.mirror
             weakref.finalize(self.engine, stop_followers, self.tensor_parallel, followers)

@@ -30,6 +30,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 MONITOR_POLL_MS = 200
+FRONTEND_GONE_GRACE_S = 15.0  # more than a core's orderly exit (its sockets linger 5 s)
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
@@ -104,46 +105,36 @@ def secure_client(socket: zmq.Socket, keys: ChannelKeys) -> None:
 
 class LinkWatch:
     """Watches a bound socket of the frontend: `joined` once an engine completed the
-    encrypted handshake, `gone` once that connection closed (a client that failed the
-    handshake is no engine and changes nothing)."""
+    encrypted handshake, `gone` once that connection closed. A connection that fails its
+    handshake (another key, a port probe) is no engine: libzmq reports its failure right
+    before its disconnect, so that disconnect changes nothing."""
 
     def __init__(self, socket: zmq.Socket) -> None:
         self.joined = threading.Event()
         self.gone = threading.Event()
         self._stop = threading.Event()
         self._monitor = socket.get_monitor_socket(
-            zmq.EVENT_ACCEPTED
-            | zmq.EVENT_HANDSHAKE_SUCCEEDED
-            | HANDSHAKE_FAILED
-            | zmq.EVENT_DISCONNECTED
+            zmq.EVENT_HANDSHAKE_SUCCEEDED | HANDSHAKE_FAILED | zmq.EVENT_DISCONNECTED
         )
         self._thread = threading.Thread(target=self._run, name="vllm-rlt-link", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        # A handshake event carries no descriptor: it belongs to the oldest connection
-        # accepted and not yet through its handshake.
-        pending: list[int] = []
-        engines: set[int] = set()
+        failed = 0  # failed handshakes whose disconnect is still to come
         try:
             while not self._stop.is_set():
                 if not self._monitor.poll(MONITOR_POLL_MS):
                     continue
-                event = recv_monitor_message(self._monitor)
-                kind, value = event["event"], event["value"]
-                if kind == zmq.EVENT_ACCEPTED:
-                    pending.append(value)
-                elif kind == zmq.EVENT_HANDSHAKE_SUCCEEDED and pending:
-                    engines.add(pending.pop(0))
+                kind = recv_monitor_message(self._monitor)["event"]
+                if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
                     self.joined.set()
-                elif kind & HANDSHAKE_FAILED and pending:
-                    pending.pop(0)
-                elif kind == zmq.EVENT_DISCONNECTED:
-                    if value in engines:
-                        self.gone.set()
-                        return
-                    if value in pending:
-                        pending.remove(value)
+                elif kind & HANDSHAKE_FAILED:
+                    failed += 1
+                elif failed:
+                    failed -= 1
+                elif self.joined.is_set():
+                    self.gone.set()
+                    return
         except zmq.ZMQError:  # the context is being destroyed
             pass
         finally:
@@ -154,21 +145,31 @@ class LinkWatch:
         self._thread.join(timeout=2 * MONITOR_POLL_MS / 1000)
 
 
-def refuse_on_bad_key(socket: zmq.Socket, address: str, on_refused) -> None:
-    """On an engine's side: `on_refused(message)` when the frontend at `address` fails the
-    encrypted handshake (another API key), instead of retrying forever in silence."""
-    monitor = socket.get_monitor_socket(HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+def watch_frontend(socket: zmq.Socket, address: str, on_lost) -> None:
+    """On an engine's side: `on_lost(message)` when the frontend at `address` fails the
+    encrypted handshake (another API key), instead of retrying forever in silence, or once
+    its connection closes after the handshake (the frontend is gone: the engine leaves, so
+    its host's supervisor can restart it for the next frontend)."""
+    monitor = socket.get_monitor_socket(
+        HANDSHAKE_FAILED | zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED
+    )
 
     def watch() -> None:
+        joined = False
         while True:
-            event = recv_monitor_message(monitor)
-            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
-                monitor.close(linger=0)
+            kind = recv_monitor_message(monitor)["event"]
+            if kind == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                joined = True
+            elif kind & HANDSHAKE_FAILED and not joined:
+                on_lost(
+                    f"the frontend at {address} refused this engine's encrypted handshake: "
+                    "the two were given different API keys (--api-key or VLLM_RLT_API_KEY)"
+                )
                 return
-            on_refused(
-                f"the frontend at {address} refused this engine's encrypted handshake: the "
-                "two were given different API keys (--api-key or VLLM_RLT_API_KEY)"
-            )
-            return
+            elif kind == zmq.EVENT_DISCONNECTED and joined:
+                # A shutdown the frontend asked for ends this process well within this.
+                threading.Event().wait(FRONTEND_GONE_GRACE_S)
+                on_lost(f"the frontend at {address} went away")
+                return
 
-    threading.Thread(target=watch, name="vllm-rlt-handshake", daemon=True).start()
+    threading.Thread(target=watch, name="vllm-rlt-frontend-watch", daemon=True).start()

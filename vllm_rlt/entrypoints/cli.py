@@ -331,7 +331,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(
             f"--data-parallel-size must be in [1, {MAX_DATA_PARALLEL}], got {ns.data_parallel_size}"
         )
-    if ns.data_parallel_size > 1 and ns.tensor_parallel_size > 1:
+    if (ns.data_parallel_size > 1 or ns.headless) and ns.tensor_parallel_size > 1:
         parser.error(
             "--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported: choose one"
         )

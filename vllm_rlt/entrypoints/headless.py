@@ -3,8 +3,8 @@
 Each core is the same engine-core process as under a local frontend, with one GPU, and
 connects to the frontend's address over the encrypted channel keyed by the API key
 (`engine/remote_channel.py`). This process starts them and waits: it exits 0 when every
-core has stopped (the frontend shut them down), and 1 when one failed (its own log says
-why). SIGTERM or SIGINT stops them all.
+core has stopped (the frontend shut them down), and 1 when one failed or lost its frontend
+(its own log says why). SIGTERM or SIGINT stops them all.
 """
 
 from __future__ import annotations

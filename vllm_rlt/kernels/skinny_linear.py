@@ -175,7 +175,9 @@ def skinny_linear_partials(
     """x @ weight.T as config.split_k float32 partial sums over K slices ([split_k, rows, N]);
     their sum is the product. Graph-safe."""
     _check(x, weight)
-    out = torch.empty(config.split_k, x.shape[0], weight.shape[0], device=x.device)
+    out = torch.empty(
+        config.split_k, x.shape[0], weight.shape[0], device=x.device, dtype=torch.float32
+    )
     if x.shape[0]:
         _launch(x, weight, out, config, False, None, pdl)
     return out

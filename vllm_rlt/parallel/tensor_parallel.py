@@ -19,6 +19,7 @@ over a gloo group of their own.
 from __future__ import annotations
 
 import dataclasses
+import datetime
 import logging
 import multiprocessing
 import os
@@ -37,6 +38,7 @@ logger = logging.getLogger(__name__)
 
 MAX_TENSOR_PARALLEL = 64
 PARENT_POLL_S = 0.5
+CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
 @dataclass
@@ -75,6 +77,12 @@ class TensorParallel:
 def check_tensor_parallel(size: int, config: Any, device: torch.device) -> None:
     """Every reason a model cannot be split `size` ways here, as one clear error."""
     require_int(size, "tensor_parallel_size", 1, MAX_TENSOR_PARALLEL)
+    require(
+        not dist.is_initialized(),
+        "tensor_parallel_size: this process already belongs to a torch.distributed group "
+        "(one tensor-parallel LLM per process)",
+        "tensor_parallel_size",
+    )
     for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
         value = getattr(config, name)
         require(
@@ -101,15 +109,43 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", rank) if device.type == "cuda" else device
 
 
-def join_group(rank: int, world: int, port: int, device: torch.device) -> TensorParallel:
-    """Join the group on loopback (blocks until every rank has)."""
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
+def join_group(
+    rank: int, world: int, port: int, device: torch.device, followers: list[Any] = ()
+) -> TensorParallel:
+    """Join the group on loopback (blocks until every rank has). Rank 0 passes the other
+    ranks' processes: one that exits before joining is an error at once, not a wait for
+    the store's timeout."""
+    if device.type == "cuda":  # the current device is per thread: set it here too
         torch.cuda.set_device(rank_device(device, rank))
+    if followers:
+        joined: dict[str, Any] = {}
+
+        def join() -> None:
+            try:
+                joined["group"] = join_group(rank, world, port, device)
+            except BaseException as exc:  # noqa: BLE001 - raised by the caller below
+                joined["error"] = exc
+
+        thread = threading.Thread(target=join, name="vllm-rlt-tp-join", daemon=True)
+        thread.start()
+        while thread.is_alive():
+            thread.join(PARENT_POLL_S)
+            for other, process in enumerate(followers, start=1):
+                if process.exitcode is not None and thread.is_alive():
+                    raise RuntimeError(
+                        f"tensor-parallel rank {other} exited with code {process.exitcode} "
+                        "while starting (its error is in the log above)"
+                    )
+        if "error" in joined:
+            raise joined["error"]
+        return joined["group"]
+    backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
         backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
     )
-    control = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    # Followers wait on this group for as long as the engine idles; a dead rank 0 ends
+    # them through their parent watch and the closed connection, not through a timeout.
+    control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(rank, world, dist.group.WORLD, control)
 
 
