@@ -30,7 +30,7 @@ logger = logging.getLogger(__name__)
 HEARTBEAT_IVL_MS = 1000
 HEARTBEAT_TIMEOUT_MS = 5000
 MONITOR_POLL_MS = 200
-FRONTEND_GONE_GRACE_S = 15.0  # more than a core's orderly exit (its sockets linger 5 s)
+FRONTEND_GONE_GRACE_S = 8.0  # more than a core's orderly exit (its sockets linger 5 s)
 HANDSHAKE_FAILED = (
     zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
     | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
