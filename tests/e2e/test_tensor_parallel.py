@@ -4,9 +4,13 @@ all-reduce's sums, in every exit mode, KV layout and scheduling mode."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
+import torch.distributed
 
 from vllm_rlt import LLM, CacheConfig, ExitConfig, SamplingParams, SchedulerConfig
+from vllm_rlt.parallel.tensor_parallel import TensorParallelLost
 
 PROMPTS = ["hello world", "347+589=", "a longer prompt about loops and depth", "x"]
 # depth of the prefill (all loops) then of each decode input, per request id (trace mode)
@@ -61,3 +65,17 @@ def test_unsupported_splits_are_clear_errors():
         LLM(model="toy", tensor_parallel_size=3)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be in \[1, 64\], got 0"):
         LLM(model="toy", tensor_parallel_size=0)
+
+
+def test_a_lost_rank_stops_the_engine_with_its_reason():
+    """A rank that dies makes the next engine call raise TensorParallelLost (which passes
+    the handlers that fail one request), naming the rank."""
+    llm = LLM(model="toy", tensor_parallel_size=2)
+    follower = llm.tensor_parallel.followers[0]
+    follower.kill()
+    follower.join(30)
+    with pytest.raises(TensorParallelLost, match=r"tensor-parallel rank 1 exited with code -9"):
+        llm.generate(PROMPTS[:1], use_tqdm=False)
+    del llm
+    gc.collect()  # its engine's finalizer leaves the group, so this process may join another
+    assert not torch.distributed.is_initialized()

@@ -41,6 +41,12 @@ PARENT_POLL_S = 0.5
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
+class TensorParallelLost(BaseException):
+    """Another rank is gone: the engine cannot take another step. Like KeyboardInterrupt
+    it passes the handlers that fail a single request, so the engine stops (a server
+    then answers 503) instead of failing every request one by one."""
+
+
 @dataclass
 class TensorParallel:
     """This process's place in the group and the groups it talks through."""
@@ -49,6 +55,7 @@ class TensorParallel:
     world: int
     device_group: Any  # collectives of the model (NCCL on CUDA, gloo on the CPU)
     control_group: Any  # mirrored engine calls, pickled (gloo)
+    followers: list[Any] = dataclasses.field(default_factory=list)  # rank 0: ranks 1..N-1
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(tensor, group=self.device_group)
@@ -62,7 +69,15 @@ class TensorParallel:
 
     def mirror(self, name: str, args: tuple) -> None:
         """Rank 0: send an engine call to the other ranks, which make it too."""
-        dist.broadcast_object_list([(name, args)], src=0, group=self.control_group)
+        for rank, process in enumerate(self.followers, start=1):
+            if process.exitcode is not None:
+                raise TensorParallelLost(
+                    f"tensor-parallel rank {rank} exited with code {process.exitcode}"
+                )
+        try:
+            dist.broadcast_object_list([(name, args)], src=0, group=self.control_group)
+        except RuntimeError as exc:
+            raise TensorParallelLost(f"a tensor-parallel rank is gone: {exc}") from None
 
     def receive(self) -> tuple[str, tuple]:
         box: list[Any] = [None]
@@ -138,6 +153,7 @@ def join_group(
                     )
         if "error" in joined:
             raise joined["error"]
+        joined["group"].followers = list(followers)
         return joined["group"]
     backend = "nccl" if device.type == "cuda" else "gloo"
     dist.init_process_group(
@@ -212,9 +228,10 @@ def stop_followers(tp: TensorParallel, followers: list[Any], timeout: float = 30
     """Rank 0, when its engine goes: tell the other ranks to stop, and wait for them."""
     try:
         tp.mirror("stop", ())
-        tp.close()
-    except Exception:  # noqa: BLE001 - a rank already gone: those left are killed below
+    except (Exception, TensorParallelLost):  # a rank already gone: the rest are killed below
         logger.debug("stopping the other tensor-parallel ranks failed", exc_info=True)
+    finally:
+        tp.close()
     for process in followers:
         process.join(timeout)
         if process.is_alive():
