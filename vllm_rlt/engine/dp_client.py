@@ -142,9 +142,7 @@ class DataParallelClient:
             max_num_seqs=sum(info.max_num_seqs for info in infos),
         )
         self.client = 0  # this frontend's client number at every core
-        self.in_process = in_process
         self.process = None  # several: see `processes`
-        self.core_engine = None
         self._owner: dict[str, tuple[int, int]] = {}  # request id -> (rank, sequences)
         self._sequences = [0] * size  # per core: sequences of unfinished requests
         self._kv_usage = [0.0] * size  # per core: as of its latest step
@@ -202,11 +200,6 @@ class DataParallelClient:
             if self._sequences[rank] > 0 and now - self._heard[rank] > timeout:
                 return rank
         return None
-
-    def rank_of(self, request_id: str) -> int | None:
-        """The core an unfinished request runs on."""
-        owner = self._owner.get(request_id)
-        return None if owner is None else owner[0]
 
     # ----------------------------------------------------------------- outputs
     def start_reading(self, on_outputs: Callable[[EngineOutputs], None]) -> None:

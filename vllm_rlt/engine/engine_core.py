@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import logging
 import random
@@ -70,6 +71,19 @@ class RequestGroup:
         return prompt_logprob_entries(self.prompt_token_ids, first.prompt_logprob_values)
 
 
+def _mirrored(method):
+    """A call that changes the engine: under tensor parallelism rank 0 sends it to the
+    other ranks (`self.mirror`) before making it, so their engines stay equal."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.mirror is not None:
+            self.mirror(method.__name__, args, kwargs)
+        return method(self, *args, **kwargs)
+
+    return call
+
+
 class EngineCore:
     """Owns the scheduler, the runner and the output processor for one model."""
 
@@ -126,9 +140,9 @@ class EngineCore:
         if tensor_parallel is not None:  # every rank's scheduler must see the same pool
             fewest = tensor_parallel.min_over_ranks(self.memory_plan.num_blocks)
             self.memory_plan = dataclasses.replace(self.memory_plan, num_blocks=fewest)
-        # Tensor parallelism: rank 0 sends each call that changes the engine to the other
-        # ranks first (see parallel/tensor_parallel.py).
-        self.mirror: Callable[[str, tuple], None] | None = None
+        # Tensor parallelism: rank 0 sends each @_mirrored call to the other ranks first
+        # (see parallel/tensor_parallel.py).
+        self.mirror: Callable[[str, tuple, dict], None] | None = None
         geometry = KVGeometry(
             planes=planes,
             block_size=cache_config.block_size,
@@ -251,6 +265,7 @@ class EngineCore:
         )
 
     # ----------------------------------------------------------------- requests
+    @_mirrored
     def add_request(
         self,
         request_id: str,
@@ -259,8 +274,6 @@ class EngineCore:
         prompt: str | None = None,
     ) -> None:
         """Validate and queue a request; any error leaves the engine untouched."""
-        if self.mirror is not None:
-            self.mirror("add_request", (request_id, prompt_token_ids, params, prompt))
         request_id = str(request_id)
         require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
         child_ids = (
@@ -324,18 +337,16 @@ class EngineCore:
         trace depths of the decode inputs or None)."""
         return self.checker.check(request_id, prompt, params)
 
+    @_mirrored
     def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """Stop a request (or only its completion `index`) at any time; blocks and slots
         are freed at once."""
-        if self.mirror is not None:
-            self.mirror("abort_request", (request_id, index))
         group = self._abort(request_id, index)
         return None if group is None else self._finalize(group)
 
+    @_mirrored
     def abort_request_delta(self, request_id: str, index: int | None = None) -> RequestDelta | None:
         """`abort_request`, answered with what changed since the last delta."""
-        if self.mirror is not None:
-            self.mirror("abort_request_delta", (request_id, index))
         group = self._abort(request_id, index)
         return None if group is None else self._delta(group)
 
@@ -356,25 +367,22 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.groups) or self._in_flight is not None
 
+    @_mirrored
     def leave_text_to_caller(self) -> None:
         """Stop detokenizing here (and so checking stop strings): the caller turns tokens
         into text on its own thread. Only valid before any request was added."""
-        if self.mirror is not None:
-            self.mirror("leave_text_to_caller", ())
         require(not self.groups, "leave_text_to_caller must come before the first request")
         self.outputs = OutputProcessor(self.tokenizer, make_text=False)
 
     # ----------------------------------------------------------------- one step
+    @_mirrored
     def step(self) -> list[RequestOutput]:
         """Run one pass; return a cumulative output for every group that progressed."""
-        if self.mirror is not None:
-            self.mirror("step", ())
         return [self._finalize(group) for group in self._step()]
 
+    @_mirrored
     def step_deltas(self) -> list[RequestDelta]:
         """Run one pass; return what each group that progressed produced in it."""
-        if self.mirror is not None:
-            self.mirror("step_deltas", ())
         return [self._delta(group) for group in self._step()]
 
     def _step(self) -> list[RequestGroup]:

@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import socket
 import threading
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -37,7 +36,7 @@ from vllm_rlt.config import require, require_int
 logger = logging.getLogger(__name__)
 
 MAX_TENSOR_PARALLEL = 64
-PARENT_POLL_S = 0.5
+STARTUP_POLL_S = 0.5  # how often rank 0 looks at the other ranks while they join
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
 
@@ -67,7 +66,7 @@ class TensorParallel:
         dist.all_reduce(held, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(held.item())
 
-    def mirror(self, name: str, args: tuple) -> None:
+    def mirror(self, name: str, args: tuple, kwargs: dict) -> None:
         """Rank 0: send an engine call to the other ranks, which make it too."""
         for rank, process in enumerate(self.followers, start=1):
             if process.exitcode is not None:
@@ -75,11 +74,11 @@ class TensorParallel:
                     f"tensor-parallel rank {rank} exited with code {process.exitcode}"
                 )
         try:
-            dist.broadcast_object_list([(name, args)], src=0, group=self.control_group)
+            dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.control_group)
         except RuntimeError as exc:
             raise TensorParallelLost(f"a tensor-parallel rank is gone: {exc}") from None
 
-    def receive(self) -> tuple[str, tuple]:
+    def receive(self) -> tuple[str, tuple, dict]:
         box: list[Any] = [None]
         dist.broadcast_object_list(box, src=0, group=self.control_group)
         return box[0]
@@ -144,7 +143,7 @@ def join_group(
         thread = threading.Thread(target=join, name="vllm-rlt-tp-join", daemon=True)
         thread.start()
         while thread.is_alive():
-            thread.join(PARENT_POLL_S)
+            thread.join(STARTUP_POLL_S)
             for other, process in enumerate(followers, start=1):
                 if process.exitcode is not None and thread.is_alive():
                     raise RuntimeError(
@@ -227,7 +226,7 @@ def start_followers(world: int, port: int, llm_kwargs: dict[str, Any]) -> list[A
 def stop_followers(tp: TensorParallel, followers: list[Any], timeout: float = 30.0) -> None:
     """Rank 0, when its engine goes: tell the other ranks to stop, and wait for them."""
     try:
-        tp.mirror("stop", ())
+        tp.mirror("stop", (), {})
     except (Exception, TensorParallelLost):  # a rank already gone: the rest are killed below
         logger.debug("stopping the other tensor-parallel ranks failed", exc_info=True)
     finally:
@@ -243,26 +242,21 @@ def run_follower(
 ) -> None:
     """A rank other than 0: build the engine like rank 0, then make every call rank 0
     mirrors until it says stop. It leaves with its parent."""
+    from vllm_rlt.engine.core_proc import exit_with_parent
     from vllm_rlt.engine.llm import LLM
 
-    threading.Thread(target=_exit_with_parent, args=(parent_pid,), daemon=True).start()
+    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     llm = LLM(**llm_kwargs, tensor_parallel_size=world, _tensor_parallel_rank=(rank, port))
     follow(llm.engine, llm.tensor_parallel)
 
 
 def follow(engine: Any, tp: TensorParallel) -> None:
     while True:
-        name, args = tp.receive()
+        name, args, kwargs = tp.receive()
         if name == "stop":
             tp.close()
             return
         try:
-            getattr(engine, name)(*args)
+            getattr(engine, name)(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rank 0 got the same error and reported it
             logger.debug("mirrored %s failed as on rank 0", name, exc_info=True)
-
-
-def _exit_with_parent(parent_pid: int) -> None:
-    while os.getppid() == parent_pid:
-        time.sleep(PARENT_POLL_S)
-    os._exit(0)
