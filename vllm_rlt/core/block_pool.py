@@ -64,6 +64,10 @@ class KVCacheManager:
         held = len(self._tables.get(owner, ()))
         return max(0, self.blocks_for(num_positions) - held)
 
+    def positions_held(self, owner: Hashable) -> int:
+        """Positions the blocks of `owner`'s table hold."""
+        return len(self._tables.get(owner, ())) * self.block_size
+
     def grow(self, owner: Hashable, num_positions: int) -> list[tuple[int, int]]:
         """Take the blocks the table of `owner` lacks for `num_positions` positions; returns
         each new block as (its index in the table, its id)."""

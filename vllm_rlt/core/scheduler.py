@@ -4,6 +4,7 @@ positions are about to be written, and exact preemption when they run out."""
 from __future__ import annotations
 
 from collections import deque
+from operator import attrgetter
 
 from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.block_pool import KVCacheManager, block_hashes
@@ -114,14 +115,20 @@ class Scheduler:
         self._start_chunks()
 
         decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODE]
-        in_flight = [r for r in decoding if r.token_in_flight]
-        if self.config.mode == "no_refill" and in_flight:
-            decoding = in_flight
-        decoding.sort(key=lambda r: r.slot)  # type: ignore[arg-type, return-value]
+        if self.config.mode == "no_refill" and any(r.token_in_flight for r in decoding):
+            decoding = [r for r in decoding if r.token_in_flight]
+        decoding.sort(key=attrgetter("slot"))
         # +1: with asynchronous scheduling the device may be one token ahead of this view
         # (and speculation lanes as many positions ahead as there are lanes).
-        max_context = max((r.context_len + self._decode_rows(r) for r in decoding), default=0)
-        rows = [(slot, r) for r in decoding for slot in self._row_slots(r)]
+        max_context = 0
+        rows: list[tuple[int, Request]] = []
+        for request in decoding:
+            lanes = self._decode_rows(request)
+            max_context = max(max_context, request.context_len + lanes)
+            if lanes == 1:
+                rows.append((request.slot, request))  # type: ignore[arg-type]
+            else:
+                rows.extend((slot, request) for slot in self._row_slots(request))
         prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILL]
         chunks = [self._chunk(r) for r in sorted(prefilling, key=self._rank) if r.chunk_len]
         for chunk in chunks:
@@ -146,12 +153,18 @@ class Scheduler:
         and the chunk limit allow and blocks can be had. Every decoding request counts one
         row, even one idling until its no_refill cohort restarts, so a chunk started now
         still fits when the cohort does."""
-        running = list(self.running.values())
-        rows = sum(self._decode_rows(r) for r in running if r.status is RequestStatus.DECODE)
-        rows += sum(r.chunk_len for r in running if r.status is RequestStatus.PREFILL)
-        chunks = sum(1 for r in running if r.status is RequestStatus.PREFILL and r.chunk_len)
+        rows = chunks = 0
+        waiting = []
+        for request in self.running.values():
+            if request.status is RequestStatus.DECODE:
+                rows += self._decode_rows(request)
+            elif request.status is RequestStatus.PREFILL:
+                if request.chunk_len:
+                    rows += request.chunk_len
+                    chunks += 1
+                else:
+                    waiting.append(request)
         budget = self.config.max_num_batched_tokens
-        waiting = [r for r in running if r.status is RequestStatus.PREFILL and not r.chunk_len]
         for request in sorted(waiting, key=self._rank):
             if request.slot is None:
                 continue  # preempted for a request ranked above it
@@ -197,14 +210,21 @@ class Scheduler:
         """Every decoding request gets the block of the position it may write next (one
         ahead: the device may be a token ahead of this view), preempting the lowest-ranked
         running requests when the pool runs dry, itself last."""
-        decoding = [r for r in self.running.values() if r.status is RequestStatus.DECODE]
-        for request in sorted(decoding, key=self._rank):
+        # Most steps stay within a request's last block: only the requests that lack blocks
+        # are ranked (one that lacks none can take nothing and preempt no one).
+        short = []
+        held = self.kv.positions_held
+        for request in self.running.values():
+            if request.status is RequestStatus.DECODE:
+                # Speculation lanes may run as many positions ahead as there are lanes.
+                needed = min(
+                    request.context_len + self._decode_rows(request), request.reserved_positions
+                )
+                if needed > held(request.request_id):
+                    short.append((request, needed))
+        for request, needed in sorted(short, key=lambda entry: self._rank(entry[0])):
             if request.slot is None:
                 continue  # preempted for a request ranked above it
-            # Speculation lanes may run as many positions ahead as there are lanes.
-            needed = min(
-                request.context_len + self._decode_rows(request), request.reserved_positions
-            )
             self._reserve(request, needed, preempt_own=True)
 
     def _reserve(self, request: Request, num_positions: int, preempt_own: bool) -> bool:
