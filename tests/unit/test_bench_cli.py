@@ -167,3 +167,23 @@ def test_throughput_with_replayed_speculation(capsys, rate):
     report = json.loads(capsys.readouterr().out)
     assert report["workload"]["speculative_tokens"] == 2
     assert report["results"][0]["spec_acceptance_rate"] == rate
+
+
+def test_throughput_waves_refill_slots_from_a_queue(capsys):
+    """--waves 3 sends 3 x concurrency requests through concurrency slots; the baseline
+    still runs one static batch."""
+    argv = ["--device", "cpu", "--concurrency", "2", "--output-len", "3", "--prompt-len", "4"]
+    argv += ["--repeats", "1", "--warmup", "0", "--waves", "3", "--depth-trace-mean", "2.5"]
+    assert throughput.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"]["waves"] == 3
+    (result,) = report["results"]
+    engine = result["engine"]
+    assert engine["max_running"] == 2
+    assert round(engine["end_to_end_tokens_per_s"] * engine["wall_s"]) == 6 * 3
+    assert engine["decode_window"] == "first first token to end"
+    assert result["baseline"]["decode_tokens_per_s"] > 0
+    with pytest.raises(SystemExit) as exited:
+        throughput.main([*argv[:-4], "--waves", "0"])
+    assert exited.value.code == 2
+    assert "--waves must be >= 1, got 0" in capsys.readouterr().err

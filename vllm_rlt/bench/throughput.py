@@ -194,11 +194,11 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
         an earlier run's prompts in the prefix cache."""
         return [
             prefix + [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
-            for _ in range(concurrency)
+            for _ in range(concurrency * args.waves)
         ]
 
     prompts = fresh_prompts()
-    ids = [f"b{i}" for i in range(concurrency)]
+    ids = [f"b{i}" for i in range(len(prompts))]
     if args.depth_trace_mean is not None:
         exit_config = ExitConfig(
             mode="trace",
@@ -264,7 +264,7 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
     del engine
     if not args.no_baseline:
         naive_loops = args.depth if args.depth_trace_mean is None else loops
-        batch = torch.tensor(prompts, device=model.device)
+        batch = torch.tensor(prompts[:concurrency], device=model.device)  # one static batch
         baseline = []
         progress.set_description(f"concurrency {concurrency}: baseline")
         for _ in range(args.repeats + args.warmup):
@@ -426,6 +426,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead of a fixed depth, replay random per-token depths with this mean "
         "(default: off, fixed depth)",
     )
+    parser.add_argument(
+        "--waves",
+        type=int,
+        default=1,
+        help="requests per slot: each run sends concurrency x this many requests through "
+        "concurrency slots, so above 1 a finished request's slot is refilled from the queue "
+        "as in steady serving, not left idle while the batch's last requests finish (the "
+        "baseline runs one static batch of concurrency)",
+    )
     parser.add_argument("--warmup", type=int, default=1, help="untimed runs before the timed ones")
     parser.add_argument(
         "--repeats", type=int, default=3, help="timed runs; the fastest is reported"
@@ -484,6 +493,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "shared_prefix_len": args.shared_prefix_len,
             "enable_prefix_caching": args.enable_prefix_caching,
             "output_len": args.output_len,
+            "waves": args.waves,
             "max_tokens": max_tokens_of(args),
             "depth": None if args.depth_trace_mean is not None else args.depth,
             "depth_trace_mean": args.depth_trace_mean,
@@ -504,7 +514,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = CLIParser(prog="vllm-rlt bench throughput", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    for name in ("prompt_len", "output_len", "block_size", "repeats"):
+    for name in ("prompt_len", "output_len", "block_size", "repeats", "waves"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.max_tokens is not None and args.max_tokens < args.output_len:
