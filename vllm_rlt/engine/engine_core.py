@@ -183,9 +183,20 @@ class EngineCore:
         )
         if execution_config.cuda_graphs and model.device.type == "cuda" and not ops.needs_segments:
             from vllm_rlt.worker.cuda_graphs import DecodeGraphs
+            from vllm_rlt.worker.piecewise_graphs import PiecewiseGraphs, piece_sizes
 
-            self.runner.graphs = DecodeGraphs(self.runner)
-            self.runner.graphs.capture_all()
+            runner = self.runner
+            runner.graphs = DecodeGraphs(runner)
+            runner.graphs.capture_all()
+            runner.pieces = PiecewiseGraphs(
+                model,
+                ops,
+                runner.k_caches,
+                runner.v_caches,
+                runner.graphs.pool,
+                piece_sizes(scheduler_config.max_num_batched_tokens),
+            )
+            runner.pieces.capture_all()
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()
@@ -224,6 +235,7 @@ class EngineCore:
             default = CPU_DEFAULT_BLOCKS * table_planes
             return plan_kv_cache(cache_config, cfg, planes, self.model.dtype, default)
         from vllm_rlt.worker.memory_profile import peak_pass_bytes
+        from vllm_rlt.worker.piecewise_graphs import piece_sizes
 
         seqs = scheduler_config.max_num_seqs
         rows = scheduler_config.max_num_batched_tokens
@@ -231,11 +243,12 @@ class EngineCore:
         pass_peak = peak_pass_bytes(
             self.model, ops, rows, samplers, planes, cache_config.block_size
         )
+        # One pool serves the decode graphs and the layer pieces (passes never overlap).
         graph_pool = (
             peak_pass_bytes(
                 self.model,
                 ops,
-                samplers,
+                max(samplers, piece_sizes(rows)[-1]),
                 samplers,
                 planes,
                 cache_config.block_size,

@@ -126,6 +126,7 @@ class ModelRunner:
         # Self-speculation: `max_slots` counts every lane (see worker/spec_lanes.py)
         self.lanes = lanes
         self.graphs = None  # set by the engine when CUDA graphs are enabled
+        self.pieces = None  # likewise: the layer stack's pieces, for passes with prefill rows
         self.uploads = HostUploads(max_slots + 1, model.device)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -241,7 +242,10 @@ class ModelRunner:
             self.ops.needs_segments,
             self.ops.prefill_tile_rows(model.dtype),
         )
-        hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
+        if chunks and self.pieces is not None and self.pieces.fits(hidden.shape[0]):
+            hidden = self.pieces.core(hidden, meta)
+        else:
+            hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
         prompt = self._prompt_rows(hidden, chunks, num_decode)
 
         d_hidden = hidden[:num_decode]
