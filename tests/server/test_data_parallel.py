@@ -115,6 +115,40 @@ def test_two_cores_equal_offline_label_their_metrics_and_a_dead_core_is_named():
             time.sleep(0.05)
 
 
+def test_two_cores_behind_two_api_servers_equal_offline_and_both_serve():
+    """Each API server joins both cores: every request is answered as the offline engine
+    would, both cores serve, /metrics counts every request once whichever server took it,
+    and SIGTERM leaves no process behind."""
+    flags = ("--data-parallel-size", "2", "--api-server-count", "2", "--shutdown-timeout", "5")
+    ready = re.compile(r"API server \d+ of 2 ready \(pid (\d+)\)")
+    with serve_process(*flags) as (process, url):
+        log = ""
+        while len(ready.findall(log)) < 2 or not _CORE_PIDS.search(log):
+            line = process.stderr.readline()
+            assert line, f"the server's log ended early:\n{log}"
+            log += line
+        pids = [int(pid) for pid in _CORE_PIDS.search(log).groups()]
+        pids += [int(pid) for pid in ready.findall(log)]
+
+        check_concurrent_streams(url, 32, max_tokens=10)
+        passes = samples(url, "vllm_rlt:passes_total")
+        assert set(passes) == {"0", "1"} and all(value > 0 for value in passes.values())
+        served = {}
+        for line in httpx.get(f"{url}/metrics").text.splitlines():
+            if line.startswith("vllm_rlt:api_server_requests_total{"):
+                server = re.search(r'api_server="(\d+)"', line).group(1)
+                served[server] = served.get(server, 0) + float(line.split()[-1])
+        assert sum(served.values()) == 32
+
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(120)
+        assert code == 0, process.stderr.read()
+        deadline = time.monotonic() + 60
+        while any(process_exists(pid) for pid in pids):
+            assert time.monotonic() < deadline, "a core or an API server outlived the server"
+            time.sleep(0.05)
+
+
 def _free_ports(count: int) -> int:
     """The first of `count` consecutive free ports."""
     while True:
@@ -199,8 +233,10 @@ def test_data_parallel_flags_out_of_range_are_one_line_errors(monkeypatch, capsy
     cases = [
         (["--data-parallel-size", "0"], "--data-parallel-size must be in [1, 64], got 0"),
         (
-            ["--data-parallel-size", "2", "--api-server-count", "2"],
-            "--data-parallel-size > 1 runs with one API server",
+            ["--data-parallel-size", "2", "--data-parallel-size-local", "1"]
+            + ["--api-server-count", "2", "--api-key", "k"],
+            "data-parallel cores on other hosts run with one API server: --api-server-count 2 "
+            "needs --data-parallel-size-local equal to --data-parallel-size (2)",
         ),
         (
             ["--data-parallel-size", "2", "--device", "cuda:1"],

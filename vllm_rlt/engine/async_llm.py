@@ -262,8 +262,9 @@ class AsyncLLM:
     loop. `in_process=True` runs the core on a thread of this process instead (tests use it
     to reach into the engine); the messages are the same.
 
-    `attach` joins a core that another process started (one of several API servers);
-    `llm_kwargs` then only names the model, for its tokenizer. `data_parallel_size` N > 1
+    `attach` joins cores that another process started (one of several API servers), one
+    attachment per data-parallel rank; `llm_kwargs` then only names the model, for its
+    tokenizer. `data_parallel_size` N > 1
     starts N cores (one per GPU) and places each request on the least loaded one;
     `remote_cores` says which of them connect from other hosts.
 
@@ -278,7 +279,7 @@ class AsyncLLM:
         max_waiting: int | None = None,
         observer: StepObserver | None = None,
         in_process: bool = False,
-        attach: CoreAttachment | None = None,
+        attach: list[CoreAttachment] | None = None,
         data_parallel_size: int = 1,
         remote_cores: RemoteCores | None = None,
     ) -> None:
@@ -293,8 +294,11 @@ class AsyncLLM:
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads outputs
         self.client: EngineCoreClient | DataParallelClient
         if attach is not None:
-            require(data_parallel_size == 1, "API servers that attach run one engine core")
-            self.client = EngineCoreClient.attach(attach, self._on_death)
+            require(len(attach) == data_parallel_size, "one attachment per data-parallel rank")
+            if data_parallel_size == 1:
+                self.client = EngineCoreClient.attach(attach[0], self._on_death)
+            else:
+                self.client = DataParallelClient.attach(attach, self._on_death)
         elif data_parallel_size > 1 or remote_cores is not None:
             self.client = DataParallelClient(
                 llm_kwargs, self._on_death, data_parallel_size, in_process, remote_cores

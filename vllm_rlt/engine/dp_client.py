@@ -25,7 +25,7 @@ from typing import Any
 import msgspec
 
 from vllm_rlt.config import require, require_int
-from vllm_rlt.engine.core_client import EngineCoreClient
+from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -114,18 +114,23 @@ class DataParallelClient:
         size: int,
         in_process: bool = False,
         remote: RemoteCores | None = None,
+        api_servers: int = 0,
     ) -> None:
         local = size if remote is None else remote.local_size
+        require(
+            not (api_servers and local < size),
+            "several API servers need every data-parallel core on this host",
+            "api_server_count",
+        )
         envs = core_environments(str(llm_kwargs.get("device", "cpu")), local) if local else []
-        self.on_death = on_death
-        self.dead_reason: str | None = None
-        self._death_lock = threading.Lock()
-        self.cores: list[EngineCoreClient] = []
+        self._prepare(on_death)
         try:
             for rank in range(size):
                 died = partial(self._core_died, rank)
                 if rank < local:
-                    core = EngineCoreClient(llm_kwargs, died, in_process, env=envs[rank])
+                    core = EngineCoreClient(
+                        llm_kwargs, died, in_process, api_servers, env=envs[rank]
+                    )
                 else:
                     assert remote is not None
                     peer = remote_peer(remote.address, remote.rpc_port, rank)
@@ -134,6 +139,37 @@ class DataParallelClient:
         except BaseException:
             self.shutdown()
             raise
+        self._adopt(client=0)
+
+    @classmethod
+    def attach(
+        cls, attachments: list[CoreAttachment], on_death: Callable[[str], None]
+    ) -> DataParallelClient:
+        """Join cores another process started (one attachment per rank), as one of several
+        API servers. Each server routes its own requests; the cores' KV use, which every
+        message reports, reflects all of them."""
+        self = cls.__new__(cls)
+        self._prepare(on_death)
+        try:
+            for rank, attachment in enumerate(attachments):
+                self.cores.append(
+                    EngineCoreClient.attach(attachment, partial(self._core_died, rank))
+                )
+        except BaseException:
+            self.shutdown()
+            raise
+        self._adopt(client=attachments[0].client)
+        return self
+
+    def _prepare(self, on_death: Callable[[str], None]) -> None:
+        self.on_death = on_death
+        self.dead_reason: str | None = None
+        self._death_lock = threading.Lock()
+        self.cores: list[EngineCoreClient] = []
+
+    def _adopt(self, client: int) -> None:
+        """State over the connected cores; `client` is this frontend's number at each."""
+        size = len(self.cores)
         infos = [core.info for core in self.cores]
         # What one request may use is bounded by the smallest core; slots add up.
         self.info = msgspec.structs.replace(
@@ -141,12 +177,16 @@ class DataParallelClient:
             num_blocks=min(info.num_blocks for info in infos),
             max_num_seqs=sum(info.max_num_seqs for info in infos),
         )
-        self.client = 0  # this frontend's client number at every core
+        self.client = client
         self.process = None  # several: see `processes`
         self._owner: dict[str, tuple[int, int]] = {}  # request id -> (rank, sequences)
         self._sequences = [0] * size  # per core: sequences of unfinished requests
         self._kv_usage = [0.0] * size  # per core: as of its latest step
         self._heard = [time.monotonic()] * size  # per core: its latest message, or work
+
+    def attachments_of(self, server: int) -> list[CoreAttachment]:
+        """What API server `server` (0-based) joins every core with."""
+        return [core.attachments[server] for core in self.cores]
 
     @property
     def size(self) -> int:

@@ -335,13 +335,14 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(
             "--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported: choose one"
         )
-    if ns.data_parallel_size > 1 and ns.api_server_count > 1:
-        parser.error(
-            "--data-parallel-size > 1 runs with one API server: --api-server-count "
-            f"{ns.api_server_count} with it is not supported"
-        )
     size = ns.data_parallel_size
     local = size if ns.data_parallel_size_local is None else ns.data_parallel_size_local
+    if local < size and ns.api_server_count > 1:
+        parser.error(
+            "data-parallel cores on other hosts run with one API server: --api-server-count "
+            f"{ns.api_server_count} needs --data-parallel-size-local equal to "
+            f"--data-parallel-size ({size})"
+        )
     if not (1 if ns.headless else 0) <= local <= size:
         parser.error(
             f"--data-parallel-size-local must be in [{1 if ns.headless else 0}, {size}], "

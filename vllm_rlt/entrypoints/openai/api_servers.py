@@ -1,10 +1,12 @@
-"""`--api-server-count N`: N API-server processes in front of one engine core.
+"""`--api-server-count N`: N API-server processes in front of the engine core (or of each
+of the `--data-parallel-size` cores).
 
 One frontend process tops out at what one interpreter can do for HTTP, JSON, tokenizing
 and detokenizing. Here the main process loads the model in the engine core, binds the
 port, and starts N API servers that share the listening socket (the kernel hands each
-new connection to one of them). Each server is a client of the core with its own
-sockets; the core sends every request's outputs back to the server that sent it. Request
+new connection to one of them). Each server is a client of every core with its own
+sockets; a core sends every request's outputs back to the server that sent it. With
+several cores, each server places its own requests on the least loaded core. Request
 metrics are written to prometheus' multiprocess files, so any server's /metrics sums all.
 
 The main process supervises: SIGTERM or SIGINT drain every server (each ends its own
@@ -27,6 +29,7 @@ import threading
 
 from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
 from vllm_rlt.engine.core_proc import exit_with_parent
+from vllm_rlt.engine.dp_client import DataParallelClient
 from vllm_rlt.entrypoints.openai.server import (
     ServerSettings,
     ServerState,
@@ -57,18 +60,30 @@ def serve_with_api_servers(
     def core_died(reason: str) -> None:
         logger.error("%s; every API server answers 503 until restarted", reason)
 
+    size = settings.data_parallel_size
+    core: EngineCoreClient | DataParallelClient
     try:
-        core = EngineCoreClient(settings.llm_kwargs, core_died, api_servers=count)
+        if size > 1:
+            core = DataParallelClient(settings.llm_kwargs, core_died, size, api_servers=count)
+        else:
+            core = EngineCoreClient(settings.llm_kwargs, core_died, api_servers=count)
     except BaseException as exc:  # noqa: BLE001 - the same one-line errors as one server
         sock.close()
         return exc
     info = core.info
+    if isinstance(core, DataParallelClient):
+        attachments = [core.attachments_of(server) for server in range(count)]
+        pids = [process.pid for process in core.processes]
+    else:
+        attachments = [[attachment] for attachment in core.attachments]
+        pids = [core.process.pid]  # type: ignore[union-attr]
     logger.info(
-        "model %s loaded (%s, %d KV blocks) in the engine core (pid %d); starting %d API servers",
+        "model %s loaded (%s, %d KV blocks) in %s (pid %s); starting %d API servers",
         settings.served_model_name or info.model_name,
         info.device,
         info.num_blocks,
-        core.process.pid,  # type: ignore[union-attr]
+        "the engine core" if size == 1 else f"{size} data-parallel engine cores",
+        ", ".join(map(str, pids)),
         count,
     )
     metrics_dir = tempfile.mkdtemp(prefix="vllm-rlt-metrics-")
@@ -77,10 +92,10 @@ def serve_with_api_servers(
     servers = [
         spawn.Process(
             target=run_api_server,
-            args=(settings, sock, attachment, host, port, shutdown_timeout, os.getpid()),
-            name=f"vllm-rlt-api-server-{attachment.client}",
+            args=(settings, sock, joined, host, port, shutdown_timeout, os.getpid()),
+            name=f"vllm-rlt-api-server-{joined[0].client}",
         )
-        for attachment in core.attachments
+        for joined in attachments
     ]
     try:
         for server in servers:
@@ -134,7 +149,7 @@ def _supervise(servers: list[multiprocessing.process.BaseProcess]) -> str | None
 def run_api_server(
     settings: ServerSettings,
     sock: socket.socket,
-    attachment: CoreAttachment,
+    attachments: list[CoreAttachment],
     host: str,
     port: int,
     shutdown_timeout: float,
@@ -145,7 +160,7 @@ def run_api_server(
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
     log_like_uvicorn()
-    state = ServerState(settings, attach=attachment)
+    state = ServerState(settings, attach=attachments)
     state.load()
     if state.load_error is not None:
         raise SystemExit(1)
@@ -155,7 +170,7 @@ def run_api_server(
         port,
         shutdown_timeout,
         stop_signals=(signal.SIGTERM,),
-        announce=attachment.client == 1,
+        announce=attachments[0].client == 1,
     )
     try:
         server.run(sockets=[sock])

@@ -74,9 +74,13 @@ class ServerSettings:
 class ServerState:
     """What the routes need; filled in once the model has loaded (in the background)."""
 
-    def __init__(self, settings: ServerSettings, attach: CoreAttachment | None = None) -> None:
+    def __init__(
+        self, settings: ServerSettings, attach: list[CoreAttachment] | None = None
+    ) -> None:
         self.settings = settings
-        self.attach = attach  # join a core another process started (one of several servers)
+        # Join the cores another process started, one per data-parallel rank (this is one
+        # of several API servers).
+        self.attach = attach
         self.engine: AsyncLLM | None = None
         self.serving: OpenAIServing | None = None
         self.metrics: ServerMetrics | None = None
@@ -94,7 +98,7 @@ class ServerState:
                 remote_cores=self.settings.remote_cores,
             )
             name = self.settings.served_model_name or engine.model_name
-            index = self.attach.client if self.attach is not None else 1
+            index = self.attach[0].client if self.attach is not None else 1
             metrics = ServerMetrics(engine.info.num_loops, name, index)
             engine.observer = metrics
             self.serving = OpenAIServing(
@@ -108,7 +112,7 @@ class ServerState:
             if self.attach is not None:
                 logger.info(
                     "API server %d of %d ready (pid %d)",
-                    self.attach.client,
+                    self.attach[0].client,
                     self.settings.api_server_count,
                     os.getpid(),
                 )
