@@ -1,6 +1,6 @@
 """Two GPUs: tensor parallelism over NCCL (with CUDA graphs capturing the all-reduces) gives
-the tokens and exit depths of one GPU, and two data-parallel engine cores behind one server
-equal the offline engine request for request. Skipped with fewer than two GPUs."""
+the tokens and exit depths of one GPU, and two data-parallel engine cores behind one or two
+API servers equal the offline engine request for request. Skipped with fewer than two GPUs."""
 
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ def test_tensor_parallel_over_nccl_equals_one_gpu(exit_mode, layout, graphs):
             assert a.exit_depths == b.exit_depths
 
 
-def test_two_data_parallel_cores_on_two_gpus_equal_offline():
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_two_data_parallel_cores_on_two_gpus_equal_offline(api_servers):
     from tests.server.conftest import check_concurrent_streams, serve_process
 
     flags = ("--device", "cuda", "--dtype", "float32", "--data-parallel-size", "2")
-    with serve_process(*flags) as (_, url):
+    with serve_process(*flags, "--api-server-count", api_servers) as (_, url):
         check_concurrent_streams(url, 16, max_tokens=10)
