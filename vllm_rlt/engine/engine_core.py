@@ -235,7 +235,7 @@ class EngineCore:
             default = CPU_DEFAULT_BLOCKS * table_planes
             return plan_kv_cache(cache_config, cfg, planes, self.model.dtype, default)
         from vllm_rlt.worker.memory_profile import peak_pass_bytes
-        from vllm_rlt.worker.piecewise_graphs import piece_sizes
+        from vllm_rlt.worker.piecewise_graphs import buffer_bytes, piece_sizes
 
         seqs = scheduler_config.max_num_seqs
         rows = scheduler_config.max_num_batched_tokens
@@ -243,19 +243,17 @@ class EngineCore:
         pass_peak = peak_pass_bytes(
             self.model, ops, rows, samplers, planes, cache_config.block_size
         )
-        # One pool serves the decode graphs and the layer pieces (passes never overlap).
-        graph_pool = (
-            peak_pass_bytes(
-                self.model,
-                ops,
-                max(samplers, piece_sizes(rows)[-1]),
-                samplers,
-                planes,
-                cache_config.block_size,
+        graph_pool = 0
+        if execution_config.cuda_graphs and not ops.needs_segments:
+            # The decode graphs and the layer pieces capture on different streams, so their
+            # scratch memory adds up; the pieces also keep buffers of their largest size.
+            pieces = piece_sizes(rows)[-1]
+            block_size = cache_config.block_size
+            graph_pool = (
+                peak_pass_bytes(self.model, ops, samplers, samplers, planes, block_size)
+                + peak_pass_bytes(self.model, ops, pieces, 1, planes, block_size)
+                + buffer_bytes(cfg, self.model.dtype, pieces)
             )
-            if execution_config.cuda_graphs and not ops.needs_segments
-            else 0
-        )
         if explicit:
             plan = plan_kv_cache(cache_config, cfg, planes, self.model.dtype)
             free, _ = torch.cuda.mem_get_info(device)

@@ -17,6 +17,7 @@ runs the pass's own rows, so they never reach a real row.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 from dataclasses import dataclass
@@ -62,6 +63,7 @@ class _Splitter:
         self.owner, self.size, self.capture = owner, size, capture
         self.graphs: list[torch.cuda.CUDAGraph] = []
         self.calls: list[_AttentionCall] = []
+        self.capturing = False
         if capture:
             self._begin()
 
@@ -72,20 +74,39 @@ class _Splitter:
         graph = torch.cuda.CUDAGraph()
         graph.capture_begin(pool=self.owner.pool)
         self.graphs.append(graph)
+        self.capturing = True
+
+    def _end(self) -> None:
+        self.capturing = False
+        self.graphs[-1].capture_end()
+
+    def abandon(self) -> None:
+        """After an error inside a capture: end it, so the stream is usable again (the
+        original error is the one to report)."""
+        if self.capture and self.capturing:
+            with contextlib.suppress(RuntimeError):
+                self._end()
 
     def attention(self, qkv, num_heads, num_kv_heads, k_cache, v_cache, meta, rotary, scale):
         owner, size = self.owner, self.size
         owner.qkv[:size].copy_(qkv)
         self.calls.append(_AttentionCall(num_heads, num_kv_heads, k_cache, v_cache, rotary, scale))
         if self.capture:
-            self.graphs[-1].capture_end()
+            self._end()
             self._begin()
         return owner.attn[:size]
 
     def finish(self, output: torch.Tensor) -> None:
         self.owner.output[: self.size].copy_(output)
         if self.capture:
-            self.graphs[-1].capture_end()
+            self._end()
+
+
+def buffer_bytes(config, dtype: torch.dtype, rows: int) -> int:
+    """Bytes of the buffers `PiecewiseGraphs` keeps for passes of up to `rows` rows."""
+    width = 2 * config.hidden_size
+    width += (2 * config.num_attention_heads + 2 * config.num_key_value_heads) * config.head_dim
+    return rows * width * torch.empty((), dtype=dtype).element_size()
 
 
 class PiecewiseGraphs:
@@ -107,6 +128,10 @@ class PiecewiseGraphs:
         self.attn = torch.zeros(largest, attn_width, **like)
         self.output = torch.zeros(largest, cfg.hidden_size, **like)
         self.pieces: dict[int, tuple[list[torch.cuda.CUDAGraph], list[_AttentionCall]]] = {}
+        # Every size is captured on this one stream: the caching allocator reuses a freed
+        # block of the pool only on the stream that allocated it, so the sizes share their
+        # scratch memory only if they share the stream.
+        self.stream = torch.cuda.Stream(model.device)
         self.num_replays = 0  # passes served, for tests and metrics
 
     def fits(self, rows: int) -> bool:
@@ -121,13 +146,17 @@ class PiecewiseGraphs:
 
     def _run_stack(self, size: int, capture: bool) -> _Splitter:
         splitter = _Splitter(self, size, capture)
-        out = self.model.core(self.input[:size], None, self.k_caches, self.v_caches, splitter)
-        splitter.finish(out)
+        try:
+            out = self.model.core(self.input[:size], None, self.k_caches, self.v_caches, splitter)
+            splitter.finish(out)
+        except BaseException:
+            splitter.abandon()
+            raise
         return splitter
 
     def _capture(self, size: int) -> None:
-        # Warm up on a side stream first (compiles kernels, sets up cuBLAS at this size).
-        stream = torch.cuda.Stream()
+        # Warm up first (compiles kernels, sets up cuBLAS at this size).
+        stream = self.stream
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self._run_stack(size, capture=False)
