@@ -48,3 +48,12 @@ def test_two_data_parallel_cores_on_two_gpus_equal_offline(api_servers):
     flags = ("--device", "cuda", "--dtype", "float32", "--data-parallel-size", "2")
     with serve_process(*flags, "--api-server-count", api_servers) as (_, url):
         check_concurrent_streams(url, 16, max_tokens=10)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
+def test_two_data_parallel_cores_of_two_tensor_parallel_ranks_equal_offline():
+    from tests.server.conftest import check_concurrent_streams, serve_process
+
+    flags = ("--device", "cuda", "--dtype", "float32", "--data-parallel-size", "2")
+    with serve_process(*flags, "--tensor-parallel-size", "2") as (_, url):
+        check_concurrent_streams(url, 16, max_tokens=10)

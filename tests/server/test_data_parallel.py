@@ -149,6 +149,44 @@ def test_two_cores_behind_two_api_servers_equal_offline_and_both_serve():
             time.sleep(0.05)
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (Linux /proc)."""
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as stat:
+                    fields = stat.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def test_two_cores_of_two_tensor_parallel_ranks_equal_offline():
+    """Data parallel over tensor parallel: each core splits the model over two processes
+    of its own; streams equal the one-process offline engine's, both cores serve, and
+    SIGTERM ends every process."""
+    flags = ("--data-parallel-size", "2", "--tensor-parallel-size", "2")
+    with serve_process(*flags, "--shutdown-timeout", "5") as (process, url):
+        check_concurrent_streams(url, 8, max_tokens=8)
+        passes = samples(url, "vllm_rlt:passes_total")
+        assert set(passes) == {"0", "1"} and all(value > 0 for value in passes.values())
+        below = _descendants(process.pid)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(120) == 0, process.stderr.read()
+        deadline = time.monotonic() + 60
+        while any(process_exists(pid) for pid in below):
+            assert time.monotonic() < deadline, "a core or a rank outlived the server"
+            time.sleep(0.05)
+
+
 def _free_ports(count: int) -> int:
     """The first of `count` consecutive free ports."""
     while True:
@@ -240,11 +278,15 @@ def test_data_parallel_flags_out_of_range_are_one_line_errors(monkeypatch, capsy
         ),
         (
             ["--data-parallel-size", "2", "--device", "cuda:1"],
-            "data parallelism gives each core one GPU: use device 'cuda', not 'cuda:1'",
+            "data parallelism gives each core its own GPUs: use device 'cuda', not 'cuda:1'",
         ),
         (
             ["--data-parallel-size", "2", "--device", "cuda"],
             "data_parallel_size 2 needs 2 GPUs, but 1 is visible",
+        ),
+        (
+            ["--data-parallel-size", "2", "--tensor-parallel-size", "2", "--device", "cuda"],
+            "data_parallel_size 2 x tensor_parallel_size 2 needs 4 GPUs, but 1 is visible",
         ),
         (
             ["--data-parallel-size", "2", "--data-parallel-size-local", "1"],

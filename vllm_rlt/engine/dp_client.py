@@ -70,25 +70,41 @@ class RemoteCores:
     keys: ChannelKeys
 
 
-def core_environments(device: str, size: int) -> list[dict[str, str]]:
-    """The environment of each core's process: on CUDA, one visible GPU each."""
+def core_environments(device: str, size: int, gpus_per_core: int = 1) -> list[dict[str, str]]:
+    """The environment of each core's process: on CUDA, its own visible GPUs (one, or one
+    per tensor-parallel rank), taken in order."""
     require_int(size, "data_parallel_size", 1, MAX_DATA_PARALLEL)
     if not device.startswith("cuda"):
         return [{} for _ in range(size)]
     require(
         device == "cuda",
-        f"data parallelism gives each core one GPU: use device 'cuda', not {device!r} "
+        f"data parallelism gives each core its own GPUs: use device 'cuda', not {device!r} "
         "(choose the GPUs with CUDA_VISIBLE_DEVICES)",
         "device",
     )
     visible = _visible_gpus()
+    needed = size * gpus_per_core
     require(
-        size <= len(visible),
-        f"data_parallel_size {size} needs {size} GPUs, but {len(visible)} "
-        f"{'is' if len(visible) == 1 else 'are'} visible",
+        needed <= len(visible),
+        f"data_parallel_size {size}"
+        + (f" x tensor_parallel_size {gpus_per_core}" if gpus_per_core > 1 else "")
+        + f" needs {needed} GPUs, but {len(visible)} "
+        + f"{'is' if len(visible) == 1 else 'are'} visible",
         "data_parallel_size",
     )
-    return [{"CUDA_VISIBLE_DEVICES": visible[rank]} for rank in range(size)]
+    return [
+        {
+            "CUDA_VISIBLE_DEVICES": ",".join(
+                visible[rank * gpus_per_core : (rank + 1) * gpus_per_core]
+            )
+        }
+        for rank in range(size)
+    ]
+
+
+def gpus_per_core(llm_kwargs: dict[str, Any]) -> int:
+    """A data-parallel core runs its tensor-parallel ranks on GPUs of its own."""
+    return int(llm_kwargs.get("tensor_parallel_size") or 1)
 
 
 def _visible_gpus() -> list[str]:
@@ -122,7 +138,8 @@ class DataParallelClient:
             "several API servers need every data-parallel core on this host",
             "api_server_count",
         )
-        envs = core_environments(str(llm_kwargs.get("device", "cpu")), local) if local else []
+        device = str(llm_kwargs.get("device", "cpu"))
+        envs = core_environments(device, local, gpus_per_core(llm_kwargs)) if local else []
         self._prepare(on_death)
         try:
             for rank in range(size):

@@ -331,10 +331,6 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(
             f"--data-parallel-size must be in [1, {MAX_DATA_PARALLEL}], got {ns.data_parallel_size}"
         )
-    if (ns.data_parallel_size > 1 or ns.headless) and ns.tensor_parallel_size > 1:
-        parser.error(
-            "--data-parallel-size > 1 with --tensor-parallel-size > 1 is not supported: choose one"
-        )
     size = ns.data_parallel_size
     local = size if ns.data_parallel_size_local is None else ns.data_parallel_size_local
     if local < size and ns.api_server_count > 1:
@@ -365,7 +361,8 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         engine_args = engine_args_from(ns)
         check_model_source(ns.model)
         if local > 1 or ns.headless:
-            core_environments(ns.device, local)  # GPUs enough, a plain "cuda"
+            # GPUs enough, a plain "cuda"
+            core_environments(ns.device, local, ns.tensor_parallel_size)
         if remote:
             check_ports(ns.data_parallel_rpc_port, size)
             check_address(ns.data_parallel_address)
