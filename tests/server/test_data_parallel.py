@@ -118,7 +118,7 @@ def test_two_cores_equal_offline_label_their_metrics_and_a_dead_core_is_named():
 def test_two_cores_behind_two_api_servers_equal_offline_and_both_serve():
     """Each API server joins both cores: every request is answered as the offline engine
     would, both cores serve, /metrics counts every request once whichever server took it,
-    and SIGTERM leaves no process behind."""
+    a killed core turns /health to 503 naming it, and SIGTERM leaves no process behind."""
     flags = ("--data-parallel-size", "2", "--api-server-count", "2", "--shutdown-timeout", "5")
     ready = re.compile(r"API server \d+ of 2 ready \(pid (\d+)\)")
     with serve_process(*flags) as (process, url):
@@ -139,6 +139,12 @@ def test_two_cores_behind_two_api_servers_equal_offline_and_both_serve():
                 server = re.search(r'api_server="(\d+)"', line).group(1)
                 served[server] = served.get(server, 0) + float(line.split()[-1])
         assert sum(served.values()) == 32
+
+        # A dead core is named (every server watches the lifeline of every core).
+        os.kill(pids[1], signal.SIGKILL)
+        for _ in range(4):
+            health = _health_until(url, 503)
+            assert "engine core 1 (of 2)" in health.json()["reason"]
 
         process.send_signal(signal.SIGTERM)
         code = process.wait(120)
