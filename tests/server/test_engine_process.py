@@ -169,3 +169,27 @@ def _advance(rate: PassRate, passes: int, rows_per_pass: int) -> tuple[int, int]
     total_rows = rate._samples[-1][2] + passes * rows_per_pass
     rate.record(total_passes, total_rows)
     return total_passes, total_rows
+
+
+def test_an_api_server_joins_a_core_that_connects_at_once(monkeypatch):
+    """A running core retries its connection to an API server's sockets and may get in as
+    soon as they are bound; joining must notice a connection made before it starts to wait
+    (it watches from before the bind)."""
+    from vllm_rlt.engine.core_client import EngineCoreClient
+
+    deaths = []
+    core = EngineCoreClient({"model": "toy"}, deaths.append, api_servers=1)
+    try:
+        wait = EngineCoreClient._wait_connected
+
+        def late_wait(self, timeout: float = 60.0) -> None:
+            time.sleep(1.0)  # the core connects meanwhile
+            wait(self, timeout=20.0)
+
+        monkeypatch.setattr(EngineCoreClient, "_wait_connected", late_wait)
+        joined = EngineCoreClient.attach(core.attachments[0], deaths.append)
+        assert joined.call("stats")["num_requests"] == 0
+        joined.shutdown()
+    finally:
+        core.shutdown()
+    assert deaths == []

@@ -153,7 +153,7 @@ class EngineCoreClient:
         """Join a running core as client `attachment.client` (in an API-server process).
         Blocks until the core's connections to this client's sockets are up."""
         self = cls.__new__(cls)
-        self._open(on_death, attachment.client, attachment.addresses, None)
+        self._open(on_death, attachment.client, attachment.addresses, None, watch_accepts=True)
         self.in_process = False
         self.process = self.thread = self.core_engine = None
         self.attachments = []
@@ -201,8 +201,11 @@ class EngineCoreClient:
         addresses: Peer,
         ipc_dir: str | None,
         keys: ChannelKeys | None = None,
+        watch_accepts: bool = False,
     ) -> None:
-        """Bind this client's sockets (the core connects to them), encrypted with `keys`."""
+        """Bind this client's sockets (the core connects to them), encrypted with `keys`.
+        `watch_accepts`: watch the core's connections from before the bind (a running core
+        retries its connection and may get in at once), for `_wait_connected`."""
         self.on_death = on_death
         self.client = client
         self.context = zmq.Context()
@@ -230,6 +233,11 @@ class EngineCoreClient:
         self.output.setsockopt(zmq.RCVHWM, 0)
         if keys is not None:  # watched from before an engine can connect
             self._link = LinkWatch(self.output)
+        self._accepts = (
+            [s.get_monitor_socket(zmq.EVENT_ACCEPTED) for s in self.sockets]
+            if watch_accepts
+            else []
+        )
         for socket, address in zip(self.sockets, addresses, strict=True):
             if keys is not None:
                 secure_server(socket, keys)
@@ -256,7 +264,7 @@ class EngineCoreClient:
     def _wait_connected(self, timeout: float = 60.0) -> None:
         """Until the core has connected to all three sockets: a command sent before would
         block the caller, and outputs would have no way back."""
-        monitors = [s.get_monitor_socket(zmq.EVENT_ACCEPTED) for s in self.sockets]
+        monitors, self._accepts = self._accepts, []
         deadline = time.monotonic() + timeout
         try:
             for monitor in monitors:
