@@ -102,9 +102,11 @@ def core_environments(device: str, size: int, gpus_per_core: int = 1) -> list[di
     ]
 
 
-def gpus_per_core(llm_kwargs: dict[str, Any]) -> int:
-    """A data-parallel core runs its tensor-parallel ranks on GPUs of its own."""
-    return int(llm_kwargs.get("tensor_parallel_size") or 1)
+def engine_environments(llm_kwargs: dict[str, Any], size: int) -> list[dict[str, str]]:
+    """`core_environments` for `size` cores of this engine: its device, and one GPU per
+    tensor-parallel rank of each core."""
+    device = str(llm_kwargs.get("device", "cpu"))
+    return core_environments(device, size, int(llm_kwargs.get("tensor_parallel_size") or 1))
 
 
 def _visible_gpus() -> list[str]:
@@ -138,8 +140,7 @@ class DataParallelClient:
             "several API servers need every data-parallel core on this host",
             "api_server_count",
         )
-        device = str(llm_kwargs.get("device", "cpu"))
-        envs = core_environments(device, local, gpus_per_core(llm_kwargs)) if local else []
+        envs = engine_environments(llm_kwargs, local) if local else []
         self._prepare(on_death)
         try:
             for rank in range(size):

@@ -17,7 +17,7 @@ import signal
 from typing import Any
 
 from vllm_rlt.engine.core_proc import run_engine_core
-from vllm_rlt.engine.dp_client import core_environments, gpus_per_core
+from vllm_rlt.engine.dp_client import engine_environments
 from vllm_rlt.engine.remote_channel import channel_keys, remote_peer
 
 logger = logging.getLogger("vllm_rlt.server")
@@ -32,8 +32,7 @@ def run_headless(
     api_key: str,
 ) -> int:
     """Run ranks start_rank .. start_rank + local_size - 1; the process's exit code."""
-    device = str(llm_kwargs.get("device", "cpu"))
-    envs = core_environments(device, local_size, gpus_per_core(llm_kwargs))
+    envs = engine_environments(llm_kwargs, local_size)
     keys = channel_keys(api_key)
     spawn = multiprocessing.get_context("spawn")
     cores = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import sys
 
@@ -9,6 +10,19 @@ import torch
 from tqdm import tqdm
 
 from vllm_rlt.sampling_params import MAX_LOGPROBS
+
+
+@contextlib.contextmanager
+def collection_paused():
+    """No garbage collection inside a capture: freeing an unreachable engine's graphs there
+    would invalidate it."""
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if collecting:
+            gc.enable()
 
 
 def graph_batch_sizes(max_slots: int) -> list[int]:
@@ -101,14 +115,6 @@ class DecodeGraphs:
             step()
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        # No garbage collection inside the capture: freeing an unreachable engine's graphs
-        # there would invalidate it.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                output = step()
-        finally:
-            if collecting:
-                gc.enable()
+        with collection_paused(), torch.cuda.graph(graph, pool=self.pool):
+            output = step()
         self.graphs[key] = (graph, output)

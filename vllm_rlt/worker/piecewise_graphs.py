@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from vllm_rlt.worker.cuda_graphs import collection_paused
+
 # Passes with more rows than this run the stack eagerly: their launches are a small part
 # of their device time.
 MAX_PIECE_ROWS = 512
@@ -132,7 +134,7 @@ class PiecewiseGraphs:
         # block of the pool only on the stream that allocated it, so the sizes share their
         # scratch memory only if they share the stream.
         self.stream = torch.cuda.Stream(model.device)
-        self.num_replays = 0  # passes served, for tests and metrics
+        self.num_replays = 0  # passes served, for tests
 
     def fits(self, rows: int) -> bool:
         return 0 < rows <= self.sizes[-1]
@@ -161,16 +163,8 @@ class PiecewiseGraphs:
         with torch.cuda.stream(stream):
             self._run_stack(size, capture=False)
         stream.synchronize()
-        # No garbage collection inside a capture: freeing an unreachable engine's graphs
-        # there would invalidate it.
-        collecting = gc.isenabled()
-        gc.disable()
-        try:
-            with torch.cuda.stream(stream):
-                splitter = self._run_stack(size, capture=True)
-        finally:
-            if collecting:
-                gc.enable()
+        with collection_paused(), torch.cuda.stream(stream):
+            splitter = self._run_stack(size, capture=True)
         torch.cuda.current_stream().wait_stream(stream)
         self.pieces[size] = (splitter.graphs, splitter.calls)
 
