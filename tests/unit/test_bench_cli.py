@@ -187,3 +187,7 @@ def test_throughput_waves_refill_slots_from_a_queue(capsys):
         throughput.main([*argv[:-4], "--waves", "0"])
     assert exited.value.code == 2
     assert "--waves must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exited:
+        throughput.main([*argv[:-4], "--waves", str(10**12)])
+    assert exited.value.code == 2
+    assert f"--waves must be in [1, 1000], got {10**12}" in capsys.readouterr().err

@@ -43,6 +43,8 @@ from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
+MAX_WAVES = 1000  # a typo of a few digits must not build billions of prompts
+
 
 def depth_distribution(mean: float, max_depth: int) -> list[float]:
     """The maximum-entropy distribution over depths 1..max_depth with the given mean."""
@@ -517,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("prompt_len", "output_len", "block_size", "repeats", "waves"):
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.waves > MAX_WAVES:
+        parser.error(f"--waves must be in [1, {MAX_WAVES}], got {args.waves}")
     if args.max_tokens is not None and args.max_tokens < args.output_len:
         parser.error(
             f"--max-tokens must be >= --output-len ({args.output_len}), got {args.max_tokens}"
