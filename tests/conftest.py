@@ -49,10 +49,11 @@ def make_engine(toy_model):
         async_scheduling: bool = False,
         enable_prefix_caching: bool = True,
         speculative_config=None,
+        model: OuroModel | None = None,
         **scheduler_kwargs,
     ) -> EngineCore:
         engine = EngineCore(
-            toy_model,
+            model or toy_model,
             Tokenizer.byte_level(),
             CacheConfig(
                 layout=layout,

@@ -129,6 +129,13 @@ class KVCacheManager:
             self._block_of[block_hash] = block
             self._hash_of[block] = block_hash
 
+    def uncache_private(self, owner: Hashable) -> None:
+        """Drop from the prefix cache the blocks only `owner` holds: a pass that failed may
+        not have written K/V that was registered when it was scheduled."""
+        for block in self._tables.get(owner, ()):
+            if self._refs[block] == 1 and block in self._hash_of:
+                del self._block_of[self._hash_of.pop(block)]
+
     # ----------------------------------------------------------------- release
     def free(self, owner: Hashable) -> None:
         """Release the blocks of `owner`'s table; the last blocks of a prompt go first when

@@ -119,12 +119,15 @@ class Scheduler:
             decoding = [r for r in decoding if r.token_in_flight]
         decoding.sort(key=attrgetter("slot"))
         # +1: with asynchronous scheduling the device may be one token ahead of this view
-        # (and speculation lanes as many positions ahead as there are lanes).
+        # (and speculation lanes as many positions ahead as there are lanes), but never
+        # past the request's last position: lanes draft no further, and the block table
+        # has no column beyond it.
         max_context = 0
         rows: list[tuple[int, Request]] = []
         for request in decoding:
             lanes = self._decode_rows(request)
-            max_context = max(max_context, request.context_len + lanes)
+            reach = min(request.context_len + lanes, request.reserved_positions)
+            max_context = max(max_context, reach)
             if lanes == 1:
                 rows.append((request.slot, request))  # type: ignore[arg-type]
             else:
@@ -520,6 +523,17 @@ class Scheduler:
                     if 0 < sampled.ahead <= len(self.accepted_at):
                         self.accepted_at[sampled.ahead - 1] += 1
         return touched
+
+    def requests_in_failed_pass(self, output: SchedulerOutput) -> list[Request]:
+        """The requests that still own rows of a pass that failed, each once. The prompt
+        blocks that only they hold leave the prefix cache: they were registered when the
+        pass was scheduled, and it may not have written them."""
+        owners = output.owners()
+        found = (self._owner(owners, slot) for slot in owners)
+        requests = list({r.request_id: r for r in found if r is not None}.values())
+        for request in requests:
+            self.kv.uncache_private(request.request_id)
+        return requests
 
     def _owner(self, owners: dict[int, tuple[str, int]], slot: int) -> Request | None:
         request_id, admission = owners.get(slot, ("", -1))

@@ -410,9 +410,13 @@ class EngineCore:
             scheduled = self.scheduler.schedule()
             failed = self._admit(scheduled.new_slots)
             if not scheduled.is_empty:
-                launched = (scheduled, self.runner.launch(scheduled))
-                self.num_passes += 1
-                self.num_rows_total += scheduled.num_rows
+                try:
+                    launched = (scheduled, self.runner.launch(scheduled))
+                except Exception as exc:  # noqa: BLE001 - fails this pass's requests only
+                    failed += self._pass_failed(scheduled, exc)
+                else:
+                    self.num_passes += 1
+                    self.num_rows_total += scheduled.num_rows
             elif scheduled.block_updates:
                 # Nothing runs now (with asynchronous scheduling every request may be
                 # waiting on the pass in flight), but the blocks taken, such as an admitted
@@ -426,15 +430,21 @@ class EngineCore:
             ready, self._in_flight = launched, None
         else:
             ready, self._in_flight = self._in_flight, launched
+        result = None
+        if ready is not None:
+            try:
+                result = self.runner.collect(ready[1])
+            except Exception as exc:  # noqa: BLE001 - fails this pass's requests only
+                failed += self._pass_failed(ready[0], exc)
         progressed: dict[str, RequestGroup] = {}
         for request, error in failed:
-            # Its rows in the pass just launched only write to the dummy block, and their
-            # results are dropped: the request no longer owns its slot when they arrive.
+            # Its rows in passes already queued only write to blocks nobody reads before
+            # they are written again, and their results are dropped: the request no longer
+            # owns its slot when they arrive.
             group = self._fail(request, error)
             progressed[group.request_id] = group
-        if ready is not None:
-            scheduled, pending = ready
-            touched = self.scheduler.update(scheduled, self.runner.collect(pending))
+        if ready is not None and result is not None:
+            touched = self.scheduler.update(ready[0], result)
             now = time.monotonic()
             for request in touched:
                 if request.is_finished:
@@ -463,6 +473,19 @@ class EngineCore:
             except Exception as exc:  # noqa: BLE001 - fails this request only
                 failed.append((self.scheduler.running[new.slot], exc))
         return failed
+
+    def _pass_failed(
+        self, scheduled: SchedulerOutput, error: Exception
+    ) -> list[tuple[Request, BaseException]]:
+        """A pass that failed on the host (building its inputs, reading its results) fails
+        the requests with rows in it, and the engine goes on: their slots are written anew
+        when reused, and their blocks are freed after the passes already queued. A device
+        fault leaves the device unusable, so it stops the engine."""
+        if _device_fault(error):
+            raise error
+        requests = self.scheduler.requests_in_failed_pass(scheduled)
+        logger.error("a pass failed; failing its %d requests", len(requests))
+        return [(request, error) for request in requests]
 
     def _fail(self, request: Request, error: BaseException) -> RequestGroup:
         """End a request's whole group (its completions share one prompt) with the error."""
@@ -579,6 +602,12 @@ class EngineCore:
 
     def all_blocks_free(self) -> bool:
         return self.kv.all_free() and not self.scheduler.running and self._in_flight is None
+
+
+def _device_fault(error: BaseException) -> bool:
+    """Whether an error came from the accelerator (sticky: every later call fails too)."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, accelerator_error) or "CUDA error" in str(error)
 
 
 def _check_speculation(
