@@ -1,9 +1,11 @@
 """`vllm-rlt serve --data-parallel-size 2`: two engine cores behind one server. Outputs equal
 the offline engine's request for request, both cores serve, /metrics labels each core, and a
-core that dies turns /health to 503 naming it, with nothing left hanging."""
+core that dies fails only its own requests: the other core serves on, /health answers 503
+naming the lost core, and nothing is left hanging."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -56,6 +58,33 @@ def _long_streams(url: str, count: int, stop: threading.Event) -> list[threading
     return threads
 
 
+def _finite_streams(url: str, count: int, max_tokens: int, ends: list[str]):
+    """`count` streaming requests of `max_tokens` tokens; each appends how it ended to
+    `ends`: its finish reason, or "error" for an error event."""
+    body = {"model": "toy", "prompt": "go", "max_tokens": max_tokens, "ignore_eos": True}
+
+    def stream() -> None:
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
+        ) as r:
+            # events split on blank lines only: generated text may hold other line breaks
+            for event in r.read().split(b"\n\n"):
+                if not event.startswith(b"data: {"):
+                    continue
+                data = json.loads(event[len(b"data: ") :])
+                if "error" in data:
+                    ends.append("error")
+                    return
+                reason = data["choices"][0].get("finish_reason")
+                if reason is not None:
+                    ends.append(reason)
+
+    threads = [threading.Thread(target=stream) for _ in range(count)]
+    for thread in threads:
+        thread.start()
+    return threads
+
+
 def _health_until(url: str, status: int, timeout: float = 30.0) -> httpx.Response:
     deadline = time.monotonic() + timeout
     while (health := httpx.get(f"{url}/health")).status_code != status:
@@ -100,11 +129,29 @@ def test_two_cores_equal_offline_label_their_metrics_and_a_dead_core_is_named():
         for thread in streams:
             thread.join(60)
 
+        # A core that dies fails only its own streams: the other core's finish, new
+        # requests go to it, and /health names the lost core with 503.
+        ends: list[str] = []
+        streams = _finite_streams(url, 8, 400, ends)
+        deadline = time.monotonic() + 60
+        while min(samples(url, "vllm_rlt:num_requests_running").values()) < 4:
+            assert time.monotonic() < deadline, "the streams did not reach both cores"
+            time.sleep(0.05)
         os.kill(pids[1], signal.SIGKILL)
+        for thread in streams:
+            thread.join(120)
+        assert sorted(ends) == ["error"] * 4 + ["length"] * 4, ends
         health = _health_until(url, 503)
+        assert health.json()["status"] == "degraded"
         assert "engine core 1 (of 2)" in health.json()["reason"]
-        reply = httpx.post(f"{url}/v1/completions", json={"model": "toy", "prompt": "x"})
-        assert reply.status_code == 503
+        for _ in range(4):
+            reply = httpx.post(
+                f"{url}/v1/completions",
+                json={"model": "toy", "prompt": "x", "max_tokens": 3, "ignore_eos": True},
+            )
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["usage"]["completion_tokens"] == 3
+        assert set(samples(url, "vllm_rlt:passes_total")) == {"0"}
 
         process.send_signal(signal.SIGTERM)
         code = process.wait(120)
@@ -336,6 +383,7 @@ def test_a_request_goes_to_the_least_loaded_core():
     then the fewest sequences."""
     client = DataParallelClient.__new__(DataParallelClient)
     client.cores = [_Core(4), _Core(4)]
+    client.lost = {}
     client._sequences = [0, 0]
     client._kv_usage = [0.0, 0.0]
     assert client.choose(1) == 0  # a tie goes to the first
@@ -348,3 +396,5 @@ def test_a_request_goes_to_the_least_loaded_core():
     client._sequences = [6, 6]
     client._kv_usage = [0.9, 0.2]
     assert client.choose(2) == 1  # both would queue as many: KV use decides
+    client.lost = {1: "killed"}
+    assert client.choose(2) == 0  # a lost core gets nothing

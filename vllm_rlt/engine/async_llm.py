@@ -298,10 +298,15 @@ class AsyncLLM:
             if data_parallel_size == 1:
                 self.client = EngineCoreClient.attach(attach[0], self._on_death)
             else:
-                self.client = DataParallelClient.attach(attach, self._on_death)
+                self.client = DataParallelClient.attach(attach, self._on_death, self._on_core_lost)
         elif data_parallel_size > 1 or remote_cores is not None:
             self.client = DataParallelClient(
-                llm_kwargs, self._on_death, data_parallel_size, in_process, remote_cores
+                llm_kwargs,
+                self._on_death,
+                data_parallel_size,
+                in_process,
+                remote_cores,
+                on_core_lost=self._on_core_lost,
             )
         else:
             self.client = EngineCoreClient(llm_kwargs, self._on_death, in_process)
@@ -332,6 +337,12 @@ class AsyncLLM:
     def num_requests(self) -> int:
         """Requests whose streams are open (queued or running)."""
         return len(self._streams)
+
+    def lost_cores(self) -> str | None:
+        """Which data-parallel cores are gone while others serve on, or None."""
+        if isinstance(self.client, DataParallelClient):
+            return self.client.lost_reason()
+        return None
 
     def stalled(self, timeout: float) -> str | None:
         """Why the engine counts as stalled (work waits and no pass completed for `timeout`
@@ -472,6 +483,27 @@ class AsyncLLM:
             self._loop.call_soon_threadsafe(self._fail_streams)
         except RuntimeError:  # the event loop has closed: nobody is listening
             pass
+
+    def _on_core_lost(self, rank: int, reason: str) -> None:
+        """One data-parallel core is gone and others run (any thread): only the streams of
+        its requests fail."""
+        logger.error(
+            "engine core %d died (%s); its requests fail, the other cores serve on", rank, reason
+        )
+        if self._loop is None:
+            return
+        try:
+            self._loop.call_soon_threadsafe(self._fail_core_streams, rank, reason)
+        except RuntimeError:  # the event loop has closed: nobody is listening
+            pass
+
+    def _fail_core_streams(self, rank: int, reason: str) -> None:
+        assert isinstance(self.client, DataParallelClient)
+        error = EngineDeadError(f"engine core {rank} (of {self.client.size}): {reason}")
+        for request_id in self.client.forget_core(rank):
+            stream = self._streams.get(request_id)
+            if stream is not None:
+                stream.fail(error)
 
     def _fail_streams(self) -> None:
         for stream in list(self._streams.values()):

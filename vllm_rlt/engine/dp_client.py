@@ -4,8 +4,9 @@ Each core is a whole engine in its own process (the model's weights, its KV cach
 scheduler) on one GPU, reached through its own `EngineCoreClient`. The frontend places
 every request on the core with the least load: the fewest sequences waiting beyond its
 slots, then the lowest KV-cache use it last reported, then the fewest sequences. A request
-stays on its core, and its aborts follow it. A core that dies stops the whole frontend, as
-one core's death does (every request fails, /health answers 503 and names the core).
+stays on its core, and its aborts follow it. A core that dies fails only its own requests
+(`on_core_lost`); the others finish, and new requests go to the cores still running. Only
+when every core is gone does the frontend stop (`on_death`).
 
 Cores may also run on other hosts (`serve --headless`): they connect to this frontend over
 an encrypted channel keyed by the API key (`remote_channel.py`), and count as the ranks
@@ -121,8 +122,8 @@ def _visible_gpus() -> list[str]:
 class DataParallelClient:
     """The `EngineCoreClient` interface over several cores, for `AsyncLLM`.
 
-    Commands and reads happen on the frontend's event loop; `on_death(reason)` may run on
-    any thread.
+    Commands and reads happen on the frontend's event loop; `on_death(reason)` (every core
+    is gone) and `on_core_lost(rank, reason)` (one is, others run) may run on any thread.
     """
 
     def __init__(
@@ -133,6 +134,7 @@ class DataParallelClient:
         in_process: bool = False,
         remote: RemoteCores | None = None,
         api_servers: int = 0,
+        on_core_lost: Callable[[int, str], None] | None = None,
     ) -> None:
         local = size if remote is None else remote.local_size
         require(
@@ -141,7 +143,7 @@ class DataParallelClient:
             "api_server_count",
         )
         envs = engine_environments(llm_kwargs, local) if local else []
-        self._prepare(on_death)
+        self._prepare(on_death, on_core_lost)
         try:
             for rank in range(size):
                 died = partial(self._core_died, rank)
@@ -161,13 +163,16 @@ class DataParallelClient:
 
     @classmethod
     def attach(
-        cls, attachments: list[CoreAttachment], on_death: Callable[[str], None]
+        cls,
+        attachments: list[CoreAttachment],
+        on_death: Callable[[str], None],
+        on_core_lost: Callable[[int, str], None] | None = None,
     ) -> DataParallelClient:
         """Join cores another process started (one attachment per rank), as one of several
         API servers. Each server routes its own requests; the cores' KV use, which every
         message reports, reflects all of them."""
         self = cls.__new__(cls)
-        self._prepare(on_death)
+        self._prepare(on_death, on_core_lost)
         try:
             for rank, attachment in enumerate(attachments):
                 self.cores.append(
@@ -179,9 +184,13 @@ class DataParallelClient:
         self._adopt(client=attachments[0].client)
         return self
 
-    def _prepare(self, on_death: Callable[[str], None]) -> None:
+    def _prepare(
+        self, on_death: Callable[[str], None], on_core_lost: Callable[[int, str], None] | None
+    ) -> None:
         self.on_death = on_death
-        self.dead_reason: str | None = None
+        self.on_core_lost = on_core_lost
+        self.dead_reason: str | None = None  # every core is gone
+        self.lost: dict[int, str] = {}  # rank -> why that core is gone
         self._death_lock = threading.Lock()
         self.cores: list[EngineCoreClient] = []
 
@@ -223,7 +232,8 @@ class DataParallelClient:
             waiting = max(0, self._sequences[rank] + sequences - slots)
             return waiting, self._kv_usage[rank], self._sequences[rank]
 
-        return min(range(self.size), key=lambda rank: (*load(rank), rank))
+        live = [rank for rank in range(self.size) if rank not in self.lost]
+        return min(live, key=lambda rank: (*load(rank), rank))
 
     def send(self, command: Command) -> None:
         if isinstance(command, AddRequest):
@@ -242,7 +252,7 @@ class DataParallelClient:
             owner = self._owner.get(command.request_id)
             targets = self.cores if owner is None else [self.cores[owner[0]]]
             for core in targets:
-                core.send(command)
+                core.send(command)  # a lost core drops it
         elif isinstance(command, AbortAll):
             for core in self.cores:
                 core.send(AbortAll(core.client))
@@ -250,11 +260,22 @@ class DataParallelClient:
             for core in self.cores:
                 core.send(command)
 
+    def forget_core(self, rank: int) -> list[str]:
+        """The ids of the requests a lost core held, no longer counted anywhere (call it on
+        the event loop, after `on_core_lost`)."""
+        gone = [rid for rid, (owner, _) in self._owner.items() if owner == rank]
+        for request_id in gone:
+            del self._owner[request_id]
+        self._sequences[rank] = 0
+        return gone
+
     def stalled_rank(self, timeout: float) -> int | None:
         """A core with work that has sent nothing for `timeout` seconds (a busy core
         reports at least every heartbeat), or None."""
         now = time.monotonic()
         for rank in range(self.size):
+            if rank in self.lost:
+                continue
             if self._sequences[rank] > 0 and now - self._heard[rank] > timeout:
                 return rank
         return None
@@ -278,8 +299,11 @@ class DataParallelClient:
 
     # ----------------------------------------------------------------- control
     def call(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Ask every core; "stats" answers the sums, with each core's own in "engines"."""
-        values = [core.call(name, timeout) for core in self.cores]
+        """Ask every running core; "stats" answers the sums, with each core's own in
+        "engines" (a lost core's as None)."""
+        live = [rank for rank in range(self.size) if rank not in self.lost]
+        answers = {rank: self.cores[rank].call(name, timeout) for rank in live}
+        values = list(answers.values())
         if name != "stats":
             return values[0]
         total: dict[str, Any] = {key: sum(v[key] for v in values) for key in _SUMMED}
@@ -296,21 +320,32 @@ class DataParallelClient:
             )
             for i in range(positions)
         ]
-        total["engines"] = values
+        total["engines"] = [answers.get(rank) for rank in range(self.size)]
         return total
 
-    def core_alive(self) -> bool:
-        return all(core.core_alive() for core in self.cores)
+    def lost_reason(self) -> str | None:
+        """Which cores are gone and why, or None while all of them run."""
+        if not self.lost:
+            return None
+        return "; ".join(
+            f"engine core {rank} (of {self.size}): {reason}"
+            for rank, reason in sorted(self.lost.items())
+        )
 
     def _core_died(self, rank: int, reason: str) -> None:
         with self._death_lock:
-            if self.dead_reason is not None:
+            if rank in self.lost:
                 return
-            self.dead_reason = f"engine core {rank} (of {self.size}): {reason}"
-        for other, core in enumerate(self.cores):  # their requests fail with the frontend
-            if other != rank:
+            self.lost[rank] = reason
+            every_core = len(self.lost) == self.size
+            if every_core:
+                self.dead_reason = self.lost_reason()
+        if every_core or self.on_core_lost is None:
+            for core in self.cores:  # without a frontend to serve them, nothing runs on
                 core.send(AbortAll(core.client))
-        self.on_death(self.dead_reason)
+            self.on_death(self.dead_reason or f"engine core {rank} (of {self.size}): {reason}")
+        else:
+            self.on_core_lost(rank, reason)
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Stop every core at once (each drains in its own process)."""

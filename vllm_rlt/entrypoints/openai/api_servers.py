@@ -12,7 +12,7 @@ metrics are written to prometheus' multiprocess files, so any server's /metrics 
 The main process supervises: SIGTERM or SIGINT drain every server (each ends its own
 requests within the shutdown timeout), then the core stops and the process exits 0. A
 server that dies ends the whole server with exit code 1; a core that dies turns every
-server's /health to 503 and fails their requests, as with one server.
+server's /health to 503 and fails the requests it held, as with one server.
 """
 
 from __future__ import annotations
@@ -60,11 +60,16 @@ def serve_with_api_servers(
     def core_died(reason: str) -> None:
         logger.error("%s; every API server answers 503 until restarted", reason)
 
+    def core_lost(rank: int, reason: str) -> None:
+        logger.error("engine core %d died (%s); the other cores serve on", rank, reason)
+
     size = settings.data_parallel_size
     core: EngineCoreClient | DataParallelClient
     try:
         if size > 1:
-            core = DataParallelClient(settings.llm_kwargs, core_died, size, api_servers=count)
+            core = DataParallelClient(
+                settings.llm_kwargs, core_died, size, api_servers=count, on_core_lost=core_lost
+            )
         else:
             core = EngineCoreClient(settings.llm_kwargs, core_died, api_servers=count)
     except BaseException as exc:  # noqa: BLE001 - the same one-line errors as one server

@@ -171,15 +171,17 @@ def _mean_loops(families: list[Metric]) -> list[Metric]:
     return [gauge]
 
 
-def _engine_families(engines: list[dict[str, Any]]) -> list[Metric]:
+def _engine_families(engines: list[dict[str, Any] | None]) -> list[Metric]:
     """The cores' counters, one sample per core labelled `engine` (its data-parallel rank;
-    "0" with one core), as vLLM labels them: sum by engine for the server's total."""
+    "0" with one core), as vLLM labels them: sum by engine for the server's total. A core
+    that is gone (None) has no samples."""
     labels = ["engine"]
 
     def family(kind, name: str, documentation: str, value) -> Metric:
         metric = kind(name, documentation, labels=labels)
         for rank, stats in enumerate(engines):
-            metric.add_metric([str(rank)], value(stats))
+            if stats is not None:
+                metric.add_metric([str(rank)], value(stats))
         return metric
 
     window = f"over the last {RATE_WINDOW_S:g} s"
@@ -234,7 +236,7 @@ def _engine_families(engines: list[dict[str, Any]]) -> list[Metric]:
     return families
 
 
-def _per_position(engines: list[dict[str, Any]]) -> CounterMetricFamily:
+def _per_position(engines: list[dict[str, Any] | None]) -> CounterMetricFamily:
     family = CounterMetricFamily(
         "vllm_rlt:spec_decode_num_accepted_tokens_per_pos",
         "Accepted draft tokens by how far ahead of the verified token they were made "
@@ -242,7 +244,7 @@ def _per_position(engines: list[dict[str, Any]]) -> CounterMetricFamily:
         labels=["engine", "position"],
     )
     for rank, stats in enumerate(engines):
-        for position, count in enumerate(stats["spec_accepted_per_position"]):
+        for position, count in enumerate(stats["spec_accepted_per_position"] if stats else ()):
             family.add_metric([str(rank), str(position)], count)
     return family
 

@@ -314,6 +314,9 @@ def build_app(state: ServerState) -> FastAPI:
             return JSONResponse(
                 {"status": "engine stopped", "reason": str(engine.dead)}, status_code=503
             )
+        lost = engine.lost_cores()
+        if lost is not None:  # the others still serve, but the server needs a restart
+            return JSONResponse({"status": "degraded", "reason": lost}, status_code=503)
         stalled = engine.stalled(settings.stall_timeout)
         if stalled is not None:
             return JSONResponse({"status": "stalled", "reason": stalled}, status_code=503)
