@@ -102,6 +102,7 @@ def test_python_api_block_runs_as_written(tmp_path):
     assert "LLM(" in block and section == "## Python API"
     run = run_shell(f"python -c {shlex.quote(block)}", tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.endswith("\n33747\n"), run.stdout  # chat, greedy by the model's defaults
 
 
 def _port_free(port: int) -> bool:
@@ -138,6 +139,8 @@ def test_server_commands_run_as_written(tmp_path):
         assert "OpenAI(" in client_block
         run = run_shell(f"python -c {shlex.quote(client_block)}", tmp_path)
         assert run.returncode == 0, run.stderr[-2000:]
+        # chat renders the built-in model's trained form and decodes greedily by default
+        assert run.stdout.split(" ", 1)[0] == "936", run.stdout
     finally:
         server.send_signal(signal.SIGTERM)
         assert server.wait(timeout=120) == 0

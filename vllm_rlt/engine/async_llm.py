@@ -29,7 +29,7 @@ from vllm_rlt.engine.messages import (
 )
 from vllm_rlt.engine.output_processor import TextTracker
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
-from vllm_rlt.models.load import load_tokenizer
+from vllm_rlt.models.load import load_tokenizer, model_sampling_defaults
 from vllm_rlt.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -291,6 +291,8 @@ class AsyncLLM:
         self.stats: EngineStats | None = None  # as of the latest engine step
         self._streams: dict[str, RequestStream] = {}
         self.tokenizer: Tokenizer | None = load_tokenizer(llm_kwargs.get("model"))
+        # what a request leaves unset takes from the model's generation_config.json
+        self.sampling_defaults = model_sampling_defaults(llm_kwargs.get("model"))
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads outputs
         self.client: EngineCoreClient | DataParallelClient
         if attach is not None:

@@ -19,7 +19,12 @@ from vllm_rlt.config import (
     require,
 )
 from vllm_rlt.engine.engine_core import EngineCore
-from vllm_rlt.models.load import load_model_and_tokenizer, resolve_device, resolve_dtype
+from vllm_rlt.models.load import (
+    load_model_and_tokenizer,
+    model_sampling_defaults,
+    resolve_device,
+    resolve_dtype,
+)
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.parallel.tensor_parallel import (
     TensorParallel,
@@ -112,6 +117,12 @@ class LLM:
             self.engine.mirror = self.tensor_parallel.mirror
             weakref.finalize(self.engine, stop_followers, self.tensor_parallel, followers)
         self._counter = 0
+        self._sampling_defaults = model_sampling_defaults(model)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What `generate` and `chat` use without sampling params: the engine's defaults,
+        overridden by the model's generation_config.json (as vLLM does)."""
+        return SamplingParams(**self._sampling_defaults)
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (ValueError for a folder without one)."""
@@ -265,12 +276,11 @@ class LLM:
                 )
         return items
 
-    @staticmethod
     def _normalize_params(
-        params: SamplingParams | Sequence[SamplingParams] | None, count: int
+        self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
     ) -> list[SamplingParams]:
         if params is None:
-            params = SamplingParams()
+            params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * count
         params = list(params)

@@ -8,9 +8,11 @@ smaller shape, for tests.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
+from vllm_rlt.models.generation_defaults import sampling_defaults
 from vllm_rlt.models.loader import load_model, read_config, resolve_family
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import TOY_NAME, toy_config_dict, toy_weights
@@ -72,6 +74,11 @@ def check_model_source(model: str | Path | None) -> None:
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
     raw, _ = read_config(folder)
     resolve_family(raw)
+
+
+def model_sampling_defaults(model: str | Path | None) -> dict[str, Any]:
+    """The sampling defaults of the model's generation_config.json (none for the toy)."""
+    return {} if str(model) == TOY_NAME else sampling_defaults(model_folder(model))
 
 
 def load_tokenizer(model: str | Path | None) -> Tokenizer | None:

@@ -96,7 +96,7 @@ def _template_environment() -> ImmutableSandboxedEnvironment:
 _TEMPLATE_ENV = _template_environment()
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
     """A JSON object file's contents, {} when the file is absent; ValueError naming a bad file."""
     if not path.is_file():
         return {}
@@ -311,8 +311,8 @@ class Tokenizer:
             backend = tokenizers.Tokenizer.from_file(str(tokenizer_file))
         except Exception as exc:  # the library raises a bare Exception for a bad file
             raise ValueError(f"cannot read {tokenizer_file}: {exc}") from exc
-        config = _read_json(folder / CONFIG_FILE)
-        generation = _read_json(folder / GENERATION_CONFIG_FILE)
+        config = read_json_object(folder / CONFIG_FILE)
+        generation = read_json_object(folder / GENERATION_CONFIG_FILE)
         _add_declared_tokens(backend, config.get("added_tokens_decoder", {}))
         add_bos_token = config.get("add_bos_token", False)
         require(
@@ -370,7 +370,7 @@ class Tokenizer:
         primary = [] if self._eos_id is None else [self._eos_id]
         extra = sorted(self._eos_ids - set(primary))
         if extra or generation_file.is_file():
-            generation = _read_json(generation_file)
+            generation = read_json_object(generation_file)
             generation["eos_token_id"] = primary + extra
             _write_json(generation_file, generation)
 

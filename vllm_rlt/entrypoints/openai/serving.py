@@ -183,10 +183,16 @@ class OpenAIServing:
             exit_depths=request.return_exit_depths,
         )
 
-    @staticmethod
-    def _params(request, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+    def _params(self, request, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+        """The request's sampling; the fields it leaves unset take the model's defaults
+        (its generation_config.json), as vLLM does."""
+        unset = {
+            name: value
+            for name, value in self.engine.sampling_defaults.items()
+            if name not in request.model_fields_set
+        }
         try:
-            return request.sampling_params(max_tokens, num_logprobs)
+            return replace(request.sampling_params(max_tokens, num_logprobs), **unset)
         except ValueError as exc:
             raise as_api_error(exc) from exc
 
