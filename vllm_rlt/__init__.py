@@ -1,5 +1,9 @@
 """vllm-rlt: an inference engine for looped language models with loop-level batching."""
 
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
 from vllm_rlt.config import (
     CacheConfig,
     ExecutionConfig,
@@ -7,9 +11,11 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from vllm_rlt.engine.llm import LLM
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from vllm_rlt.engine.llm import LLM
 
 __version__ = "0.1.0"
 
@@ -25,3 +31,13 @@ __all__ = [
     "SpeculativeConfig",
     "__version__",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """`LLM` is imported on first use: it loads torch, which the command line must not pay
+    for to parse its flags or print help."""
+    if name == "LLM":
+        from vllm_rlt.engine.llm import LLM
+
+        return LLM
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

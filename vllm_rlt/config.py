@@ -11,6 +11,8 @@ KV_LAYOUTS = ("last_exited", "shared", "shared_decode")
 SCHEDULING_MODES = ("refill", "no_refill")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
+# KV blocks on the CPU when no size is given; here, free of torch, for the help screens.
+CPU_DEFAULT_BLOCKS = 256
 
 
 class ParamError(ValueError):

@@ -90,6 +90,11 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             None,
         ),
         "surrogate_prompt": (["generate", "--prompt", b"ab\xff", "--model", "toy"], None),
+        "speculation": (
+            ["generate", "--prompt", "347+589=", *BASE, "--speculative-tokens", "2"]
+            + ["--exit-threshold", "1"],
+            None,
+        ),
         "help": (["--help"], None),
         "help_bench": (["bench", "--help"], None),
         "help_generate": (["generate", "--help"], None),
@@ -209,3 +214,73 @@ def test_serve_without_the_serve_extra_is_a_one_line_error(monkeypatch, capsys):
     assert exit_info.value.code == 2
     lines = capsys.readouterr().err.splitlines()
     assert len(lines) == 1 and "needs the serve extra" in lines[0] and "uvicorn" in lines[0]
+
+
+def test_speculation_reports_its_acceptance_after_the_records(runs):
+    """Speculation (here at fixed depth 4, so every decode token is drafted) keeps greedy
+    text and adds one final JSON line of draft and accepted token counts."""
+    *records, last = _records(runs["speculation"])
+    assert [record["text"] for record in records] == ["936"]
+    figures = last["speculation"]
+    drafted, accepted = figures["draft_tokens"], figures["accepted_tokens"]
+    assert 1 <= drafted <= 3 and 0 <= accepted <= drafted
+    assert figures["acceptance_rate"] == pytest.approx(accepted / drafted)
+    assert sum(figures["accepted_per_position"]) == accepted
+    assert "speculation" not in runs["speculation"].stderr
+
+
+LIGHT_COMMANDS = """
+import contextlib, io, json, sys
+from vllm_rlt.entrypoints.cli import main
+results = {}
+for argv in %r:
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            code = main(argv)
+        except SystemExit as exc:
+            code = exc.code
+    results[" ".join(argv)] = {"code": code, "out": out.getvalue(), "err": err.getvalue()}
+print(json.dumps({"results": results, "torch": "torch" in sys.modules}))
+"""
+HELP_COMMANDS = [
+    ["--help"],
+    ["generate", "--help"],
+    ["serve", "--help"],
+    ["bench", "throughput", "--help"],
+    ["bench", "serve", "--help"],
+    ["bench", "accuracy", "--help"],
+]
+TYPOS = {
+    "--promt x": "vllm-rlt generate: error: unrecognized arguments: --promt x "
+    "(did you mean --prompt?)",
+    "generate --promt=x --max-tokns 2": "vllm-rlt generate: error: unrecognized arguments: "
+    "--promt=x --max-tokns 2 (did you mean --prompt, --max-tokens?)",
+    "serve --prot=8000": "vllm-rlt serve: error: unrecognized arguments: --prot=8000 "
+    "(did you mean --port?)",
+    "bench throughput --devce cpu": "vllm-rlt bench throughput: error: unrecognized "
+    "arguments: --devce cpu (did you mean --device?)",
+}
+
+
+def test_help_and_flag_typos_answer_without_loading_torch():
+    """Help screens and mistyped flags are answered before anything heavy is imported; a
+    typo is named by its subcommand, with the closest flag suggested."""
+    argvs = HELP_COMMANDS + [typo.split() for typo in TYPOS]
+    run = subprocess.run(
+        [sys.executable, "-c", LIGHT_COMMANDS % argvs],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    report = json.loads(run.stdout)
+    assert report["torch"] is False
+    results = report["results"]
+    for argv in HELP_COMMANDS:
+        result = results[" ".join(argv)]
+        assert result["code"] == 0 and result["err"] == "", result
+        assert result["out"].startswith("usage: ")
+    for typo, line in TYPOS.items():
+        assert results[typo] == {"code": 2, "out": "", "err": line + "\n"}

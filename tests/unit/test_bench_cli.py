@@ -89,7 +89,7 @@ def test_accuracy_runs_with_the_kv_layout_asked_for(monkeypatch, capsys):
             super().__init__(*args, **kwargs)
             engines.append(self.engine)
 
-    monkeypatch.setattr(accuracy, "LLM", SpyLLM)
+    monkeypatch.setattr("vllm_rlt.engine.llm.LLM", SpyLLM)
     argv = ["--model", "toy", "--per-task", "1", "--train-size", "4", "--thresholds", "0.5"]
     assert accuracy.main([*argv, "--kv-layout", "shared"]) == 0
     captured = capsys.readouterr()

@@ -21,18 +21,19 @@ import json
 import statistics
 import sys
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
 from vllm_rlt.bench.report import emit_report
 from vllm_rlt.config import KV_LAYOUTS, CacheConfig
-from vllm_rlt.engine.llm import LLM
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.entrypoints.parser import CLIParser
-from vllm_rlt.models.load import model_folder
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.training.data import TASKS, held_out, training_set
+
+if TYPE_CHECKING:  # the engine (and torch) loads when a run starts, not to parse flags
+    from vllm_rlt.engine.llm import LLM
 
 THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
 NUM_CHOICES = 4
@@ -121,6 +122,9 @@ def evaluate(
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    from vllm_rlt.engine.llm import LLM
+    from vllm_rlt.models.load import model_folder
+
     llm = LLM(
         model=args.model,
         device=args.device,

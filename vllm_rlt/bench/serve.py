@@ -66,13 +66,12 @@ import orjson
 from tqdm import tqdm
 
 import vllm_rlt
-from vllm_rlt import LLM, SamplingParams
+from vllm_rlt import SamplingParams
 from vllm_rlt.bench.report import emit_report
 from vllm_rlt.bench.throughput import environment as device_environment
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.entrypoints.cli import add_server_args
 from vllm_rlt.entrypoints.parser import CLIParser
-from vllm_rlt.models.load import check_model_source, resolve_device
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 HOST = "127.0.0.1"
@@ -462,6 +461,8 @@ def run_offline(
 ) -> dict[str, Any]:
     """The offline engine built from the server's flags, on the same prompts, all at once,
     after `warmup` of them untimed."""
+    from vllm_rlt.engine.llm import LLM
+
     llm = LLM(**engine_args_from(flags).llm_kwargs())
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     if warmup:
@@ -498,6 +499,8 @@ def environment(device: str | None) -> dict[str, Any]:
         "aiohttp": aiohttp.__version__,
     }
     if device is not None:
+        from vllm_rlt.models.load import resolve_device
+
         info.update(device_environment(resolve_device(device)))
     return info
 
@@ -690,6 +693,8 @@ def check(parser: CLIParser, args: argparse.Namespace, server_flags: list[str]) 
 def engine_flags(parser: CLIParser, model: str, server_flags: list[str]) -> argparse.Namespace:
     """The launched server's flags as the engine and the bench read them; flags the server
     alone knows are left to it (it rejects bad ones when it starts)."""
+    from vllm_rlt.models.load import check_model_source
+
     flags, _ = server_flags_parser().parse_known_args(server_flags)
     if flags.model is not None and flags.model != model:
         parser.error(f"the model is --launch's ({model}), not --model {flags.model} after --")

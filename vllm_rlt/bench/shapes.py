@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
-from vllm_rlt.models.registry import resolve_family
-from vllm_rlt.models.toy import toy_config_dict
+if TYPE_CHECKING:  # the names alone (for --shape) must not load torch
+    import torch
+
+
+def _toy_shape() -> dict:
+    from vllm_rlt.models.toy import toy_config_dict
+
+    return toy_config_dict()
 
 
 def _ouro_shape(layers: int) -> dict:
@@ -46,7 +52,7 @@ def _nanbeige_shape() -> dict:
 
 
 SHAPES = {
-    "toy": toy_config_dict,
+    "toy": _toy_shape,
     "ouro-1.4b": lambda: _ouro_shape(24),
     "ouro-2.6b": lambda: _ouro_shape(48),
     "nanbeige-4.2-3b": _nanbeige_shape,
@@ -55,6 +61,10 @@ SHAPES = {
 
 def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """A model of the named shape with seeded random weights scaled like the toy's."""
+    import torch
+
+    from vllm_rlt.models.registry import resolve_family
+
     if shape not in SHAPES:
         raise ValueError(f"shape must be one of {', '.join(SHAPES)}, got {shape!r}")
     raw = SHAPES[shape]()

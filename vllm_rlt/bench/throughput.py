@@ -23,14 +23,12 @@ import random
 import statistics
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
 from tqdm import tqdm
 
-from vllm_rlt.bench.naive import NaiveOuro
 from vllm_rlt.bench.report import emit_report
-from vllm_rlt.bench.shapes import SHAPES, random_model
+from vllm_rlt.bench.shapes import SHAPES
 from vllm_rlt.config import (
     KV_LAYOUTS,
     CacheConfig,
@@ -38,10 +36,14 @@ from vllm_rlt.config import (
     ExitConfig,
     SchedulerConfig,
 )
-from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch and the engine load when a run starts, not to parse flags
+    import torch
+
+    from vllm_rlt.engine.engine_core import EngineCore
 
 MAX_WAVES = 1000  # a typo of a few digits must not build billions of prompts
 
@@ -85,6 +87,8 @@ def run_engine(
     """Run one batch to completion, recording when each request got each token.
     `stop_after`: end each request after that many tokens, as EOS would, whatever its
     max_tokens (the client's cap, which full-lifetime reservation had to hold blocks for)."""
+    import torch
+
     sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
     ids = [f"b{i}" for i in range(len(prompts))]
     sync()
@@ -141,6 +145,8 @@ def build_engine(
 ) -> EngineCore:
     """`whole_pool`: KV blocks for every request at once; else the pool is sized from the
     device's free memory and the scheduler queues what does not fit."""
+    from vllm_rlt.engine.engine_core import EngineCore
+
     prompt_len = args.shared_prefix_len + args.prompt_len
     max_len = prompt_len + max_tokens_of(args)
     per_request = -(-max_len // args.block_size)
@@ -186,6 +192,10 @@ def runs_per_concurrency(args: argparse.Namespace) -> int:
 
 
 def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str, Any]:
+    import torch
+
+    from vllm_rlt.bench.naive import NaiveOuro
+
     loops = model.config.num_loops
     rng = random.Random(args.seed + concurrency)
     vocab = model.config.vocab_size
@@ -295,6 +305,8 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
 
 def copy_bandwidth(device: torch.device) -> float:
     """Measured device memory bandwidth in bytes/s (a 1 GiB copy reads and writes it)."""
+    import torch
+
     source = torch.empty(2**29, dtype=torch.float16, device=device)
     target = torch.empty_like(source)
     for _ in range(3):
@@ -312,7 +324,7 @@ def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float)
     """Decode tokens/s if every pass only streamed the layer weights once plus each row's
     keys and values (one plane) at the mean context, at the measured bandwidth."""
     cfg = model.config
-    element = torch.empty((), dtype=model.dtype).element_size()
+    element = model.dtype.itemsize
     layer_bytes = sum(
         t.numel() * t.element_size()
         for layer in model.layers
@@ -339,6 +351,8 @@ def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float)
 
 
 def environment(device: torch.device) -> dict[str, Any]:
+    import torch
+
     info = {"torch": torch.__version__, "python": platform.python_version()}
     if device.type == "cuda":
         info["gpu"] = torch.cuda.get_device_name(device)
@@ -358,9 +372,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shape", choices=list(SHAPES), default="toy", help="model shape, random weights"
     )
     parser.add_argument(
-        "--device",
-        default="cuda" if torch.cuda.is_available() else "cpu",
-        help="cpu or cuda[:N]",
+        "--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)"
     )
     parser.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, float32 on CPU")
     parser.add_argument(
@@ -468,8 +480,13 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from vllm_rlt.bench.shapes import random_model
     from vllm_rlt.models.load import resolve_device, resolve_dtype
 
+    if args.device is None:
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)

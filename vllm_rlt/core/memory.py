@@ -6,8 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-CPU_DEFAULT_BLOCKS = 256
-
+from vllm_rlt.config import CPU_DEFAULT_BLOCKS
 
 # Left free beyond what profiling measures: cuBLAS workspaces, allocator fragmentation.
 DEFAULT_RESERVE_BYTES = 512 * 2**20

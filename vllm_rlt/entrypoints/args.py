@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm_rlt.config import (
     AUTO_DISABLE_BY_BATCH_SIZE,
+    CPU_DEFAULT_BLOCKS,
     EXIT_MODES,
     KV_LAYOUTS,
     MAX_SPECULATIVE_TOKENS,
@@ -21,7 +22,6 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from vllm_rlt.core.memory import CPU_DEFAULT_BLOCKS
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -8,6 +8,7 @@ import importlib
 import json
 import os
 import sys
+from typing import Any
 
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.entrypoints.parser import CLIParser
@@ -122,7 +123,7 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> CLIParser:
     parser = CLIParser(prog="vllm-rlt", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate = sub.add_parser(
@@ -476,7 +477,30 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(f"{prompt}{completion.text}")
+    if ns.speculative_tokens is not None:
+        report_speculation(llm.stats(), ns.json)
     return 0
+
+
+def report_speculation(stats: dict[str, Any], as_json: bool) -> None:
+    """Speculation's worth is its acceptance: a final JSON line with --json (so the records
+    above stay one per prompt), else one line on stderr beside the text."""
+    drafted, accepted = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
+    figures = {
+        "draft_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": stats["spec_acceptance_rate"],
+        "accepted_per_position": stats["spec_accepted_per_position"],
+    }
+    if as_json:
+        print(json.dumps({"speculation": figures}))
+    else:
+        print(
+            f"speculation: {accepted} of {drafted} draft tokens accepted "
+            f"({figures['acceptance_rate']:.1%}); accepted by distance ahead: "
+            f"{figures['accepted_per_position']}",
+            file=sys.stderr,
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -488,7 +512,7 @@ def main(argv: list[str] | None = None) -> int:
         argv = ["generate", *argv]
     parser = build_parser()
     ns = parser.parse_args(argv)
-    sub_parser = parser._subparsers._group_actions[0].choices[ns.command]  # type: ignore[union-attr]
+    sub_parser = parser.subcommand_parser(ns)
     if ns.command == "serve":
         return run_serve(sub_parser, ns)
     return run_generate(sub_parser, ns)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
+from collections.abc import Sequence
 
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -23,11 +25,39 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
 
 
 class CLIParser(argparse.ArgumentParser):
-    """Bad flags fail at once with one line on stderr and exit code 2."""
+    """Bad flags fail at once with one line on stderr and exit code 2, named by the
+    subcommand that was given them and with the closest known flag suggested."""
 
     def __init__(self, *args, **kwargs) -> None:
         kwargs.setdefault("formatter_class", HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        namespace, extras = self.parse_known_args(args, namespace)
+        if extras:
+            parser = self.subcommand_parser(namespace)
+            parser.error(f"unrecognized arguments: {' '.join(extras)}{parser.suggest(extras)}")
+        return namespace
+
+    def subcommand_parser(self, namespace: argparse.Namespace) -> CLIParser:
+        """The innermost (sub)command parser that read `namespace`: its flags are the ones
+        an unknown flag was meant to be, and its prog is the command the user typed."""
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                chosen = action.choices.get(getattr(namespace, action.dest, None))
+                if isinstance(chosen, CLIParser):
+                    return chosen.subcommand_parser(namespace)
+        return self
+
+    def suggest(self, extras: Sequence[str]) -> str:
+        """' (did you mean --flag?)' for the unknown flags among `extras` that are close to
+        one of this parser's flags, else ''."""
+        known = [option for action in self._actions for option in action.option_strings]
+        typed = [extra.split("=", 1)[0] for extra in extras if extra[:1] in self.prefix_chars]
+        close = [match for flag in typed for match in difflib.get_close_matches(flag, known, n=1)]
+        return f" (did you mean {', '.join(dict.fromkeys(close))}?)" if close else ""
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
