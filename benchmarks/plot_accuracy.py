@@ -6,6 +6,7 @@ python -m benchmarks.plot_accuracy accuracy.json --png accuracy.png
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import statistics
 
@@ -53,13 +54,18 @@ def plot(report: dict, path: str) -> None:
     figure.savefig(path)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = CLIParser(prog="python -m benchmarks.plot_accuracy", description=__doc__)
     parser.add_argument("report", help="JSON written by `vllm-rlt bench accuracy --output`")
     parser.add_argument(
         "--png", default=None, help="also draw the plot into this file (default: table only)"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
+    if args.png and importlib.util.find_spec("matplotlib") is None:
+        parser.error(
+            '--png needs matplotlib, which the plot extra installs: pip install -e ".[plot]" '
+            '(or pip install "vllm-rlt[plot]")'
+        )
     with open(args.report) as handle:
         report = json.load(handle)
     print(table(report))

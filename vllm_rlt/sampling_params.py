@@ -14,6 +14,7 @@ MAX_PRIORITY = 2**31 - 1
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # frequency and presence, either sign (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
+MAX_STOP_STRINGS = 64
 
 
 @dataclass
@@ -28,6 +29,7 @@ class SamplingParams:
     cache hits.
     `min_loops` / `max_loops` bound each decode token's exit depth (None: 1 and the model's
     depth); `exit_threshold` is the exit policy's threshold q (1.0 = always run max_loops).
+    `stop` holds at most 64 strings (each is searched for after every token);
     `include_stop_str_in_output` keeps the stop string that ended the text at its end.
     `priority` orders requests under the "priority" scheduling policy: lower runs first, and
     running requests of a higher value are preempted for it.
@@ -106,6 +108,11 @@ class SamplingParams:
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
+        require(
+            len(self.stop) <= MAX_STOP_STRINGS,
+            f"stop must hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}",
+            "stop",
+        )
         for text in self.stop:
             require(
                 isinstance(text, str) and text != "",

@@ -18,6 +18,14 @@ from tests.server.conftest import core_engine, running_server, wait_idle
 
 EXTREMES = [0, -1, 2**31, 2**63, 2**64, 1e308, float("nan")]
 ERROR_KEYS = {"message", "type", "param", "code"}
+BASES = {
+    "/v1/completions": {"model": "toy", "prompt": "x", "max_tokens": 2},
+    "/v1/chat/completions": {
+        "model": "toy",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 2,
+    },
+}
 
 
 def assert_error(reply: httpx.Response, status: int, param: str | None = None) -> dict:
@@ -80,16 +88,7 @@ def test_extreme_top_k_is_a_400_and_the_engine_lives(server):
 def test_every_numeric_field_at_every_extreme_gives_4xx_or_runs(server):
     """0, -1, 2**31, 2**63, 2**64, 1e308 and NaN in every numeric field of every route."""
     url, state = server
-    bases = {
-        "/v1/completions": {"model": "toy", "prompt": "x", "max_tokens": 2},
-        "/v1/chat/completions": {
-            "model": "toy",
-            "messages": [{"role": "user", "content": "x"}],
-            "max_tokens": 2,
-        },
-        "/tokenize": {"prompt": "x"},
-        "/detokenize": {"tokens": [65]},
-    }
+    bases = {**BASES, "/tokenize": {"prompt": "x"}, "/detokenize": {"tokens": [65]}}
     fields = numeric_fields(url)
     assert "top_k" in fields["/v1/completions"] and "tokens" in fields["/detokenize"]
     with httpx.Client(base_url=url, timeout=60) as http:
@@ -110,6 +109,49 @@ def test_every_numeric_field_at_every_extreme_gives_4xx_or_runs(server):
     assert state.engine.dead is None
     assert_healthy(url)
     wait_idle(state)
+
+
+@pytest.mark.parametrize("path", list(BASES))
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_tokens", "5"),
+        ("max_tokens", True),
+        ("temperature", "0.5"),
+        ("temperature", False),
+        ("n", 2.0),
+        ("logit_bias", {"\u0661\u0662": 1}),  # Arabic-Indic "12"
+        ("logit_bias", {"12": "1"}),
+        ("logit_bias", {"12": True}),
+        ("ignore_eos", "true"),
+        ("stream", 1),
+    ],
+    ids=repr,
+)
+def test_fields_take_only_their_json_type(server, path, field, value):
+    """OpenAI types these integer, number or boolean: a string, a boolean for a number, a
+    float for an integer, a number for a flag or a key in other digits than 0-9 is refused,
+    never converted."""
+    url, _ = server
+    reply = httpx.post(f"{url}{path}", json={**BASES[path], field: value})
+    error = assert_error(reply, 400)
+    assert error["param"].split(".")[0] == field and field in error["message"], error
+
+
+@pytest.mark.parametrize("path", list(BASES))
+def test_integers_are_numbers_and_digit_keys_are_token_ids(server, path):
+    url, _ = server
+    body = {**BASES[path], "temperature": 1, "logit_bias": {"12": 1}}
+    assert httpx.post(f"{url}{path}", json=body, timeout=60).status_code == 200
+
+
+def test_stop_strings_are_at_most_64(server):
+    url, _ = server
+    body = {**BASES["/v1/completions"], "stop": ["x"] * 65}
+    error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "stop")
+    assert "at most 64" in error["message"]
+    body["stop"] = ["x"] * 64
+    assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
 
 
 def test_prompt_token_ids_out_of_range_are_400(server):

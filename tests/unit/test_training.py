@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from vllm_rlt import LLM, SamplingParams
+from vllm_rlt.models.load import DEFAULT_MODEL_DIR
 from vllm_rlt.training.data import TASKS, TRAIN_SEED, held_out, problems
 from vllm_rlt.training.model import exit_distribution
 from vllm_rlt.training.train import main
@@ -35,13 +36,23 @@ def test_exit_distribution_sums_to_one_and_ignores_the_last_hazard():
     assert torch.allclose(probs, expected)
 
 
-def test_smoke_training_saves_a_folder_the_engine_reproduces(tmp_path):
+def test_smoke_training_saves_a_folder_the_engine_reproduces(tmp_path, capsys):
     """The trained weights load through the strict loader, and the engine's fixed-depth
-    greedy tokens equal the training model's own greedy decode."""
+    greedy tokens equal the training model's own greedy decode. Progress (steps and loss)
+    goes to stderr, leaving stdout to the result."""
     out = tmp_path / "trained"
     assert main(["--out", str(out), "--smoke", "--device", "cpu"]) == 0
+    printed = capsys.readouterr()
+    assert "stage1" in printed.err and "20/20" in printed.err and "loss=" in printed.err
+    assert "5/5" in printed.err and "exact match" in printed.err
+    assert "exact_match_full_depth" in json.loads(printed.out)
     record = json.loads((out / "training_record.json").read_text())
     assert set(record["exact_match_full_depth"]) == set(TASKS)
+    # the folder is shaped like the built-in model's: bare-prompt chat, greedy by default
+    for name in ("tokenizer_config.json", "generation_config.json"):
+        assert json.loads((out / name).read_text()) == json.loads(
+            (DEFAULT_MODEL_DIR / name).read_text()
+        )
     assert record["stages"]["stage1"]["steps"] == 20
     from safetensors.torch import load_file
 

@@ -103,6 +103,14 @@ def test_sampling_params_accepts_edges(kwargs: dict[str, Any]) -> None:
         assert params.stop == ["end"]
 
 
+def test_stop_holds_at_most_64_strings() -> None:
+    """Each stop string is searched for after every token."""
+    assert len(SamplingParams(stop=["x"] * 64).stop) == 64
+    with pytest.raises(ValueError, match=r"stop must hold at most 64 strings, got 65") as error:
+        SamplingParams(stop=["x"] * 65)
+    assert error.value.param == "stop"
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [

@@ -337,11 +337,11 @@ class Tokenizer:
             raise ValueError(f"{folder}: {exc}") from exc
 
     @classmethod
-    def byte_level(cls) -> Tokenizer:
+    def byte_level(cls, chat_template: str = CHATML_TEMPLATE) -> Tokenizer:
         """The built-in byte tokenizer; both <|endoftext|> and <|im_end|> end generation."""
         return cls(
             build_byte_tokenizer(),
-            chat_template=CHATML_TEMPLATE,
+            chat_template=chat_template,
             eos_token=SPECIAL_TOKENS[IM_END_ID],
             extra_eos_token_ids=(ENDOFTEXT_ID,),
         )

@@ -67,6 +67,13 @@ PROMPT_FORMATS: dict[str, tuple[re.Pattern[str], str]] = {
 }
 
 
+# The trained model knows only bare prompts: chat passes the last user message through.
+CHAT_TEMPLATE = (
+    "{% for message in messages if message['role'] == 'user' %}"
+    "{% if loop.last %}{{ message['content'] }}{% endif %}{% endfor %}"
+)
+
+
 def task_of(prompt: str) -> str | None:
     """The task whose prompts look like `prompt`, or None when no task makes such prompts."""
     for task, (pattern, _) in PROMPT_FORMATS.items():

@@ -13,18 +13,20 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from tqdm import tqdm
 
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.models.ouro import OuroConfig
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.byte_level import BYTE_OFFSET, BYTE_VOCAB_SIZE, ENDOFTEXT_ID, IM_END_ID
-from vllm_rlt.training.data import TASKS, Problem, held_out, training_set
+from vllm_rlt.training.data import CHAT_TEMPLATE, TASKS, Problem, held_out, training_set
 from vllm_rlt.training.model import TrainableOuro, exit_distribution
 
 
@@ -161,23 +163,31 @@ def train(args: argparse.Namespace) -> dict:
     def run_stage(name: str, steps: int, params, loss_fn, lr: float) -> None:
         optimizer = torch.optim.AdamW(params, lr=lr, weight_decay=0.01, fused=device.type == "cuda")
         begin = time.time()
-        losses: list[torch.Tensor] = []  # read back only when logging: no sync per step
-        for step in range(steps):
-            scale = min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / steps))
-            for group in optimizer.param_groups:
-                group["lr"] = lr * scale
-            loss = loss_fn(model, *batches.draw(args.batch))
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(params, 1.0)
-            optimizer.step()
-            losses.append(loss.detach())
-            if args.log_every and (step + 1) % args.log_every == 0:
-                recent = torch.stack(losses[-args.log_every :]).mean().item()
-                elapsed = time.time() - begin
-                print(
-                    f"{name} step {step + 1}/{steps} loss {recent:.4f} {elapsed:.0f} s", flush=True
-                )
+        # Read back only for the bar (at most twice a second) and the log: no sync per step.
+        losses: list[torch.Tensor] = []
+        shown_at, shown_step = time.monotonic(), 0
+        with tqdm(total=steps, desc=name, unit="step", file=sys.stderr) as bar:
+            for step in range(steps):
+                scale = min(1.0, (step + 1) / 100) * 0.5 * (1 + math.cos(math.pi * step / steps))
+                for group in optimizer.param_groups:
+                    group["lr"] = lr * scale
+                loss = loss_fn(model, *batches.draw(args.batch))
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, 1.0)
+                optimizer.step()
+                losses.append(loss.detach())
+                if time.monotonic() - shown_at >= 0.5 or step + 1 == steps:
+                    mean = torch.stack(losses[shown_step:]).mean().item()
+                    bar.set_postfix(loss=f"{mean:.4f}", refresh=False)
+                    shown_at, shown_step = time.monotonic(), step + 1
+                bar.update()
+                if args.log_every and (step + 1) % args.log_every == 0:
+                    recent = torch.stack(losses[-args.log_every :]).mean().item()
+                    elapsed = time.time() - begin
+                    line = f"{name} step {step + 1}/{steps} loss {recent:.4f} {elapsed:.0f} s"
+                    tqdm.write(line, file=sys.stdout)  # above the bar, not through it
+                    sys.stdout.flush()
         record["stages"][name] = {
             "steps": steps,
             "final_loss": torch.stack(losses[-50:]).mean().item() if losses else None,
@@ -199,7 +209,8 @@ def train(args: argparse.Namespace) -> dict:
     run_stage("stage2", args.steps2, gate, stage2_loss, args.lr)
     sample = {task: evaluation[task][: args.eval_size] for task in tasks}
     record["exact_match_full_depth"] = {
-        task: exact_match(model, probs, device) for task, probs in sample.items()
+        task: exact_match(model, sample[task], device)
+        for task in tqdm(tasks, desc="exact match", unit="task", file=sys.stderr)
     }
     save(model, raw, record, Path(args.out))
     return record
@@ -212,7 +223,9 @@ def save(model: TrainableOuro, raw: dict, record: dict, out: Path) -> None:
         name: tensor.detach().cpu().contiguous() for name, tensor in model.state_dict().items()
     }
     save_file(state, str(out / "model.safetensors"))
-    Tokenizer.byte_level().save_pretrained(out)
+    # Greedy by default: each problem has one answer.
+    (out / "generation_config.json").write_text(json.dumps({"do_sample": False}) + "\n")
+    Tokenizer.byte_level(CHAT_TEMPLATE).save_pretrained(out)
     (out / "training_record.json").write_text(json.dumps(record, indent=2) + "\n")
 
 

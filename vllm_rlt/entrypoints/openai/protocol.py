@@ -5,7 +5,15 @@ from __future__ import annotations
 import re
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, Strict, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    model_validator,
+)
 from pydantic_core import PydanticCustomError
 
 from vllm_rlt.config import ParamError
@@ -16,12 +24,16 @@ from vllm_rlt.sampling_params import (
     MAX_PRIORITY,
     MAX_REPETITION_PENALTY,
     MAX_SEED,
+    MAX_STOP_STRINGS,
     MAX_TOP_K,
     SamplingParams,
 )
 
-MAX_STOP_STRINGS = 64  # each is searched for after every token
-TokenId = Annotated[int, Strict()]  # `true` or `1.5` is no token id
+# Fields take only their own JSON type, as OpenAI's schema types them: an integer field
+# refuses a string, a boolean or a float such as 2.0; a number field takes an integer but no
+# string or boolean; a flag takes only true or false. Nothing is converted.
+TokenId = StrictInt
+_TOKEN_ID_KEY = re.compile(r"[0-9]+")  # JSON keys are strings; str.isdigit takes "١٢" too
 
 
 def first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
@@ -70,41 +82,41 @@ class RequestBody(StrictModel):
 
 
 class StreamOptions(StrictModel):
-    include_usage: bool = False
+    include_usage: StrictBool = False
 
 
 class SamplingFields(RequestBody):
     """Fields shared by completions and chat completions."""
 
     model: str
-    max_tokens: int | None = Field(default=None, ge=1)
-    temperature: float = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: float = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: int = Field(default=0, ge=-1, le=MAX_TOP_K)
-    min_p: float = Field(default=0.0, ge=0.0, le=1.0)
-    seed: int | None = Field(default=None, ge=0, le=MAX_SEED)
-    n: int = Field(default=1, ge=1, le=MAX_N)
+    max_tokens: StrictInt | None = Field(default=None, ge=1)
+    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=100.0)
+    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
+    top_k: StrictInt = Field(default=0, ge=-1, le=MAX_TOP_K)
+    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
+    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
+    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None
-    ignore_eos: bool = False
-    include_stop_str_in_output: bool = False
-    min_tokens: int = Field(default=0, ge=0)
-    stream: bool = False
+    ignore_eos: StrictBool = False
+    include_stop_str_in_output: StrictBool = False
+    min_tokens: StrictInt = Field(default=0, ge=0)
+    stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: float = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: float = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
+    presence_penalty: StrictFloat = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    frequency_penalty: StrictFloat = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
+    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
     # token id (as a string, JSON's only key type) -> bias added to its logit
-    logit_bias: dict[str, float] | None = None  # ranges checked by SamplingParams
-    skip_special_tokens: bool = True
-    spaces_between_special_tokens: bool = True
+    logit_bias: dict[str, StrictFloat] | None = None  # ranges checked by SamplingParams
+    skip_special_tokens: StrictBool = True
+    spaces_between_special_tokens: StrictBool = True
     # Looped-model extensions.
-    min_loops: int | None = Field(default=None, ge=1)
-    max_loops: int | None = Field(default=None, ge=1)
-    exit_threshold: float | None = Field(default=None, ge=0.0, le=1.0)
-    return_exit_depths: bool = False
-    priority: int = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
+    min_loops: StrictInt | None = Field(default=None, ge=1)
+    max_loops: StrictInt | None = Field(default=None, ge=1)
+    exit_threshold: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
+    return_exit_depths: StrictBool = False
+    priority: StrictInt = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
     def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         return SamplingParams(
@@ -138,7 +150,7 @@ class SamplingFields(RequestBody):
             return None
         bias = {}
         for key, value in self.logit_bias.items():
-            if not key.isdigit():
+            if not _TOKEN_ID_KEY.fullmatch(key):
                 raise ParamError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
             bias[int(key)] = value
         return bias
@@ -150,9 +162,9 @@ class CompletionRequest(SamplingFields):
     `max_tokens: 0` with `echo` returns the prompt alone (scoring, as lm-eval does)."""
 
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
-    max_tokens: int | None = Field(default=16, ge=0)
-    logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: bool = False
+    max_tokens: StrictInt | None = Field(default=16, ge=0)
+    logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    echo: StrictBool = False
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -185,9 +197,9 @@ class ChatMessage(StrictModel):
 
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(default=None, ge=1)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
+    max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
+    logprobs: StrictBool = False
+    top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
@@ -200,7 +212,7 @@ class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: StrictBool = True
 
     @model_validator(mode="after")
     def _check(self) -> TokenizeRequest:
@@ -219,7 +231,8 @@ _UNION_TAG = re.compile(r"^(str|int|float|bool|none)$|\[")
 _BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
 _MESSAGES = {
     "int_parsing_size": "integer out of range",
-    "int_from_float": "must be an integer",
+    "int_type": "must be an integer",
+    "float_type": "must be a number",
     "finite_number": "must be a finite number",
 }
 
