@@ -7,6 +7,10 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
 
+MAX_NUM_SEQS = 65536
+# Which entry point runs the engine: scheduler defaults differ (engine/device_defaults.py).
+OFFLINE, SERVE = "offline", "serve"
+USAGE_CONTEXTS = (OFFLINE, SERVE)
 KV_LAYOUTS = ("last_exited", "shared", "shared_decode")
 SCHEDULING_MODES = ("refill", "no_refill")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -106,13 +110,17 @@ class SchedulerConfig:
     `max_admission_bypasses` times before admission waits for it. `scheduling_policy`
     "fcfs" serves requests in arrival order; "priority" by `SamplingParams.priority` (lower
     first), then arrival, and preempts running requests of a higher value for a waiting one.
+
+    `max_num_seqs`, `max_num_batched_tokens` and `max_prefill_batches_before_decode` left at
+    None are sized to the device when the engine starts (`engine/device_defaults.py`): small
+    on the CPU, large on a big GPU, and for a server other than for offline batches.
     """
 
     mode: str = "refill"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     prefill_chunk_size: int = 512
-    max_prefill_batches_before_decode: int = 4
+    max_prefill_batches_before_decode: int | None = None
     admission_scan_limit: int = 64
     max_admission_bypasses: int = 8
     scheduling_policy: str = "fcfs"
@@ -128,16 +136,31 @@ class SchedulerConfig:
             self.mode in SCHEDULING_MODES,
             f"mode must be one of {', '.join(SCHEDULING_MODES)}, got {self.mode!r}",
         )
-        require_int(self.max_num_seqs, "max_num_seqs", 1, 65536)
-        require_int(self.max_num_batched_tokens, "max_num_batched_tokens", 1)
+        if self.max_num_seqs is not None:
+            require_int(self.max_num_seqs, "max_num_seqs", 1, MAX_NUM_SEQS)
+        if self.max_num_batched_tokens is not None:
+            require_int(self.max_num_batched_tokens, "max_num_batched_tokens", 1)
         require_int(self.prefill_chunk_size, "prefill_chunk_size", 1)
-        require_int(self.max_prefill_batches_before_decode, "max_prefill_batches_before_decode", 1)
+        if self.max_prefill_batches_before_decode is not None:
+            require_int(
+                self.max_prefill_batches_before_decode, "max_prefill_batches_before_decode", 1
+            )
         require_int(self.admission_scan_limit, "admission_scan_limit", 1)
         require_int(self.max_admission_bypasses, "max_admission_bypasses", 0)
-        require(
-            self.max_num_batched_tokens >= self.max_num_seqs,
-            f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
-            f"max_num_seqs ({self.max_num_seqs}) so every running request gets a row",
+        if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
+            require(
+                self.max_num_batched_tokens >= self.max_num_seqs,
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
+                f"max_num_seqs ({self.max_num_seqs}) so every running request gets a row",
+            )
+
+    @property
+    def is_sized(self) -> bool:
+        """Whether every device-sized field has a value."""
+        return None not in (
+            self.max_num_seqs,
+            self.max_num_batched_tokens,
+            self.max_prefill_batches_before_decode,
         )
 
 

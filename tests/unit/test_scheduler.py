@@ -41,6 +41,8 @@ def make_scheduler(
 ) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, enable_caching)
     config.setdefault("max_num_seqs", 4)
+    config.setdefault("max_num_batched_tokens", 2048)
+    config.setdefault("max_prefill_batches_before_decode", 4)
     return Scheduler(
         SchedulerConfig(**config),
         kv,

@@ -61,7 +61,6 @@ SHAPES = {
 
 def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int = 0):
     """A model of the named shape with seeded random weights scaled like the toy's."""
-    import torch
 
     from vllm_rlt.models.registry import resolve_family
 
@@ -70,6 +69,16 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int
     raw = SHAPES[shape]()
     config_class, model_class = resolve_family(raw)
     config = config_class.from_dict(raw)
+    weights = random_weights(config, dtype, device, seed)
+    model = model_class(config, weights, dtype, device)
+    del weights
+    return model
+
+
+def random_weights(config, dtype: torch.dtype, device: torch.device, seed: int) -> dict:
+    """Seeded checkpoint tensors: unit norms, a zero gate bias, the rest N(0, 1/fan_in)."""
+    import torch
+
     generator = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, size in config.checkpoint_shapes().items():
@@ -81,6 +90,27 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int
             tensor = torch.randn(size, generator=generator, device=device, dtype=torch.float32)
             tensor = (tensor * (1.0 / size[-1] ** 0.5)).to(dtype)
         weights[name] = tensor
-    model = model_class(config, weights, dtype, device)
-    del weights
-    return model
+    return weights
+
+
+def save_random_checkpoint(
+    shape: str, folder: str, dtype: torch.dtype, device: torch.device, seed: int = 0
+) -> None:
+    """A checkpoint folder (config.json, model.safetensors) of the named shape with the
+    weights `random_model` would make, for benchmarks that load a model by path (a server)."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+
+    from vllm_rlt.models.registry import resolve_family
+
+    raw = SHAPES[shape]()
+    config = resolve_family(raw)[0].from_dict(raw)
+    weights = random_weights(config, dtype, device, seed)
+    out = Path(folder)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(
+        {name: t.cpu().contiguous() for name, t in weights.items()}, str(out / "model.safetensors")
+    )
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")

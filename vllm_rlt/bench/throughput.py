@@ -123,10 +123,15 @@ def run_engine(
         for rid in ids
         if len(outputs[rid].token_ids) > 1
     ]
+    ttft = [first[rid] - start for rid in ids]
     return {
         "decode_tokens_per_s": decode_tokens / max(end - decode_start, 1e-9),
-        "ttft_s_mean": statistics.fmean(first[rid] - start for rid in ids),
+        "ttft_s_mean": statistics.fmean(ttft),
+        "ttft_s_p50": percentile(ttft, 50),
+        "ttft_s_p99": percentile(ttft, 99),
         "tpot_s_mean": statistics.fmean(tpot) if tpot else None,
+        "tpot_s_p50": percentile(tpot, 50) if tpot else None,
+        "tpot_s_p99": percentile(tpot, 99) if tpot else None,
         "end_to_end_tokens_per_s": tokens / (end - start),
         "mean_loops": statistics.fmean(depths) if depths else None,
         "passes": passes,
@@ -134,6 +139,12 @@ def run_engine(
         "max_running": max_running,
         "decode_window": "first first token to end" if queued else "last first token to end",
     }
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank q-th percentile (the largest value for q = 100)."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def max_tokens_of(args: argparse.Namespace) -> int:

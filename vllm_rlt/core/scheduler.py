@@ -38,6 +38,8 @@ class Scheduler:
         speculation: SpeculativeConfig | None = None,
         lanes_per_request: int = 1,
     ) -> None:
+        if not config.is_sized:
+            raise ValueError("the scheduler needs a sized config (engine/device_defaults.py)")
         self.config = config
         self.kv = kv
         self.num_loops = num_loops

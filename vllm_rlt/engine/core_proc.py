@@ -233,6 +233,7 @@ def engine_info(engine: EngineCore, model_name: str) -> EngineInfo:
         max_num_seqs=engine.scheduler.config.max_num_seqs,
         scheduling_policy=engine.scheduler.config.scheduling_policy,
         prompt_tables=engine.scheduler.table_planes,
+        scheduler_note=engine.scheduler_note,
     )
 
 

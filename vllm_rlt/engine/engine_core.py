@@ -15,6 +15,7 @@ import torch
 
 from vllm_rlt.attention import get_backend
 from vllm_rlt.config import (
+    OFFLINE,
     CacheConfig,
     ExecutionConfig,
     ExitConfig,
@@ -33,6 +34,7 @@ from vllm_rlt.core.memory import (
 )
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
+from vllm_rlt.engine.device_defaults import size_scheduler
 from vllm_rlt.engine.messages import CompletionDelta, EngineStats, RequestDelta
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
@@ -98,7 +100,13 @@ class EngineCore:
         attention_backend: str = "auto",
         speculative_config: SpeculativeConfig | None = None,
         tensor_parallel: TensorParallel | None = None,
+        usage_context: str = OFFLINE,
     ) -> None:
+        """`usage_context` ("offline" or "serve") picks the scheduler defaults that
+        `scheduler_config` leaves to the device."""
+        scheduler_config, self.scheduler_note = size_scheduler(
+            scheduler_config, model.device, usage_context
+        )
         cfg = model.config
         self.model = model
         self.tokenizer = tokenizer

@@ -11,6 +11,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_rlt.config import (
+    OFFLINE,
     CacheConfig,
     ExecutionConfig,
     ExitConfig,
@@ -49,6 +50,10 @@ class LLM:
 
     `tensor_parallel_size` N > 1 splits the model over N processes (this one is rank 0;
     on CUDA rank r runs on cuda:r), each with 1/N of every layer's heads and MLP features.
+
+    Scheduler fields left unset are sized to the device for `usage_context`: "offline" (a
+    batch handed to `generate`) or "serve" (requests arriving over time, as the server runs
+    it).
     """
 
     def __init__(
@@ -63,6 +68,7 @@ class LLM:
         attention_backend: str = "auto",
         speculative_config: SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
+        usage_context: str = OFFLINE,
         _tensor_parallel_rank: tuple[int, int] | None = None,
     ) -> None:
         resolved_device = resolve_device(device)
@@ -88,6 +94,7 @@ class LLM:
                     "execution_config": execution_config,
                     "attention_backend": attention_backend,
                     "speculative_config": speculative_config,
+                    "usage_context": usage_context,
                 }
                 followers = start_followers(tensor_parallel_size, port, follower_kwargs)
         try:
@@ -106,6 +113,7 @@ class LLM:
                 attention_backend,
                 speculative_config,
                 self.tensor_parallel,
+                usage_context,
             )
         except BaseException:
             if self.tensor_parallel is not None:

@@ -60,6 +60,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     max_num_seqs: int
     scheduling_policy: str = "fcfs"
     prompt_tables: int = 1  # block tables a prefilling prompt holds (RequestLimits)
+    scheduler_note: str = ""  # how the scheduler was sized, for the server's start-up log
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

@@ -109,9 +109,18 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fcfs: arrival order; priority: each request's priority (lower first), and "
         "running requests of a higher value are preempted for a waiting one",
     )
-    sched.add_argument("--max-num-seqs", type=int, default=64, help="requests running at once")
+
+    def sized(cpu: int) -> str:
+        return f"default: sized to the device and logged at start-up; {cpu} on the CPU"
+
     sched.add_argument(
-        "--max-num-batched-tokens", type=int, default=2048, help="rows of one pass at most"
+        "--max-num-seqs", type=int, default=None, help=f"requests running at once ({sized(64)})"
+    )
+    sched.add_argument(
+        "--max-num-batched-tokens",
+        type=int,
+        default=None,
+        help=f"rows of one pass at most ({sized(2048)})",
     )
     sched.add_argument(
         "--prefill-chunk-size", type=int, default=512, help="prompt positions per prefill chunk"
@@ -119,8 +128,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument(
         "--max-prefill-batches-before-decode",
         type=int,
-        default=4,
-        help="prefill chunks in flight at once",
+        default=None,
+        help=f"prefill chunks in flight at once ({sized(4)})",
     )
     sched.add_argument(
         "--admission-scan-limit", type=int, default=64, help="waiting requests scanned per pass"

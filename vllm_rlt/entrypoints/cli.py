@@ -10,6 +10,7 @@ import os
 import sys
 from typing import Any
 
+from vllm_rlt.config import SERVE
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
@@ -19,6 +20,7 @@ BENCHMARKS = {
     "throughput": ("vllm_rlt.bench.throughput", "offline engine tokens/s against a naive baseline"),
     "serve": ("vllm_rlt.bench.serve", "load generator against a running server"),
     "accuracy": ("vllm_rlt.bench.accuracy", "task accuracy at each depth and exit threshold"),
+    "sweep": ("vllm_rlt.bench.sweep", "scheduler settings against a workload, best first"),
 }
 SERVE_MODULES = ("fastapi", "uvicorn", "pydantic", "prometheus_client", "zmq", "orjson")
 DESCRIPTION = """Inference engine for looped language models.
@@ -372,7 +374,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if ns.headless:
         log_like_uvicorn()
         return run_headless(
-            engine_args.llm_kwargs(),
+            {**engine_args.llm_kwargs(), "usage_context": SERVE},
             local,
             ns.data_parallel_start_rank,
             ns.data_parallel_address,
@@ -402,7 +404,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         api_server_count=ns.api_server_count,
         data_parallel_size=ns.data_parallel_size,
         remote_cores=remote_cores,
-        llm_kwargs=engine_args.llm_kwargs(),
+        llm_kwargs={**engine_args.llm_kwargs(), "usage_context": SERVE},
     )
     try:
         load_error = serve(settings, ns.host, ns.port, ns.shutdown_timeout)

@@ -91,6 +91,7 @@ def serve_with_api_servers(
         ", ".join(map(str, pids)),
         count,
     )
+    logger.info("%s", info.scheduler_note)
     metrics_dir = tempfile.mkdtemp(prefix="vllm-rlt-metrics-")
     os.environ["PROMETHEUS_MULTIPROC_DIR"] = metrics_dir  # inherited by the servers
     spawn = multiprocessing.get_context("spawn")

@@ -129,6 +129,7 @@ class ServerState:
                 else f"{self.settings.data_parallel_size} data-parallel engine cores",
                 f" (pid {pids})" if pids else "",
             )
+            logger.info("%s", engine.info.scheduler_note)
         except BaseException as exc:  # reported by /health and every route
             self.load_error = exc
             user_error = isinstance(exc, (ValueError, OSError))  # the message says it all

@@ -1,0 +1,246 @@
+"""`vllm-rlt bench sweep`: which scheduler settings serve a workload best on this device.
+
+For every point of a grid over `max_num_seqs`, `max_num_batched_tokens`,
+`max_prefill_batches_before_decode` and `prefill_chunk_size` (each value may be `auto`: the
+device's default for --usage), the offline engine runs closed batches: every concurrency
+value's requests are sent at once, as `LLM.generate` does with a list of prompts. Each run
+reports end-to-end output tokens/s (first request sent to last token), TTFT and TPOT at
+p50/p99. The report's `rows` are one flat record per (point, concurrency), ready to plot;
+`best` names the point with the highest geometric mean of tokens/s over the concurrencies,
+and `auto_vs_best` how the defaults compare when the grid has the all-`auto` point
+(`auto` for prefill_chunk_size is its fixed default, 512).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import itertools
+import math
+import shlex
+import statistics
+import sys
+from typing import Any
+
+from tqdm import tqdm
+
+from vllm_rlt.bench.report import emit_report
+from vllm_rlt.bench.shapes import SHAPES
+from vllm_rlt.config import USAGE_CONTEXTS, CacheConfig, ExecutionConfig, ExitConfig
+from vllm_rlt.entrypoints.parser import CLIParser
+from vllm_rlt.sampling_params import SamplingParams
+
+GRID = (
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_prefill_batches_before_decode",
+    "prefill_chunk_size",
+)
+METRICS = ("tokens_per_s", "ttft_s_p50", "ttft_s_p99", "tpot_s_p50", "tpot_s_p99")
+
+
+def _grid_value(text: str) -> int | None:
+    if text == "auto":
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be 'auto' or an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    workload = parser.add_argument_group("workload")
+    workload.add_argument(
+        "--shape", choices=list(SHAPES), default="toy", help="model shape, random weights"
+    )
+    workload.add_argument(
+        "--device", default=None, help="cpu or cuda[:N] (default: cuda when available, else cpu)"
+    )
+    workload.add_argument("--dtype", default="auto", help="auto: bfloat16 on CUDA, else float32")
+    workload.add_argument("--prompt-len", type=int, default=64, help="prompt tokens per request")
+    workload.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    workload.add_argument(
+        "--concurrency",
+        type=int,
+        nargs="+",
+        default=[64, 256],
+        help="requests sent at once; every point runs each value",
+    )
+    workload.add_argument(
+        "--num-blocks",
+        type=int,
+        default=None,
+        help="KV blocks in the pool (default: sized from device memory on CUDA, as the "
+        "engine sizes it)",
+    )
+    workload.add_argument("--warmup", type=int, default=1, help="untimed runs per point")
+    workload.add_argument(
+        "--repeats", type=int, default=2, help="timed runs per point; the median is kept"
+    )
+    workload.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
+    grid = parser.add_argument_group("grid (each value an integer or 'auto': the device default)")
+    grid.add_argument("--max-num-seqs", type=_grid_value, nargs="+", default=[None, 256, 1024])
+    grid.add_argument(
+        "--max-num-batched-tokens", type=_grid_value, nargs="+", default=[None, 2048, 8192, 16384]
+    )
+    grid.add_argument(
+        "--max-prefill-batches-before-decode", type=_grid_value, nargs="+", default=[None, 4, 256]
+    )
+    grid.add_argument("--prefill-chunk-size", type=_grid_value, nargs="+", default=[512])
+    parser.add_argument(
+        "--usage",
+        choices=USAGE_CONTEXTS,
+        default="offline",
+        help="whose device defaults 'auto' stands for",
+    )
+    parser.add_argument(
+        "--output", default=None, help="also write the JSON report here (default: stdout only)"
+    )
+
+
+def grid_points(args: argparse.Namespace) -> list[dict[str, int | None]]:
+    """Every combination of the grid's values, in the order given; a point whose explicit
+    max_num_batched_tokens is below its explicit max_num_seqs is left out (the scheduler
+    refuses it: every running request needs a row)."""
+    points = []
+    for values in itertools.product(*(dict.fromkeys(getattr(args, name)) for name in GRID)):
+        point = dict(zip(GRID, values, strict=True))
+        seqs, rows = point["max_num_seqs"], point["max_num_batched_tokens"]
+        if seqs is None or rows is None or rows >= seqs:
+            points.append(point)
+    return points
+
+
+def measure(engine, args, concurrency: int, rng_seed: int) -> dict[str, Any]:
+    """The median run (by tokens/s) of `args.repeats` closed batches, after the warm-up."""
+    import random
+
+    from vllm_rlt.bench.throughput import run_engine
+
+    rng = random.Random(rng_seed)
+    vocab = engine.model.config.vocab_size
+    params = SamplingParams(
+        max_tokens=args.output_len, temperature=0.0, ignore_eos=True, exit_threshold=1.0
+    )
+    runs = []
+    for index in range(args.warmup + args.repeats):
+        prompts = [
+            [rng.randrange(3, vocab) for _ in range(args.prompt_len)] for _ in range(concurrency)
+        ]
+        timing = run_engine(engine, prompts, params)
+        if index >= args.warmup:
+            runs.append(timing)
+    runs.sort(key=lambda run: run["end_to_end_tokens_per_s"])
+    median = runs[len(runs) // 2]
+    return {
+        "tokens_per_s": median["end_to_end_tokens_per_s"],
+        "tokens_per_s_runs": [run["end_to_end_tokens_per_s"] for run in runs],
+        **{name: median[name] for name in METRICS[1:]},
+    }
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    import torch
+
+    from vllm_rlt.bench.shapes import random_model
+    from vllm_rlt.bench.throughput import environment
+    from vllm_rlt.config import SchedulerConfig
+    from vllm_rlt.engine.engine_core import EngineCore
+    from vllm_rlt.models.load import resolve_device, resolve_dtype
+
+    device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = resolve_dtype(args.dtype, device)
+    model = random_model(args.shape, dtype, device, args.seed)
+    points = grid_points(args)
+    rows: list[dict[str, Any]] = []
+    results = []
+    with tqdm(total=len(points) * len(args.concurrency), desc="sweep", file=sys.stderr) as bar:
+        for point in points:
+            engine = EngineCore(
+                model,
+                None,
+                CacheConfig(num_blocks=args.num_blocks),
+                SchedulerConfig(**{name: v for name, v in point.items() if v is not None}),
+                ExitConfig(),
+                ExecutionConfig(),
+                usage_context=args.usage,
+            )
+            config = engine.scheduler.config
+            settings = {name: getattr(config, name) for name in GRID}
+            per_concurrency = {}
+            for concurrency in args.concurrency:
+                bar.set_postfix_str(f"{settings} c={concurrency}")
+                figures = measure(engine, args, concurrency, args.seed + concurrency)
+                per_concurrency[str(concurrency)] = figures
+                rows.append(
+                    {
+                        **{f"{name}_asked": point[name] for name in GRID},
+                        **settings,
+                        "concurrency": concurrency,
+                        **{name: figures[name] for name in METRICS},
+                    }
+                )
+                bar.update()
+            results.append({"asked": point, "settings": settings, "results": per_concurrency})
+            del engine
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+    for result in results:
+        speeds = [figures["tokens_per_s"] for figures in result["results"].values()]
+        result["geomean_tokens_per_s"] = math.exp(statistics.fmean(math.log(s) for s in speeds))
+    best = max(results, key=lambda result: result["geomean_tokens_per_s"])
+    report: dict[str, Any] = {
+        "benchmark": "sweep",
+        "command": shlex.join(["vllm-rlt", "bench", "sweep", *args.argv]),
+        "environment": environment(device),
+        "shape": args.shape,
+        "dtype": str(dtype).removeprefix("torch."),
+        "usage": args.usage,
+        "workload": {
+            "prompt_len": args.prompt_len,
+            "output_len": args.output_len,
+            "concurrency": args.concurrency,
+            "repeats": args.repeats,
+        },
+        "best": best,
+        "results": results,
+        "rows": rows,
+    }
+    auto = [r for r in results if all(value is None for value in r["asked"].values())]
+    if auto:
+        report["auto_vs_best"] = {
+            concurrency: auto[0]["results"][concurrency]["tokens_per_s"] / figures["tokens_per_s"]
+            for concurrency, figures in best["results"].items()
+        }
+    return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = CLIParser(prog="vllm-rlt bench sweep", description=__doc__)
+    add_arguments(parser)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser.parse_args(argv)
+    args.argv = argv
+    for name in ("prompt_len", "output_len", "repeats"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        parser.error(f"--warmup must be >= 0, got {args.warmup}")
+    if min(args.concurrency) < 1:
+        parser.error(f"--concurrency values must be >= 1, got {min(args.concurrency)}")
+    if not grid_points(args):
+        parser.error("the grid has no point where max_num_batched_tokens >= max_num_seqs")
+    try:
+        report = run(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    emit_report(report, args.output)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

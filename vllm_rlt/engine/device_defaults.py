@@ -1,0 +1,88 @@
+"""Scheduler settings sized to the device the engine runs on, for its entry point.
+
+A pass should carry as many rows as keep the device busy: on the CPU a pass's cost grows
+with its rows from the first one, so small passes keep latency low; a large GPU runs a
+pass of thousands of rows in little more time than one of a hundred, so every request that
+can run should. Offline batches (`LLM`) and a server differ in what they trade: a server
+keeps a pass's prompt rows smaller, so decoding streams are not held up behind a burst of
+long prompts. `docs/scheduler-defaults.md` has the table and the reasoning behind it.
+Every value is a default only: a field set in SchedulerConfig (or its flag) is kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from vllm_rlt.config import OFFLINE, SERVE, USAGE_CONTEXTS, SchedulerConfig
+
+logger = logging.getLogger(__name__)
+LARGE_GPU_GIB = 70  # the H100/H200 class, as vLLM draws the line
+
+
+@dataclass(frozen=True)
+class SchedulerDefaults:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_prefill_batches_before_decode: int
+
+
+# (device class, entry point) -> defaults. The large-GPU rows are the best points of
+# `vllm-rlt bench sweep` on an H200 (docs/benchmarks/2026-12-02-scheduler-defaults.md); the
+# smaller GPU's are vLLM's sizes for GPUs under 70 GB, not measured here.
+DEFAULTS = {
+    ("cpu", OFFLINE): SchedulerDefaults(64, 2048, 4),
+    ("cpu", SERVE): SchedulerDefaults(64, 2048, 4),
+    ("gpu", OFFLINE): SchedulerDefaults(256, 8192, 64),
+    ("gpu", SERVE): SchedulerDefaults(256, 2048, 64),
+    ("large gpu", OFFLINE): SchedulerDefaults(1024, 16384, 256),
+    ("large gpu", SERVE): SchedulerDefaults(1024, 8192, 64),
+}
+
+
+def device_class(device: torch.device) -> tuple[str, str]:
+    """("cpu" | "gpu" | "large gpu", the device as measured to decide it)."""
+    if device.type != "cuda":
+        return "cpu", "the CPU"
+    props = torch.cuda.get_device_properties(device)
+    gib = props.total_memory / 2**30
+    kind = "large gpu" if gib >= LARGE_GPU_GIB else "gpu"
+    size = "at least" if kind == "large gpu" else "under"
+    return kind, (
+        f"{props.name} ({gib:.0f} GiB, {props.multi_processor_count} SMs: {size} "
+        f"{LARGE_GPU_GIB} GiB)"
+    )
+
+
+def size_scheduler(
+    config: SchedulerConfig, device: torch.device, usage_context: str = OFFLINE
+) -> tuple[SchedulerConfig, str]:
+    """`config` with its unset fields taken from the device's defaults, and one line saying
+    what was chosen and why (logged here; a server logs it too)."""
+    if usage_context not in USAGE_CONTEXTS:
+        raise ValueError(
+            f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got {usage_context!r}"
+        )
+    if config.is_sized:
+        return config, "scheduler set by its flags"
+    kind, measured = device_class(device)
+    defaults = DEFAULTS[(kind, usage_context)]
+    chosen = {
+        name: getattr(defaults, name)
+        for name in (f.name for f in dataclasses.fields(SchedulerDefaults))
+        if getattr(config, name) is None
+    }
+    # an explicit max_num_seqs above the default's batched tokens still gets a row each
+    if "max_num_batched_tokens" in chosen and config.max_num_seqs is not None:
+        chosen["max_num_batched_tokens"] = max(
+            chosen["max_num_batched_tokens"], config.max_num_seqs
+        )
+    if "max_num_seqs" in chosen and config.max_num_batched_tokens is not None:
+        chosen["max_num_seqs"] = min(chosen["max_num_seqs"], config.max_num_batched_tokens)
+    settings = ", ".join(f"{name}={value}" for name, value in chosen.items())
+    note = f"scheduler sized for {measured}, {usage_context} use: {settings} (flags override)"
+    logger.info(note)
+    return dataclasses.replace(config, **chosen), note
