@@ -1,12 +1,16 @@
-"""The `vllm-rlt` command line, run as a real subprocess: JSON output, prompt sources, the
-implicit `generate`, exit traces, and one-line errors with exit code 2.
+"""The `vllm-rlt` command line: JSON output, prompt sources, the implicit `generate`, exit
+traces, and one-line errors with exit code 2.
 
-Each run pays the torch import (~2 s), so all runs start together, a few at a time, in one
-module fixture, and the tests only read their results."""
+Runs that generate (or start a server) are real subprocesses; each pays the torch import
+(~2 s), so they start together, two at a time, in one module fixture, and the tests only
+read their results. Parse and validation errors and help screens end before anything is
+generated, so they call `main` in this process."""
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import shutil
 import socket
 import subprocess
@@ -16,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from vllm_rlt.entrypoints.cli import main
 from vllm_rlt.models.load import DEFAULT_MODEL_DIR
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -42,6 +47,12 @@ ERRORS = {
     "presence_penalty_out_of_range": (["--presence-penalty", "5"], "presence_penalty"),
     "prompt_logprobs_out_of_range": (["--prompt-logprobs", "21"], "prompt_logprobs"),
 }
+HELP_SCREENS = {
+    "help": ["--help"],
+    "help_bench": ["bench", "--help"],
+    "help_generate": ["generate", "--help"],
+    "help_serve": ["serve", "--help"],
+}
 
 
 def _free_port() -> int:
@@ -51,9 +62,12 @@ def _free_port() -> int:
 
 
 def _cli(args: list[str | bytes], stdin: str | None = None) -> subprocess.CompletedProcess:
+    """A real run on one torch thread: two run at once, and a thread per core each would
+    make them contend."""
     return subprocess.run(
         [sys.executable, "-m", "vllm_rlt.entrypoints.cli", *args],
         cwd=REPO_ROOT,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
         input=stdin or "",
         capture_output=True,
         text=True,
@@ -61,10 +75,29 @@ def _cli(args: list[str | bytes], stdin: str | None = None) -> subprocess.Comple
     )
 
 
+def _main(argv: list[str], capsys, caplog) -> subprocess.CompletedProcess:
+    """`main(argv)` in this process, as a finished run; log records of WARNING and above
+    count as stderr lines, as a real run prints them there."""
+    capsys.readouterr()
+    caplog.clear()
+    try:
+        code = main(argv)
+    except SystemExit as exc:
+        code = exc.code
+    out, err = capsys.readouterr()
+    logged = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    return subprocess.CompletedProcess(argv, code, out, err + "".join(f"{m}\n" for m in logged))
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
-    trace_file = tmp_path_factory.mktemp("cli") / "trace.json"
-    trace_file.write_text(json.dumps(TRACE))
+def trace_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("cli") / "trace.json"
+    path.write_text(json.dumps(TRACE))
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, trace_file) -> dict[str, subprocess.CompletedProcess]:
     jobs: dict[str, tuple[list[str], str | None]] = {
         "flags": (["generate", *PROMPTS, *BASE], None),
         "stdin_implicit_generate": ([*BASE], "hi\n\nhello\n"),
@@ -74,13 +107,9 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             None,
         ),
     }
-    for name, (flags, _) in ERRORS.items():
-        flags = [str(trace_file) if f == "TRACE_FILE" else f for f in flags]
-        jobs[f"error_{name}"] = (["generate", "--prompt", "hi", *BASE, *flags], None)
     no_weights = tmp_path_factory.mktemp("no-weights")
     shutil.copy(DEFAULT_MODEL_DIR / "config.json", no_weights / "config.json")
     jobs |= {
-        "serve_missing_folder": (["serve", "/nonexistent", "--port", str(_free_port())], None),
         "serve_unloadable_weights": (["serve", str(no_weights), "--port", str(_free_port())], None),
         "untrained_prompt": (["generate", "--prompt", "1000*1=", "--max-tokens", "4"], None),
         "trained_prompt": (["generate", "--prompt", "347+589=", "--no-progress"], None),
@@ -95,12 +124,8 @@ def runs(tmp_path_factory) -> dict[str, subprocess.CompletedProcess]:
             + ["--exit-threshold", "1"],
             None,
         ),
-        "help": (["--help"], None),
-        "help_bench": (["bench", "--help"], None),
-        "help_generate": (["generate", "--help"], None),
-        "help_serve": (["serve", "--help"], None),
     }
-    with ThreadPoolExecutor(max_workers=3) as pool:
+    with ThreadPoolExecutor(max_workers=2) as pool:
         futures = {name: pool.submit(_cli, args, stdin) for name, (args, stdin) in jobs.items()}
         return {name: future.result() for name, future in futures.items()}
 
@@ -149,8 +174,9 @@ def test_json_with_logprobs_and_prompt_logprobs(runs):
 
 
 @pytest.mark.parametrize("name", list(ERRORS))
-def test_errors_exit_2_with_one_line(runs, name):
-    run = runs[f"error_{name}"]
+def test_errors_exit_2_with_one_line(trace_file, capsys, caplog, name):
+    flags = [str(trace_file) if f == "TRACE_FILE" else f for f in ERRORS[name][0]]
+    run = _main(["generate", "--prompt", "hi", *BASE, *flags], capsys, caplog)
     assert run.returncode == 2
     assert run.stdout == ""
     lines = run.stderr.splitlines()
@@ -159,20 +185,25 @@ def test_errors_exit_2_with_one_line(runs, name):
     assert ERRORS[name][1] in lines[0]
 
 
-@pytest.mark.parametrize("name", ["serve_missing_folder", "serve_unloadable_weights"])
-def test_serve_with_a_model_that_cannot_load_exits_2(runs, name):
-    """As `generate` does: one error line, exit code 2 (found before the server starts, or
-    when the background load fails)."""
-    run = runs[name]
+def test_serve_with_a_missing_model_folder_exits_2(capsys, caplog):
+    """As `generate` does: one error line, exit code 2, found before the server starts."""
+    run = _main(["serve", "/nonexistent", "--port", str(_free_port())], capsys, caplog)
     assert run.returncode == 2, run.stderr
     last = run.stderr.splitlines()[-1]
     assert last.startswith("vllm-rlt serve: error: "), run.stderr
-    if name == "serve_missing_folder":
-        assert run.stderr.splitlines() == [
-            "vllm-rlt serve: error: model folder '/nonexistent' does not exist"
-        ]
-    else:
-        assert "safetensors" in last and "Traceback" not in run.stderr
+    assert run.stderr.splitlines() == [
+        "vllm-rlt serve: error: model folder '/nonexistent' does not exist"
+    ]
+
+
+def test_serve_with_weights_that_cannot_load_exits_2(runs):
+    """As `generate` does: one error line, exit code 2, when the background load fails (the
+    server has started by then: a real process)."""
+    run = runs["serve_unloadable_weights"]
+    assert run.returncode == 2, run.stderr
+    last = run.stderr.splitlines()[-1]
+    assert last.startswith("vllm-rlt serve: error: "), run.stderr
+    assert "safetensors" in last and "Traceback" not in run.stderr
 
 
 def test_untrained_prompts_get_a_warning(runs):
@@ -192,8 +223,10 @@ def test_a_prompt_that_is_not_valid_text_is_a_one_line_error(runs):
     ]
 
 
-def test_help_screens_list_everything_and_show_defaults(runs):
-    for name in ("help", "help_bench", "help_generate", "help_serve"):
+def test_help_screens_list_everything_and_show_defaults(monkeypatch, capsys, caplog):
+    monkeypatch.setenv("COLUMNS", "80")  # the width a real run gets when writing to a pipe
+    runs = {name: _main(argv, capsys, caplog) for name, argv in HELP_SCREENS.items()}
+    for name in HELP_SCREENS:
         assert runs[name].returncode == 0, runs[name].stderr
         assert "§" not in runs[name].stdout and "DESIGN" not in runs[name].stdout
     assert "accuracy" in runs["help"].stdout and "bench" in runs["help"].stdout
@@ -206,8 +239,6 @@ def test_help_screens_list_everything_and_show_defaults(runs):
 
 
 def test_serve_without_the_serve_extra_is_a_one_line_error(monkeypatch, capsys):
-    from vllm_rlt.entrypoints.cli import main
-
     monkeypatch.setitem(sys.modules, "uvicorn", None)
     with pytest.raises(SystemExit) as exit_info:
         main(["serve"])

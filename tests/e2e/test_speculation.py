@@ -211,8 +211,13 @@ def test_sampled_speculation_follows_the_target_distribution(make_engine):
     draft depth alone is far off. The first token comes from the prefill: identical."""
 
     def draws(spec=None, max_loops=None) -> list[tuple[int, ...]]:
+        # a prefill in flight per slot: some 80 passes, where the CPU default of 4 takes 1,500
         engine = make_engine(
-            num_blocks=2048, max_num_seqs=256, max_num_batched_tokens=4096, speculative_config=spec
+            num_blocks=2048,
+            max_num_seqs=256,
+            max_num_batched_tokens=4096,
+            max_prefill_batches_before_decode=256,
+            speculative_config=spec,
         )
         params = [
             SamplingParams(

@@ -67,6 +67,9 @@ def _finite_streams(url: str, count: int, max_tokens: int, ends: list[str]):
         with httpx.stream(
             "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=120
         ) as r:
+            if r.status_code != 200:  # failed before its first event: a plain error reply
+                ends.append("error")
+                return
             # events split on blank lines only: generated text may hold other line breaks
             for event in r.read().split(b"\n\n"):
                 if not event.startswith(b"data: {"):
@@ -134,8 +137,11 @@ def test_two_cores_equal_offline_label_their_metrics_and_a_dead_core_is_named():
         ends: list[str] = []
         streams = _finite_streams(url, 8, 400, ends)
         deadline = time.monotonic() + 60
-        while min(samples(url, "vllm_rlt:num_requests_running").values()) < 1:
-            assert time.monotonic() < deadline, "the streams did not reach both cores"
+        while True:
+            running = samples(url, "vllm_rlt:num_requests_running").values()
+            if sum(running) == 8 and min(running) >= 1:
+                break
+            assert time.monotonic() < deadline, "the streams did not all run, on both cores"
             time.sleep(0.05)
         os.kill(pids[1], signal.SIGKILL)
         for thread in streams:
