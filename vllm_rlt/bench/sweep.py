@@ -24,7 +24,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from vllm_rlt.bench.report import emit_report
+from vllm_rlt.bench.report import check_minimums, run_and_emit
 from vllm_rlt.bench.shapes import SHAPES
 from vllm_rlt.config import USAGE_CONTEXTS, CacheConfig, ExecutionConfig, ExitConfig
 from vllm_rlt.entrypoints.parser import CLIParser
@@ -225,21 +225,10 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
-    for name in ("prompt_len", "output_len", "repeats"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    if min(args.concurrency) < 1:
-        parser.error(f"--concurrency values must be >= 1, got {min(args.concurrency)}")
+    check_minimums(parser, args, prompt_len=1, output_len=1, repeats=1, warmup=0, concurrency=1)
     if not grid_points(args):
         parser.error("the grid has no point where max_num_batched_tokens >= max_num_seqs")
-    try:
-        report = run(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    emit_report(report, args.output)
-    return 0
+    return run_and_emit(parser, run, args)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from vllm_rlt.bench.report import emit_report
+from vllm_rlt.bench.report import check_minimums, run_and_emit
 from vllm_rlt.bench.shapes import SHAPES
 from vllm_rlt.config import (
     KV_LAYOUTS,
@@ -544,27 +544,17 @@ def main(argv: list[str] | None = None) -> int:
     parser = CLIParser(prog="vllm-rlt bench throughput", description=__doc__)
     add_arguments(parser)
     args = parser.parse_args(argv)
-    for name in ("prompt_len", "output_len", "block_size", "repeats", "waves"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    check_minimums(
+        parser, args, prompt_len=1, output_len=1, block_size=1, repeats=1, waves=1, warmup=0
+    )
+    check_minimums(parser, args, shared_prefix_len=0, concurrency=1)
     if args.waves > MAX_WAVES:
         parser.error(f"--waves must be in [1, {MAX_WAVES}], got {args.waves}")
     if args.max_tokens is not None and args.max_tokens < args.output_len:
         parser.error(
             f"--max-tokens must be >= --output-len ({args.output_len}), got {args.max_tokens}"
         )
-    if args.shared_prefix_len < 0:
-        parser.error(f"--shared-prefix-len must be >= 0, got {args.shared_prefix_len}")
-    if args.warmup < 0:
-        parser.error(f"--warmup must be >= 0, got {args.warmup}")
-    if min(args.concurrency) < 1:
-        parser.error(f"--concurrency values must be >= 1, got {min(args.concurrency)}")
-    try:
-        report = run(args)
-    except ValueError as exc:
-        parser.error(str(exc))
-    emit_report(report, args.output)
-    return 0
+    return run_and_emit(parser, run, args)
 
 
 if __name__ == "__main__":
