@@ -1,6 +1,14 @@
-"""Shared fixtures: the toy model in float32 and engines checked for leaks at teardown."""
+"""Shared fixtures: the toy model in float32 and engines checked for leaks at teardown.
+
+Without a GPU the suite runs torch on one CPU thread, here and in every process a test
+starts (through OMP_NUM_THREADS): the test models are tiny, so a second thread only adds
+synchronisation (3x slower on two cores), and on a loaded machine threads that wait for a
+busy core made runs slower still.
+"""
 
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
@@ -10,6 +18,10 @@ from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import toy_config_dict, toy_weights
 from vllm_rlt.tokenizer import Tokenizer
+
+if not torch.cuda.is_available():
+    torch.set_num_threads(1)
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the processes the tests start
 
 
 def pytest_collection_modifyitems(config, items):

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import shutil
 import socket
 import subprocess
@@ -62,12 +61,10 @@ def _free_port() -> int:
 
 
 def _cli(args: list[str | bytes], stdin: str | None = None) -> subprocess.CompletedProcess:
-    """A real run on one torch thread: two run at once, and a thread per core each would
-    make them contend."""
+    """A real run (on one torch thread, as conftest sets for every process a test starts)."""
     return subprocess.run(
         [sys.executable, "-m", "vllm_rlt.entrypoints.cli", *args],
         cwd=REPO_ROOT,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
         input=stdin or "",
         capture_output=True,
         text=True,

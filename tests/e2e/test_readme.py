@@ -89,13 +89,8 @@ def chains(commands: list[str]) -> list[list[str]]:
     return found
 
 
-def run_shell(
-    command: str, cwd: Path, timeout: float = 600, threads: int | None = None
-) -> subprocess.CompletedProcess:
-    """`threads`: torch's threads per process (default: one per core)."""
+def run_shell(command: str, cwd: Path, timeout: float = 600) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    if threads is not None:
-        env["OMP_NUM_THREADS"] = str(threads)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env["PYTHONPATH"] = f"{ROOT}{os.pathsep}{env.get('PYTHONPATH', '')}"
     return subprocess.run(
@@ -118,13 +113,13 @@ def test_the_readme_has_the_commands_this_test_expects():
 
 
 def test_offline_commands_run_as_written(tmp_path):
-    """Independent chains run two at a time, each command on one torch thread: on two cores,
-    torch's default thread per core would make two commands' threads contend."""
+    """Independent chains run two at a time (each command on one torch thread, as conftest
+    sets for the processes tests start)."""
     assert OFFLINE_COMMANDS
 
     def run_chain(chain: list[str]) -> None:
         for command in chain:
-            run = run_shell(command, tmp_path, threads=1)
+            run = run_shell(command, tmp_path)
             assert run.returncode == 0, (command, run.stderr[-2000:])
             if command == QUICK_START:
                 assert run.stdout == "347+589=936\n"
