@@ -30,12 +30,13 @@ from vllm_rlt.config import USAGE_CONTEXTS, CacheConfig, ExecutionConfig, ExitCo
 from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
-GRID = (
-    "max_num_seqs",
-    "max_num_batched_tokens",
-    "max_prefill_batches_before_decode",
-    "prefill_chunk_size",
-)
+GRID_DEFAULTS: dict[str, list[int | None]] = {
+    "max_num_seqs": [None, 256, 1024],
+    "max_num_batched_tokens": [None, 2048, 8192, 16384],
+    "max_prefill_batches_before_decode": [None, 4, 256],
+    "prefill_chunk_size": [512],
+}
+GRID = tuple(GRID_DEFAULTS)
 METRICS = ("tokens_per_s", "ttft_s_p50", "ttft_s_p99", "tpot_s_p50", "tpot_s_p99")
 
 
@@ -82,14 +83,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     workload.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
     grid = parser.add_argument_group("grid (each value an integer or 'auto': the device default)")
-    grid.add_argument("--max-num-seqs", type=_grid_value, nargs="+", default=[None, 256, 1024])
-    grid.add_argument(
-        "--max-num-batched-tokens", type=_grid_value, nargs="+", default=[None, 2048, 8192, 16384]
-    )
-    grid.add_argument(
-        "--max-prefill-batches-before-decode", type=_grid_value, nargs="+", default=[None, 4, 256]
-    )
-    grid.add_argument("--prefill-chunk-size", type=_grid_value, nargs="+", default=[512])
+    for name, values in GRID_DEFAULTS.items():
+        shown = " ".join("auto" if value is None else str(value) for value in values)
+        grid.add_argument(
+            f"--{name.replace('_', '-')}",
+            type=_grid_value,
+            nargs="+",
+            default=None,
+            help=f"values to try (default: {shown})",
+        )
     parser.add_argument(
         "--usage",
         choices=USAGE_CONTEXTS,
@@ -225,6 +227,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parser.parse_args(argv)
     args.argv = argv
+    for name, values in GRID_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, values)
     check_minimums(parser, args, prompt_len=1, output_len=1, repeats=1, warmup=0, concurrency=1)
     if not grid_points(args):
         parser.error("the grid has no point where max_num_batched_tokens >= max_num_seqs")
