@@ -8,6 +8,15 @@ from collections.abc import Callable
 from typing import Any
 
 
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile, the nearest sample (None without samples)."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
 def emit_report(report: dict[str, Any], output: str | None) -> None:
     text = json.dumps(report, indent=2)
     print(text)

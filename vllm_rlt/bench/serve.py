@@ -67,7 +67,7 @@ from tqdm import tqdm
 
 import vllm_rlt
 from vllm_rlt import SamplingParams
-from vllm_rlt.bench.report import emit_report
+from vllm_rlt.bench.report import emit_report, percentile
 from vllm_rlt.bench.throughput import environment as device_environment
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.entrypoints.cli import add_server_args
@@ -179,14 +179,6 @@ async def _served_model(url: str, api_key: str | None, timeout: float) -> str:
         return str(body["data"][0]["id"])  # type: ignore[index]
     except (TypeError, KeyError, IndexError):
         raise ServerUnusable("the answer lists no model") from None
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    if not values:
-        return None
-    ordered = sorted(values)
-    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[index]
 
 
 def summary(values: list[float]) -> dict[str, float | None]:

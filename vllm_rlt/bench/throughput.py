@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from tqdm import tqdm
 
-from vllm_rlt.bench.report import check_minimums, run_and_emit
+from vllm_rlt.bench.report import check_minimums, percentile, run_and_emit
 from vllm_rlt.bench.shapes import SHAPES
 from vllm_rlt.config import (
     KV_LAYOUTS,
@@ -130,8 +130,8 @@ def run_engine(
         "ttft_s_p50": percentile(ttft, 50),
         "ttft_s_p99": percentile(ttft, 99),
         "tpot_s_mean": statistics.fmean(tpot) if tpot else None,
-        "tpot_s_p50": percentile(tpot, 50) if tpot else None,
-        "tpot_s_p99": percentile(tpot, 99) if tpot else None,
+        "tpot_s_p50": percentile(tpot, 50),
+        "tpot_s_p99": percentile(tpot, 99),
         "end_to_end_tokens_per_s": tokens / (end - start),
         "mean_loops": statistics.fmean(depths) if depths else None,
         "passes": passes,
@@ -139,12 +139,6 @@ def run_engine(
         "max_running": max_running,
         "decode_window": "first first token to end" if queued else "last first token to end",
     }
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The nearest-rank q-th percentile (the largest value for q = 100)."""
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def max_tokens_of(args: argparse.Namespace) -> int:
