@@ -94,3 +94,17 @@ def test_sweep_flags_out_of_range_are_one_line_errors(capsys):
     with pytest.raises(SystemExit):
         sweep.main(["--max-num-seqs", "64", "--max-num-batched-tokens", "8"])
     assert "no point where max_num_batched_tokens >= max_num_seqs" in capsys.readouterr().err
+
+
+def test_sweep_launches_a_server_per_point(tmp_path, capsys):
+    """With --launch, a point runs `bench serve --launch MODEL` with its flags (auto: none)."""
+    out = tmp_path / "served.json"
+    argv = ["--launch", "toy", "--concurrency", "2", "--max-num-seqs", "4"]
+    argv += ["--max-num-batched-tokens", "auto", "--max-prefill-batches-before-decode", "auto"]
+    argv += ["--prompt-len", "4", "--output-len", "2", "--repeats", "1", "--output", str(out)]
+    assert sweep.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["target"] == "vllm-rlt serve toy" and report["usage"] == "serve"
+    [row] = report["rows"]
+    assert row["max_num_seqs"] == 4 and row["max_num_batched_tokens"] is None
+    assert row["tokens_per_s"] > 0 and row["ttft_s_p99"] >= row["ttft_s_p50"] > 0

@@ -3,7 +3,9 @@
 For every point of a grid over `max_num_seqs`, `max_num_batched_tokens`,
 `max_prefill_batches_before_decode` and `prefill_chunk_size` (each value may be `auto`: the
 device's default for --usage), the offline engine runs closed batches: every concurrency
-value's requests are sent at once, as `LLM.generate` does with a list of prompts. Each run
+value's requests are sent at once, as `LLM.generate` does with a list of prompts. With
+`--launch MODEL` a server is measured instead: `vllm-rlt bench serve --launch MODEL` with
+the point's flags, its requests sent at once by the load generator. Each run
 reports end-to-end output tokens/s (first request sent to last token), TTFT and TPOT at
 p50/p99. The report's `rows` are one flat record per (point, concurrency), ready to plot;
 `best` names the point with the highest geometric mean of tokens/s over the concurrencies,
@@ -93,10 +95,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             help=f"values to try (default: {shown})",
         )
     parser.add_argument(
+        "--launch",
+        metavar="MODEL",
+        default=None,
+        help="measure `vllm-rlt serve MODEL` instead of the offline engine: every point and "
+        "concurrency runs `vllm-rlt bench serve --launch MODEL` with the point's flags "
+        "(`python -m benchmarks.random_checkpoint` writes a folder of a --shape; default: "
+        "the offline engine)",
+    )
+    parser.add_argument(
         "--usage",
         choices=USAGE_CONTEXTS,
         default="offline",
-        help="whose device defaults 'auto' stands for",
+        help="whose device defaults 'auto' stands for (with --launch: the server's)",
     )
     parser.add_argument(
         "--output", default=None, help="also write the JSON report here (default: stdout only)"
@@ -144,53 +155,118 @@ def measure(engine, args, concurrency: int, rng_seed: int) -> dict[str, Any]:
     }
 
 
+class OfflinePoints:
+    """Each point as an engine in this process, on one random model of --shape."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        from vllm_rlt.bench.shapes import random_model
+        from vllm_rlt.models.load import resolve_device, resolve_dtype
+
+        self.args = args
+        self.device = resolve_device(
+            args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        )
+        self.dtype = resolve_dtype(args.dtype, self.device)
+        self.model = random_model(args.shape, self.dtype, self.device, args.seed)
+
+    def measure(self, point: dict[str, int | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """(the settings the engine resolved, figures by concurrency)."""
+        import torch
+
+        from vllm_rlt.config import SchedulerConfig
+        from vllm_rlt.engine.engine_core import EngineCore
+
+        engine = EngineCore(
+            self.model,
+            None,
+            CacheConfig(num_blocks=self.args.num_blocks),
+            SchedulerConfig(**{name: v for name, v in point.items() if v is not None}),
+            ExitConfig(),
+            ExecutionConfig(),
+            usage_context=self.args.usage,
+        )
+        settings = {name: getattr(engine.scheduler.config, name) for name in GRID}
+        figures = {
+            str(c): measure(engine, self.args, c, self.args.seed + c) for c in self.args.concurrency
+        }
+        del engine
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        return settings, figures
+
+
+class ServedPoints:
+    """Each point as `vllm-rlt bench serve --launch MODEL` with the point's flags (an `auto`
+    value leaves its flag out: the server's own default): the median of --repeats launches,
+    each sending every concurrency's requests at once after its warm-up."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        self.args = args
+
+    def measure(self, point: dict[str, int | None]) -> tuple[dict[str, Any], dict[str, Any]]:
+        import json
+        import subprocess
+        import tempfile
+
+        args = self.args
+        flags = ["--device", args.device] if args.device else []
+        for name, value in point.items():
+            if value is not None:
+                flags += [f"--{name.replace('_', '-')}", str(value)]
+        if args.num_blocks is not None:
+            flags += ["--num-blocks", str(args.num_blocks)]
+        figures = {}
+        for concurrency in args.concurrency:
+            runs = []
+            for _ in range(args.repeats):
+                with tempfile.NamedTemporaryFile(suffix=".json") as out:
+                    command = [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "bench", "serve"]
+                    command += ["--launch", args.launch, "--num-requests", str(concurrency)]
+                    command += ["--prompt-len", str(args.prompt_len)]
+                    command += ["--output-len", str(args.output_len), "--seed", str(args.seed)]
+                    command += ["--output", out.name, "--", *flags]
+                    done = subprocess.run(command, capture_output=True, text=True)
+                    if done.returncode != 0:
+                        raise ValueError(f"bench serve failed: {done.stderr.strip()[-500:]}")
+                    report = json.loads(out.read())
+                runs.append(
+                    {
+                        "tokens_per_s": report["output_tokens_per_s"],
+                        **{f"ttft_s_p{q}": report["ttft_s"][f"p{q}"] for q in (50, 99)},
+                        **{f"tpot_s_p{q}": report["tpot_s"][f"p{q}"] for q in (50, 99)},
+                    }
+                )
+            runs.sort(key=lambda run: run["tokens_per_s"])
+            figures[str(concurrency)] = {
+                **runs[len(runs) // 2],
+                "tokens_per_s_runs": [run["tokens_per_s"] for run in runs],
+            }
+        return dict(point), figures
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    import torch
-
-    from vllm_rlt.bench.shapes import random_model
-    from vllm_rlt.bench.throughput import environment
-    from vllm_rlt.config import SchedulerConfig
-    from vllm_rlt.engine.engine_core import EngineCore
-    from vllm_rlt.models.load import resolve_device, resolve_dtype
-
-    device = resolve_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = resolve_dtype(args.dtype, device)
-    model = random_model(args.shape, dtype, device, args.seed)
     points = grid_points(args)
+    measurer = ServedPoints(args) if args.launch else OfflinePoints(args)
     rows: list[dict[str, Any]] = []
     results = []
-    with tqdm(total=len(points) * len(args.concurrency), desc="sweep", file=sys.stderr) as bar:
+    with tqdm(total=len(points), desc="sweep", unit="point", file=sys.stderr) as bar:
         for point in points:
-            engine = EngineCore(
-                model,
-                None,
-                CacheConfig(num_blocks=args.num_blocks),
-                SchedulerConfig(**{name: v for name, v in point.items() if v is not None}),
-                ExitConfig(),
-                ExecutionConfig(),
-                usage_context=args.usage,
-            )
-            config = engine.scheduler.config
-            settings = {name: getattr(config, name) for name in GRID}
-            per_concurrency = {}
-            for concurrency in args.concurrency:
-                bar.set_postfix_str(f"{settings} c={concurrency}")
-                figures = measure(engine, args, concurrency, args.seed + concurrency)
-                per_concurrency[str(concurrency)] = figures
+            bar.set_postfix_str(str(point))
+            settings, per_concurrency = measurer.measure(point)
+            for concurrency, figures in per_concurrency.items():
                 rows.append(
                     {
                         **{f"{name}_asked": point[name] for name in GRID},
                         **settings,
-                        "concurrency": concurrency,
+                        "concurrency": int(concurrency),
                         **{name: figures[name] for name in METRICS},
                     }
                 )
-                bar.update()
             results.append({"asked": point, "settings": settings, "results": per_concurrency})
-            del engine
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            bar.update()
     for result in results:
         speeds = [figures["tokens_per_s"] for figures in result["results"].values()]
         result["geomean_tokens_per_s"] = math.exp(statistics.fmean(math.log(s) for s in speeds))
@@ -198,10 +274,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {
         "benchmark": "sweep",
         "command": shlex.join(["vllm-rlt", "bench", "sweep", *args.argv]),
-        "environment": environment(device),
-        "shape": args.shape,
-        "dtype": str(dtype).removeprefix("torch."),
-        "usage": args.usage,
+        "target": f"vllm-rlt serve {args.launch}" if args.launch else "offline engine",
+        "usage": "serve" if args.launch else args.usage,
         "workload": {
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
@@ -212,6 +286,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "results": results,
         "rows": rows,
     }
+    if isinstance(measurer, OfflinePoints):
+        from vllm_rlt.bench.throughput import environment
+
+        report["environment"] = environment(measurer.device)
+        report["shape"] = args.shape
+        report["dtype"] = str(measurer.dtype).removeprefix("torch.")
     auto = [r for r in results if all(value is None for value in r["asked"].values())]
     if auto:
         report["auto_vs_best"] = {
