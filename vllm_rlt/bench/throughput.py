@@ -539,9 +539,17 @@ def main(argv: list[str] | None = None) -> int:
     add_arguments(parser)
     args = parser.parse_args(argv)
     check_minimums(
-        parser, args, prompt_len=1, output_len=1, block_size=1, repeats=1, waves=1, warmup=0
+        parser,
+        args,
+        prompt_len=1,
+        output_len=1,
+        block_size=1,
+        repeats=1,
+        waves=1,
+        warmup=0,
+        shared_prefix_len=0,
+        concurrency=1,
     )
-    check_minimums(parser, args, shared_prefix_len=0, concurrency=1)
     if args.waves > MAX_WAVES:
         parser.error(f"--waves must be in [1, {MAX_WAVES}], got {args.waves}")
     if args.max_tokens is not None and args.max_tokens < args.output_len:

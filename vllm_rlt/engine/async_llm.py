@@ -479,12 +479,7 @@ class AsyncLLM:
         """The core is gone (any thread): every open stream fails."""
         logger.error("%s; every request in flight fails, restart the server", reason)
         self.dead = EngineDeadError(reason)
-        if self._loop is None:
-            return
-        try:
-            self._loop.call_soon_threadsafe(self._fail_streams)
-        except RuntimeError:  # the event loop has closed: nobody is listening
-            pass
+        self._on_loop(self._fail_streams)
 
     def _on_core_lost(self, rank: int, reason: str) -> None:
         """One data-parallel core is gone and others run (any thread): only the streams of
@@ -492,10 +487,14 @@ class AsyncLLM:
         logger.error(
             "engine core %d died (%s); its requests fail, the other cores serve on", rank, reason
         )
+        self._on_loop(self._fail_core_streams, rank, reason)
+
+    def _on_loop(self, callback, *args) -> None:
+        """Run `callback` on the event loop that reads outputs (from any thread), if any."""
         if self._loop is None:
             return
         try:
-            self._loop.call_soon_threadsafe(self._fail_core_streams, rank, reason)
+            self._loop.call_soon_threadsafe(callback, *args)
         except RuntimeError:  # the event loop has closed: nobody is listening
             pass
 

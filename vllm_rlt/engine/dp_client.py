@@ -220,6 +220,11 @@ class DataParallelClient:
         return len(self.cores)
 
     @property
+    def live_ranks(self) -> list[int]:
+        """The cores not lost."""
+        return [rank for rank in range(self.size) if rank not in self.lost]
+
+    @property
     def processes(self) -> list[Any]:
         return [core.process for core in self.cores if core.process is not None]
 
@@ -232,8 +237,7 @@ class DataParallelClient:
             waiting = max(0, self._sequences[rank] + sequences - slots)
             return waiting, self._kv_usage[rank], self._sequences[rank]
 
-        live = [rank for rank in range(self.size) if rank not in self.lost]
-        return min(live, key=lambda rank: (*load(rank), rank))
+        return min(self.live_ranks, key=lambda rank: (*load(rank), rank))
 
     def send(self, command: Command) -> None:
         if isinstance(command, AddRequest):
@@ -273,9 +277,7 @@ class DataParallelClient:
         """A core with work that has sent nothing for `timeout` seconds (a busy core
         reports at least every heartbeat), or None."""
         now = time.monotonic()
-        for rank in range(self.size):
-            if rank in self.lost:
-                continue
+        for rank in self.live_ranks:
             if self._sequences[rank] > 0 and now - self._heard[rank] > timeout:
                 return rank
         return None
@@ -301,8 +303,7 @@ class DataParallelClient:
     def call(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
         """Ask every running core; "stats" answers the sums, with each core's own in
         "engines" (a lost core's as None)."""
-        live = [rank for rank in range(self.size) if rank not in self.lost]
-        answers = {rank: self.cores[rank].call(name, timeout) for rank in live}
+        answers = {rank: self.cores[rank].call(name, timeout) for rank in self.live_ranks}
         values = list(answers.values())
         if name != "stats":
             return values[0]
