@@ -16,19 +16,20 @@ def llm() -> LLM:
 
 def test_a_failed_admission_fails_that_request_and_frees_everything(llm, monkeypatch):
     engine = llm.engine
-    admit = engine.runner.admit
+    state = engine.runner.state
+    admit = state.admit_extras
 
     def failing_admit(new):
         if new.seed == 777:
             raise OverflowError("simulated slot write failure")
         admit(new)
 
-    monkeypatch.setattr(engine.runner, "admit", failing_admit)
+    monkeypatch.setattr(state, "admit_extras", failing_admit)
     params = [SamplingParams(max_tokens=5, seed=seed) for seed in (1, 777, 2)]
     with pytest.raises(RuntimeError, match="simulated slot write failure"):
         llm.generate(["a", "b", "c"], params, use_tqdm=False)
     assert not engine.has_unfinished and engine.all_blocks_free()
-    monkeypatch.setattr(engine.runner, "admit", admit)
+    monkeypatch.setattr(state, "admit_extras", admit)
     outputs = llm.generate(["a", "b"], SamplingParams(max_tokens=3, ignore_eos=True))
     assert [o.outputs[0].finish_reason for o in outputs] == ["length", "length"]
     assert engine.all_blocks_free()

@@ -364,3 +364,26 @@ def replace_seed(params: SamplingParams, seed: int) -> SamplingParams:
     from dataclasses import replace
 
     return replace(params, seed=seed)
+
+
+def _compiled_variants(kernel) -> int:
+    """Kernel variants Triton has compiled in this process (every device)."""
+    return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+
+def test_no_prompt_pass_compiles_after_start(toy_config, toy_state):
+    """Start-up compiles the prompt attention kernel once; afterwards no prompt pass, of any
+    tile count (odd ones once started a second variant) or size, compiles anything."""
+    from vllm_rlt.kernels.triton_kernels import _prefill_attention_kernel
+
+    engine = _fast_fixed_depth_engine(toy_config, toy_state)
+    compiled = _compiled_variants(_prefill_attention_kernel)
+    assert compiled >= 1
+    arrivals = {
+        0: [("one", [5] * 3, SamplingParams(max_tokens=2, temperature=0.0))],
+        1: [(f"odd{i}", [7 + i] * 17, SamplingParams(max_tokens=2)) for i in range(3)],
+        2: [(f"even{i}", [9 + i] * 33, SamplingParams(max_tokens=2)) for i in range(2)],
+    }
+    drain(engine, arrivals)
+    assert engine.all_blocks_free()
+    assert _compiled_variants(_prefill_attention_kernel) == compiled

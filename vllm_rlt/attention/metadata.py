@@ -24,17 +24,20 @@ class Segments:
 
 @dataclass
 class PrefillTiles:
-    """Prefill rows cut into tiles of consecutive positions of one request and plane."""
+    """Prefill rows cut into tiles of consecutive positions of one request and plane.
 
-    row: torch.Tensor  # [tiles] first row of the tile in the pass
-    length: torch.Tensor  # [tiles] rows in the tile
-    position: torch.Tensor  # [tiles] position of the first row
-    table: torch.Tensor  # [tiles] block-table row the tile reads through
-    plane: torch.Tensor  # [tiles] plane the tile reads
+    One tensor, one field per row, so the kernel gets one pointer: separate field tensors cut
+    from one buffer would start at addresses whose alignment depends on the tile count, and
+    Triton compiles a kernel variant per alignment (a pass with an odd tile count would pay a
+    compile inside some request's latency)."""
+
+    # [5, tiles] int64, one row per field: the tile's first row in the pass, its number of
+    # rows, the position of its first row, the block-table row and the plane it reads
+    fields: torch.Tensor
 
     @property
     def num_tiles(self) -> int:
-        return self.row.shape[0]
+        return self.fields.shape[1]
 
 
 @dataclass

@@ -205,6 +205,8 @@ class EngineCore:
                 piece_sizes(scheduler_config.max_num_batched_tokens),
             )
             runner.pieces.capture_all()
+        if model.device.type == "cuda":
+            self.runner.warm_up_prompt_passes(sorted({1, scheduler_config.max_num_batched_tokens}))
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()
@@ -474,13 +476,8 @@ class EngineCore:
 
     def _admit(self, new_slots) -> list[tuple[Request, BaseException]]:
         """Write each newly admitted request's slot; the requests whose admission failed."""
-        failed = []
-        for new in new_slots:
-            try:
-                self.runner.admit(new)
-            except Exception as exc:  # noqa: BLE001 - fails this request only
-                failed.append((self.scheduler.running[new.slot], exc))
-        return failed
+        failed = self.runner.admit(new_slots)
+        return [(self.scheduler.running[new.slot], error) for new, error in failed]
 
     def _pass_failed(
         self, scheduled: SchedulerOutput, error: Exception

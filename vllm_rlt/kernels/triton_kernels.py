@@ -212,17 +212,14 @@ def _paged_attention_kernel(
     tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["tile_stride"])
 def _prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     out_ptr,
-    tile_row_ptr,
-    tile_len_ptr,
-    tile_pos_ptr,
-    tile_table_ptr,
-    tile_plane_ptr,
+    tiles_ptr,
+    tile_stride,
     block_table_ptr,
     block_table_stride,
     slots_per_plane,
@@ -237,16 +234,18 @@ def _prefill_attention_kernel(
     USE_PDL: tl.constexpr,
 ):
     """A tile of up to BLOCK_M consecutive prompt positions of one request and plane,
-    against key tiles of BLOCK_N positions, with tl.dot and causal masking."""
+    against key tiles of BLOCK_N positions, with tl.dot and causal masking. `tiles_ptr`
+    holds the tiles' fields (row, length, position, table, plane) `tile_stride` apart; the
+    stride is the tile count, so it is not specialized (one compiled variant for all)."""
     pdl_enter(USE_PDL)
     tile = tl.program_id(0)
     head = tl.program_id(1)
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
-    row0 = tl.load(tile_row_ptr + tile)
-    count = tl.load(tile_len_ptr + tile)
-    pos0 = tl.load(tile_pos_ptr + tile)
-    table_row = tl.load(tile_table_ptr + tile)
-    plane = tl.load(tile_plane_ptr + tile)
+    row0 = tl.load(tiles_ptr + tile)
+    count = tl.load(tiles_ptr + tile_stride + tile)
+    pos0 = tl.load(tiles_ptr + 2 * tile_stride + tile)
+    table_row = tl.load(tiles_ptr + 3 * tile_stride + tile)
+    plane = tl.load(tiles_ptr + 4 * tile_stride + tile)
     m = tl.arange(0, BLOCK_M)
     d = tl.arange(0, HEAD_DIM)
     rows_valid = m < count

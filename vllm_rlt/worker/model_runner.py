@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,17 +52,21 @@ class PendingPass:
 
 class HostUploads:
     """Small int64 host-to-device uploads through a ring of pinned buffers, so they need not
-    wait for the device; a buffer is reused only after later passes were collected."""
+    wait for the device. A buffer is reused only after later passes were collected: at most
+    two passes are outstanding (one in flight, one being launched), and a pass uploads at
+    most a dozen times (depth / 2)."""
 
-    def __init__(self, size: int, device: torch.device, depth: int = 8) -> None:
+    def __init__(self, size: int, device: torch.device, depth: int = 24) -> None:
         self.device = device
         pinned = device.type == "cuda"
         self.ring = [torch.empty(size, dtype=torch.int64, pin_memory=pinned) for _ in range(depth)]
         self.next = 0
 
     def upload(self, values, out: torch.Tensor | None = None) -> torch.Tensor:
-        if self.device.type != "cuda":
+        """`values` (a list of ints, or an int64 host tensor) on the device."""
+        if not isinstance(values, torch.Tensor):
             values = torch.tensor(values, dtype=torch.int64)
+        if self.device.type != "cuda":
             return values if out is None else out.copy_(values)
         if len(values) > self.ring[0].numel():
             # Grow the ring; a buffer an earlier copy still reads stays alive until it ends
@@ -70,7 +75,7 @@ class HostUploads:
             self.ring = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in self.ring]
         host = self.ring[self.next][: len(values)]
         self.next = (self.next + 1) % len(self.ring)
-        host.copy_(torch.tensor(values, dtype=torch.int64))
+        host.copy_(values)
         if out is None:
             out = torch.empty(len(values), dtype=torch.int64, device=self.device)
         return out.copy_(host, non_blocking=True)
@@ -102,6 +107,7 @@ class ModelRunner:
         self.exit_policy = exit_policy
         self.ops = ops
         self.num_loops = cfg.num_loops
+        self.max_model_len = max_model_len
         entries = geometry.planes * geometry.slots_per_plane
         shape = (entries, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed, not empty: masked keys must still hold finite values.
@@ -131,26 +137,45 @@ class ModelRunner:
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Admit the pass's new requests, run it and wait for its results."""
-        for new in out.new_slots:
-            self.admit(new)
+        for _, error in self.admit(out.new_slots):
+            raise error
         return self.collect(self.launch(out))
 
     @torch.inference_mode()
-    def admit(self, new: NewSlot) -> None:
-        """Write a newly admitted request's slot. If that fails, the request is failed after
-        the pass is queued: its rows there write only its own blocks, which nobody reads
-        before they are written again (they are freed after that pass, in stream order)."""
+    def admit(self, news: Sequence[NewSlot]) -> list[tuple[NewSlot, Exception]]:
+        """Write the slots of newly admitted requests; returns those whose admission failed
+        (with the error). A failed request is failed after the pass is queued: its rows
+        there write only its own blocks, which nobody reads before they are written again
+        (they are freed after that pass, in stream order)."""
+        lanes = self.lanes
+        rows = list(news)  # every speculation lane samples with its request's settings
+        if lanes is not None:
+            rows += [
+                replace(new, slot=lane)
+                for new in news
+                if new.speculates
+                for lane in lanes.lane_slots(new.slot)[1:]
+            ]
         try:
-            self.state.admit(new)
-            if self.lanes is not None:
-                self.lanes.admit(new.slot, new.speculates, new.prompt_len, new.last_position)
-                if new.speculates:  # every lane samples with the request's settings
-                    for lane in self.lanes.lane_slots(new.slot)[1:]:
-                        self.state.admit(replace(new, slot=lane))
-        except BaseException:
-            self.state.clear_tables(new.slot)
-            raise
-        self.prefill_hidden.pop(new.slot, None)
+            self.state.admit(rows, self.uploads.upload)
+        except Exception as error:  # noqa: BLE001 - the requests of this admission fail
+            for new in news:
+                self.state.clear_tables(new.slot)
+            return [(new, error) for new in news]
+        failed = []
+        for new in news:
+            try:
+                self.state.admit_extras(new)
+                if lanes is not None:
+                    lanes.admit(new.slot, new.speculates, new.prompt_len, new.last_position)
+                    if new.speculates:
+                        for lane in lanes.lane_slots(new.slot)[1:]:
+                            self.state.admit_extras(replace(new, slot=lane))
+            except Exception as error:  # noqa: BLE001 - fails this request only
+                self.state.clear_tables(new.slot)
+                failed.append((new, error))
+            self.prefill_hidden.pop(new.slot, None)
+        return failed
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingPass:
@@ -181,6 +206,27 @@ class ModelRunner:
             done.record()
             return PendingPass(samplers, host, done, prompt)
         return PendingPass(samplers, packed, None, prompt)
+
+    @torch.inference_mode()
+    def warm_up_prompt_passes(self, row_counts: list[int]) -> None:
+        """Run one pass with prompt rows per row count, on the dummy slot, before any
+        request: the first such pass compiles the prompt attention kernel and sets up the
+        large GEMMs, which would otherwise land in the first requests' latency (about a
+        second on a fresh machine). The dummy slot's table addresses only the dummy block,
+        and its state is reset after every pass, so nothing real is read or written."""
+        no_decode = torch.empty(0, dtype=torch.int64, device=self.model.device)
+        for rows in row_counts:
+            lengths = [self.max_model_len] * (rows // self.max_model_len)
+            if rows % self.max_model_len:
+                lengths.append(rows % self.max_model_len)
+            chunks = tuple(
+                PrefillChunk(self.dummy_slot, "", 0, (0,) * n, 0, samples=i == len(lengths) - 1)
+                for i, n in enumerate(lengths)
+            )
+            self.run_pass(no_decode, chunks, max(lengths), greedy=True, num_top=0)
+            self.prefill_hidden.pop(self.dummy_slot, None)
+        if self.model.device.type == "cuda":
+            torch.cuda.synchronize(self.model.device)
 
     @torch.inference_mode()
     def apply_block_updates(self, updates: tuple[tuple[int, int, int], ...]) -> None:
@@ -217,7 +263,7 @@ class ModelRunner:
         speculation lanes."""
         st, model = self.state, self.model
         lanes = self.lanes if speculating else None
-        rows = gather_rows(decode, chunks, st, self.geo, lanes)
+        rows = gather_rows(decode, chunks, st, self.geo, lanes, self.uploads.upload)
         num_decode = decode.shape[0]
         d_loops = rows.loops[:num_decode]
 
@@ -226,10 +272,15 @@ class ModelRunner:
                 (d_loops == 0).unsqueeze(1), model.prelude(st.token[decode]), st.hidden[decode]
             )
         ]
+        # Every first-loop chunk's tokens are embedded in one upload and one lookup.
+        fresh = [token for chunk in chunks if chunk.loop == 0 for token in chunk.token_ids]
+        embedded = model.prelude(self.uploads.upload(fresh)) if fresh else None
+        start = 0
         for chunk in chunks:
             if chunk.loop == 0:
-                ids = torch.tensor(chunk.token_ids, dtype=torch.int64, device=model.device)
-                inputs.append(model.prelude(ids))
+                end = start + len(chunk.token_ids)
+                inputs.append(embedded[start:end])
+                start = end
             else:
                 inputs.append(self.prefill_hidden.pop(chunk.slot))
         hidden = torch.cat(inputs) if len(inputs) > 1 else inputs[0]  # [rows, hidden]
@@ -241,6 +292,7 @@ class ModelRunner:
             max_context,
             self.ops.needs_segments,
             self.ops.prefill_tile_rows(model.dtype),
+            self.uploads.upload,
         )
         if chunks and self.pieces is not None and self.pieces.fits(hidden.shape[0]):
             hidden = self.pieces.core(hidden, meta)
@@ -287,8 +339,7 @@ class ModelRunner:
                 self.prefill_hidden[chunk.slot] = hidden[row : row + n]
             row += n
         if prefill_samplers:
-            p_slots = torch.tensor(prefill_samplers, dtype=torch.int64, device=model.device)
-            p_rows = torch.tensor(prefill_rows, dtype=torch.int64, device=model.device)
+            p_slots, p_rows = self.uploads.upload(prefill_samplers + prefill_rows).view(2, -1)
             sample_hidden = torch.cat([d_hidden, hidden[p_rows]])
             sample_slots = torch.cat([decode, p_slots])
         live = exited & (decode != self.dummy_slot)  # padding rows of a graph never count

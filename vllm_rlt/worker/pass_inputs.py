@@ -14,7 +14,7 @@ from vllm_rlt.attention.metadata import (
     Segments,
 )
 from vllm_rlt.core.contract import PrefillChunk
-from vllm_rlt.worker.slot_state import SlotState
+from vllm_rlt.worker.slot_state import SlotState, Upload
 from vllm_rlt.worker.spec_lanes import SpecLanes
 
 
@@ -66,9 +66,11 @@ def gather_rows(
     state: SlotState,
     geo: KVGeometry,
     lanes: SpecLanes | None = None,
+    upload: Upload | None = None,
 ) -> PassRows:
     """Decode rows [decode] read position and loop from slot state; prefill rows come from
-    the host. With no chunks every op stays on the device (the CUDA-graph case). Speculation
+    the host, built per chunk (never per token) and sent in one `upload` (default: a plain
+    copy). With no chunks every op stays on the device (the CUDA-graph case). Speculation
     lanes use their request's block table."""
     table_slots, positions, d_loops = decode, state.position[decode], state.loop[decode]
     if lanes is not None:
@@ -77,19 +79,29 @@ def gather_rows(
     rows = PassRows(geo.final_table_row(table_slots), positions, d_loops, d_hi)
     if not chunks:
         return rows
-    tables = torch.cat([torch.full((len(c.token_ids),), _chunk_table_row(c, geo)) for c in chunks])
-    positions = torch.cat([torch.arange(c.start, c.start + len(c.token_ids)) for c in chunks])
-    loops = torch.cat([torch.full((len(c.token_ids),), c.loop) for c in chunks])
     # A prompt row writes its own plane; a replayed row also the deeper ones, as the
     # decode row it was did.
     deep = geo.write_deeper_planes
-    write_hi = torch.cat(
+    per_chunk = torch.tensor(
         [
-            torch.full((len(c.token_ids),), geo.planes if deep and c.deep_writes else c.loop + 1)
+            (
+                len(c.token_ids),
+                c.start,
+                _chunk_table_row(c, geo),
+                c.loop,
+                geo.planes if deep and c.deep_writes else c.loop + 1,
+            )
             for c in chunks
-        ]
+        ],
+        dtype=torch.int64,
     )
-    host = torch.stack([tables, positions, loops, write_hi]).to(decode.device)  # [4, rows]
+    lengths = per_chunk[:, 0]
+    spread = per_chunk.repeat_interleave(lengths, dim=0)  # [rows, 5]: each row its chunk's
+    first_row = torch.cumsum(lengths, 0) - lengths  # of each chunk, among the prefill rows
+    offset = torch.arange(spread.shape[0]) - first_row.repeat_interleave(lengths)
+    host = torch.stack([spread[:, 2], spread[:, 1] + offset, spread[:, 3], spread[:, 4]])
+    flat = host.flatten()
+    host = (flat.to(decode.device) if upload is None else upload(flat)).view(4, -1)  # [4, rows]
     return PassRows(
         tables=torch.cat([rows.tables, host[0]]),
         positions=torch.cat([rows.positions, host[1]]),
@@ -114,8 +126,10 @@ def build_metadata(
     max_context: int,
     with_segments: bool,
     tile_rows: int = 0,
+    upload: Upload | None = None,
 ) -> AttentionMetadata:
-    """Flat cache indices: plane * slots_per_plane + block * block_size + offset."""
+    """Flat cache indices: plane * slots_per_plane + block * block_size + offset. `upload`
+    sends the prefill tiles (see `gather_rows`)."""
     bs, spp = geo.block_size, geo.slots_per_plane
     shared = geo.planes == 1
     meta = AttentionMetadata(
@@ -135,12 +149,19 @@ def build_metadata(
         meta.segments = _segments(rows, chunks, state, geo, max_context)
     elif chunks and tile_rows:
         meta.num_decode = rows.positions.shape[0] - sum(len(c.token_ids) for c in chunks)
-        meta.prefill_tiles = _prefill_tiles(chunks, meta.num_decode, geo, tile_rows, rows)
+        meta.prefill_tiles = _prefill_tiles(
+            chunks, meta.num_decode, geo, tile_rows, upload, rows.positions.device
+        )
     return meta
 
 
 def _prefill_tiles(
-    chunks: tuple[PrefillChunk, ...], first_row: int, geo: KVGeometry, tile_rows: int, rows
+    chunks: tuple[PrefillChunk, ...],
+    first_row: int,
+    geo: KVGeometry,
+    tile_rows: int,
+    upload: Upload | None,
+    device: torch.device,
 ) -> PrefillTiles:
     fields: list[tuple[int, int, int, int, int]] = []
     row = first_row
@@ -152,8 +173,8 @@ def _prefill_tiles(
             table = _chunk_table_row(chunk, geo)
             fields.append((row + offset, length, chunk.start + offset, table, plane))
         row += n
-    table = torch.tensor(fields, dtype=torch.int64).T.contiguous().to(rows.positions.device)
-    return PrefillTiles(*table)  # [5, tiles] -> one tensor per field
+    table = torch.tensor(fields, dtype=torch.int64).T.flatten()
+    return PrefillTiles((table.to(device) if upload is None else upload(table)).view(5, -1))
 
 
 def _segments(

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from vllm_rlt.core.contract import NewSlot, Penalties
+
+Upload = Callable[[torch.Tensor], torch.Tensor]  # an int64 host tensor, sent to the device
 
 
 class PenaltyState:
@@ -93,34 +97,82 @@ class SlotState:
         self.penalties: PenaltyState | None = None
         self.vocab_size = vocab_size
 
-    def admit(self, new: NewSlot) -> None:
-        """Write a newly admitted request's row (a handful of small host-to-device copies)."""
+    def admit(self, news: Sequence[NewSlot], upload: Upload | None = None) -> None:
+        """Write the rows of newly admitted requests, for all of them at once: a few
+        uploads and one indexed write per field, however many requests a pass admits (a
+        write per request and field would cost each request tens of kernel launches).
+        `upload` sends an int64 host tensor to the device without waiting for it (default:
+        a plain copy, which waits for the pass in flight). `admit_extras` then writes what
+        only a few requests have."""
+        if not news:
+            return
+        device = self.hidden.device
+        send = upload or (lambda values: values.to(device))
+        slots = send(torch.tensor([new.slot for new in news], dtype=torch.int64))
+        ints = torch.tensor(
+            [
+                (n.prompt_len, n.num_generated, n.min_loops, n.max_loops, n.top_k, n.seed)
+                + (n.min_tokens,)
+                for n in news
+            ],
+            dtype=torch.int64,
+        )
+        # float64 bits travel as int64; float32 on the device rounds as torch.tensor would
+        floats = torch.tensor(
+            [(n.exit_threshold, n.temperature, n.top_p, n.min_p) for n in news],
+            dtype=torch.float64,
+        ).view(torch.int64)
+        ints, floats = send(ints.flatten()).view(len(news), -1), send(floats.flatten())
+        floats = floats.view(torch.float64).float().view(len(news), -1)
+        int_fields = (
+            self.position,
+            self.num_generated,
+            self.min_loops,
+            self.max_loops,
+            self.top_k,
+            self.seed,
+            self.min_tokens,
+        )
+        for field, column in zip(int_fields, ints.unbind(1), strict=True):
+            field[slots] = column
+        float_fields = (self.threshold, self.temperature, self.top_p, self.min_p)
+        for field, column in zip(float_fields, floats.unbind(1), strict=True):
+            field[slots] = column
+        self.loop[slots] = 0
+        self.survival[slots] = 1.0
+        self.pending[slots] = False
+        self.banned[slots] = False
+        planes = torch.arange(self.table_planes, device=device)
+        self.block_table[(slots.unsqueeze(1) * self.table_planes + planes).flatten()] = (
+            self.dummy_block
+        )  # its blocks come as they are taken
+        # Tokens banned before min_tokens, and trace depths: (slot, column, value) triples.
+        banned = [(n.slot, t) for n in news for t in n.banned_until_min_tokens]
+        if banned:
+            rows, ids = send(torch.tensor(banned, dtype=torch.int64).T.flatten()).view(2, -1)
+            self.banned[rows, ids] = True
+        width = self.trace.shape[1]
+        traced = [
+            (n.slot, j, depth)
+            for n in news
+            if n.decode_depths is not None
+            for j, depth in enumerate(n.decode_depths[:width])
+        ]
+        if traced:
+            rows, columns, depths = send(torch.tensor(traced, dtype=torch.int64).T.flatten()).view(
+                3, -1
+            )
+            self.trace[rows, columns] = depths
+        for new in news:
+            self.num_logprobs[new.slot] = new.num_logprobs
+            self.greedy[new.slot] = new.temperature == 0.0
+
+    def admit_extras(self, new: NewSlot) -> None:
+        """The parts of a newly admitted request's row that only some requests have (after
+        `admit`): a resumed request's next input and its logit adjustments."""
         s = new.slot
-        self.loop[s] = 0
-        self.position[s] = new.prompt_len
-        self.num_generated[s] = new.num_generated
         if new.first_token >= 0:  # resumed: its next decode input is already known
             self.token[s] = new.first_token
-        self.survival[s] = 1.0
-        self.pending[s] = False
-        self.min_loops[s] = new.min_loops
-        self.max_loops[s] = new.max_loops
-        self.threshold[s] = new.exit_threshold
-        self.temperature[s] = new.temperature
-        self.top_k[s] = new.top_k
-        self.top_p[s] = new.top_p
-        self.min_p[s] = new.min_p
-        self.seed[s] = new.seed
-        self.min_tokens[s] = new.min_tokens
-        self.banned[s] = False
-        if new.banned_until_min_tokens:
-            self.banned[s, list(new.banned_until_min_tokens)] = True
-        self.clear_tables(s)  # its blocks come as they are taken
-        if new.decode_depths is not None:
-            depths = new.decode_depths[: self.trace.shape[1]]
-            self.trace[s, : len(depths)] = torch.tensor(depths)
-        self.num_logprobs[s] = new.num_logprobs
-        self.greedy[s] = new.temperature == 0.0
         if new.penalties is not None and self.penalties is None:
             self.penalties = PenaltyState(len(self.greedy), self.vocab_size, self.hidden.device)
         if self.penalties is not None:
