@@ -261,7 +261,7 @@ def test_failure_of_one_requests_state_fails_it_alone(monkeypatch):
 
 def _fail_one_request_state(url, state, monkeypatch):
     engine = core_engine(state)
-    admit, process = engine.runner.admit, engine.outputs.process
+    admit, process = engine.runner.state.admit_extras, engine.outputs.process
 
     def failing_admit(new):
         if new.seed == 4242:
@@ -273,7 +273,7 @@ def _fail_one_request_state(url, state, monkeypatch):
             raise RuntimeError("simulated output failure")
         return process(request)
 
-    monkeypatch.setattr(engine.runner, "admit", failing_admit)
+    monkeypatch.setattr(engine.runner.state, "admit_extras", failing_admit)
     monkeypatch.setattr(engine.outputs, "process", failing_process)
     base = {"model": "toy", "prompt": "x", "max_tokens": 6, "ignore_eos": True}
 
