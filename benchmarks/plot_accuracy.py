@@ -10,7 +10,7 @@ import importlib.util
 import json
 import statistics
 
-from vllm_rlt.entrypoints.parser import CLIParser
+from vllm_rlt.cli_parser import CLIParser
 
 
 def table(report: dict) -> str:

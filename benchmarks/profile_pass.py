@@ -12,6 +12,7 @@ import time
 import torch
 
 from vllm_rlt.bench.shapes import random_model
+from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import (
     CacheConfig,
     ExecutionConfig,
@@ -21,7 +22,6 @@ from vllm_rlt.config import (
 )
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
-from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
 

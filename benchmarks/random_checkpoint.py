@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 
 from vllm_rlt.bench.shapes import SHAPES
-from vllm_rlt.entrypoints.parser import CLIParser
+from vllm_rlt.cli_parser import CLIParser
 
 
 def main(argv: list[str] | None = None) -> int:

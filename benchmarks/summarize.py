@@ -2,7 +2,7 @@
 
 import json
 
-from vllm_rlt.entrypoints.parser import CLIParser
+from vllm_rlt.cli_parser import CLIParser
 
 parser = CLIParser(prog="python -m benchmarks.summarize", description=__doc__)
 parser.add_argument("reports", nargs="+", help="JSON files of `vllm-rlt bench throughput`")

@@ -14,7 +14,7 @@ import torch
 from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.attention import triton_backend
 from vllm_rlt.attention.triton_backend import TritonOps
-from vllm_rlt.entrypoints.parser import CLIParser
+from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
 

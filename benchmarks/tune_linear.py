@@ -20,7 +20,7 @@ import torch.nn.functional as F
 
 from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.attention.triton_backend import TritonOps
-from vllm_rlt.entrypoints.parser import CLIParser
+from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
 
 # name: (N, K, SiLU-mul epilogue, feeds the residual add and norm)

@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 from tqdm import tqdm
 
 from vllm_rlt.bench.report import emit_report
+from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import KV_LAYOUTS, CacheConfig
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
-from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.training.data import TASKS, held_out, training_set
 

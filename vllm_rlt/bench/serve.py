@@ -69,9 +69,9 @@ import vllm_rlt
 from vllm_rlt import SamplingParams
 from vllm_rlt.bench.report import emit_report, percentile
 from vllm_rlt.bench.throughput import environment as device_environment
+from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.entrypoints.cli import add_server_args
-from vllm_rlt.entrypoints.parser import CLIParser
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 HOST = "127.0.0.1"

@@ -23,7 +23,7 @@ import orjson
 from aiohttp import web
 
 from vllm_rlt.bench.serve import run_async
-from vllm_rlt.entrypoints.parser import CLIParser
+from vllm_rlt.cli_parser import CLIParser
 
 MODEL = "stub"
 DONE = b"data: [DONE]\n\n"

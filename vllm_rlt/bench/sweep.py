@@ -28,8 +28,8 @@ from tqdm import tqdm
 
 from vllm_rlt.bench.report import check_minimums, run_and_emit
 from vllm_rlt.bench.shapes import SHAPES
+from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import USAGE_CONTEXTS, CacheConfig, ExecutionConfig, ExitConfig
-from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
 GRID_DEFAULTS: dict[str, list[int | None]] = {

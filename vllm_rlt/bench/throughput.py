@@ -29,6 +29,7 @@ from tqdm import tqdm
 
 from vllm_rlt.bench.report import check_minimums, percentile, run_and_emit
 from vllm_rlt.bench.shapes import SHAPES
+from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import (
     KV_LAYOUTS,
     CacheConfig,
@@ -37,7 +38,6 @@ from vllm_rlt.config import (
     SchedulerConfig,
 )
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
-from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # torch and the engine load when a run starts, not to parse flags

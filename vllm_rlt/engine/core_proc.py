@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -23,6 +22,7 @@ from typing import Any
 import msgspec
 import zmq
 
+from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.messages import (
     AbortAll,
@@ -39,6 +39,7 @@ from vllm_rlt.engine.messages import (
     command_codec,
     message_codec,
 )
+from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.pass_rate import PassRate
 from vllm_rlt.engine.remote_channel import (
     ChannelKeys,
@@ -49,7 +50,6 @@ from vllm_rlt.engine.remote_channel import (
 
 logger = logging.getLogger(__name__)
 
-PARENT_POLL_S = 0.5
 LINGER_MS = 5000
 
 
@@ -237,13 +237,11 @@ def engine_info(engine: EngineCore, model_name: str) -> EngineInfo:
     )
 
 
-def build_engine(llm_kwargs: dict[str, Any]) -> tuple[EngineCore, str]:
+def build_core(llm_kwargs: dict[str, Any]) -> tuple[EngineCore, str]:
     """Load the model and build its engine; the core never makes text."""
-    from vllm_rlt.engine.llm import LLM
-
-    llm = LLM(**llm_kwargs)
-    llm.engine.leave_text_to_caller()
-    return llm.engine, llm.model_name
+    built = build_engine(**llm_kwargs)
+    built.engine.leave_text_to_caller()
+    return built.engine, built.model_name
 
 
 def startup_failure(exc: BaseException) -> StartupFailed:
@@ -290,7 +288,7 @@ def serve_engine(
 def _serve(llm_kwargs, inputs, control, outputs, on_built) -> int:
     encode = message_codec()[0].encode
     try:
-        engine, model_name = build_engine(llm_kwargs)
+        engine, model_name = build_core(llm_kwargs)
     except BaseException as exc:  # noqa: BLE001 - reported to the frontend, one line
         outputs[0].send(encode(startup_failure(exc)))
         return 1
@@ -327,18 +325,10 @@ def run_engine_core(
     # the core to stop. Without its parent (killed), the core leaves by itself.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
+    leave_with_parent(parent_pid)
     context = zmq.Context()
     code = serve_engine(llm_kwargs, context, peers, keys=keys)
     # Let the last messages leave, then exit without tearing the interpreter down: the
     # device and the runtime's threads need no orderly teardown, and it could hang.
     context.term()
     os._exit(code)
-
-
-def exit_with_parent(parent_pid: int) -> None:
-    """Run on a daemon thread: end this process at once when its parent is gone."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(0)
-        time.sleep(PARENT_POLL_S)

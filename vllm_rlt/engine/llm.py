@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import sys
-import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -19,24 +18,9 @@ from vllm_rlt.config import (
     SpeculativeConfig,
     require,
 )
-from vllm_rlt.engine.engine_core import EngineCore
-from vllm_rlt.models.load import (
-    load_model_and_tokenizer,
-    model_sampling_defaults,
-    resolve_device,
-    resolve_dtype,
-)
+from vllm_rlt.engine.builder import build_engine
+from vllm_rlt.models.load import model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
-from vllm_rlt.parallel.tensor_parallel import (
-    TensorParallel,
-    check_tensor_parallel,
-    free_port,
-    join_group,
-    rank_device,
-    shard_model,
-    start_followers,
-    stop_followers,
-)
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -69,61 +53,24 @@ class LLM:
         speculative_config: SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
         usage_context: str = OFFLINE,
-        _tensor_parallel_rank: tuple[int, int] | None = None,
     ) -> None:
-        resolved_device = resolve_device(device)
-        resolved_dtype = resolve_dtype(dtype, resolved_device)
-        rank, port = _tensor_parallel_rank or (0, 0)
-        load_on = rank_device(resolved_device, rank)
-        loaded, tokenizer, name = load_model_and_tokenizer(model, resolved_dtype, load_on)
-        self.model_name = name
-        self.tokenizer = tokenizer
-        self.tensor_parallel: TensorParallel | None = None
-        followers: list[Any] = []
-        if tensor_parallel_size != 1:
-            check_tensor_parallel(tensor_parallel_size, loaded.config, resolved_device)
-            if rank == 0:
-                port = free_port()
-                follower_kwargs = {
-                    "model": model,
-                    "device": device,
-                    "dtype": dtype,
-                    "cache_config": cache_config,
-                    "scheduler_config": scheduler_config,
-                    "exit_config": exit_config,
-                    "execution_config": execution_config,
-                    "attention_backend": attention_backend,
-                    "speculative_config": speculative_config,
-                    "usage_context": usage_context,
-                }
-                followers = start_followers(tensor_parallel_size, port, follower_kwargs)
-        try:
-            if tensor_parallel_size != 1:
-                self.tensor_parallel = join_group(
-                    rank, tensor_parallel_size, port, resolved_device, followers
-                )
-                shard_model(loaded, self.tensor_parallel)
-            self.engine = EngineCore(
-                loaded,
-                tokenizer,
-                cache_config or CacheConfig(),
-                scheduler_config or SchedulerConfig(),
-                exit_config or ExitConfig(),
-                execution_config or ExecutionConfig(),
-                attention_backend,
-                speculative_config,
-                self.tensor_parallel,
-                usage_context,
-            )
-        except BaseException:
-            if self.tensor_parallel is not None:
-                self.tensor_parallel.close()
-            for process in followers:
-                process.kill()
-            raise
-        if self.tensor_parallel is not None and rank == 0:
-            self.engine.mirror = self.tensor_parallel.mirror
-            weakref.finalize(self.engine, stop_followers, self.tensor_parallel, followers)
+        built = build_engine(
+            model,
+            device,
+            dtype,
+            cache_config,
+            scheduler_config,
+            exit_config,
+            execution_config,
+            attention_backend,
+            speculative_config,
+            tensor_parallel_size,
+            usage_context,
+        )
+        self.engine = built.engine
+        self.tokenizer = built.tokenizer
+        self.model_name = built.model_name
+        self.tensor_parallel = built.tensor_parallel
         self._counter = 0
         self._sampling_defaults = model_sampling_defaults(model)
 

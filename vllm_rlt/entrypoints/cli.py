@@ -10,9 +10,9 @@ import os
 import sys
 from typing import Any
 
+from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import SERVE
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
-from vllm_rlt.entrypoints.parser import CLIParser
 from vllm_rlt.sampling_params import SamplingParams
 
 SUBCOMMANDS = ("generate", "bench", "serve")
@@ -307,7 +307,8 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from vllm_rlt.engine.remote_channel import channel_keys, check_address, check_ports
     from vllm_rlt.entrypoints.headless import run_headless
     from vllm_rlt.entrypoints.openai.api_servers import MAX_API_SERVERS, APIServerFailed
-    from vllm_rlt.entrypoints.openai.server import ServerSettings, log_like_uvicorn, serve
+    from vllm_rlt.entrypoints.openai.launch import serve
+    from vllm_rlt.entrypoints.openai.server import ServerSettings, log_like_uvicorn
     from vllm_rlt.models.load import check_model_source
 
     if ns.model_path is not None:

@@ -25,6 +25,7 @@ import multiprocessing
 import os
 import socket
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -207,14 +208,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_followers(world: int, port: int, llm_kwargs: dict[str, Any]) -> list[Any]:
-    """Spawn ranks 1 .. world - 1, each building the same engine from `llm_kwargs`."""
+def start_followers(
+    world: int, port: int, target: Callable[..., None], arguments: dict[str, Any]
+) -> list[Any]:
+    """Spawn ranks 1 .. world - 1, each running
+    `target(rank, world, port, arguments, parent pid)`, which builds the same engine."""
     spawn = multiprocessing.get_context("spawn")
     processes = []
     for rank in range(1, world):
         process = spawn.Process(
-            target=run_follower,
-            args=(rank, world, port, llm_kwargs, os.getpid()),
+            target=target,
+            args=(rank, world, port, arguments, os.getpid()),
             name=f"vllm-rlt-tp-rank-{rank}",
             daemon=True,
         )
@@ -237,20 +241,8 @@ def stop_followers(tp: TensorParallel, followers: list[Any], timeout: float = 30
             process.kill()
 
 
-def run_follower(
-    rank: int, world: int, port: int, llm_kwargs: dict[str, Any], parent_pid: int
-) -> None:
-    """A rank other than 0: build the engine like rank 0, then make every call rank 0
-    mirrors until it says stop. It leaves with its parent."""
-    from vllm_rlt.engine.core_proc import exit_with_parent
-    from vllm_rlt.engine.llm import LLM
-
-    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
-    llm = LLM(**llm_kwargs, tensor_parallel_size=world, _tensor_parallel_rank=(rank, port))
-    follow(llm.engine, llm.tensor_parallel)
-
-
 def follow(engine: Any, tp: TensorParallel) -> None:
+    """A rank other than 0: make every engine call rank 0 mirrors, until it says stop."""
     while True:
         name, args, kwargs = tp.receive()
         if name == "stop":

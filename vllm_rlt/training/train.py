@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from vllm_rlt.entrypoints.parser import CLIParser
+from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.models.ouro import OuroConfig
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.byte_level import BYTE_OFFSET, BYTE_VOCAB_SIZE, ENDOFTEXT_ID, IM_END_ID

@@ -28,8 +28,8 @@ import tempfile
 import threading
 
 from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
-from vllm_rlt.engine.core_proc import exit_with_parent
 from vllm_rlt.engine.dp_client import DataParallelClient
+from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.entrypoints.openai.server import (
     ServerSettings,
     ServerState,
@@ -164,7 +164,7 @@ def run_api_server(
     """Entry point of one API-server process."""
     # The main process turns Ctrl+C into SIGTERM for each server: one signal, one drain.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    threading.Thread(target=exit_with_parent, args=(parent_pid,), daemon=True).start()
+    leave_with_parent(parent_pid)
     log_like_uvicorn()
     state = ServerState(settings, attach=attachments)
     state.load()

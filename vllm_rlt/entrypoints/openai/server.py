@@ -10,8 +10,6 @@ import logging
 import os
 import signal
 import socket
-import sys
-import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -522,40 +520,3 @@ def log_like_uvicorn() -> None:
     package.addHandler(handler)
     package.setLevel(logging.INFO)
     package.propagate = False
-
-
-def serve(
-    settings: ServerSettings, host: str, port: int, shutdown_timeout: float
-) -> BaseException | None:
-    """Run until SIGTERM/SIGINT: stop accepting, let requests finish within the timeout,
-    abort the rest, exit. Returns the load error when the model failed to load and
-    `exit_on_load_error` ended the server; raises OSError when the port cannot be bound."""
-    if settings.api_server_count > 1:
-        from vllm_rlt.entrypoints.openai.api_servers import serve_with_api_servers
-
-        return serve_with_api_servers(settings, host, port, shutdown_timeout)
-    sock = listen(host, port)
-    log_like_uvicorn()
-    state = ServerState(settings)
-    server = build_server(state, host, port, shutdown_timeout)
-    if settings.exit_on_load_error:
-
-        def stop() -> None:
-            server.should_exit = True
-
-        state.on_load_error = stop
-    loader = threading.Thread(target=state.load, name="vllm-rlt-load", daemon=True)
-    loader.start()
-    try:
-        server.run(sockets=[sock])
-    finally:
-        if state.engine is not None:
-            state.engine.shutdown()
-    if loader.is_alive():
-        # Stopped during a load: the loading thread cannot be interrupted, and ending the
-        # interpreter under it would abort the process, so leave without finalising.
-        logger.info("stopped while the model was still loading")
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(0)
-    return state.load_error if settings.exit_on_load_error else None
