@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from types import MappingProxyType
@@ -10,8 +11,50 @@ from typing import Any
 MAX_NUM_SEQS = 65536
 # Which entry point runs the engine: scheduler defaults differ (engine/device_defaults.py).
 OFFLINE, SERVE = "offline", "serve"
+
+
+class KVLayout(str, enum.Enum):
+    """How the KV cache holds a looped model's loops (see CacheConfig), and the geometry
+    each implies: every place that depends on the layout asks it here."""
+
+    LAST_EXITED = "last_exited"
+    SHARED = "shared"
+    SHARED_DECODE = "shared_decode"
+
+    def __str__(self) -> str:
+        return self.value
+
+    def __format__(self, spec: str) -> str:
+        return format(self.value, spec)
+
+    def planes(self, num_loops: int) -> int:
+        """Cache planes: one per loop under last_exited, else one."""
+        return num_loops if self is KVLayout.LAST_EXITED else 1
+
+    def table_planes(self, num_loops: int) -> int:
+        """Block-table rows per slot: one per loop under shared_decode (a prompt's per-loop
+        tables), else one."""
+        return num_loops if self is KVLayout.SHARED_DECODE else 1
+
+    @property
+    def writes_deeper_planes(self) -> bool:
+        """A decode row also writes every deeper plane (last_exited)."""
+        return self is KVLayout.LAST_EXITED
+
+    @property
+    def one_position_prefill(self) -> bool:
+        """A prompt position runs every loop before the next starts (shared)."""
+        return self is KVLayout.SHARED
+
+    @property
+    def caches_prefixes(self) -> bool:
+        """Prompt blocks can be shared between requests (not under shared_decode, which
+        frees a prompt's per-loop planes once it is done)."""
+        return self is not KVLayout.SHARED_DECODE
+
+
+KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 USAGE_CONTEXTS = (OFFLINE, SERVE)
-KV_LAYOUTS = ("last_exited", "shared", "shared_decode")
 SCHEDULING_MODES = ("refill", "no_refill")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
@@ -67,7 +110,7 @@ class CacheConfig:
     once the prompt is done, while a later prompt needs them to continue from the prefix.
     """
 
-    layout: str = "last_exited"
+    layout: KVLayout | str = KVLayout.LAST_EXITED  # a name is taken and kept as KVLayout
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_memory_bytes: int | None = None
@@ -79,6 +122,7 @@ class CacheConfig:
             self.layout in KV_LAYOUTS,
             f"layout must be one of {', '.join(KV_LAYOUTS)}, got {self.layout!r}",
         )
+        object.__setattr__(self, "layout", KVLayout(self.layout))
         require_int(self.block_size, "block_size", 1, 1024)
         if self.num_blocks is not None:
             require_int(self.num_blocks, "num_blocks", 1)

@@ -16,6 +16,7 @@ import torch
 
 from tests.conftest import drain
 from vllm_rlt import LLM, CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
+from vllm_rlt.config import KV_LAYOUTS, KVLayout
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -611,3 +612,30 @@ def test_llm_invalid_prompt_in_batch_leaves_engine_idle(
     again = [summary(o) for o in llm.generate(["Hello", "abc"], greedy(), use_tqdm=False)]
     assert again == reference
     assert_idle(llm)
+
+
+def test_a_layout_name_becomes_its_kind_with_its_geometry():
+    layouts = {name: CacheConfig(layout=name).layout for name in KV_LAYOUTS}
+    assert layouts == {
+        "last_exited": KVLayout.LAST_EXITED,
+        "shared": KVLayout.SHARED,
+        "shared_decode": KVLayout.SHARED_DECODE,
+    }
+    geometry = {
+        name: (
+            layout.planes(4),
+            layout.table_planes(4),
+            layout.writes_deeper_planes,
+            layout.one_position_prefill,
+            layout.caches_prefixes,
+        )
+        for name, layout in layouts.items()
+    }
+    assert geometry == {
+        "last_exited": (4, 1, True, False, True),
+        "shared": (1, 1, False, True, True),
+        "shared_decode": (1, 4, False, False, False),
+    }
+    assert f"{KVLayout.SHARED}" == str(KVLayout.SHARED) == "shared"
+    with pytest.raises(ValueError, match="layout must be one of last_exited, shared"):
+        CacheConfig(layout="planes")

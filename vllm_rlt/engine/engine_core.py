@@ -19,6 +19,7 @@ from vllm_rlt.config import (
     CacheConfig,
     ExecutionConfig,
     ExitConfig,
+    KVLayout,
     SchedulerConfig,
     SpeculativeConfig,
     require,
@@ -140,8 +141,7 @@ class EngineCore:
             )
         self.num_lanes = num_lanes
         layout = cache_config.layout
-        planes = self.num_loops if layout == "last_exited" else 1
-        table_planes = self.num_loops if layout == "shared_decode" else 1
+        planes, table_planes = layout.planes(self.num_loops), layout.table_planes(self.num_loops)
         self.memory_plan: MemoryPlan = self._plan_memory(
             cache_config, scheduler_config, execution_config, planes, table_planes, ops
         )
@@ -155,15 +155,13 @@ class EngineCore:
             planes=planes,
             block_size=cache_config.block_size,
             num_blocks=self.memory_plan.num_blocks,
-            write_deeper_planes=layout == "last_exited",
+            write_deeper_planes=layout.writes_deeper_planes,
             table_planes=table_planes,
         )
         self.kv = KVCacheManager(
             self.memory_plan.num_blocks,
             cache_config.block_size,
-            # SHARED_DECODE keeps only the final plane of a finished prompt, and a prompt
-            # that continues a cached prefix would need every loop's.
-            enable_caching=cache_config.enable_prefix_caching and layout != "shared_decode",
+            enable_caching=cache_config.enable_prefix_caching and layout.caches_prefixes,
         )
         # A cached block's K/V depends on the weights, the layout and the dtype too.
         salt = repr((vars(cfg), cache_config.layout, str(model.dtype)))
@@ -171,7 +169,7 @@ class EngineCore:
             scheduler_config,
             self.kv,
             self.num_loops,
-            one_position_prefill=layout == "shared",
+            one_position_prefill=layout.one_position_prefill,
             cache_salt=hashlib.sha256(salt.encode()).digest(),
             table_planes=table_planes,
             speculation=speculative_config,
@@ -625,9 +623,9 @@ def _check_speculation(
         "draft_loops",
     )
     require(
-        cache_config.layout == "last_exited",
+        cache_config.layout is KVLayout.LAST_EXITED,
         "speculative decoding needs the last_exited KV layout (a drafted position reads each "
-        f"earlier position at its own loop), got {cache_config.layout!r}",
+        f"earlier position at its own loop), got {cache_config.layout.value!r}",
         "kv_layout",
     )
     rows = scheduler_config.max_num_seqs * num_lanes
