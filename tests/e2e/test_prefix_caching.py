@@ -10,7 +10,7 @@ import pytest
 from tests.conftest import drain
 from tests.e2e.test_engine_vs_oracle import POLICIES
 from vllm_rlt import CacheConfig, ExitConfig, SamplingParams
-from vllm_rlt.core.block_pool import KVCacheManager, block_hashes
+from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
 
 PREFIX = [random.Random(9).randrange(3, 259) for _ in range(13)]  # 3 blocks of 4, and 1 more
 SUFFIXES = [[40 + i, 50 + i, 60 + i][: 1 + i % 3] for i in range(6)]

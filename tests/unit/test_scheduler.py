@@ -8,8 +8,8 @@ from collections.abc import Callable
 import pytest
 
 from vllm_rlt.config import SchedulerConfig
-from vllm_rlt.core.block_pool import KVCacheManager
 from vllm_rlt.core.contract import ModelRunnerOutput, SampledToken, SchedulerOutput
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.request import Request, RequestStatus
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.sampling_params import SamplingParams

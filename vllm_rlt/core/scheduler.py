@@ -7,7 +7,6 @@ from collections import deque
 from operator import attrgetter
 
 from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
-from vllm_rlt.core.block_pool import KVCacheManager, block_hashes
 from vllm_rlt.core.contract import (
     ModelRunnerOutput,
     NewSlot,
@@ -15,6 +14,7 @@ from vllm_rlt.core.contract import (
     PrefillChunk,
     SchedulerOutput,
 )
+from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
 from vllm_rlt.core.request import Request, RequestStatus
 
 

@@ -24,8 +24,8 @@ from vllm_rlt.config import (
     SpeculativeConfig,
     require,
 )
-from vllm_rlt.core.block_pool import KVCacheManager
 from vllm_rlt.core.contract import SchedulerOutput
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.memory import (
     CPU_DEFAULT_BLOCKS,
     MemoryPlan,
