@@ -19,7 +19,6 @@ from vllm_rlt.config import (
     CacheConfig,
     ExecutionConfig,
     ExitConfig,
-    KVLayout,
     SchedulerConfig,
     SpeculativeConfig,
     require,
@@ -27,15 +26,12 @@ from vllm_rlt.config import (
 from vllm_rlt.core.contract import SchedulerOutput
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.memory import (
-    CPU_DEFAULT_BLOCKS,
     MemoryPlan,
-    check_explicit_plan,
-    plan_from_profile,
-    plan_kv_cache,
 )
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
+from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
 from vllm_rlt.engine.messages import CompletionDelta, EngineStats, RequestDelta
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
@@ -122,7 +118,7 @@ class EngineCore:
                 speculative_config.draft_loops,
                 speculative_config.max_ahead,
             )
-            _check_speculation(
+            check_speculation(
                 speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
             )
         self.max_model_len = cfg.max_position_embeddings
@@ -142,8 +138,15 @@ class EngineCore:
         self.num_lanes = num_lanes
         layout = cache_config.layout
         planes, table_planes = layout.planes(self.num_loops), layout.table_planes(self.num_loops)
-        self.memory_plan: MemoryPlan = self._plan_memory(
-            cache_config, scheduler_config, execution_config, planes, table_planes, ops
+        self.memory_plan: MemoryPlan = plan_memory(
+            model,
+            ops,
+            cache_config,
+            scheduler_config,
+            execution_config,
+            planes,
+            table_planes,
+            num_lanes,
         )
         if tensor_parallel is not None:  # every rank's scheduler must see the same pool
             fewest = tensor_parallel.min_over_ranks(self.memory_plan.num_blocks)
@@ -187,24 +190,9 @@ class EngineCore:
             trace_len,
             lanes,
         )
-        if execution_config.cuda_graphs and model.device.type == "cuda" and not ops.needs_segments:
-            from vllm_rlt.worker.cuda_graphs import DecodeGraphs
-            from vllm_rlt.worker.piecewise_graphs import PiecewiseGraphs, piece_sizes
-
-            runner = self.runner
-            runner.graphs = DecodeGraphs(runner)
-            runner.graphs.capture_all()
-            runner.pieces = PiecewiseGraphs(
-                model,
-                ops,
-                runner.k_caches,
-                runner.v_caches,
-                runner.graphs.pool,
-                piece_sizes(scheduler_config.max_num_batched_tokens),
-            )
-            runner.pieces.capture_all()
-        if model.device.type == "cuda":
-            self.runner.warm_up_prompt_passes(sorted({1, scheduler_config.max_num_batched_tokens}))
+        prepare_device(
+            self.runner, ops, execution_config.cuda_graphs, scheduler_config.max_num_batched_tokens
+        )
         self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()
@@ -231,57 +219,6 @@ class EngineCore:
         self._seeds = random.Random(execution_config.seed)
         self.num_passes = 0
         self.num_rows_total = 0  # rows over all passes, for the rows-per-pass metric
-
-    def _plan_memory(
-        self, cache_config, scheduler_config, execution_config, planes, table_planes, ops
-    ):
-        """`table_planes` one-plane blocks hold what one block of every plane holds, so
-        defaults and caps count that many per position block under SHARED_DECODE."""
-        cfg, device = self.model.config, self.model.device
-        explicit = cache_config.num_blocks is not None or cache_config.kv_cache_memory_bytes
-        if device.type != "cuda":
-            default = CPU_DEFAULT_BLOCKS * table_planes
-            return plan_kv_cache(cache_config, cfg, planes, self.model.dtype, default)
-        from vllm_rlt.worker.memory_profile import peak_pass_bytes
-        from vllm_rlt.worker.piecewise_graphs import buffer_bytes, piece_sizes
-
-        seqs = scheduler_config.max_num_seqs
-        rows = scheduler_config.max_num_batched_tokens
-        samplers = seqs * self.num_lanes  # every speculation lane may need the LM head
-        pass_peak = peak_pass_bytes(
-            self.model, ops, rows, samplers, planes, cache_config.block_size
-        )
-        graph_pool = 0
-        if execution_config.cuda_graphs and not ops.needs_segments:
-            # The decode graphs and the layer pieces capture on different streams, so their
-            # scratch memory adds up; the pieces also keep buffers of their largest size.
-            pieces = piece_sizes(rows)[-1]
-            block_size = cache_config.block_size
-            graph_pool = (
-                peak_pass_bytes(self.model, ops, samplers, samplers, planes, block_size)
-                + peak_pass_bytes(self.model, ops, pieces, 1, planes, block_size)
-                + buffer_bytes(cfg, self.model.dtype, pieces)
-            )
-        if explicit:
-            plan = plan_kv_cache(cache_config, cfg, planes, self.model.dtype)
-            free, _ = torch.cuda.mem_get_info(device)
-            # Memory the allocator holds but nothing uses (the profiled pass's) is free too.
-            free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
-            check_explicit_plan(plan, free, pass_peak, graph_pool, str(device))
-            return plan
-        total = torch.cuda.get_device_properties(device).total_memory
-        per_seq = -(-self.max_model_len // cache_config.block_size)
-        return plan_from_profile(
-            cache_config,
-            cfg,
-            planes,
-            self.model.dtype,
-            total,
-            torch.cuda.memory_allocated(device),
-            pass_peak,
-            graph_pool,
-            seqs * per_seq * table_planes,
-        )
 
     # ----------------------------------------------------------------- requests
     @_mirrored
@@ -611,33 +548,3 @@ def _device_fault(error: BaseException) -> bool:
     """Whether an error came from the accelerator (sticky: every later call fails too)."""
     accelerator_error = getattr(torch, "AcceleratorError", ())
     return isinstance(error, accelerator_error) or "CUDA error" in str(error)
-
-
-def _check_speculation(
-    config, num_loops: int, cache_config, scheduler_config, num_lanes: int
-) -> None:
-    require(
-        config.draft_loops < num_loops,
-        f"draft_loops must be in [1, {num_loops - 1}] (below the model's {num_loops} loops), "
-        f"got {config.draft_loops}",
-        "draft_loops",
-    )
-    require(
-        cache_config.layout is KVLayout.LAST_EXITED,
-        "speculative decoding needs the last_exited KV layout (a drafted position reads each "
-        f"earlier position at its own loop), got {cache_config.layout.value!r}",
-        "kv_layout",
-    )
-    rows = scheduler_config.max_num_seqs * num_lanes
-    require(
-        rows <= scheduler_config.max_num_batched_tokens,
-        f"max_num_batched_tokens must be at least max_num_seqs x {num_lanes} = {rows} (a "
-        f"speculating request decodes in {num_lanes} rows per pass), got "
-        f"{scheduler_config.max_num_batched_tokens}",
-        "max_num_batched_tokens",
-    )
-    require(
-        scheduler_config.mode == "refill",
-        f"speculative decoding needs the refill scheduling mode, got {scheduler_config.mode!r}",
-        "mode",
-    )
