@@ -134,8 +134,8 @@ def wait_idle(state: ServerState, timeout: float = 30.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
         stats = state.engine.engine_stats()
-        if not stats["has_unfinished"] and stats["all_blocks_free"]:
-            assert stats["num_free_slots"] == state.engine.max_running, "slots leaked"
+        if not stats.has_unfinished and stats.all_blocks_free:
+            assert stats.num_free_slots == state.engine.max_running, "slots leaked"
             return
         assert time.monotonic() < deadline, f"engine did not go idle: {stats}"
         time.sleep(0.02)

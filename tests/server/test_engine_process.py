@@ -128,7 +128,7 @@ def test_a_cancellation_flood_leaves_every_block_free():
         asyncio.run(flood())
         wait_idle(state)
         stats = state.engine.engine_stats()
-        assert stats["num_requests"] == 0 and stats["num_free_blocks"] == stats["num_blocks"]
+        assert stats.num_requests == 0 and stats.num_free_blocks == stats.num_blocks
         assert httpx.get(f"{url}/health").status_code == 200
 
 
@@ -141,11 +141,11 @@ def test_pass_metrics_match_the_cores_own_counts():
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=120).status_code == 200
         wait_idle(state)
         after = state.engine.engine_stats()
-        passes = after["num_passes"] - before["num_passes"]
+        passes = after.num_passes - before.num_passes
         assert passes > 0
-        assert metric(url, "vllm_rlt:passes_total") == after["num_passes"]
+        assert metric(url, "vllm_rlt:passes_total") == after.num_passes
         rows_per_pass = metric(url, "vllm_rlt:rows_per_pass")
-        assert rows_per_pass == 0 or 1 <= rows_per_pass <= after["num_rows"]
+        assert rows_per_pass == 0 or 1 <= rows_per_pass <= after.num_rows
         assert metric(url, "vllm_rlt:num_preemptions_total") == 0
         assert metric(url, "vllm_rlt:num_requests_running") == 0
 
@@ -188,7 +188,7 @@ def test_an_api_server_joins_a_core_that_connects_at_once(monkeypatch):
 
         monkeypatch.setattr(EngineCoreClient, "_wait_connected", late_wait)
         joined = EngineCoreClient.attach(core.attachments[0], deaths.append)
-        assert joined.call("stats")["num_requests"] == 0
+        assert joined.call("stats").num_requests == 0
         joined.shutdown()
     finally:
         core.shutdown()

@@ -212,7 +212,7 @@ def test_disconnect_mid_stream_frees_blocks(server):
         while not next(lines).startswith("data: "):
             pass
         stats = state.engine.engine_stats()
-        assert stats["num_free_blocks"] < stats["num_blocks"]
+        assert stats.num_free_blocks < stats.num_blocks
     wait_idle(state)
 
 

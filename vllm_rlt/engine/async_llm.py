@@ -23,6 +23,7 @@ from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
     AddRequest,
+    CoreStats,
     EngineOutputs,
     EngineStats,
     RequestDelta,
@@ -425,10 +426,12 @@ class AsyncLLM:
         """End every request now: each stream gets a final output with finish reason abort."""
         self.client.send(AbortAll(self.client.client))
 
-    def engine_stats(self, timeout: float = 30.0) -> dict[str, Any]:
+    def engine_stats(self, timeout: float = 30.0) -> CoreStats:
         """The core's own view, asked over the control channel: requests, free blocks and
         slots, passes (blocks the calling thread until the core answers)."""
-        return self.client.call("stats", timeout)
+        stats = self.client.call("stats", timeout)
+        assert isinstance(stats, CoreStats)
+        return stats
 
     def shutdown(self) -> None:
         self.client.shutdown()

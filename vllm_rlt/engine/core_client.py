@@ -39,6 +39,7 @@ from vllm_rlt.engine.messages import (
     Command,
     ControlCall,
     ControlReply,
+    CoreStats,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -294,9 +295,9 @@ class EngineCoreClient:
             if not self._closing:
                 self.input.send(data, copy=False)
 
-    def call(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
-        """A control call ("stats", "shutdown"), answered by the core between passes;
-        blocks the calling thread."""
+    def call(self, name: str, timeout: float = 30.0) -> CoreStats | dict[str, bool | str]:
+        """A control call ("stats": a CoreStats; "shutdown"), answered by the core between
+        passes; blocks the calling thread."""
         if self.dead_reason is not None:
             raise EngineCoreDied(self.dead_reason)
         with self._call_lock:

@@ -30,6 +30,7 @@ from vllm_rlt.engine.messages import (
     AddRequest,
     ControlCall,
     ControlReply,
+    CoreStats,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -188,36 +189,23 @@ class CoreLoop:
             if delta is not None:
                 self._route([delta])
 
-    def _control(self, name: str) -> dict[str, Any]:
+    def _control(self, name: str) -> CoreStats | dict[str, bool | str]:
         engine = self.engine
         if name == "shutdown":
             self._abort_all()
             self.stopping = True
             return {"stopped": True}
         if name == "stats":
-            stats = engine.stats()
-            return {
-                "num_requests": len(engine.groups),
-                "has_unfinished": engine.has_unfinished,
-                "all_blocks_free": engine.all_blocks_free(),
-                "num_free_blocks": stats.num_free_blocks,
-                "num_blocks": stats.num_blocks,
-                "num_free_slots": len(engine.scheduler.free_slots),
-                "num_running": stats.num_running,
-                "num_waiting": stats.num_waiting,
-                "num_passes": stats.num_passes,
-                "num_rows": stats.num_rows,
-                "num_preemptions": stats.num_preemptions,
-                "prefix_cache_queries": stats.prefix_cache_queries,
-                "prefix_cache_hits": stats.prefix_cache_hits,
-                "spec_num_drafts": stats.spec_num_drafts,
-                "spec_num_draft_tokens": stats.spec_num_draft_tokens,
-                "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
-                "spec_accepted_per_position": stats.spec_accepted_per_position,
-                "num_cached_blocks": engine.kv.num_cached_blocks,
-                "passes_per_second": self.rate.passes_per_second(),
-                "rows_per_pass": self.rate.rows_per_pass(),
-            }
+            return CoreStats(
+                **msgspec.structs.asdict(engine.stats()),
+                num_requests=len(engine.groups),
+                num_free_slots=len(engine.scheduler.free_slots),
+                num_cached_blocks=engine.kv.num_cached_blocks,
+                has_unfinished=engine.has_unfinished,
+                all_blocks_free=engine.all_blocks_free(),
+                passes_per_second=self.rate.passes_per_second(),
+                rows_per_pass=self.rate.rows_per_pass(),
+            )
         return {"error": f"unknown control call {name!r}"}
 
 

@@ -32,32 +32,13 @@ from vllm_rlt.engine.messages import (
     AbortRequest,
     AddRequest,
     Command,
+    CoreStats,
     EngineOutputs,
+    sum_core_stats,
 )
 from vllm_rlt.engine.remote_channel import ChannelKeys, remote_peer
 
 MAX_DATA_PARALLEL = 64
-
-# Counters and gauges that add up over cores in the frontend's "stats" answer; the rest
-# (rates, means, flags) are combined below.
-_SUMMED = (
-    "num_requests",
-    "num_free_blocks",
-    "num_blocks",
-    "num_free_slots",
-    "num_running",
-    "num_waiting",
-    "num_passes",
-    "num_rows",
-    "num_preemptions",
-    "prefix_cache_queries",
-    "prefix_cache_hits",
-    "spec_num_drafts",
-    "spec_num_draft_tokens",
-    "spec_num_accepted_tokens",
-    "num_cached_blocks",
-    "passes_per_second",
-)
 
 
 @dataclass(frozen=True)
@@ -300,28 +281,14 @@ class DataParallelClient:
         on_outputs(outputs)
 
     # ----------------------------------------------------------------- control
-    def call(self, name: str, timeout: float = 30.0) -> dict[str, Any]:
-        """Ask every running core; "stats" answers the sums, with each core's own in
-        "engines" (a lost core's as None)."""
+    def call(self, name: str, timeout: float = 30.0) -> CoreStats | dict[str, bool | str]:
+        """Ask every running core; "stats" answers their sum, with each core's own in
+        `per_core` (a lost core's as None)."""
         answers = {rank: self.cores[rank].call(name, timeout) for rank in self.live_ranks}
-        values = list(answers.values())
         if name != "stats":
-            return values[0]
-        total: dict[str, Any] = {key: sum(v[key] for v in values) for key in _SUMMED}
-        total["has_unfinished"] = any(v["has_unfinished"] for v in values)
-        total["all_blocks_free"] = all(v["all_blocks_free"] for v in values)
-        rows = sum(v["rows_per_pass"] * v["passes_per_second"] for v in values)
-        total["rows_per_pass"] = rows / total["passes_per_second"] if rows else 0.0
-        positions = max(len(v["spec_accepted_per_position"]) for v in values)
-        total["spec_accepted_per_position"] = [
-            sum(
-                v["spec_accepted_per_position"][i]
-                for v in values
-                if i < len(v["spec_accepted_per_position"])
-            )
-            for i in range(positions)
-        ]
-        total["engines"] = [answers.get(rank) for rank in range(self.size)]
+            return next(iter(answers.values()))
+        total = sum_core_stats(list(answers.values()))  # type: ignore[arg-type]
+        total.per_core = [answers.get(rank) for rank in range(self.size)]  # type: ignore[misc]
         return total
 
     def lost_reason(self) -> str | None:

@@ -6,6 +6,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import msgspec
 import torch
 from tqdm import tqdm
 
@@ -85,27 +86,16 @@ class LLM:
         return self.tokenizer  # type: ignore[return-value]
 
     def stats(self) -> dict[str, Any]:
-        """The engine's counters since it was built: passes and rows, preemptions, KV
-        blocks (free, total, in the prefix cache) and prefix-cache lookups (prompt tokens
-        looked up, found, and their ratio)."""
-        stats = self.engine.stats()
-        queries = stats.prefix_cache_queries
-        drafted = stats.spec_num_draft_tokens
+        """The engine's counters since it was built (`EngineStats`: requests running and
+        waiting, passes and rows, preemptions, KV blocks, prefix-cache lookups, drafts), the
+        blocks in the prefix cache, and the prefix-cache hit and draft acceptance rates."""
+        stats = msgspec.structs.asdict(self.engine.stats())
+        queries, drafted = stats["prefix_cache_queries"], stats["spec_num_draft_tokens"]
         return {
-            "num_passes": stats.num_passes,
-            "num_rows": stats.num_rows,
-            "num_preemptions": stats.num_preemptions,
-            "num_free_blocks": stats.num_free_blocks,
-            "num_blocks": stats.num_blocks,
+            **stats,
             "num_cached_blocks": self.engine.kv.num_cached_blocks,
-            "prefix_cache_queries": queries,
-            "prefix_cache_hits": stats.prefix_cache_hits,
-            "prefix_cache_hit_rate": stats.prefix_cache_hits / queries if queries else 0.0,
-            "spec_num_drafts": stats.spec_num_drafts,
-            "spec_num_draft_tokens": drafted,
-            "spec_num_accepted_tokens": stats.spec_num_accepted_tokens,
-            "spec_acceptance_rate": stats.spec_num_accepted_tokens / drafted if drafted else 0.0,
-            "spec_accepted_per_position": list(stats.spec_accepted_per_position),
+            "prefix_cache_hit_rate": stats["prefix_cache_hits"] / queries if queries else 0.0,
+            "spec_acceptance_rate": stats["spec_num_accepted_tokens"] / drafted if drafted else 0.0,
         }
 
     def generate(

@@ -4,6 +4,9 @@ step with the new tokens of every request that progressed, never text, never pic
 
 from __future__ import annotations
 
+import itertools
+from typing import Any
+
 import msgspec
 
 from vllm_rlt.sampling_params import SamplingParams
@@ -120,6 +123,40 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_accepted_per_position: list[int] = []  # accepted drafts made i + 1 ahead
 
 
+class CoreStats(EngineStats):
+    """A core's answer to the "stats" control call: its engine's counters and what only the
+    core's loop knows. With several data-parallel cores the frontend answers their sum
+    (`sum_core_stats`), each core's own in `per_core` (a lost core's as None)."""
+
+    num_requests: int = 0
+    num_free_slots: int = 0
+    num_cached_blocks: int = 0
+    has_unfinished: bool = False
+    all_blocks_free: bool = True
+    passes_per_second: float = 0.0
+    rows_per_pass: float = 0.0  # mean over the passes of the last few seconds
+    per_core: list[CoreStats | None] = []  # filled by the frontend only
+
+
+def sum_core_stats(values: list[CoreStats]) -> CoreStats:
+    """Counters and gauges add up, flags combine, rows per pass is the mean over every
+    core's passes, and accepted drafts add up position by position."""
+    total: dict[str, Any] = {}
+    for name in CoreStats.__struct_fields__:
+        column = [getattr(value, name) for value in values]
+        if name == "has_unfinished":
+            total[name] = any(column)
+        elif name == "all_blocks_free":
+            total[name] = all(column)
+        elif name == "spec_accepted_per_position":
+            total[name] = [sum(counts) for counts in itertools.zip_longest(*column, fillvalue=0)]
+        elif name not in ("rows_per_pass", "per_core"):
+            total[name] = sum(column)
+    rows = sum(value.rows_per_pass * value.passes_per_second for value in values)
+    total["rows_per_pass"] = rows / total["passes_per_second"] if rows else 0.0
+    return CoreStats(**total)
+
+
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
     requests: list[RequestDelta]
     stats: EngineStats
@@ -127,7 +164,7 @@ class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
 
 class ControlReply(msgspec.Struct, tag="reply", array_like=True):
     call_id: int
-    value: dict[str, bool | int | float | str | list[int]]
+    value: CoreStats | dict[str, bool | str]  # "stats": CoreStats; else a small answer
 
 
 class EngineDead(msgspec.Struct, tag="dead", array_like=True):

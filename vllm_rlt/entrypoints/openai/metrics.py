@@ -10,13 +10,12 @@ multiprocess files and every scrape sums them all."""
 from __future__ import annotations
 
 import os
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from vllm_rlt.engine.messages import EngineOutputs
+from vllm_rlt.engine.messages import CoreStats, EngineOutputs
 from vllm_rlt.engine.pass_rate import RATE_WINDOW_S
 from vllm_rlt.outputs import RequestOutput
 
@@ -96,7 +95,7 @@ class ServerMetrics:
             registry=r,
         )
 
-    def render(self, engine: dict[str, Any] | None) -> bytes:
+    def render(self, engine: CoreStats | None) -> bytes:
         """The scrape: every API server's request figures and the core's counters
         (`engine`, the core's answer to "stats"; None when it could not answer)."""
         directory = os.environ.get("PROMETHEUS_MULTIPROC_DIR")
@@ -108,7 +107,7 @@ class ServerMetrics:
             families = list(self.registry.collect())
         families.extend(_mean_loops(families))
         if engine is not None:
-            families.extend(_engine_families(engine.get("engines", [engine])))
+            families.extend(_engine_families(engine.per_core or [engine]))
         families.extend(_vllm_aliases(families, self.model_name))
         return generate_latest(_Families(families))
 
@@ -171,7 +170,7 @@ def _mean_loops(families: list[Metric]) -> list[Metric]:
     return [gauge]
 
 
-def _engine_families(engines: list[dict[str, Any] | None]) -> list[Metric]:
+def _engine_families(engines: list[CoreStats | None]) -> list[Metric]:
     """The cores' counters, one sample per core labelled `engine` (its data-parallel rank;
     "0" with one core), as vLLM labels them: sum by engine for the server's total. A core
     that is gone (None) has no samples."""
@@ -219,24 +218,26 @@ def _engine_families(engines: list[dict[str, Any] | None]) -> list[Metric]:
         ),
     )
     families = [
-        family(GaugeMetricFamily, name, doc, lambda s, k=key: s[k]) for name, doc, key in gauges
+        family(GaugeMetricFamily, name, doc, lambda s, k=key: getattr(s, k))
+        for name, doc, key in gauges
     ]
     families.append(
         family(
             GaugeMetricFamily,
             "vllm_rlt:kv_cache_usage_perc",
             "Fraction of KV blocks held",
-            lambda s: 1.0 - s["num_free_blocks"] / max(s["num_blocks"], 1),
+            lambda s: 1.0 - s.num_free_blocks / max(s.num_blocks, 1),
         )
     )
     families += [
-        family(CounterMetricFamily, name, doc, lambda s, k=key: s[k]) for name, doc, key in counters
+        family(CounterMetricFamily, name, doc, lambda s, k=key: getattr(s, k))
+        for name, doc, key in counters
     ]
     families.append(_per_position(engines))
     return families
 
 
-def _per_position(engines: list[dict[str, Any] | None]) -> CounterMetricFamily:
+def _per_position(engines: list[CoreStats | None]) -> CounterMetricFamily:
     family = CounterMetricFamily(
         "vllm_rlt:spec_decode_num_accepted_tokens_per_pos",
         "Accepted draft tokens by how far ahead of the verified token they were made "
@@ -244,7 +245,7 @@ def _per_position(engines: list[dict[str, Any] | None]) -> CounterMetricFamily:
         labels=["engine", "position"],
     )
     for rank, stats in enumerate(engines):
-        for position, count in enumerate(stats["spec_accepted_per_position"] if stats else ()):
+        for position, count in enumerate(stats.spec_accepted_per_position if stats else ()):
             family.add_metric([str(rank), str(position)], count)
     return family
 

@@ -1,0 +1,39 @@
+"""The stats answer of several data-parallel cores: one struct, summed field by field."""
+
+from __future__ import annotations
+
+import msgspec
+
+from vllm_rlt.engine.messages import ControlReply, CoreStats, message_codec, sum_core_stats
+
+
+def _core(**fields) -> CoreStats:
+    base = dict(num_running=1, num_waiting=0, num_free_blocks=10, num_blocks=16, num_passes=50)
+    return CoreStats(**{**base, "num_rows": 400, **fields})
+
+
+def test_cores_add_up_and_flags_combine():
+    busy = _core(
+        has_unfinished=True,
+        all_blocks_free=False,
+        passes_per_second=30.0,
+        rows_per_pass=8.0,
+        spec_accepted_per_position=[3, 1],
+    )
+    idle = _core(passes_per_second=10.0, rows_per_pass=4.0, spec_accepted_per_position=[2])
+    total = sum_core_stats([busy, idle])
+    assert (total.num_running, total.num_free_blocks, total.num_passes) == (2, 20, 100)
+    assert total.has_unfinished and not total.all_blocks_free
+    assert total.passes_per_second == 40.0
+    assert total.rows_per_pass == (8.0 * 30 + 4.0 * 10) / 40  # over every core's passes
+    assert total.spec_accepted_per_position == [5, 1]
+    assert sum_core_stats([_core()]).rows_per_pass == 0.0  # no recent passes
+
+
+def test_the_stats_answer_crosses_the_wire_as_itself():
+    encoder, decoder = message_codec()
+    encode, decode = encoder.encode, decoder.decode
+    answer = _core(num_requests=3, passes_per_second=2.5)
+    assert decode(encode(ControlReply(7, answer))).value == answer
+    assert decode(encode(ControlReply(8, {"stopped": True}))).value == {"stopped": True}
+    assert msgspec.structs.asdict(answer)["num_requests"] == 3
