@@ -97,19 +97,19 @@ def patch_llm(module) -> None:
 
 def patch_frontend(module) -> None:
     frontend = module.AsyncLLM
-    add, release = frontend.add_request, frontend._release
+    add, release = frontend.add_request, frontend.release
 
     def add_request(self, *args, **kwargs):
         EVENTS.append(("front_add", time.monotonic()))
         return add(self, *args, **kwargs)
 
-    def _release(self, stream):
+    def release_stream(self, stream):
         EVENTS.append(("front_release", time.monotonic()))
         release(self, stream)
         if not self._streams:
             flush("front")
 
-    frontend.add_request, frontend._release = add_request, _release
+    frontend.add_request, frontend.release = add_request, release_stream
     timed(
         frontend,
         "_on_outputs",

@@ -9,7 +9,6 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 
@@ -32,11 +31,12 @@ from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
 from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
-from vllm_rlt.engine.messages import CompletionDelta, EngineStats, RequestDelta
+from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
+from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.exit import make_exit_policy
-from vllm_rlt.outputs import RequestMetrics, RequestOutput, prompt_logprob_entries
+from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.parallel.tensor_parallel import TensorParallel
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -45,29 +45,6 @@ from vllm_rlt.worker.pass_inputs import KVGeometry
 from vllm_rlt.worker.spec_lanes import SpecLanes, lanes_per_request
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class RequestGroup:
-    """A user request: its n completions run as separate engine requests."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    children: list[Request]
-    arrival_time: float
-    finish_reasons: dict[int, str] = field(default_factory=dict)
-    error: str | None = None  # why the engine failed this request alone
-    sent: list[int] = field(default_factory=list)  # tokens already sent, per completion
-    finish_sent: set[int] = field(default_factory=set)  # completions whose end was sent
-    prompt_logprobs_sent: bool = False
-
-    def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
-        """From the first completion, which alone computes them (see Request)."""
-        first = self.children[0]
-        if first.prompt_logprobs is None:
-            return None
-        return prompt_logprob_entries(self.prompt_token_ids, first.prompt_logprob_values)
 
 
 def _mirrored(method):
@@ -450,72 +427,18 @@ class EngineCore:
             self._in_flight = None
 
     def _finalize(self, group: RequestGroup) -> RequestOutput:
-        completions = [
-            self.outputs.completion(child, index, group.finish_reasons.get(index))
-            for index, child in enumerate(group.children)
-        ]
-        finished = self._forget_if_finished(group)
-        first_times = [c.first_token_time for c in group.children if c.first_token_time]
-        depths = [d for c in group.children for d in c.exit_depths[1:]]
-        metrics = RequestMetrics.of(
-            group.arrival_time,
-            min(first_times) if first_times else None,
-            time.monotonic() if finished else None,
-            depths,
-        )
-        return RequestOutput(
-            request_id=group.request_id,
-            prompt=group.prompt,
-            prompt_token_ids=group.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=metrics,
-            error=group.error,
-            prompt_logprobs=group.prompt_logprobs(),
-        )
+        output = group.output(self.outputs)
+        self._forget_if_finished(group)
+        return output
 
     def _delta(self, group: RequestGroup) -> RequestDelta:
-        if not group.sent:
-            group.sent = [0] * len(group.children)
-        completions = []
-        for index, child in enumerate(group.children):
-            start, end = group.sent[index], len(child.output_token_ids)
-            reason = group.finish_reasons.get(index)
-            if start == end and (reason is None or index in group.finish_sent):
-                continue
-            group.sent[index] = end
-            if reason is not None:
-                group.finish_sent.add(index)
-            with_logprobs = child.params.logprobs is not None
-            completions.append(
-                CompletionDelta(
-                    index=index,
-                    start=start,
-                    token_ids=child.output_token_ids[start:end],
-                    exit_depths=child.exit_depths[start:end],
-                    logprobs=child.logprobs[start:end] if with_logprobs else None,
-                    top_logprobs=[list(top) for top in child.top_logprobs[start:end]]
-                    if with_logprobs
-                    else None,
-                    finish_reason=reason,
-                )
-            )
-        prompt_logprobs = None
-        if not group.prompt_logprobs_sent:
-            prompt_logprobs = group.prompt_logprobs()
-            group.prompt_logprobs_sent = prompt_logprobs is not None
-        finished = self._forget_if_finished(group)
-        return RequestDelta(
-            group.request_id,
-            completions,
-            finished,
-            error=group.error,
-            prompt_logprobs=prompt_logprobs,
-        )
+        delta = group.delta()
+        self._forget_if_finished(group)
+        return delta
 
     def _forget_if_finished(self, group: RequestGroup) -> bool:
         """Drop a group whose completions have all ended; whether it had."""
-        if len(group.finish_reasons) < len(group.children):
+        if not group.all_ended:
             return False
         if self.groups.pop(group.request_id, None) is not None:
             for child in group.children:

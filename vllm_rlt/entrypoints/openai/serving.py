@@ -11,13 +11,8 @@ from typing import Any
 
 import orjson
 
-from vllm_rlt.engine.async_llm import (
-    AsyncLLM,
-    EngineDeadError,
-    QueueFullError,
-    RequestFailedError,
-    RequestStream,
-)
+from vllm_rlt.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from vllm_rlt.engine.request_stream import RequestFailedError, RequestStream
 from vllm_rlt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
