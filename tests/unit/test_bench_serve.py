@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from vllm_rlt.bench import serve
+from vllm_rlt.bench import serve, serve_client
 from vllm_rlt.bench.stub_server import STREAMS, Streams, build_app, start
 
 SMALL = ["--num-requests", "12", "--output-len", "5", "--prompt-len", "6"]
@@ -70,9 +70,9 @@ def test_tokens_are_the_exit_depths_of_each_event():
         b'data: {"choices": [{"index": 0, "text": "c", "exit_depths": [1]}]}\r',
         b"data: [DONE]",
     ]
-    assert serve.tokens_in(lines) == 3
-    with pytest.raises(serve.StreamFailed, match="request timed out"):
-        serve.tokens_in([b'data: {"error": {"message": "request timed out", "code": 504}}'])
+    assert serve_client.tokens_in(lines) == 3
+    with pytest.raises(serve_client.StreamFailed, match="request timed out"):
+        serve_client.tokens_in([b'data: {"error": {"message": "request timed out", "code": 504}}'])
 
 
 def test_client_processes_share_the_requests(stub, capsys):

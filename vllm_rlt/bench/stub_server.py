@@ -22,7 +22,7 @@ from typing import Any
 import orjson
 from aiohttp import web
 
-from vllm_rlt.bench.serve import run_async
+from vllm_rlt.bench.serve_client import run_async
 from vllm_rlt.cli_parser import CLIParser
 
 MODEL = "stub"
