@@ -21,7 +21,8 @@ import openai
 import pytest
 
 from vllm_rlt import LLM, CacheConfig, SamplingParams, SchedulerConfig
-from vllm_rlt.entrypoints.openai.server import ServerSettings, ServerState, build_server
+from vllm_rlt.entrypoints.openai.server import ServerState, build_server
+from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 
 def _free_port() -> int:

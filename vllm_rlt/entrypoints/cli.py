@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib
 import json
 import os
@@ -303,38 +304,42 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             f"vllm-rlt serve needs the serve extra ({', '.join(missing)} not installed): "
             'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")'
         )
-    from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, RemoteCores, core_environments
+    from vllm_rlt.engine.dp_client import RemoteCores, core_environments
     from vllm_rlt.engine.remote_channel import channel_keys, check_address, check_ports
     from vllm_rlt.entrypoints.headless import run_headless
-    from vllm_rlt.entrypoints.openai.api_servers import MAX_API_SERVERS, APIServerFailed
+    from vllm_rlt.entrypoints.openai.api_servers import APIServerFailed
     from vllm_rlt.entrypoints.openai.launch import serve
-    from vllm_rlt.entrypoints.openai.server import ServerSettings, log_like_uvicorn
+    from vllm_rlt.entrypoints.openai.server import log_like_uvicorn
+    from vllm_rlt.entrypoints.openai.settings import ServerSettings
     from vllm_rlt.models.load import check_model_source
 
     if ns.model_path is not None:
         if ns.model is not None and ns.model != ns.model_path:
             parser.error("give the model either as an argument or with --model, not both")
         ns.model = ns.model_path
-    for name in ("max_queue", "max_body_bytes", "max_sequences_per_request", "max_header_bytes"):
-        value = getattr(ns, name)
-        if value is not None and value < 1:
-            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {value}")
-    if ns.limit_concurrency < 1:
-        parser.error(f"--limit-concurrency must be >= 1, got {ns.limit_concurrency}")
-    for name in ("header_timeout", "body_timeout", "timeout_keep_alive", "shutdown_timeout"):
-        value = getattr(ns, name)
-        if not value >= 0:
-            parser.error(f"--{name.replace('_', '-')} must be >= 0 seconds, got {value}")
-    if ns.request_timeout is not None and not ns.request_timeout > 0:
-        parser.error(f"--request-timeout must be > 0 seconds, got {ns.request_timeout}")
-    if not 1 <= ns.api_server_count <= MAX_API_SERVERS:
-        parser.error(
-            f"--api-server-count must be in [1, {MAX_API_SERVERS}], got {ns.api_server_count}"
+    try:
+        settings = ServerSettings(
+            served_model_name=ns.served_model_name,
+            api_key=ns.api_key,
+            max_queue=ns.max_queue,
+            request_timeout=ns.request_timeout,
+            max_body_bytes=ns.max_body_bytes,
+            stall_timeout=ns.stall_timeout,
+            max_sequences_per_request=ns.max_sequences_per_request,
+            header_timeout=ns.header_timeout,
+            body_timeout=ns.body_timeout,
+            keep_alive_timeout=ns.timeout_keep_alive,
+            max_connections=ns.limit_concurrency,
+            max_header_bytes=ns.max_header_bytes,
+            exit_on_load_error=ns.exit_on_load_error,
+            access_log=ns.access_log,
+            api_server_count=ns.api_server_count,
+            data_parallel_size=ns.data_parallel_size,
         )
-    if not 1 <= ns.data_parallel_size <= MAX_DATA_PARALLEL:
-        parser.error(
-            f"--data-parallel-size must be in [1, {MAX_DATA_PARALLEL}], got {ns.data_parallel_size}"
-        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    if not ns.shutdown_timeout >= 0:
+        parser.error(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
     size = ns.data_parallel_size
     local = size if ns.data_parallel_size_local is None else ns.data_parallel_size_local
     if local < size and ns.api_server_count > 1:
@@ -387,23 +392,8 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         remote_cores = RemoteCores(
             local, ns.data_parallel_address, ns.data_parallel_rpc_port, channel_keys(ns.api_key)
         )
-    settings = ServerSettings(
-        served_model_name=ns.served_model_name,
-        api_key=ns.api_key,
-        max_queue=ns.max_queue,
-        request_timeout=ns.request_timeout,
-        max_body_bytes=ns.max_body_bytes,
-        stall_timeout=ns.stall_timeout,
-        max_sequences_per_request=ns.max_sequences_per_request,
-        header_timeout=ns.header_timeout,
-        body_timeout=ns.body_timeout,
-        keep_alive_timeout=ns.timeout_keep_alive,
-        max_connections=ns.limit_concurrency,
-        max_header_bytes=ns.max_header_bytes,
-        exit_on_load_error=ns.exit_on_load_error,
-        access_log=ns.access_log,
-        api_server_count=ns.api_server_count,
-        data_parallel_size=ns.data_parallel_size,
+    settings = dataclasses.replace(
+        settings,
         remote_cores=remote_cores,
         llm_kwargs={**engine_args.llm_kwargs(), "usage_context": SERVE},
     )

@@ -31,16 +31,15 @@ from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
 from vllm_rlt.engine.dp_client import DataParallelClient
 from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.entrypoints.openai.server import (
-    ServerSettings,
     ServerState,
     build_server,
     listen,
     log_like_uvicorn,
 )
+from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("vllm_rlt.server")
 
-MAX_API_SERVERS = 64
 SUPERVISE_TICK_S = 0.5
 
 

@@ -10,12 +10,12 @@ import threading
 
 from vllm_rlt.entrypoints.openai.api_servers import serve_with_api_servers
 from vllm_rlt.entrypoints.openai.server import (
-    ServerSettings,
     ServerState,
     build_server,
     listen,
     log_like_uvicorn,
 )
+from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("vllm_rlt.server")
 

@@ -11,7 +11,6 @@ import os
 import signal
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -25,7 +24,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vllm_rlt
 from vllm_rlt.engine.async_llm import AsyncLLM
 from vllm_rlt.engine.core_client import CoreAttachment
-from vllm_rlt.engine.dp_client import RemoteCores
 from vllm_rlt.entrypoints.openai.connection import DrainingServer, limited_protocol
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
 from vllm_rlt.entrypoints.openai.protocol import (
@@ -36,37 +34,12 @@ from vllm_rlt.entrypoints.openai.protocol import (
     describe_validation_error,
 )
 from vllm_rlt.entrypoints.openai.serving import (
-    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
     APIError,
     OpenAIServing,
 )
+from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("vllm_rlt.server")
-
-
-@dataclass
-class ServerSettings:
-    """Server-only options (engine options travel as LLM keyword arguments)."""
-
-    served_model_name: str | None = None
-    api_key: str | None = None
-    max_queue: int | None = None
-    request_timeout: float | None = None
-    max_body_bytes: int = 1 << 20
-    stall_timeout: float = 60.0
-    max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
-    header_timeout: float = 30.0
-    body_timeout: float = 60.0
-    keep_alive_timeout: float = 5.0
-    max_connections: int | None = 4096
-    max_header_bytes: int = 16 * 1024
-    exit_on_load_error: bool = True
-    access_log: bool = False
-    engine_in_process: bool = False  # the core on a thread of this process (tests)
-    api_server_count: int = 1
-    data_parallel_size: int = 1
-    remote_cores: RemoteCores | None = None  # data-parallel ranks on other hosts
-    llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 class ServerState:

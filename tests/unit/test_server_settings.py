@@ -1,0 +1,42 @@
+"""The server's settings check themselves: a bad value is an error naming its flag and
+range, wherever the settings are made."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vllm_rlt.config import ParamError
+from vllm_rlt.entrypoints.openai.settings import ServerSettings
+
+BAD = [
+    ({"max_queue": 0}, "--max-queue must be >= 1, got 0"),
+    ({"max_body_bytes": -5}, "--max-body-bytes must be >= 1, got -5"),
+    ({"max_sequences_per_request": 0}, "--max-sequences-per-request must be >= 1, got 0"),
+    ({"max_header_bytes": 0}, "--max-header-bytes must be >= 1, got 0"),
+    ({"max_connections": 0}, "--limit-concurrency must be >= 1, got 0"),
+    ({"header_timeout": -1.0}, "--header-timeout must be >= 0 seconds, got -1.0"),
+    ({"body_timeout": float("nan")}, "--body-timeout must be >= 0 seconds, got nan"),
+    ({"keep_alive_timeout": -0.5}, "--timeout-keep-alive must be >= 0 seconds, got -0.5"),
+    ({"request_timeout": 0.0}, "--request-timeout must be > 0 seconds, got 0.0"),
+    ({"stall_timeout": float("nan")}, "--stall-timeout must be > 0 seconds, got nan"),
+    ({"api_server_count": 0}, "--api-server-count must be in [1, 64], got 0"),
+    ({"data_parallel_size": 65}, "--data-parallel-size must be in [1, 64], got 65"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), BAD)
+def test_a_bad_setting_names_its_flag_and_range(fields, message):
+    with pytest.raises(ParamError, match=message.replace("[", r"\[")) as caught:
+        ServerSettings(**fields)
+    flag = message.split()[0]
+    assert caught.value.param == flag.removeprefix("--").replace("-", "_")
+
+
+def test_settings_are_frozen_and_checked_again_when_replaced():
+    settings = ServerSettings(max_queue=None, request_timeout=None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        settings.max_queue = 3  # type: ignore[misc]
+    with pytest.raises(ParamError, match="--api-server-count"):
+        dataclasses.replace(settings, api_server_count=100)
