@@ -448,3 +448,36 @@ def test_priority_admission_counts_prefix_hits_before_preempting():
     assert urgent.status is RequestStatus.PREFILL and low.status is RequestStatus.DECODE
     run_all(scheduler, runner)
     assert_idle(scheduler)
+
+
+def test_token_stops_are_decided_when_tokens_arrive_and_end_the_pass_there():
+    """A stop id ends the request at that token (not before min_tokens), max_tokens ends it
+    with "length", and a later token of the same pass (a speculation lane's) is dropped."""
+    scheduler = make_scheduler()
+    request = make_request("r", 3, max_tokens=10)
+    request.params = SamplingParams(max_tokens=10, min_tokens=2, stop_token_ids=[9])
+    request.stop_token_ids = frozenset({9})
+    scheduler.add_request(request)
+    out = scheduler.schedule()
+    while not out.prefill_chunks or not out.prefill_chunks[0].samples:
+        scheduler.update(out, ModelRunnerOutput((), ()))
+        out = scheduler.schedule()
+    slot = request.slot
+
+    def tokens(*ids: int) -> ModelRunnerOutput:
+        return ModelRunnerOutput(tuple(SampledToken(slot, i, T, 0.0, ()) for i in ids), ())
+
+    scheduler.update(out, tokens(9))  # the first token: a stop id, but min_tokens is 2
+    assert request.output_token_ids == [9] and request.stop_reason is None
+    out = scheduler.schedule()
+    scheduler.update(out, tokens(9, 5))
+    assert request.output_token_ids == [9, 9] and request.stop_reason == "stop"
+
+    long = make_request("long", 3, max_tokens=1)
+    scheduler.add_request(long)
+    out = scheduler.schedule()
+    while not any(c.samples and c.slot == long.slot for c in out.prefill_chunks):
+        scheduler.update(out, ModelRunnerOutput((), ()))
+        out = scheduler.schedule()
+    scheduler.update(out, ModelRunnerOutput((SampledToken(long.slot, 4, T, 0.0, ()),), ()))
+    assert long.stop_reason == "length"

@@ -61,6 +61,8 @@ class Request:
         default_factory=dict
     )
     finish_reason: str | None = None
+    # Why its tokens ended (core/stopping.py), set when the token that ends it arrives.
+    stop_reason: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
 

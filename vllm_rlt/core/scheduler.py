@@ -16,6 +16,7 @@ from vllm_rlt.core.contract import (
 )
 from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
 from vllm_rlt.core.request import Request, RequestStatus
+from vllm_rlt.core.stopping import token_stop
 
 
 class Scheduler:
@@ -505,13 +506,14 @@ class Scheduler:
         touched = []
         for sampled in result.sampled:
             request = self._owner(owners, sampled.slot)
-            if request is None:
-                continue
+            if request is None or request.stop_reason is not None:
+                continue  # gone, or a token before this one in the pass ended it
             request.token_in_flight = False
             request.output_token_ids.append(sampled.token_id)
             request.exit_depths.append(sampled.exit_depth)
             request.logprobs.append(sampled.logprob)
             request.top_logprobs.append(sampled.top_logprobs)
+            request.stop_reason = token_stop(request)
             touched.append(request)
             if request.speculates and not sampled.accepted:
                 # The next position restarted in the request's own lane and every other

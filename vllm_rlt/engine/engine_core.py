@@ -375,7 +375,7 @@ class EngineCore:
                     request.first_token_time = now
                 group = self.groups[self._group_of[request.request_id]]
                 try:
-                    reason = self.outputs.process(request)
+                    reason = self.outputs.process(request) or request.stop_reason
                 except Exception as exc:  # noqa: BLE001 - fails this request only
                     progressed[group.request_id] = self._fail(request, exc)
                     continue

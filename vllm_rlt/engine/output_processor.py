@@ -68,10 +68,10 @@ class CompletionState:
 
 
 class OutputProcessor:
-    """Applies EOS, stop ids, stop strings and length limits, and builds the text.
+    """Builds each completion's text and applies stop strings.
 
-    With `make_text=False` (the server, which detokenizes on its own thread) no text is
-    built and stop strings are left to the caller; token-level stops still apply.
+    With `make_text=False` (the server, which detokenizes on its own thread) it does
+    nothing: text and stop strings are left to the caller.
     """
 
     def __init__(self, tokenizer: Tokenizer | None, make_text: bool = True) -> None:
@@ -96,21 +96,18 @@ class OutputProcessor:
         self.states.pop(request_id, None)
 
     def process(self, request: Request) -> str | None:
-        """Consume the request's new tokens; return a finish reason when it must stop."""
+        """Turn the request's new tokens into text; "stop" when a stop string ended it. The
+        stops on token ids were decided when the tokens arrived (core/stopping.py)."""
         state = self.states[request.request_id]
-        params = request.params
+        if not self.make_text:
+            state.num_seen = len(request.output_token_ids)
+            return None
+        min_tokens = request.params.min_tokens
         while state.num_seen < len(request.output_token_ids):
             token = request.output_token_ids[state.num_seen]
             state.num_seen += 1
-            count = state.num_seen
-            stopped = state.tracker.add(token, check_stops=count >= params.min_tokens)
-            if count >= params.min_tokens:
-                if token in request.eos_token_ids or token in request.stop_token_ids:
-                    return "stop"
-                if stopped:
-                    return "stop"
-            if count >= params.max_tokens:
-                return "length"
+            if state.tracker.add(token, check_stops=state.num_seen >= min_tokens):
+                return "stop"
         return None
 
     def completion(
