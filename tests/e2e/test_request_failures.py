@@ -20,7 +20,7 @@ def test_a_failed_admission_fails_that_request_and_frees_everything(llm, monkeyp
     admit = state.admit_extras
 
     def failing_admit(new):
-        if new.seed == 777:
+        if new.sampling.seed == 777:
             raise OverflowError("simulated slot write failure")
         admit(new)
 

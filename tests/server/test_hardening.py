@@ -264,7 +264,7 @@ def _fail_one_request_state(url, state, monkeypatch):
     admit, process = engine.runner.state.admit_extras, engine.outputs.process
 
     def failing_admit(new):
-        if new.seed == 4242:
+        if new.sampling.seed == 4242:
             raise OverflowError("simulated slot write failure")
         admit(new)
 

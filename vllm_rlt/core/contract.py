@@ -7,29 +7,22 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Penalties:
-    """A request's logit adjustments (SamplingParams) and the tokens they look at: the
-    prompt (for the repetition penalty) and the outputs so far (a resumed request's)."""
+    """A request's logit adjustments (SamplingParams) and the prompt tokens the repetition
+    penalty looks at."""
 
     repetition: float
     frequency: float
     presence: float
     logit_bias: tuple[tuple[int, float], ...]
     prompt_token_ids: tuple[int, ...]
-    output_token_ids: tuple[int, ...]
 
 
 @dataclass(frozen=True)
-class NewSlot:
-    """A request admitted into a runner slot: everything its device row needs, once. Its
-    blocks arrive through `SchedulerOutput.block_updates`, as they are needed.
+class SamplingRecord:
+    """Everything a request's device row needs of its settings, built once per request
+    (`Request.sampling`) and carried by each of its admissions. A new per-request setting
+    is a field here, its line in `Request.sampling`, and its write in the slot state."""
 
-    A request resumed after preemption has produced `num_generated` tokens already: its
-    first decode input is `first_token` at position `prompt_len` (its prompt and replayed
-    outputs fill the positions before); a fresh request has `first_token` -1 and samples
-    its first token at the end of its prompt."""
-
-    slot: int
-    prompt_len: int
     min_loops: int
     max_loops: int
     exit_threshold: float
@@ -42,9 +35,26 @@ class NewSlot:
     num_logprobs: int
     banned_until_min_tokens: tuple[int, ...]  # EOS / stop ids masked before min_tokens
     decode_depths: tuple[int, ...] | None  # trace mode: the depth of each decode input
+    penalties: Penalties | None = None  # None: the logits go to sampling as they are
+
+
+@dataclass(frozen=True)
+class NewSlot:
+    """A request admitted into a runner slot: its settings (`sampling`) and where it
+    starts. Its blocks arrive through `SchedulerOutput.block_updates`, as they are needed.
+
+    A request resumed after preemption has produced `num_generated` tokens already: its
+    first decode input is `first_token` at position `prompt_len` (its prompt and replayed
+    outputs fill the positions before); a fresh request has `first_token` -1 and samples
+    its first token at the end of its prompt."""
+
+    slot: int
+    prompt_len: int
+    sampling: SamplingRecord
     first_token: int = -1
     num_generated: int = 0
-    penalties: Penalties | None = None  # None: the logits go to sampling as they are
+    # A resumed request's outputs, when its penalties count them (else empty).
+    output_token_ids: tuple[int, ...] = ()
     # Self-speculation (worker/spec_lanes.py): the request decodes in lanes, none of
     # which computes a position past `last_position` (the one that samples its last token).
     speculates: bool = False

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import functools
 from dataclasses import dataclass, field
 
+from vllm_rlt.core.contract import Penalties, SamplingRecord
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -65,6 +67,37 @@ class Request:
     stop_reason: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
+
+    @functools.cached_property
+    def sampling(self) -> SamplingRecord:
+        """Its settings as the device needs them (built on first use, kept)."""
+        params = self.params
+        penalties = None
+        if params.adjusts_logits:
+            penalties = Penalties(
+                repetition=params.repetition_penalty,
+                frequency=params.frequency_penalty,
+                presence=params.presence_penalty,
+                logit_bias=tuple(sorted((params.logit_bias or {}).items())),
+                prompt_token_ids=(
+                    tuple(self.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
+                ),
+            )
+        return SamplingRecord(
+            min_loops=self.min_loops,
+            max_loops=self.max_loops,
+            exit_threshold=self.exit_threshold,
+            temperature=params.temperature,
+            top_k=params.top_k,
+            top_p=params.top_p,
+            min_p=params.min_p,
+            seed=self.seed,
+            min_tokens=params.min_tokens,
+            num_logprobs=params.logprobs or 0,
+            banned_until_min_tokens=tuple(sorted(self.stop_token_ids | self.eos_token_ids)),
+            decode_depths=self.decode_depths,
+            penalties=penalties,
+        )
 
     @property
     def prompt_len(self) -> int:

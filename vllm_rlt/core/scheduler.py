@@ -10,7 +10,6 @@ from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.contract import (
     ModelRunnerOutput,
     NewSlot,
-    Penalties,
     PrefillChunk,
     SchedulerOutput,
 )
@@ -464,24 +463,14 @@ class Scheduler:
             self.prefix_hits += request.num_prefilled
         params = request.params
         resumed = bool(request.output_token_ids)
+        sampling = request.sampling
         return NewSlot(
             slot=slot,
             prompt_len=request.prefill_len,
-            min_loops=request.min_loops,
-            max_loops=request.max_loops,
-            exit_threshold=request.exit_threshold,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
-            seed=request.seed,
-            min_tokens=params.min_tokens,
-            num_logprobs=params.logprobs or 0,
-            banned_until_min_tokens=tuple(request_banned_ids(request)),
-            decode_depths=request.decode_depths,
+            sampling=sampling,
             first_token=request.output_token_ids[-1] if resumed else -1,
             num_generated=len(request.output_token_ids),
-            penalties=request_penalties(request),
+            output_token_ids=tuple(request.output_token_ids) if sampling.penalties else (),
             speculates=request.speculates,
             last_position=request.prompt_len + params.max_tokens - 2,
         )
@@ -546,24 +535,3 @@ class Scheduler:
         if request is None or request.slot != own_slot or request.admission != admission:
             return None
         return request
-
-
-def request_penalties(request: Request) -> Penalties | None:
-    params = request.params
-    if not params.adjusts_logits:
-        return None
-    return Penalties(
-        repetition=params.repetition_penalty,
-        frequency=params.frequency_penalty,
-        presence=params.presence_penalty,
-        logit_bias=tuple(sorted((params.logit_bias or {}).items())),
-        prompt_token_ids=(
-            tuple(request.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
-        ),
-        output_token_ids=tuple(request.output_token_ids),
-    )
-
-
-def request_banned_ids(request: Request) -> list[int]:
-    """Token ids that may not be sampled before min_tokens: stop ids, and EOS unless ignored."""
-    return sorted(set(request.params.stop_token_ids) | set(request.eos_token_ids))

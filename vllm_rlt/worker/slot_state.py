@@ -24,8 +24,11 @@ class PenaltyState:
         self.frequency = torch.zeros(slots, **f32)
         self.presence = torch.zeros(slots, **f32)
 
-    def set(self, slot: int, penalties: Penalties | None) -> None:
-        """Write one slot's row: neutral for None."""
+    def set(
+        self, slot: int, penalties: Penalties | None, output_token_ids: tuple[int, ...] = ()
+    ) -> None:
+        """Write one slot's row (neutral for None); a resumed request's outputs so far
+        count toward its frequency and presence penalties."""
         for table in (self.output_counts, self.prompt_mask, self.bias):
             table[slot] = 0
         if penalties is None:
@@ -40,8 +43,8 @@ class PenaltyState:
             self.bias[slot, list(ids)] = torch.tensor(values, dtype=torch.float32, device=device)
         if penalties.prompt_token_ids:
             self.prompt_mask[slot, list(penalties.prompt_token_ids)] = True
-        if penalties.output_token_ids:
-            ids = torch.tensor(penalties.output_token_ids, dtype=torch.int64, device=device)
+        if output_token_ids:
+            ids = torch.tensor(output_token_ids, dtype=torch.int64, device=device)
             self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
 
 
@@ -109,17 +112,18 @@ class SlotState:
         device = self.hidden.device
         send = upload or (lambda values: values.to(device))
         slots = send(torch.tensor([new.slot for new in news], dtype=torch.int64))
+        records = [n.sampling for n in news]
         ints = torch.tensor(
             [
-                (n.prompt_len, n.num_generated, n.min_loops, n.max_loops, n.top_k, n.seed)
-                + (n.min_tokens,)
-                for n in news
+                (n.prompt_len, n.num_generated, r.min_loops, r.max_loops, r.top_k, r.seed)
+                + (r.min_tokens,)
+                for n, r in zip(news, records, strict=True)
             ],
             dtype=torch.int64,
         )
         # float64 bits travel as int64; float32 on the device rounds as torch.tensor would
         floats = torch.tensor(
-            [(n.exit_threshold, n.temperature, n.top_p, n.min_p) for n in news],
+            [(r.exit_threshold, r.temperature, r.top_p, r.min_p) for r in records],
             dtype=torch.float64,
         ).view(torch.int64)
         ints, floats = send(ints.flatten()).view(len(news), -1), send(floats.flatten())
@@ -147,7 +151,7 @@ class SlotState:
             self.dummy_block
         )  # its blocks come as they are taken
         # Tokens banned before min_tokens, and trace depths: (slot, column, value) triples.
-        banned = [(n.slot, t) for n in news for t in n.banned_until_min_tokens]
+        banned = [(n.slot, t) for n in news for t in n.sampling.banned_until_min_tokens]
         if banned:
             rows, ids = send(torch.tensor(banned, dtype=torch.int64).T.flatten()).view(2, -1)
             self.banned[rows, ids] = True
@@ -155,8 +159,8 @@ class SlotState:
         traced = [
             (n.slot, j, depth)
             for n in news
-            if n.decode_depths is not None
-            for j, depth in enumerate(n.decode_depths[:width])
+            if n.sampling.decode_depths is not None
+            for j, depth in enumerate(n.sampling.decode_depths[:width])
         ]
         if traced:
             rows, columns, depths = send(torch.tensor(traced, dtype=torch.int64).T.flatten()).view(
@@ -164,8 +168,8 @@ class SlotState:
             )
             self.trace[rows, columns] = depths
         for new in news:
-            self.num_logprobs[new.slot] = new.num_logprobs
-            self.greedy[new.slot] = new.temperature == 0.0
+            self.num_logprobs[new.slot] = new.sampling.num_logprobs
+            self.greedy[new.slot] = new.sampling.temperature == 0.0
 
     def admit_extras(self, new: NewSlot) -> None:
         """The parts of a newly admitted request's row that only some requests have (after
@@ -173,11 +177,12 @@ class SlotState:
         s = new.slot
         if new.first_token >= 0:  # resumed: its next decode input is already known
             self.token[s] = new.first_token
-        if new.penalties is not None and self.penalties is None:
+        penalties = new.sampling.penalties
+        if penalties is not None and self.penalties is None:
             self.penalties = PenaltyState(len(self.greedy), self.vocab_size, self.hidden.device)
         if self.penalties is not None:
-            self.penalties.set(s, new.penalties)
-        self.adjusted[s] = new.penalties is not None
+            self.penalties.set(s, penalties, new.output_token_ids)
+        self.adjusted[s] = penalties is not None
 
     def clear_tables(self, slot: int) -> None:
         """Point every table row of `slot` at the dummy block."""
