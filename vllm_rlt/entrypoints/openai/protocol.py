@@ -118,8 +118,11 @@ class SamplingFields(RequestBody):
     return_exit_depths: StrictBool = False
     priority: StrictInt = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
-    def sampling_params(self, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
-        return SamplingParams(
+    def sampling_params(
+        self, max_tokens: int, num_logprobs: int | None, defaults: dict[str, Any] | None = None
+    ) -> SamplingParams:
+        """The request's sampling; `defaults` replace the fields it left unset."""
+        fields = dict(
             n=self.n,
             max_tokens=max_tokens,
             min_tokens=self.min_tokens,
@@ -144,6 +147,7 @@ class SamplingFields(RequestBody):
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
+        return SamplingParams(**{**fields, **(defaults or {})})
 
     def _logit_bias(self) -> dict[int, float] | None:
         if self.logit_bias is None:

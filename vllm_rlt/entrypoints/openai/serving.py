@@ -187,7 +187,7 @@ class OpenAIServing:
             if name not in request.model_fields_set
         }
         try:
-            return replace(request.sampling_params(max_tokens, num_logprobs), **unset)
+            return request.sampling_params(max_tokens, num_logprobs, unset)
         except ValueError as exc:
             raise as_api_error(exc) from exc
 
