@@ -36,6 +36,7 @@ class SamplingParams:
 
     vLLM's logit adjustments, applied in this order before temperature and filtering (the
     reported logprobs are the model's, before them): `logit_bias` adds a value per token id;
+    `allowed_token_ids` (vLLM's name) lets only those tokens be sampled;
     `repetition_penalty` divides a positive logit (multiplies a negative one) of every token
     seen in the prompt or the output; `frequency_penalty` subtracts per occurrence in the
     output and `presence_penalty` once for any. `skip_special_tokens` leaves special tokens
@@ -65,6 +66,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
 
@@ -97,6 +99,16 @@ class SamplingParams:
             for token_id, value in self.logit_bias.items():
                 require_int(token_id, "logit_bias key", 0, param="logit_bias")
                 _require_float(value, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+        if self.allowed_token_ids is not None:
+            require(
+                isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids,
+                "allowed_token_ids must be a non-empty list of token ids, got "
+                f"{self.allowed_token_ids!r}",
+                "allowed_token_ids",
+            )
+            self.allowed_token_ids = list(self.allowed_token_ids)
+            for token_id in self.allowed_token_ids:
+                require_int(token_id, "allowed_token_ids entry", 0, param="allowed_token_ids")
         for flag in (
             "ignore_eos",
             "include_stop_str_in_output",
@@ -144,9 +156,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """Any of logit_bias and the three penalties is on."""
+        """Any of logit_bias, allowed_token_ids and the three penalties is on."""
         return bool(
             self.logit_bias
+            or self.allowed_token_ids
             or self.repetition_penalty != 1.0
             or self.frequency_penalty
             or self.presence_penalty

@@ -310,3 +310,51 @@ def test_adjusted_requests_resume_with_their_counts(make_engine, toy_config, toy
     for rid, prompt in prompts.items():
         want = _reference_adjusted_greedy(toy_config, toy_state, prompt, 14, adjustments)
         assert outputs[rid].outputs[0].token_ids == want, rid
+
+
+# --------------------------------------------------------------------------- allowed token ids
+def test_allowed_token_ids_restrict_every_token_and_no_bias_lets_another_in(
+    make_engine, toy_config, toy_state
+):
+    """Greedy with allowed_token_ids is the reference's argmax over the allowed tokens alone
+    (a bias on a barred token changes nothing); sampled tokens, the first one (from the
+    prompt) included, are allowed ones; a request beside them is untouched."""
+    from tests.reference.oracle import reference_dense_logits
+
+    allowed = [66, 70, 101, 250]
+    restricted = dict(allowed_token_ids=allowed, logit_bias={65: 100.0}, ignore_eos=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, exit_threshold=1.0, **restricted)
+    sampled = SamplingParams(max_tokens=8, temperature=1.0, seed=5, **restricted)
+    plain = SamplingParams(max_tokens=8, temperature=0.0, exit_threshold=1.0)
+    engine = make_engine(prefill_chunk_size=4, async_scheduling=True)
+    outputs = drain(
+        engine,
+        {0: [("greedy", PROMPT, greedy), ("sampled", PROMPT, sampled), ("plain", PROMPT, plain)]},
+    )
+    want: list[int] = []
+    for _ in range(8):
+        logits = reference_dense_logits(toy_config, toy_state, PROMPT + want)[-1]
+        want.append(allowed[int(logits[allowed].argmax())])
+    assert outputs["greedy"].outputs[0].token_ids == want
+    assert set(outputs["sampled"].outputs[0].token_ids) <= set(allowed)
+    assert outputs["plain"].outputs[0].token_ids == _greedy_tokens(make_engine, 8)
+    assert want != outputs["plain"].outputs[0].token_ids  # the restriction matters here
+
+
+def test_allowed_token_ids_are_checked(make_engine):
+    engine = make_engine()
+    vocab = engine.model.config.vocab_size
+    bad = [
+        ([], "allowed_token_ids must be a non-empty list"),
+        ([3, -1], "allowed_token_ids entry must be"),
+        ([3, vocab], f"allowed_token_ids entries must be in \\[0, {vocab - 1}\\], got {vocab}"),
+    ]
+    for value, message in bad:
+        with pytest.raises(ValueError, match=message) as caught:
+            engine.add_request("r", [5, 6], SamplingParams(allowed_token_ids=value))
+        assert caught.value.param == "allowed_token_ids"
+    eos = sorted(engine.eos_token_ids)[0]
+    nothing_left = SamplingParams(allowed_token_ids=[eos, 9], stop_token_ids=[9], min_tokens=2)
+    with pytest.raises(ValueError, match="nothing could be sampled"):
+        engine.add_request("r", [5, 6], nothing_left)
+    assert not engine.has_unfinished and engine.all_blocks_free()

@@ -128,12 +128,19 @@ def test_vllm_sampling_extensions(server):
     ]
     # the space rule also separates the first one from the prompt's text before it
     assert texts == ["", " <|im_end|> <|im_end|>", "<|im_end|><|im_end|>"]
+    # allowed_token_ids reaches the engine: "a" and "b" (bytes + 3) alone, whatever the bias
+    only = {"allowed_token_ids": [100, 101], "logit_bias": {"65": 100.0}, "ignore_eos": True}
+    text = httpx.post(f"{url}/v1/completions", json={**body, **only, "max_tokens": 6}).json()
+    assert set(text["choices"][0]["text"]) <= {"a", "b"} and text["choices"][0]["text"]
     for field, value, message in (
         ("logit_bias", {"a": 1.0}, "logit_bias keys must be token ids, got 'a'"),
         ("logit_bias", {"99999": 1.0}, "logit_bias keys must be token ids in [0, "),
         ("logit_bias", {"3": 500}, "must be in [-100.0, 100.0]"),
         ("presence_penalty", 3, "presence_penalty: must be in [-2.0, 2.0], got 3"),
         ("repetition_penalty", 0, "repetition_penalty: must be in (0.0, 10.0], got 0"),
+        ("allowed_token_ids", [], "allowed_token_ids"),
+        ("allowed_token_ids", [99999], "allowed_token_ids entries must be in [0, "),
+        ("allowed_token_ids", [-3], "allowed_token_ids entry must be"),
     ):
         reply = httpx.post(f"{url}/v1/completions", json={**body, field: value})
         assert reply.status_code == 400, (field, value)

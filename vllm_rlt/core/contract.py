@@ -7,14 +7,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class Penalties:
-    """A request's logit adjustments (SamplingParams) and the prompt tokens the repetition
-    penalty looks at."""
+    """A request's logit adjustments (SamplingParams), the prompt tokens the repetition
+    penalty looks at, and the only tokens it may sample (if restricted)."""
 
     repetition: float
     frequency: float
     presence: float
     logit_bias: tuple[tuple[int, float], ...]
     prompt_token_ids: tuple[int, ...]
+    allowed_token_ids: tuple[int, ...] = ()  # empty: every token may be sampled
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,7 @@ class Request:
                 prompt_token_ids=(
                     tuple(self.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
                 ),
+                allowed_token_ids=tuple(sorted(set(params.allowed_token_ids or ()))),
             )
         return SamplingRecord(
             min_loops=self.min_loops,

@@ -221,6 +221,7 @@ class EngineCore:
         min_loops, max_loops, decode_depths = self.check_request(
             request_id, prompt_token_ids, params
         )
+        self._check_allowed_tokens(params)
         threshold = params.exit_threshold
         if threshold is None:
             threshold = self.model.config.early_exit_threshold
@@ -255,6 +256,19 @@ class EngineCore:
             self._group_of[child.request_id] = request_id
             self.outputs.add(child)
             self.scheduler.add_request(child)
+
+    def _check_allowed_tokens(self, params: SamplingParams) -> None:
+        """Before min_tokens, EOS and stop ids cannot be sampled: some allowed token must
+        be neither, or nothing could be."""
+        if not params.allowed_token_ids or params.min_tokens == 0:
+            return
+        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
+        require(
+            not set(params.allowed_token_ids) <= banned,
+            "allowed_token_ids holds only EOS and stop token ids, which min_tokens "
+            f"({params.min_tokens}) bans: nothing could be sampled",
+            "allowed_token_ids",
+        )
 
     def _speculates(self, params: SamplingParams, max_loops: int) -> bool:
         """Whether a request decodes in speculation lanes: its depth may exceed the draft's,

@@ -64,6 +64,12 @@ class RequestChecker:
                 f"logit_bias keys must be token ids in [0, {vocab - 1}], got {token}",
                 "logit_bias",
             )
+        for token in params.allowed_token_ids or ():
+            require(
+                token < vocab,
+                f"allowed_token_ids entries must be in [0, {vocab - 1}], got {token}",
+                "allowed_token_ids",
+            )
         for token in params.stop_token_ids:
             require(
                 token < vocab,

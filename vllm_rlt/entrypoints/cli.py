@@ -72,6 +72,14 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--presence-penalty", type=float, default=0.0, help="subtract once a token was output"
     )
     group.add_argument(
+        "--allowed-token-ids",
+        type=int,
+        nargs="+",
+        default=None,
+        metavar="ID",
+        help="sample only these token ids (default: any)",
+    )
+    group.add_argument(
         "--logprobs",
         type=int,
         default=None,
@@ -119,6 +127,7 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
         repetition_penalty=ns.repetition_penalty,
         frequency_penalty=ns.frequency_penalty,
         presence_penalty=ns.presence_penalty,
+        allowed_token_ids=ns.allowed_token_ids,
         min_loops=ns.min_loops,
         max_loops=ns.max_loops,
         exit_threshold=ns.exit_threshold,

@@ -41,6 +41,10 @@ class PenaltyState:
         if penalties.logit_bias:
             ids, values = zip(*penalties.logit_bias, strict=True)
             self.bias[slot, list(ids)] = torch.tensor(values, dtype=torch.float32, device=device)
+        if penalties.allowed_token_ids:  # after the bias: no bias lets a token back in
+            allowed = torch.tensor(penalties.allowed_token_ids, dtype=torch.int64, device=device)
+            barred = torch.ones_like(self.prompt_mask[slot]).index_fill_(0, allowed, False)
+            self.bias[slot].masked_fill_(barred, float("-inf"))
         if penalties.prompt_token_ids:
             self.prompt_mask[slot, list(penalties.prompt_token_ids)] = True
         if output_token_ids:

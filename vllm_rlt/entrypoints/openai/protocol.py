@@ -109,6 +109,7 @@ class SamplingFields(RequestBody):
     repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
     # token id (as a string, JSON's only key type) -> bias added to its logit
     logit_bias: dict[str, StrictFloat] | None = None  # ranges checked by SamplingParams
+    allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     # Looped-model extensions.
@@ -144,6 +145,7 @@ class SamplingFields(RequestBody):
             frequency_penalty=self.frequency_penalty,
             presence_penalty=self.presence_penalty,
             logit_bias=self._logit_bias(),
+            allowed_token_ids=self.allowed_token_ids,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
