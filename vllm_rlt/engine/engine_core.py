@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
-import functools
 import hashlib
 import logging
 import random
 import time
 from collections.abc import Callable
-
-import torch
 
 from vllm_rlt.attention import get_backend
 from vllm_rlt.config import (
@@ -33,31 +30,22 @@ from vllm_rlt.engine.device_defaults import size_scheduler
 from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.output_processor import OutputProcessor
-from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
+from vllm_rlt.engine.request_checks import (
+    RequestChecker,
+    RequestLimits,
+    check_allowed_tokens,
+)
 from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.exit import make_exit_policy
 from vllm_rlt.outputs import RequestOutput
-from vllm_rlt.parallel.tensor_parallel import TensorParallel
+from vllm_rlt.parallel.tensor_parallel import TensorParallel, mirrored
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
-from vllm_rlt.worker.model_runner import ModelRunner, PendingPass
+from vllm_rlt.worker.model_runner import ModelRunner, PendingPass, is_device_fault
 from vllm_rlt.worker.pass_inputs import KVGeometry
 from vllm_rlt.worker.spec_lanes import SpecLanes, lanes_per_request
 
 logger = logging.getLogger(__name__)
-
-
-def _mirrored(method):
-    """A call that changes the engine: under tensor parallelism rank 0 sends it to the
-    other ranks (`self.mirror`) before making it, so their engines stay equal."""
-
-    @functools.wraps(method)
-    def call(self, *args, **kwargs):
-        if self.mirror is not None:
-            self.mirror(method.__name__, args, kwargs)
-        return method(self, *args, **kwargs)
-
-    return call
 
 
 class EngineCore:
@@ -128,7 +116,7 @@ class EngineCore:
         if tensor_parallel is not None:  # every rank's scheduler must see the same pool
             fewest = tensor_parallel.min_over_ranks(self.memory_plan.num_blocks)
             self.memory_plan = dataclasses.replace(self.memory_plan, num_blocks=fewest)
-        # Tensor parallelism: rank 0 sends each @_mirrored call to the other ranks first
+        # Tensor parallelism: rank 0 sends each @mirrored call to the other ranks first
         # (see parallel/tensor_parallel.py).
         self.mirror: Callable[[str, tuple, dict], None] | None = None
         geometry = KVGeometry(
@@ -198,7 +186,7 @@ class EngineCore:
         self.num_rows_total = 0  # rows over all passes, for the rows-per-pass metric
 
     # ----------------------------------------------------------------- requests
-    @_mirrored
+    @mirrored
     def add_request(
         self,
         request_id: str,
@@ -221,7 +209,7 @@ class EngineCore:
         min_loops, max_loops, decode_depths = self.check_request(
             request_id, prompt_token_ids, params
         )
-        self._check_allowed_tokens(params)
+        check_allowed_tokens(params, self.eos_token_ids)
         threshold = params.exit_threshold
         if threshold is None:
             threshold = self.model.config.early_exit_threshold
@@ -257,19 +245,6 @@ class EngineCore:
             self.outputs.add(child)
             self.scheduler.add_request(child)
 
-    def _check_allowed_tokens(self, params: SamplingParams) -> None:
-        """Before min_tokens, EOS and stop ids cannot be sampled: some allowed token must
-        be neither, or nothing could be."""
-        if not params.allowed_token_ids or params.min_tokens == 0:
-            return
-        banned = set(params.stop_token_ids) | (set() if params.ignore_eos else self.eos_token_ids)
-        require(
-            not set(params.allowed_token_ids) <= banned,
-            "allowed_token_ids holds only EOS and stop token ids, which min_tokens "
-            f"({params.min_tokens}) bans: nothing could be sampled",
-            "allowed_token_ids",
-        )
-
     def _speculates(self, params: SamplingParams, max_loops: int) -> bool:
         """Whether a request decodes in speculation lanes: its depth may exceed the draft's,
         and it has no logit adjustments (their counts of earlier tokens live per slot, and
@@ -284,14 +259,14 @@ class EngineCore:
         trace depths of the decode inputs or None)."""
         return self.checker.check(request_id, prompt, params)
 
-    @_mirrored
+    @mirrored
     def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
         """Stop a request (or only its completion `index`) at any time; blocks and slots
         are freed at once."""
         group = self._abort(request_id, index)
         return None if group is None else self._finalize(group)
 
-    @_mirrored
+    @mirrored
     def abort_request_delta(self, request_id: str, index: int | None = None) -> RequestDelta | None:
         """`abort_request`, answered with what changed since the last delta."""
         group = self._abort(request_id, index)
@@ -314,7 +289,7 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return bool(self.groups) or self._in_flight is not None
 
-    @_mirrored
+    @mirrored
     def leave_text_to_caller(self) -> None:
         """Stop detokenizing here (and so checking stop strings): the caller turns tokens
         into text on its own thread. Only valid before any request was added."""
@@ -322,12 +297,12 @@ class EngineCore:
         self.outputs = OutputProcessor(self.tokenizer, make_text=False)
 
     # ----------------------------------------------------------------- one step
-    @_mirrored
+    @mirrored
     def step(self) -> list[RequestOutput]:
         """Run one pass; return a cumulative output for every group that progressed."""
         return [self._finalize(group) for group in self._step()]
 
-    @_mirrored
+    @mirrored
     def step_deltas(self) -> list[RequestDelta]:
         """Run one pass; return what each group that progressed produced in it."""
         return [self._delta(group) for group in self._step()]
@@ -412,7 +387,7 @@ class EngineCore:
         the requests with rows in it, and the engine goes on: their slots are written anew
         when reused, and their blocks are freed after the passes already queued. A device
         fault leaves the device unusable, so it stops the engine."""
-        if _device_fault(error):
+        if is_device_fault(error):
             raise error
         requests = self.scheduler.requests_in_failed_pass(scheduled)
         logger.error("a pass failed; failing its %d requests", len(requests))
@@ -479,9 +454,3 @@ class EngineCore:
 
     def all_blocks_free(self) -> bool:
         return self.kv.all_free() and not self.scheduler.running and self._in_flight is None
-
-
-def _device_fault(error: BaseException) -> bool:
-    """Whether an error came from the accelerator (sticky: every later call fails too)."""
-    accelerator_error = getattr(torch, "AcceleratorError", ())
-    return isinstance(error, accelerator_error) or "CUDA error" in str(error)

@@ -134,3 +134,17 @@ class RequestChecker:
                 f"[{min_loops}, {max_loops}] (min_loops, max_loops), got {depth}",
             )
         return tuple(depths[1:])
+
+
+def check_allowed_tokens(params: SamplingParams, eos_token_ids: frozenset[int]) -> None:
+    """Before min_tokens, EOS and stop ids cannot be sampled: some allowed token must be
+    neither, or nothing could be. (The engine checks this: it knows the EOS ids.)"""
+    if not params.allowed_token_ids or params.min_tokens == 0:
+        return
+    banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
+    require(
+        not set(params.allowed_token_ids) <= banned,
+        "allowed_token_ids holds only EOS and stop token ids, which min_tokens "
+        f"({params.min_tokens}) bans: nothing could be sampled",
+        "allowed_token_ids",
+    )

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import functools
 import logging
 import multiprocessing
 import os
@@ -87,6 +88,19 @@ class TensorParallel:
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def mirrored(method):
+    """Marks an engine call that changes the engine: under tensor parallelism rank 0 sends
+    it to the other ranks (its `mirror`) before making it, so their engines stay equal."""
+
+    @functools.wraps(method)
+    def call(self, *args, **kwargs):
+        if self.mirror is not None:
+            self.mirror(method.__name__, args, kwargs)
+        return method(self, *args, **kwargs)
+
+    return call
 
 
 def check_tensor_parallel(size: int, config: Any, device: torch.device) -> None:

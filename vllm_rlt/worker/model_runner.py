@@ -489,3 +489,9 @@ def _prompt_logprobs(rows: PromptRows) -> PromptLogprobs:
         logprobs=tuple(v[0] for v in values),
         top=tuple(tuple((int(v[1 + j]), v[1 + top + j]) for j in range(top)) for v in values),
     )
+
+
+def is_device_fault(error: BaseException) -> bool:
+    """Whether an error came from the accelerator (sticky: every later call fails too)."""
+    accelerator_error = getattr(torch, "AcceleratorError", ())
+    return isinstance(error, accelerator_error) or "CUDA error" in str(error)
