@@ -40,3 +40,32 @@ def test_settings_are_frozen_and_checked_again_when_replaced():
         settings.max_queue = 3  # type: ignore[misc]
     with pytest.raises(ParamError, match="--api-server-count"):
         dataclasses.replace(settings, api_server_count=100)
+
+
+LAYOUTS = [
+    ({"size": 0}, "--data-parallel-size must be in [1, 64], got 0"),
+    ({"size": 2, "local": 3}, "--data-parallel-size-local must be in [0, 2], got 3"),
+    ({"size": 2, "local": 0, "headless": True}, "--data-parallel-size-local must be in [1, 2]"),
+    ({"size": 4, "local": 2, "headless": True, "start_rank": 3, "api_key": "k"}, "start-rank"),
+    ({"size": 2, "local": 1, "api_server_count": 2}, "run with one API server"),
+    ({"size": 2, "local": 1}, "cores on other hosts need --api-key"),
+    ({"size": 2, "local": 1, "api_key": "k", "rpc_port": 80}, "data_parallel_rpc_port"),
+]
+
+
+@pytest.mark.parametrize(("fields", "message"), LAYOUTS)
+def test_a_bad_data_parallel_layout_is_refused(fields, message):
+    from vllm_rlt.entrypoints.openai.settings import DataParallelLayout
+
+    with pytest.raises(ParamError, match=message.replace("[", r"\[")):
+        DataParallelLayout(**fields)
+
+
+def test_a_layout_with_remote_cores_describes_them():
+    from vllm_rlt.entrypoints.openai.settings import DataParallelLayout
+
+    assert DataParallelLayout(size=2).remote_cores() is None
+    layout = DataParallelLayout(size=3, local=1, api_key="secret")
+    assert layout.remote and layout.local_cores == 1
+    cores = layout.remote_cores()
+    assert (cores.local_size, cores.address, cores.rpc_port) == (1, "127.0.0.1", 13345)

@@ -313,13 +313,12 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             f"vllm-rlt serve needs the serve extra ({', '.join(missing)} not installed): "
             'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")'
         )
-    from vllm_rlt.engine.dp_client import RemoteCores, core_environments
-    from vllm_rlt.engine.remote_channel import channel_keys, check_address, check_ports
+    from vllm_rlt.engine.dp_client import core_environments
     from vllm_rlt.entrypoints.headless import run_headless
     from vllm_rlt.entrypoints.openai.api_servers import APIServerFailed
     from vllm_rlt.entrypoints.openai.launch import serve
     from vllm_rlt.entrypoints.openai.server import log_like_uvicorn
-    from vllm_rlt.entrypoints.openai.settings import ServerSettings
+    from vllm_rlt.entrypoints.openai.settings import DataParallelLayout, ServerSettings
     from vllm_rlt.models.load import check_model_source
 
     if ns.model_path is not None:
@@ -349,30 +348,20 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(str(exc))
     if not ns.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
-    size = ns.data_parallel_size
-    local = size if ns.data_parallel_size_local is None else ns.data_parallel_size_local
-    if local < size and ns.api_server_count > 1:
-        parser.error(
-            "data-parallel cores on other hosts run with one API server: --api-server-count "
-            f"{ns.api_server_count} needs --data-parallel-size-local equal to "
-            f"--data-parallel-size ({size})"
+    try:
+        layout = DataParallelLayout(
+            size=ns.data_parallel_size,
+            local=ns.data_parallel_size_local,
+            start_rank=ns.data_parallel_start_rank,
+            address=ns.data_parallel_address,
+            rpc_port=ns.data_parallel_rpc_port,
+            headless=ns.headless,
+            api_server_count=ns.api_server_count,
+            api_key=ns.api_key,
         )
-    if not (1 if ns.headless else 0) <= local <= size:
-        parser.error(
-            f"--data-parallel-size-local must be in [{1 if ns.headless else 0}, {size}], "
-            f"got {local}"
-        )
-    if ns.headless and not 0 <= ns.data_parallel_start_rank <= size - local:
-        parser.error(
-            f"--data-parallel-start-rank must be in [0, {size - local}] (the ranks of "
-            f"{local} cores among {size}), got {ns.data_parallel_start_rank}"
-        )
-    remote = ns.headless or local < size
-    if remote and not ns.api_key:
-        parser.error(
-            "cores on other hosts need --api-key (or VLLM_RLT_API_KEY): it keys the "
-            "encrypted channel between them and the frontend"
-        )
+    except ValueError as exc:
+        parser.error(str(exc))
+    local = layout.local_cores
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
     try:
@@ -381,9 +370,6 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         if local > 1 or ns.headless:
             # GPUs enough, a plain "cuda"
             core_environments(ns.device, local, ns.tensor_parallel_size)
-        if remote:
-            check_ports(ns.data_parallel_rpc_port, size)
-            check_address(ns.data_parallel_address)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if ns.headless:
@@ -396,14 +382,9 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             ns.data_parallel_rpc_port,
             ns.api_key,
         )
-    remote_cores = None
-    if local < size:
-        remote_cores = RemoteCores(
-            local, ns.data_parallel_address, ns.data_parallel_rpc_port, channel_keys(ns.api_key)
-        )
     settings = dataclasses.replace(
         settings,
-        remote_cores=remote_cores,
+        remote_cores=layout.remote_cores(),
         llm_kwargs={**engine_args.llm_kwargs(), "usage_context": SERVE},
     )
     try:

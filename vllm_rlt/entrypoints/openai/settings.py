@@ -8,6 +8,7 @@ from typing import Any
 
 from vllm_rlt.config import ParamError
 from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, RemoteCores
+from vllm_rlt.engine.remote_channel import channel_keys, check_address, check_ports
 from vllm_rlt.entrypoints.openai.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 MAX_API_SERVERS = 64
@@ -72,3 +73,71 @@ class ServerSettings:
 
 def _fail(flag: str, problem: str) -> None:
     raise ParamError(f"--{flag} {problem}", flag.replace("-", "_"))
+
+
+@dataclass(frozen=True)
+class DataParallelLayout:
+    """Where the `--data-parallel-size` cores run: `local` of them beside this process
+    (ranks from `start_rank` on a `--headless` host), the rest on other hosts, which reach
+    the frontend at `address`, ports from `rpc_port` on, over a channel `api_key` keys.
+    Checked when made, each error naming its flag."""
+
+    size: int = 1
+    local: int | None = None  # None: every core here
+    start_rank: int = 0
+    address: str = "127.0.0.1"
+    rpc_port: int = 13345
+    headless: bool = False
+    api_server_count: int = 1
+    api_key: str | None = None
+
+    def __post_init__(self) -> None:
+        size = self.size
+        if not 1 <= size <= MAX_DATA_PARALLEL:
+            _fail("data-parallel-size", f"must be in [1, {MAX_DATA_PARALLEL}], got {size}")
+        if self.local is None:
+            object.__setattr__(self, "local", size)
+        local = self.local_cores
+        if local < size and self.api_server_count > 1:
+            raise ParamError(
+                "data-parallel cores on other hosts run with one API server: "
+                f"--api-server-count {self.api_server_count} needs "
+                f"--data-parallel-size-local equal to --data-parallel-size ({size})",
+                "api_server_count",
+            )
+        fewest = 1 if self.headless else 0
+        if not fewest <= local <= size:
+            _fail("data-parallel-size-local", f"must be in [{fewest}, {size}], got {local}")
+        if self.headless and not 0 <= self.start_rank <= size - local:
+            _fail(
+                "data-parallel-start-rank",
+                f"must be in [0, {size - local}] (the ranks of {local} cores among {size}), "
+                f"got {self.start_rank}",
+            )
+        if self.remote:
+            if not self.api_key:
+                raise ParamError(
+                    "cores on other hosts need --api-key (or VLLM_RLT_API_KEY): it keys the "
+                    "encrypted channel between them and the frontend",
+                    "api_key",
+                )
+            check_ports(self.rpc_port, size)
+            check_address(self.address)
+
+    @property
+    def local_cores(self) -> int:
+        return self.size if self.local is None else self.local
+
+    @property
+    def remote(self) -> bool:
+        """Some cores run on other hosts, or this process is one such host."""
+        return self.headless or self.local_cores < self.size
+
+    def remote_cores(self) -> RemoteCores | None:
+        """The frontend's view of the cores on other hosts (None: every core is local)."""
+        if self.local_cores == self.size:
+            return None
+        assert self.api_key is not None
+        return RemoteCores(
+            self.local_cores, self.address, self.rpc_port, channel_keys(self.api_key)
+        )
