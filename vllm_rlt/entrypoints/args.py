@@ -26,6 +26,16 @@ from vllm_rlt.config import (
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Model, cache, scheduler, exit and execution flags."""
+    _add_model_args(parser)
+    _add_cache_args(parser)
+    _add_scheduler_args(parser)
+    _add_exit_args(parser)
+    _add_execution_args(parser)
+    add_speculation_args(parser)
+
+
+def _add_model_args(parser: argparse.ArgumentParser) -> None:
+    """The model and where it runs."""
     model = parser.add_argument_group("model")
     model.add_argument(
         "--model",
@@ -53,6 +63,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="engine seed: unseeded requests draw their seeds from it",
     )
 
+
+def _add_cache_args(parser: argparse.ArgumentParser) -> None:
+    """The KV cache."""
     cache = parser.add_argument_group("KV cache")
     cache.add_argument(
         "--kv-layout",
@@ -94,6 +107,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="fraction of device memory the engine may use (CUDA)",
     )
 
+
+def _add_scheduler_args(parser: argparse.ArgumentParser) -> None:
+    """The scheduler."""
     sched = parser.add_argument_group("scheduler")
     sched.add_argument(
         "--mode",
@@ -141,6 +157,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         help="times a request that does not fit may be passed by later ones",
     )
 
+
+def _add_exit_args(parser: argparse.ArgumentParser) -> None:
+    """The exit policy."""
     exits = parser.add_argument_group("exit policy")
     exits.add_argument(
         "--exit-mode",
@@ -160,6 +179,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--lookahead-seed", type=int, default=0, help="seed of the random_lookahead head"
     )
 
+
+def _add_execution_args(parser: argparse.ArgumentParser) -> None:
+    """How passes run."""
     execution = parser.add_argument_group("execution")
     execution.add_argument(
         "--enforce-eager", action="store_true", help="do not replay decode passes as CUDA graphs"
@@ -170,7 +192,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         default=True,
         help="plan and launch the next pass while the device runs the current one",
     )
-    add_speculation_args(parser)
 
 
 def _speculative_tokens(value: str) -> int | str:

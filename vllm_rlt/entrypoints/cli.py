@@ -9,12 +9,15 @@ import importlib
 import json
 import os
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import SERVE
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # the server's modules load when serve runs, not to parse flags
+    from vllm_rlt.entrypoints.openai.settings import DataParallelLayout, ServerSettings
 
 SUBCOMMANDS = ("generate", "bench", "serve")
 BENCHMARKS = {
@@ -173,7 +176,27 @@ def build_parser() -> CLIParser:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    """The server's own flags (the engine's come from add_engine_args)."""
     group = parser.add_argument_group("server")
+    _add_http_args(group)
+    _add_process_args(group)
+    group.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        default=False,
+        help="log one line per HTTP request (off: it costs throughput under load)",
+    )
+    group.add_argument(
+        "--stall-timeout",
+        type=float,
+        default=60.0,
+        help="/health fails when work is queued and no pass completed for this long (seconds)",
+    )
+    _add_connection_args(parser)
+
+
+def _add_http_args(group: argparse._ArgumentGroup) -> None:
+    """Where the server listens, its name for the model, its key and request limits."""
     group.add_argument("--host", default="127.0.0.1", help="address to listen on")
     group.add_argument("--port", type=int, default=8000, help="port to listen on")
     group.add_argument(
@@ -206,6 +229,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         help="seconds running requests may finish after SIGTERM before they are aborted",
     )
     group.add_argument("--max-body-bytes", type=int, default=1 << 20, help="larger bodies get 413")
+
+
+def _add_process_args(group: argparse._ArgumentGroup) -> None:
+    """API servers and data-parallel cores, here and on other hosts."""
     group.add_argument(
         "--api-server-count",
         type=int,
@@ -250,18 +277,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         default=0,
         help="with --headless: the rank of this host's first core",
     )
-    group.add_argument(
-        "--access-log",
-        action=argparse.BooleanOptionalAction,
-        default=False,
-        help="log one line per HTTP request (off: it costs throughput under load)",
-    )
-    group.add_argument(
-        "--stall-timeout",
-        type=float,
-        default=60.0,
-        help="/health fails when work is queued and no pass completed for this long (seconds)",
-    )
+
+
+def _add_connection_args(parser: argparse.ArgumentParser) -> None:
+    """Connection limits and timeouts."""
     limits = parser.add_argument_group("connections")
     limits.add_argument(
         "--limit-concurrency",
@@ -318,7 +337,6 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from vllm_rlt.entrypoints.openai.api_servers import APIServerFailed
     from vllm_rlt.entrypoints.openai.launch import serve
     from vllm_rlt.entrypoints.openai.server import log_like_uvicorn
-    from vllm_rlt.entrypoints.openai.settings import DataParallelLayout, ServerSettings
     from vllm_rlt.models.load import check_model_source
 
     if ns.model_path is not None:
@@ -326,41 +344,11 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             parser.error("give the model either as an argument or with --model, not both")
         ns.model = ns.model_path
     try:
-        settings = ServerSettings(
-            served_model_name=ns.served_model_name,
-            api_key=ns.api_key,
-            max_queue=ns.max_queue,
-            request_timeout=ns.request_timeout,
-            max_body_bytes=ns.max_body_bytes,
-            stall_timeout=ns.stall_timeout,
-            max_sequences_per_request=ns.max_sequences_per_request,
-            header_timeout=ns.header_timeout,
-            body_timeout=ns.body_timeout,
-            keep_alive_timeout=ns.timeout_keep_alive,
-            max_connections=ns.limit_concurrency,
-            max_header_bytes=ns.max_header_bytes,
-            exit_on_load_error=ns.exit_on_load_error,
-            access_log=ns.access_log,
-            api_server_count=ns.api_server_count,
-            data_parallel_size=ns.data_parallel_size,
-        )
+        settings, layout = _server_settings(ns), _data_parallel_layout(ns)
     except ValueError as exc:
         parser.error(str(exc))
     if not ns.shutdown_timeout >= 0:
         parser.error(f"--shutdown-timeout must be >= 0 seconds, got {ns.shutdown_timeout}")
-    try:
-        layout = DataParallelLayout(
-            size=ns.data_parallel_size,
-            local=ns.data_parallel_size_local,
-            start_rank=ns.data_parallel_start_rank,
-            address=ns.data_parallel_address,
-            rpc_port=ns.data_parallel_rpc_port,
-            headless=ns.headless,
-            api_server_count=ns.api_server_count,
-            api_key=ns.api_key,
-        )
-    except ValueError as exc:
-        parser.error(str(exc))
     local = layout.local_cores
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
@@ -400,6 +388,46 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(str(load_error))
     print(f"{parser.prog}: error: the model failed to load: {load_error!r}", file=sys.stderr)
     return 1
+
+
+def _server_settings(ns: argparse.Namespace) -> ServerSettings:
+    """The server's settings from its flags (ParamError names a bad one)."""
+    from vllm_rlt.entrypoints.openai.settings import ServerSettings
+
+    return ServerSettings(
+        served_model_name=ns.served_model_name,
+        api_key=ns.api_key,
+        max_queue=ns.max_queue,
+        request_timeout=ns.request_timeout,
+        max_body_bytes=ns.max_body_bytes,
+        stall_timeout=ns.stall_timeout,
+        max_sequences_per_request=ns.max_sequences_per_request,
+        header_timeout=ns.header_timeout,
+        body_timeout=ns.body_timeout,
+        keep_alive_timeout=ns.timeout_keep_alive,
+        max_connections=ns.limit_concurrency,
+        max_header_bytes=ns.max_header_bytes,
+        exit_on_load_error=ns.exit_on_load_error,
+        access_log=ns.access_log,
+        api_server_count=ns.api_server_count,
+        data_parallel_size=ns.data_parallel_size,
+    )
+
+
+def _data_parallel_layout(ns: argparse.Namespace) -> DataParallelLayout:
+    """Where the data-parallel cores run, from the flags (ParamError names a bad one)."""
+    from vllm_rlt.entrypoints.openai.settings import DataParallelLayout
+
+    return DataParallelLayout(
+        size=ns.data_parallel_size,
+        local=ns.data_parallel_size_local,
+        start_rank=ns.data_parallel_start_rank,
+        address=ns.data_parallel_address,
+        rpc_port=ns.data_parallel_rpc_port,
+        headless=ns.headless,
+        api_server_count=ns.api_server_count,
+        api_key=ns.api_key,
+    )
 
 
 def warn_untrained_prompts(model: str | None, prompts: list[str]) -> None:
