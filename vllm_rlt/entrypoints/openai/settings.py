@@ -64,11 +64,12 @@ class ServerSettings:
                 "api-server-count",
                 f"must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}",
             )
-        if not 1 <= self.data_parallel_size <= MAX_DATA_PARALLEL:
-            _fail(
-                "data-parallel-size",
-                f"must be in [1, {MAX_DATA_PARALLEL}], got {self.data_parallel_size}",
-            )
+        _check_data_parallel_size(self.data_parallel_size)
+
+
+def _check_data_parallel_size(size: int) -> None:
+    if not 1 <= size <= MAX_DATA_PARALLEL:
+        _fail("data-parallel-size", f"must be in [1, {MAX_DATA_PARALLEL}], got {size}")
 
 
 def _fail(flag: str, problem: str) -> None:
@@ -93,8 +94,7 @@ class DataParallelLayout:
 
     def __post_init__(self) -> None:
         size = self.size
-        if not 1 <= size <= MAX_DATA_PARALLEL:
-            _fail("data-parallel-size", f"must be in [1, {MAX_DATA_PARALLEL}], got {size}")
+        _check_data_parallel_size(size)
         if self.local is None:
             object.__setattr__(self, "local", size)
         local = self.local_cores
@@ -126,7 +126,8 @@ class DataParallelLayout:
 
     @property
     def local_cores(self) -> int:
-        return self.size if self.local is None else self.local
+        assert self.local is not None  # filled in when made
+        return self.local
 
     @property
     def remote(self) -> bool:
