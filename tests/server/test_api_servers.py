@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -118,3 +119,28 @@ def test_api_server_count_out_of_range_is_a_one_line_error():
     )
     assert reply.returncode == 2
     assert "--api-server-count must be in [1, 64], got 0" in reply.stderr
+
+
+def _wait_forever() -> None:
+    """An API server that has not installed its signal handlers yet."""
+    threading.Event().wait()
+
+
+def test_a_server_still_starting_when_stopped_is_no_failure():
+    """SIGTERM to the supervisor reaches a server before its own handler is in place: it
+    dies of the signal, which is the stop asked for, not a failure (exit code 0 then)."""
+    import multiprocessing
+
+    from vllm_rlt.entrypoints.openai.api_servers import _supervise
+
+    server = multiprocessing.get_context("spawn").Process(target=_wait_forever)
+    server.start()
+    killer = threading.Timer(0.5, os.kill, (os.getpid(), signal.SIGTERM))
+    killer.start()
+    try:
+        assert _supervise([server]) is None
+    finally:
+        killer.cancel()
+        server.kill()
+        server.join()
+    assert server.exitcode == -signal.SIGTERM

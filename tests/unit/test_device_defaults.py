@@ -96,15 +96,55 @@ def test_sweep_flags_out_of_range_are_one_line_errors(capsys):
     assert "no point where max_num_batched_tokens >= max_num_seqs" in capsys.readouterr().err
 
 
-def test_sweep_launches_a_server_per_point(tmp_path, capsys):
-    """With --launch, a point runs `bench serve --launch MODEL` with its flags (auto: none)."""
+def test_sweep_launches_a_server_per_point(tmp_path, capsys, monkeypatch):
+    """With --launch, a point starts `vllm-rlt serve MODEL` once with its flags (auto: none)
+    and runs every concurrency's load against it."""
+    from vllm_rlt.bench import serve_launch
+
+    launches = []
+    real_launched = serve_launch.launched
+
+    def counted(command, extra, info):
+        launches.append(extra)
+        return real_launched(command, extra, info)
+
+    monkeypatch.setattr(serve_launch, "launched", counted)
     out = tmp_path / "served.json"
-    argv = ["--launch", "toy", "--concurrency", "2", "--max-num-seqs", "4"]
+    argv = ["--launch", "toy", "--concurrency", "1", "2", "--max-num-seqs", "4"]
     argv += ["--max-num-batched-tokens", "auto", "--max-prefill-batches-before-decode", "auto"]
+    argv += ["--api-server-count", "1", "--num-clients", "1"]
     argv += ["--prompt-len", "4", "--output-len", "2", "--repeats", "1", "--output", str(out)]
     assert sweep.main(argv) == 0
+    assert launches == [
+        ["--max-num-seqs", "4", "--prefill-chunk-size", "512", "--api-server-count", "1"]
+    ]
     report = json.loads(out.read_text())
     assert report["target"] == "vllm-rlt serve toy" and report["usage"] == "serve"
-    [row] = report["rows"]
-    assert row["max_num_seqs"] == 4 and row["max_num_batched_tokens"] is None
-    assert row["tokens_per_s"] > 0 and row["ttft_s_p99"] >= row["ttft_s_p50"] > 0
+    assert report["environment"]["python"] and "torch" in report["environment"]
+    assert [row["concurrency"] for row in report["rows"]] == [1, 2]
+    for row in report["rows"]:
+        assert row["max_num_seqs"] == 4 and row["max_num_batched_tokens"] is None
+        assert row["api_server_count"] == 1
+        assert row["tokens_per_s"] > 0 and row["ttft_s_p99"] >= row["ttft_s_p50"] > 0
+
+
+def test_sweep_api_server_count_needs_a_server(capsys):
+    with pytest.raises(SystemExit):
+        sweep.main(["--api-server-count", "2"])
+    assert "--api-server-count sizes a server: it needs --launch MODEL" in capsys.readouterr().err
+
+
+def test_api_servers_are_sized_to_the_host():
+    """Left out, --api-server-count is one on the CPU or with cores elsewhere, and on a GPU
+    one per four CPU cores, at most four."""
+    from vllm_rlt.entrypoints.cli import auto_api_server_count
+
+    assert auto_api_server_count("cpu", False, cpus=64) == 1
+    assert auto_api_server_count("cuda", True, cpus=64) == 1
+    assert [auto_api_server_count("cuda:1", False, cpus=n) for n in (1, 4, 8, 16, 128)] == [
+        1,
+        1,
+        2,
+        4,
+        4,
+    ]

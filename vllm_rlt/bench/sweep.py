@@ -39,6 +39,7 @@ GRID_DEFAULTS: dict[str, list[int | None]] = {
     "prefill_chunk_size": [512],
 }
 GRID = tuple(GRID_DEFAULTS)
+SERVER_GRID = ("api_server_count",)  # a server's own settings: with --launch only
 METRICS = ("tokens_per_s", "ttft_s_p50", "ttft_s_p99", "tpot_s_p50", "tpot_s_p99")
 
 
@@ -94,6 +95,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             default=None,
             help=f"values to try (default: {shown})",
         )
+    grid.add_argument(
+        "--api-server-count",
+        type=_grid_value,
+        nargs="+",
+        default=[None],
+        help="with --launch: the server's API processes to try (default: auto)",
+    )
+    parser.add_argument(
+        "--num-clients",
+        type=int,
+        default=4,
+        help="with --launch: load-generator processes sharing each run's requests",
+    )
     parser.add_argument(
         "--launch",
         metavar="MODEL",
@@ -118,9 +132,10 @@ def grid_points(args: argparse.Namespace) -> list[dict[str, int | None]]:
     """Every combination of the grid's values, in the order given; a point whose explicit
     max_num_batched_tokens is below its explicit max_num_seqs is left out (the scheduler
     refuses it: every running request needs a row)."""
+    axes = GRID + SERVER_GRID
     points = []
-    for values in itertools.product(*(dict.fromkeys(getattr(args, name)) for name in GRID)):
-        point = dict(zip(GRID, values, strict=True))
+    for values in itertools.product(*(dict.fromkeys(getattr(args, name)) for name in axes)):
+        point = dict(zip(axes, values, strict=True))
         seqs, rows = point["max_num_seqs"], point["max_num_batched_tokens"]
         if seqs is None or rows is None or rows >= seqs:
             points.append(point)
@@ -182,7 +197,7 @@ class OfflinePoints:
             self.model,
             None,
             CacheConfig(num_blocks=self.args.num_blocks),
-            SchedulerConfig(**{name: v for name, v in point.items() if v is not None}),
+            SchedulerConfig(**{name: point[name] for name in GRID if point[name] is not None}),
             ExitConfig(),
             ExecutionConfig(),
             usage_context=self.args.usage,
@@ -199,17 +214,16 @@ class OfflinePoints:
 
 
 class ServedPoints:
-    """Each point as `vllm-rlt bench serve --launch MODEL` with the point's flags (an `auto`
-    value leaves its flag out: the server's own default): the median of --repeats launches,
-    each sending every concurrency's requests at once after its warm-up."""
+    """Each point as one `vllm-rlt serve --launch MODEL` with the point's flags (an `auto`
+    value leaves its flag out: the server's own default), loaded once; every concurrency is
+    then the median of --repeats `vllm-rlt bench serve --url` runs against it, each sending
+    its requests at once after its warm-up."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
 
     def measure(self, point: dict[str, int | None]) -> tuple[dict[str, Any], dict[str, Any]]:
-        import json
-        import subprocess
-        import tempfile
+        from vllm_rlt.bench.serve_launch import launched
 
         args = self.args
         flags = ["--device", args.device] if args.device else []
@@ -219,32 +233,41 @@ class ServedPoints:
         if args.num_blocks is not None:
             flags += ["--num-blocks", str(args.num_blocks)]
         figures = {}
-        for concurrency in args.concurrency:
-            runs = []
-            for _ in range(args.repeats):
-                with tempfile.NamedTemporaryFile(suffix=".json") as out:
-                    command = [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "bench", "serve"]
-                    command += ["--launch", args.launch, "--num-requests", str(concurrency)]
-                    command += ["--prompt-len", str(args.prompt_len)]
-                    command += ["--output-len", str(args.output_len), "--seed", str(args.seed)]
-                    command += ["--output", out.name, "--", *flags]
-                    done = subprocess.run(command, capture_output=True, text=True)
-                    if done.returncode != 0:
-                        raise ValueError(f"bench serve failed: {done.stderr.strip()[-500:]}")
-                    report = json.loads(out.read())
-                runs.append(
-                    {
-                        "tokens_per_s": report["output_tokens_per_s"],
-                        **{f"ttft_s_p{q}": report["ttft_s"][f"p{q}"] for q in (50, 99)},
-                        **{f"tpot_s_p{q}": report["tpot_s"][f"p{q}"] for q in (50, 99)},
-                    }
+        info: dict[str, Any] = {}
+        with launched(["vllm_rlt.entrypoints.cli", "serve", args.launch], flags, info) as url:
+            for concurrency in args.concurrency:
+                runs = sorted(
+                    (self.run_load(url, concurrency) for _ in range(args.repeats)),
+                    key=lambda run: run["tokens_per_s"],
                 )
-            runs.sort(key=lambda run: run["tokens_per_s"])
-            figures[str(concurrency)] = {
-                **runs[len(runs) // 2],
-                "tokens_per_s_runs": [run["tokens_per_s"] for run in runs],
-            }
+                figures[str(concurrency)] = {
+                    **runs[len(runs) // 2],
+                    "tokens_per_s_runs": [run["tokens_per_s"] for run in runs],
+                }
         return dict(point), figures
+
+    def run_load(self, url: str, concurrency: int) -> dict[str, float]:
+        import json
+        import subprocess
+        import tempfile
+
+        args = self.args
+        with tempfile.NamedTemporaryFile(suffix=".json") as out:
+            command = [sys.executable, "-m", "vllm_rlt.entrypoints.cli", "bench", "serve"]
+            command += ["--url", url, "--num-requests", str(concurrency)]
+            command += ["--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len)]
+            clients = min(args.num_clients, concurrency)
+            command += ["--seed", str(args.seed), "--num-clients", str(clients)]
+            command += ["--output", out.name]
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise ValueError(f"bench serve failed: {done.stderr.strip()[-500:]}")
+            report = json.loads(out.read())
+        return {
+            "tokens_per_s": report["output_tokens_per_s"],
+            **{f"ttft_s_p{q}": report["ttft_s"][f"p{q}"] for q in (50, 99)},
+            **{f"tpot_s_p{q}": report["tpot_s"][f"p{q}"] for q in (50, 99)},
+        }
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -259,7 +282,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for concurrency, figures in per_concurrency.items():
                 rows.append(
                     {
-                        **{f"{name}_asked": point[name] for name in GRID},
+                        **{f"{name}_asked": value for name, value in point.items()},
                         **settings,
                         "concurrency": int(concurrency),
                         **{name: figures[name] for name in METRICS},
@@ -292,6 +315,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         report["environment"] = environment(measurer.device)
         report["shape"] = args.shape
         report["dtype"] = str(measurer.dtype).removeprefix("torch.")
+    else:
+        from vllm_rlt.bench.serve import environment as served_environment
+
+        report["environment"] = served_environment(args.device or "cpu")
     auto = [r for r in results if all(value is None for value in r["asked"].values())]
     if auto:
         report["auto_vs_best"] = {
@@ -310,7 +337,11 @@ def main(argv: list[str] | None = None) -> int:
     for name, values in GRID_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, values)
-    check_minimums(parser, args, prompt_len=1, output_len=1, repeats=1, warmup=0, concurrency=1)
+    check_minimums(
+        parser, args, prompt_len=1, output_len=1, repeats=1, warmup=0, concurrency=1, num_clients=1
+    )
+    if not args.launch and args.api_server_count != [None]:
+        parser.error("--api-server-count sizes a server: it needs --launch MODEL")
     if not grid_points(args):
         parser.error("the grid has no point where max_num_batched_tokens >= max_num_seqs")
     return run_and_emit(parser, run, args)

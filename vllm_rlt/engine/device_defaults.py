@@ -3,9 +3,9 @@
 A pass should carry as many rows as keep the device busy: on the CPU a pass's cost grows
 with its rows from the first one, so small passes keep latency low; a large GPU runs a
 pass of thousands of rows in little more time than one of a hundred, so every request that
-can run should. Offline batches (`LLM`) and a server differ in what they trade: a server
-keeps a pass's prompt rows smaller, so decoding streams are not held up behind a burst of
-long prompts. `docs/scheduler-defaults.md` has the table and the reasoning behind it.
+can run should, and a burst of prompts should prefill together. Offline batches (`LLM`)
+and a server are sized apart, from sweeps of each (on an H200 both found the same best
+point). `docs/scheduler-defaults.md` has the table and the reasoning behind it.
 Every value is a default only: a field set in SchedulerConfig (or its flag) is kept.
 """
 
@@ -31,15 +31,16 @@ class SchedulerDefaults:
 
 
 # (device class, entry point) -> defaults. The large-GPU rows are the best points of
-# `vllm-rlt bench sweep` on an H200 (docs/benchmarks/2026-12-02-scheduler-defaults.md); the
-# smaller GPU's are vLLM's sizes for GPUs under 70 GB, not measured here.
+# `vllm-rlt bench sweep` on an H200, offline and served (docs/benchmarks/
+# 2026-12-02-scheduler-defaults.md, 2026-12-02-serve-defaults.md); the smaller GPU's are
+# vLLM's sizes for GPUs under 70 GB, not measured here.
 DEFAULTS = {
     ("cpu", OFFLINE): SchedulerDefaults(64, 2048, 4),
     ("cpu", SERVE): SchedulerDefaults(64, 2048, 4),
     ("gpu", OFFLINE): SchedulerDefaults(256, 8192, 64),
     ("gpu", SERVE): SchedulerDefaults(256, 2048, 64),
     ("large gpu", OFFLINE): SchedulerDefaults(1024, 16384, 256),
-    ("large gpu", SERVE): SchedulerDefaults(1024, 8192, 64),
+    ("large gpu", SERVE): SchedulerDefaults(1024, 16384, 256),
 }
 
 

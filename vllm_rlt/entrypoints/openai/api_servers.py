@@ -141,7 +141,9 @@ def _supervise(servers: list[multiprocessing.process.BaseProcess]) -> str | None
             for sentinel in multiprocessing.connection.wait(list(running), SUPERVISE_TICK_S):
                 server = running.pop(sentinel)  # type: ignore[call-overload]
                 server.join()
-                if not stopping.is_set() or server.exitcode != 0:
+                # a server still starting when asked to stop dies of the SIGTERM itself
+                stopped = stopping.is_set() and server.exitcode in (0, -signal.SIGTERM)
+                if not stopped:
                     failure = failure or f"{server.name} exited with code {server.exitcode}"
                     logger.error("%s; stopping the server", failure)
                     stop()

@@ -487,9 +487,12 @@ def log_like_uvicorn() -> None:
     """The engine's and the server's own log lines, in uvicorn's format beside its own."""
     from uvicorn.logging import DefaultFormatter
 
+    package = logging.getLogger("vllm_rlt")
+    if any(getattr(handler, "like_uvicorn", False) for handler in package.handlers):
+        return
     handler = logging.StreamHandler()
     handler.setFormatter(DefaultFormatter("%(levelprefix)s %(message)s"))
-    package = logging.getLogger("vllm_rlt")
+    handler.like_uvicorn = True  # type: ignore[attr-defined]
     package.addHandler(handler)
     package.setLevel(logging.INFO)
     package.propagate = False
