@@ -9,12 +9,14 @@ busy core made runs slower still.
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
 
 from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import toy_config_dict, toy_weights
 from vllm_rlt.tokenizer import Tokenizer
@@ -91,18 +93,31 @@ def make_engine(toy_model):
         ), "slots leaked"
 
 
+_FRONTENDS: weakref.WeakKeyDictionary[EngineCore, LLMEngine] = weakref.WeakKeyDictionary()
+
+
+def frontend(engine: EngineCore) -> LLMEngine:
+    """The frontend `LLM` runs in front of this core (the same one every call): requests
+    added, stepped and aborted through it come back as outputs."""
+    if engine not in _FRONTENDS:
+        _FRONTENDS[engine] = LLMEngine(engine, engine.tokenizer)
+    return _FRONTENDS[engine]
+
+
 def drain(engine: EngineCore, arrivals: dict[int, list] | None = None, max_steps: int = 100000):
-    """Step until idle, adding (request_id, token_ids, params) items at the given steps.
+    """Step until idle through the core's frontend, adding (request_id, token_ids, params)
+    items at the given steps.
 
     Returns {request_id: final RequestOutput}.
     """
+    front = frontend(engine)
     arrivals = dict(arrivals or {})
     finished = {}
     step = 0
-    while arrivals or engine.has_unfinished:
+    while arrivals or front.has_unfinished:
         for request_id, ids, params in arrivals.pop(step, []):
-            engine.add_request(request_id, ids, params)
-        for output in engine.step():
+            front.add_request(request_id, ids, params)
+        for output in front.step():
             if output.finished:
                 finished[output.request_id] = output
         step += 1

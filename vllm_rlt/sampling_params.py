@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass, field
 
 from vllm_rlt.config import require, require_int
@@ -15,6 +16,15 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # frequency and presence, either sign (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
 MAX_STOP_STRINGS = 64
+
+
+class RequestOutputKind(enum.IntEnum):
+    """What each output of a streamed request holds (vLLM's names): everything so far, what
+    is new since the previous one, or only the final output."""
+
+    CUMULATIVE = 0
+    DELTA = 1
+    FINAL_ONLY = 2
 
 
 @dataclass
@@ -41,7 +51,8 @@ class SamplingParams:
     seen in the prompt or the output; `frequency_penalty` subtracts per occurrence in the
     output and `presence_penalty` once for any. `skip_special_tokens` leaves special tokens
     out of the text; `spaces_between_special_tokens` (when they are kept) separates them from
-    the text around them with a space.
+    the text around them with a space. `output_kind` says what each output of a streamed
+    request (`AsyncLLM.generate`) holds; `LLM` returns final outputs whatever it says.
     """
 
     n: int = 1
@@ -69,9 +80,17 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         require_int(self.n, "n", 1, MAX_N)
+        kinds = [kind.value for kind in RequestOutputKind]
+        require(
+            not isinstance(self.output_kind, bool) and self.output_kind in kinds,
+            f"output_kind must be one of {kinds} (RequestOutputKind), got {self.output_kind!r}",
+            "output_kind",
+        )
+        self.output_kind = RequestOutputKind(self.output_kind)
         require_int(self.priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
         require_int(self.max_tokens, "max_tokens", 1)
         require_int(self.min_tokens, "min_tokens", 0, self.max_tokens)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import drain
+from tests.conftest import drain, frontend
 from vllm_rlt import SamplingParams
 from vllm_rlt.core.request import RequestStatus
 
@@ -31,28 +31,28 @@ def _abort_when(
     """Run the victim among the others, abort it as soon as `ready(request)` holds, and check
     the abort itself; returns the others' tokens and depths."""
     engine = make_engine(**ENGINE, async_scheduling=async_scheduling)
-    engine.add_request("a", OTHERS["a"], ADAPTIVE)
-    engine.add_request("victim", VICTIM, ADAPTIVE)
-    engine.add_request("c", OTHERS["c"], ADAPTIVE)
-    engine.add_request("d", OTHERS["d"], ADAPTIVE)
+    frontend(engine).add_request("a", OTHERS["a"], ADAPTIVE)
+    frontend(engine).add_request("victim", VICTIM, ADAPTIVE)
+    frontend(engine).add_request("c", OTHERS["c"], ADAPTIVE)
+    frontend(engine).add_request("d", OTHERS["d"], ADAPTIVE)
     victim = engine.scheduler.requests["victim"]
     finished = {}
     for _ in range(200):
         if ready(victim):
             break
-        finished.update({o.request_id: o for o in engine.step() if o.finished})
+        finished.update({o.request_id: o for o in frontend(engine).step() if o.finished})
     else:
         raise AssertionError("the victim never reached the state to abort in")
     assert engine.scheduler.requests["d"].status is RequestStatus.WAITING
     held = len(engine.kv.block_table("victim"))
     assert held > 0
     free_before = engine.kv.num_free_blocks
-    aborted = engine.abort_request("victim")
+    aborted = frontend(engine).abort_request("victim")
     assert engine.kv.num_free_blocks == free_before + held
     assert aborted.finished and aborted.request_id == "victim"
     assert aborted.outputs[0].finish_reason == "abort"
     assert aborted.outputs[0].token_ids == victim.output_token_ids
-    assert engine.abort_request("victim") is None  # already gone
+    assert frontend(engine).abort_request("victim") is None  # already gone
     finished.update(drain(engine))
     assert "victim" not in finished
     return {rid: (o.outputs[0].token_ids, o.outputs[0].exit_depths) for rid, o in finished.items()}
@@ -84,22 +84,22 @@ def test_abort_during_decode(make_engine, async_scheduling):
 
 def test_abort_unknown_id_returns_none(make_engine):
     engine = make_engine()
-    assert engine.abort_request("nope") is None
-    engine.add_request("r", [5, 6], SamplingParams(n=2, max_tokens=2, temperature=0.0))
-    assert engine.abort_request("r#0") is None  # a completion id, not a request id
+    assert frontend(engine).abort_request("nope") is None
+    frontend(engine).add_request("r", [5, 6], SamplingParams(n=2, max_tokens=2, temperature=0.0))
+    assert frontend(engine).abort_request("r#0") is None  # a completion id, not a request id
     drain(engine)
-    assert engine.abort_request("r") is None  # finished requests are gone
+    assert frontend(engine).abort_request("r") is None  # finished requests are gone
 
 
 def test_abort_waiting_request(make_engine):
     """A request still queued (no slot yet) holds no blocks; aborting it leaves the rest alone."""
     engine = make_engine(max_num_seqs=1, max_num_batched_tokens=8)
-    engine.add_request("first", OTHERS["a"], ADAPTIVE)
-    engine.add_request("queued", VICTIM, ADAPTIVE)
-    engine.step()
+    frontend(engine).add_request("first", OTHERS["a"], ADAPTIVE)
+    frontend(engine).add_request("queued", VICTIM, ADAPTIVE)
+    frontend(engine).step()
     assert engine.scheduler.requests["queued"].status is RequestStatus.WAITING
     free_before = engine.kv.num_free_blocks
-    aborted = engine.abort_request("queued")
+    aborted = frontend(engine).abort_request("queued")
     assert engine.kv.num_free_blocks == free_before
     assert aborted.finished and aborted.outputs[0].finish_reason == "abort"
     assert aborted.outputs[0].token_ids == []
@@ -113,11 +113,11 @@ def test_abort_request_with_several_completions(make_engine):
     """Every unfinished completion of an n > 1 request is aborted and its blocks freed."""
     engine = make_engine()
     params = SamplingParams(n=3, max_tokens=6, temperature=1.0, seed=4, ignore_eos=True)
-    engine.add_request("multi", [7, 8, 9], params)
+    frontend(engine).add_request("multi", [7, 8, 9], params)
     for _ in range(6):
-        engine.step()
+        frontend(engine).step()
     assert engine.kv.num_free_blocks < engine.kv.num_blocks
-    aborted = engine.abort_request("multi")
+    aborted = frontend(engine).abort_request("multi")
     assert [c.finish_reason for c in aborted.outputs] == ["abort"] * 3
     assert [c.index for c in aborted.outputs] == [0, 1, 2]
     assert all(len(c.token_ids) >= 1 for c in aborted.outputs)

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from tests.conftest import drain
+from tests.conftest import drain, frontend
 from tests.e2e.test_engine_vs_oracle import POLICIES, oracle_outputs
 from vllm_rlt import ExitConfig, SamplingParams
 
@@ -180,10 +180,10 @@ def test_a_more_urgent_request_preempts_and_both_stay_exact(make_engine, async_s
         for rid, prompt, params in (("low", prompts[3], low), ("high", prompts[1], high))
     }
     engine = _priority_engine(make_engine, async_scheduling=async_scheduling)
-    engine.add_request("low", prompts[3], low)
+    frontend(engine).add_request("low", prompts[3], low)
     finished_order = []
     while len(engine.scheduler.requests["low"].output_token_ids) < 3:
-        finished_order += [o.request_id for o in engine.step() if o.finished]
+        finished_order += [o.request_id for o in frontend(engine).step() if o.finished]
     outputs = drain(engine, {0: [("high", prompts[1], high)]})
     finished_order += [rid for rid in outputs if rid not in finished_order]
     assert engine.scheduler.num_preemptions >= 1
@@ -196,7 +196,7 @@ def test_a_more_urgent_request_preempts_and_both_stay_exact(make_engine, async_s
 def test_priority_needs_the_priority_policy(make_engine):
     engine = make_engine()
     with pytest.raises(ValueError, match="priority 3 needs the priority scheduling policy") as e:
-        engine.add_request("r", [5, 6], SamplingParams(priority=3))
+        frontend(engine).add_request("r", [5, 6], SamplingParams(priority=3))
     assert e.value.param == "priority"
     with pytest.raises(ValueError, match=r"priority must be in \[-2147483647, 2147483647\]"):
         SamplingParams(priority=2**31)
@@ -214,10 +214,10 @@ def test_a_resumed_request_whose_context_is_all_cached_still_gets_its_block(make
     params = _plain_params(max_tokens=6)
     reference = drain(make_engine(), {0: [("a", prompt, params)]})["a"].outputs[0]
     engine = make_engine()
-    engine.add_request("a", prompt, params)
+    frontend(engine).add_request("a", prompt, params)
     request = engine.scheduler.requests["a"]
     while len(request.output_token_ids) < 1:
-        engine.step()
+        frontend(engine).step()
     engine.scheduler._preempt(request)  # what the pool running dry does
     got = drain(engine)["a"].outputs[0]
     assert engine.scheduler.prefix_hits > 0

@@ -35,18 +35,20 @@ def test_a_failed_admission_fails_that_request_and_frees_everything(llm, monkeyp
     assert engine.all_blocks_free()
 
 
-def test_engine_step_reports_the_failed_request_and_runs_the_others(llm, monkeypatch):
-    """At the engine: the failed request ends with its error; a request beside it in the
-    same passes finishes normally."""
-    engine = llm.engine
-    process = engine.outputs.process
+def test_a_request_the_frontend_cannot_process_fails_alone(llm, monkeypatch):
+    """A failure while turning one request's tokens into output ends that request with its
+    error (in the core too); a request beside it in the same passes finishes normally."""
+    from vllm_rlt.engine.output_processor import RequestState
 
-    def failing_process(request):
-        if request.request_id.startswith("bad"):
+    absorb = RequestState._absorb_completion
+
+    def failing_absorb(self, part):
+        if self.request_id.startswith("bad"):
             raise RuntimeError("simulated output failure")
-        return process(request)
+        return absorb(self, part)
 
-    monkeypatch.setattr(engine.outputs, "process", failing_process)
+    monkeypatch.setattr(RequestState, "_absorb_completion", failing_absorb)
+    engine = llm.llm_engine
     params = SamplingParams(max_tokens=4, ignore_eos=True, n=2)
     engine.add_request("bad", [5, 6], params)
     engine.add_request("good", [5, 6], params)
@@ -59,7 +61,7 @@ def test_engine_step_reports_the_failed_request_and_runs_the_others(llm, monkeyp
     assert [c.finish_reason for c in finals["bad"].outputs] == ["abort", "abort"]
     assert finals["good"].error is None
     assert [len(c.token_ids) for c in finals["good"].outputs] == [4, 4]
-    assert engine.all_blocks_free()
+    assert llm.engine.all_blocks_free() and not llm.engine.has_unfinished
 
 
 @pytest.mark.parametrize(

@@ -10,7 +10,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from tests.conftest import drain
+from tests.conftest import drain, frontend
 from vllm_rlt import SamplingParams
 from vllm_rlt.layers.sampler import sample, seeded_uniform
 
@@ -351,10 +351,10 @@ def test_allowed_token_ids_are_checked(make_engine):
     ]
     for value, message in bad:
         with pytest.raises(ValueError, match=message) as caught:
-            engine.add_request("r", [5, 6], SamplingParams(allowed_token_ids=value))
+            frontend(engine).add_request("r", [5, 6], SamplingParams(allowed_token_ids=value))
         assert caught.value.param == "allowed_token_ids"
     eos = sorted(engine.eos_token_ids)[0]
     nothing_left = SamplingParams(allowed_token_ids=[eos, 9], stop_token_ids=[9], min_tokens=2)
     with pytest.raises(ValueError, match="nothing could be sampled"):
-        engine.add_request("r", [5, 6], nothing_left)
+        frontend(engine).add_request("r", [5, 6], nothing_left)
     assert not engine.has_unfinished and engine.all_blocks_free()

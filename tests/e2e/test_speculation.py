@@ -11,7 +11,7 @@ from collections import Counter
 
 import pytest
 
-from tests.conftest import drain
+from tests.conftest import drain, frontend
 from vllm_rlt import SamplingParams, SpeculativeConfig
 from vllm_rlt.config import AUTO_DISABLE_BY_BATCH_SIZE
 
@@ -285,7 +285,7 @@ def test_blocks_taken_in_a_pass_with_no_rows_reach_the_tables(make_engine):
 
     engine = make_engine(async_scheduling=True)
     drain(engine, {0: [("warm", [5, 6, 7], SamplingParams(max_tokens=2))]})
-    engine.add_request("r", [5, 6, 7], SamplingParams(max_tokens=1))
+    frontend(engine).add_request("r", [5, 6, 7], SamplingParams(max_tokens=1))
     schedule = engine.scheduler.schedule
     calls = []
 
@@ -296,11 +296,11 @@ def test_blocks_taken_in_a_pass_with_no_rows_reach_the_tables(make_engine):
         return calls[0]
 
     engine.scheduler.schedule = empty_with_a_block
-    engine.step()  # the real pass is now in flight
+    frontend(engine).step()  # the real pass is now in flight
     row = engine.scheduler.running[next(iter(engine.scheduler.running))].slot
     empty = SchedulerOutput((), (), (), (), 0, ((row, 7, 3),))
     engine.scheduler.schedule = lambda: empty
-    engine.step()
+    frontend(engine).step()
     assert int(engine.runner.state.block_table[row, 7]) == 3
     engine.runner.state.block_table[row, 7] = engine.runner.state.dummy_block
     engine.scheduler.schedule = schedule
@@ -363,20 +363,20 @@ def test_lanes_coming_back_stay_within_the_row_budget(make_engine):
     scheduler = engine.scheduler
     long = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
     short = SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
-    engine.add_request("a", [5, 6, 7], long)
-    engine.add_request("b", [8, 9], short)
-    engine.add_request("c", [10, 11], short)
+    frontend(engine).add_request("a", [5, 6, 7], long)
+    frontend(engine).add_request("b", [8, 9], short)
+    frontend(engine).add_request("c", [10, 11], short)
     while len(scheduler.running) + len(scheduler.waiting) > 1:
-        engine.step()  # three run: drafting is off and "a" decodes in its own slot
+        frontend(engine).step()  # three run: drafting is off and "a" decodes in its own slot
     (lone,) = scheduler.running.values()
     assert lone.lanes_collapsed
     for name in ("d", "e"):
-        engine.add_request(name, [12] * 30, short)
+        frontend(engine).add_request(name, [12] * 30, short)
     output = scheduler.schedule()  # one runs: "a" gets its lanes back, then the prompts
     assert not lone.lanes_collapsed and output.drafting
     assert output.num_rows == budget
     for request_id in list(engine.groups):
-        engine.abort_request(request_id)
+        frontend(engine).abort_request(request_id)
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])

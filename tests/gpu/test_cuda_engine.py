@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.conftest import drain
+from tests.conftest import drain, frontend
 from tests.e2e.test_engine_vs_oracle import MAX_TOKENS, POLICIES, _oracle, _prompts, _traces
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.engine.engine_core import EngineCore
@@ -177,15 +177,15 @@ def test_decode_pass_has_no_hidden_host_sync(toy_config, toy_state, speculative)
     )
     threshold, temperature = (1.0, 1.0) if speculative else (0.5, 0.0)
     for i, prompt in enumerate(_prompts()):
-        engine.add_request(
+        frontend(engine).add_request(
             f"r{i}",
             prompt,
             SamplingParams(max_tokens=20, temperature=temperature, exit_threshold=threshold),
         )
     scheduler = engine.scheduler
     while scheduler.waiting or any(r.status.value != "decode" for r in scheduler.running.values()):
-        engine.step()
-    engine.step()  # one decode pass (a replay) first: later passes are the steady state
+        frontend(engine).step()
+    frontend(engine).step()  # one decode pass (a replay) first: later passes are the steady state
     runner = engine.runner
     rows = scheduler.schedule().decode_slots
     assert rows
@@ -201,7 +201,7 @@ def test_decode_pass_has_no_hidden_host_sync(toy_config, toy_state, speculative)
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
     for request_id in list(engine.groups):  # the manual passes moved device state on
-        engine.abort_request(request_id)
+        frontend(engine).abort_request(request_id)
     assert engine.all_blocks_free()
 
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import core_engine, running_server, wait_idle
+from vllm_rlt.engine.output_processor import RequestState
 
 EXTREMES = [0, -1, 2**31, 2**63, 2**64, 1e308, float("nan")]
 ERROR_KEYS = {"message", "type", "param", "code"}
@@ -253,28 +254,30 @@ def test_client_leaving_while_queued_frees_its_place_at_once(stream):
 
 
 def test_failure_of_one_requests_state_fails_it_alone(monkeypatch):
-    """An error while writing one request's slot, and one while processing its tokens, fail
-    that request with a 500; a request beside it finishes and no block leaks."""
+    """An error while writing one request's slot (in the core), and one while turning its
+    tokens into output (in the frontend), fail that request with a 500; a request beside it
+    finishes and no block leaks."""
     with running_server(in_process=True) as (url, state):
         _fail_one_request_state(url, state, monkeypatch)
 
 
 def _fail_one_request_state(url, state, monkeypatch):
     engine = core_engine(state)
-    admit, process = engine.runner.state.admit_extras, engine.outputs.process
+    admit = engine.runner.state.admit_extras
+    absorb = RequestState._absorb_completion
 
     def failing_admit(new):
         if new.sampling.seed == 4242:
             raise OverflowError("simulated slot write failure")
         admit(new)
 
-    def failing_process(request):
-        if request.params.seed == 4343:
+    def failing_absorb(self, part):
+        if self.params.seed == 4343:
             raise RuntimeError("simulated output failure")
-        return process(request)
+        return absorb(self, part)
 
     monkeypatch.setattr(engine.runner.state, "admit_extras", failing_admit)
-    monkeypatch.setattr(engine.outputs, "process", failing_process)
+    monkeypatch.setattr(RequestState, "_absorb_completion", failing_absorb)
     base = {"model": "toy", "prompt": "x", "max_tokens": 6, "ignore_eos": True}
 
     async def fire() -> list[httpx.Response]:
@@ -301,7 +304,7 @@ def test_an_engine_death_is_logged_with_its_traceback(caplog):
         def broken_step():
             raise RuntimeError("simulated device fault")
 
-        engine.step_deltas = broken_step
+        engine.step = broken_step
         with caplog.at_level(logging.ERROR):
             body = {"model": "toy", "prompt": "x", "max_tokens": 2}
             assert_error(httpx.post(f"{url}/v1/completions", json=body, timeout=60), 503)

@@ -173,10 +173,10 @@ def test_one_failing_request_fails_alone(monkeypatch):
         engine = core_engine(state)
         original = engine.add_request
 
-        def flaky(request_id, ids, params, prompt=None):
+        def flaky(request_id, ids, params):
             if params.seed == 666:
                 raise RuntimeError("boom")
-            return original(request_id, ids, params, prompt=prompt)
+            return original(request_id, ids, params)
 
         monkeypatch.setattr(engine, "add_request", flaky)
         body = {"model": "toy", "prompt": "explode", "seed": 666}
@@ -193,13 +193,13 @@ def test_health_fails_while_work_waits_without_progress(monkeypatch):
     make /health fail while work waits; once idle it is healthy again."""
     with running_server(stall_timeout=0.3, in_process=True) as (url, state):
         engine = core_engine(state)
-        original = engine.step_deltas
+        original = engine.step
 
         def slow_step():
             time.sleep(0.6)
             return original()
 
-        monkeypatch.setattr(engine, "step_deltas", slow_step)
+        monkeypatch.setattr(engine, "step", slow_step)
         body = {"model": "toy", "prompt": "s", "max_tokens": 1, "ignore_eos": True}
         with httpx.Client(timeout=30) as http:
             pending = threading.Thread(

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.conftest import drain
+from tests.conftest import drain, frontend
 from vllm_rlt import LLM, CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.config import KV_LAYOUTS, KVLayout
 from vllm_rlt.engine.engine_core import EngineCore
@@ -395,26 +395,26 @@ def engine_state(engine: EngineCore) -> tuple:
         [r.request_id for r in sched.waiting],
         {slot: r.request_id for slot, r in sched.running.items()},
         engine.kv.num_free_blocks,
-        sorted(engine.outputs.states),
+        sorted(frontend(engine).states),
     )
 
 
 def add_bad_between_good(engine: EngineCore, bad: BadRequest, when: str) -> dict[str, Any]:
     """good-before, then (waiting or mid-decode) the bad request, then good-after; drain."""
     request_id, prompt, max_tokens = GOOD_BEFORE
-    engine.add_request(request_id, prompt, greedy(max_tokens))
+    frontend(engine).add_request(request_id, prompt, greedy(max_tokens))
     if when == "decoding":
         produced = 0
         while produced < 2:
-            for output in engine.step():
+            for output in frontend(engine).step():
                 assert not output.finished, "good-before finished before the bad request came"
                 produced = len(output.outputs[0].token_ids)
     before = engine_state(engine)
     with pytest.raises(ValueError, match=bad.match):
-        engine.add_request(bad.request_id, bad.prompt, bad.params)
+        frontend(engine).add_request(bad.request_id, bad.prompt, bad.params)
     assert engine_state(engine) == before, "a rejected request changed the engine"
     request_id, prompt, max_tokens = GOOD_AFTER
-    engine.add_request(request_id, prompt, greedy(max_tokens))
+    frontend(engine).add_request(request_id, prompt, greedy(max_tokens))
     return drain(engine)
 
 
@@ -468,10 +468,10 @@ def test_min_loops_one_is_allowed_and_honoured(make_engine) -> None:
 def test_context_length_boundary_is_accepted(make_engine) -> None:
     """prompt + max_tokens == max_position_embeddings is allowed (one more is rejected)."""
     engine = make_engine(num_blocks=1024, block_size=4)
-    engine.add_request("edge", [7] * 4000, greedy(max_tokens=96))
-    assert engine.abort_request("edge").finished
+    frontend(engine).add_request("edge", [7] * 4000, greedy(max_tokens=96))
+    assert frontend(engine).abort_request("edge").finished
     with pytest.raises(ValueError, match="exceeds the model's context length 4096"):
-        engine.add_request("over", [7] * 4000, greedy(max_tokens=97))
+        frontend(engine).add_request("over", [7] * 4000, greedy(max_tokens=97))
 
 
 def test_reservation_exactly_filling_the_pool_runs(make_engine) -> None:
@@ -503,9 +503,9 @@ def test_request_id_colliding_with_an_n_child_id(toy_model, order: str) -> None:
     group = ("a", PROMPT_BEFORE, greedy(n=2))
     single = ("a#0", PROMPT_AFTER, greedy())
     first, second = (group, single) if order == "group_first" else (single, group)
-    engine.add_request(*first)
+    frontend(engine).add_request(*first)
     try:
-        engine.add_request(*second)
+        frontend(engine).add_request(*second)
         accepted = True
     except ValueError as exc:
         assert "request_id" in str(exc)

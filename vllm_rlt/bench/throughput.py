@@ -17,6 +17,7 @@ goes to stderr; the JSON report goes to stdout.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import platform
 import random
@@ -38,7 +39,7 @@ from vllm_rlt.config import (
     SchedulerConfig,
 )
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
-from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:  # torch and the engine load when a run starts, not to parse flags
     import torch
@@ -89,39 +90,45 @@ def run_engine(
     max_tokens (the client's cap, which full-lifetime reservation had to hold blocks for)."""
     import torch
 
+    from vllm_rlt.engine.llm_engine import LLMEngine
+
     sync = torch.cuda.synchronize if engine.model.device.type == "cuda" else (lambda: None)
+    frontend = LLMEngine(engine, None)  # as LLM runs it; outputs as deltas, nothing copied
+    params = dataclasses.replace(params, output_kind=RequestOutputKind.DELTA)
     ids = [f"b{i}" for i in range(len(prompts))]
     sync()
     start = time.perf_counter()
     for rid, prompt in zip(ids, prompts, strict=True):
-        engine.add_request(rid, prompt, params)
+        frontend.add_request(rid, prompt, params)
     first: dict[str, float] = {}
     done: dict[str, float] = {}
-    outputs = {}
+    depths: dict[str, list[int]] = {rid: [] for rid in ids}  # every token's exit depth
     passes = max_running = 0
-    while engine.has_unfinished:
+    while frontend.has_unfinished:
         max_running = max(max_running, len(engine.scheduler.running))
-        for out in engine.step():
+        for out in frontend.step():
             now = time.perf_counter()
             first.setdefault(out.request_id, now)
-            if stop_after and not out.finished and len(out.outputs[0].token_ids) >= stop_after:
-                out = engine.abort_request(out.request_id)
+            got = depths[out.request_id]
+            got += out.outputs[0].exit_depths if out.outputs else []
+            if stop_after and not out.finished and len(got) >= stop_after:
+                ended = frontend.abort_request(out.request_id)
+                assert ended is not None and ended.finished
+                got += ended.outputs[0].exit_depths if ended.outputs else []
+                out = ended
             if out.finished:
                 done[out.request_id] = now
-                outputs[out.request_id] = out.outputs[0]
         passes += 1
     end = time.perf_counter()
     # All at once: decode runs from the last first token on. Queued (the KV pool holds
     # fewer): later prefills interleave with decode, so the window starts at the first.
     queued = max_running < len(prompts)
     decode_start = min(first.values()) if queued else max(first.values())
-    tokens = sum(len(o.token_ids) for o in outputs.values())
-    decode_tokens = tokens - len(outputs)
-    depths = [d for o in outputs.values() for d in o.exit_depths[1:]]
+    tokens = sum(len(d) for d in depths.values())
+    decode_tokens = tokens - len(depths)
+    decode_depths = [d for got in depths.values() for d in got[1:]]
     tpot = [
-        (done[rid] - first[rid]) / (len(outputs[rid].token_ids) - 1)
-        for rid in ids
-        if len(outputs[rid].token_ids) > 1
+        (done[rid] - first[rid]) / (len(depths[rid]) - 1) for rid in ids if len(depths[rid]) > 1
     ]
     ttft = [first[rid] - start for rid in ids]
     return {
@@ -133,7 +140,7 @@ def run_engine(
         "tpot_s_p50": percentile(tpot, 50),
         "tpot_s_p99": percentile(tpot, 99),
         "end_to_end_tokens_per_s": tokens / (end - start),
-        "mean_loops": statistics.fmean(depths) if depths else None,
+        "mean_loops": statistics.fmean(decode_depths) if decode_depths else None,
         "passes": passes,
         "wall_s": end - start,
         "max_running": max_running,

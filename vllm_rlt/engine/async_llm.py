@@ -205,7 +205,8 @@ class AsyncLLM:
         params: SamplingParams,
         prompt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Stream cumulative outputs of one request; leaving early aborts it."""
+        """Stream the outputs of one request, in `params.output_kind`; leaving early aborts
+        it."""
         stream = self.add_request(request_id, prompt_token_ids, params, prompt)
         try:
             async for output in stream:

@@ -96,7 +96,7 @@ class CoreLoop:
             while not self.stopping:
                 self._take_commands(block=not engine.has_unfinished)
                 if engine.has_unfinished and not self.stopping:
-                    self._route(engine.step_deltas())
+                    self._route(engine.step())
                     self.rate.record(engine.num_passes, engine.num_rows_total)
                 self._publish()
         except BaseException as exc:
@@ -146,7 +146,7 @@ class CoreLoop:
             if isinstance(command, AddRequest):
                 self._add(command)
             elif isinstance(command, AbortRequest):
-                delta = self.engine.abort_request_delta(command.request_id, command.index)
+                delta = self.engine.abort_request(command.request_id, command.index)
                 if delta is not None:
                     self._route([delta])
             elif isinstance(command, AbortAll):
@@ -185,7 +185,7 @@ class CoreLoop:
         else:
             request_ids = [rid for rid, owner in self.owners.items() if owner == client]
         for request_id in request_ids:
-            delta = self.engine.abort_request_delta(request_id)
+            delta = self.engine.abort_request(request_id)
             if delta is not None:
                 self._route([delta])
 
@@ -226,9 +226,9 @@ def engine_info(engine: EngineCore, model_name: str) -> EngineInfo:
 
 
 def build_core(llm_kwargs: dict[str, Any]) -> tuple[EngineCore, str]:
-    """Load the model and build its engine; the core never makes text."""
+    """Load the model and build its engine (which speaks in token ids: text is the
+    frontend's)."""
     built = build_engine(**llm_kwargs)
-    built.engine.leave_text_to_caller()
     return built.engine, built.model_name
 
 

@@ -29,7 +29,6 @@ from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
 from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
-from vllm_rlt.engine.output_processor import OutputProcessor
 from vllm_rlt.engine.request_checks import (
     RequestChecker,
     RequestLimits,
@@ -37,7 +36,6 @@ from vllm_rlt.engine.request_checks import (
 )
 from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.exit import make_exit_policy
-from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.parallel.tensor_parallel import TensorParallel, mirrored
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -49,7 +47,9 @@ logger = logging.getLogger(__name__)
 
 
 class EngineCore:
-    """Owns the scheduler, the runner and the output processor for one model."""
+    """Owns the scheduler and the runner for one model. It speaks in token ids: each step
+    returns what every request that progressed produced (`RequestDelta`); text, stop strings
+    and the caller's output form are the frontend's (engine/output_processor.py)."""
 
     def __init__(
         self,
@@ -158,7 +158,6 @@ class EngineCore:
         prepare_device(
             self.runner, ops, execution_config.cuda_graphs, scheduler_config.max_num_batched_tokens
         )
-        self.outputs = OutputProcessor(tokenizer)
         self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()
         )
@@ -192,7 +191,6 @@ class EngineCore:
         request_id: str,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        prompt: str | None = None,
     ) -> None:
         """Validate and queue a request; any error leaves the engine untouched."""
         request_id = str(request_id)
@@ -237,12 +235,9 @@ class EngineCore:
                     speculates=self._speculates(params, max_loops),
                 )
             )
-        self.groups[request_id] = RequestGroup(
-            request_id, prompt, list(prompt_token_ids), children, now
-        )
+        self.groups[request_id] = RequestGroup(request_id, list(prompt_token_ids), children)
         for child in children:
             self._group_of[child.request_id] = request_id
-            self.outputs.add(child)
             self.scheduler.add_request(child)
 
     def _speculates(self, params: SamplingParams, max_loops: int) -> bool:
@@ -260,19 +255,9 @@ class EngineCore:
         return self.checker.check(request_id, prompt, params)
 
     @mirrored
-    def abort_request(self, request_id: str, index: int | None = None) -> RequestOutput | None:
+    def abort_request(self, request_id: str, index: int | None = None) -> RequestDelta | None:
         """Stop a request (or only its completion `index`) at any time; blocks and slots
-        are freed at once."""
-        group = self._abort(request_id, index)
-        return None if group is None else self._finalize(group)
-
-    @mirrored
-    def abort_request_delta(self, request_id: str, index: int | None = None) -> RequestDelta | None:
-        """`abort_request`, answered with what changed since the last delta."""
-        group = self._abort(request_id, index)
-        return None if group is None else self._delta(group)
-
-    def _abort(self, request_id: str, index: int | None) -> RequestGroup | None:
+        are freed at once. Answers what changed since the last delta (None: unknown id)."""
         group = self.groups.get(str(request_id))
         if group is None:
             return None
@@ -283,28 +268,16 @@ class EngineCore:
                 self.scheduler.finish(child, "abort")
                 group.finish_reasons[position] = "abort"
         self._drain_if_idle()
-        return group
+        return self._delta(group)
 
     @property
     def has_unfinished(self) -> bool:
         return bool(self.groups) or self._in_flight is not None
 
-    @mirrored
-    def leave_text_to_caller(self) -> None:
-        """Stop detokenizing here (and so checking stop strings): the caller turns tokens
-        into text on its own thread. Only valid before any request was added."""
-        require(not self.groups, "leave_text_to_caller must come before the first request")
-        self.outputs = OutputProcessor(self.tokenizer, make_text=False)
-
     # ----------------------------------------------------------------- one step
     @mirrored
-    def step(self) -> list[RequestOutput]:
-        """Run one pass; return a cumulative output for every group that progressed."""
-        return [self._finalize(group) for group in self._step()]
-
-    @mirrored
-    def step_deltas(self) -> list[RequestDelta]:
-        """Run one pass; return what each group that progressed produced in it."""
+    def step(self) -> list[RequestDelta]:
+        """Run one pass; return what each request that progressed produced in it."""
         return [self._delta(group) for group in self._step()]
 
     def _step(self) -> list[RequestGroup]:
@@ -363,11 +336,7 @@ class EngineCore:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 group = self.groups[self._group_of[request.request_id]]
-                try:
-                    reason = self.outputs.process(request) or request.stop_reason
-                except Exception as exc:  # noqa: BLE001 - fails this request only
-                    progressed[group.request_id] = self._fail(request, exc)
-                    continue
+                reason = request.stop_reason
                 if reason is not None:
                     self.scheduler.finish(request, reason)
                     group.finish_reasons[group.children.index(request)] = reason
@@ -415,11 +384,6 @@ class EngineCore:
             self.runner.collect(self._in_flight[1])
             self._in_flight = None
 
-    def _finalize(self, group: RequestGroup) -> RequestOutput:
-        output = group.output(self.outputs)
-        self._forget_if_finished(group)
-        return output
-
     def _delta(self, group: RequestGroup) -> RequestDelta:
         delta = group.delta()
         self._forget_if_finished(group)
@@ -431,7 +395,6 @@ class EngineCore:
             return False
         if self.groups.pop(group.request_id, None) is not None:
             for child in group.children:
-                self.outputs.drop(child.request_id)
                 del self._group_of[child.request_id]
         return True
 

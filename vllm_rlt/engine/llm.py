@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -20,9 +21,10 @@ from vllm_rlt.config import (
     require,
 )
 from vllm_rlt.engine.builder import build_engine
+from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.load import model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
-from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
 
@@ -70,6 +72,7 @@ class LLM:
         )
         self.engine = built.engine
         self.tokenizer = built.tokenizer
+        self.llm_engine = LLMEngine(built.engine, built.tokenizer)
         self.model_name = built.model_name
         self.tensor_parallel = built.tensor_parallel
         self._counter = 0
@@ -124,11 +127,12 @@ class LLM:
         added: list[str] = []
         try:
             for request_id, (text, ids), param in zip(request_ids, encoded, params, strict=True):
-                self.engine.add_request(str(request_id), ids, param, prompt=text)
+                final = dataclasses.replace(param, output_kind=RequestOutputKind.FINAL_ONLY)
+                self.llm_engine.add_request(str(request_id), ids, final, prompt=text)
                 added.append(str(request_id))
         except Exception:
             for request_id in added:
-                self.engine.abort_request(request_id)
+                self.llm_engine.abort_request(request_id)
             raise
         return self._run(added, use_tqdm)
 
@@ -166,7 +170,7 @@ class LLM:
         with bar:
             try:
                 while len(results) < len(request_ids):
-                    for output in self.engine.step():
+                    for output in self.llm_engine.step():
                         if output.error is not None:
                             raise RuntimeError(
                                 f"request {output.request_id!r} failed: {output.error}"
@@ -176,7 +180,7 @@ class LLM:
                             bar.update(1)
             except BaseException:  # leave the engine idle and every block free
                 for request_id in wanted - results.keys():
-                    self.engine.abort_request(request_id)
+                    self.llm_engine.abort_request(request_id)
                 raise
         return [results[request_id] for request_id in request_ids]
 

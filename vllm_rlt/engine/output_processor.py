@@ -1,11 +1,20 @@
-"""Turns sampled tokens into text and decides when a request stops."""
+"""The frontend's output processor: the core's token deltas in, the caller's outputs out.
+
+The engine core only sends token ids, exit depths and logprobs, and ends requests on token
+ids (EOS, stop ids, length). Here, on the caller's side, each user request's completions
+become text, stop strings end them (the caller then aborts them in the core), n
+completions merge into one output, and the output takes the form the request asked for
+(`RequestOutputKind`). `LLM` and `AsyncLLM` both run it.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from vllm_rlt.core.request import Request
-from vllm_rlt.outputs import CompletionOutput
+from vllm_rlt.config import ParamError
+from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
+from vllm_rlt.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 from vllm_rlt.tokenizer import IncrementalDetokenizer, Tokenizer
 
 
@@ -63,73 +72,225 @@ class TextTracker:
 
 @dataclass
 class CompletionState:
+    """One completion as far as the core has sent it, with its text."""
+
     tracker: TextTracker
-    num_seen: int = 0
+    token_ids: list[int] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
+    logprobs: list[dict[int, float]] | None = None
+    finish_reason: str | None = None
+    sent_tokens: int = 0  # what DELTA outputs have already carried
+    sent_text: int = 0
+    finish_sent: bool = False
+    cumulative_logprob: float | None = None  # of the tokens kept, with logprobs asked for
 
 
-class OutputProcessor:
-    """Builds each completion's text and applies stop strings.
+class RequestFailedError(RuntimeError):
+    """The engine failed this request alone; other requests and the engine are unaffected."""
 
-    With `make_text=False` (the server, which detokenizes on its own thread) it does
-    nothing: text and stop strings are left to the caller.
-    """
 
-    def __init__(self, tokenizer: Tokenizer | None, make_text: bool = True) -> None:
-        self.tokenizer = tokenizer if make_text else None
-        self.make_text = make_text
-        self.states: dict[str, CompletionState] = {}
+class RequestState:
+    """One user request in the frontend: its completions' tokens and text, from the core's
+    deltas, and the outputs its caller gets."""
 
-    def add(self, request: Request) -> None:
-        params = request.params
-        stops = params.stop if self.make_text else []
-        tracker = TextTracker(
-            self.tokenizer,
-            request.prompt_token_ids,
-            stops,  # type: ignore[arg-type]
-            params.include_stop_str_in_output,
-            params.skip_special_tokens,
-            params.spaces_between_special_tokens,
-        )
-        self.states[request.request_id] = CompletionState(tracker)
+    def __init__(
+        self,
+        request_id: str,
+        prompt: str | None,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        tokenizer: Tokenizer | None,
+        arrival_time: float,
+    ) -> None:
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params
+        self.kind = params.output_kind
+        stops = params.stop or []
+        self.hold_back = max((len(stop) for stop in stops), default=1) - 1  # type: ignore[arg-type]
+        self.completions = [
+            CompletionState(
+                TextTracker(
+                    tokenizer,
+                    prompt_token_ids,
+                    stops,  # type: ignore[arg-type]
+                    params.include_stop_str_in_output,
+                    params.skip_special_tokens,
+                    params.spaces_between_special_tokens,
+                )
+            )
+            for _ in range(params.n)
+        ]
+        self.arrival_time = arrival_time
+        self.first_token_time: float | None = None
+        self.finished_time: float | None = None
+        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.error: str | None = None
+        self.failure: BaseException | None = None  # the error as the caller raises it
+        self.engine_done = False  # the core holds nothing of this request any more
+        self.decode_depth_sum = 0
+        self.decode_depth_count = 0
 
-    def drop(self, request_id: str) -> None:
-        self.states.pop(request_id, None)
+    @property
+    def finished(self) -> bool:
+        return all(c.finish_reason is not None for c in self.completions)
 
-    def process(self, request: Request) -> str | None:
-        """Turn the request's new tokens into text; "stop" when a stop string ended it. The
-        stops on token ids were decided when the tokens arrived (core/stopping.py)."""
-        state = self.states[request.request_id]
-        if not self.make_text:
-            state.num_seen = len(request.output_token_ids)
-            return None
-        min_tokens = request.params.min_tokens
-        while state.num_seen < len(request.output_token_ids):
-            token = request.output_token_ids[state.num_seen]
-            state.num_seen += 1
-            if state.tracker.add(token, check_stops=state.num_seen >= min_tokens):
-                return "stop"
-        return None
+    def absorb(self, delta: RequestDelta, now: float) -> list[int]:
+        """Take in one delta of the core; the completions a stop string has just ended (the
+        caller aborts them in the core)."""
+        if delta.prompt_logprobs is not None:
+            self.prompt_logprobs = delta.prompt_logprobs
+        stopped = []
+        for part in delta.completions:
+            if self._absorb_completion(part):
+                stopped.append(part.index)
+            if part.token_ids and self.first_token_time is None:
+                self.first_token_time = now
+        if delta.error is not None:
+            self.error = delta.error
+            self.failure = (
+                ParamError(delta.error, delta.error_param)
+                if delta.invalid
+                else RequestFailedError(f"request failed in the engine: {delta.error}")
+            )
+        if delta.finished:
+            self.engine_done = True
+        if self.finished_time is None and (self.finished or delta.finished):
+            self.finished_time = now
+        return stopped
 
-    def completion(
-        self, request: Request, index: int, finish_reason: str | None
-    ) -> CompletionOutput:
-        tracker = self.states[request.request_id].tracker
-        text = tracker.final_text() if finish_reason is not None else tracker.text
-        logprobs = None
-        if request.params.logprobs is not None:
-            logprobs = []
-            for token, chosen, top in zip(
-                request.output_token_ids, request.logprobs, request.top_logprobs, strict=True
-            ):
-                entry = dict(top)
+    def fail(self, error: BaseException) -> None:
+        """End the request here with `error` (its tokens could not be turned into output);
+        the caller aborts it in the core."""
+        self.error = f"{type(error).__name__}: {error}"
+        self.failure = RequestFailedError(f"request failed in the frontend: {self.error}")
+        for completion in self.completions:
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+
+    def _absorb_completion(self, part: CompletionDelta) -> bool:
+        """Whether a stop string ended the completion in this part."""
+        completion = self.completions[part.index]
+        if completion.finish_reason is not None:
+            return False  # ended here by a stop string: what the core ran on is dropped
+        with_logprobs = part.logprobs is not None and part.top_logprobs is not None
+        if with_logprobs and completion.logprobs is None:
+            completion.logprobs, completion.cumulative_logprob = [], 0.0
+        min_tokens = self.params.min_tokens
+        for offset, token in enumerate(part.token_ids):
+            depth = part.exit_depths[offset]
+            completion.token_ids.append(token)
+            completion.exit_depths.append(depth)
+            if part.start + offset > 0:  # the first token's depth is the prompt's
+                self.decode_depth_sum += depth
+                self.decode_depth_count += 1
+            if with_logprobs:
+                chosen = part.logprobs[offset]  # type: ignore[index]
+                entry = dict(part.top_logprobs[offset])  # type: ignore[index]
                 entry[token] = chosen
-                logprobs.append(entry)
+                completion.logprobs.append(entry)  # type: ignore[union-attr]
+                completion.cumulative_logprob += chosen  # type: ignore[operator]
+            check_stops = len(completion.token_ids) >= min_tokens
+            if completion.tracker.add(token, check_stops):
+                completion.finish_reason = "stop"
+                return True
+        if part.finish_reason is not None:
+            completion.finish_reason = part.finish_reason
+        return False
+
+    def output(self) -> RequestOutput | None:
+        """What the caller gets now, in the request's output kind; None when that kind has
+        nothing to say yet."""
+        finished = self.finished
+        if self.kind == RequestOutputKind.FINAL_ONLY and not finished:
+            return None
+        if self.kind != RequestOutputKind.DELTA:
+            return self._output(finished, copy=not finished)
+        completions = self._deltas()
+        if not completions and not finished:
+            return None
+        return self._output(finished, completions)
+
+    def final_output(self) -> RequestOutput:
+        """Everything, whatever the output kind (for metrics once the request ended)."""
+        return self._output(self.finished, copy=False)
+
+    def _output(
+        self,
+        finished: bool,
+        completions: list[CompletionOutput] | None = None,
+        copy: bool = False,
+    ) -> RequestOutput:
+        if completions is None:
+            completions = [self._cumulative(i, c, copy) for i, c in enumerate(self.completions)]
+        first = self.first_token_time
+        count = self.decode_depth_count
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            metrics=RequestMetrics(
+                arrival_time=self.arrival_time,
+                first_token_time=first,
+                finished_time=self.finished_time if finished else None,
+                time_to_first_token=None if first is None else first - self.arrival_time,
+                mean_loops_per_token=self.decode_depth_sum / count if count else None,
+            ),
+            error=self.error,
+            prompt_logprobs=self.prompt_logprobs,
+        )
+
+    @staticmethod
+    def _cumulative(index: int, completion: CompletionState, copy: bool) -> CompletionOutput:
+        """Everything so far; copied while the request runs, so that an output the caller
+        keeps does not change under it."""
+        ended = completion.finish_reason is not None
+        tracker = completion.tracker
+        logprobs = completion.logprobs
         return CompletionOutput(
             index=index,
-            text=text,
-            token_ids=list(request.output_token_ids),
-            exit_depths=list(request.exit_depths),
-            logprobs=logprobs,
-            finish_reason=finish_reason,
-            cumulative_logprob=sum(request.logprobs) if request.logprobs else None,
+            text=tracker.final_text() if ended else tracker.text,
+            token_ids=list(completion.token_ids) if copy else completion.token_ids,
+            exit_depths=list(completion.exit_depths) if copy else completion.exit_depths,
+            logprobs=list(logprobs) if copy and logprobs is not None else logprobs,
+            finish_reason=completion.finish_reason,
+            cumulative_logprob=completion.cumulative_logprob,
         )
+
+    def _deltas(self) -> list[CompletionOutput]:
+        """What each completion added since the previous output: its new tokens, and its new
+        text except the end that could still become a stop string. With prompt logprobs
+        asked for, a completion's first output waits for them (the first completion
+        computes them, and another may get there first)."""
+        waiting_for_prompt = (
+            self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+        )
+        deltas = []
+        for index, completion in enumerate(self.completions):
+            ended = completion.finish_reason is not None
+            if completion.finish_sent or (waiting_for_prompt and not ended):
+                continue
+            text = completion.tracker.final_text() if ended else completion.tracker.text
+            end = len(text) if ended else max(completion.sent_text, len(text) - self.hold_back)
+            tokens = len(completion.token_ids)
+            if end == completion.sent_text and tokens == completion.sent_tokens and not ended:
+                continue
+            start = completion.sent_tokens
+            logprobs = completion.logprobs
+            deltas.append(
+                CompletionOutput(
+                    index=index,
+                    text=text[completion.sent_text : end],
+                    token_ids=completion.token_ids[start:],
+                    exit_depths=completion.exit_depths[start:],
+                    logprobs=None if logprobs is None else logprobs[start:],
+                    finish_reason=completion.finish_reason,
+                    cumulative_logprob=completion.cumulative_logprob if ended else None,
+                )
+            )
+            completion.sent_text, completion.sent_tokens = end, tokens
+            completion.finish_sent = ended
+        return deltas

@@ -1,16 +1,13 @@
 """A user request inside the engine: its n completions run as separate engine requests,
-and what the caller gets back is built here, in either form: cumulative (`output`, for
-`LLM`) or what changed since the last one (`delta`, for the core process)."""
+and each step reports what changed since the last one (`delta`)."""
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass, field
 
 from vllm_rlt.core.request import Request
 from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
-from vllm_rlt.engine.output_processor import OutputProcessor
-from vllm_rlt.outputs import RequestMetrics, RequestOutput, prompt_logprob_entries
+from vllm_rlt.outputs import prompt_logprob_entries
 
 
 @dataclass
@@ -18,10 +15,8 @@ class RequestGroup:
     """A user request: its n completions run as separate engine requests."""
 
     request_id: str
-    prompt: str | None
     prompt_token_ids: list[int]
     children: list[Request]
-    arrival_time: float
     finish_reasons: dict[int, str] = field(default_factory=dict)
     error: str | None = None  # why the engine failed this request alone
     sent: list[int] = field(default_factory=list)  # tokens already sent, per completion
@@ -38,32 +33,6 @@ class RequestGroup:
     @property
     def all_ended(self) -> bool:
         return len(self.finish_reasons) >= len(self.children)
-
-    def output(self, outputs: OutputProcessor) -> RequestOutput:
-        """Everything so far (text from `outputs`, which tracks each completion's)."""
-        completions = [
-            outputs.completion(child, index, self.finish_reasons.get(index))
-            for index, child in enumerate(self.children)
-        ]
-        finished = self.all_ended
-        first_times = [c.first_token_time for c in self.children if c.first_token_time]
-        depths = [d for c in self.children for d in c.exit_depths[1:]]
-        metrics = RequestMetrics.of(
-            self.arrival_time,
-            min(first_times) if first_times else None,
-            time.monotonic() if finished else None,
-            depths,
-        )
-        return RequestOutput(
-            request_id=self.request_id,
-            prompt=self.prompt,
-            prompt_token_ids=self.prompt_token_ids,
-            outputs=completions,
-            finished=finished,
-            metrics=metrics,
-            error=self.error,
-            prompt_logprobs=self.prompt_logprobs(),
-        )
 
     def delta(self) -> RequestDelta:
         """What changed since the last delta: new tokens, finish reasons not yet sent, and

@@ -12,10 +12,11 @@ from typing import Any
 import orjson
 
 from vllm_rlt.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
-from vllm_rlt.engine.request_stream import RequestFailedError, RequestStream
+from vllm_rlt.engine.output_processor import RequestFailedError
+from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
-from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
@@ -39,16 +40,6 @@ class APIError(Exception):
                 "code": self.status,
             }
         }
-
-
-@dataclass
-class ChoiceCursor:
-    """What a stream has already sent for one choice."""
-
-    text: int = 0
-    tokens: int = 0
-    finished: bool = False
-    started: bool = False
 
 
 @dataclass
@@ -204,8 +195,9 @@ class OpenAIServing:
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
     # ----------------------------------------------------------------- running
-    def _open(self, job: Job) -> list[RequestStream]:
-        """Queue the job's requests (all or none) and return their streams."""
+    def _open(self, job: Job, kind: RequestOutputKind) -> list[RequestStream]:
+        """Queue the job's requests (all or none) and return their streams, whose outputs
+        take the form `kind`."""
         engine = self.engine
         if self.closing:
             raise APIError(503, "the server is shutting down", "service_unavailable")
@@ -215,8 +207,9 @@ class OpenAIServing:
             engine.check_capacity(len(job.prompts) * job.params.n)
         except (QueueFullError, ValueError) as exc:
             raise as_api_error(exc) from exc
+        params = replace(job.params, output_kind=kind)
         return [
-            engine.add_request(f"{job.request_id}-{index}", ids, job.params, prompt=text)
+            engine.add_request(f"{job.request_id}-{index}", ids, params, prompt=text)
             for index, (text, ids) in enumerate(job.prompts)
         ]
 
@@ -227,7 +220,7 @@ class OpenAIServing:
 
     async def run(self, job: Job) -> dict[str, Any]:
         """Non-streaming: the whole response body."""
-        streams = self._open(job)
+        streams = self._open(job, RequestOutputKind.FINAL_ONLY)
 
         async def last(stream: RequestStream) -> RequestOutput:
             final = None
@@ -250,10 +243,12 @@ class OpenAIServing:
         if self.closing and any(_aborted(final) for final in finals):
             raise self._shutdown_error()
         choices = []
+        generated = 0
         for prompt_index, output in enumerate(finals):
             for completion in output.outputs:
                 choice_index = prompt_index * job.params.n + completion.index
                 completion = _shown(job, completion)
+                generated += len(completion.token_ids)
                 choices.append(self._choice(job, prompt_index, choice_index, completion, output))
         return {
             "id": job.request_id,
@@ -261,17 +256,17 @@ class OpenAIServing:
             "created": job.created,
             "model": self.model_name,
             "choices": choices,
-            "usage": self._usage(job, [_shown(job, o) for f in finals for o in f.outputs]),
+            "usage": self._usage(job, generated),
         }
 
     async def stream(self, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
         """Streaming: SSE events, one finish_reason per choice, optional usage, then DONE.
         An error before the first chunk is a single error event (the caller turns it into
         a plain error reply)."""
-        streams = self._open(job)
+        streams = self._open(job, RequestOutputKind.DELTA)
         items = _merged(streams)
-        cursors: dict[int, ChoiceCursor] = {}
-        latest: dict[int, RequestOutput] = {}
+        started: set[int] = set()  # choices whose first chunk was sent
+        generated = 0
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         try:
             while True:
@@ -289,21 +284,21 @@ class OpenAIServing:
                 if isinstance(item, BaseException):
                     yield _sse(_error_body(item))
                     return
-                if self.closing and not cursors and _aborted(item):
+                if self.closing and not started and _aborted(item):
                     yield _sse(self._shutdown_error().body())  # nothing was sent yet
                     return
-                latest[index] = item
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
-                    cursor = cursors.setdefault(choice_index, ChoiceCursor())
                     completion = _shown(job, completion)
-                    chunk = self._delta(job, index, choice_index, completion, cursor, item)
+                    generated += len(completion.token_ids)
+                    first = choice_index not in started
+                    chunk = self._delta(job, index, choice_index, completion, item, first)
                     if chunk is not None:
+                        started.add(choice_index)
                         yield _sse(self._chunk(job, [chunk]))
             if include_usage:
-                completions = [_shown(job, o) for output in latest.values() for o in output.outputs]
                 body = self._chunk(job, [])
-                body["usage"] = self._usage(job, completions)
+                body["usage"] = self._usage(job, generated)
                 yield _sse(body)
             yield b"data: [DONE]\n\n"
         finally:
@@ -312,9 +307,8 @@ class OpenAIServing:
                 stream.close()
 
     # ----------------------------------------------------------------- shaping
-    def _usage(self, job: Job, completions: list[CompletionOutput]) -> dict[str, int]:
+    def _usage(self, job: Job, completion_tokens: int) -> dict[str, int]:
         prompt_tokens = sum(len(ids) for _, ids in job.prompts)
-        completion_tokens = sum(len(c.token_ids) for c in completions)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,
@@ -350,51 +344,36 @@ class OpenAIServing:
         prompt_index: int,
         index: int,
         completion: CompletionOutput,
-        cursor: ChoiceCursor,
         output: RequestOutput,
+        first: bool,
     ) -> dict[str, Any] | None:
-        """The new part of one choice, or None; text that could still turn into a stop
-        string is held back until it cannot. With echo and logprobs the first chunk waits
-        for the prompt's logprobs (another completion of the prompt may come first)."""
-        if cursor.finished:
-            return None
+        """One choice's chunk for what its completion added (a DELTA output, whose text
+        already holds back what could still become a stop string), or None when there is
+        nothing to show."""
         finished = completion.finish_reason is not None
-        echo_logprobs = job.echo and job.num_logprobs is not None and not cursor.started
-        if echo_logprobs and output.prompt_logprobs is None and not finished:
-            return None
-        end = len(completion.text)
-        if not finished and job.params.stop:
-            end = max(cursor.text, end - max(len(s) for s in job.params.stop) + 1)
-        text = completion.text[cursor.text : end]
-        tokens = len(completion.token_ids)
+        text = completion.text
         per_token = job.num_logprobs is not None or job.exit_depths
-        if (
-            not text
-            and not finished
-            and cursor.started
-            and not (per_token and tokens > cursor.tokens)
-        ):
+        if not text and not finished and not first and not (per_token and completion.token_ids):
             return None
-        if job.echo and not cursor.started:
+        if job.echo and first:
             text = (job.prompts[prompt_index][0] or "") + text
-        logprobs = self._logprobs(job, completion, cursor.tokens, tokens)
-        if echo_logprobs and logprobs is not None:
+        logprobs = self._logprobs(job, completion, 0, len(completion.token_ids))
+        if job.echo and first and logprobs is not None:
             logprobs = self._with_prompt(job, prompt_index, output, logprobs)
         chunk: dict[str, Any] = {
             "index": index,
             "logprobs": logprobs,
-            "finish_reason": completion.finish_reason if finished else None,
+            "finish_reason": completion.finish_reason,
         }
         if job.kind == "completion":
             chunk["text"] = text
         else:
             delta: dict[str, Any] = {"content": text}
-            if not cursor.started:
+            if first:
                 delta["role"] = "assistant"
             chunk["delta"] = delta
         if job.exit_depths:
-            chunk["exit_depths"] = list(completion.exit_depths[cursor.tokens : tokens])
-        cursor.text, cursor.tokens, cursor.started, cursor.finished = end, tokens, True, finished
+            chunk["exit_depths"] = list(completion.exit_depths)
         return chunk
 
     def _chunk(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:

@@ -1,0 +1,80 @@
+"""LLMEngine: the engine core in this process, behind the frontend's output processor.
+
+`LLM` runs it, one step at a time: the core's token deltas go through each request's
+`RequestState` (text, stop strings, n completions, output form), as they do in `AsyncLLM`
+for a core in another process; a stop string found here aborts its completion in the core.
+"""
+
+from __future__ import annotations
+
+import time
+
+from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.messages import RequestDelta
+from vllm_rlt.engine.output_processor import RequestState
+from vllm_rlt.outputs import RequestOutput
+from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.tokenizer import Tokenizer
+
+
+class LLMEngine:
+    def __init__(self, core: EngineCore, tokenizer: Tokenizer | None) -> None:
+        self.core = core
+        self.tokenizer = tokenizer
+        self.states: dict[str, RequestState] = {}
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+    ) -> None:
+        """Validate and queue a request (ValueError names the bad field; nothing changes)."""
+        request_id = str(request_id)
+        self.core.add_request(request_id, prompt_token_ids, params)
+        self.states[request_id] = RequestState(
+            request_id, prompt, list(prompt_token_ids), params, self.tokenizer, time.monotonic()
+        )
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """Stop a request at any time (its blocks and slot are freed at once); its output as
+        it stands, or None for an id that is not running."""
+        state = self.states.get(str(request_id))
+        delta = self.core.abort_request(str(request_id))
+        if state is None or delta is None:
+            return None
+        return self._absorb(state, delta, time.monotonic())
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.states) or self.core.has_unfinished
+
+    def step(self) -> list[RequestOutput]:
+        """Run one pass; the outputs of the requests that progressed, each in its output
+        kind (a FINAL_ONLY request shows up once, when it ends)."""
+        now = time.monotonic()
+        outputs = []
+        for delta in self.core.step():
+            state = self.states.get(delta.request_id)
+            if state is None:
+                continue
+            output = self._absorb(state, delta, now)
+            if output is not None:
+                outputs.append(output)
+        return outputs
+
+    def _absorb(self, state: RequestState, delta: RequestDelta, now: float) -> RequestOutput | None:
+        """Take in one delta; a failure here fails this request alone (its output carries
+        the error, and the core lets it go)."""
+        try:
+            for index in state.absorb(delta, now):  # ended by a stop string
+                ended = self.core.abort_request(state.request_id, index)
+                if ended is not None:
+                    state.absorb(ended, now)
+        except Exception as exc:  # noqa: BLE001 - fails this request only
+            state.fail(exc)
+            self.core.abort_request(state.request_id)
+        if state.finished:  # and so the core holds nothing of it
+            del self.states[state.request_id]
+        return state.output()
