@@ -12,7 +12,7 @@ from vllm_rlt.config import (
     SpeculativeConfig,
 )
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
-from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
     from vllm_rlt.engine.llm import LLM
@@ -26,6 +26,7 @@ __all__ = [
     "ExecutionConfig",
     "ExitConfig",
     "RequestOutput",
+    "RequestOutputKind",
     "SamplingParams",
     "SchedulerConfig",
     "SpeculativeConfig",

@@ -16,6 +16,8 @@ MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # frequency and presence, either sign (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
 MAX_STOP_STRINGS = 64
+MAX_BAD_WORDS = 32  # words; each becomes up to two token sequences (with a leading space)
+MAX_BAD_WORD_TOKENS = 8
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -46,7 +48,11 @@ class SamplingParams:
 
     vLLM's logit adjustments, applied in this order before temperature and filtering (the
     reported logprobs are the model's, before them): `logit_bias` adds a value per token id;
-    `allowed_token_ids` (vLLM's name) lets only those tokens be sampled;
+    `allowed_token_ids` (vLLM's name) lets only those tokens be sampled; `bad_words`
+    (vLLM's) are never generated: a word's last token is barred wherever the output so far
+    ends with the rest of it (each word is tokenized as it is and after a space; the
+    frontend fills `bad_words_token_ids` with those sequences, which may also be given
+    directly);
     `repetition_penalty` divides a positive logit (multiplies a negative one) of every token
     seen in the prompt or the output; `frequency_penalty` subtracts per occurrence in the
     output and `presence_penalty` once for any. `skip_special_tokens` leaves special tokens
@@ -78,6 +84,8 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
@@ -128,6 +136,7 @@ class SamplingParams:
             self.allowed_token_ids = list(self.allowed_token_ids)
             for token_id in self.allowed_token_ids:
                 require_int(token_id, "allowed_token_ids entry", 0, param="allowed_token_ids")
+        self._check_bad_words()
         for flag in (
             "ignore_eos",
             "include_stop_str_in_output",
@@ -169,16 +178,51 @@ class SamplingParams:
         if self.exit_threshold is not None:
             _require_float(self.exit_threshold, "exit_threshold", 0.0, 1.0)
 
+    def _check_bad_words(self) -> None:
+        if self.bad_words is not None:
+            words = self.bad_words
+            require(
+                isinstance(words, (list, tuple)) and 0 < len(words) <= MAX_BAD_WORDS,
+                f"bad_words must be a list of 1 to {MAX_BAD_WORDS} strings, got {words!r}",
+                "bad_words",
+            )
+            self.bad_words = list(words)
+            for word in self.bad_words:
+                require(
+                    isinstance(word, str) and word.strip() != "",
+                    f"bad_words must hold non-blank strings, got {word!r}",
+                    "bad_words",
+                )
+        if self.bad_words_token_ids is not None:
+            sequences = self.bad_words_token_ids
+            require(
+                isinstance(sequences, (list, tuple)) and len(sequences) <= 2 * MAX_BAD_WORDS,
+                f"bad_words_token_ids must be a list of at most {2 * MAX_BAD_WORDS} token-id "
+                f"lists, got {sequences!r}",
+                "bad_words_token_ids",
+            )
+            self.bad_words_token_ids = [list(ids) for ids in sequences]
+            for ids in self.bad_words_token_ids:
+                require(
+                    0 < len(ids) <= MAX_BAD_WORD_TOKENS,
+                    f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens, got {len(ids)}",
+                    "bad_words",
+                )
+                for token_id in ids:
+                    require_int(token_id, "bad_words_token_ids entry", 0, param="bad_words")
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     @property
     def adjusts_logits(self) -> bool:
-        """Any of logit_bias, allowed_token_ids and the three penalties is on."""
+        """Any of logit_bias, allowed_token_ids, bad words and the three penalties is on."""
         return bool(
             self.logit_bias
             or self.allowed_token_ids
+            or self.bad_words
+            or self.bad_words_token_ids
             or self.repetition_penalty != 1.0
             or self.frequency_penalty
             or self.presence_penalty

@@ -358,3 +358,90 @@ def test_allowed_token_ids_are_checked(make_engine):
     with pytest.raises(ValueError, match="nothing could be sampled"):
         frontend(engine).add_request("r", [5, 6], nothing_left)
     assert not engine.has_unfinished and engine.all_blocks_free()
+
+
+# --------------------------------------------------------------------------- bad words
+def _reference_without(toy_config, toy_state, prompt, count, words) -> list[int]:
+    """Greedy over the reference logits, each word's last token barred where the output
+    so far ends with the rest of it."""
+    from tests.reference.oracle import reference_dense_logits
+
+    out: list[int] = []
+    for _ in range(count):
+        logits = reference_dense_logits(toy_config, toy_state, prompt + out)[-1].clone()
+        for word in words:
+            if len(word) == 1 or out[-(len(word) - 1) :] == list(word[:-1]):
+                logits[word[-1]] = float("-inf")
+        out.append(int(logits.argmax()))
+    return out
+
+
+def test_bad_words_are_never_completed(make_engine, toy_config, toy_state):
+    """Greedy with bad words equals the reference that bars each word's last token after
+    the rest of it (a one-token word always), also for a request resumed after preemption
+    (its last outputs are restored); a request beside them is untouched."""
+    plain_tokens = _greedy_tokens(make_engine, 10)
+    pair = plain_tokens[2:4]  # the plain output contains this pair: it must not come back
+    words = [pair, [plain_tokens[6]]]
+    params = SamplingParams(
+        max_tokens=10,
+        temperature=0.0,
+        exit_threshold=1.0,
+        ignore_eos=True,
+        bad_words_token_ids=words,
+    )
+    plain = SamplingParams(max_tokens=10, temperature=0.0, exit_threshold=1.0)
+    want = _reference_without(toy_config, toy_state, PROMPT, 10, words)
+    assert want != plain_tokens
+    engine = make_engine(prefill_chunk_size=4, async_scheduling=True)
+    outputs = drain(engine, {0: [("banned", PROMPT, params), ("plain", PROMPT, plain)]})
+    assert outputs["banned"].outputs[0].token_ids == want
+    assert outputs["plain"].outputs[0].token_ids == plain_tokens
+    small = make_engine(num_blocks=8, block_size=4, prefill_chunk_size=4, max_num_seqs=3)
+    prompts = {f"r{i}": PROMPT[: 2 + i] for i in range(3)}
+    outputs = drain(small, {0: [(rid, prompt, params) for rid, prompt in prompts.items()]})
+    assert small.scheduler.num_preemptions > 0
+    for rid, prompt in prompts.items():
+        want = _reference_without(toy_config, toy_state, prompt, 10, words)
+        assert outputs[rid].outputs[0].token_ids == want, rid
+
+
+def test_bad_words_are_checked(make_engine):
+    from vllm_rlt.engine.llm_engine import LLMEngine
+
+    engine = make_engine()
+    vocab = engine.model.config.vocab_size
+    bad = [
+        (dict(bad_words=[]), "bad_words must be a list of 1 to 32 strings"),
+        (dict(bad_words=["ok", " "]), "bad_words must hold non-blank strings"),
+        (dict(bad_words=["x"] * 33), "bad_words must be a list of 1 to 32 strings"),
+        (dict(bad_words_token_ids=[[1] * 9]), "each bad word must be 1 to 8 tokens, got 9"),
+        (dict(bad_words_token_ids=[[3, vocab]]), f"must be in \\[0, {vocab - 1}\\], got {vocab}"),
+    ]
+    for fields, message in bad:
+        with pytest.raises(ValueError, match=message) as caught:
+            frontend(engine).add_request("r", [5, 6], SamplingParams(**fields))
+        assert caught.value.param == "bad_words"
+    with pytest.raises(ValueError, match="bad_words needs the model's tokenizer"):
+        LLMEngine(engine, None).add_request("r", [5, 6], SamplingParams(bad_words=["ab"]))
+    with pytest.raises(ValueError, match="bad_words are turned into token ids by the frontend"):
+        engine.add_request("r", [5, 6], SamplingParams(bad_words=["ab"]))
+    assert not engine.has_unfinished and engine.all_blocks_free()
+
+
+def test_bad_words_as_text_through_llm():
+    """The built-in model answers 347+589= with 936; barring "936" (or "93") changes the
+    answer, and the text never holds the word."""
+    from vllm_rlt import LLM
+
+    llm = LLM()
+    greedy = dict(max_tokens=4, temperature=0.0)
+    plain = llm.generate("347+589=", SamplingParams(**greedy), use_tqdm=False)[0]
+    assert plain.outputs[0].text == "936"
+    for word in ("936", "93"):
+        params = SamplingParams(**greedy, bad_words=[word])
+        text = llm.generate("347+589=", params, use_tqdm=False)[0].outputs[0].text
+        assert word not in text and text != "936"
+    with pytest.raises(ValueError, match="bad word 'xxxxxxxxx' is 9 tokens; at most 8") as caught:
+        llm.generate("1+1=", SamplingParams(bad_words=["x" * 9]), use_tqdm=False)
+    assert caught.value.param == "bad_words"

@@ -132,6 +132,12 @@ def test_vllm_sampling_extensions(server):
     only = {"allowed_token_ids": [100, 101], "logit_bias": {"65": 100.0}, "ignore_eos": True}
     text = httpx.post(f"{url}/v1/completions", json={**body, **only, "max_tokens": 6}).json()
     assert set(text["choices"][0]["text"]) <= {"a", "b"} and text["choices"][0]["text"]
+    # bad_words reach the engine as token ids: "b" may follow no "a", "a" may not start
+    pairs = {"allowed_token_ids": [100, 101], "ignore_eos": True, "max_tokens": 8}
+    for words, banned in ((["ab"], "ab"), (["a"], "a")):
+        reply = httpx.post(f"{url}/v1/completions", json={**body, **pairs, "bad_words": words})
+        assert reply.status_code == 200, reply.text
+        assert banned not in reply.json()["choices"][0]["text"]
     for field, value, message in (
         ("logit_bias", {"a": 1.0}, "logit_bias keys must be token ids, got 'a'"),
         ("logit_bias", {"99999": 1.0}, "logit_bias keys must be token ids in [0, "),
@@ -141,6 +147,9 @@ def test_vllm_sampling_extensions(server):
         ("allowed_token_ids", [], "allowed_token_ids"),
         ("allowed_token_ids", [99999], "allowed_token_ids entries must be in [0, "),
         ("allowed_token_ids", [-3], "allowed_token_ids entry must be"),
+        ("bad_words", [], "bad_words"),
+        ("bad_words", ["x" * 9], "bad word 'xxxxxxxxx' is 9 tokens; at most 8"),
+        ("bad_words", ["  "], "bad_words must hold non-blank strings"),
     ):
         reply = httpx.post(f"{url}/v1/completions", json={**body, field: value})
         assert reply.status_code == 400, (field, value)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Penalties:
     """A request's logit adjustments (SamplingParams), the prompt tokens the repetition
-    penalty looks at, and the only tokens it may sample (if restricted)."""
+    penalty looks at, the only tokens it may sample (if restricted), and its bad words."""
 
     repetition: float
     frequency: float
@@ -16,6 +16,7 @@ class Penalties:
     logit_bias: tuple[tuple[int, float], ...]
     prompt_token_ids: tuple[int, ...]
     allowed_token_ids: tuple[int, ...] = ()  # empty: every token may be sampled
+    bad_words: tuple[tuple[int, ...], ...] = ()  # token sequences never to complete
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ class Request:
                     tuple(self.prompt_token_ids) if params.repetition_penalty != 1.0 else ()
                 ),
                 allowed_token_ids=tuple(sorted(set(params.allowed_token_ids or ()))),
+                bad_words=tuple(map(tuple, params.bad_words_token_ids or ())),
             )
         return SamplingRecord(
             min_loops=self.min_loops,

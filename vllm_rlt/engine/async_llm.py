@@ -26,7 +26,7 @@ from vllm_rlt.engine.messages import (
     EngineOutputs,
     EngineStats,
 )
-from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
+from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits, tokenize_bad_words
 from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.models.load import load_tokenizer, model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
@@ -156,7 +156,7 @@ class AsyncLLM:
 
     def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Every check the core makes on arrival: bad input raises ParamError here."""
-        self.checker.check(request_id, prompt, params)
+        self.checker.check(request_id, prompt, tokenize_bad_words(params, self.tokenizer))
 
     def check_capacity(self, sequences: int) -> None:
         """Refuse `sequences` more completions: for good (ParamError) when they could never
@@ -190,6 +190,7 @@ class AsyncLLM:
         self._read_outputs_here()
         require(request_id not in self._streams, f"request_id {request_id!r} is already in use")
         self.check_capacity(params.n)
+        params = tokenize_bad_words(params, self.tokenizer)
         stream = RequestStream(self, request_id, prompt, list(prompt_token_ids), params)
         self._streams[request_id] = stream
         self.num_sequences += params.n

@@ -3,10 +3,12 @@ makes them before queueing (a bad request is a 400 there) and the core again on 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from vllm_rlt.config import ExitConfig, require
-from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from vllm_rlt.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -70,6 +72,19 @@ class RequestChecker:
                 f"allowed_token_ids entries must be in [0, {vocab - 1}], got {token}",
                 "allowed_token_ids",
             )
+        require(
+            not params.bad_words,
+            "bad_words are turned into token ids by the frontend that holds the tokenizer "
+            "(LLM, AsyncLLM, the server); give bad_words_token_ids to the engine core",
+            "bad_words",
+        )
+        for ids in params.bad_words_token_ids or ():
+            for token in ids:
+                require(
+                    token < vocab,
+                    f"bad_words_token_ids entries must be in [0, {vocab - 1}], got {token}",
+                    "bad_words",
+                )
         for token in params.stop_token_ids:
             require(
                 token < vocab,
@@ -148,3 +163,29 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: frozenset[int]) 
         f"({params.min_tokens}) bans: nothing could be sampled",
         "allowed_token_ids",
     )
+
+
+def tokenize_bad_words(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
+    """`params` with its bad_words turned into token sequences (each word as it is and after
+    a space, where that tokenizes differently), added to its bad_words_token_ids; the
+    frontend does this before its checks, and the core only sees token ids."""
+    if not params.bad_words:
+        return params
+    require(
+        tokenizer is not None,
+        "bad_words needs the model's tokenizer, and this model has none; give "
+        "bad_words_token_ids instead",
+        "bad_words",
+    )
+    sequences = [list(ids) for ids in params.bad_words_token_ids or ()]
+    for word in params.bad_words:
+        for text in (word.lstrip(), " " + word.lstrip()):
+            ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[union-attr]
+            require(
+                0 < len(ids) <= MAX_BAD_WORD_TOKENS,
+                f"bad word {word!r} is {len(ids)} tokens; at most {MAX_BAD_WORD_TOKENS}",
+                "bad_words",
+            )
+            if ids not in sequences:
+                sequences.append(ids)
+    return dataclasses.replace(params, bad_words=None, bad_words_token_ids=sequences)

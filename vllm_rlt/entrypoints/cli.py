@@ -87,6 +87,13 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         help="sample only these token ids (default: any)",
     )
     group.add_argument(
+        "--bad-words",
+        nargs="+",
+        default=None,
+        metavar="WORD",
+        help="words never to generate (default: none)",
+    )
+    group.add_argument(
         "--logprobs",
         type=int,
         default=None,
@@ -135,6 +142,7 @@ def sampling_params_from(ns: argparse.Namespace) -> SamplingParams:
         frequency_penalty=ns.frequency_penalty,
         presence_penalty=ns.presence_penalty,
         allowed_token_ids=ns.allowed_token_ids,
+        bad_words=ns.bad_words,
         min_loops=ns.min_loops,
         max_loops=ns.max_loops,
         exit_threshold=ns.exit_threshold,

@@ -1,5 +1,5 @@
 """Logit adjustments before sampling, batched on the device, in vLLM's order: logit_bias,
-then the repetition penalty, then the frequency and presence penalties."""
+then the repetition penalty, then the frequency and presence penalties; then bad words."""
 
 from __future__ import annotations
 
@@ -26,3 +26,16 @@ def apply_penalties(
     logits = torch.where(seen | prompt_mask, repeated, logits)
     counts = output_counts.to(logits.dtype)
     return logits - frequency.unsqueeze(1) * counts - presence.unsqueeze(1) * seen.to(logits.dtype)
+
+
+def apply_bad_words(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    recent: torch.Tensor,  # [rows, K] int64: the last K output tokens, -1 before the first
+    prefixes: torch.Tensor,  # [rows, W, K] int64: each word but its last token, -1 padded left
+    last_tokens: torch.Tensor,  # [rows, W] int64: each word's last token, -1 for no word
+) -> torch.Tensor:
+    """Bar each bad word's last token where the output so far ends with the rest of the
+    word (a one-token word is barred always). A row without words keeps its logits."""
+    matches = ((prefixes == recent.unsqueeze(1)) | (prefixes < 0)).all(-1) & (last_tokens >= 0)
+    barred = torch.zeros_like(logits).scatter_add_(1, last_tokens.clamp(min=0), matches.float())
+    return logits.masked_fill(barred > 0, float("-inf"))

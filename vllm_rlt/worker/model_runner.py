@@ -17,7 +17,7 @@ from vllm_rlt.core.contract import (
     SchedulerOutput,
 )
 from vllm_rlt.exit import ExitInputs, ExitPolicy
-from vllm_rlt.layers.penalties import apply_penalties
+from vllm_rlt.layers.penalties import apply_bad_words, apply_penalties
 from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
 from vllm_rlt.worker.slot_state import SlotState
@@ -373,9 +373,11 @@ class ModelRunner:
             outcome = torch.cat([drafted_outcome, pad])
             ahead = torch.cat([lanes.drafted_ahead(decode).float() * had_draft, pad])
         if adjusted and st.penalties is not None:  # count each kept token for later ones
-            st.penalties.output_counts.index_put_(
-                (sample_slots, tokens), live.int(), accumulate=True
-            )
+            penalties = st.penalties
+            penalties.output_counts.index_put_((sample_slots, tokens), live.int(), accumulate=True)
+            recent = penalties.recent[sample_slots]
+            shifted = torch.cat([recent[:, 1:], tokens.unsqueeze(1)], 1)
+            penalties.recent[sample_slots] = torch.where(live.unsqueeze(1), shifted, recent)
         chosen_lp, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
 
         st.token[decode] = torch.where(exited, tokens[:num_decode], st.token[decode])
@@ -442,7 +444,7 @@ class ModelRunner:
         penalties = st.penalties
         if not adjusted or penalties is None:
             return logits, logits
-        return logits, apply_penalties(
+        adjusted_logits = apply_penalties(
             logits,
             penalties.output_counts[slots],
             penalties.prompt_mask[slots],
@@ -450,6 +452,12 @@ class ModelRunner:
             penalties.frequency[slots],
             penalties.presence[slots],
             penalties.bias[slots],
+        )
+        return logits, apply_bad_words(
+            adjusted_logits,
+            penalties.recent[slots],
+            penalties.bad_prefixes[slots],
+            penalties.bad_last_tokens[slots],
         )
 
     def _to_output(self, packed: list[list[float]], slots: list[int]) -> ModelRunnerOutput:

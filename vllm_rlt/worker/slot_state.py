@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from vllm_rlt.core.contract import NewSlot, Penalties
+from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 
 Upload = Callable[[torch.Tensor], torch.Tensor]  # an int64 host tensor, sent to the device
 
@@ -23,14 +24,23 @@ class PenaltyState:
         self.repetition = torch.ones(slots, **f32)
         self.frequency = torch.zeros(slots, **f32)
         self.presence = torch.zeros(slots, **f32)
+        # Bad words: each slot's last outputs, and its words split into the part the
+        # outputs must end with (right-aligned, -1 padded) and the token then barred.
+        context = MAX_BAD_WORD_TOKENS - 1
+        i64 = dict(dtype=torch.int64, device=device)
+        self.recent = torch.full((slots, context), -1, **i64)
+        self.bad_prefixes = torch.full((slots, 2 * MAX_BAD_WORDS, context), -1, **i64)
+        self.bad_last_tokens = torch.full((slots, 2 * MAX_BAD_WORDS), -1, **i64)
 
     def set(
         self, slot: int, penalties: Penalties | None, output_token_ids: tuple[int, ...] = ()
     ) -> None:
         """Write one slot's row (neutral for None); a resumed request's outputs so far
-        count toward its frequency and presence penalties."""
+        count toward its frequency and presence penalties and its bad words."""
         for table in (self.output_counts, self.prompt_mask, self.bias):
             table[slot] = 0
+        for table in (self.recent, self.bad_prefixes, self.bad_last_tokens):
+            table[slot] = -1
         if penalties is None:
             self.repetition[slot], self.frequency[slot], self.presence[slot] = 1.0, 0.0, 0.0
             return
@@ -50,6 +60,16 @@ class PenaltyState:
         if output_token_ids:
             ids = torch.tensor(output_token_ids, dtype=torch.int64, device=device)
             self.output_counts[slot].index_add_(0, ids, torch.ones_like(ids, dtype=torch.int32))
+            recent = output_token_ids[-self.recent.shape[1] :]
+            self.recent[slot, self.recent.shape[1] - len(recent) :] = ids[-len(recent) :]
+        if penalties.bad_words:
+            prefixes = torch.full(self.bad_prefixes.shape[1:], -1, dtype=torch.int64)
+            for index, word in enumerate(penalties.bad_words):
+                if len(word) > 1:
+                    prefixes[index, prefixes.shape[1] - len(word) + 1 :] = torch.tensor(word[:-1])
+            self.bad_prefixes[slot] = prefixes.to(device)
+            last = [word[-1] for word in penalties.bad_words]
+            self.bad_last_tokens[slot, : len(last)] = torch.tensor(last, device=device)
 
 
 class SlotState:

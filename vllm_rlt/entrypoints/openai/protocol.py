@@ -18,6 +18,7 @@ from pydantic_core import PydanticCustomError
 
 from vllm_rlt.config import ParamError
 from vllm_rlt.sampling_params import (
+    MAX_BAD_WORDS,
     MAX_LOGPROBS,
     MAX_N,
     MAX_PENALTY,
@@ -110,6 +111,7 @@ class SamplingFields(RequestBody):
     # token id (as a string, JSON's only key type) -> bias added to its logit
     logit_bias: dict[str, StrictFloat] | None = None  # ranges checked by SamplingParams
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
+    bad_words: Annotated[list[str], Field(min_length=1, max_length=MAX_BAD_WORDS)] | None = None
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     # Looped-model extensions.
@@ -146,6 +148,7 @@ class SamplingFields(RequestBody):
             presence_penalty=self.presence_penalty,
             logit_bias=self._logit_bias(),
             allowed_token_ids=self.allowed_token_ids,
+            bad_words=self.bad_words,
             skip_special_tokens=self.skip_special_tokens,
             spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
