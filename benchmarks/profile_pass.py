@@ -20,13 +20,13 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.sampling_params import SamplingParams
 
 
 def profile(model, concurrency: int, steps: int, spec: SpeculativeConfig | None) -> None:
-    engine = EngineCore(
+    engine = build_engine_core(
         model,
         None,
         # 64 prompt tokens plus at most one token per step (16 warm-up steps and the timed
@@ -66,7 +66,7 @@ def profile(model, concurrency: int, steps: int, spec: SpeculativeConfig | None)
     step_ms = (time.perf_counter() - start) / steps * 1e3
     parts = ", ".join(f"{k} {v / steps * 1e3:.3f} ms" for k, v in spent.items())
     print(f"concurrency {concurrency}: {parts}")
-    rows = concurrency * engine.num_lanes
+    rows = concurrency * engine.scheduler.lanes_per_request
     graphs = engine.runner.graphs
     size = next(s for s in graphs.sizes if s >= rows)
     graph, _ = graphs.graphs[(size, True, False, False, spec is not None)]

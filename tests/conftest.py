@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
@@ -66,7 +67,7 @@ def make_engine(toy_model):
         model: OuroModel | None = None,
         **scheduler_kwargs,
     ) -> EngineCore:
-        engine = EngineCore(
+        engine = build_engine_core(
             model or toy_model,
             Tokenizer.byte_level(),
             CacheConfig(

@@ -8,7 +8,7 @@ import torch
 from tests.conftest import drain, frontend
 from tests.e2e.test_engine_vs_oracle import MAX_TOKENS, POLICIES, _oracle, _prompts, _traces
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
-from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -29,7 +29,7 @@ def _cuda_engine(
 ):
     exit_mode, _ = POLICIES[policy]
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, dtype, "cuda")
-    return EngineCore(
+    return build_engine_core(
         model,
         Tokenizer.byte_level(),
         CacheConfig(layout=layout, num_blocks=128, block_size=4),
@@ -222,7 +222,7 @@ def test_cuda_bfloat16_runs_and_stays_close(toy_config, toy_state):
 def test_automatic_kv_sizing_honours_the_budget(toy_config, toy_state):
     """No explicit size: profile a maximum pass and fill the budget, capped at useful blocks."""
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.bfloat16, "cuda")
-    engine = EngineCore(
+    engine = build_engine_core(
         model,
         Tokenizer.byte_level(),
         CacheConfig(gpu_memory_utilization=0.5),

@@ -10,7 +10,7 @@ from tests.conftest import drain
 from tests.e2e.test_engine_vs_oracle import POLICIES
 from tests.e2e.test_preemption import MAX_TOKENS, POOL, _oracle, _prompts, _traces
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
-from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -32,7 +32,7 @@ def test_cuda_preemption_equals_oracle(
     toy_config, toy_state, layout, policy, backend, graphs, async_scheduling, mode
 ):
     exit_mode, threshold = POLICIES[policy]
-    engine = EngineCore(
+    engine = build_engine_core(
         OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cuda"),
         Tokenizer.byte_level(),
         CacheConfig(layout=layout, num_blocks=POOL, block_size=4),

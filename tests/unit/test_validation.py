@@ -17,6 +17,7 @@ import torch
 from tests.conftest import drain, frontend
 from vllm_rlt import LLM, CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.config import KV_LAYOUTS, KVLayout
+from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -484,7 +485,7 @@ def test_reservation_exactly_filling_the_pool_runs(make_engine) -> None:
 
 def _bare_engine(toy_model) -> EngineCore:
     """An engine outside make_engine, so a broken engine does not also fail the teardown."""
-    return EngineCore(
+    return build_engine_core(
         toy_model,
         Tokenizer.byte_level(),
         CacheConfig(num_blocks=128, block_size=4),

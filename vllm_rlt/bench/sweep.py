@@ -191,9 +191,9 @@ class OfflinePoints:
         import torch
 
         from vllm_rlt.config import SchedulerConfig
-        from vllm_rlt.engine.engine_core import EngineCore
+        from vllm_rlt.engine.builder import build_engine_core
 
-        engine = EngineCore(
+        engine = build_engine_core(
             self.model,
             None,
             CacheConfig(num_blocks=self.args.num_blocks),

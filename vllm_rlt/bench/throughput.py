@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # torch and the engine load when a run starts, not to parse f
 
     from vllm_rlt.engine.engine_core import EngineCore
 
+
 MAX_WAVES = 1000  # a typo of a few digits must not build billions of prompts
 
 
@@ -157,7 +158,7 @@ def build_engine(
 ) -> EngineCore:
     """`whole_pool`: KV blocks for every request at once; else the pool is sized from the
     device's free memory and the scheduler queues what does not fit."""
-    from vllm_rlt.engine.engine_core import EngineCore
+    from vllm_rlt.engine.builder import build_engine_core
 
     prompt_len = args.shared_prefix_len + args.prompt_len
     max_len = prompt_len + max_tokens_of(args)
@@ -165,7 +166,7 @@ def build_engine(
     if args.kv_layout == "shared_decode":  # one-plane blocks, every loop's while prefilling
         per_request += (model.config.num_loops - 1) * -(-prompt_len // args.block_size)
     blocks = concurrency * per_request + 8 if whole_pool else None
-    return EngineCore(
+    return build_engine_core(
         model,
         None,
         CacheConfig(

@@ -1,16 +1,21 @@
 """Builds an engine from the user's arguments: loads the model and its tokenizer, joins a
-tensor-parallel group (rank 0 starts the other ranks), and constructs the `EngineCore`.
+tensor-parallel group (rank 0 starts the other ranks), and assembles the `EngineCore` from
+its parts (scheduler defaults sized to the device, the memory plan and KV geometry, the
+block pool, the scheduler, the runner with its graphs and warm-up, the request checks).
 The offline `LLM`, the engine-core process and every tensor-parallel rank build their
 engine here and only here."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from vllm_rlt.attention import get_backend
 from vllm_rlt.config import (
     OFFLINE,
     CacheConfig,
@@ -19,8 +24,14 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.scheduler import Scheduler
+from vllm_rlt.engine.device_defaults import size_scheduler
+from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.parent_watch import leave_with_parent
+from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
+from vllm_rlt.exit import make_exit_policy
 from vllm_rlt.models.load import load_model_and_tokenizer, resolve_device, resolve_dtype
 from vllm_rlt.parallel.tensor_parallel import (
     TensorParallel,
@@ -34,6 +45,9 @@ from vllm_rlt.parallel.tensor_parallel import (
     stop_followers,
 )
 from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.worker.model_runner import ModelRunner
+from vllm_rlt.worker.pass_inputs import KVGeometry
+from vllm_rlt.worker.spec_lanes import SpecLanes, lanes_per_request
 
 
 @dataclass
@@ -93,7 +107,7 @@ def build_engine(
                 rank, tensor_parallel_size, port, resolved_device, followers
             )
             shard_model(loaded, tensor_parallel)
-        engine = EngineCore(
+        engine = build_engine_core(
             loaded,
             tokenizer,
             cache_config or CacheConfig(),
@@ -126,3 +140,120 @@ def run_tensor_parallel_rank(
     built = build_engine(**arguments, tensor_parallel_size=world, tensor_parallel_rank=(rank, port))
     assert built.tensor_parallel is not None
     follow(built.engine, built.tensor_parallel)
+
+
+def build_engine_core(
+    model,
+    tokenizer: Tokenizer | None,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    exit_config: ExitConfig,
+    execution_config: ExecutionConfig,
+    attention_backend: str = "auto",
+    speculative_config: SpeculativeConfig | None = None,
+    tensor_parallel: TensorParallel | None = None,
+    usage_context: str = OFFLINE,
+) -> EngineCore:
+    """The engine core of a loaded model. `usage_context` ("offline" or "serve") picks the
+    scheduler defaults that `scheduler_config` leaves to the device."""
+    scheduler_config, scheduler_note = size_scheduler(scheduler_config, model.device, usage_context)
+    cfg = model.config
+    num_lanes = 1
+    if speculative_config is not None:
+        num_lanes = lanes_per_request(
+            cfg.num_loops, speculative_config.draft_loops, speculative_config.max_ahead
+        )
+        check_speculation(
+            speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
+        )
+    backend, ops = get_backend(attention_backend, model.device)
+    # Made before the cache is sized, so the memory plan sees its buffers.
+    lanes = None
+    if speculative_config is not None:
+        lanes = SpecLanes(
+            scheduler_config.max_num_seqs,
+            num_lanes,
+            speculative_config.draft_loops,
+            speculative_config.max_ahead,
+            cfg.vocab_size,
+            model.device,
+            speculative_config.replay_acceptance_rate,
+        )
+    layout = cache_config.layout
+    planes, table_planes = layout.planes(cfg.num_loops), layout.table_planes(cfg.num_loops)
+    memory_plan = plan_memory(
+        model,
+        ops,
+        cache_config,
+        scheduler_config,
+        execution_config,
+        planes,
+        table_planes,
+        num_lanes,
+    )
+    if tensor_parallel is not None:  # every rank's scheduler must see the same pool
+        fewest = tensor_parallel.min_over_ranks(memory_plan.num_blocks)
+        memory_plan = dataclasses.replace(memory_plan, num_blocks=fewest)
+    geometry = KVGeometry(
+        planes=planes,
+        block_size=cache_config.block_size,
+        num_blocks=memory_plan.num_blocks,
+        write_deeper_planes=layout.writes_deeper_planes,
+        table_planes=table_planes,
+    )
+    kv = KVCacheManager(
+        memory_plan.num_blocks,
+        cache_config.block_size,
+        enable_caching=cache_config.enable_prefix_caching and layout.caches_prefixes,
+    )
+    # A cached block's K/V depends on the weights, the layout and the dtype too.
+    salt = repr((vars(cfg), cache_config.layout, str(model.dtype)))
+    scheduler = Scheduler(
+        scheduler_config,
+        kv,
+        cfg.num_loops,
+        one_position_prefill=layout.one_position_prefill,
+        cache_salt=hashlib.sha256(salt.encode()).digest(),
+        table_planes=table_planes,
+        speculation=speculative_config,
+        lanes_per_request=num_lanes,
+    )
+    max_model_len = cfg.max_position_embeddings
+    runner = ModelRunner(
+        model,
+        geometry,
+        scheduler_config.max_num_seqs * num_lanes,
+        max_model_len,
+        make_exit_policy(exit_config.mode, model, exit_config.seed),
+        ops,
+        max_model_len if exit_config.mode == "trace" else 1,
+        lanes,
+    )
+    prepare_device(
+        runner, ops, execution_config.cuda_graphs, scheduler_config.max_num_batched_tokens
+    )
+    checker = RequestChecker(
+        RequestLimits(
+            vocab_size=cfg.vocab_size,
+            max_model_len=max_model_len,
+            num_blocks=memory_plan.num_blocks,
+            block_size=cache_config.block_size,
+            num_loops=cfg.num_loops,
+            scheduling_policy=scheduler_config.scheduling_policy,
+            prompt_tables=table_planes,
+        ),
+        exit_config,
+    )
+    return EngineCore(
+        model,
+        tokenizer,
+        scheduler,
+        runner,
+        checker,
+        memory_plan,
+        cache_config,
+        execution_config,
+        speculative_config,
+        backend,
+        scheduler_note,
+    )

@@ -2,46 +2,23 @@
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import logging
 import random
 import time
 from collections.abc import Callable
 
-from vllm_rlt.attention import get_backend
-from vllm_rlt.config import (
-    OFFLINE,
-    CacheConfig,
-    ExecutionConfig,
-    ExitConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    require,
-)
+from vllm_rlt.config import CacheConfig, ExecutionConfig, SpeculativeConfig, require
 from vllm_rlt.core.contract import SchedulerOutput
-from vllm_rlt.core.kv_cache_manager import KVCacheManager
-from vllm_rlt.core.memory import (
-    MemoryPlan,
-)
+from vllm_rlt.core.memory import MemoryPlan
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
-from vllm_rlt.engine.device_defaults import size_scheduler
-from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
-from vllm_rlt.engine.request_checks import (
-    RequestChecker,
-    RequestLimits,
-    check_allowed_tokens,
-)
+from vllm_rlt.engine.request_checks import RequestChecker, check_allowed_tokens
 from vllm_rlt.engine.request_group import RequestGroup
-from vllm_rlt.exit import make_exit_policy
-from vllm_rlt.parallel.tensor_parallel import TensorParallel, mirrored
+from vllm_rlt.parallel.tensor_parallel import mirrored
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.worker.model_runner import ModelRunner, PendingPass, is_device_fault
-from vllm_rlt.worker.pass_inputs import KVGeometry
-from vllm_rlt.worker.spec_lanes import SpecLanes, lanes_per_request
 
 logger = logging.getLogger(__name__)
 
@@ -55,128 +32,40 @@ class EngineCore:
         self,
         model,
         tokenizer: Tokenizer | None,
+        scheduler: Scheduler,
+        runner: ModelRunner,
+        checker: RequestChecker,
+        memory_plan: MemoryPlan,
         cache_config: CacheConfig,
-        scheduler_config: SchedulerConfig,
-        exit_config: ExitConfig,
         execution_config: ExecutionConfig,
-        attention_backend: str = "auto",
-        speculative_config: SpeculativeConfig | None = None,
-        tensor_parallel: TensorParallel | None = None,
-        usage_context: str = OFFLINE,
+        speculative_config: SpeculativeConfig | None,
+        attention_backend: str,
+        scheduler_note: str,
     ) -> None:
-        """`usage_context` ("offline" or "serve") picks the scheduler defaults that
-        `scheduler_config` leaves to the device."""
-        scheduler_config, self.scheduler_note = size_scheduler(
-            scheduler_config, model.device, usage_context
-        )
-        cfg = model.config
+        """From parts `build_engine_core` (engine/builder.py) made for one model."""
         self.model = model
         self.tokenizer = tokenizer
+        self.scheduler = scheduler
+        self.kv = scheduler.kv
+        self.runner = runner
+        self.checker = checker
+        self.memory_plan = memory_plan
         self.cache_config = cache_config
-        self.exit_config = exit_config
-        self.num_loops = cfg.num_loops
         self.speculative_config = speculative_config
-        num_lanes = 1
-        if speculative_config is not None:
-            num_lanes = lanes_per_request(
-                cfg.num_loops,
-                speculative_config.draft_loops,
-                speculative_config.max_ahead,
-            )
-            check_speculation(
-                speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
-            )
-        self.max_model_len = cfg.max_position_embeddings
-        self.attention_backend, ops = get_backend(attention_backend, model.device)
-        # Made before the cache is sized, so the memory plan sees its buffers.
-        lanes = None
-        if speculative_config is not None:
-            lanes = SpecLanes(
-                scheduler_config.max_num_seqs,
-                num_lanes,
-                speculative_config.draft_loops,
-                speculative_config.max_ahead,
-                cfg.vocab_size,
-                model.device,
-                speculative_config.replay_acceptance_rate,
-            )
-        self.num_lanes = num_lanes
-        layout = cache_config.layout
-        planes, table_planes = layout.planes(self.num_loops), layout.table_planes(self.num_loops)
-        self.memory_plan: MemoryPlan = plan_memory(
-            model,
-            ops,
-            cache_config,
-            scheduler_config,
-            execution_config,
-            planes,
-            table_planes,
-            num_lanes,
-        )
-        if tensor_parallel is not None:  # every rank's scheduler must see the same pool
-            fewest = tensor_parallel.min_over_ranks(self.memory_plan.num_blocks)
-            self.memory_plan = dataclasses.replace(self.memory_plan, num_blocks=fewest)
+        self.attention_backend = attention_backend
+        self.scheduler_note = scheduler_note
+        self.num_loops = model.config.num_loops
+        self.max_model_len = model.config.max_position_embeddings
         # Tensor parallelism: rank 0 sends each @mirrored call to the other ranks first
         # (see parallel/tensor_parallel.py).
         self.mirror: Callable[[str, tuple, dict], None] | None = None
-        geometry = KVGeometry(
-            planes=planes,
-            block_size=cache_config.block_size,
-            num_blocks=self.memory_plan.num_blocks,
-            write_deeper_planes=layout.writes_deeper_planes,
-            table_planes=table_planes,
-        )
-        self.kv = KVCacheManager(
-            self.memory_plan.num_blocks,
-            cache_config.block_size,
-            enable_caching=cache_config.enable_prefix_caching and layout.caches_prefixes,
-        )
-        # A cached block's K/V depends on the weights, the layout and the dtype too.
-        salt = repr((vars(cfg), cache_config.layout, str(model.dtype)))
-        self.scheduler = Scheduler(
-            scheduler_config,
-            self.kv,
-            self.num_loops,
-            one_position_prefill=layout.one_position_prefill,
-            cache_salt=hashlib.sha256(salt.encode()).digest(),
-            table_planes=table_planes,
-            speculation=speculative_config,
-            lanes_per_request=num_lanes,
-        )
-        trace_len = self.max_model_len if exit_config.mode == "trace" else 1
-        seqs = scheduler_config.max_num_seqs
-        self.runner = ModelRunner(
-            model,
-            geometry,
-            seqs * num_lanes,
-            self.max_model_len,
-            make_exit_policy(exit_config.mode, model, exit_config.seed),
-            ops,
-            trace_len,
-            lanes,
-        )
-        prepare_device(
-            self.runner, ops, execution_config.cuda_graphs, scheduler_config.max_num_batched_tokens
-        )
-        self.eos_token_ids = frozenset(cfg.eos_token_ids) | (
+        self.eos_token_ids = frozenset(model.config.eos_token_ids) | (
             tokenizer.eos_token_ids if tokenizer is not None else frozenset()
-        )
-        self.checker = RequestChecker(
-            RequestLimits(
-                vocab_size=cfg.vocab_size,
-                max_model_len=self.max_model_len,
-                num_blocks=self.memory_plan.num_blocks,
-                block_size=cache_config.block_size,
-                num_loops=self.num_loops,
-                scheduling_policy=scheduler_config.scheduling_policy,
-                prompt_tables=table_planes,
-            ),
-            exit_config,
         )
         self.groups: dict[str, RequestGroup] = {}
         # no_refill cohorts depend on the previous pass's exits, so they run synchronously.
         self.async_scheduling = (
-            execution_config.async_scheduling and scheduler_config.mode == "refill"
+            execution_config.async_scheduling and scheduler.config.mode == "refill"
         )
         self._in_flight: tuple[SchedulerOutput, PendingPass] | None = None
         self._group_of: dict[str, str] = {}  # engine request id -> user request id

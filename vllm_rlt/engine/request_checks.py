@@ -169,8 +169,8 @@ def tokenize_bad_words(params: SamplingParams, tokenizer: Tokenizer | None) -> S
     """`params` with its bad_words turned into token sequences (each word as it is and after
     a space, where that tokenizes differently), added to its bad_words_token_ids; the
     frontend does this before its checks, and the core only sees token ids."""
-    if not params.bad_words:
-        return params
+    if not isinstance(params, SamplingParams) or not params.bad_words:
+        return params  # not SamplingParams: the checks say so
     require(
         tokenizer is not None,
         "bad_words needs the model's tokenizer, and this model has none; give "
