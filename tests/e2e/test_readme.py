@@ -107,7 +107,7 @@ def test_the_readme_has_the_commands_this_test_expects():
     assert any(c.startswith("vllm-rlt generate --prompt") for _, c in CPU_COMMANDS)
     assert SERVE_COMMAND.split("#")[0].split() == ["vllm-rlt", "serve"]
     assert {c.split()[0] for _, c in SERVER_COMMANDS} == {"curl", "vllm-rlt", "lm_eval"}
-    assert len(fenced_blocks("python")) == 2
+    assert len(fenced_blocks("python")) == 3
     # the trained model and accuracy.json are each read by the command after their writer
     assert [len(chain) for chain in chains(OFFLINE_COMMANDS) if len(chain) > 1] == [2, 2]
 
@@ -135,6 +135,14 @@ def test_python_api_block_runs_as_written(tmp_path):
     run = run_shell(f"python -c {shlex.quote(block)}", tmp_path)
     assert run.returncode == 0, run.stderr[-2000:]
     assert run.stdout.endswith("\n33747\n"), run.stdout  # chat, greedy by the model's defaults
+
+
+def test_coming_from_vllm_block_runs_as_written(tmp_path):
+    section, block = fenced_blocks("python")[1]
+    assert section == "## Python API" and "trust_remote_code=True" in block
+    run = run_shell(f"python -c {shlex.quote(block)}", tmp_path)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.startswith("[") and run.stdout.count("'") == 8, run.stdout
 
 
 def _port_free(port: int) -> bool:
@@ -167,7 +175,7 @@ def test_server_commands_run_as_written(tmp_path):
                 assert '"text":"936"' in run.stdout.replace(" ", ""), run.stdout
             if command.startswith("vllm-rlt bench serve"):
                 assert '"completed": 64' in run.stdout
-        _, client_block = fenced_blocks("python")[1]
+        _, client_block = fenced_blocks("python")[2]
         assert "OpenAI(" in client_block
         run = run_shell(f"python -c {shlex.quote(client_block)}", tmp_path)
         assert run.returncode == 0, run.stderr[-2000:]

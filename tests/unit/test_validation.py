@@ -293,8 +293,8 @@ BAD_REQUESTS = {
         "bad",
         [7] * 4000,
         greedy(max_tokens=97),
-        r"prompt \(4000 tokens\) \+ max_tokens \(97\) = 4097 exceeds the model's context "
-        r"length 4096",
+        r"prompt \(4000 tokens\) \+ max_tokens \(97\) = 4097 exceeds the context length "
+        r"4096 \(max_model_len\)",
     ),
     "max_loops_above_T": BadRequest(
         "default", "bad", [10], greedy(max_loops=5), r"max_loops must be in \[1, 4\], got 5"
@@ -471,7 +471,7 @@ def test_context_length_boundary_is_accepted(make_engine) -> None:
     engine = make_engine(num_blocks=1024, block_size=4)
     frontend(engine).add_request("edge", [7] * 4000, greedy(max_tokens=96))
     assert frontend(engine).abort_request("edge").finished
-    with pytest.raises(ValueError, match="exceeds the model's context length 4096"):
+    with pytest.raises(ValueError, match=r"exceeds the context length 4096 \(max_model_len\)"):
         frontend(engine).add_request("over", [7] * 4000, greedy(max_tokens=97))
 
 
@@ -597,7 +597,7 @@ def test_llm_rejects_cuda_without_cuda() -> None:
             r"max_loops must be in \[1, 4\], got 9",
         ),
         (["Hello", "abc"], greedy(), ["x", "x"], r"request_id 'x' is already in use"),
-        (["Hello", "a" * 5000], greedy(), None, "exceeds the model's context length 4096"),
+        (["Hello", "a" * 5000], greedy(), None, r"exceeds the context length 4096 \(max_"),
     ],
     ids=["bad_token", "bad_loops_after_n2", "duplicate_ids", "too_long"],
 )

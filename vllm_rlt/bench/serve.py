@@ -84,7 +84,7 @@ def run_offline(
     after `warmup` of them untimed."""
     from vllm_rlt.engine.llm import LLM
 
-    llm = LLM(**engine_args_from(flags).llm_kwargs())
+    llm = LLM(**engine_args_from(flags).llm_kwargs(), generation_config=flags.generation_config)
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     if warmup:
         warm = [{"prompt_token_ids": ids} for ids in prompts[:warmup]]
@@ -323,8 +323,7 @@ def engine_flags(parser: CLIParser, model: str, server_flags: list[str]) -> argp
     if flags.host != HOST or flags.port != 8000:
         parser.error("--host and --port of the launched server are chosen by the bench")
     try:
-        engine_args_from(flags)
-        check_model_source(model)
+        check_model_source(engine_args_from(flags).model)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     return flags

@@ -148,6 +148,17 @@ class KVCacheManager:
                 else:
                     self._free.append(block)
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt block (their K/V came from weights since replaced);
+        False, and nothing changed, while some request holds blocks."""
+        if self._tables:
+            return False
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        self._hash_of.clear()
+        self._block_of.clear()
+        return True
+
     def block_table(self, request_id: str) -> list[int]:
         return self._tables.get(request_id, [])
 

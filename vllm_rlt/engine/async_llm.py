@@ -26,7 +26,7 @@ from vllm_rlt.engine.messages import (
     EngineOutputs,
     EngineStats,
 )
-from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits, tokenize_bad_words
+from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits, params_for_core
 from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.models.load import load_tokenizer, model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
@@ -78,6 +78,7 @@ class AsyncLLM:
         attach: list[CoreAttachment] | None = None,
         data_parallel_size: int = 1,
         remote_cores: RemoteCores | None = None,
+        generation_config: str = "auto",
     ) -> None:
         self.max_waiting = max_waiting
         self.observer = observer
@@ -86,9 +87,12 @@ class AsyncLLM:
         self.num_sequences = 0  # completions of the open streams
         self.stats: EngineStats | None = None  # as of the latest engine step
         self._streams: dict[str, RequestStream] = {}
-        self.tokenizer: Tokenizer | None = load_tokenizer(llm_kwargs.get("model"))
-        # what a request leaves unset takes from the model's generation_config.json
-        self.sampling_defaults = model_sampling_defaults(llm_kwargs.get("model"))
+        model = llm_kwargs.get("model")
+        self.tokenizer: Tokenizer | None = load_tokenizer(
+            model, llm_kwargs.get("tokenizer"), llm_kwargs.get("skip_tokenizer_init", False)
+        )
+        # what a request leaves unset (vLLM's generation_config: the model's file by default)
+        self.sampling_defaults = model_sampling_defaults(model, generation_config)
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads outputs
         self.client: EngineCoreClient | DataParallelClient
         if attach is not None:
@@ -156,7 +160,7 @@ class AsyncLLM:
 
     def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Every check the core makes on arrival: bad input raises ParamError here."""
-        self.checker.check(request_id, prompt, tokenize_bad_words(params, self.tokenizer))
+        self.checker.check(request_id, prompt, params_for_core(params, self.tokenizer))
 
     def check_capacity(self, sequences: int) -> None:
         """Refuse `sequences` more completions: for good (ParamError) when they could never
@@ -190,7 +194,7 @@ class AsyncLLM:
         self._read_outputs_here()
         require(request_id not in self._streams, f"request_id {request_id!r} is already in use")
         self.check_capacity(params.n)
-        params = tokenize_bad_words(params, self.tokenizer)
+        params = params_for_core(params, self.tokenizer)
         stream = RequestStream(self, request_id, prompt, list(prompt_token_ids), params)
         self._streams[request_id] = stream
         self.num_sequences += params.n

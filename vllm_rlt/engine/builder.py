@@ -23,6 +23,7 @@ from vllm_rlt.config import (
     ExitConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    require_int,
 )
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
@@ -70,6 +71,9 @@ def build_engine(
     speculative_config: SpeculativeConfig | None = None,
     tensor_parallel_size: int = 1,
     usage_context: str = OFFLINE,
+    tokenizer: str | None = None,
+    skip_tokenizer_init: bool = False,
+    max_model_len: int | None = None,
     tensor_parallel_rank: tuple[int, int] | None = None,
 ) -> BuiltEngine:
     """The arguments are `LLM`'s (see there). `tensor_parallel_rank` (rank, port) is given
@@ -77,8 +81,8 @@ def build_engine(
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     rank, port = tensor_parallel_rank or (0, 0)
-    loaded, tokenizer, name = load_model_and_tokenizer(
-        model, resolved_dtype, rank_device(resolved_device, rank)
+    loaded, loaded_tokenizer, name = load_model_and_tokenizer(
+        model, resolved_dtype, rank_device(resolved_device, rank), tokenizer, skip_tokenizer_init
     )
     followers: list[Any] = []
     if tensor_parallel_size != 1:
@@ -96,6 +100,9 @@ def build_engine(
                 "attention_backend": attention_backend,
                 "speculative_config": speculative_config,
                 "usage_context": usage_context,
+                "tokenizer": tokenizer,
+                "skip_tokenizer_init": skip_tokenizer_init,
+                "max_model_len": max_model_len,
             }
             followers = start_followers(
                 tensor_parallel_size, port, run_tensor_parallel_rank, same_arguments
@@ -109,7 +116,7 @@ def build_engine(
             shard_model(loaded, tensor_parallel)
         engine = build_engine_core(
             loaded,
-            tokenizer,
+            loaded_tokenizer,
             cache_config or CacheConfig(),
             scheduler_config or SchedulerConfig(),
             exit_config or ExitConfig(),
@@ -118,6 +125,7 @@ def build_engine(
             speculative_config,
             tensor_parallel,
             usage_context,
+            max_model_len,
         )
     except BaseException:
         if tensor_parallel is not None:
@@ -128,7 +136,7 @@ def build_engine(
     if tensor_parallel is not None and rank == 0:
         engine.mirror = tensor_parallel.mirror
         weakref.finalize(engine, stop_followers, tensor_parallel, followers)
-    return BuiltEngine(engine, tokenizer, name, tensor_parallel)
+    return BuiltEngine(engine, loaded_tokenizer, name, tensor_parallel)
 
 
 def run_tensor_parallel_rank(
@@ -153,11 +161,14 @@ def build_engine_core(
     speculative_config: SpeculativeConfig | None = None,
     tensor_parallel: TensorParallel | None = None,
     usage_context: str = OFFLINE,
+    max_model_len: int | None = None,
 ) -> EngineCore:
     """The engine core of a loaded model. `usage_context` ("offline" or "serve") picks the
-    scheduler defaults that `scheduler_config` leaves to the device."""
+    scheduler defaults that `scheduler_config` leaves to the device; `max_model_len` caps
+    a request's prompt + output below the model's context length (its default)."""
     scheduler_config, scheduler_note = size_scheduler(scheduler_config, model.device, usage_context)
     cfg = model.config
+    max_model_len = checked_max_model_len(max_model_len, cfg.max_position_embeddings)
     num_lanes = 1
     if speculative_config is not None:
         num_lanes = lanes_per_request(
@@ -218,7 +229,6 @@ def build_engine_core(
         speculation=speculative_config,
         lanes_per_request=num_lanes,
     )
-    max_model_len = cfg.max_position_embeddings
     runner = ModelRunner(
         model,
         geometry,
@@ -247,6 +257,7 @@ def build_engine_core(
     return EngineCore(
         model,
         tokenizer,
+        max_model_len,
         scheduler,
         runner,
         checker,
@@ -257,3 +268,11 @@ def build_engine_core(
         backend,
         scheduler_note,
     )
+
+
+def checked_max_model_len(asked: int | None, context: int) -> int:
+    """vLLM's max_model_len: the model's context length, or a smaller cap."""
+    if asked is None:
+        return context
+    require_int(asked, "max_model_len", 1, context)
+    return asked

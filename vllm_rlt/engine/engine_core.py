@@ -5,7 +5,9 @@ from __future__ import annotations
 import logging
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+
+import torch
 
 from vllm_rlt.config import CacheConfig, ExecutionConfig, SpeculativeConfig, require
 from vllm_rlt.core.contract import SchedulerOutput
@@ -32,6 +34,7 @@ class EngineCore:
         self,
         model,
         tokenizer: Tokenizer | None,
+        max_model_len: int,
         scheduler: Scheduler,
         runner: ModelRunner,
         checker: RequestChecker,
@@ -55,7 +58,7 @@ class EngineCore:
         self.attention_backend = attention_backend
         self.scheduler_note = scheduler_note
         self.num_loops = model.config.num_loops
-        self.max_model_len = model.config.max_position_embeddings
+        self.max_model_len = max_model_len  # prompt + output, at most the model's context
         # Tensor parallelism: rank 0 sends each @mirrored call to the other ranks first
         # (see parallel/tensor_parallel.py).
         self.mirror: Callable[[str, tuple, dict], None] | None = None
@@ -286,6 +289,37 @@ class EngineCore:
             for child in group.children:
                 del self._group_of[child.request_id]
         return True
+
+    @mirrored
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt blocks; False while requests hold blocks."""
+        return self.kv.reset_prefix_cache()
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy (checkpoint name, tensor) pairs into the model in place, so the KV pool, CUDA
+        graphs and kernels stay valid; every pair is checked first (ParamError naming a
+        wrong name or shape, nothing copied). The prefix cache is reset: its K/V came from
+        the old weights. A tied model ignores lm_head.weight, as vLLM does."""
+        require(self.mirror is None, "load_weights with tensor_parallel_size > 1 is not supported")
+        require(
+            not self.has_unfinished,
+            "load_weights needs an idle engine: let running requests finish or abort them",
+        )
+        views = self.model.checkpoint_views()
+        tied = self.model.config.tie_word_embeddings
+        pairs = [(name, t) for name, t in weights if not (tied and name == "lm_head.weight")]
+        for name, tensor in pairs:
+            require(name in views, f"load_weights: {name!r} is no tensor of this model", "weights")
+            require(
+                tuple(tensor.shape) == tuple(views[name].shape),
+                f"load_weights: {name} has shape {tuple(tensor.shape)}, the model's is "
+                f"{tuple(views[name].shape)}",
+                "weights",
+            )
+        with torch.no_grad():
+            for name, tensor in pairs:
+                views[name].copy_(tensor)
+        self.kv.reset_prefix_cache()
 
     def stats(self) -> EngineStats:
         return EngineStats(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import msgspec
@@ -22,6 +22,8 @@ from vllm_rlt.config import (
 )
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.engine.vllm_args import apply_vllm_args
+from vllm_rlt.models.hub import resolve_model
 from vllm_rlt.models.load import model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
@@ -33,7 +35,8 @@ class LLM:
 
     `model=None` (or "ouro-tasks") is the built-in tiny Ouro trained on checkable tasks, e.g.
     "347+589=" -> "936"; "toy" is a random-weight toy for tests; otherwise a Hugging Face
-    checkpoint folder.
+    checkpoint folder, or a hub ID (`owner/name`, fetched into the hub's cache at `revision`,
+    under `download_dir` if given; HF_HOME and HF_HUB_OFFLINE are honoured).
 
     `tensor_parallel_size` N > 1 splits the model over N processes (this one is rank 0;
     on CUDA rank r runs on cuda:r), each with 1/N of every layer's heads and MLP features.
@@ -41,6 +44,17 @@ class LLM:
     Scheduler fields left unset are sized to the device for `usage_context`: "offline" (a
     batch handed to `generate`) or "serve" (requests arriving over time, as the server runs
     it).
+
+    vLLM's names work as in vLLM: `tokenizer` (a folder with tokenizer.json),
+    `skip_tokenizer_init` (no tokenizer: token-id prompts, outputs without text),
+    `max_model_len` (caps prompt + output below the model's context), `generation_config`
+    ("auto": the model's generation_config.json supplies unset sampling fields; "vllm":
+    the engine's defaults; or a folder), `seed`, `enforce_eager`, `gpu_memory_utilization`,
+    `kv_cache_memory_bytes`, `enable_prefix_caching`, `block_size`, `max_num_seqs`,
+    `max_num_batched_tokens`, `scheduling_policy`; `trust_remote_code` is accepted and
+    changes nothing, since this engine never runs code shipped with a checkpoint. They take
+    precedence over the same fields of the config objects. Any other vLLM argument is a
+    ValueError naming it.
     """
 
     def __init__(
@@ -56,7 +70,21 @@ class LLM:
         speculative_config: SpeculativeConfig | None = None,
         tensor_parallel_size: int = 1,
         usage_context: str = OFFLINE,
+        *,
+        tokenizer: str | None = None,
+        revision: str | None = None,
+        download_dir: str | None = None,
+        skip_tokenizer_init: bool = False,
+        max_model_len: int | None = None,
+        generation_config: str = "auto",
+        **vllm_args: Any,
     ) -> None:
+        cache_config, scheduler_config, execution_config = apply_vllm_args(
+            vllm_args, cache_config, scheduler_config, execution_config
+        )
+        model = resolve_model(model, revision, download_dir)
+        tokenizer = resolve_model(tokenizer, download_dir=download_dir)
+        self._sampling_defaults = model_sampling_defaults(model, generation_config)
         built = build_engine(
             model,
             device,
@@ -69,6 +97,9 @@ class LLM:
             speculative_config,
             tensor_parallel_size,
             usage_context,
+            tokenizer,
+            skip_tokenizer_init,
+            max_model_len,
         )
         self.engine = built.engine
         self.tokenizer = built.tokenizer
@@ -76,7 +107,16 @@ class LLM:
         self.model_name = built.model_name
         self.tensor_parallel = built.tensor_parallel
         self._counter = 0
-        self._sampling_defaults = model_sampling_defaults(model)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """vLLM's hook for RL trainers: new weights as (checkpoint name, tensor) pairs, copied
+        into the running model in place; the next `generate` uses them. A wrong name or
+        shape is a ValueError naming it, with nothing changed; the prefix cache is reset."""
+        self.engine.load_weights(weights)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget the cached prompt blocks (as after new weights); False while requests run."""
+        return self.engine.reset_prefix_cache()
 
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the engine's defaults,
@@ -189,7 +229,8 @@ class LLM:
             return ids
         require(
             self.tokenizer is not None,
-            "this model folder has no tokenizer.json; pass prompt_token_ids instead of text",
+            "this model has no tokenizer (skip_tokenizer_init, or a model folder without "
+            "tokenizer.json); pass prompt_token_ids instead of text",
         )
         return self.tokenizer.encode(text)  # type: ignore[union-attr, arg-type]
 

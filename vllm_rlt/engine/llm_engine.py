@@ -12,7 +12,7 @@ import time
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.messages import RequestDelta
 from vllm_rlt.engine.output_processor import RequestState
-from vllm_rlt.engine.request_checks import tokenize_bad_words
+from vllm_rlt.engine.request_checks import params_for_core
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -33,7 +33,7 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request (ValueError names the bad field; nothing changes)."""
         request_id = str(request_id)
-        params = tokenize_bad_words(params, self.tokenizer)
+        params = params_for_core(params, self.tokenizer)
         self.core.add_request(request_id, prompt_token_ids, params)
         self.states[request_id] = RequestState(
             request_id, prompt, list(prompt_token_ids), params, self.tokenizer, time.monotonic()

@@ -95,7 +95,7 @@ class RequestChecker:
         require(
             total <= limits.max_model_len,
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the model's context length {limits.max_model_len}",
+            f"exceeds the context length {limits.max_model_len} (max_model_len)",
             "max_tokens",
         )
         # The last sampled token is never forwarded: prompt + max_tokens - 1 positions.
@@ -165,18 +165,24 @@ def check_allowed_tokens(params: SamplingParams, eos_token_ids: frozenset[int]) 
     )
 
 
-def tokenize_bad_words(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
-    """`params` with its bad_words turned into token sequences (each word as it is and after
-    a space, where that tokenizes differently), added to its bad_words_token_ids; the
-    frontend does this before its checks, and the core only sees token ids."""
-    if not isinstance(params, SamplingParams) or not params.bad_words:
-        return params  # not SamplingParams: the checks say so
-    require(
-        tokenizer is not None,
-        "bad_words needs the model's tokenizer, and this model has none; give "
-        "bad_words_token_ids instead",
-        "bad_words",
-    )
+def params_for_core(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
+    """`params` in the core's terms, made by the frontend that holds the tokenizer: bad
+    words become token sequences (each word as it is and after a space, where that
+    tokenizes differently) added to bad_words_token_ids. Stop strings and bad words need a
+    tokenizer (ParamError without one)."""
+    if not isinstance(params, SamplingParams):
+        return params  # the checks say what it should be
+    if tokenizer is None:
+        for name in ("stop", "bad_words"):
+            require(
+                not getattr(params, name),
+                f"{name} needs the model's tokenizer, and there is none (skip_tokenizer_init, "
+                "or a model folder without tokenizer.json); use "
+                f"{'stop_token_ids' if name == 'stop' else 'bad_words_token_ids'} instead",
+                name,
+            )
+    if not params.bad_words:
+        return params
     sequences = [list(ids) for ids in params.bad_words_token_ids or ()]
     for word in params.bad_words:
         for text in (word.lstrip(), " " + word.lstrip()):

@@ -22,6 +22,7 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from vllm_rlt.models.hub import resolve_model
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -40,7 +41,41 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--model",
         default=None,
-        help="HF checkpoint folder, or built-in ouro-tasks (default) / toy (random weights)",
+        help="HF checkpoint folder, hub ID (owner/name, fetched into the hub's cache), or "
+        "built-in ouro-tasks (default) / toy (random weights)",
+    )
+    model.add_argument(
+        "--tokenizer", default=None, help="tokenizer folder or hub ID (default: the model's)"
+    )
+    model.add_argument(
+        "--revision", default=None, help="hub revision of a hub-ID model (default: main)"
+    )
+    model.add_argument(
+        "--download-dir",
+        default=None,
+        help="hub cache folder for hub IDs (default: the hub's, under HF_HOME)",
+    )
+    model.add_argument(
+        "--skip-tokenizer-init",
+        action="store_true",
+        help="load no tokenizer: token-id prompts only, outputs without text",
+    )
+    model.add_argument(
+        "--max-model-len",
+        type=int,
+        default=None,
+        help="cap on prompt + output tokens (default: the model's context length)",
+    )
+    model.add_argument(
+        "--generation-config",
+        default="auto",
+        help="sampling defaults for unset request fields: auto (the model's "
+        "generation_config.json), vllm (the engine's) or a folder",
+    )
+    model.add_argument(
+        "--trust-remote-code",
+        action="store_true",
+        help="accepted for vLLM's command lines; changes nothing (no checkpoint code runs)",
     )
     model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     model.add_argument(
@@ -267,6 +302,9 @@ class EngineArgs:
     execution_config: ExecutionConfig
     speculative_config: SpeculativeConfig | None = None
     tensor_parallel_size: int = 1
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    max_model_len: int | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -297,7 +335,10 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         raise ValueError("--exit-mode trace needs --exit-trace FILE")
     depths = read_exit_trace(ns.exit_trace) if ns.exit_trace is not None else {}
     return EngineArgs(
-        model=ns.model,
+        model=resolve_model(ns.model, ns.revision, ns.download_dir),
+        tokenizer=resolve_model(ns.tokenizer, download_dir=ns.download_dir),
+        skip_tokenizer_init=ns.skip_tokenizer_init,
+        max_model_len=ns.max_model_len,
         device=ns.device,
         dtype=ns.dtype,
         attention_backend=ns.attention_backend,

@@ -373,7 +373,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
     try:
         engine_args = engine_args_from(ns)
-        check_model_source(ns.model)
+        check_model_source(engine_args.model)
         if local > 1 or ns.headless:
             # GPUs enough, a plain "cuda"
             core_environments(ns.device, local, ns.tensor_parallel_size)
@@ -450,6 +450,7 @@ def _server_settings(ns: argparse.Namespace) -> ServerSettings:
         max_header_bytes=ns.max_header_bytes,
         exit_on_load_error=ns.exit_on_load_error,
         access_log=ns.access_log,
+        generation_config=ns.generation_config,
         api_server_count=ns.api_server_count,
         data_parallel_size=ns.data_parallel_size,
     )
@@ -505,7 +506,7 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
     if not prompts:
         parser.error("no prompt: pass --prompt TEXT or pipe prompts on stdin, one per line")
     try:
-        llm = LLM(**engine_args.llm_kwargs())
+        llm = LLM(**engine_args.llm_kwargs(), generation_config=ns.generation_config)
         params.resolved_loops(llm.engine.num_loops)
         warn_untrained_prompts(ns.model, prompts)
         outputs = llm.generate(prompts, params, use_tqdm=not ns.no_progress and not ns.json)

@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from vllm_rlt.config import ParamError
 from vllm_rlt.models.generation_defaults import sampling_defaults
 from vllm_rlt.models.loader import load_model, read_config, resolve_family
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
@@ -76,25 +77,52 @@ def check_model_source(model: str | Path | None) -> None:
     resolve_family(raw)
 
 
-def model_sampling_defaults(model: str | Path | None) -> dict[str, Any]:
-    """The sampling defaults of the model's generation_config.json (none for the toy)."""
-    return {} if str(model) == TOY_NAME else sampling_defaults(model_folder(model))
+def model_sampling_defaults(
+    model: str | Path | None, generation_config: str = "auto"
+) -> dict[str, Any]:
+    """The sampling defaults requests take where they leave a field unset, as vLLM's
+    `generation_config` says: "auto", the model folder's generation_config.json (none for
+    the toy); "vllm", none (the engine's own defaults); else a folder holding one."""
+    if generation_config == "vllm" or (generation_config == "auto" and str(model) == TOY_NAME):
+        return {}
+    folder = model_folder(model) if generation_config == "auto" else Path(generation_config)
+    if generation_config != "auto" and not (folder / "generation_config.json").is_file():
+        raise ParamError(
+            "generation_config must be auto, vllm or a folder with a generation_config.json, "
+            f"got {generation_config!r}",
+            "generation_config",
+        )
+    return sampling_defaults(folder)
 
 
-def load_tokenizer(model: str | Path | None) -> Tokenizer | None:
-    """The model's tokenizer, or None for a folder without tokenizer.json."""
-    if str(model) == TOY_NAME:
+def load_tokenizer(
+    model: str | Path | None, tokenizer: str | Path | None = None, skip: bool = False
+) -> Tokenizer | None:
+    """The tokenizer of `tokenizer` (a folder) or else of the model; None for a folder
+    without tokenizer.json, or with `skip` (vLLM's skip_tokenizer_init: token ids only)."""
+    if skip:
+        return None
+    if tokenizer is None and str(model) == TOY_NAME:
         return Tokenizer.byte_level()
-    folder = model_folder(model)
-    return Tokenizer.from_pretrained(folder) if (folder / "tokenizer.json").is_file() else None
+    folder = model_folder(model) if tokenizer is None else Path(tokenizer)
+    if (folder / "tokenizer.json").is_file():
+        return Tokenizer.from_pretrained(folder)
+    if tokenizer is not None:
+        raise FileNotFoundError(f"tokenizer folder {str(folder)!r} has no tokenizer.json")
+    return None
 
 
 def load_model_and_tokenizer(
-    model: str | Path | None, dtype: torch.dtype, device: torch.device
+    model: str | Path | None,
+    dtype: torch.dtype,
+    device: torch.device,
+    tokenizer: str | Path | None = None,
+    skip_tokenizer_init: bool = False,
 ) -> tuple[OuroModel, Tokenizer | None, str]:
     """(model, tokenizer or None, display name); None is the trained built-in model."""
+    loaded_tokenizer = load_tokenizer(model, tokenizer, skip_tokenizer_init)
     if str(model) == TOY_NAME:
         config = OuroConfig.from_dict(toy_config_dict())
-        return OuroModel(config, toy_weights(), dtype, device), Tokenizer.byte_level(), TOY_NAME
+        return OuroModel(config, toy_weights(), dtype, device), loaded_tokenizer, TOY_NAME
     loaded = load_model(model_folder(model), dtype, device)
-    return loaded, load_tokenizer(model), DEFAULT_MODEL_NAME if model is None else str(model)
+    return loaded, loaded_tokenizer, DEFAULT_MODEL_NAME if model is None else str(model)

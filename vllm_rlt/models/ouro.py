@@ -200,6 +200,41 @@ class OuroModel:
             mlp_out_norm=branch_norm("post_attention_layernorm_2"),
         )
 
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor name and the view of this model's tensors that holds it
+        (q/k/v are row ranges of qkv, gate/up the even and odd rows of gate_up), so that new
+        weights can be copied in place: the KV cache, CUDA graphs and kernels keep reading
+        the same storage."""
+        cfg = self.config
+        views = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
+        if not cfg.tie_word_embeddings:
+            views["lm_head.weight"] = self.lm_head
+        if self.gate_weight is not None:
+            views["model.early_exit_gate.weight"] = self.gate_weight
+            views["model.early_exit_gate.bias"] = self.gate_bias
+        q = cfg.num_attention_heads * cfg.head_dim
+        kv = cfg.num_key_value_heads * cfg.head_dim
+        for index, layer in enumerate(self.layers):
+            prefix = f"model.layers.{index}."
+            gate_up = layer.gate_up.view(-1, 2, layer.gate_up.shape[1])
+            views.update(
+                {
+                    prefix + "self_attn.q_proj.weight": layer.qkv[:q],
+                    prefix + "self_attn.k_proj.weight": layer.qkv[q : q + kv],
+                    prefix + "self_attn.v_proj.weight": layer.qkv[q + kv :],
+                    prefix + "self_attn.o_proj.weight": layer.o,
+                    prefix + "mlp.gate_proj.weight": gate_up[:, 0],
+                    prefix + "mlp.up_proj.weight": gate_up[:, 1],
+                    prefix + "mlp.down_proj.weight": layer.down,
+                    prefix + "input_layernorm.weight": layer.attn_norm,
+                    prefix + "post_attention_layernorm.weight": layer.mlp_norm,
+                }
+            )
+            if self.branch_norms:
+                views[prefix + "input_layernorm_2.weight"] = layer.attn_out_norm
+                views[prefix + "post_attention_layernorm_2.weight"] = layer.mlp_out_norm
+        return views
+
     def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embed token ids [rows] into the residual stream [rows, hidden]."""
         return self.embed[token_ids]

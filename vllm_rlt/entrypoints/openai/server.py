@@ -67,6 +67,7 @@ class ServerState:
                 attach=self.attach,
                 data_parallel_size=self.settings.data_parallel_size,
                 remote_cores=self.settings.remote_cores,
+                generation_config=self.settings.generation_config,
             )
             name = self.settings.served_model_name or engine.model_name
             index = self.attach[0].client if self.attach is not None else 1

@@ -30,6 +30,7 @@ class ServerSettings:
     max_header_bytes: int = 16 * 1024
     exit_on_load_error: bool = True
     access_log: bool = False
+    generation_config: str = "auto"  # vLLM's: where unset sampling fields come from
     engine_in_process: bool = False  # the core on a thread of this process (tests)
     api_server_count: int = 1
     data_parallel_size: int = 1
