@@ -295,6 +295,27 @@ def test_cuda_logit_adjustments_equal_the_reference(toy_config, toy_state, name)
     assert engine.all_blocks_free()
 
 
+def test_cuda_bad_words_equal_the_reference(toy_config, toy_state):
+    """Bad words barred on the device, in CUDA graphs with async scheduling, next to a
+    request without them: float32 greedy tokens equal the reference that bars them."""
+    from tests.e2e.test_sampling import PROMPT, _reference_adjusted_greedy, _reference_without
+
+    prompt = PROMPT + [65, 65]
+    plain_tokens = _reference_adjusted_greedy(toy_config, toy_state, prompt, 10, {})
+    words = [plain_tokens[2:4], [plain_tokens[6]]]
+    engine = _fast_fixed_depth_engine(toy_config, toy_state)
+    greedy = dict(max_tokens=10, temperature=0.0, exit_threshold=1.0, ignore_eos=True)
+    params = SamplingParams(**greedy, bad_words_token_ids=words)
+    outputs = drain(
+        engine, {0: [("barred", prompt, params), ("plain", prompt, SamplingParams(**greedy))]}
+    )
+    assert outputs["barred"].outputs[0].token_ids == _reference_without(
+        toy_config, toy_state, prompt, 10, words
+    )
+    assert outputs["plain"].outputs[0].token_ids == plain_tokens
+    assert engine.all_blocks_free()
+
+
 @pytest.mark.parametrize("policy", ["ouro_q1.0", "ouro_q0.7", "trace"])
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cuda_speculation_equals_plain_greedy(toy_config, toy_state, backend, policy):
