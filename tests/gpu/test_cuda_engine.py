@@ -408,3 +408,26 @@ def test_no_prompt_pass_compiles_after_start(toy_config, toy_state):
     drain(engine, arrivals)
     assert engine.all_blocks_free()
     assert _compiled_variants(_prefill_attention_kernel) == compiled
+
+
+def test_cuda_load_weights_in_place_keeps_graphs_valid(tmp_path):
+    """load_weights on CUDA (graphs captured, async scheduling, bfloat16): greedy tokens
+    become the second checkpoint's, as a fresh engine on it gives them."""
+    from tests.unit.test_vllm_compat import _toy_folder
+    from vllm_rlt import LLM
+    from vllm_rlt.models.toy import toy_weights
+
+    first = str(_toy_folder(tmp_path / "first", 1))
+    second = str(_toy_folder(tmp_path / "second", 2))
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11]]
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    want = tokens(LLM(model=second, device="cuda", dtype="bfloat16"))
+    llm = LLM(model=first, device="cuda", dtype="bfloat16")
+    assert llm.engine.runner.graphs is not None
+    assert tokens(llm) != want
+    llm.load_weights(toy_weights(2).items())
+    assert tokens(llm) == want
