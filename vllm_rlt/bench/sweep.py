@@ -99,7 +99,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--api-server-count",
         type=_grid_value,
         nargs="+",
-        default=[None],
+        default=None,
         help="with --launch: the server's API processes to try (default: auto)",
     )
     parser.add_argument(
@@ -340,8 +340,9 @@ def main(argv: list[str] | None = None) -> int:
     check_minimums(
         parser, args, prompt_len=1, output_len=1, repeats=1, warmup=0, concurrency=1, num_clients=1
     )
-    if not args.launch and args.api_server_count != [None]:
+    if args.api_server_count is not None and not args.launch:
         parser.error("--api-server-count sizes a server: it needs --launch MODEL")
+    args.api_server_count = args.api_server_count or [None]
     if not grid_points(args):
         parser.error("the grid has no point where max_num_batched_tokens >= max_num_seqs")
     return run_and_emit(parser, run, args)
