@@ -9,6 +9,7 @@ busy core made runs slower still.
 from __future__ import annotations
 
 import os
+import shutil
 import weakref
 
 import pytest
@@ -18,6 +19,7 @@ from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerC
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.models.load import DEFAULT_MODEL_DIR
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import toy_config_dict, toy_weights
 from vllm_rlt.tokenizer import Tokenizer
@@ -124,3 +126,16 @@ def drain(engine: EngineCore, arrivals: dict[int, list] | None = None, max_steps
         step += 1
         assert step < max_steps, "engine did not drain"
     return finished
+
+
+@pytest.fixture(scope="session")
+def hub_cache(tmp_path_factory):
+    """A hub cache holding the built-in checkpoint as `org/ouro-tasks`, laid out as the
+    hub's client lays one out (refs/main names the snapshot)."""
+    cache = tmp_path_factory.mktemp("hub")
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = cache / "models--org--ouro-tasks"
+    shutil.copytree(DEFAULT_MODEL_DIR, repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    return cache

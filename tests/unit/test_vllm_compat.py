@@ -3,14 +3,12 @@ resolved through the hub's cache, skip_tokenizer_init, max_model_len and generat
 
 from __future__ import annotations
 
-import shutil
 import textwrap
 
 import pytest
 
 from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.engine.vllm_args import apply_vllm_args
-from vllm_rlt.models.load import DEFAULT_MODEL_DIR
 
 ROLLOUT = """
 from vllm_rlt import LLM, SamplingParams
@@ -21,19 +19,6 @@ outs = llm.generate([{"prompt_token_ids": ids} for ids in prompts],
                     SamplingParams(n=8, temperature=1.0, top_p=0.7, max_tokens=30,
                                    stop_token_ids=[eos], skip_special_tokens=False))
 """
-
-
-@pytest.fixture(scope="module")
-def hub_cache(tmp_path_factory):
-    """A hub cache holding the built-in checkpoint as `org/ouro-tasks`, laid out as the
-    hub's client lays one out (refs/main names the snapshot)."""
-    cache = tmp_path_factory.mktemp("hub")
-    revision = "0123456789abcdef0123456789abcdef01234567"
-    repo = cache / "models--org--ouro-tasks"
-    shutil.copytree(DEFAULT_MODEL_DIR, repo / "snapshots" / revision)
-    (repo / "refs").mkdir()
-    (repo / "refs" / "main").write_text(revision)
-    return cache
 
 
 def test_a_vllm_rollout_script_runs_with_only_its_import_changed():

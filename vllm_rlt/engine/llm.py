@@ -82,6 +82,7 @@ class LLM:
         cache_config, scheduler_config, execution_config = apply_vllm_args(
             vllm_args, cache_config, scheduler_config, execution_config
         )
+        asked = model
         model = resolve_model(model, revision, download_dir)
         tokenizer = resolve_model(tokenizer, download_dir=download_dir)
         self._sampling_defaults = model_sampling_defaults(model, generation_config)
@@ -104,7 +105,7 @@ class LLM:
         self.engine = built.engine
         self.tokenizer = built.tokenizer
         self.llm_engine = LLMEngine(built.engine, built.tokenizer)
-        self.model_name = built.model_name
+        self.model_name = asked if model != asked else built.model_name  # a hub ID as given
         self.tensor_parallel = built.tensor_parallel
         self._counter = 0
 

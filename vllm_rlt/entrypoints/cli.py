@@ -397,6 +397,9 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             ns.device,
             os.cpu_count() or 1,
         )
+    if settings.served_model_name is None and engine_args.model != ns.model:
+        # a hub ID resolved to its cache folder: serve it under the ID, as vLLM does
+        settings = dataclasses.replace(settings, served_model_name=ns.model)
     settings = dataclasses.replace(
         settings,
         remote_cores=layout.remote_cores(),

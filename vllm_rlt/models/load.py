@@ -25,6 +25,8 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / DEFAULT_
 DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
+    "float": torch.float32,  # vLLM's aliases
+    "half": torch.float16,
     "bfloat16": torch.bfloat16,
     "bf16": torch.bfloat16,
     "float16": torch.float16,
