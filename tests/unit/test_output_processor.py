@@ -122,3 +122,29 @@ def test_output_kind_is_checked():
     with pytest.raises(ValueError, match="output_kind must be one of"):
         SamplingParams(output_kind=7)
     assert SamplingParams(output_kind=1).output_kind is RequestOutputKind.DELTA
+
+
+def test_offline_outputs_are_timed_after_their_pass(monkeypatch):
+    """LLMEngine stamps a step's tokens when the pass that made them is out, and forgets a
+    request the core has already let go."""
+    import time
+
+    from vllm_rlt import LLM
+
+    llm = LLM(model="toy")
+    ends = []
+    step = llm.engine.step
+
+    def timed_step():
+        deltas = step()
+        ends.append(time.monotonic())
+        return deltas
+
+    monkeypatch.setattr(llm.engine, "step", timed_step)
+    output = llm.generate([[5, 6]], SamplingParams(max_tokens=3, ignore_eos=True))[0]
+    assert output.metrics.finished_time >= ends[-1]
+    assert output.metrics.first_token_time >= ends[0]
+    engine = llm.llm_engine
+    engine.add_request("gone", [5, 6], SamplingParams(max_tokens=3))
+    llm.engine.abort_request("gone")  # the core forgets it behind the frontend's back
+    assert engine.abort_request("gone") is None and not engine.has_unfinished

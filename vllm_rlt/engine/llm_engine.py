@@ -42,9 +42,13 @@ class LLMEngine:
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request at any time (its blocks and slot are freed at once); its output as
         it stands, or None for an id that is not running."""
-        state = self.states.get(str(request_id))
-        delta = self.core.abort_request(str(request_id))
-        if state is None or delta is None:
+        request_id = str(request_id)
+        delta = self.core.abort_request(request_id)
+        state = self.states.get(request_id)
+        if state is None:
+            return None
+        if delta is None:  # the core let it go already (a step that was interrupted)
+            del self.states[request_id]
             return None
         return self._absorb(state, delta, time.monotonic())
 
@@ -55,9 +59,10 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one pass; the outputs of the requests that progressed, each in its output
         kind (a FINAL_ONLY request shows up once, when it ends)."""
-        now = time.monotonic()
+        deltas = self.core.step()
+        now = time.monotonic()  # when the pass's tokens are out
         outputs = []
-        for delta in self.core.step():
+        for delta in deltas:
             state = self.states.get(delta.request_id)
             if state is None:
                 continue
@@ -74,9 +79,11 @@ class LLMEngine:
                 ended = self.core.abort_request(state.request_id, index)
                 if ended is not None:
                     state.absorb(ended, now)
+            output = state.output()
         except Exception as exc:  # noqa: BLE001 - fails this request only
-            state.fail(exc)
+            state.fail(exc, now)
             self.core.abort_request(state.request_id)
+            output = state.output()
         if state.finished:  # and so the core holds nothing of it
             del self.states[state.request_id]
-        return state.output()
+        return output

@@ -61,6 +61,10 @@ class TextTracker:
                 self.stopped = True
         return self.stopped
 
+    def drop_held_back(self) -> None:
+        """The text is final as it stands: bytes held back are never decoded."""
+        self._flushed = True
+
     def final_text(self) -> str:
         """The text once generation ended: held-back bytes are flushed, unless a stop
         string cut the text."""
@@ -160,14 +164,18 @@ class RequestState:
             self.finished_time = now
         return stopped
 
-    def fail(self, error: BaseException) -> None:
+    def fail(self, error: BaseException, now: float) -> None:
         """End the request here with `error` (its tokens could not be turned into output);
-        the caller aborts it in the core."""
+        the caller aborts it in the core. Text held back for incomplete characters is
+        dropped, not decoded."""
         self.error = f"{type(error).__name__}: {error}"
         self.failure = RequestFailedError(f"request failed in the frontend: {self.error}")
         for completion in self.completions:
+            completion.tracker.drop_held_back()
             if completion.finish_reason is None:
                 completion.finish_reason = "abort"
+        if self.finished_time is None:
+            self.finished_time = now
 
     def _absorb_completion(self, part: CompletionDelta) -> bool:
         """Whether a stop string ended the completion in this part."""

@@ -68,7 +68,7 @@ class RequestStream:
             for index in state.absorb(delta, now):  # ended by a stop string
                 self.owner.abort(self.request_id, index)
         except Exception as exc:  # noqa: BLE001 - fails this request only
-            state.fail(exc)
+            state.fail(exc, now)
             self.owner.abort(self.request_id)
         if state.failure is not None:
             self.failure = state.failure
