@@ -431,3 +431,29 @@ def test_cuda_load_weights_in_place_keeps_graphs_valid(tmp_path):
     assert tokens(llm) != want
     llm.load_weights(toy_weights(2).items())
     assert tokens(llm) == want
+
+
+@pytest.mark.parametrize("level", [1, 2])
+def test_cuda_sleep_gives_the_memory_back_and_wake_up_keeps_outputs(level):
+    """Asleep, the device holds less by at least the KV pool (and the weights); awake (the
+    graphs captured again), greedy outputs are those before sleep."""
+    from vllm_rlt import LLM
+    from vllm_rlt.models.toy import toy_weights
+
+    llm = LLM(model="toy", device="cuda", dtype="bfloat16", enable_sleep_mode=True)
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10, 11]]
+
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    want = tokens()
+    pool = sum(t.numel() * t.element_size() for t in llm.engine.runner.k_caches) * 2
+    awake = torch.cuda.memory_allocated()
+    llm.sleep(level=level)
+    assert awake - torch.cuda.memory_allocated() >= pool
+    llm.wake_up()
+    assert llm.engine.runner.graphs is not None
+    if level == 2:
+        llm.load_weights(toy_weights().items())
+    assert tokens() == want

@@ -234,3 +234,29 @@ def test_generation_config_reaches_the_server(tmp_path):
         body = {"model": "toy", "prompt": "x", "max_tokens": 3, "ignore_eos": True}
         first, second = (httpx.post(f"{url}/v1/completions", json=body) for _ in range(2))
         assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]
+
+
+def test_sleep_mode_endpoints():
+    """--enable-sleep-mode: the engine sleeps and wakes over HTTP with its outputs kept,
+    refuses requests while asleep, resets its prefix cache; without the flag the routes do
+    not exist, and the API key guards them."""
+    body = {"model": "toy", "prompt": "sleep well", "max_tokens": 4, "temperature": 0}
+    with running_server(in_process=True, enable_sleep_mode=True) as (url, _):
+        want = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+        assert httpx.post(f"{url}/sleep", params={"level": 3}).status_code == 400
+        assert httpx.post(f"{url}/sleep", params={"level": 1}).json() == {"is_sleeping": True}
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+        asleep = httpx.post(f"{url}/v1/completions", json=body)
+        assert asleep.status_code == 400 and "sleeping" in asleep.json()["error"]["message"]
+        assert httpx.post(f"{url}/sleep").status_code == 409  # asleep already
+        assert httpx.post(f"{url}/wake_up").json() == {"is_sleeping": False}
+        again = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+        assert again == want
+        assert httpx.post(f"{url}/reset_prefix_cache").json() == {"reset": True}
+        assert httpx.get(f"{url}/health").status_code == 200
+    with running_server(in_process=True) as (url, _):
+        assert httpx.post(f"{url}/sleep").status_code == 404
+    with running_server(in_process=True, enable_sleep_mode=True, api_key="k") as (url, _):
+        assert httpx.post(f"{url}/wake_up").status_code == 401
+        headers = {"Authorization": "Bearer k"}
+        assert httpx.get(f"{url}/is_sleeping", headers=headers).json() == {"is_sleeping": False}

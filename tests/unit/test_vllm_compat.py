@@ -144,3 +144,43 @@ def test_load_weights_swaps_the_weights_in_place(tmp_path):
     llm.load_weights(new.items())
     assert tokens(llm) == want
     assert llm.reset_prefix_cache() and llm.engine.kv.num_cached_blocks == 0
+
+
+def test_sleep_and_wake_up_keep_outputs_and_give_memory_back():
+    """Level 1: the KV pool and weights release their storage, and after wake_up the
+    outputs are the same. Level 2: the weights must come back with load_weights (all of
+    them) before anything runs. Requests and sleep refuse each other."""
+    from vllm_rlt.models.toy import toy_weights
+
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10]]
+
+    def tokens(llm):
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    with pytest.raises(ValueError, match="enable_sleep_mode=True"):
+        LLM(model="toy").sleep()
+    llm = LLM(model="toy", enable_sleep_mode=True)
+    want = tokens(llm)
+    kv, embed = llm.engine.runner.k_caches[0], llm.engine.model.embed
+    llm.sleep(level=1)
+    assert llm.is_sleeping()
+    assert kv.untyped_storage().nbytes() == 0 and embed.untyped_storage().nbytes() == 0
+    with pytest.raises(ValueError, match="the engine is sleeping"):
+        llm.generate(prompts, greedy, use_tqdm=False)
+    with pytest.raises(ValueError, match="sleeping already"):
+        llm.sleep(level=1)
+    llm.wake_up()
+    assert not llm.is_sleeping() and tokens(llm) == want
+    llm.sleep(level=2)
+    llm.wake_up()
+    with pytest.raises(ValueError, match="has no weights: load them with load_weights"):
+        llm.generate(prompts, greedy, use_tqdm=False)
+    weights = list(toy_weights().items())
+    with pytest.raises(ValueError, match="needs every tensor of the checkpoint"):
+        llm.load_weights(weights[:3])
+    llm.load_weights(weights)
+    assert tokens(llm) == want
+    with pytest.raises(ValueError, match="level must be 1 or 2, got 3"):
+        llm.sleep(level=3)
+    assert llm.engine.all_blocks_free() and not llm.engine.has_unfinished

@@ -206,7 +206,24 @@ class CoreLoop:
                 passes_per_second=self.rate.passes_per_second(),
                 rows_per_pass=self.rate.rows_per_pass(),
             )
-        return {"error": f"unknown control call {name!r}"}
+        return self._memory_control(name)
+
+    def _memory_control(self, name: str) -> dict[str, bool | str]:
+        """vLLM's sleep mode and prefix-cache reset (the server's --enable-sleep-mode
+        endpoints); a refusal is {"error": why}."""
+        engine = self.engine
+        try:
+            if name in ("sleep_1", "sleep_2"):
+                engine.sleep(int(name[-1]))
+            elif name == "wake_up":
+                engine.wake_up()
+            elif name == "reset_prefix_cache":
+                return {"reset": engine.reset_prefix_cache()}
+            elif name != "is_sleeping":
+                return {"error": f"unknown control call {name!r}"}
+        except ValueError as exc:
+            return {"error": str(exc)}
+        return {"is_sleeping": engine.sleeping is not None}
 
 
 def engine_info(engine: EngineCore, model_name: str) -> EngineInfo:

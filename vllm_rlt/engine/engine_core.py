@@ -17,6 +17,7 @@ from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.request_checks import RequestChecker, check_allowed_tokens
 from vllm_rlt.engine.request_group import RequestGroup
+from vllm_rlt.engine.sleep_mode import SLEEP_LEVELS, EngineSleep
 from vllm_rlt.parallel.tensor_parallel import mirrored
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -75,6 +76,9 @@ class EngineCore:
         self._seeds = random.Random(execution_config.seed)
         self.num_passes = 0
         self.num_rows_total = 0  # rows over all passes, for the rows-per-pass metric
+        self.cuda_graphs = execution_config.cuda_graphs
+        self.sleeping: EngineSleep | None = None
+        self.weights_unset = False  # after sleep(level=2), until load_weights
 
     # ----------------------------------------------------------------- requests
     @mirrored
@@ -86,6 +90,12 @@ class EngineCore:
     ) -> None:
         """Validate and queue a request; any error leaves the engine untouched."""
         request_id = str(request_id)
+        require(self.sleeping is None, "the engine is sleeping: wake it up first", "request")
+        require(
+            not self.weights_unset,
+            "the engine slept at level 2 and has no weights: load them with load_weights",
+            "request",
+        )
         require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
         child_ids = (
             [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
@@ -316,10 +326,50 @@ class EngineCore:
                 f"{tuple(views[name].shape)}",
                 "weights",
             )
+        require(self.sleeping is None, "the engine is sleeping: wake it up first", "weights")
+        missing = self.weights_unset and {n for n, _ in pairs} != set(views)
+        require(
+            not missing,
+            "after sleep(level=2) load_weights needs every tensor of the checkpoint",
+            "weights",
+        )
         with torch.no_grad():
             for name, tensor in pairs:
                 views[name].copy_(tensor)
+        self.weights_unset = False
         self.kv.reset_prefix_cache()
+
+    @mirrored
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (engine/sleep_mode.py): level 1 frees the KV pool and moves the
+        weights to host memory, level 2 frees both. Only an idle engine sleeps."""
+        require(level in SLEEP_LEVELS, f"level must be 1 or 2, got {level!r}", "level")
+        require(
+            level == 1 or self.mirror is None,
+            "sleep(level=2) with tensor_parallel_size > 1 is not supported (load_weights is "
+            "not, to bring the weights back)",
+            "level",
+        )
+        require(self.sleeping is None, "the engine is sleeping already", "level")
+        require(
+            not self.has_unfinished,
+            "sleep needs an idle engine: let running requests finish or abort them",
+            "level",
+        )
+        self.kv.reset_prefix_cache()  # the cached blocks' K/V goes with the pool
+        self.sleeping = EngineSleep(self.runner, level)
+        self.weights_unset = level == 2
+
+    @mirrored
+    def wake_up(self) -> None:
+        """Take the memory back: the weights as they were (after level 1), the KV pool
+        empty, the CUDA graphs captured again. A no-op when awake."""
+        if self.sleeping is None:
+            return
+        self.sleeping.wake_up(
+            self.runner, self.cuda_graphs, self.scheduler.config.max_num_batched_tokens
+        )
+        self.sleeping = None
 
     def stats(self) -> EngineStats:
         return EngineStats(

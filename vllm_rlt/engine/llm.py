@@ -51,8 +51,10 @@ class LLM:
     ("auto": the model's generation_config.json supplies unset sampling fields; "vllm":
     the engine's defaults; or a folder), `seed`, `enforce_eager`, `gpu_memory_utilization`,
     `kv_cache_memory_bytes`, `enable_prefix_caching`, `block_size`, `max_num_seqs`,
-    `max_num_batched_tokens`, `scheduling_policy`; `trust_remote_code` is accepted and
-    changes nothing, since this engine never runs code shipped with a checkpoint. They take
+    `max_num_batched_tokens`, `scheduling_policy`, `enable_sleep_mode` (then `sleep` and
+    `wake_up` give the device memory back and take it again); `trust_remote_code` is
+    accepted and changes nothing, since this engine never runs code shipped with a
+    checkpoint. They take
     precedence over the same fields of the config objects. Any other vLLM argument is a
     ValueError naming it.
     """
@@ -77,6 +79,7 @@ class LLM:
         skip_tokenizer_init: bool = False,
         max_model_len: int | None = None,
         generation_config: str = "auto",
+        enable_sleep_mode: bool = False,
         **vllm_args: Any,
     ) -> None:
         cache_config, scheduler_config, execution_config = apply_vllm_args(
@@ -106,6 +109,7 @@ class LLM:
         self.tokenizer = built.tokenizer
         self.llm_engine = LLMEngine(built.engine, built.tokenizer)
         self.model_name = asked if model != asked else built.model_name  # a hub ID as given
+        self.enable_sleep_mode = enable_sleep_mode
         self.tensor_parallel = built.tensor_parallel
         self._counter = 0
 
@@ -114,6 +118,22 @@ class LLM:
         into the running model in place; the next `generate` uses them. A wrong name or
         shape is a ValueError naming it, with nothing changed; the prefix cache is reset."""
         self.engine.load_weights(weights)
+
+    def sleep(self, level: int = 1) -> None:
+        """vLLM's sleep mode (needs `enable_sleep_mode=True`): level 1 frees the KV cache
+        and moves the weights to host memory; level 2 frees both, and `load_weights` must
+        bring new ones after `wake_up`. The engine must be idle."""
+        require(self.enable_sleep_mode, "sleep needs LLM(..., enable_sleep_mode=True)", "level")
+        self.engine.sleep(level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the device memory back after `sleep` (everything at once: `tags` must be
+        None); the prefix cache starts empty."""
+        require(tags is None, "wake_up wakes everything at once; tags must be None", "tags")
+        self.engine.wake_up()
+
+    def is_sleeping(self) -> bool:
+        return self.engine.sleeping is not None
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prompt blocks (as after new weights); False while requests run."""

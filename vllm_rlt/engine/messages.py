@@ -41,7 +41,8 @@ Command = AddRequest | AbortRequest | AbortAll
 
 class ControlCall(msgspec.Struct, tag="call", array_like=True):
     """A call on the control socket, answered by a `ControlReply` with the same `call_id`:
-    "stats" or "shutdown"."""
+    "stats", "shutdown", or one of sleep mode's ("sleep_1", "sleep_2", "wake_up",
+    "is_sleeping", "reset_prefix_cache")."""
 
     call_id: int
     name: str

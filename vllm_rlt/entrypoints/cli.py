@@ -193,6 +193,12 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     _add_http_args(group)
     _add_process_args(group)
     group.add_argument(
+        "--enable-sleep-mode",
+        action="store_true",
+        help="add POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping and POST "
+        "/reset_prefix_cache (vLLM's sleep mode: give the GPU memory back between uses)",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -453,6 +459,7 @@ def _server_settings(ns: argparse.Namespace) -> ServerSettings:
         max_header_bytes=ns.max_header_bytes,
         exit_on_load_error=ns.exit_on_load_error,
         access_log=ns.access_log,
+        enable_sleep_mode=ns.enable_sleep_mode,
         generation_config=ns.generation_config,
         api_server_count=ns.api_server_count,
         data_parallel_size=ns.data_parallel_size,

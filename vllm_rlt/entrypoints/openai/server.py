@@ -327,6 +327,9 @@ def build_app(state: ServerState) -> FastAPI:
         text = await asyncio.to_thread(state.metrics.render, engine)
         return PlainTextResponse(text, media_type=CONTENT_TYPE_LATEST)
 
+    if settings.enable_sleep_mode:
+        _add_sleep_routes(app, state)
+
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
         serving = state.ready()
@@ -379,6 +382,40 @@ def build_app(state: ServerState) -> FastAPI:
 
 INLINE_BODY_BYTES = 16 * 1024
 METRICS_CALL_TIMEOUT_S = 5.0
+
+
+def _add_sleep_routes(app: FastAPI, state: ServerState) -> None:
+    """vLLM's sleep-mode endpoints (`--enable-sleep-mode`), answered by the engine core
+    between passes; the API key guards them as it guards every route."""
+
+    async def call(name: str) -> dict[str, Any]:
+        state.ready()
+        assert state.engine is not None
+        answer = await asyncio.to_thread(state.engine.memory_call, name)
+        if "error" in answer:
+            raise APIError(409, str(answer["error"]), "conflict_error")
+        return answer
+
+    @app.post("/sleep")
+    async def sleep(level: int = 1) -> dict[str, Any]:
+        if level not in (1, 2):
+            raise APIError(400, f"level must be 1 or 2, got {level}", param="level")
+        return await call(f"sleep_{level}")
+
+    @app.post("/wake_up")
+    async def wake_up() -> dict[str, Any]:
+        return await call("wake_up")
+
+    @app.get("/is_sleeping")
+    async def is_sleeping() -> dict[str, Any]:
+        return await call("is_sleeping")
+
+    @app.post("/reset_prefix_cache")
+    async def reset_prefix_cache() -> dict[str, Any]:
+        answer = await call("reset_prefix_cache")
+        if not answer["reset"]:
+            raise APIError(409, "requests hold KV blocks: reset when idle", "conflict_error")
+        return answer
 
 
 async def _build(make_job, body, request: Request):

@@ -29,6 +29,7 @@ class ServerSettings:
     max_connections: int | None = 4096
     max_header_bytes: int = 16 * 1024
     exit_on_load_error: bool = True
+    enable_sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping, /reset_prefix_cache
     access_log: bool = False
     generation_config: str = "auto"  # vLLM's: where unset sampling fields come from
     engine_in_process: bool = False  # the core on a thread of this process (tests)
