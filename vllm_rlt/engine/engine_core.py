@@ -17,7 +17,7 @@ from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.request_checks import RequestChecker, check_allowed_tokens
 from vllm_rlt.engine.request_group import RequestGroup
-from vllm_rlt.engine.sleep_mode import SLEEP_LEVELS, EngineSleep
+from vllm_rlt.engine.trainer_hooks import SLEEP_LEVELS, EngineSleep, copy_weights_in_place
 from vllm_rlt.parallel.tensor_parallel import mirrored
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -315,33 +315,14 @@ class EngineCore:
             not self.has_unfinished,
             "load_weights needs an idle engine: let running requests finish or abort them",
         )
-        views = self.model.checkpoint_views()
-        tied = self.model.config.tie_word_embeddings
-        pairs = [(name, t) for name, t in weights if not (tied and name == "lm_head.weight")]
-        for name, tensor in pairs:
-            require(name in views, f"load_weights: {name!r} is no tensor of this model", "weights")
-            require(
-                tuple(tensor.shape) == tuple(views[name].shape),
-                f"load_weights: {name} has shape {tuple(tensor.shape)}, the model's is "
-                f"{tuple(views[name].shape)}",
-                "weights",
-            )
         require(self.sleeping is None, "the engine is sleeping: wake it up first", "weights")
-        missing = self.weights_unset and {n for n, _ in pairs} != set(views)
-        require(
-            not missing,
-            "after sleep(level=2) load_weights needs every tensor of the checkpoint",
-            "weights",
-        )
-        with torch.no_grad():
-            for name, tensor in pairs:
-                views[name].copy_(tensor)
+        copy_weights_in_place(self.model, weights, every_tensor=self.weights_unset)
         self.weights_unset = False
         self.kv.reset_prefix_cache()
 
     @mirrored
     def sleep(self, level: int = 1) -> None:
-        """vLLM's sleep mode (engine/sleep_mode.py): level 1 frees the KV pool and moves the
+        """vLLM's sleep mode (engine/trainer_hooks.py): level 1 frees the KV pool and moves the
         weights to host memory, level 2 frees both. Only an idle engine sleeps."""
         require(level in SLEEP_LEVELS, f"level must be 1 or 2, got {level!r}", "level")
         require(

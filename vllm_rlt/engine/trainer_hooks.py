@@ -1,5 +1,6 @@
-"""vLLM's sleep mode for one engine: give the device memory of the KV pool and the weights
-back between uses (an RL trainer needs the GPU while its rollout engine waits).
+"""What an RL trainer does to a rollout engine between uses, as vLLM offers it: new weights
+copied in place (`load_weights`), and sleep mode, which gives the device memory of the KV
+pool and the weights back while the trainer needs the GPU.
 
 Level 1 frees the KV pool and moves the weights to host memory; level 2 frees both, and new
 weights come with `load_weights`. The tensors stay the same objects: only their storage is
@@ -11,9 +12,11 @@ dropped before the memory goes and captured again on wake-up.
 from __future__ import annotations
 
 import gc
+from collections.abc import Iterable
 
 import torch
 
+from vllm_rlt.config import require
 from vllm_rlt.engine.device_setup import prepare_device
 from vllm_rlt.worker.model_runner import ModelRunner
 
@@ -27,6 +30,35 @@ def weight_tensors(model) -> list[torch.Tensor]:
         base = view if view._base is None else view._base
         seen.setdefault(base.untyped_storage().data_ptr(), base)
     return list(seen.values())
+
+
+def copy_weights_in_place(
+    model, weights: Iterable[tuple[str, torch.Tensor]], every_tensor: bool = False
+) -> None:
+    """Copy (checkpoint name, tensor) pairs into the model's own tensors, so the KV pool,
+    CUDA graphs and kernels stay valid; every pair is checked first (ParamError naming a
+    wrong name or shape; nothing is copied then). `every_tensor`: the model holds no
+    weights (after sleep level 2), so all of them must come. A tied model ignores
+    lm_head.weight, as vLLM does."""
+    views = model.checkpoint_views()
+    tied = model.config.tie_word_embeddings
+    pairs = [(name, t) for name, t in weights if not (tied and name == "lm_head.weight")]
+    for name, tensor in pairs:
+        require(name in views, f"load_weights: {name!r} is no tensor of this model", "weights")
+        require(
+            tuple(tensor.shape) == tuple(views[name].shape),
+            f"load_weights: {name} has shape {tuple(tensor.shape)}, the model's is "
+            f"{tuple(views[name].shape)}",
+            "weights",
+        )
+    require(
+        not every_tensor or {name for name, _ in pairs} == set(views),
+        "after sleep(level=2) load_weights needs every tensor of the checkpoint",
+        "weights",
+    )
+    with torch.no_grad():
+        for name, tensor in pairs:
+            views[name].copy_(tensor)
 
 
 class EngineSleep:
