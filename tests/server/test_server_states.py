@@ -230,7 +230,7 @@ def test_generation_config_reaches_the_server(tmp_path):
     """--generation-config FOLDER: unset request fields take that folder's values."""
     (tmp_path / "generation_config.json").write_text('{"temperature": 0.0, "top_k": 3}')
     with running_server(in_process=True, generation_config=str(tmp_path)) as (url, state):
-        assert state.engine.sampling_defaults == {"temperature": 0.0, "top_k": 3}
+        assert state.engine.processor.sampling_defaults == {"temperature": 0.0, "top_k": 3}
         body = {"model": "toy", "prompt": "x", "max_tokens": 3, "ignore_eos": True}
         first, second = (httpx.post(f"{url}/v1/completions", json=body) for _ in range(2))
         assert first.json()["choices"][0]["text"] == second.json()["choices"][0]["text"]

@@ -5,6 +5,7 @@ the bare prompt it was trained on, so chat answers as generate does."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -31,7 +32,7 @@ def test_a_bad_generation_config_is_an_error_naming_the_file(tmp_path):
 
 
 class _Engine:
-    sampling_defaults = {"temperature": 0.0, "top_k": 5}
+    processor = SimpleNamespace(sampling_defaults={"temperature": 0.0, "top_k": 5})
 
 
 def test_a_request_keeps_what_it_sets_and_takes_the_rest_from_the_model():

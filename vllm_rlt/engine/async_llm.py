@@ -18,6 +18,7 @@ from typing import Any, Protocol
 from vllm_rlt.config import ExitConfig, require
 from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
 from vllm_rlt.engine.dp_client import DataParallelClient, RemoteCores
+from vllm_rlt.engine.input_processor import InputProcessor
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -26,7 +27,7 @@ from vllm_rlt.engine.messages import (
     EngineOutputs,
     EngineStats,
 )
-from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits, params_for_core
+from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.models.load import load_tokenizer, model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
@@ -92,7 +93,7 @@ class AsyncLLM:
             model, llm_kwargs.get("tokenizer"), llm_kwargs.get("skip_tokenizer_init", False)
         )
         # what a request leaves unset (vLLM's generation_config: the model's file by default)
-        self.sampling_defaults = model_sampling_defaults(model, generation_config)
+        sampling_defaults = model_sampling_defaults(model, generation_config)
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads outputs
         self.client: EngineCoreClient | DataParallelClient
         if attach is not None:
@@ -117,7 +118,7 @@ class AsyncLLM:
         self.model_name = info.model_name
         self.max_model_len = info.max_model_len
         self.max_running = info.max_num_seqs
-        self.checker = RequestChecker(
+        checker = RequestChecker(
             RequestLimits(
                 vocab_size=info.vocab_size,
                 max_model_len=info.max_model_len,
@@ -129,6 +130,7 @@ class AsyncLLM:
             ),
             llm_kwargs.get("exit_config") or ExitConfig(),
         )
+        self.processor = InputProcessor(self.tokenizer, checker, sampling_defaults)
 
     # ----------------------------------------------------------------- caller side
     @property
@@ -160,7 +162,7 @@ class AsyncLLM:
 
     def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Every check the core makes on arrival: bad input raises ParamError here."""
-        self.checker.check(request_id, prompt, params_for_core(params, self.tokenizer))
+        self.processor.process(request_id, prompt, params)
 
     def check_capacity(self, sequences: int) -> None:
         """Refuse `sequences` more completions: for good (ParamError) when they could never
@@ -194,7 +196,7 @@ class AsyncLLM:
         self._read_outputs_here()
         require(request_id not in self._streams, f"request_id {request_id!r} is already in use")
         self.check_capacity(params.n)
-        params = params_for_core(params, self.tokenizer)
+        params = self.processor.core_params(params)  # the core checks it on arrival
         stream = RequestStream(self, request_id, prompt, list(prompt_token_ids), params)
         self._streams[request_id] = stream
         self.num_sequences += params.n

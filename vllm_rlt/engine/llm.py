@@ -88,7 +88,7 @@ class LLM:
         asked = model
         model = resolve_model(model, revision, download_dir)
         tokenizer = resolve_model(tokenizer, download_dir=download_dir)
-        self._sampling_defaults = model_sampling_defaults(model, generation_config)
+        sampling_defaults = model_sampling_defaults(model, generation_config)
         built = build_engine(
             model,
             device,
@@ -107,7 +107,7 @@ class LLM:
         )
         self.engine = built.engine
         self.tokenizer = built.tokenizer
-        self.llm_engine = LLMEngine(built.engine, built.tokenizer)
+        self.llm_engine = LLMEngine(built.engine, built.tokenizer, sampling_defaults)
         self.model_name = asked if model != asked else built.model_name  # a hub ID as given
         self.enable_sleep_mode = enable_sleep_mode
         self.tensor_parallel = built.tensor_parallel
@@ -142,7 +142,7 @@ class LLM:
     def get_default_sampling_params(self) -> SamplingParams:
         """What `generate` and `chat` use without sampling params: the engine's defaults,
         overridden by the model's generation_config.json (as vLLM does)."""
-        return SamplingParams(**self._sampling_defaults)
+        return self.llm_engine.processor.default_params()
 
     def get_tokenizer(self) -> Tokenizer:
         """The model's tokenizer (ValueError for a folder without one)."""
@@ -248,12 +248,7 @@ class LLM:
     def _encode(self, text: str | None, ids: list[int] | None) -> list[int]:
         if ids is not None:
             return ids
-        require(
-            self.tokenizer is not None,
-            "this model has no tokenizer (skip_tokenizer_init, or a model folder without "
-            "tokenizer.json); pass prompt_token_ids instead of text",
-        )
-        return self.tokenizer.encode(text)  # type: ignore[union-attr, arg-type]
+        return self.llm_engine.processor.encode(text)  # type: ignore[arg-type]
 
     @staticmethod
     def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:

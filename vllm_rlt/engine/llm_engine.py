@@ -8,20 +8,27 @@ for a core in another process; a stop string found here aborts its completion in
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.input_processor import InputProcessor
 from vllm_rlt.engine.messages import RequestDelta
 from vllm_rlt.engine.output_processor import RequestState
-from vllm_rlt.engine.request_checks import params_for_core
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
 
 class LLMEngine:
-    def __init__(self, core: EngineCore, tokenizer: Tokenizer | None) -> None:
+    def __init__(
+        self,
+        core: EngineCore,
+        tokenizer: Tokenizer | None,
+        sampling_defaults: dict[str, Any] | None = None,
+    ) -> None:
         self.core = core
         self.tokenizer = tokenizer
+        self.processor = InputProcessor(tokenizer, core.checker, sampling_defaults or {})
         self.states: dict[str, RequestState] = {}
 
     def add_request(
@@ -33,8 +40,8 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request (ValueError names the bad field; nothing changes)."""
         request_id = str(request_id)
-        params = params_for_core(params, self.tokenizer)
-        self.core.add_request(request_id, prompt_token_ids, params)
+        params = self.processor.core_params(params)
+        self.core.add_request(request_id, prompt_token_ids, params)  # checks on arrival
         self.states[request_id] = RequestState(
             request_id, prompt, list(prompt_token_ids), params, self.tokenizer, time.monotonic()
         )

@@ -174,7 +174,7 @@ class OpenAIServing:
         (its generation_config.json), as vLLM does."""
         unset = {
             name: value
-            for name, value in self.engine.sampling_defaults.items()
+            for name, value in self.engine.processor.sampling_defaults.items()
             if name not in request.model_fields_set
         }
         try:

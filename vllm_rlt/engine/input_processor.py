@@ -1,0 +1,56 @@
+"""The frontend's one pass over a request before it is queued, for `LLM` and `AsyncLLM`
+alike (the server through the latter): a text prompt becomes token ids, the sampling fields
+a caller leaves to the model come from its generation defaults, text settings become token
+terms (bad words), and every check the core makes on arrival runs here first, so a bad
+request fails before anything is queued. The output side is `output_processor.py`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from vllm_rlt.config import require
+from vllm_rlt.engine.request_checks import RequestChecker, params_for_core
+from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.tokenizer import Tokenizer
+
+
+class InputProcessor:
+    def __init__(
+        self,
+        tokenizer: Tokenizer | None,
+        checker: RequestChecker,
+        sampling_defaults: dict[str, Any],
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.checker = checker
+        # vLLM's generation_config: what a request leaves unset (engine/llm.py says which)
+        self.sampling_defaults = sampling_defaults
+
+    def default_params(self) -> SamplingParams:
+        """The sampling of a request that gives none: the engine's defaults, overridden by
+        the model's generation defaults."""
+        return SamplingParams(**self.sampling_defaults)
+
+    def encode(self, text: str) -> list[int]:
+        """A text prompt's token ids (ParamError when there is no tokenizer)."""
+        require(
+            self.tokenizer is not None,
+            "this model has no tokenizer (skip_tokenizer_init, or a model folder without "
+            "tokenizer.json); pass prompt_token_ids instead of text",
+            "prompt",
+        )
+        return self.tokenizer.encode(text)  # type: ignore[union-attr]
+
+    def core_params(self, params: SamplingParams) -> SamplingParams:
+        """`params` as the core takes them (bad words as token ids)."""
+        return params_for_core(params, self.tokenizer)
+
+    def process(
+        self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
+    ) -> SamplingParams:
+        """`params` as the core takes them, after every check the core makes (ParamError
+        naming the field). A core in this process checks on arrival itself, before anything
+        is queued: `LLM` needs only `core_params`."""
+        params = self.core_params(params)
+        self.checker.check(request_id, prompt_token_ids, params)
+        return params
