@@ -244,6 +244,7 @@ def test_sleep_mode_endpoints():
     with running_server(in_process=True, enable_sleep_mode=True) as (url, _):
         want = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
         assert httpx.post(f"{url}/sleep", params={"level": 3}).status_code == 400
+        assert httpx.post(f"{url}/sleep", params={"level": 2}).status_code == 400
         assert httpx.post(f"{url}/sleep", params={"level": 1}).json() == {"is_sleeping": True}
         assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
         asleep = httpx.post(f"{url}/v1/completions", json=body)

@@ -37,3 +37,23 @@ def test_the_stats_answer_crosses_the_wire_as_itself():
     assert decode(encode(ControlReply(7, answer))).value == answer
     assert decode(encode(ControlReply(8, {"stopped": True}))).value == {"stopped": True}
     assert msgspec.structs.asdict(answer)["num_requests"] == 3
+
+
+def test_a_data_parallel_memory_call_answers_for_every_core():
+    """Sleep-mode calls reach every core: yes only where all say yes, else each refusal
+    named with its core."""
+    from types import SimpleNamespace
+
+    from vllm_rlt.engine.dp_client import DataParallelClient
+
+    def client(*answers):
+        dp = DataParallelClient.__new__(DataParallelClient)
+        dp.lost = {}
+        dp.cores = [SimpleNamespace(call=lambda name, timeout, a=a: a) for a in answers]
+        return dp
+
+    asleep = {"is_sleeping": True}
+    assert client(asleep, asleep).call("sleep_1") == {"is_sleeping": True}
+    assert client(asleep, {"is_sleeping": False}).call("is_sleeping") == {"is_sleeping": False}
+    mixed = client(asleep, {"error": "busy"}).call("sleep_1")
+    assert mixed == {"error": "engine core 1: busy"}

@@ -183,4 +183,21 @@ def test_sleep_and_wake_up_keep_outputs_and_give_memory_back():
     assert tokens(llm) == want
     with pytest.raises(ValueError, match="level must be 1 or 2, got 3"):
         llm.sleep(level=3)
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.sleep(level=1)  # a light sleep does not bring the dropped weights back
+    llm.wake_up()
+    with pytest.raises(ValueError, match="has no weights"):
+        llm.generate(prompts, greedy, use_tqdm=False)
+    llm.load_weights(dict(toy_weights()))  # a mapping works as well as pairs
+    assert tokens(llm) == want
     assert llm.engine.all_blocks_free() and not llm.engine.has_unfinished
+
+
+def test_the_built_in_model_sleeps_too():
+    """Its weights are loaded from a file: they are the model's own storage all the same."""
+    llm = LLM(enable_sleep_mode=True, generation_config=None)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+    llm.sleep()
+    llm.wake_up()
+    assert llm.generate("347+589=", greedy, use_tqdm=False)[0].outputs[0].text == "936"

@@ -223,6 +223,9 @@ class CoreLoop:
                 return {"error": f"unknown control call {name!r}"}
         except ValueError as exc:
             return {"error": str(exc)}
+        except Exception as exc:  # noqa: BLE001 - answered; the core serves on
+            logger.exception("control call %r failed", name)
+            return {"error": f"{name} failed: {type(exc).__name__}: {exc}"}
         return {"is_sleeping": engine.sleeping is not None}
 
 

@@ -283,10 +283,18 @@ class DataParallelClient:
     # ----------------------------------------------------------------- control
     def call(self, name: str, timeout: float = 30.0) -> CoreStats | dict[str, bool | str]:
         """Ask every running core; "stats" answers their sum, with each core's own in
-        `per_core` (a lost core's as None)."""
+        `per_core` (a lost core's as None); any other call answers yes where every core
+        does, or every core's refusal."""
         answers = {rank: self.cores[rank].call(name, timeout) for rank in self.live_ranks}
-        if name != "stats":
-            return next(iter(answers.values()))
+        if name != "stats":  # every core's yes, or each refusal with its core
+            errors = [f"engine core {r}: {a['error']}" for r, a in answers.items() if "error" in a]
+            if errors:
+                return {"error": "; ".join(errors)}
+            merged: dict[str, bool | str] = {}
+            for answer in answers.values():
+                for key, value in answer.items():  # type: ignore[union-attr]
+                    merged[key] = bool(merged.get(key, True) and value)
+            return merged
         total = sum_core_stats(list(answers.values()))  # type: ignore[arg-type]
         total.per_core = [answers.get(rank) for rank in range(self.size)]  # type: ignore[misc]
         return total

@@ -339,7 +339,7 @@ class EngineCore:
         )
         self.kv.reset_prefix_cache()  # the cached blocks' K/V goes with the pool
         self.sleeping = EngineSleep(self.runner, level)
-        self.weights_unset = level == 2
+        self.weights_unset = self.weights_unset or level == 2
 
     @mirrored
     def wake_up(self) -> None:

@@ -23,7 +23,7 @@ from vllm_rlt.config import (
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.engine.vllm_args import apply_vllm_args
-from vllm_rlt.models.hub import resolve_model
+from vllm_rlt.models.hub import TOKENIZER_FILES, resolve_model
 from vllm_rlt.models.load import model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
@@ -87,7 +87,7 @@ class LLM:
         )
         asked = model
         model = resolve_model(model, revision, download_dir)
-        tokenizer = resolve_model(tokenizer, download_dir=download_dir)
+        tokenizer = resolve_model(tokenizer, download_dir=download_dir, files=TOKENIZER_FILES)
         sampling_defaults = model_sampling_defaults(model, generation_config)
         built = build_engine(
             model,

@@ -12,7 +12,7 @@ dropped before the memory goes and captured again on wake-up.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -33,7 +33,9 @@ def weight_tensors(model) -> list[torch.Tensor]:
 
 
 def copy_weights_in_place(
-    model, weights: Iterable[tuple[str, torch.Tensor]], every_tensor: bool = False
+    model,
+    weights: Iterable[tuple[str, torch.Tensor]] | Mapping[str, torch.Tensor],
+    every_tensor: bool = False,
 ) -> None:
     """Copy (checkpoint name, tensor) pairs into the model's own tensors, so the KV pool,
     CUDA graphs and kernels stay valid; every pair is checked first (ParamError naming a
@@ -42,7 +44,10 @@ def copy_weights_in_place(
     lm_head.weight, as vLLM does."""
     views = model.checkpoint_views()
     tied = model.config.tie_word_embeddings
-    pairs = [(name, t) for name, t in weights if not (tied and name == "lm_head.weight")]
+    if isinstance(weights, Mapping):
+        weights = weights.items()
+    skipped = ("rotary_emb.inv_freq", *(["lm_head.weight"] if tied else []))
+    pairs = [(name, t) for name, t in weights if not name.endswith(skipped)]
     for name, tensor in pairs:
         require(name in views, f"load_weights: {name!r} is no tensor of this model", "weights")
         require(
@@ -68,6 +73,11 @@ class EngineSleep:
         self.level = level
         self.kv = [*runner.k_caches, *runner.v_caches]
         self.weights = weight_tensors(runner.model)
+        require(
+            all(t.untyped_storage().resizable() for t in self.kv + self.weights),
+            "this model's weights live in storage that cannot be released (file-backed)",
+            "level",
+        )
         self.nbytes = [t.untyped_storage().nbytes() for t in self.kv + self.weights]
         # Level 1 keeps the weights on the host; level 2 drops them.
         self.saved = [w.to("cpu", copy=True) for w in self.weights] if level == 1 else None
@@ -86,6 +96,9 @@ class EngineSleep:
             tensor.untyped_storage().resize_(nbytes)
         for tensor in self.kv:
             tensor.zero_()
+        if self.level == 2:  # finite until load_weights brings the real ones
+            for tensor in self.weights:
+                tensor.zero_()
         if self.saved is not None:
             with torch.no_grad():
                 for tensor, saved in zip(self.weights, self.saved, strict=True):

@@ -22,7 +22,7 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from vllm_rlt.models.hub import resolve_model
+from vllm_rlt.models.hub import TOKENIZER_FILES, resolve_model
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -336,7 +336,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
     depths = read_exit_trace(ns.exit_trace) if ns.exit_trace is not None else {}
     return EngineArgs(
         model=resolve_model(ns.model, ns.revision, ns.download_dir),
-        tokenizer=resolve_model(ns.tokenizer, download_dir=ns.download_dir),
+        tokenizer=resolve_model(ns.tokenizer, download_dir=ns.download_dir, files=TOKENIZER_FILES),
         skip_tokenizer_init=ns.skip_tokenizer_init,
         max_model_len=ns.max_model_len,
         device=ns.device,

@@ -24,6 +24,14 @@ CHECKPOINT_FILES = [
     "chat_template.json",
     "*.jinja",
 ]
+TOKENIZER_FILES = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.json",
+    "generation_config.json",
+    "*.jinja",
+]
 
 
 def is_hub_id(model: str) -> bool:
@@ -37,10 +45,14 @@ def offline() -> bool:
 
 
 def resolve_model(
-    model: str | None, revision: str | None = None, download_dir: str | None = None
+    model: str | None,
+    revision: str | None = None,
+    download_dir: str | None = None,
+    files: list[str] = CHECKPOINT_FILES,
 ) -> str | None:
-    """The local folder of a hub ID (fetched into the cache unless it is there already);
-    any other model argument unchanged. FileNotFoundError says why a hub ID cannot be had."""
+    """The local folder of a hub ID (its `files` fetched into the cache unless they are
+    there already); any other model argument unchanged. FileNotFoundError says why a hub ID
+    cannot be had."""
     if model is None or not is_hub_id(str(model)):
         if revision is not None:
             raise ParamError(
@@ -56,7 +68,7 @@ def resolve_model(
             str(model),
             revision=revision,
             cache_dir=download_dir,
-            allow_patterns=CHECKPOINT_FILES,
+            allow_patterns=files,
             local_files_only=offline(),
         )
     except LocalEntryNotFoundError as exc:

@@ -80,11 +80,13 @@ def check_model_source(model: str | Path | None) -> None:
 
 
 def model_sampling_defaults(
-    model: str | Path | None, generation_config: str = "auto"
+    model: str | Path | None, generation_config: str | None = "auto"
 ) -> dict[str, Any]:
     """The sampling defaults requests take where they leave a field unset, as vLLM's
     `generation_config` says: "auto", the model folder's generation_config.json (none for
     the toy); "vllm", none (the engine's own defaults); else a folder holding one."""
+    if generation_config is None:  # older vLLM's default: the engine's own
+        generation_config = "vllm"
     if generation_config == "vllm" or (generation_config == "auto" and str(model) == TOY_NAME):
         return {}
     folder = model_folder(model) if generation_config == "auto" else Path(generation_config)

@@ -157,7 +157,8 @@ class OuroModel:
         self.device = torch.device(device)
 
         def take(name: str) -> torch.Tensor:
-            return weights[name].to(device=self.device, dtype=dtype).contiguous()
+            # a copy: the model owns its storage (a file-backed one cannot be released)
+            return weights[name].to(device=self.device, dtype=dtype, copy=True).contiguous()
 
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")

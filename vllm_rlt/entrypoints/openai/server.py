@@ -398,8 +398,13 @@ def _add_sleep_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/sleep")
     async def sleep(level: int = 1) -> dict[str, Any]:
-        if level not in (1, 2):
-            raise APIError(400, f"level must be 1 or 2, got {level}", param="level")
+        if level != 1:
+            raise APIError(
+                400,
+                f"level must be 1 (level 2 drops the weights, which the server cannot load "
+                f"again), got {level}",
+                param="level",
+            )
         return await call(f"sleep_{level}")
 
     @app.post("/wake_up")
