@@ -201,3 +201,19 @@ def test_the_built_in_model_sleeps_too():
     llm.sleep()
     llm.wake_up()
     assert llm.generate("347+589=", greedy, use_tqdm=False)[0].outputs[0].text == "936"
+
+
+def test_the_models_generation_eos_ids_hold_without_a_tokenizer(tmp_path):
+    """EOS ids that only generation_config.json names end generation with
+    skip_tokenizer_init too, as in vLLM."""
+    import json
+    import shutil
+
+    from vllm_rlt.models.load import DEFAULT_MODEL_DIR
+
+    folder = tmp_path / "model"
+    shutil.copytree(DEFAULT_MODEL_DIR, folder)
+    (folder / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 0, 7]}))
+    for skip in (False, True):
+        llm = LLM(model=str(folder), skip_tokenizer_init=skip)
+        assert 7 in llm.engine.eos_token_ids, skip

@@ -33,7 +33,12 @@ from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.exit import make_exit_policy
-from vllm_rlt.models.load import load_model_and_tokenizer, resolve_device, resolve_dtype
+from vllm_rlt.models.load import (
+    load_model_and_tokenizer,
+    model_eos_token_ids,
+    resolve_device,
+    resolve_dtype,
+)
 from vllm_rlt.parallel.tensor_parallel import (
     TensorParallel,
     check_tensor_parallel,
@@ -126,6 +131,7 @@ def build_engine(
             tensor_parallel,
             usage_context,
             max_model_len,
+            model_eos_token_ids(model),
         )
     except BaseException:
         if tensor_parallel is not None:
@@ -162,6 +168,7 @@ def build_engine_core(
     tensor_parallel: TensorParallel | None = None,
     usage_context: str = OFFLINE,
     max_model_len: int | None = None,
+    extra_eos_token_ids: frozenset[int] = frozenset(),
 ) -> EngineCore:
     """The engine core of a loaded model. `usage_context` ("offline" or "serve") picks the
     scheduler defaults that `scheduler_config` leaves to the device; `max_model_len` caps
@@ -254,10 +261,14 @@ def build_engine_core(
         ),
         exit_config,
     )
+    eos_token_ids = frozenset(cfg.eos_token_ids) | extra_eos_token_ids
+    if tokenizer is not None:
+        eos_token_ids |= tokenizer.eos_token_ids
     return EngineCore(
         model,
         tokenizer,
         max_model_len,
+        eos_token_ids,
         scheduler,
         runner,
         checker,

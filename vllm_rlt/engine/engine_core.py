@@ -36,6 +36,7 @@ class EngineCore:
         model,
         tokenizer: Tokenizer | None,
         max_model_len: int,
+        eos_token_ids: frozenset[int],
         scheduler: Scheduler,
         runner: ModelRunner,
         checker: RequestChecker,
@@ -63,9 +64,7 @@ class EngineCore:
         # Tensor parallelism: rank 0 sends each @mirrored call to the other ranks first
         # (see parallel/tensor_parallel.py).
         self.mirror: Callable[[str, tuple, dict], None] | None = None
-        self.eos_token_ids = frozenset(model.config.eos_token_ids) | (
-            tokenizer.eos_token_ids if tokenizer is not None else frozenset()
-        )
+        self.eos_token_ids = eos_token_ids
         self.groups: dict[str, RequestGroup] = {}
         # no_refill cohorts depend on the previous pass's exits, so they run synchronously.
         self.async_scheduling = (

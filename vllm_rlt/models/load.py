@@ -18,6 +18,11 @@ from vllm_rlt.models.loader import load_model, read_config, resolve_family
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import TOY_NAME, toy_config_dict, toy_weights
 from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.tokenizer.tokenizer import (
+    GENERATION_CONFIG_FILE,
+    generation_eos_ids,
+    read_json_object,
+)
 
 DEFAULT_MODEL_NAME = "ouro-tasks"
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / DEFAULT_MODEL_NAME
@@ -97,6 +102,15 @@ def model_sampling_defaults(
             "generation_config",
         )
     return sampling_defaults(folder)
+
+
+def model_eos_token_ids(model: str | Path | None) -> frozenset[int]:
+    """The EOS ids the model's generation_config.json adds (vLLM stops on them whether or
+    not a tokenizer is loaded)."""
+    if str(model) == TOY_NAME:
+        return frozenset()
+    generation = read_json_object(model_folder(model) / GENERATION_CONFIG_FILE)
+    return frozenset(generation_eos_ids(generation.get("eos_token_id")))
 
 
 def load_tokenizer(

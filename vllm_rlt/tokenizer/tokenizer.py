@@ -143,7 +143,7 @@ def _config_template(config: Mapping[str, Any]) -> str | None:
     raise ValueError(f"{CONFIG_FILE}: chat_template must be a string or a list of templates")
 
 
-def _generation_eos_ids(value: Any) -> list[int]:
+def generation_eos_ids(value: Any) -> list[int]:
     """generation_config.json's eos_token_id: absent, one id or a list of ids."""
     ids = [] if value is None else value if isinstance(value, list) else [value]
     if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
@@ -330,7 +330,7 @@ class Tokenizer:
                 chat_template=chat_template,
                 bos_token=_token_content(config.get("bos_token"), "bos_token"),
                 eos_token=_token_content(config.get("eos_token"), "eos_token"),
-                extra_eos_token_ids=_generation_eos_ids(generation.get("eos_token_id")),
+                extra_eos_token_ids=generation_eos_ids(generation.get("eos_token_id")),
                 add_bos_token=add_bos_token,
             )
         except ValueError as exc:
