@@ -32,7 +32,9 @@ def test_a_bad_generation_config_is_an_error_naming_the_file(tmp_path):
 
 
 class _Engine:
-    processor = SimpleNamespace(sampling_defaults={"temperature": 0.0, "top_k": 5})
+    processor = SimpleNamespace(
+        sampling_defaults={"temperature": 0.0, "top_k": 5}, core_params=lambda params: params
+    )
 
 
 def test_a_request_keeps_what_it_sets_and_takes_the_rest_from_the_model():

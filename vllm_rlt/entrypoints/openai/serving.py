@@ -170,15 +170,17 @@ class OpenAIServing:
         )
 
     def _params(self, request, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
-        """The request's sampling; the fields it leaves unset take the model's defaults
-        (its generation_config.json), as vLLM does."""
+        """The request's sampling in the core's terms (bad words tokenized once, for every
+        prompt and check after); the fields it leaves unset take the model's defaults (its
+        generation_config.json), as vLLM does."""
+        processor = self.engine.processor
         unset = {
             name: value
-            for name, value in self.engine.processor.sampling_defaults.items()
+            for name, value in processor.sampling_defaults.items()
             if name not in request.model_fields_set
         }
         try:
-            return request.sampling_params(max_tokens, num_logprobs, unset)
+            return processor.core_params(request.sampling_params(max_tokens, num_logprobs, unset))
         except ValueError as exc:
             raise as_api_error(exc) from exc
 
