@@ -1,12 +1,16 @@
-"""Split a decode step into device time (graph replay) and host time, and list the kernels.
+"""Split a decode step into device time (graph replay) and host time, and list the kernels;
+with --rows, the host time of launching one pass against its device time, for decode-only
+passes and for passes that also carry a prompt chunk, at each row count.
 
 python -m benchmarks.profile_pass --shape ouro-1.4b --concurrency 1 64
 python -m benchmarks.profile_pass --concurrency 1 8 --speculative-tokens 1 --draft-loops 2 \
     --spec-acceptance-rate 0.8
+python -m benchmarks.profile_pass --concurrency --rows 1 8 64 256 512
 """
 
 from __future__ import annotations
 
+import json
 import time
 
 import torch
@@ -20,6 +24,7 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from vllm_rlt.core.contract import PrefillChunk, SchedulerOutput
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.sampling_params import SamplingParams
@@ -89,18 +94,107 @@ def profile(model, concurrency: int, steps: int, spec: SpeculativeConfig | None)
         engine.abort_request(request_id)
 
 
+def _timed_launch(runner, out: SchedulerOutput, repeats: int) -> tuple[float, float]:
+    """(host ms, device ms) per pass: the host's time to launch it (build and enqueue; the
+    device runs behind), and the device's time from the first launch's start to the last
+    one's end over `repeats` passes launched back to back."""
+    for _ in range(3):  # warm up: captures of lazily captured variants, allocator
+        runner.collect(runner.launch(out))
+    torch.cuda.synchronize()
+    host = 0.0
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    pending = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        pending.append(runner.launch(out))
+        host += time.perf_counter() - start
+        if len(pending) == 2:  # as the engine runs: one pass in flight while one launches
+            runner.collect(pending.pop(0))
+    end.record()
+    for item in pending:
+        runner.collect(item)
+    end.synchronize()
+    return host / repeats * 1e3, begin.elapsed_time(end) / repeats
+
+
+def pass_rows(model, rows: list[int], repeats: int) -> None:
+    """Host launch time against device time per pass, decode-only and mixed (half the rows a
+    prompt chunk at loop 0 on the runner's padding slot, which reads and writes only the
+    padding block), with the captured prompt-pass graphs and without them (eager)."""
+    seqs = max(rows)
+    engine = build_engine_core(
+        model,
+        None,
+        CacheConfig(num_blocks=seqs * 8 + 8),
+        SchedulerConfig(
+            max_num_seqs=seqs,
+            max_num_batched_tokens=max(2048, 64 * seqs),
+            max_prefill_batches_before_decode=seqs,
+        ),
+        ExitConfig(),
+        ExecutionConfig(),
+        "auto",
+    )
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
+    for i in range(seqs):
+        engine.add_request(str(i), list(range(3, 67)), params)
+    while engine.scheduler.waiting or any(
+        r.status.value != "decode" for r in engine.scheduler.running.values()
+    ):
+        engine.step()
+    runner = engine.runner
+    slots = sorted(engine.scheduler.running)
+    mixed = runner.mixed
+    for count in rows:
+        prompt = count // 2
+        decode = tuple(slots[: count - prompt])
+        chunk = PrefillChunk(runner.dummy_slot, "", 0, (3,) * prompt, 0, samples=False)
+        for kind, chunks in (("decode", ()), ("mixed", (chunk,) if prompt else ())):
+            if kind == "mixed" and not prompt:
+                continue
+            out = SchedulerOutput((), decode, ("",) * len(decode), chunks, 128)
+            for label, graphs in (("graphs", mixed), ("eager", None)):
+                if kind == "decode" and label == "eager":
+                    continue
+                runner.mixed = graphs
+                host_ms, device_ms = _timed_launch(runner, out, repeats)
+                record = {
+                    "rows": count,
+                    "pass": kind,
+                    "prompt_rows": prompt if chunks else 0,
+                    "path": label,
+                    "host_ms": round(host_ms, 3),
+                    "device_ms": round(device_ms, 3),
+                }
+                print(json.dumps(record))
+    runner.mixed = mixed
+    for request_id in list(engine.groups):
+        engine.abort_request(request_id)
+
+
 def main() -> None:
     parser = CLIParser(prog="python -m benchmarks.profile_pass", description=__doc__)
     parser.add_argument("--shape", default="ouro-1.4b", help="model shape (random weights)")
     parser.add_argument(
-        "--concurrency", type=int, nargs="+", default=[1, 64], help="rows per decode pass"
+        "--concurrency", type=int, nargs="*", default=[1, 64], help="rows per decode pass"
     )
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per case")
+    parser.add_argument(
+        "--rows",
+        type=int,
+        nargs="*",
+        default=[],
+        help="row counts of single passes to time (host launch against device), decode-only "
+        "and mixed; none: skip",
+    )
     add_speculation_args(parser, replay=True)
     args = parser.parse_args()
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
     for concurrency in args.concurrency:
         profile(model, concurrency, args.steps, speculative_config(args))
+    if args.rows:
+        pass_rows(model, args.rows, args.steps)
 
 
 if __name__ == "__main__":

@@ -134,8 +134,8 @@ def test_graphs_equal_eager_with_sampling(toy_config, toy_state, dtype, layout):
         arrivals = {i: [(f"s{i}", prompt, params)] for i, prompt in enumerate(_prompts())}
         outputs = drain(engine, arrivals)
         assert engine.all_blocks_free()
-        if graphs:  # staggered arrivals: passes with prompt rows replayed the layer pieces
-            assert engine.runner.pieces.num_replays > 0
+        if graphs:  # staggered arrivals: passes with prompt rows ran as captured graphs
+            assert engine.runner.mixed.num_replays > 0
         results.append(
             {
                 rid: (o.outputs[0].token_ids, o.outputs[0].exit_depths, o.outputs[0].logprobs)
@@ -202,6 +202,47 @@ def test_decode_pass_has_no_hidden_host_sync(toy_config, toy_state, speculative)
     torch.cuda.synchronize()
     for request_id in list(engine.groups):  # the manual passes moved device state on
         frontend(engine).abort_request(request_id)
+    assert engine.all_blocks_free()
+
+
+def test_mixed_pass_launches_no_kernel_outside_its_graphs(toy_config, toy_state):
+    """A pass with decode rows and a prompt chunk, under the profiler: graph launches and
+    copies only. The same count finds the kernels of an eager pass, so the check can fail."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine = _cuda_engine(
+        toy_config, toy_state, torch.bfloat16, "last_exited", "ouro_q0.7", "refill", "triton", True
+    )
+    front, runner = frontend(engine), engine.runner
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, exit_threshold=0.5)
+    front.add_request("a", _prompts()[0], params)
+    while any(r.status.value != "decode" for r in engine.scheduler.running.values()):
+        front.step()
+    front.add_request("b", _prompts()[1], params)
+    out = engine.scheduler.schedule()
+    assert out.decode_slots and out.prefill_chunks and runner.mixed.takes(out)
+    for _, error in runner.admit(out.new_slots):
+        raise error
+
+    def launches(run) -> tuple[int, int]:
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run()
+            torch.cuda.synchronize()
+        names = [event.name for event in prof.events()]
+        return sum("LaunchKernel" in n for n in names), sum("GraphLaunch" in n for n in names)
+
+    replays = runner.mixed.num_replays
+    pending: list = []
+    kernels, graphs = launches(lambda: pending.append(runner.launch(out)))
+    runner.collect(pending[0])
+    assert runner.mixed.num_replays == replays + 1
+    assert kernels == 0 and graphs > 0
+    decode = torch.tensor(out.decode_slots, dtype=torch.int64, device="cuda")
+    eager, _ = launches(lambda: runner.run_pass(decode, (), 0, True, 0))
+    assert eager > 0
+    for request_id in list(engine.groups):  # the manual passes moved device state on
+        front.abort_request(request_id)
     assert engine.all_blocks_free()
 
 

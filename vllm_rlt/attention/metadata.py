@@ -41,6 +41,17 @@ class PrefillTiles:
 
 
 @dataclass
+class DeviceCounts:
+    """A captured pass's row and tile counts live on the device ([decode rows, prefill
+    tiles] in `counts`), so one graph serves every mix of a padded size: the attention
+    kernels run a bounded grid of programs that each take every grid-th row or tile."""
+
+    counts: torch.Tensor  # [2] int64
+    row_programs: int
+    tile_programs: int
+
+
+@dataclass
 class AttentionMetadata:
     """Per-row cache addressing for one pass.
 
@@ -66,6 +77,7 @@ class AttentionMetadata:
     segments: Segments | None = None  # only for backends that gather per segment
     num_decode: int = 0  # rows before the prefill rows
     prefill_tiles: PrefillTiles | None = None  # only for backends with a tiled prefill kernel
+    device_counts: DeviceCounts | None = None  # set: the counts are read on the device
 
     @property
     def num_rows(self) -> int:

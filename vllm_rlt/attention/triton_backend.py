@@ -228,17 +228,25 @@ class TritonOps:
             PLANES=meta.planes,
             **launch_options(self.pdl),
         )
-        tiles = meta.prefill_tiles
-        row_kernel_rows = rows if tiles is None else meta.num_decode
-        if tiles is not None and tiles.num_tiles:
+        tiles, counts = meta.prefill_tiles, meta.device_counts
+        if counts is None:
+            row_grid, tile_grid = (rows if tiles is None else meta.num_decode), 0
+            count_ptr = meta.positions  # not read
+            if tiles is not None:
+                tile_grid = tiles.num_tiles
+        else:
+            row_grid, tile_grid = counts.row_programs, counts.tile_programs
+            count_ptr = counts.counts
+        if tiles is not None and tile_grid:
             exact = q.dtype == torch.float32
-            _prefill_attention_kernel[(tiles.num_tiles, num_heads)](
+            _prefill_attention_kernel[(tile_grid, num_heads)](
                 q,
                 k_cache,
                 v_cache,
                 out,
                 tiles.fields,
                 tiles.fields.stride(0),
+                count_ptr[1:],
                 meta.block_table,
                 meta.block_table.stride(0),
                 meta.slots_per_plane,
@@ -250,12 +258,13 @@ class TritonOps:
                 BLOCK_M=self.prefill_tile_rows(q.dtype),
                 BLOCK_N=16 if exact else 32,
                 IEEE=exact,
+                PERSISTENT=counts is not None,
                 num_warps=4,
                 **launch_options(self.pdl),
             )
-        if row_kernel_rows == 0:
+        if row_grid == 0:
             return out.reshape(rows, -1)
-        _paged_attention_kernel[(row_kernel_rows, num_heads)](
+        _paged_attention_kernel[(row_grid, num_heads)](
             q,
             k_cache,
             v_cache,
@@ -264,6 +273,7 @@ class TritonOps:
             meta.row_tables,
             meta.read_plane,
             meta.block_table,
+            count_ptr,
             meta.block_table.stride(0),
             meta.slots_per_plane,
             meta.block_size,
@@ -273,7 +283,8 @@ class TritonOps:
             HEAD_DIM=head_dim,
             BLOCK_N=DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
-            num_warps=FEW_ROWS_WARPS if row_kernel_rows <= FEW_ROWS else MANY_ROWS_WARPS,
+            PERSISTENT=counts is not None,
+            num_warps=FEW_ROWS_WARPS if row_grid <= FEW_ROWS else MANY_ROWS_WARPS,
             **launch_options(self.pdl),
         )
         return out.reshape(rows, -1)

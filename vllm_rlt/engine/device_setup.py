@@ -46,7 +46,7 @@ def plan_memory(
         default = CPU_DEFAULT_BLOCKS * table_planes
         return plan_kv_cache(cache_config, cfg, planes, model.dtype, default)
     from vllm_rlt.worker.memory_profile import peak_pass_bytes
-    from vllm_rlt.worker.piecewise_graphs import buffer_bytes, piece_sizes
+    from vllm_rlt.worker.mixed_graphs import PROMPT_SAMPLERS, buffer_bytes, mixed_sizes
 
     seqs = scheduler_config.max_num_seqs
     rows = scheduler_config.max_num_batched_tokens
@@ -55,13 +55,15 @@ def plan_memory(
     pass_peak = peak_pass_bytes(model, ops, rows, samplers, planes, block_size)
     graph_pool = 0
     if execution_config.cuda_graphs and not ops.needs_segments:
-        # The decode graphs and the layer pieces capture on different streams, so their
-        # scratch memory adds up; the pieces also keep buffers of their largest size.
-        pieces = piece_sizes(rows)[-1]
+        # Counted as a sum, though the graphs share one pool: the decode graphs (and the
+        # prompt-pass heads, with their prompt samplers), the largest prompt-pass stack,
+        # and the stack's output buffer.
+        stack = mixed_sizes(rows)[-1]
+        head_rows = samplers + PROMPT_SAMPLERS
         graph_pool = (
-            peak_pass_bytes(model, ops, samplers, samplers, planes, block_size)
-            + peak_pass_bytes(model, ops, pieces, 1, planes, block_size)
-            + buffer_bytes(cfg, model.dtype, pieces)
+            peak_pass_bytes(model, ops, head_rows, head_rows, planes, block_size)
+            + peak_pass_bytes(model, ops, stack, 1, planes, block_size)
+            + buffer_bytes(cfg, model.dtype, stack)
         )
     if explicit:
         plan = plan_kv_cache(cache_config, cfg, planes, model.dtype)
@@ -88,26 +90,20 @@ def plan_memory(
 def prepare_device(
     runner: ModelRunner, ops: Any, cuda_graphs: bool, max_num_batched_tokens: int
 ) -> None:
-    """On CUDA: capture the decode graphs and the layer pieces (when `cuda_graphs` and the
-    attention backend allow), then warm up passes with prompt rows. Elsewhere: nothing."""
+    """On CUDA: capture the decode graphs and the graphs of passes with prompt rows (when
+    `cuda_graphs` and the attention backend allow), then warm up the passes with prompt rows
+    that run eagerly. Elsewhere: nothing."""
     model = runner.model
     if model.device.type != "cuda":
         return
     if cuda_graphs and not ops.needs_segments:
         from vllm_rlt.worker.cuda_graphs import DecodeGraphs
-        from vllm_rlt.worker.piecewise_graphs import PiecewiseGraphs, piece_sizes
+        from vllm_rlt.worker.mixed_graphs import MixedGraphs, mixed_sizes
 
         runner.graphs = DecodeGraphs(runner)
         runner.graphs.capture_all()
-        runner.pieces = PiecewiseGraphs(
-            model,
-            ops,
-            runner.k_caches,
-            runner.v_caches,
-            runner.graphs.pool,
-            piece_sizes(max_num_batched_tokens),
-        )
-        runner.pieces.capture_all()
+        runner.mixed = MixedGraphs(runner, runner.graphs.pool, mixed_sizes(max_num_batched_tokens))
+        runner.mixed.capture_all()
     runner.warm_up_prompt_passes(sorted({1, max_num_batched_tokens}))
 
 

@@ -81,7 +81,7 @@ class EngineSleep:
         self.nbytes = [t.untyped_storage().nbytes() for t in self.kv + self.weights]
         # Level 1 keeps the weights on the host; level 2 drops them.
         self.saved = [w.to("cpu", copy=True) for w in self.weights] if level == 1 else None
-        runner.graphs = runner.pieces = None  # they read the memory about to go
+        runner.graphs = runner.mixed = None  # they read the memory about to go
         gc.collect()
         for tensor in self.kv + self.weights:
             tensor.untyped_storage().resize_(0)

@@ -163,6 +163,7 @@ def _paged_attention_kernel(
     table_rows_ptr,
     planes_ptr,
     block_table_ptr,
+    count_ptr,
     block_table_stride,
     slots_per_plane,
     block_size,
@@ -172,12 +173,83 @@ def _paged_attention_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One query row and head over positions 0..pos of its plane, with online softmax."""
+    """One query row and head over positions 0..pos of its plane, with online softmax.
+    PERSISTENT: the row count is read from `count_ptr` on the device and each program
+    takes every grid-th row, so a captured pass bounds its grid, not its rows."""
     pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     head = tl.program_id(1)
+    if PERSISTENT:
+        for row in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
+            _attend_row(
+                tl.cast(row, tl.int64),
+                head,
+                q_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                out_ptr,
+                positions_ptr,
+                table_rows_ptr,
+                planes_ptr,
+                block_table_ptr,
+                block_table_stride,
+                slots_per_plane,
+                block_size,
+                scale,
+                NUM_HEADS,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                BLOCK_N,
+                STAGES,
+            )
+    else:
+        _attend_row(
+            tl.program_id(0).to(tl.int64),
+            head,
+            q_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            out_ptr,
+            positions_ptr,
+            table_rows_ptr,
+            planes_ptr,
+            block_table_ptr,
+            block_table_stride,
+            slots_per_plane,
+            block_size,
+            scale,
+            NUM_HEADS,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            BLOCK_N,
+            STAGES,
+        )
+
+
+@triton.jit
+def _attend_row(
+    row,  # int64: row * stride passes 2**31 in large passes
+    head,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    positions_ptr,
+    table_rows_ptr,
+    planes_ptr,
+    block_table_ptr,
+    block_table_stride,
+    slots_per_plane,
+    block_size,
+    scale,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+):
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     d = tl.arange(0, HEAD_DIM)
     pos = tl.load(positions_ptr + row)
@@ -220,6 +292,7 @@ def _prefill_attention_kernel(
     out_ptr,
     tiles_ptr,
     tile_stride,
+    count_ptr,
     block_table_ptr,
     block_table_stride,
     slots_per_plane,
@@ -231,15 +304,85 @@ def _prefill_attention_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
+    PERSISTENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """A tile of up to BLOCK_M consecutive prompt positions of one request and plane,
     against key tiles of BLOCK_N positions, with tl.dot and causal masking. `tiles_ptr`
     holds the tiles' fields (row, length, position, table, plane) `tile_stride` apart; the
-    stride is the tile count, so it is not specialized (one compiled variant for all)."""
+    stride is the tile count, so it is not specialized (one compiled variant for all).
+    PERSISTENT: as in the row kernel, the tile count is read from `count_ptr`."""
     pdl_enter(USE_PDL)
-    tile = tl.program_id(0)
     head = tl.program_id(1)
+    if PERSISTENT:
+        for tile in range(tl.program_id(0), tl.load(count_ptr), tl.num_programs(0)):
+            _attend_tile(
+                tile,
+                head,
+                q_ptr,
+                k_cache_ptr,
+                v_cache_ptr,
+                out_ptr,
+                tiles_ptr,
+                tile_stride,
+                block_table_ptr,
+                block_table_stride,
+                slots_per_plane,
+                block_size,
+                scale,
+                NUM_HEADS,
+                NUM_KV_HEADS,
+                HEAD_DIM,
+                BLOCK_M,
+                BLOCK_N,
+                IEEE,
+            )
+    else:
+        _attend_tile(
+            tl.program_id(0),
+            head,
+            q_ptr,
+            k_cache_ptr,
+            v_cache_ptr,
+            out_ptr,
+            tiles_ptr,
+            tile_stride,
+            block_table_ptr,
+            block_table_stride,
+            slots_per_plane,
+            block_size,
+            scale,
+            NUM_HEADS,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            BLOCK_M,
+            BLOCK_N,
+            IEEE,
+        )
+
+
+@triton.jit
+def _attend_tile(
+    tile,
+    head,
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    out_ptr,
+    tiles_ptr,
+    tile_stride,
+    block_table_ptr,
+    block_table_stride,
+    slots_per_plane,
+    block_size,
+    scale,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    IEEE: tl.constexpr,
+):
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     row0 = tl.load(tiles_ptr + tile)
     count = tl.load(tiles_ptr + tile_stride + tile)

@@ -102,19 +102,23 @@ class DecodeGraphs:
         size, greedy, with_top, adjusted, speculating = key
         num_top = MAX_LOGPROBS if with_top else 0
         slots = self.slots[:size]
+        slots.fill_(self.runner.dummy_slot)  # padding rows only: no real slot's state moves
+        self.graphs[key] = capture(
+            lambda: self.runner.run_pass(slots, (), 0, greedy, num_top, adjusted, speculating)[0],
+            self.pool,
+        )
 
-        def step() -> torch.Tensor:
-            return self.runner.run_pass(slots, (), 0, greedy, num_top, adjusted, speculating)[0]
 
-        # Warm up on a side stream (compiles kernels, sets up cuBLAS) with padding rows only,
-        # so no real slot's state moves; capture records work without running it.
-        slots.fill_(self.runner.dummy_slot)
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            step()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with collection_paused(), torch.cuda.graph(graph, pool=self.pool):
-            output = step()
-        self.graphs[key] = (graph, output)
+def capture(step, pool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """(graph, output) of `step()` captured into `pool`. It runs once on a side stream first
+    (compiles kernels, sets up cuBLAS at these shapes), so its inputs must touch only padding
+    state; the capture itself records work without running it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with collection_paused(), torch.cuda.graph(graph, pool=pool):
+        output = step()
+    return graph, output

@@ -19,7 +19,12 @@ from vllm_rlt.core.contract import (
 from vllm_rlt.exit import ExitInputs, ExitPolicy
 from vllm_rlt.layers.penalties import apply_bad_words, apply_penalties
 from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
-from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
+from vllm_rlt.worker.pass_inputs import (
+    KVGeometry,
+    build_metadata,
+    decode_row_fields,
+    gather_rows,
+)
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
 
@@ -38,6 +43,15 @@ class PromptRows:
     start: int  # position of the first target
     top: int
     values: torch.Tensor
+
+
+@dataclass
+class Carried:
+    """A prompt chunk's state between two of its loops: `hidden` [chunk, hidden], and where
+    a captured mixed pass left it in its output buffer (None: an eager pass's tensor)."""
+
+    hidden: torch.Tensor
+    out_row: int | None = None
 
 
 @dataclass
@@ -128,11 +142,11 @@ class ModelRunner:
             geometry.table_planes,
         )
         self.dummy_slot = max_slots
-        self.prefill_hidden: dict[int, torch.Tensor] = {}  # slot -> [chunk, hidden]
+        self.prefill_hidden: dict[int, Carried] = {}  # slot -> its prompt chunk's state
         # Self-speculation: `max_slots` counts every lane (see worker/spec_lanes.py)
         self.lanes = lanes
         self.graphs = None  # set by the engine when CUDA graphs are enabled
-        self.pieces = None  # likewise: the layer stack's pieces, for passes with prefill rows
+        self.mixed = None  # likewise: the graphs of passes with prompt rows
         self.uploads = HostUploads(max_slots + 1, model.device)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -182,7 +196,6 @@ class ModelRunner:
         """Enqueue one pass and the copy of its results to the host; does not wait for it.
         Its new slots must have been admitted (`admit`) first."""
         st = self.state
-        self.apply_block_updates(out.block_updates)
         samplers = list(out.decode_slots) + [c.slot for c in out.prefill_chunks if c.samples]
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
         greedy = all(st.greedy[s] for s in samplers)
@@ -191,9 +204,13 @@ class ModelRunner:
         if speculating:
             self.uploads.upload([int(out.drafting)], out=self.lanes.drafting)
         prompt: list[PromptRows] = []
-        if self.graphs is not None and not out.prefill_chunks:
+        if self.mixed is not None and self.mixed.takes(out):
+            packed, samplers = self.mixed.run(out, greedy, num_top, adjusted, speculating)
+        elif self.graphs is not None and not out.prefill_chunks:
+            self.apply_block_updates(out.block_updates)
             packed = self.graphs.replay(out.decode_slots, greedy, num_top, adjusted, speculating)
         else:
+            self.apply_block_updates(out.block_updates)
             decode = self.uploads.upload(out.decode_slots)
             packed, prompt = self.run_pass(
                 decode, out.prefill_chunks, out.max_context, greedy, num_top, adjusted, speculating
@@ -282,7 +299,7 @@ class ModelRunner:
                 inputs.append(embedded[start:end])
                 start = end
             else:
-                inputs.append(self.prefill_hidden.pop(chunk.slot))
+                inputs.append(self.prefill_hidden.pop(chunk.slot).hidden)
         hidden = torch.cat(inputs) if len(inputs) > 1 else inputs[0]  # [rows, hidden]
         meta = build_metadata(
             rows,
@@ -294,13 +311,70 @@ class ModelRunner:
             self.ops.prefill_tile_rows(model.dtype),
             self.uploads.upload,
         )
-        if chunks and self.pieces is not None and self.pieces.fits(hidden.shape[0]):
-            hidden = self.pieces.core(hidden, meta)
-        else:
-            hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
+        hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
         prompt = self._prompt_rows(hidden, chunks, num_decode)
+        samplers = self.keep_carried(hidden, chunks, num_decode)
+        p_slots = p_rows = decode[:0]
+        if samplers:
+            p_slots, p_rows = self.uploads.upload(
+                [s for s, _ in samplers] + [r for _, r in samplers]
+            ).view(2, -1)
+        packed = self.finish(
+            hidden[:num_decode],
+            decode,
+            hidden[p_rows],
+            p_slots,
+            greedy,
+            num_top,
+            adjusted,
+            speculating,
+            d_loops,
+        )
+        return packed, prompt
 
-        d_hidden = hidden[:num_decode]
+    def keep_carried(
+        self,
+        hidden: torch.Tensor,
+        chunks: tuple[PrefillChunk, ...],
+        row: int,
+        in_buffer: bool = False,
+    ) -> list[tuple[int, int]]:
+        """Keep the state of each chunk that has loops to go (the next pass reads it: a
+        started chunk runs every pass until done); returns (slot, row) of each prompt row
+        that samples. `in_buffer`: `hidden` is a captured pass's output buffer."""
+        samplers = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            if chunk.samples:
+                samplers.append((chunk.slot, row + n - 1))
+            elif chunk.loop < (chunk.depth or self.num_loops) - 1:
+                self.prefill_hidden[chunk.slot] = Carried(
+                    hidden[row : row + n], row if in_buffer else None
+                )
+            row += n
+        return samplers
+
+    def finish(
+        self,
+        d_hidden: torch.Tensor,  # [decode rows, hidden]
+        decode: torch.Tensor,  # [decode rows] slots
+        p_hidden: torch.Tensor,  # [prompt samplers, hidden]
+        p_slots: torch.Tensor,  # [prompt samplers] slots (the dummy: padding)
+        greedy: bool,
+        num_top: int,
+        adjusted: bool,
+        speculating: bool,
+        d_loops: torch.Tensor | None = None,  # [decode rows] the loop each ran, if known
+    ) -> torch.Tensor:
+        """After the layer stack: the decode rows' exits, sampling where rows exit and on
+        the prompt rows that sample, the slot state scattered back, and the packed results
+        [decode rows + prompt samplers, PACKED_FIELDS + 2 * num_top]. Every shape depends
+        only on the row counts, so it is captured as it is."""
+        st = self.state
+        lanes = self.lanes if speculating else None
+        if d_loops is None:
+            d_loops = decode_row_fields(decode, st, self.geo, lanes).loops
+        num_decode = decode.shape[0]
         loops_done = d_loops + 1
         trace_index = (st.num_generated[decode] - 1).clamp(0, st.trace.shape[1] - 1)
         decision = self.exit_policy.decide(
@@ -329,22 +403,12 @@ class ModelRunner:
         # Rows that may sample: every decode row (kept only where it exits), and the last
         # position of each prompt that just finished its last loop.
         sample_hidden, sample_slots = d_hidden, decode
-        prefill_samplers, prefill_rows, row = [], [], num_decode
-        for chunk in chunks:
-            n = len(chunk.token_ids)
-            if chunk.samples:
-                prefill_samplers.append(chunk.slot)
-                prefill_rows.append(row + n - 1)
-            elif chunk.loop < (chunk.depth or self.num_loops) - 1:
-                self.prefill_hidden[chunk.slot] = hidden[row : row + n]
-            row += n
-        if prefill_samplers:
-            p_slots, p_rows = self.uploads.upload(prefill_samplers + prefill_rows).view(2, -1)
-            sample_hidden = torch.cat([d_hidden, hidden[p_rows]])
-            sample_slots = torch.cat([decode, p_slots])
         live = exited & (decode != self.dummy_slot)  # padding rows of a graph never count
-        if prefill_samplers:
-            live = torch.cat([exited, torch.ones_like(p_slots, dtype=torch.bool)])
+        prompt_samples = p_slots.shape[0] > 0
+        if prompt_samples:
+            sample_hidden = torch.cat([d_hidden, p_hidden])
+            sample_slots = torch.cat([decode, p_slots])
+            live = torch.cat([live, p_slots != self.dummy_slot])
         head = live  # rows that need the LM head
         if lanes is not None:
             head = live | torch.cat([drafting, torch.zeros_like(live[num_decode:])])
@@ -400,16 +464,16 @@ class ModelRunner:
                 probs,
             )
         depths, flags = loops_done, exited
-        if prefill_samplers:
+        if prompt_samples:
             st.token[p_slots] = tokens[num_decode:]
-            st.num_generated[p_slots] = 1
+            st.num_generated.index_fill_(0, p_slots, 1)  # no host copy inside a graph
             depths = torch.cat([depths, torch.full_like(p_slots, self.num_loops)])
             flags = torch.cat([flags, torch.ones_like(p_slots, dtype=torch.bool)])
         st.reset_dummy(self.dummy_slot)
         fields = torch.stack(
             [flags.float(), tokens.float(), depths.float(), chosen_lp, outcome, ahead], 1
         )
-        return torch.cat([fields, top_ids.float(), top_lp], dim=1), prompt
+        return torch.cat([fields, top_ids.float(), top_lp], dim=1)
 
     def _prompt_rows(
         self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
@@ -463,6 +527,8 @@ class ModelRunner:
     def _to_output(self, packed: list[list[float]], slots: list[int]) -> ModelRunnerOutput:
         sampled, continuing = [], []
         for slot, values in zip(slots, packed, strict=True):
+            if slot == self.dummy_slot:  # a padding row of a captured mixed pass
+                continue
             if not values[0]:
                 continuing.append(slot)
                 continue

@@ -60,25 +60,21 @@ class PassRows:
     write_hi: torch.Tensor  # [rows] one past the deepest plane a row writes
 
 
-def gather_rows(
-    decode: torch.Tensor,
-    chunks: tuple[PrefillChunk, ...],
-    state: SlotState,
-    geo: KVGeometry,
-    lanes: SpecLanes | None = None,
-    upload: Upload | None = None,
+def decode_row_fields(
+    decode: torch.Tensor, state: SlotState, geo: KVGeometry, lanes: SpecLanes | None
 ) -> PassRows:
-    """Decode rows [decode] read position and loop from slot state; prefill rows come from
-    the host, built per chunk (never per token) and sent in one `upload` (default: a plain
-    copy). With no chunks every op stays on the device (the CUDA-graph case). Speculation
-    lanes use their request's block table."""
-    table_slots, positions, d_loops = decode, state.position[decode], state.loop[decode]
+    """Decode rows [decode] read position and loop from slot state, on the device.
+    Speculation lanes use their request's block table; an idle lane reads the dummy."""
+    table_slots, positions, loops = decode, state.position[decode], state.loop[decode]
     if lanes is not None:
-        table_slots, positions, d_loops = lanes.idle_rows(decode, positions, d_loops)
-    d_hi = torch.full_like(d_loops, geo.planes) if geo.write_deeper_planes else d_loops + 1
-    rows = PassRows(geo.final_table_row(table_slots), positions, d_loops, d_hi)
-    if not chunks:
-        return rows
+        table_slots, positions, loops = lanes.idle_rows(decode, positions, loops)
+    write_hi = torch.full_like(loops, geo.planes) if geo.write_deeper_planes else loops + 1
+    return PassRows(geo.final_table_row(table_slots), positions, loops, write_hi)
+
+
+def prompt_row_fields(chunks: tuple[PrefillChunk, ...], geo: KVGeometry) -> torch.Tensor:
+    """[4, prompt rows] int64 on the host: table row, position, loop and write_hi of every
+    prompt row, built per chunk (never per token)."""
     # A prompt row writes its own plane; a replayed row also the deeper ones, as the
     # decode row it was did.
     deep = geo.write_deeper_planes
@@ -99,14 +95,30 @@ def gather_rows(
     spread = per_chunk.repeat_interleave(lengths, dim=0)  # [rows, 5]: each row its chunk's
     first_row = torch.cumsum(lengths, 0) - lengths  # of each chunk, among the prefill rows
     offset = torch.arange(spread.shape[0]) - first_row.repeat_interleave(lengths)
-    host = torch.stack([spread[:, 2], spread[:, 1] + offset, spread[:, 3], spread[:, 4]])
-    flat = host.flatten()
+    return torch.stack([spread[:, 2], spread[:, 1] + offset, spread[:, 3], spread[:, 4]])
+
+
+def gather_rows(
+    decode: torch.Tensor,
+    chunks: tuple[PrefillChunk, ...],
+    state: SlotState,
+    geo: KVGeometry,
+    lanes: SpecLanes | None = None,
+    upload: Upload | None = None,
+) -> PassRows:
+    """The decode rows (see `decode_row_fields`), then the prefill rows, sent from the host
+    in one `upload` (default: a plain copy). With no chunks every op stays on the device
+    (the CUDA-graph case)."""
+    rows = decode_row_fields(decode, state, geo, lanes)
+    if not chunks:
+        return rows
+    flat = prompt_row_fields(chunks, geo).flatten()
     host = (flat.to(decode.device) if upload is None else upload(flat)).view(4, -1)  # [4, rows]
     return PassRows(
         tables=torch.cat([rows.tables, host[0]]),
         positions=torch.cat([rows.positions, host[1]]),
-        loops=torch.cat([d_loops, host[2]]),
-        write_hi=torch.cat([d_hi, host[3]]),
+        loops=torch.cat([rows.loops, host[2]]),
+        write_hi=torch.cat([rows.write_hi, host[3]]),
     )
 
 
@@ -163,18 +175,26 @@ def _prefill_tiles(
     upload: Upload | None,
     device: torch.device,
 ) -> PrefillTiles:
+    table = prefill_tile_fields(chunks, first_row, geo, tile_rows).flatten()
+    return PrefillTiles((table.to(device) if upload is None else upload(table)).view(5, -1))
+
+
+def prefill_tile_fields(
+    chunks: tuple[PrefillChunk, ...], first_row: int, geo: KVGeometry, tile_rows: int
+) -> torch.Tensor:
+    """[5, tiles] int64 on the host (see `PrefillTiles`): the chunks, whose rows start at
+    `first_row` of the pass, cut into tiles of up to `tile_rows` rows."""
     fields: list[tuple[int, int, int, int, int]] = []
     row = first_row
     for chunk in chunks:
         n = len(chunk.token_ids)
         plane = 0 if geo.planes == 1 else chunk.loop
+        table = _chunk_table_row(chunk, geo)
         for offset in range(0, n, tile_rows):
             length = min(tile_rows, n - offset)
-            table = _chunk_table_row(chunk, geo)
             fields.append((row + offset, length, chunk.start + offset, table, plane))
         row += n
-    table = torch.tensor(fields, dtype=torch.int64).T.flatten()
-    return PrefillTiles((table.to(device) if upload is None else upload(table)).view(5, -1))
+    return torch.tensor(fields, dtype=torch.int64).reshape(-1, 5).T
 
 
 def _segments(

@@ -1,0 +1,315 @@
+"""CUDA graphs of passes with prompt rows: one upload, two replays, one read-back.
+
+Under steady load nearly every pass carries prompt rows (each admitted request's prompt
+runs one loop per pass), and such a pass changes shape every time: how many decode rows,
+which chunks at which loops and positions, how many attention tiles. Launched eagerly, its
+few hundred kernels bind the host. Here a pass of up to MAX_MIXED_ROWS rows is padded to a
+captured size and described entirely by one int64 buffer on the device, filled from the
+host in one copy:
+- per row: a decode row's slot (the dummy slot elsewhere), a prompt row's table row,
+  position, loop, write bound, input token and the row of `out` holding its carried state;
+- the prompt rows cut into attention tiles, and the counts [decode rows, tiles], which the
+  attention kernels read on the device with a grid bounded by the padded size;
+- the prompt rows that sample, and the pass's block-table updates.
+
+Two graphs run it. The stack graph of the padded row count gathers the row inputs, applies
+the block updates, builds the metadata and runs one loop of the layer stack with attention
+inside, into `out`. The head graph of the padded decode-row count then runs what a decode
+graph runs after the stack (exits, sampling, the slot-state scatter, the packed result) on
+`out`'s decode rows plus PROMPT_SAMPLERS prompt rows.
+
+A chunk with loops to go leaves its state in `out`. The next pass reads it there before it
+overwrites `out`: a started chunk runs every pass until done, so no other pass comes
+between. Padding rows read and write only the dummy block, and their results are dropped.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+from tqdm import tqdm
+
+from vllm_rlt.attention.metadata import DeviceCounts, PrefillTiles
+from vllm_rlt.core.contract import SchedulerOutput
+from vllm_rlt.sampling_params import MAX_LOGPROBS
+from vllm_rlt.worker.cuda_graphs import capture, graph_batch_sizes
+from vllm_rlt.worker.pass_inputs import (
+    PassRows,
+    build_metadata,
+    decode_row_fields,
+    prefill_tile_fields,
+    prompt_row_fields,
+)
+
+# Passes with more rows run eagerly: their launches are a small part of their device time.
+MAX_MIXED_ROWS = 4096
+# Prompt rows a captured pass may sample (the head graph's fixed share of them).
+PROMPT_SAMPLERS = 32
+# Programs per head of the row attention kernel: each takes every ROW_PROGRAMS-th row.
+ROW_PROGRAMS = 128
+# Tile programs beyond one per BLOCK_M padded rows (a chunk's last tile may be partial).
+EXTRA_TILE_PROGRAMS = 8
+# Per-row fields of a prompt row in the input buffer, in order.
+ROW_FIELDS = ("table", "position", "loop", "write_hi", "token", "carry")
+# Pinned host buffers in turn: one is reused only after later passes were collected.
+HOST_BUFFERS = 4
+
+
+def mixed_sizes(max_rows: int) -> list[int]:
+    """Padded row counts for passes of up to `max_rows` rows (capped at MAX_MIXED_ROWS):
+    8, then steps of 8 to 64, of 32 to 256, of 128 to 1024, of 512 beyond (a refilled
+    wave's prompts arrive together: 64 prompts of 64 tokens are 4096 rows a loop)."""
+    cap = min(max_rows, MAX_MIXED_ROWS)
+    sizes, size = [], 8
+    while size < cap:
+        sizes.append(size)
+        size += 8 if size < 64 else 32 if size < 256 else 128 if size < 1024 else 512
+    sizes.append(cap)
+    return sizes
+
+
+def buffer_bytes(config, dtype: torch.dtype, rows: int) -> int:
+    """Device bytes `MixedGraphs` keeps for passes of up to `rows` rows (the output rows;
+    the int64 input buffer is a few kilobytes more)."""
+    return rows * config.hidden_size * torch.empty((), dtype=dtype).element_size()
+
+
+class _Layout:
+    """The flat int64 input buffer: a fixed part the head graphs read ([decode rows, tiles]
+    counts, the prompt samplers' slots and rows, the decode rows' slots), then the part of
+    a stack of `rows` rows, laid out for that size, so a pass uploads only its own prefix."""
+
+    def __init__(self, decode_rows: int, samplers: int, rows: int) -> None:
+        self.decode_rows, self.samplers, self.rows = decode_rows, samplers, rows
+        self.updates = rows + decode_rows  # a block per decode row, a few per prompt chunk
+        fixed = 2 + 2 * samplers + decode_rows
+        self.base = fixed + fixed % 2  # 16-byte aligned: one Triton variant for every size
+        self.total = self.base + (len(ROW_FIELDS) + 5) * rows + 3 * self.updates
+
+    def views(self, flat: torch.Tensor) -> dict[str, torch.Tensor]:
+        c, r = self.samplers, self.rows
+        views = {
+            "counts": flat[:2],
+            "p_slots": flat[2 : 2 + c],
+            "p_rows": flat[2 + c : 2 + 2 * c],
+            "decode_slots": flat[2 + 2 * c : 2 + 2 * c + self.decode_rows],
+        }
+        start = self.base
+        for name in ROW_FIELDS:
+            views[name] = flat[start : start + r]
+            start += r
+        views["tiles"] = flat[start : start + 5 * r].view(5, r)  # never more tiles than rows
+        start += 5 * r
+        views["block_updates"] = flat[start : start + 3 * self.updates].view(3, self.updates)
+        return views
+
+
+class MixedGraphs:
+    """Runs passes with prompt rows as a stack graph and a head graph (module docstring).
+    `capture_all` records every stack size and the common head variants up front; heads
+    with top logprobs or logit adjustments are captured on first use."""
+
+    def __init__(self, runner, pool, sizes: list[int]) -> None:
+        self.runner = runner
+        self.pool = pool
+        self.sizes = sizes
+        self.head_sizes = graph_batch_sizes(runner.dummy_slot)
+        model, geo, dummy = runner.model, runner.geo, runner.dummy_slot
+        largest = sizes[-1]
+        self.layouts = {size: _Layout(dummy, PROMPT_SAMPLERS, size) for size in sizes}
+        # What a row, tile or update holds when nothing is there: the dummy slot, its
+        # table row and its block, position 0, loop 0.
+        dummy_row = geo.final_table_row(dummy)
+        self.templates = {}
+        for size, layout in self.layouts.items():
+            template = torch.zeros(layout.total, dtype=torch.int64)
+            fields = layout.views(template)
+            for name in ("p_slots", "decode_slots"):
+                fields[name].fill_(dummy)
+            fields["table"].fill_(dummy_row)
+            fields["write_hi"].fill_(1)
+            fields["block_updates"][0].fill_(dummy_row)
+            fields["block_updates"][2].fill_(geo.num_blocks)
+            self.templates[size] = template
+        total = self.layouts[largest].total
+        pinned = model.device.type == "cuda"
+        self.host = [
+            torch.zeros(total, dtype=torch.int64, pin_memory=pinned) for _ in range(HOST_BUFFERS)
+        ]
+        self.next_host = 0
+        self.input = self.templates[largest].to(model.device, copy=True)
+        self.out = torch.zeros(
+            largest, model.config.hidden_size, dtype=model.dtype, device=model.device
+        )
+        self.row_index = torch.arange(largest, device=model.device)
+        self.tile_rows = runner.ops.prefill_tile_rows(model.dtype)
+        self.stacks: dict[int, torch.cuda.CUDAGraph] = {}
+        # (decode rows, greedy, with top logprobs, with logit adjustments, with speculation
+        # lanes) -> graph, packed output
+        self.heads: dict[
+            tuple[int, bool, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]
+        ] = {}
+        self.num_replays = 0  # passes served, for tests
+
+    def takes(self, out: SchedulerOutput) -> bool:
+        """Whether this pass fits: prompt rows, at most the largest size, at most
+        PROMPT_SAMPLERS sampling chunks, and no prompt logprobs (those run eagerly)."""
+        chunks = out.prefill_chunks
+        return (
+            bool(chunks)
+            and out.num_rows <= self.sizes[-1]
+            and sum(c.samples for c in chunks) <= PROMPT_SAMPLERS
+            and not any(c.prompt_targets for c in chunks)
+        )
+
+    def capture_all(self) -> None:
+        """Capture every stack size (largest first, so the smaller ones reuse its memory)
+        and the greedy and sampled heads of every decode size; with speculation, the heads
+        with lanes too."""
+        lanes = (False, True) if self.runner.lanes is not None else (False,)
+        heads = [
+            (size, greedy, False, False, speculating)
+            for size in reversed(self.head_sizes)
+            for greedy in (True, False)
+            for speculating in lanes
+        ]
+        for size in tqdm(
+            list(reversed(self.sizes)),
+            desc="capturing prompt-pass stacks",
+            unit="graph",
+            file=sys.stderr,
+        ):
+            self.stacks[size] = capture(lambda size=size: self._stack(size), self.pool)[0]
+        for key in tqdm(heads, desc="capturing prompt-pass heads", unit="graph", file=sys.stderr):
+            self._capture_head(key)
+
+    def _capture_head(self, key: tuple[int, bool, bool, bool, bool]) -> None:
+        self.heads[key] = capture(lambda: self._head(*key), self.pool)
+
+    def _stack(self, size: int) -> None:
+        """Row inputs, block updates, metadata and one loop of the stack, into `out`."""
+        runner, f = self.runner, self.layouts[size].views(self.input)
+        st, geo, model = runner.state, runner.geo, runner.model
+        updates = f["block_updates"]
+        st.block_table[updates[0], updates[1]] = updates[2]
+        index = self.row_index[:size]
+        is_decode = index < f["counts"][0]
+        decode_slots = f["decode_slots"]
+        slots = torch.where(
+            is_decode, decode_slots[index.clamp(max=decode_slots.shape[0] - 1)], runner.dummy_slot
+        )
+        decode = decode_row_fields(slots, st, geo, runner.lanes)
+        rows = PassRows(
+            tables=torch.where(is_decode, decode.tables, f["table"]),
+            positions=torch.where(is_decode, decode.positions, f["position"]),
+            loops=torch.where(is_decode, decode.loops, f["loop"]),
+            write_hi=torch.where(is_decode, decode.write_hi, f["write_hi"]),
+        )
+        tokens = torch.where(is_decode, st.token[slots], f["token"])
+        carried = torch.where(is_decode.unsqueeze(1), st.hidden[slots], self.out[f["carry"]])
+        hidden = torch.where((rows.loops == 0).unsqueeze(1), model.prelude(tokens), carried)
+        meta = build_metadata(rows, (), st, geo, 0, with_segments=False)
+        meta.prefill_tiles = PrefillTiles(f["tiles"])
+        meta.device_counts = DeviceCounts(
+            f["counts"],
+            row_programs=min(size, ROW_PROGRAMS),
+            tile_programs=-(-size // self.tile_rows) + EXTRA_TILE_PROGRAMS,
+        )
+        self.out[:size].copy_(
+            model.core(hidden, meta, runner.k_caches, runner.v_caches, runner.ops)
+        )
+
+    def _head(self, size: int, greedy: bool, with_top: bool, adjusted: bool, speculating: bool):
+        """What follows the stack for `size` decode rows and the prompt samplers."""
+        f = self.layouts[self.sizes[-1]].views(self.input)  # the fixed part: any size's
+        return self.runner.finish(
+            self.out[:size],
+            f["decode_slots"][:size],
+            self.out[f["p_rows"]],
+            f["p_slots"],
+            greedy,
+            MAX_LOGPROBS if with_top else 0,
+            adjusted,
+            speculating,
+        )
+
+    def run(
+        self, out: SchedulerOutput, greedy: bool, num_top: int, adjusted: bool, speculating: bool
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Enqueue the pass; returns the packed results and the slot of each packed row
+        (the dummy slot for padding rows)."""
+        runner = self.runner
+        chunks, decode_slots = out.prefill_chunks, out.decode_slots
+        num_decode, num_rows = len(decode_slots), out.num_rows
+        size = next(s for s in self.sizes if s >= num_rows)
+        head_size = next(s for s in self.head_sizes if s >= max(num_decode, 1))
+        layout = self.layouts[size]
+        host = self.host[self.next_host][: layout.total]
+        self.next_host = (self.next_host + 1) % len(self.host)
+        host.copy_(self.templates[size])
+        f = layout.views(host)
+        if num_decode:
+            f["decode_slots"][:num_decode] = torch.tensor(decode_slots, dtype=torch.int64)
+        for name, values in zip(
+            ("table", "position", "loop", "write_hi"),
+            prompt_row_fields(chunks, runner.geo),
+            strict=True,
+        ):
+            f[name][num_decode:num_rows] = values
+        tokens, carry = self._inputs(chunks)
+        f["token"][num_decode:num_rows] = torch.tensor(tokens, dtype=torch.int64)
+        f["carry"][num_decode:num_rows] = torch.tensor(carry, dtype=torch.int64)
+        tiles = prefill_tile_fields(chunks, num_decode, runner.geo, self.tile_rows)
+        f["tiles"][:, : tiles.shape[1]] = tiles
+        f["counts"][0], f["counts"][1] = num_decode, tiles.shape[1]
+        updates = out.block_updates
+        if len(updates) <= layout.updates:
+            if updates:
+                f["block_updates"][:, : len(updates)] = torch.tensor(updates, dtype=torch.int64).T
+        else:
+            runner.apply_block_updates(updates)
+        samplers = runner.keep_carried(self.out, chunks, num_decode, in_buffer=True)
+        for i, (slot, row) in enumerate(samplers):
+            f["p_slots"][i], f["p_rows"][i] = slot, row
+        key = (head_size, greedy, num_top > 0, adjusted, speculating)
+        if key not in self.heads:
+            # The capture runs the head once first: on padding rows only, not this pass's.
+            self.input.copy_(self.templates[self.sizes[-1]])
+            self._capture_head(key)
+        self.input[: layout.total].copy_(host, non_blocking=True)
+        self.stacks[size].replay()
+        graph, packed = self.heads[key]
+        graph.replay()
+        self.num_replays += 1
+        dummy = runner.dummy_slot
+        slots = list(decode_slots) + [dummy] * (head_size - num_decode)
+        slots += [slot for slot, _ in samplers] + [dummy] * (PROMPT_SAMPLERS - len(samplers))
+        return packed, slots
+
+    def _inputs(self, chunks) -> tuple[list[int], list[int]]:
+        """Per prompt row: its input token (loop 0) and the row of `out` holding its state
+        (later loops). State an eager pass left is staged into `out` first, past the rows a
+        captured pass left there."""
+        runner = self.runner
+        carried = {c.slot: runner.prefill_hidden.pop(c.slot) for c in chunks if c.loop > 0}
+        free_row = max(
+            (c.out_row + c.hidden.shape[0] for c in carried.values() if c.out_row is not None),
+            default=0,
+        )
+        tokens: list[int] = []
+        carry: list[int] = []
+        for chunk in chunks:
+            n = len(chunk.token_ids)
+            if chunk.loop == 0:
+                tokens += chunk.token_ids
+                carry += [0] * n
+                continue
+            state = carried[chunk.slot]
+            row = state.out_row
+            if row is None:
+                row, free_row = free_row, free_row + n
+                self.out[row : row + n].copy_(state.hidden)
+            tokens += [0] * n
+            carry += range(row, row + n)
+        return tokens, carry
