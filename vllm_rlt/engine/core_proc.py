@@ -226,7 +226,7 @@ class CoreLoop:
         except Exception as exc:  # noqa: BLE001 - answered; the core serves on
             logger.exception("control call %r failed", name)
             return {"error": f"{name} failed: {type(exc).__name__}: {exc}"}
-        return {"is_sleeping": engine.sleeping is not None}
+        return {"is_sleeping": engine.is_sleeping}
 
 
 def engine_info(engine: EngineCore, model_name: str) -> EngineInfo:

@@ -16,8 +16,8 @@ from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.request_checks import RequestChecker, check_allowed_tokens
-from vllm_rlt.engine.request_group import RequestGroup
-from vllm_rlt.engine.trainer_hooks import SLEEP_LEVELS, EngineSleep, copy_weights_in_place
+from vllm_rlt.engine.request_group import RequestGroup, completion_ids
+from vllm_rlt.engine.trainer_hooks import TrainerHooks
 from vllm_rlt.parallel.tensor_parallel import mirrored
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -75,9 +75,9 @@ class EngineCore:
         self._seeds = random.Random(execution_config.seed)
         self.num_passes = 0
         self.num_rows_total = 0  # rows over all passes, for the rows-per-pass metric
-        self.cuda_graphs = execution_config.cuda_graphs
-        self.sleeping: EngineSleep | None = None
-        self.weights_unset = False  # after sleep(level=2), until load_weights
+        self.hooks = TrainerHooks(
+            runner, execution_config.cuda_graphs, scheduler.config.max_num_batched_tokens
+        )
 
     # ----------------------------------------------------------------- requests
     @mirrored
@@ -89,17 +89,9 @@ class EngineCore:
     ) -> None:
         """Validate and queue a request; any error leaves the engine untouched."""
         request_id = str(request_id)
-        require(self.sleeping is None, "the engine is sleeping: wake it up first", "request")
-        require(
-            not self.weights_unset,
-            "the engine slept at level 2 and has no weights: load them with load_weights",
-            "request",
-        )
+        self.hooks.check_serving()
         require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
-        child_ids = (
-            [request_id] if params.n == 1 else [f"{request_id}#{i}" for i in range(params.n)]
-        )
-        for used in [request_id, *child_ids]:
+        for used in [request_id, *completion_ids(request_id, params.n)]:
             require(
                 used not in self.groups and used not in self._group_of,
                 f"request_id {request_id!r} is already in use"
@@ -112,32 +104,20 @@ class EngineCore:
         threshold = params.exit_threshold
         if threshold is None:
             threshold = self.model.config.early_exit_threshold
-        now = time.monotonic()
-        children = []
-        for index, child_id in enumerate(child_ids):
-            if params.seed is None:
-                seed = self._seeds.getrandbits(63)
-            else:
-                seed = (params.seed + index) % 2**63
-            children.append(
-                Request(
-                    request_id=child_id,
-                    prompt_token_ids=list(prompt_token_ids),
-                    params=params,
-                    min_loops=min_loops,
-                    max_loops=max_loops,
-                    exit_threshold=float(threshold),
-                    seed=seed,
-                    prompt_logprobs=params.prompt_logprobs if index == 0 else None,
-                    decode_depths=decode_depths,
-                    eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-                    stop_token_ids=frozenset(params.stop_token_ids),
-                    arrival_time=now,
-                    speculates=self._speculates(params, max_loops),
-                )
-            )
-        self.groups[request_id] = RequestGroup(request_id, list(prompt_token_ids), children)
-        for child in children:
+        group = RequestGroup.start(
+            request_id,
+            prompt_token_ids,
+            params,
+            self._seeds,
+            min_loops=min_loops,
+            max_loops=max_loops,
+            exit_threshold=float(threshold),
+            decode_depths=decode_depths,
+            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
+            speculates=self._speculates(params, max_loops),
+        )
+        self.groups[request_id] = group
+        for child in group.children:
             self._group_of[child.request_id] = request_id
             self.scheduler.add_request(child)
 
@@ -162,12 +142,7 @@ class EngineCore:
         group = self.groups.get(str(request_id))
         if group is None:
             return None
-        for position, child in enumerate(group.children):
-            if index is not None and position != index:
-                continue
-            if not child.is_finished:
-                self.scheduler.finish(child, "abort")
-                group.finish_reasons[position] = "abort"
+        group.end(self.scheduler, "abort", index)
         self._drain_if_idle()
         return self._delta(group)
 
@@ -237,10 +212,8 @@ class EngineCore:
                 if request.first_token_time is None:
                     request.first_token_time = now
                 group = self.groups[self._group_of[request.request_id]]
-                reason = request.stop_reason
-                if reason is not None:
-                    self.scheduler.finish(request, reason)
-                    group.finish_reasons[group.children.index(request)] = reason
+                if request.stop_reason is not None:
+                    group.end(self.scheduler, request.stop_reason, group.children.index(request))
                 progressed[group.request_id] = group
         self._drain_if_idle()
         return list(progressed.values())
@@ -271,10 +244,7 @@ class EngineCore:
             group.request_id,
             exc_info=(type(error), error, error.__traceback__),
         )
-        for index, child in enumerate(group.children):
-            if not child.is_finished:
-                self.scheduler.finish(child, "abort")
-                group.finish_reasons[index] = "abort"
+        group.end(self.scheduler, "abort")
         group.error = f"{type(error).__name__}: {error}"
         return group
 
@@ -310,63 +280,37 @@ class EngineCore:
         wrong name or shape, nothing copied). The prefix cache is reset: its K/V came from
         the old weights. A tied model ignores lm_head.weight, as vLLM does."""
         require(self.mirror is None, "load_weights with tensor_parallel_size > 1 is not supported")
-        require(
-            not self.has_unfinished,
-            "load_weights needs an idle engine: let running requests finish or abort them",
-        )
-        require(self.sleeping is None, "the engine is sleeping: wake it up first", "weights")
-        copy_weights_in_place(self.model, weights, every_tensor=self.weights_unset)
-        self.weights_unset = False
+        self._require_idle("load_weights", "weights")
+        self.hooks.load_weights(weights)
         self.kv.reset_prefix_cache()
 
     @mirrored
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (engine/trainer_hooks.py): level 1 frees the KV pool and moves the
         weights to host memory, level 2 frees both. Only an idle engine sleeps."""
-        require(level in SLEEP_LEVELS, f"level must be 1 or 2, got {level!r}", "level")
-        require(
-            level == 1 or self.mirror is None,
-            "sleep(level=2) with tensor_parallel_size > 1 is not supported (load_weights is "
-            "not, to bring the weights back)",
-            "level",
-        )
-        require(self.sleeping is None, "the engine is sleeping already", "level")
-        require(
-            not self.has_unfinished,
-            "sleep needs an idle engine: let running requests finish or abort them",
-            "level",
-        )
-        self.kv.reset_prefix_cache()  # the cached blocks' K/V goes with the pool
-        self.sleeping = EngineSleep(self.runner, level)
-        self.weights_unset = self.weights_unset or level == 2
+        self._require_idle("sleep", "level")
+        self.hooks.sleep(level, tensor_parallel=self.mirror is not None)
+        self.kv.reset_prefix_cache()  # the cached blocks' K/V went with the pool
 
     @mirrored
     def wake_up(self) -> None:
         """Take the memory back: the weights as they were (after level 1), the KV pool
         empty, the CUDA graphs captured again. A no-op when awake."""
-        if self.sleeping is None:
-            return
-        self.sleeping.wake_up(
-            self.runner, self.cuda_graphs, self.scheduler.config.max_num_batched_tokens
+        self.hooks.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.hooks.sleeping is not None
+
+    def _require_idle(self, hook: str, field: str) -> None:
+        require(
+            not self.has_unfinished,
+            f"{hook} needs an idle engine: let running requests finish or abort them",
+            field,
         )
-        self.sleeping = None
 
     def stats(self) -> EngineStats:
-        return EngineStats(
-            num_running=len(self.scheduler.running),
-            num_waiting=len(self.scheduler.waiting),
-            num_free_blocks=self.kv.num_free_blocks,
-            num_blocks=self.kv.num_blocks,
-            num_passes=self.num_passes,
-            num_rows=self.num_rows_total,
-            num_preemptions=self.scheduler.num_preemptions,
-            prefix_cache_queries=self.scheduler.prefix_queries,
-            prefix_cache_hits=self.scheduler.prefix_hits,
-            spec_num_drafts=self.scheduler.num_drafted,
-            spec_num_draft_tokens=self.scheduler.num_drafted,
-            spec_num_accepted_tokens=self.scheduler.num_accepted,
-            spec_accepted_per_position=list(self.scheduler.accepted_at),
-        )
+        return EngineStats.of(self.scheduler, self.num_passes, self.num_rows_total)
 
     def all_blocks_free(self) -> bool:
         return self.kv.all_free() and not self.scheduler.running and self._in_flight is None

@@ -133,7 +133,7 @@ class LLM:
         self.engine.wake_up()
 
     def is_sleeping(self) -> bool:
-        return self.engine.sleeping is not None
+        return self.engine.is_sleeping
 
     def reset_prefix_cache(self) -> bool:
         """Forget the cached prompt blocks (as after new weights); False while requests run."""

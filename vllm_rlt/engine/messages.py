@@ -123,6 +123,25 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []  # accepted drafts made i + 1 ahead
 
+    @classmethod
+    def of(cls, scheduler, num_passes: int, num_rows: int) -> EngineStats:
+        """The counters of an engine core with this scheduler."""
+        return cls(
+            num_running=len(scheduler.running),
+            num_waiting=len(scheduler.waiting),
+            num_free_blocks=scheduler.kv.num_free_blocks,
+            num_blocks=scheduler.kv.num_blocks,
+            num_passes=num_passes,
+            num_rows=num_rows,
+            num_preemptions=scheduler.num_preemptions,
+            prefix_cache_queries=scheduler.prefix_queries,
+            prefix_cache_hits=scheduler.prefix_hits,
+            spec_num_drafts=scheduler.num_drafted,
+            spec_num_draft_tokens=scheduler.num_drafted,
+            spec_num_accepted_tokens=scheduler.num_accepted,
+            spec_accepted_per_position=list(scheduler.accepted_at),
+        )
+
 
 class CoreStats(EngineStats):
     """A core's answer to the "stats" control call: its engine's counters and what only the

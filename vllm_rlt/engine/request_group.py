@@ -3,11 +3,19 @@ and each step reports what changed since the last one (`delta`)."""
 
 from __future__ import annotations
 
+import random
+import time
 from dataclasses import dataclass, field
 
 from vllm_rlt.core.request import Request
 from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
 from vllm_rlt.outputs import prompt_logprob_entries
+from vllm_rlt.sampling_params import SamplingParams
+
+
+def completion_ids(request_id: str, n: int) -> list[str]:
+    """The engine request ids of a user request's n completions."""
+    return [request_id] if n == 1 else [f"{request_id}#{i}" for i in range(n)]
 
 
 @dataclass
@@ -23,12 +31,50 @@ class RequestGroup:
     finish_sent: set[int] = field(default_factory=set)  # completions whose end was sent
     prompt_logprobs_sent: bool = False
 
+    @classmethod
+    def start(
+        cls,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        seeds: random.Random,
+        **settings,
+    ) -> RequestGroup:
+        """The group of a checked request: one engine request per completion with the
+        request's `settings` (loop bounds, threshold, EOS, speculation), each its own seed
+        (params.seed + index, or a draw from `seeds`); only the first computes prompt
+        logprobs."""
+        now = time.monotonic()
+        children = [
+            Request(
+                request_id=child_id,
+                prompt_token_ids=list(prompt_token_ids),
+                params=params,
+                seed=seeds.getrandbits(63)
+                if params.seed is None
+                else (params.seed + index) % 2**63,
+                prompt_logprobs=params.prompt_logprobs if index == 0 else None,
+                stop_token_ids=frozenset(params.stop_token_ids),
+                arrival_time=now,
+                **settings,
+            )
+            for index, child_id in enumerate(completion_ids(request_id, params.n))
+        ]
+        return cls(request_id, list(prompt_token_ids), children)
+
     def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
         """From the first completion, which alone computes them (see Request)."""
         first = self.children[0]
         if first.prompt_logprobs is None:
             return None
         return prompt_logprob_entries(self.prompt_token_ids, first.prompt_logprob_values)
+
+    def end(self, scheduler, reason: str, index: int | None = None) -> None:
+        """End completion `index` (None: every one) that still runs, with `reason`."""
+        for position, child in enumerate(self.children):
+            if (index is None or position == index) and not child.is_finished:
+                scheduler.finish(child, reason)
+                self.finish_reasons[position] = reason
 
     @property
     def all_ended(self) -> bool:

@@ -105,3 +105,47 @@ class EngineSleep:
                     tensor.copy_(saved)
         self.saved = None
         prepare_device(runner, runner.ops, cuda_graphs, max_num_batched_tokens)
+
+
+class TrainerHooks:
+    """An engine core's side of the hooks: whether it sleeps (and what it gave back), and
+    whether it has weights (none after a level-2 sleep until `load_weights`). Each hook
+    needs an idle engine; the core checks that and mirrors the call to tensor-parallel
+    ranks (engine/engine_core.py)."""
+
+    def __init__(self, runner: ModelRunner, cuda_graphs: bool, max_num_batched_tokens: int) -> None:
+        self.runner = runner
+        self.cuda_graphs, self.max_num_batched_tokens = cuda_graphs, max_num_batched_tokens
+        self.sleeping: EngineSleep | None = None
+        self.weights_unset = False
+
+    def check_serving(self) -> None:
+        """A request may come: the engine is awake and has weights."""
+        require(self.sleeping is None, "the engine is sleeping: wake it up first", "request")
+        require(
+            not self.weights_unset,
+            "the engine slept at level 2 and has no weights: load them with load_weights",
+            "request",
+        )
+
+    def load_weights(self, weights) -> None:
+        require(self.sleeping is None, "the engine is sleeping: wake it up first", "weights")
+        copy_weights_in_place(self.runner.model, weights, every_tensor=self.weights_unset)
+        self.weights_unset = False
+
+    def sleep(self, level: int, tensor_parallel: bool) -> None:
+        require(level in SLEEP_LEVELS, f"level must be 1 or 2, got {level!r}", "level")
+        require(
+            level == 1 or not tensor_parallel,
+            "sleep(level=2) with tensor_parallel_size > 1 is not supported (load_weights is "
+            "not, to bring the weights back)",
+            "level",
+        )
+        require(self.sleeping is None, "the engine is sleeping already", "level")
+        self.sleeping = EngineSleep(self.runner, level)
+        self.weights_unset = self.weights_unset or level == 2
+
+    def wake_up(self) -> None:
+        if self.sleeping is not None:
+            self.sleeping.wake_up(self.runner, self.cuda_graphs, self.max_num_batched_tokens)
+            self.sleeping = None
