@@ -61,10 +61,8 @@ class TorchOps:
         meta: AttentionMetadata,
         rotary: RotaryEmbedding,
         scale: float,
-        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """RoPE, write K/V into the planes each row owns, attend; returns [rows, heads * dim]
-        (in `out` when given)."""
+        """RoPE, write K/V into the planes each row owns, attend; returns [rows, heads * dim]."""
         rows = qkv.shape[0]
         head_dim = k_cache.shape[-1]
         q, k, v = qkv.split(
@@ -76,8 +74,7 @@ class TorchOps:
         write = meta.write_index()  # [planes, rows], plane-major like the repeat below
         k_cache.index_copy_(0, write.reshape(-1), k.repeat(meta.planes, 1, 1))
         v_cache.index_copy_(0, write.reshape(-1), v.repeat(meta.planes, 1, 1))
-        result = _segment_attention(q, k_cache, v_cache, meta, scale).reshape(rows, -1)
-        return result if out is None else out.copy_(result)
+        return _segment_attention(q, k_cache, v_cache, meta, scale).reshape(rows, -1)
 
 
 def _segment_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):

@@ -201,12 +201,14 @@ class TritonOps:
         meta: AttentionMetadata,
         rotary: RotaryEmbedding,
         scale: float,
-        out: torch.Tensor | None = None,  # [rows, heads * head_dim], contiguous
     ) -> torch.Tensor:
         rows = qkv.shape[0]
         head_dim = k_cache.shape[-1]
         q = qkv.new_empty(rows, num_heads, head_dim)
-        out = torch.empty_like(q) if out is None else out.view(rows, num_heads, head_dim)
+        # A captured pass's padding rows are in no tile and past the decode rows: zeros keep
+        # them finite, and so the K/V they write to the dummy block.
+        padded = meta.device_counts is not None
+        out = torch.zeros_like(q) if padded else torch.empty_like(q)
         if rows == 0:
             return out.reshape(rows, -1)
         _rope_write_kernel[(rows, num_heads + num_kv_heads)](

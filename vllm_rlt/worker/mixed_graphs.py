@@ -70,9 +70,11 @@ def mixed_sizes(max_rows: int) -> list[int]:
 
 
 def buffer_bytes(config, dtype: torch.dtype, rows: int) -> int:
-    """Device bytes `MixedGraphs` keeps for passes of up to `rows` rows (the output rows;
-    the int64 input buffer is a few kilobytes more)."""
-    return rows * config.hidden_size * torch.empty((), dtype=dtype).element_size()
+    """Device bytes `MixedGraphs` keeps for passes of up to `rows` rows beyond what a pass
+    of that size allocates: the output rows and the int64 input buffer, and a margin of two
+    [rows, hidden] tensors the stack graph holds beside the layer stack (gathered inputs)."""
+    hidden = rows * config.hidden_size * torch.empty((), dtype=dtype).element_size()
+    return 3 * hidden + 8 * (len(ROW_FIELDS) + 8) * rows
 
 
 class _Layout:
@@ -114,9 +116,11 @@ class MixedGraphs:
         self.runner = runner
         self.pool = pool
         self.sizes = sizes
-        self.head_sizes = graph_batch_sizes(runner.dummy_slot)
         model, geo, dummy = runner.model, runner.geo, runner.dummy_slot
         largest = sizes[-1]
+        # A pass has no more decode rows than rows (takes), nor than slots.
+        cap = min(largest, dummy)
+        self.head_sizes = [s for s in graph_batch_sizes(dummy) if s < cap] + [cap]
         self.layouts = {size: _Layout(dummy, PROMPT_SAMPLERS, size) for size in sizes}
         # What a row, tile or update holds when nothing is there: the dummy slot, its
         # table row and its block, position 0, loop 0.
@@ -180,7 +184,10 @@ class MixedGraphs:
             unit="graph",
             file=sys.stderr,
         ):
+            # The capture runs the stack once first: on padding in this size's layout.
+            self.input[: self.layouts[size].total].copy_(self.templates[size])
             self.stacks[size] = capture(lambda size=size: self._stack(size), self.pool)[0]
+        self.input.copy_(self.templates[self.sizes[-1]])
         for key in tqdm(heads, desc="capturing prompt-pass heads", unit="graph", file=sys.stderr):
             self._capture_head(key)
 
