@@ -154,7 +154,10 @@ def test_graphs_equal_eager_with_sampling(toy_config, toy_state, dtype, layout):
             for token, got, want in zip(tokens, logprobs, want_logprobs, strict=True):
                 # Near-tied alternatives may swap places, so compare the values in order.
                 assert got[token] == pytest.approx(want[token], abs=tolerance)
-                assert sorted(got.values()) == pytest.approx(sorted(want.values()), abs=tolerance)
+                # The top 3 by value (the sampled token joins them as a 4th when it is not
+                # among them, which a near tie in bf16 may decide either way).
+                top = [sorted(d.values(), reverse=True)[:3] for d in (got, want)]
+                assert top[0] == pytest.approx(top[1], abs=tolerance)
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "lanes"])
@@ -216,7 +219,8 @@ def test_mixed_pass_launches_no_kernel_outside_its_graphs(toy_config, toy_state)
     front, runner = frontend(engine), engine.runner
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, exit_threshold=0.5)
     front.add_request("a", _prompts()[0], params)
-    while any(r.status.value != "decode" for r in engine.scheduler.running.values()):
+    scheduler = engine.scheduler
+    while scheduler.waiting or any(r.status.value != "decode" for r in scheduler.running.values()):
         front.step()
     front.add_request("b", _prompts()[1], params)
     out = engine.scheduler.schedule()
