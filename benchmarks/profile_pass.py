@@ -5,7 +5,7 @@ passes and for passes that also carry a prompt chunk, at each row count.
 python -m benchmarks.profile_pass --shape ouro-1.4b --concurrency 1 64
 python -m benchmarks.profile_pass --concurrency 1 8 --speculative-tokens 1 --draft-loops 2 \
     --spec-acceptance-rate 0.8
-python -m benchmarks.profile_pass --concurrency --rows 1 8 64 256 512
+python -m benchmarks.profile_pass --concurrency --rows 1 8 64 256 512 [--kernels]
 """
 
 from __future__ import annotations
@@ -30,23 +30,29 @@ from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.sampling_params import SamplingParams
 
 
-def profile(model, concurrency: int, steps: int, spec: SpeculativeConfig | None) -> None:
-    engine = build_engine_core(
+def _engine(model, seqs: int, blocks: int, spec: SpeculativeConfig | None):
+    """An engine core for `seqs` requests of 64-token prompts whose prompts all fit in one
+    pass, with `blocks` KV blocks (plus a few spare)."""
+    return build_engine_core(
         model,
         None,
-        # 64 prompt tokens plus at most one token per step (16 warm-up steps and the timed
-        # ones), in blocks of 16: large concurrencies fit beside the weights
-        CacheConfig(num_blocks=concurrency * (-(-(64 + 16 + steps) // 16) + 1) + 8),
+        CacheConfig(num_blocks=blocks + 8),
         SchedulerConfig(
-            max_num_seqs=concurrency,
-            max_num_batched_tokens=max(2048, 64 * concurrency),
-            max_prefill_batches_before_decode=concurrency,
+            max_num_seqs=seqs,
+            max_num_batched_tokens=max(2048, 64 * seqs),
+            max_prefill_batches_before_decode=seqs,
         ),
         ExitConfig(),
         ExecutionConfig(),
         "auto",
         spec,
     )
+
+
+def profile(model, concurrency: int, steps: int, spec: SpeculativeConfig | None) -> None:
+    # 64 prompt tokens plus at most one token per step (16 warm-up steps and the timed ones),
+    # in blocks of 16: large concurrencies fit beside the weights
+    engine = _engine(model, concurrency, concurrency * (-(-(64 + 16 + steps) // 16) + 1), spec)
     params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
     for i in range(concurrency):
         engine.add_request(str(i), list(range(3, 67)), params)
@@ -118,24 +124,29 @@ def _timed_launch(runner, out: SchedulerOutput, repeats: int) -> tuple[float, fl
     return host / repeats * 1e3, begin.elapsed_time(end) / repeats
 
 
-def pass_rows(model, rows: list[int], repeats: int) -> None:
+def _kernel_times(runner, out: SchedulerOutput, passes: int = 5) -> dict[str, float]:
+    """Device microseconds per pass of each kernel a pass runs (inside its graphs too), the
+    largest first, and their sum under "total"."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(passes):
+            runner.collect(runner.launch(out))
+        torch.cuda.synchronize()
+    times = {
+        event.key[:60]: event.device_time_total / passes
+        for event in prof.key_averages()
+        if event.device_time_total > 0
+    }
+    ranked = sorted(times.items(), key=lambda item: -item[1])
+    return {"total": round(sum(times.values()), 1)} | {k: round(v, 1) for k, v in ranked}
+
+
+def pass_rows(model, rows: list[int], repeats: int, kernels: bool) -> None:
     """Host launch time against device time per pass, decode-only and mixed (half the rows a
     prompt chunk at loop 0 on the runner's padding slot, which reads and writes only the
-    padding block), with the captured prompt-pass graphs and without them (eager)."""
+    padding block), with the captured prompt-pass graphs and without them (eager); with
+    `kernels`, each graphed pass's device time per kernel."""
     seqs = max(rows)
-    engine = build_engine_core(
-        model,
-        None,
-        CacheConfig(num_blocks=seqs * 8 + 8),
-        SchedulerConfig(
-            max_num_seqs=seqs,
-            max_num_batched_tokens=max(2048, 64 * seqs),
-            max_prefill_batches_before_decode=seqs,
-        ),
-        ExitConfig(),
-        ExecutionConfig(),
-        "auto",
-    )
+    engine = _engine(model, seqs, seqs * 8, None)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
     for i in range(seqs):
         engine.add_request(str(i), list(range(3, 67)), params)
@@ -167,6 +178,8 @@ def pass_rows(model, rows: list[int], repeats: int) -> None:
                     "host_ms": round(host_ms, 3),
                     "device_ms": round(device_ms, 3),
                 }
+                if kernels and label == "graphs":
+                    record["kernels_us"] = _kernel_times(runner, out)
                 print(json.dumps(record))
     runner.mixed = mixed
     for request_id in list(engine.groups):
@@ -188,13 +201,18 @@ def main() -> None:
         help="row counts of single passes to time (host launch against device), decode-only "
         "and mixed; none: skip",
     )
+    parser.add_argument(
+        "--kernels",
+        action="store_true",
+        help="with --rows: also list each graphed pass's device time per kernel",
+    )
     add_speculation_args(parser, replay=True)
     args = parser.parse_args()
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
     for concurrency in args.concurrency:
         profile(model, concurrency, args.steps, speculative_config(args))
     if args.rows:
-        pass_rows(model, args.rows, args.steps)
+        pass_rows(model, args.rows, args.steps, args.kernels)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,7 @@
 
 python -m benchmarks.tune_attention
 
-Cases: (rows, context) = (1, 96), (8, 96), (64, 96), (32, 1100).
+Cases: (rows, context) = (1, 96), (8, 96), (64, 96), (256, 96), (512, 96), (32, 1100).
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def time_case(rows: int, context: int, heads: int = 16, dim: int = 128, planes: 
     scale = dim**-0.5
     results = []
     for block_n, stages, warps in itertools.product((32, 64, 128), (1, 2, 3), (2, 4, 8)):
-        triton_backend.DECODE_BLOCK_N = block_n
+        triton_backend.DECODE_BLOCK_N = triton_backend.MANY_ROWS_BLOCK_N = block_n
         triton_backend.DECODE_STAGES = stages
         triton_backend.FEW_ROWS_WARPS = triton_backend.MANY_ROWS_WARPS = warps
         us = graph_time_us(
@@ -71,7 +71,7 @@ def time_case(rows: int, context: int, heads: int = 16, dim: int = 128, planes: 
 def main() -> None:
     parser = CLIParser(prog="python -m benchmarks.tune_attention", description=__doc__)
     parser.parse_args()
-    for rows, context in ((1, 96), (8, 96), (64, 96), (32, 1100)):
+    for rows, context in ((1, 96), (8, 96), (64, 96), (256, 96), (512, 96), (32, 1100)):
         time_case(rows, context)
 
 

@@ -106,13 +106,18 @@ class _State:
 )
 @pytest.mark.parametrize("kv_heads", [16, 4])
 @pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
+@pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows"])
 def test_rope_write_and_paged_attention(
-    triton_ops, dtype, planes, table_planes, kv_heads, with_prompts
+    triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
 ):
     """Decode rows at mixed loops, with or without prefill chunks: same cache contents, same
     outputs. With a table row per loop (SHARED_DECODE), a prompt chunk at loop 0 goes
     through its slot's first row, one at the last loop and every decode row through the
-    last."""
+    last. Each launch shape of the row kernel: as an eager pass runs it, as a captured
+    prompt pass runs it (counts read on the device, fewer programs than rows and tiles, so
+    each takes several), and with the key tile of passes of many rows."""
+    from vllm_rlt.attention import triton_backend
+    from vllm_rlt.attention.metadata import DeviceCounts
     from vllm_rlt.core.contract import PrefillChunk
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -153,6 +158,13 @@ def test_rope_write_and_paged_attention(
         tile_rows=triton_ops.prefill_tile_rows(dtype),
     )
     assert (tiled.prefill_tiles is not None and tiled.num_decode == 6) == with_prompts
+    if launch == "bounded_grid":
+        num_tiles = tiled.prefill_tiles.num_tiles if with_prompts else 0
+        assert num_tiles > 2 or not with_prompts
+        counts = torch.tensor([6, num_tiles], device="cuda")
+        tiled.device_counts = DeviceCounts(counts, row_programs=4, tile_programs=2)
+    elif launch == "many_rows":
+        monkeypatch.setattr(triton_backend, "MANY_ROWS", 1)
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen
     ).to(dtype)

@@ -69,6 +69,8 @@ def test_throughput_reports_the_settings_that_ran_on_cpu(capsys):
         "attention_backend": "torch",
     }
     assert result["kv_pool"] == "every request at once" and result["engine"]["max_running"] == 1
+    (only_run,) = result["engine_runs_decode_tokens_per_s"]  # one timed run, its own median
+    assert result["engine_median_decode_tokens_per_s"] == only_run
     # toy: 2 layers x 4 planes x K and V x 2 heads x 16 dims x 4 bytes
     assert result["kv_bytes_per_position"] == 2 * 4 * 2 * 2 * 16 * 4
     assert "concurrency 1: engine" in captured.err and "1/1" in captured.err  # the bar

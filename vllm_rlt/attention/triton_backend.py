@@ -24,8 +24,11 @@ from vllm_rlt.layers.rotary import RotaryEmbedding
 
 # Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
 # benchmarks/tune_attention.py on an H200 at Ouro-1.4B head sizes: 128-key tiles without
-# software pipelining won everywhere; few rows want 4 warps, many rows 2.
+# software pipelining won up to 64 rows; from 256 rows on, 64-key tiles read K/V 13-27%
+# faster (docs/benchmarks/2026-12-02-pass-kernels.md). Few rows want 4 warps, many rows 2,
+# and the bounded grid of a captured prompt pass 4 (its programs loop over rows).
 DECODE_BLOCK_N, DECODE_STAGES = 128, 1
+MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
 
 # Programmatic dependent launch where the GPU has it (Hopper and newer).
@@ -211,7 +214,7 @@ class TritonOps:
         out = torch.zeros_like(q) if padded else torch.empty_like(q)
         if rows == 0:
             return out.reshape(rows, -1)
-        _rope_write_kernel[(rows, num_heads + num_kv_heads)](
+        _rope_write_kernel[(rows,)](
             qkv,
             q,
             k_cache,
@@ -226,8 +229,11 @@ class TritonOps:
             meta.slots_per_plane,
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
+            HEADS_P2=triton.next_power_of_2(num_heads),
+            KV_HEADS_P2=triton.next_power_of_2(num_kv_heads),
             HEAD_DIM=head_dim,
             PLANES=meta.planes,
+            num_warps=8,
             **launch_options(self.pdl),
         )
         tiles, counts = meta.prefill_tiles, meta.device_counts
@@ -283,10 +289,12 @@ class TritonOps:
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
-            BLOCK_N=DECODE_BLOCK_N,
+            BLOCK_N=MANY_ROWS_BLOCK_N if rows >= MANY_ROWS else DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
             PERSISTENT=counts is not None,
-            num_warps=FEW_ROWS_WARPS if row_grid <= FEW_ROWS else MANY_ROWS_WARPS,
+            num_warps=(
+                FEW_ROWS_WARPS if counts is not None or row_grid <= FEW_ROWS else MANY_ROWS_WARPS
+            ),
             **launch_options(self.pdl),
         )
         return out.reshape(rows, -1)

@@ -114,43 +114,49 @@ def _rope_write_kernel(
     slots_per_plane,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    HEADS_P2: tl.constexpr,
+    KV_HEADS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PLANES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Rotate q into q_out; rotate k and write k, v into planes lo..hi-1 of the cache."""
+    """One row, every head: rotate q into q_out; rotate k and write k, v into planes
+    lo..hi-1 of the cache. (A program per row and head made 32x the programs, each too small
+    to keep the memory busy: 4-8x slower at 512 rows.)"""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
-    head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HALF)
+    d = tl.arange(0, HALF)[None, :]
+    full = tl.arange(0, HEAD_DIM)[None, :]
+    h = tl.arange(0, HEADS_P2)[:, None]
+    kh = tl.arange(0, KV_HEADS_P2)[:, None]
     dtype = q_out_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + row)
     cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
-    base = qkv_ptr + row * qkv_stride + head * HEAD_DIM
-    x1 = tl.load(base + d).to(tl.float32)
-    x2 = tl.load(base + HALF + d).to(tl.float32)
+    base = qkv_ptr + row * qkv_stride
+    q_mask = h < NUM_HEADS
+    x1 = tl.load(base + h * HEAD_DIM + d, mask=q_mask).to(tl.float32)
+    x2 = tl.load(base + h * HEAD_DIM + HALF + d, mask=q_mask).to(tl.float32)
     out1, out2 = _rotate(x1, x2, cos, sin, dtype)
-    if head < NUM_HEADS:
-        q_base = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
-        tl.store(q_base + d, out1)
-        tl.store(q_base + HALF + d, out2)
-    else:
-        kv_head = head - NUM_HEADS
-        full = tl.arange(0, HEAD_DIM)
-        v = tl.load(
-            qkv_ptr + row * qkv_stride + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + full
-        )
-        entry = tl.load(entry_ptr + row)
-        lo = tl.load(lo_ptr + row)
-        hi = tl.load(hi_ptr + row)
-        for plane in tl.static_range(PLANES):
-            owned = (plane >= lo) & (plane < hi)
-            dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_cache_ptr + dst + d, out1, mask=owned & (d < HALF))
-            tl.store(k_cache_ptr + dst + HALF + d, out2, mask=owned & (d < HALF))
-            tl.store(v_cache_ptr + dst + full, v, mask=owned & (full < HEAD_DIM))
+    q_base = q_out_ptr + (row * NUM_HEADS + h) * HEAD_DIM
+    tl.store(q_base + d, out1, mask=q_mask)
+    tl.store(q_base + HALF + d, out2, mask=q_mask)
+    kv_mask = kh < NUM_KV_HEADS
+    k_base = base + (NUM_HEADS + kh) * HEAD_DIM
+    x1 = tl.load(k_base + d, mask=kv_mask).to(tl.float32)
+    x2 = tl.load(k_base + HALF + d, mask=kv_mask).to(tl.float32)
+    out1, out2 = _rotate(x1, x2, cos, sin, dtype)
+    v = tl.load(base + (NUM_HEADS + NUM_KV_HEADS + kh) * HEAD_DIM + full, mask=kv_mask)
+    entry = tl.load(entry_ptr + row)
+    lo = tl.load(lo_ptr + row)
+    hi = tl.load(hi_ptr + row)
+    for plane in tl.static_range(PLANES):
+        if (plane >= lo) & (plane < hi):
+            dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kh) * HEAD_DIM
+            tl.store(k_cache_ptr + dst + d, out1, mask=kv_mask)
+            tl.store(k_cache_ptr + dst + HALF + d, out2, mask=kv_mask)
+            tl.store(v_cache_ptr + dst + full, v, mask=kv_mask)
 
 
 @triton.jit
