@@ -502,3 +502,12 @@ def test_cuda_sleep_gives_the_memory_back_and_wake_up_keeps_outputs(level):
     if level == 2:
         llm.load_weights(toy_weights().items())
     assert tokens() == want
+    # In two steps: the weights first (then new ones could load), the pool and graphs after.
+    llm.sleep(level=level)
+    asleep = torch.cuda.memory_allocated()
+    llm.wake_up(tags=["weights"])
+    assert llm.engine.runner.graphs is None
+    assert torch.cuda.memory_allocated() - asleep < pool  # the pool is still given back
+    llm.load_weights(toy_weights().items())
+    llm.wake_up(tags=["kv_cache"])
+    assert llm.engine.runner.graphs is not None and tokens() == want

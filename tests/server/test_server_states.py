@@ -253,6 +253,16 @@ def test_sleep_mode_endpoints():
         assert httpx.post(f"{url}/wake_up").json() == {"is_sleeping": False}
         again = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
         assert again == want
+        httpx.post(f"{url}/sleep")  # and in two steps, as vLLM's tags do it
+        bad = httpx.post(f"{url}/wake_up", params={"tags": "optimizer"})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "tags"
+        woken = httpx.post(f"{url}/wake_up", params={"tags": "weights"}).json()
+        assert woken == {"is_sleeping": True}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
+        woken = httpx.post(f"{url}/wake_up", params={"tags": ["kv_cache"]}).json()
+        assert woken == {"is_sleeping": False}
+        again = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
+        assert again == want
         assert httpx.post(f"{url}/reset_prefix_cache").json() == {"reset": True}
         assert httpx.get(f"{url}/health").status_code == 200
     with running_server(in_process=True) as (url, _):

@@ -172,6 +172,20 @@ def test_sleep_and_wake_up_keep_outputs_and_give_memory_back():
         llm.sleep(level=1)
     llm.wake_up()
     assert not llm.is_sleeping() and tokens(llm) == want
+    # In two steps, as RL frameworks wake: the weights (new ones may load), then the KV pool.
+    llm.sleep(level=1)
+    with pytest.raises(ValueError, match=r"tags must name some of \['weights', 'kv_cache'\]"):
+        llm.wake_up(tags=["optimizer"])
+    with pytest.raises(ValueError, match="weights are asleep"):
+        llm.load_weights(toy_weights().items())
+    llm.wake_up(tags=["weights"])
+    assert llm.is_sleeping() and kv.untyped_storage().nbytes() == 0
+    assert embed.untyped_storage().nbytes() > 0
+    with pytest.raises(ValueError, match="the engine is sleeping"):
+        llm.generate(prompts, greedy, use_tqdm=False)
+    llm.load_weights(toy_weights().items())
+    llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping() and tokens(llm) == want
     llm.sleep(level=2)
     llm.wake_up()
     with pytest.raises(ValueError, match="has no weights: load them with load_weights"):

@@ -237,7 +237,7 @@ class AsyncLLM:
         return stats
 
     def memory_call(self, name: str, timeout: float = 120.0) -> dict[str, bool | str]:
-        """A sleep-mode call to every core ("sleep_1", "sleep_2", "wake_up", "is_sleeping",
+        """A sleep-mode call to every core ("sleep_1", "sleep_2", "wake_up[:TAGS]", "is_sleeping",
         "reset_prefix_cache"); blocks the calling thread until they answer."""
         answer = self.client.call(name, timeout)
         assert isinstance(answer, dict)

@@ -215,8 +215,9 @@ class CoreLoop:
         try:
             if name in ("sleep_1", "sleep_2"):
                 engine.sleep(int(name[-1]))
-            elif name == "wake_up":
-                engine.wake_up()
+            elif name.startswith("wake_up"):  # "wake_up" or "wake_up:TAG,TAG"
+                _, _, tags = name.partition(":")
+                engine.wake_up(tags.split(",") if tags else None)
             elif name == "reset_prefix_cache":
                 return {"reset": engine.reset_prefix_cache()}
             elif name != "is_sleeping":

@@ -293,10 +293,11 @@ class EngineCore:
         self.kv.reset_prefix_cache()  # the cached blocks' K/V went with the pool
 
     @mirrored
-    def wake_up(self) -> None:
-        """Take the memory back: the weights as they were (after level 1), the KV pool
-        empty, the CUDA graphs captured again. A no-op when awake."""
-        self.hooks.wake_up()
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Take the memory back, all of it or the parts `tags` names ("weights", "kv_cache"):
+        the weights as they were (after level 1), the KV pool empty, and once both are back
+        the CUDA graphs captured again. A no-op when awake."""
+        self.hooks.wake_up(tags)
 
     @property
     def is_sleeping(self) -> bool:

@@ -127,10 +127,10 @@ class LLM:
         self.engine.sleep(level)
 
     def wake_up(self, tags: list[str] | None = None) -> None:
-        """Take the device memory back after `sleep` (everything at once: `tags` must be
-        None); the prefix cache starts empty."""
-        require(tags is None, "wake_up wakes everything at once; tags must be None", "tags")
-        self.engine.wake_up()
+        """Take the device memory back after `sleep`: everything, or as vLLM's RL users do
+        in two steps, `tags=["weights"]` (then `load_weights`) and `tags=["kv_cache"]`.
+        Requests wait until both are back; the prefix cache starts empty."""
+        self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:
         return self.engine.is_sleeping

@@ -39,9 +39,14 @@ class AbortAll(msgspec.Struct, tag="abort_all", array_like=True):
 Command = AddRequest | AbortRequest | AbortAll
 
 
+# The parts of a sleeping engine that wake separately (vLLM's wake-up tags).
+WAKE_TAGS = ("weights", "kv_cache")
+
+
 class ControlCall(msgspec.Struct, tag="call", array_like=True):
     """A call on the control socket, answered by a `ControlReply` with the same `call_id`:
-    "stats", "shutdown", or one of sleep mode's ("sleep_1", "sleep_2", "wake_up",
+    "stats", "shutdown", or one of sleep mode's ("sleep_1", "sleep_2", "wake_up" or
+    "wake_up:TAG,TAG" with vLLM's tags "weights" and "kv_cache",
     "is_sleeping", "reset_prefix_cache")."""
 
     call_id: int

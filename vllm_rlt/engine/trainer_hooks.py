@@ -18,6 +18,7 @@ import torch
 
 from vllm_rlt.config import require
 from vllm_rlt.engine.device_setup import prepare_device
+from vllm_rlt.engine.messages import WAKE_TAGS
 from vllm_rlt.worker.model_runner import ModelRunner
 
 SLEEP_LEVELS = (1, 2)
@@ -67,44 +68,46 @@ def copy_weights_in_place(
 
 
 class EngineSleep:
-    """The memory an engine gave back, and how to take it again."""
+    """The memory an engine gave back, and how to take it again, in parts: vLLM's wake-up
+    tags "weights" and "kv_cache" (an RL trainer wakes the weights, loads new ones, then the
+    KV pool)."""
 
     def __init__(self, runner: ModelRunner, level: int) -> None:
         self.level = level
-        self.kv = [*runner.k_caches, *runner.v_caches]
-        self.weights = weight_tensors(runner.model)
+        self.parts = {"kv_cache": [*runner.k_caches, *runner.v_caches]}
+        self.parts["weights"] = weight_tensors(runner.model)
+        every = [t for tensors in self.parts.values() for t in tensors]
         require(
-            all(t.untyped_storage().resizable() for t in self.kv + self.weights),
+            all(t.untyped_storage().resizable() for t in every),
             "this model's weights live in storage that cannot be released (file-backed)",
             "level",
         )
-        self.nbytes = [t.untyped_storage().nbytes() for t in self.kv + self.weights]
+        self.nbytes = {id(t): t.untyped_storage().nbytes() for t in every}
         # Level 1 keeps the weights on the host; level 2 drops them.
-        self.saved = [w.to("cpu", copy=True) for w in self.weights] if level == 1 else None
+        self.saved = [w.to("cpu", copy=True) for w in self.parts["weights"]] if level == 1 else None
+        self.asleep = set(WAKE_TAGS)
         runner.graphs = runner.mixed = None  # they read the memory about to go
         gc.collect()
-        for tensor in self.kv + self.weights:
+        for tensor in every:
             tensor.untyped_storage().resize_(0)
         if runner.model.device.type == "cuda":
             torch.cuda.empty_cache()
 
-    def wake_up(self, runner: ModelRunner, cuda_graphs: bool, max_num_batched_tokens: int) -> None:
-        """Allocate again: the KV pool zeroed (masked keys must hold finite values), the
-        weights as they were (level 1) or unset until `load_weights` (level 2), the CUDA
-        graphs captured anew."""
-        for tensor, nbytes in zip(self.kv + self.weights, self.nbytes, strict=True):
-            tensor.untyped_storage().resize_(nbytes)
-        for tensor in self.kv:
-            tensor.zero_()
-        if self.level == 2:  # finite until load_weights brings the real ones
-            for tensor in self.weights:
+    def wake(self, tag: str) -> None:
+        """Allocate one part again: the KV pool zeroed (masked keys must hold finite values),
+        the weights as they were (level 1) or zeroed until `load_weights` (level 2)."""
+        if tag not in self.asleep:
+            return
+        for tensor in self.parts[tag]:
+            tensor.untyped_storage().resize_(self.nbytes[id(tensor)])
+            if tag == "kv_cache" or self.level == 2:
                 tensor.zero_()
-        if self.saved is not None:
+        if tag == "weights" and self.saved is not None:
             with torch.no_grad():
-                for tensor, saved in zip(self.weights, self.saved, strict=True):
+                for tensor, saved in zip(self.parts["weights"], self.saved, strict=True):
                     tensor.copy_(saved)
-        self.saved = None
-        prepare_device(runner, runner.ops, cuda_graphs, max_num_batched_tokens)
+            self.saved = None
+        self.asleep.discard(tag)
 
 
 class TrainerHooks:
@@ -129,7 +132,11 @@ class TrainerHooks:
         )
 
     def load_weights(self, weights) -> None:
-        require(self.sleeping is None, "the engine is sleeping: wake it up first", "weights")
+        require(
+            self.sleeping is None or "weights" not in self.sleeping.asleep,
+            "the engine's weights are asleep: wake them up first (wake_up(tags=['weights']))",
+            "weights",
+        )
         copy_weights_in_place(self.runner.model, weights, every_tensor=self.weights_unset)
         self.weights_unset = False
 
@@ -145,7 +152,21 @@ class TrainerHooks:
         self.sleeping = EngineSleep(self.runner, level)
         self.weights_unset = self.weights_unset or level == 2
 
-    def wake_up(self) -> None:
-        if self.sleeping is not None:
-            self.sleeping.wake_up(self.runner, self.cuda_graphs, self.max_num_batched_tokens)
+    def wake_up(self, tags: list[str] | tuple[str, ...] | None = None) -> None:
+        """Wake the parts `tags` names (None: all). Once none sleeps, the CUDA graphs are
+        captured again and requests may come."""
+        tags = WAKE_TAGS if tags is None else (tags,) if isinstance(tags, str) else tuple(tags)
+        require(
+            bool(tags) and all(tag in WAKE_TAGS for tag in tags),
+            f"tags must name some of {list(WAKE_TAGS)}, got {list(tags)!r}",
+            "tags",
+        )
+        if self.sleeping is None:
+            return
+        for tag in tags:
+            self.sleeping.wake(tag)
+        if not self.sleeping.asleep:
             self.sleeping = None
+            prepare_device(
+                self.runner, self.runner.ops, self.cuda_graphs, self.max_num_batched_tokens
+            )

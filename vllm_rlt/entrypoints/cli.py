@@ -195,8 +195,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--enable-sleep-mode",
         action="store_true",
-        help="add POST /sleep?level=1|2, POST /wake_up, GET /is_sleeping and POST "
-        "/reset_prefix_cache (vLLM's sleep mode: give the GPU memory back between uses)",
+        help="add POST /sleep?level=1, POST /wake_up[?tags=weights|kv_cache], GET /is_sleeping "
+        "and POST /reset_prefix_cache (vLLM's sleep mode: give the GPU memory back between "
+        "uses)",
     )
     group.add_argument(
         "--access-log",

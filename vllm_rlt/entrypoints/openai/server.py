@@ -24,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import vllm_rlt
 from vllm_rlt.engine.async_llm import AsyncLLM
 from vllm_rlt.engine.core_client import CoreAttachment
+from vllm_rlt.engine.messages import WAKE_TAGS
 from vllm_rlt.entrypoints.openai.connection import DrainingServer, limited_protocol
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
 from vllm_rlt.entrypoints.openai.protocol import (
@@ -408,8 +409,14 @@ def _add_sleep_routes(app: FastAPI, state: ServerState) -> None:
         return await call(f"sleep_{level}")
 
     @app.post("/wake_up")
-    async def wake_up() -> dict[str, Any]:
-        return await call("wake_up")
+    async def wake_up(request: Request) -> dict[str, Any]:
+        tags = request.query_params.getlist("tags")  # vLLM's ?tags=weights&tags=kv_cache
+        for tag in tags:
+            if tag not in WAKE_TAGS:
+                raise APIError(
+                    400, f"tags must be among {list(WAKE_TAGS)}, got {tag!r}", param="tags"
+                )
+        return await call("wake_up:" + ",".join(tags) if tags else "wake_up")
 
     @app.get("/is_sleeping")
     async def is_sleeping() -> dict[str, Any]:
