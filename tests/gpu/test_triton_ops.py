@@ -115,7 +115,7 @@ def test_rope_write_and_paged_attention(
     through its slot's first row, one at the last loop and every decode row through the
     last. Each launch shape of the row kernel: as an eager pass runs it, as a captured
     prompt pass runs it (counts read on the device, fewer programs than rows and tiles, so
-    each takes several), and with the key tile of passes of many rows."""
+    each takes several), and with the key tile and the RoPE kernel of passes of many rows."""
     from vllm_rlt.attention import triton_backend
     from vllm_rlt.attention.metadata import DeviceCounts
     from vllm_rlt.core.contract import PrefillChunk
@@ -165,6 +165,7 @@ def test_rope_write_and_paged_attention(
         tiled.device_counts = DeviceCounts(counts, row_programs=4, tile_programs=2)
     elif launch == "many_rows":
         monkeypatch.setattr(triton_backend, "MANY_ROWS", 1)
+        monkeypatch.setattr(triton_backend, "ROPE_BY_ROW", 1)
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen
     ).to(dtype)

@@ -114,15 +114,70 @@ def _rope_write_kernel(
     slots_per_plane,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PLANES: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """Rotate q into q_out; rotate k and write k, v into planes lo..hi-1 of the cache."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    dtype = q_out_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + row)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
+    base = qkv_ptr + row * qkv_stride + head * HEAD_DIM
+    x1 = tl.load(base + d).to(tl.float32)
+    x2 = tl.load(base + HALF + d).to(tl.float32)
+    out1, out2 = _rotate(x1, x2, cos, sin, dtype)
+    if head < NUM_HEADS:
+        q_base = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
+        tl.store(q_base + d, out1)
+        tl.store(q_base + HALF + d, out2)
+    else:
+        kv_head = head - NUM_HEADS
+        full = tl.arange(0, HEAD_DIM)
+        v = tl.load(
+            qkv_ptr + row * qkv_stride + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + full
+        )
+        entry = tl.load(entry_ptr + row)
+        lo = tl.load(lo_ptr + row)
+        hi = tl.load(hi_ptr + row)
+        for plane in tl.static_range(PLANES):
+            owned = (plane >= lo) & (plane < hi)
+            dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + dst + d, out1, mask=owned & (d < HALF))
+            tl.store(k_cache_ptr + dst + HALF + d, out2, mask=owned & (d < HALF))
+            tl.store(v_cache_ptr + dst + full, v, mask=owned & (full < HEAD_DIM))
+
+
+@triton.jit
+def _rope_write_rows_kernel(
+    qkv_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    entry_ptr,
+    lo_ptr,
+    hi_ptr,
+    qkv_stride,
+    slots_per_plane,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
     HEADS_P2: tl.constexpr,
     KV_HEADS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PLANES: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """One row, every head: rotate q into q_out; rotate k and write k, v into planes
-    lo..hi-1 of the cache. (A program per row and head made 32x the programs, each too small
-    to keep the memory busy: 4-8x slower at 512 rows.)"""
+    """As `_rope_write_kernel`, one program per row for every head: from 64 rows on, a
+    program per row and head is too little work each (4-8x slower at 512-1024 rows); below,
+    the per-head grid keeps more of the GPU busy."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     HALF: tl.constexpr = HEAD_DIM // 2
