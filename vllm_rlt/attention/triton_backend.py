@@ -25,9 +25,10 @@ from vllm_rlt.layers.rotary import RotaryEmbedding
 
 # Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
 # benchmarks/tune_attention.py on an H200 at Ouro-1.4B head sizes: 128-key tiles without
-# software pipelining won up to 64 rows; from 256 rows on, 64-key tiles read K/V 13-27%
-# faster (docs/benchmarks/2026-12-02-pass-kernels.md). Few rows want 4 warps, many rows 2,
-# and the bounded grid of a captured prompt pass 4 (its programs loop over rows).
+# software pipelining won up to 64 rows; from 256 rows on, one program per row reads K/V
+# 13-27% faster with 64-key tiles (docs/benchmarks/2026-12-02-pass-kernels.md). Few rows
+# want 4 warps, many rows 2. The bounded grid of a captured prompt pass keeps 128-key tiles:
+# with 64-key tiles and 4 warps there, steady load with adaptive depth lost 5-17%.
 DECODE_BLOCK_N, DECODE_STAGES = 128, 1
 MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
@@ -292,12 +293,10 @@ class TritonOps:
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
-            BLOCK_N=MANY_ROWS_BLOCK_N if rows >= MANY_ROWS else DECODE_BLOCK_N,
+            BLOCK_N=(MANY_ROWS_BLOCK_N if counts is None and rows >= MANY_ROWS else DECODE_BLOCK_N),
             STAGES=DECODE_STAGES,
             PERSISTENT=counts is not None,
-            num_warps=(
-                FEW_ROWS_WARPS if counts is not None or row_grid <= FEW_ROWS else MANY_ROWS_WARPS
-            ),
+            num_warps=FEW_ROWS_WARPS if row_grid <= FEW_ROWS else MANY_ROWS_WARPS,
             **launch_options(self.pdl),
         )
         return out.reshape(rows, -1)
