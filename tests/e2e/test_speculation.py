@@ -77,7 +77,7 @@ def test_the_built_in_model_accepts_its_two_loop_drafts():
     assert got == want
     scheduler = spec.engine.scheduler
     assert scheduler.num_accepted >= 0.9 * scheduler.num_drafted > 0
-    assert spec.engine.num_passes < plain.engine.num_passes
+    assert spec.engine.passes.num_passes < plain.engine.passes.num_passes
 
 
 def test_stops_n_and_unspeculated_requests(make_engine):
@@ -159,13 +159,13 @@ def test_under_load_speculation_costs_no_rows(make_engine):
     for spec in (None, SpeculativeConfig("auto", 2, disable_by_batch_size=1)):
         engine = make_engine(speculative_config=spec)
         outputs = drain(engine, arrivals)
-        runs.append(([o.outputs[0].token_ids for o in outputs.values()], engine.num_passes))
-        rows = engine.num_rows_total
+        runs.append(([o.outputs[0].token_ids for o in outputs.values()], engine.passes.num_passes))
+        rows = engine.passes.num_rows_total
     assert runs[0] == runs[1]
     assert engine.scheduler.num_drafted == 0
     plain_engine = make_engine()
     drain(plain_engine, arrivals)
-    assert rows == plain_engine.num_rows_total
+    assert rows == plain_engine.passes.num_rows_total
 
 
 def test_stats_count_drafts_and_acceptance():
@@ -198,7 +198,7 @@ def test_each_accepted_draft_saves_the_verify_loops(make_engine, rate, draft_loo
     outputs = drain(engine, {0: [("r", [7], params)]})
     assert len(outputs["r"].outputs[0].token_ids) == max_tokens
     per_token = draft_loops if rate == 1.0 else loops
-    assert engine.num_passes == 2 * loops + (max_tokens - 2) * per_token
+    assert engine.passes.num_passes == 2 * loops + (max_tokens - 2) * per_token
     # every decode position drafts its successor but the last, which has none to compute
     assert engine.scheduler.num_drafted == max_tokens - 2
     assert engine.scheduler.num_accepted == rate * (max_tokens - 2)

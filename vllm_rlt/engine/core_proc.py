@@ -97,7 +97,7 @@ class CoreLoop:
                 self._take_commands(block=not engine.has_unfinished)
                 if engine.has_unfinished and not self.stopping:
                     self._route(engine.step())
-                    self.rate.record(engine.num_passes, engine.num_rows_total)
+                    self.rate.record(engine.passes.num_passes, engine.passes.num_rows_total)
                 self._publish()
         except BaseException as exc:
             dead = self.encode(EngineDead(f"{type(exc).__name__}: {exc}", traceback.format_exc()))

@@ -10,18 +10,18 @@ from collections.abc import Callable, Iterable
 import torch
 
 from vllm_rlt.config import CacheConfig, ExecutionConfig, SpeculativeConfig, require
-from vllm_rlt.core.contract import SchedulerOutput
 from vllm_rlt.core.memory import MemoryPlan
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
+from vllm_rlt.engine.pass_pipeline import PassPipeline
 from vllm_rlt.engine.request_checks import RequestChecker, check_allowed_tokens
 from vllm_rlt.engine.request_group import RequestGroup, completion_ids
 from vllm_rlt.engine.trainer_hooks import TrainerHooks
 from vllm_rlt.parallel.tensor_parallel import mirrored
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
-from vllm_rlt.worker.model_runner import ModelRunner, PendingPass, is_device_fault
+from vllm_rlt.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -70,11 +70,9 @@ class EngineCore:
         self.async_scheduling = (
             execution_config.async_scheduling and scheduler.config.mode == "refill"
         )
-        self._in_flight: tuple[SchedulerOutput, PendingPass] | None = None
+        self.passes = PassPipeline(runner, scheduler, self.async_scheduling)
         self._group_of: dict[str, str] = {}  # engine request id -> user request id
         self._seeds = random.Random(execution_config.seed)
-        self.num_passes = 0
-        self.num_rows_total = 0  # rows over all passes, for the rows-per-pass metric
         self.hooks = TrainerHooks(
             runner, execution_config.cuda_graphs, scheduler.config.max_num_batched_tokens
         )
@@ -143,12 +141,12 @@ class EngineCore:
         if group is None:
             return None
         group.end(self.scheduler, "abort", index)
-        self._drain_if_idle()
+        self.passes.drain_if_idle()
         return self._delta(group)
 
     @property
     def has_unfinished(self) -> bool:
-        return bool(self.groups) or self._in_flight is not None
+        return bool(self.groups) or self.passes.in_flight is not None
 
     # ----------------------------------------------------------------- one step
     @mirrored
@@ -157,54 +155,24 @@ class EngineCore:
         return [self._delta(group) for group in self._step()]
 
     def _step(self) -> list[RequestGroup]:
-        """Run one pass; return every group that progressed.
-
-        With asynchronous scheduling the pass launched here is collected by the next step:
-        the host plans and launches pass k+1 before it processes pass k's tokens. A failure
-        while handling one request's state (its admission, its tokens) fails that request
-        alone; its output carries the error.
-        """
-        launched = None
-        failed: list[tuple[Request, BaseException]] = []
+        """Run one pass; return every group that progressed. With asynchronous scheduling
+        the pass launched here is collected by the next step (engine/pass_pipeline.py). A
+        failure while handling one request's state (its admission, its tokens) fails that
+        request alone; its output carries the error."""
+        scheduled, failed = None, []
         if self.scheduler.has_unfinished:
             scheduled = self.scheduler.schedule()
             failed = self._admit(scheduled.new_slots)
-            if not scheduled.is_empty:
-                try:
-                    launched = (scheduled, self.runner.launch(scheduled))
-                except Exception as exc:  # noqa: BLE001 - fails this pass's requests only
-                    failed += self._pass_failed(scheduled, exc)
-                else:
-                    self.num_passes += 1
-                    self.num_rows_total += scheduled.num_rows
-            elif scheduled.block_updates:
-                # Nothing runs now (with asynchronous scheduling every request may be
-                # waiting on the pass in flight), but the blocks taken, such as an admitted
-                # request's cached prefix, must reach its table before any later pass.
-                self.runner.apply_block_updates(scheduled.block_updates)
-            if scheduled.is_empty and self._in_flight is None:
-                # Admission validated every reservation against the pool, so an idle pass
-                # with work queued means a scheduler invariant broke: fail, do not spin.
-                raise RuntimeError("scheduler produced an empty pass while requests wait")
-        if not self.async_scheduling:
-            ready, self._in_flight = launched, None
-        else:
-            ready, self._in_flight = self._in_flight, launched
-        result = None
-        if ready is not None:
-            try:
-                result = self.runner.collect(ready[1])
-            except Exception as exc:  # noqa: BLE001 - fails this pass's requests only
-                failed += self._pass_failed(ready[0], exc)
+        done, pass_failed = self.passes.advance(scheduled)
         progressed: dict[str, RequestGroup] = {}
-        for request, error in failed:
+        for request, error in failed + pass_failed:
             # Its rows in passes already queued only write to blocks nobody reads before
             # they are written again, and their results are dropped: the request no longer
             # owns its slot when they arrive.
             group = self._fail(request, error)
             progressed[group.request_id] = group
-        if ready is not None and result is not None:
-            touched = self.scheduler.update(ready[0], result)
+        if done is not None:
+            touched = self.scheduler.update(*done)
             now = time.monotonic()
             for request in touched:
                 if request.is_finished:
@@ -215,26 +183,13 @@ class EngineCore:
                 if request.stop_reason is not None:
                     group.end(self.scheduler, request.stop_reason, group.children.index(request))
                 progressed[group.request_id] = group
-        self._drain_if_idle()
+        self.passes.drain_if_idle()
         return list(progressed.values())
 
     def _admit(self, new_slots) -> list[tuple[Request, BaseException]]:
         """Write each newly admitted request's slot; the requests whose admission failed."""
         failed = self.runner.admit(new_slots)
         return [(self.scheduler.running[new.slot], error) for new, error in failed]
-
-    def _pass_failed(
-        self, scheduled: SchedulerOutput, error: Exception
-    ) -> list[tuple[Request, BaseException]]:
-        """A pass that failed on the host (building its inputs, reading its results) fails
-        the requests with rows in it, and the engine goes on: their slots are written anew
-        when reused, and their blocks are freed after the passes already queued. A device
-        fault leaves the device unusable, so it stops the engine."""
-        if is_device_fault(error):
-            raise error
-        requests = self.scheduler.requests_in_failed_pass(scheduled)
-        logger.error("a pass failed; failing its %d requests", len(requests))
-        return [(request, error) for request in requests]
 
     def _fail(self, request: Request, error: BaseException) -> RequestGroup:
         """End a request's whole group (its completions share one prompt) with the error."""
@@ -247,13 +202,6 @@ class EngineCore:
         group.end(self.scheduler, "abort")
         group.error = f"{type(error).__name__}: {error}"
         return group
-
-    def _drain_if_idle(self) -> None:
-        """With nothing left to run, the pass still in flight only holds rows of finished
-        requests: wait for it so an idle engine has nothing outstanding."""
-        if self._in_flight is not None and not self.scheduler.has_unfinished:
-            self.runner.collect(self._in_flight[1])
-            self._in_flight = None
 
     def _delta(self, group: RequestGroup) -> RequestDelta:
         delta = group.delta()
@@ -311,7 +259,7 @@ class EngineCore:
         )
 
     def stats(self) -> EngineStats:
-        return EngineStats.of(self.scheduler, self.num_passes, self.num_rows_total)
+        return EngineStats.of(self.scheduler, self.passes.num_passes, self.passes.num_rows_total)
 
     def all_blocks_free(self) -> bool:
-        return self.kv.all_free() and not self.scheduler.running and self._in_flight is None
+        return self.kv.all_free() and not self.scheduler.running and self.passes.in_flight is None
