@@ -284,6 +284,18 @@ def test_automatic_kv_sizing_honours_the_budget(toy_config, toy_state):
     assert plan.num_blocks <= 8 * per_seq
     outputs = drain(engine, {0: [("a", _prompts()[1], SamplingParams(max_tokens=5))]})
     assert len(outputs["a"].outputs[0].token_ids) == 5 and engine.all_blocks_free()
+    # max_model_len below the model's context caps the pool by what sequences can use.
+    short = build_engine_core(
+        model,
+        Tokenizer.byte_level(),
+        CacheConfig(gpu_memory_utilization=0.5),
+        SchedulerConfig(max_num_seqs=8),
+        ExitConfig(),
+        ExecutionConfig(),
+        "triton",
+        max_model_len=48,
+    )
+    assert short.memory_plan.num_blocks == 8 * -(-48 // plan.block_size) < plan.num_blocks
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton"])

@@ -208,6 +208,7 @@ def build_engine_core(
         planes,
         table_planes,
         num_lanes,
+        max_model_len,
     )
     if tensor_parallel is not None:  # every rank's scheduler must see the same pool
         fewest = tensor_parallel.min_over_ranks(memory_plan.num_blocks)

@@ -35,11 +35,13 @@ def plan_memory(
     planes: int,
     table_planes: int,
     num_lanes: int,
+    max_model_len: int,
 ) -> MemoryPlan:
     """The KV pool: the CPU default, a size the user gave (checked against free memory), or
-    what the device holds beside the weights, the largest pass and the graphs.
-    `table_planes` one-plane blocks hold what one block of every plane holds, so defaults
-    and caps count that many per position block under SHARED_DECODE."""
+    what the device holds beside the weights, the largest pass and the graphs, but no more
+    than every sequence at `max_model_len` positions can use. `table_planes` one-plane
+    blocks hold what one block of every plane holds, so defaults and caps count that many
+    per position block under SHARED_DECODE."""
     cfg, device = model.config, model.device
     explicit = cache_config.num_blocks is not None or cache_config.kv_cache_memory_bytes
     if device.type != "cuda":
@@ -73,7 +75,7 @@ def plan_memory(
         check_explicit_plan(plan, free, pass_peak, graph_pool, str(device))
         return plan
     total = torch.cuda.get_device_properties(device).total_memory
-    per_seq = -(-cfg.max_position_embeddings // block_size)
+    per_seq = -(-max_model_len // block_size)
     return plan_from_profile(
         cache_config,
         cfg,
