@@ -1,0 +1,111 @@
+"""An RL rollout as a vLLM user writes it: prompts of token ids, n samples each, long
+outputs, temperature and top_p, through `LLM` with vLLM's argument names only. Prints one
+JSON line per KV layout: output tokens/s, peak device memory, preemptions, passes.
+
+    python -m benchmarks.random_checkpoint ouro-1.4b /tmp/ouro --device cuda
+    python -m benchmarks.rollout /tmp/ouro --device cuda
+    python -m benchmarks.rollout /tmp/ouro --device cuda --kv-layout last_exited shared_decode
+
+(defaults: 64 prompts of 256 tokens, n = 8, 4,096 output tokens, temperature 1.0, top_p 0.7)
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import platform
+import random
+import sys
+import time
+
+import torch
+
+from vllm_rlt import LLM, CacheConfig, SamplingParams
+from vllm_rlt.cli_parser import CLIParser
+from vllm_rlt.config import KV_LAYOUTS
+
+
+def rollout(args, layout: str) -> dict:
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    llm = LLM(
+        model=args.model,
+        device=args.device,
+        dtype=args.dtype,
+        seed=args.seed,
+        skip_tokenizer_init=True,
+        max_model_len=args.prompt_len + args.max_tokens,
+        cache_config=CacheConfig(layout=layout),
+    )
+    vocab = llm.engine.model.config.vocab_size
+    rng = random.Random(args.seed)
+    prompts = [
+        {"prompt_token_ids": [rng.randrange(vocab) for _ in range(args.prompt_len)]}
+        for _ in range(args.num_prompts)
+    ]
+    params = SamplingParams(
+        n=args.n,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        max_tokens=args.max_tokens,
+        ignore_eos=args.ignore_eos,
+        skip_special_tokens=False,
+    )
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    depths = [d for o in outputs for c in o.outputs for d in c.exit_depths[1:]]
+    stats = llm.engine.stats()
+    return {
+        "kv_layout": layout,
+        "output_tokens": tokens,
+        "seconds": round(seconds, 2),
+        "output_tokens_per_s": round(tokens / seconds, 1),
+        "mean_depth": round(sum(depths) / len(depths), 3) if depths else None,
+        "peak_memory_gib": (
+            round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+            if device.type == "cuda"
+            else None
+        ),
+        "kv_blocks": stats.num_blocks,
+        "preemptions": stats.num_preemptions,
+        "passes": stats.num_passes,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = CLIParser(prog="python -m benchmarks.rollout", description=__doc__)
+    parser.add_argument("model", help="checkpoint folder or hub ID")
+    parser.add_argument("--device", default="cuda", help="cuda or cpu")
+    parser.add_argument("--dtype", default="bfloat16", help="the weights' dtype")
+    parser.add_argument("--kv-layout", nargs="+", default=["last_exited"], choices=KV_LAYOUTS)
+    parser.add_argument("--num-prompts", type=int, default=64, help="prompts")
+    parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="output tokens")
+    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    parser.add_argument("--top-p", type=float, default=0.7, help="nucleus sampling")
+    parser.add_argument(
+        "--ignore-eos",
+        action="store_true",
+        help="run every sample to max_tokens (random weights may sample EOS early)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="prompts and sampling seed")
+    args = parser.parse_args(argv)
+    environment = {"python": platform.python_version(), "torch": torch.__version__}
+    if torch.device(args.device).type == "cuda":
+        environment["gpu"] = torch.cuda.get_device_name()
+    command = "python -m benchmarks.rollout " + " ".join(sys.argv[1:] if argv is None else argv)
+    for layout in args.kv_layout:
+        record = rollout(args, layout)
+        print(json.dumps({"command": command, "environment": environment, **record}), flush=True)
+        gc.collect()  # the layout's engine, before the next one is sized to free memory
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

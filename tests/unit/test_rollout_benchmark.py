@@ -1,0 +1,21 @@
+"""benchmarks/rollout.py, the RL rollout measurement, on the toy model: one JSON line per KV
+layout, every sample run to max_tokens with --ignore-eos, no preemption in a pool that fits."""
+
+from __future__ import annotations
+
+import json
+
+from benchmarks.rollout import main
+
+
+def test_rollout_reports_each_layout(capsys):
+    argv = ["toy", "--device", "cpu", "--dtype", "float32", "--num-prompts", "2"]
+    argv += ["--prompt-len", "5", "--n", "3", "--max-tokens", "7", "--ignore-eos"]
+    argv += ["--kv-layout", "last_exited", "shared_decode"]
+    assert main(argv) == 0
+    records = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["kv_layout"] for r in records] == ["last_exited", "shared_decode"]
+    for record in records:
+        assert record["output_tokens"] == 2 * 3 * 7
+        assert record["preemptions"] == 0 and record["passes"] > 0
+        assert record["command"].startswith("python -m benchmarks.rollout toy")
