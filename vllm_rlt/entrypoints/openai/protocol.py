@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Annotated, Any, Literal
 
@@ -124,33 +125,17 @@ class SamplingFields(RequestBody):
     def sampling_params(
         self, max_tokens: int, num_logprobs: int | None, defaults: dict[str, Any] | None = None
     ) -> SamplingParams:
-        """The request's sampling; `defaults` replace the fields it left unset."""
-        fields = dict(
-            n=self.n,
+        """The request's sampling; `defaults` replace the fields it left unset. Every field
+        this body shares with SamplingParams passes under its name; the others differ in
+        form (OpenAI's top_k of -1, logit_bias keys as strings, the caller's max_tokens and
+        logprobs)."""
+        fields = {name: getattr(self, name) for name in _SAME_AS_SAMPLING_PARAMS}
+        fields |= dict(
             max_tokens=max_tokens,
-            min_tokens=self.min_tokens,
-            temperature=self.temperature,
             top_k=max(self.top_k, 0),
-            top_p=self.top_p,
-            min_p=self.min_p,
-            seed=self.seed,
-            stop=self.stop,
             stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos,
-            include_stop_str_in_output=self.include_stop_str_in_output,
             logprobs=num_logprobs,
-            min_loops=self.min_loops,
-            max_loops=self.max_loops,
-            exit_threshold=self.exit_threshold,
-            priority=self.priority,
-            repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty,
-            presence_penalty=self.presence_penalty,
             logit_bias=self._logit_bias(),
-            allowed_token_ids=self.allowed_token_ids,
-            bad_words=self.bad_words,
-            skip_special_tokens=self.skip_special_tokens,
-            spaces_between_special_tokens=self.spaces_between_special_tokens,
         )
         return SamplingParams(**{**fields, **(defaults or {})})
 
@@ -163,6 +148,15 @@ class SamplingFields(RequestBody):
                 raise ParamError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
             bias[int(key)] = value
         return bias
+
+
+# Converted by `sampling_params`, or set by the endpoint (prompt logprobs, output form).
+_CONVERTED = {"max_tokens", "top_k", "stop_token_ids", "logprobs", "logit_bias"}
+_SAME_AS_SAMPLING_PARAMS = tuple(
+    f.name
+    for f in dataclasses.fields(SamplingParams)
+    if f.name in SamplingFields.model_fields and f.name not in _CONVERTED
+)
 
 
 class CompletionRequest(SamplingFields):
