@@ -267,15 +267,20 @@ def test_cuda_bfloat16_runs_and_stays_close(toy_config, toy_state):
 def test_automatic_kv_sizing_honours_the_budget(toy_config, toy_state):
     """No explicit size: profile a maximum pass and fill the budget, capped at useful blocks."""
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.bfloat16, "cuda")
-    engine = build_engine_core(
-        model,
-        Tokenizer.byte_level(),
-        CacheConfig(gpu_memory_utilization=0.5),
-        SchedulerConfig(max_num_seqs=8),
-        ExitConfig(),
-        ExecutionConfig(),
-        "triton",
-    )
+
+    def build(max_model_len: int | None = None):
+        return build_engine_core(
+            model,
+            Tokenizer.byte_level(),
+            CacheConfig(gpu_memory_utilization=0.5),
+            SchedulerConfig(max_num_seqs=8),
+            ExitConfig(),
+            ExecutionConfig(),
+            "triton",
+            max_model_len=max_model_len,
+        )
+
+    engine = build()
     plan = engine.memory_plan
     assert plan.source == "gpu_profile" and plan.num_blocks > 0
     budget = plan.details["budget_bytes"]
@@ -285,16 +290,7 @@ def test_automatic_kv_sizing_honours_the_budget(toy_config, toy_state):
     outputs = drain(engine, {0: [("a", _prompts()[1], SamplingParams(max_tokens=5))]})
     assert len(outputs["a"].outputs[0].token_ids) == 5 and engine.all_blocks_free()
     # max_model_len below the model's context caps the pool by what sequences can use.
-    short = build_engine_core(
-        model,
-        Tokenizer.byte_level(),
-        CacheConfig(gpu_memory_utilization=0.5),
-        SchedulerConfig(max_num_seqs=8),
-        ExitConfig(),
-        ExecutionConfig(),
-        "triton",
-        max_model_len=48,
-    )
+    short = build(max_model_len=48)
     assert short.memory_plan.num_blocks == 8 * -(-48 // plan.block_size) < plan.num_blocks
 
 
