@@ -132,7 +132,7 @@ def _kernel_times(runner, out: SchedulerOutput, passes: int = 5) -> dict[str, fl
             runner.collect(runner.launch(out))
         torch.cuda.synchronize()
     times = {
-        event.key[:60]: event.device_time_total / passes
+        event.key: event.device_time_total / passes
         for event in prof.key_averages()
         if event.device_time_total > 0
     }

@@ -1,6 +1,7 @@
 """An RL rollout as a vLLM user writes it: prompts of token ids, n samples each, long
 outputs, temperature and top_p, through `LLM` with vLLM's argument names only. Prints one
-JSON line per KV layout: output tokens/s, peak device memory, preemptions, passes.
+JSON line per KV layout: output tokens/s, peak device memory while it runs (the weights and
+the KV pool, planned to fill the device, included), preemptions, passes.
 
     python -m benchmarks.random_checkpoint ouro-1.4b /tmp/ouro --device cuda
     python -m benchmarks.rollout /tmp/ouro --device cuda
@@ -27,8 +28,6 @@ from vllm_rlt.config import KV_LAYOUTS
 
 def rollout(args, layout: str) -> dict:
     device = torch.device(args.device)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
     llm = LLM(
         model=args.model,
         device=args.device,
@@ -52,6 +51,8 @@ def rollout(args, layout: str) -> dict:
         ignore_eos=args.ignore_eos,
         skip_special_tokens=False,
     )
+    if device.type == "cuda":  # the peak from here on: weights, KV pool and the passes
+        torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start

@@ -146,7 +146,14 @@ def test_load_weights_swaps_the_weights_in_place(tmp_path):
     assert llm.reset_prefix_cache() and llm.engine.kv.num_cached_blocks == 0
 
 
-def test_sleep_and_wake_up_keep_outputs_and_give_memory_back():
+def _raise(error: BaseException):
+    def fail(*args, **kwargs):
+        raise error
+
+    return fail
+
+
+def test_sleep_and_wake_up_keep_outputs_and_give_memory_back(monkeypatch):
     """Level 1: the KV pool and weights release their storage, and after wake_up the
     outputs are the same. Level 2: the weights must come back with load_weights (all of
     them) before anything runs. Requests and sleep refuse each other."""
@@ -181,10 +188,22 @@ def test_sleep_and_wake_up_keep_outputs_and_give_memory_back():
     llm.wake_up(tags=["weights"])
     assert llm.is_sleeping() and kv.untyped_storage().nbytes() == 0
     assert embed.untyped_storage().nbytes() > 0
-    with pytest.raises(ValueError, match="the engine is sleeping"):
+    with pytest.raises(ValueError, match=r"the engine is sleeping.*still asleep: kv_cache"):
         llm.generate(prompts, greedy, use_tqdm=False)
     llm.load_weights(toy_weights().items())
     llm.wake_up(tags=["kv_cache"])
+    assert not llm.is_sleeping() and tokens(llm) == want
+    # A wake-up whose device set-up fails (say, out of memory) leaves the engine asleep,
+    # and a retry sets it up again.
+    import vllm_rlt.engine.trainer_hooks as trainer_hooks
+
+    llm.sleep(level=1)
+    with monkeypatch.context() as patch:
+        patch.setattr(trainer_hooks, "prepare_device", _raise(RuntimeError("out of memory")))
+        with pytest.raises(RuntimeError, match="out of memory"):
+            llm.wake_up()
+    assert llm.is_sleeping()
+    llm.wake_up()
     assert not llm.is_sleeping() and tokens(llm) == want
     llm.sleep(level=2)
     llm.wake_up()

@@ -293,7 +293,9 @@ class TritonOps:
             NUM_HEADS=num_heads,
             NUM_KV_HEADS=num_kv_heads,
             HEAD_DIM=head_dim,
-            BLOCK_N=(MANY_ROWS_BLOCK_N if counts is None and rows >= MANY_ROWS else DECODE_BLOCK_N),
+            BLOCK_N=(
+                MANY_ROWS_BLOCK_N if counts is None and row_grid >= MANY_ROWS else DECODE_BLOCK_N
+            ),
             STAGES=DECODE_STAGES,
             PERSISTENT=counts is not None,
             num_warps=FEW_ROWS_WARPS if row_grid <= FEW_ROWS else MANY_ROWS_WARPS,

@@ -129,7 +129,7 @@ class LLM:
     def wake_up(self, tags: list[str] | None = None) -> None:
         """Take the device memory back after `sleep`: everything, or as vLLM's RL users do
         in two steps, `tags=["weights"]` (then `load_weights`) and `tags=["kv_cache"]`.
-        Requests wait until both are back; the prefix cache starts empty."""
+        Requests are refused until both are back; the prefix cache starts empty."""
         self.engine.wake_up(tags)
 
     def is_sleeping(self) -> bool:

@@ -124,7 +124,13 @@ class TrainerHooks:
 
     def check_serving(self) -> None:
         """A request may come: the engine is awake and has weights."""
-        require(self.sleeping is None, "the engine is sleeping: wake it up first", "request")
+        asleep = sorted(self.sleeping.asleep) if self.sleeping is not None else []
+        require(
+            self.sleeping is None,
+            "the engine is sleeping: wake it up first"
+            + (f" (still asleep: {asleep[0]})" if len(asleep) == 1 else ""),
+            "request",
+        )
         require(
             not self.weights_unset,
             "the engine slept at level 2 and has no weights: load them with load_weights",
@@ -166,7 +172,12 @@ class TrainerHooks:
         for tag in tags:
             self.sleeping.wake(tag)
         if not self.sleeping.asleep:
+            try:
+                prepare_device(
+                    self.runner, self.runner.ops, self.cuda_graphs, self.max_num_batched_tokens
+                )
+            except BaseException:
+                # Still asleep: a retried wake_up captures the graphs again from scratch.
+                self.runner.graphs = self.runner.mixed = None
+                raise
             self.sleeping = None
-            prepare_device(
-                self.runner, self.runner.ops, self.cuda_graphs, self.max_num_batched_tokens
-            )
