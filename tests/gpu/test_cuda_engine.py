@@ -134,8 +134,12 @@ def test_graphs_equal_eager_with_sampling(toy_config, toy_state, dtype, layout):
         arrivals = {i: [(f"s{i}", prompt, params)] for i, prompt in enumerate(_prompts())}
         outputs = drain(engine, arrivals)
         assert engine.all_blocks_free()
+        stats = engine.stats()
         if graphs:  # staggered arrivals: passes with prompt rows ran as captured graphs
-            assert engine.runner.mixed.num_replays > 0
+            assert engine.runner.mixed.num_replays == stats.num_prompt_graph_passes > 0
+            assert 0 < stats.num_decode_graph_passes < stats.num_passes
+        else:
+            assert stats.num_prompt_graph_passes == stats.num_decode_graph_passes == 0
         results.append(
             {
                 rid: (o.outputs[0].token_ids, o.outputs[0].exit_depths, o.outputs[0].logprobs)

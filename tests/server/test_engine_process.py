@@ -144,6 +144,9 @@ def test_pass_metrics_match_the_cores_own_counts():
         passes = after.num_passes - before.num_passes
         assert passes > 0
         assert metric(url, "vllm_rlt:passes_total") == after.num_passes
+        # The CPU has no graphs: every pass ran eagerly.
+        assert metric(url, "vllm_rlt:decode_graph_passes_total") == 0
+        assert metric(url, "vllm_rlt:prompt_graph_passes_total") == 0
         rows_per_pass = metric(url, "vllm_rlt:rows_per_pass")
         assert rows_per_pass == 0 or 1 <= rows_per_pass <= after.num_rows
         assert metric(url, "vllm_rlt:num_preemptions_total") == 0

@@ -259,7 +259,8 @@ class EngineCore:
         )
 
     def stats(self) -> EngineStats:
-        return EngineStats.of(self.scheduler, self.passes.num_passes, self.passes.num_rows_total)
+        passes = self.passes
+        return EngineStats.of(self.scheduler, self.runner, passes.num_passes, passes.num_rows_total)
 
     def all_blocks_free(self) -> bool:
         return self.kv.all_free() and not self.scheduler.running and self.passes.in_flight is None

@@ -127,10 +127,14 @@ class EngineStats(msgspec.Struct, array_like=True):
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_position: list[int] = []  # accepted drafts made i + 1 ahead
+    # Passes that replayed captured CUDA graphs; the other passes ran eagerly (no graphs, or
+    # a pass the graphs do not take: prompt logprobs, too many rows or sampling prompts).
+    num_decode_graph_passes: int = 0
+    num_prompt_graph_passes: int = 0
 
     @classmethod
-    def of(cls, scheduler, num_passes: int, num_rows: int) -> EngineStats:
-        """The counters of an engine core with this scheduler."""
+    def of(cls, scheduler, runner, num_passes: int, num_rows: int) -> EngineStats:
+        """The counters of an engine core with this scheduler and runner."""
         return cls(
             num_running=len(scheduler.running),
             num_waiting=len(scheduler.waiting),
@@ -145,6 +149,8 @@ class EngineStats(msgspec.Struct, array_like=True):
             spec_num_draft_tokens=scheduler.num_drafted,
             spec_num_accepted_tokens=scheduler.num_accepted,
             spec_accepted_per_position=list(scheduler.accepted_at),
+            num_decode_graph_passes=runner.num_decode_graph_passes,
+            num_prompt_graph_passes=runner.num_prompt_graph_passes,
         )
 
 

@@ -147,6 +147,8 @@ class ModelRunner:
         self.lanes = lanes
         self.graphs = None  # set by the engine when CUDA graphs are enabled
         self.mixed = None  # likewise: the graphs of passes with prompt rows
+        # Passes that replayed decode graphs and prompt-pass graphs (the rest ran eagerly).
+        self.num_decode_graph_passes = self.num_prompt_graph_passes = 0
         self.uploads = HostUploads(max_slots + 1, model.device)
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -206,9 +208,11 @@ class ModelRunner:
         prompt: list[PromptRows] = []
         if self.mixed is not None and self.mixed.takes(out):
             packed, samplers = self.mixed.run(out, greedy, num_top, adjusted, speculating)
+            self.num_prompt_graph_passes += 1
         elif self.graphs is not None and not out.prefill_chunks:
             self.apply_block_updates(out.block_updates)
             packed = self.graphs.replay(out.decode_slots, greedy, num_top, adjusted, speculating)
+            self.num_decode_graph_passes += 1
         else:
             self.apply_block_updates(out.block_updates)
             decode = self.uploads.upload(out.decode_slots)

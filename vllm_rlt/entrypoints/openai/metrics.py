@@ -194,6 +194,16 @@ def _engine_families(engines: list[CoreStats | None]) -> list[Metric]:
     )
     counters = (
         ("vllm_rlt:passes", "Passes over the layer stack", "num_passes"),
+        (
+            "vllm_rlt:decode_graph_passes",
+            "Passes that replayed a decode CUDA graph",
+            "num_decode_graph_passes",
+        ),
+        (
+            "vllm_rlt:prompt_graph_passes",
+            "Passes with prompt rows that replayed the prompt-pass CUDA graphs",
+            "num_prompt_graph_passes",
+        ),
         ("vllm_rlt:num_preemptions", "Requests preempted to free KV blocks", "num_preemptions"),
         (
             "vllm_rlt:prefix_cache_queries",
