@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import glob
+import itertools
 import json
 import os
 import statistics
@@ -52,6 +53,7 @@ def summary(events: list) -> dict:
             launch_ms=total("launch"),
             collect_ms=total("collect"),
             decode_rows_median=statistics.median(e[3] for e in launches),
+            by_path=by_path(launches),
         )
     for kind in ("publish", "front_outputs"):
         if kind in kinds:
@@ -59,6 +61,27 @@ def summary(events: list) -> dict:
     if "front_release" in kinds:
         out["last_release_ms"] = ms(max(e[1] for e in kinds["front_release"]))
     return out
+
+
+def by_path(launches: list) -> dict:
+    """Per path a pass took: passes, mean wall ms from its launch to the next launch (its
+    share of the run while the host keeps up), mean rows and prompt chunks."""
+    paths: dict[str, list[float]] = {}
+    for this, following in itertools.pairwise(launches):
+        totals = paths.setdefault(this[6], [0, 0.0, 0, 0])
+        totals[0] += 1
+        totals[1] += following[1] - this[1]
+        totals[2] += this[3] + this[4]
+        totals[3] += this[7]
+    return {
+        path: {
+            "passes": n,
+            "ms_per_pass": round(1e3 * wall / n, 2),
+            "rows_per_pass": round(rows / n, 1),
+            "chunks_per_pass": round(chunks / n, 1),
+        }
+        for path, (n, wall, rows, chunks) in paths.items()
+    }
 
 
 def passes(events: list, count: int) -> list[str]:

@@ -12,7 +12,8 @@ waits, an API server's requests between two moments with none open.
     python -m benchmarks.pass_timeline.report /tmp/tl
 
 Events: ("add", t) a request reaches the core; ("launch", t0, t1, decode rows, prompt
-rows, admitted requests); ("collect", t0, t1); ("step", t0, t1, groups); ("publish", t0,
+rows, admitted requests, path, prompt chunks), the path being "decode_graph", "prompt_graph"
+or "eager"; ("collect", t0, t1); ("step", t0, t1, groups); ("publish", t0,
 t1); ("generate", t) / ("generated", t); in an API server ("front_add", t),
 ("front_outputs", t0, t1, deltas) and ("front_release", t).
 """
@@ -56,12 +57,36 @@ def patch_engine_core(module) -> None:
 
 
 def patch_runner(module) -> None:
-    def launch(t0, t1, args, _):
-        out = args[0]
-        prompt_rows = sum(len(c.token_ids) for c in out.prefill_chunks)
-        return ("launch", t0, t1, len(out.decode_slots), prompt_rows, len(out.new_slots))
+    runner_class = module.ModelRunner
+    launch_pass = runner_class.launch
 
-    timed(module.ModelRunner, "launch", launch)
+    def launch(self, out):
+        # The path the pass takes, judged before it runs: the graphs' counters say which.
+        start = time.monotonic()
+        replays = self.num_decode_graph_passes, self.num_prompt_graph_passes
+        result = launch_pass(self, out)
+        if replays[1] != self.num_prompt_graph_passes:
+            path = "prompt_graph"
+        elif replays[0] != self.num_decode_graph_passes:
+            path = "decode_graph"
+        else:
+            path = "eager"
+        chunks = out.prefill_chunks
+        EVENTS.append(
+            (
+                "launch",
+                start,
+                time.monotonic(),
+                len(out.decode_slots),
+                sum(len(c.token_ids) for c in chunks),
+                len(out.new_slots),
+                path,
+                len(chunks),
+            )
+        )
+        return result
+
+    runner_class.launch = launch
     timed(module.ModelRunner, "collect", lambda t0, t1, a, r: ("collect", t0, t1))
 
 
