@@ -230,7 +230,7 @@ class MixedGraphs:
     def _head(self, size: int, greedy: bool, with_top: bool, adjusted: bool, speculating: bool):
         """What follows the stack for `size` decode rows and the prompt samplers."""
         f = self.layouts[self.sizes[-1]].views(self.input)  # the fixed part: any size's
-        return self.runner.finish(
+        return self.runner.head.run(
             self.out[:size],
             f["decode_slots"][:size],
             self.out[f["p_rows"]],

@@ -16,13 +16,12 @@ from vllm_rlt.core.contract import (
     SampledToken,
     SchedulerOutput,
 )
-from vllm_rlt.exit import ExitInputs, ExitPolicy
-from vllm_rlt.layers.penalties import apply_bad_words, apply_penalties
-from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
+from vllm_rlt.exit import ExitPolicy
+from vllm_rlt.layers.sampler import token_logprobs
+from vllm_rlt.worker.pass_head import PassHead
 from vllm_rlt.worker.pass_inputs import (
     KVGeometry,
     build_metadata,
-    decode_row_fields,
     gather_rows,
 )
 from vllm_rlt.worker.slot_state import SlotState
@@ -145,6 +144,8 @@ class ModelRunner:
         self.prefill_hidden: dict[int, Carried] = {}  # slot -> its prompt chunk's state
         # Self-speculation: `max_slots` counts every lane (see worker/spec_lanes.py)
         self.lanes = lanes
+        # After the layer stack: one pipeline for eager passes and every graph.
+        self.head = PassHead(model, ops, self.state, geometry, exit_policy, lanes, self.dummy_slot)
         self.graphs = None  # set by the engine when CUDA graphs are enabled
         self.mixed = None  # likewise: the graphs of passes with prompt rows
         # Passes that replayed decode graphs and prompt-pass graphs (the rest ran eagerly).
@@ -323,7 +324,7 @@ class ModelRunner:
             p_slots, p_rows = self.uploads.upload(
                 [s for s, _ in samplers] + [r for _, r in samplers]
             ).view(2, -1)
-        packed = self.finish(
+        packed = self.head.run(
             hidden[:num_decode],
             decode,
             hidden[p_rows],
@@ -358,127 +359,6 @@ class ModelRunner:
             row += n
         return samplers
 
-    def finish(
-        self,
-        d_hidden: torch.Tensor,  # [decode rows, hidden]
-        decode: torch.Tensor,  # [decode rows] slots
-        p_hidden: torch.Tensor,  # [prompt samplers, hidden]
-        p_slots: torch.Tensor,  # [prompt samplers] slots (the dummy: padding)
-        greedy: bool,
-        num_top: int,
-        adjusted: bool,
-        speculating: bool,
-        d_loops: torch.Tensor | None = None,  # [decode rows] the loop each ran, if known
-    ) -> torch.Tensor:
-        """After the layer stack: the decode rows' exits, sampling where rows exit and on
-        the prompt rows that sample, the slot state scattered back, and the packed results
-        [decode rows + prompt samplers, PACKED_FIELDS + 2 * num_top]. Every shape depends
-        only on the row counts, so it is captured as it is."""
-        st = self.state
-        lanes = self.lanes if speculating else None
-        if d_loops is None:
-            d_loops = decode_row_fields(decode, st, self.geo, lanes).loops
-        num_decode = decode.shape[0]
-        loops_done = d_loops + 1
-        trace_index = (st.num_generated[decode] - 1).clamp(0, st.trace.shape[1] - 1)
-        decision = self.exit_policy.decide(
-            ExitInputs(
-                hidden=d_hidden,
-                loops_done=loops_done,
-                min_loops=st.min_loops[decode],
-                max_loops=st.max_loops[decode],
-                threshold=st.threshold[decode],
-                survival=st.survival[decode],
-                pending=st.pending[decode],
-                target_depth=st.trace[decode, trace_index],
-            )
-        )
-        exited, survival, pending = decision.exit, decision.survival, decision.pending
-        d_positions = st.position[decode]
-        if lanes is not None:
-            exited, drafting, held, hold = lanes.events(decode, d_positions, loops_done, exited)
-            # A held lane keeps its state; released, it samples from the state it exited
-            # with, at the depth it exited at.
-            d_hidden = torch.where(held.unsqueeze(1), st.hidden[decode], d_hidden)
-            loops_done = torch.where(held, st.loop[decode], loops_done)
-            survival = torch.where(held, st.survival[decode], survival)
-            pending = torch.where(held, st.pending[decode], pending)
-
-        # Rows that may sample: every decode row (kept only where it exits), and the last
-        # position of each prompt that just finished its last loop.
-        sample_hidden, sample_slots = d_hidden, decode
-        live = exited & (decode != self.dummy_slot)  # padding rows of a graph never count
-        prompt_samples = p_slots.shape[0] > 0
-        if prompt_samples:
-            sample_hidden = torch.cat([d_hidden, p_hidden])
-            sample_slots = torch.cat([decode, p_slots])
-            live = torch.cat([live, p_slots != self.dummy_slot])
-        head = live  # rows that need the LM head
-        if lanes is not None:
-            head = live | torch.cat([drafting, torch.zeros_like(live[num_decode:])])
-        logits, sampled_from = self._logits(sample_hidden, sample_slots, head, adjusted)
-        tokens = greedy_or_sample(
-            sampled_from,
-            greedy,
-            st.temperature[sample_slots],
-            st.top_k[sample_slots],
-            st.top_p[sample_slots],
-            st.min_p[sample_slots],
-            st.seed[sample_slots],
-            st.num_generated[sample_slots],
-        )
-        outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
-        if lanes is not None:
-            spec_tokens, accepted, had_draft, probs = lanes.choose(
-                st, decode, d_positions, logits[:num_decode], exited, tokens[:num_decode], greedy
-            )
-            is_lane = lanes.is_lane[decode]
-            tokens = torch.cat(
-                [torch.where(is_lane, spec_tokens, tokens[:num_decode]), tokens[num_decode:]]
-            )
-            pad = torch.zeros_like(live[num_decode:], dtype=torch.float32)
-            drafted_outcome = torch.where(accepted, 1.0, 2.0) * had_draft
-            outcome = torch.cat([drafted_outcome, pad])
-            ahead = torch.cat([lanes.drafted_ahead(decode).float() * had_draft, pad])
-        if adjusted and st.penalties is not None:  # count each kept token for later ones
-            penalties = st.penalties
-            penalties.output_counts.index_put_((sample_slots, tokens), live.int(), accumulate=True)
-            recent = penalties.recent[sample_slots]
-            shifted = torch.cat([recent[:, 1:], tokens.unsqueeze(1)], 1)
-            penalties.recent[sample_slots] = torch.where(live.unsqueeze(1), shifted, recent)
-        chosen_lp, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
-
-        st.token[decode] = torch.where(exited, tokens[:num_decode], st.token[decode])
-        st.position[decode] += exited.long()
-        st.loop[decode] = torch.where(exited, 0, loops_done)
-        st.survival[decode] = torch.where(exited, 1.0, survival)
-        st.pending[decode] = pending & ~exited
-        st.num_generated[decode] += exited.long()
-        st.hidden[decode] = d_hidden
-        if lanes is not None:
-            lanes.step(
-                st,
-                decode,
-                d_positions,
-                exited,
-                drafting,
-                hold,
-                accepted,
-                tokens[:num_decode],
-                probs,
-            )
-        depths, flags = loops_done, exited
-        if prompt_samples:
-            st.token[p_slots] = tokens[num_decode:]
-            st.num_generated.index_fill_(0, p_slots, 1)  # no host copy inside a graph
-            depths = torch.cat([depths, torch.full_like(p_slots, self.num_loops)])
-            flags = torch.cat([flags, torch.ones_like(p_slots, dtype=torch.bool)])
-        st.reset_dummy(self.dummy_slot)
-        fields = torch.stack(
-            [flags.float(), tokens.float(), depths.float(), chosen_lp, outcome, ahead], 1
-        )
-        return torch.cat([fields, top_ids.float(), top_lp], dim=1)
-
     def _prompt_rows(
         self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
     ) -> list[PromptRows]:
@@ -501,32 +381,6 @@ class ModelRunner:
                 results.append(PromptRows(chunk.slot, chunk.start + 1, chunk.prompt_top, values))
             row += len(chunk.token_ids)
         return results
-
-    def _logits(self, hidden, slots, head, adjusted: bool):
-        """(the model's logits, what sampling draws from: with the min_tokens ban and the
-        logit adjustments) of the rows; the LM head may skip rows outside `head`."""
-        st = self.state
-        logits = self.model.coda(hidden, self.ops, head)  # [samplers, vocab]
-        before_min = st.num_generated[slots] < st.min_tokens[slots]
-        logits = logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
-        penalties = st.penalties
-        if not adjusted or penalties is None:
-            return logits, logits
-        adjusted_logits = apply_penalties(
-            logits,
-            penalties.output_counts[slots],
-            penalties.prompt_mask[slots],
-            penalties.repetition[slots],
-            penalties.frequency[slots],
-            penalties.presence[slots],
-            penalties.bias[slots],
-        )
-        return logits, apply_bad_words(
-            adjusted_logits,
-            penalties.recent[slots],
-            penalties.bad_prefixes[slots],
-            penalties.bad_last_tokens[slots],
-        )
 
     def _to_output(self, packed: list[list[float]], slots: list[int]) -> ModelRunnerOutput:
         sampled, continuing = [], []

@@ -7,6 +7,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from vllm_rlt.core.contract import NewSlot, Penalties
+from vllm_rlt.layers.penalties import apply_bad_words, apply_penalties
 from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 
 Upload = Callable[[torch.Tensor], torch.Tensor]  # an int64 host tensor, sent to the device
@@ -70,6 +71,29 @@ class PenaltyState:
             self.bad_prefixes[slot] = prefixes.to(device)
             last = [word[-1] for word in penalties.bad_words]
             self.bad_last_tokens[slot, : len(last)] = torch.tensor(last, device=device)
+
+    def adjust(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """The logits sampling draws from: penalties and bias, then the bad words barred."""
+        adjusted = apply_penalties(
+            logits,
+            self.output_counts[slots],
+            self.prompt_mask[slots],
+            self.repetition[slots],
+            self.frequency[slots],
+            self.presence[slots],
+            self.bias[slots],
+        )
+        return apply_bad_words(
+            adjusted, self.recent[slots], self.bad_prefixes[slots], self.bad_last_tokens[slots]
+        )
+
+    def count_kept(self, slots: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor) -> None:
+        """Count each kept token for the penalties of later ones and append it to its slot's
+        recent outputs (the bad words' context)."""
+        self.output_counts.index_put_((slots, tokens), kept.int(), accumulate=True)
+        recent = self.recent[slots]
+        shifted = torch.cat([recent[:, 1:], tokens.unsqueeze(1)], 1)
+        self.recent[slots] = torch.where(kept.unsqueeze(1), shifted, recent)
 
 
 class SlotState:

@@ -1,0 +1,279 @@
+"""What every pass runs after the layer stack, as one fixed pipeline: the decode rows'
+exits, sampling where rows exit and on the prompt rows that sample, the slot state scattered
+back, and the packed results. Eager passes, decode graphs and prompt-pass graphs all run it;
+speculation lanes (`SpecLanes`) and logit adjustments (`PenaltyState`) plug in where they
+act."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm_rlt.exit import ExitInputs, ExitPolicy
+from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
+from vllm_rlt.worker.pass_inputs import KVGeometry, decode_row_fields
+from vllm_rlt.worker.slot_state import SlotState
+from vllm_rlt.worker.spec_lanes import SpecLanes
+
+
+@dataclass
+class Exits:
+    """The decode rows after the exit policy (and, with lanes, after holding lanes back):
+    which exit, their state to keep, and where they are."""
+
+    exited: torch.Tensor  # [decode rows] bool
+    survival: torch.Tensor
+    pending: torch.Tensor
+    loops_done: torch.Tensor  # the depth each row has reached
+    hidden: torch.Tensor  # [decode rows, hidden] the state each row keeps or samples from
+    positions: torch.Tensor
+    drafting: torch.Tensor | None = None  # lanes only
+    hold: Any = None  # lanes only: what `SpecLanes.step` needs of the held lanes
+
+
+@dataclass
+class SampleRows:
+    """The rows that may sample: every decode row (kept only where it exits), then the last
+    position of each prompt that just finished its last loop."""
+
+    hidden: torch.Tensor
+    slots: torch.Tensor
+    live: torch.Tensor  # rows whose token counts (padding rows of a graph never do)
+    head: torch.Tensor  # rows that need the LM head (drafting lanes too)
+    prompt_samples: bool
+
+    @classmethod
+    def of(cls, exits: Exits, decode, p_hidden, p_slots, dummy_slot: int, lanes) -> SampleRows:
+        hidden, slots = exits.hidden, decode
+        live = exits.exited & (decode != dummy_slot)
+        prompt_samples = p_slots.shape[0] > 0
+        if prompt_samples:
+            hidden = torch.cat([exits.hidden, p_hidden])
+            slots = torch.cat([decode, p_slots])
+            live = torch.cat([live, p_slots != dummy_slot])
+        head = live
+        if lanes is not None:
+            head = live | torch.cat([exits.drafting, torch.zeros_like(live[decode.shape[0] :])])
+        return cls(hidden, slots, live, head, prompt_samples)
+
+
+@dataclass
+class Sampled:
+    """What sampling chose per sampling row, with its logprobs and the lanes' outcome."""
+
+    tokens: torch.Tensor
+    chosen_lp: torch.Tensor
+    top_ids: torch.Tensor
+    top_lp: torch.Tensor
+    outcome: torch.Tensor  # the draft's: 0 none, 1 accepted, 2 refused
+    ahead: torch.Tensor  # how far ahead the draft was
+    spec: tuple[torch.Tensor, torch.Tensor] | None  # lanes only: (accepted, probs)
+
+
+class PassHead:
+    """Holds what the pipeline reads and writes: the slot state, the model's LM head, the
+    exit policy and the lanes."""
+
+    def __init__(
+        self,
+        model: Any,
+        ops: Any,
+        state: SlotState,
+        geo: KVGeometry,
+        exit_policy: ExitPolicy,
+        lanes: SpecLanes | None,
+        dummy_slot: int,
+    ) -> None:
+        self.model, self.ops, self.state, self.geo = model, ops, state, geo
+        self.exit_policy, self.lanes, self.dummy_slot = exit_policy, lanes, dummy_slot
+        self.num_loops = model.config.num_loops
+
+    def run(
+        self,
+        d_hidden: torch.Tensor,  # [decode rows, hidden]
+        decode: torch.Tensor,  # [decode rows] slots
+        p_hidden: torch.Tensor,  # [prompt samplers, hidden]
+        p_slots: torch.Tensor,  # [prompt samplers] slots (the dummy: padding)
+        greedy: bool,
+        num_top: int,
+        adjusted: bool,
+        speculating: bool,
+        d_loops: torch.Tensor | None = None,  # [decode rows] the loop each ran, if known
+    ) -> torch.Tensor:
+        """After the layer stack, one fixed pipeline: the decode rows' exits, sampling where
+        rows exit and on the prompt rows that sample, the slot state scattered back, and the
+        packed results [decode rows + prompt samplers, PACKED_FIELDS + 2 * num_top].
+        Speculation lanes (`SpecLanes`) and logit adjustments (`PenaltyState`) plug in where
+        they act. Every shape depends only on the row counts, so it is captured as it is."""
+        lanes = self.lanes if speculating else None
+        exits = self._exits(d_hidden, decode, d_loops, lanes)
+        rows = SampleRows.of(exits, decode, p_hidden, p_slots, self.dummy_slot, lanes)
+        sample = self._sample(rows, exits, decode, greedy, num_top, adjusted, lanes)
+        self._scatter(exits, decode, p_slots, sample.tokens, lanes, sample.spec)
+        depths, flags = exits.loops_done, exits.exited
+        if rows.prompt_samples:
+            depths = torch.cat([depths, torch.full_like(p_slots, self.num_loops)])
+            flags = torch.cat([flags, torch.ones_like(p_slots, dtype=torch.bool)])
+        fields = torch.stack(
+            [
+                flags.float(),
+                sample.tokens.float(),
+                depths.float(),
+                sample.chosen_lp,
+                sample.outcome,
+                sample.ahead,
+            ],
+            1,
+        )
+        return torch.cat([fields, sample.top_ids.float(), sample.top_lp], dim=1)
+
+    def _exits(
+        self,
+        d_hidden: torch.Tensor,
+        decode: torch.Tensor,
+        d_loops: torch.Tensor | None,
+        lanes: SpecLanes | None,
+    ) -> Exits:
+        """Which decode rows leave after this loop (the exit policy), and with lanes which
+        are held back or draft."""
+        st = self.state
+        if d_loops is None:
+            d_loops = decode_row_fields(decode, st, self.geo, lanes).loops
+        loops_done = d_loops + 1
+        trace_index = (st.num_generated[decode] - 1).clamp(0, st.trace.shape[1] - 1)
+        decision = self.exit_policy.decide(
+            ExitInputs(
+                hidden=d_hidden,
+                loops_done=loops_done,
+                min_loops=st.min_loops[decode],
+                max_loops=st.max_loops[decode],
+                threshold=st.threshold[decode],
+                survival=st.survival[decode],
+                pending=st.pending[decode],
+                target_depth=st.trace[decode, trace_index],
+            )
+        )
+        exits = Exits(
+            exited=decision.exit,
+            survival=decision.survival,
+            pending=decision.pending,
+            loops_done=loops_done,
+            hidden=d_hidden,
+            positions=st.position[decode],
+        )
+        if lanes is not None:
+            exited, exits.drafting, held, exits.hold = lanes.events(
+                decode, exits.positions, loops_done, exits.exited
+            )
+            # A held lane keeps its state; released, it samples from the state it exited
+            # with, at the depth it exited at.
+            exits.exited = exited
+            exits.hidden = torch.where(held.unsqueeze(1), st.hidden[decode], d_hidden)
+            exits.loops_done = torch.where(held, st.loop[decode], loops_done)
+            exits.survival = torch.where(held, st.survival[decode], exits.survival)
+            exits.pending = torch.where(held, st.pending[decode], exits.pending)
+        return exits
+
+    def _sample(
+        self,
+        rows: SampleRows,
+        exits: Exits,
+        decode: torch.Tensor,
+        greedy: bool,
+        num_top: int,
+        adjusted: bool,
+        lanes: SpecLanes | None,
+    ) -> Sampled:
+        """The LM head, the sampler, the lanes' choice between draft and own token, the
+        kept tokens counted for the logit adjustments, and the logprobs."""
+        st = self.state
+        num_decode = decode.shape[0]
+        slots, live = rows.slots, rows.live
+        logits, sampled_from = self._logits(rows.hidden, slots, rows.head, adjusted)
+        tokens = greedy_or_sample(
+            sampled_from,
+            greedy,
+            st.temperature[slots],
+            st.top_k[slots],
+            st.top_p[slots],
+            st.min_p[slots],
+            st.seed[slots],
+            st.num_generated[slots],
+        )
+        outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
+        spec = None
+        if lanes is not None:
+            spec_tokens, accepted, had_draft, probs = lanes.choose(
+                st,
+                decode,
+                exits.positions,
+                logits[:num_decode],
+                exits.exited,
+                tokens[:num_decode],
+                greedy,
+            )
+            is_lane = lanes.is_lane[decode]
+            tokens = torch.cat(
+                [torch.where(is_lane, spec_tokens, tokens[:num_decode]), tokens[num_decode:]]
+            )
+            pad = torch.zeros_like(live[num_decode:], dtype=torch.float32)
+            drafted_outcome = torch.where(accepted, 1.0, 2.0) * had_draft
+            outcome = torch.cat([drafted_outcome, pad])
+            ahead = torch.cat([lanes.drafted_ahead(decode).float() * had_draft, pad])
+            spec = (accepted, probs)
+        if adjusted and st.penalties is not None:
+            st.penalties.count_kept(slots, tokens, live)
+        chosen_lp, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
+        return Sampled(tokens, chosen_lp, top_ids, top_lp, outcome, ahead, spec)
+
+    def _scatter(
+        self,
+        exits: Exits,
+        decode: torch.Tensor,
+        p_slots: torch.Tensor,
+        tokens: torch.Tensor,
+        lanes: SpecLanes | None,
+        spec: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> None:
+        """Write each row's result back into its slot's state."""
+        st = self.state
+        num_decode = decode.shape[0]
+        exited = exits.exited
+        st.token[decode] = torch.where(exited, tokens[:num_decode], st.token[decode])
+        st.position[decode] += exited.long()
+        st.loop[decode] = torch.where(exited, 0, exits.loops_done)
+        st.survival[decode] = torch.where(exited, 1.0, exits.survival)
+        st.pending[decode] = exits.pending & ~exited
+        st.num_generated[decode] += exited.long()
+        st.hidden[decode] = exits.hidden
+        if lanes is not None:
+            assert spec is not None
+            accepted, probs = spec
+            lanes.step(
+                st,
+                decode,
+                exits.positions,
+                exited,
+                exits.drafting,
+                exits.hold,
+                accepted,
+                tokens[:num_decode],
+                probs,
+            )
+        if p_slots.shape[0] > 0:
+            st.token[p_slots] = tokens[num_decode:]
+            st.num_generated.index_fill_(0, p_slots, 1)  # no host copy inside a graph
+        st.reset_dummy(self.dummy_slot)
+
+    def _logits(self, hidden, slots, head, adjusted: bool):
+        """(the model's logits, what sampling draws from: with the min_tokens ban and the
+        logit adjustments) of the rows; the LM head may skip rows outside `head`."""
+        st = self.state
+        logits = self.model.coda(hidden, self.ops, head)  # [samplers, vocab]
+        before_min = st.num_generated[slots] < st.min_tokens[slots]
+        logits = logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
+        if not adjusted or st.penalties is None:
+            return logits, logits
+        return logits, st.penalties.adjust(logits, slots)
