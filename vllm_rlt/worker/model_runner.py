@@ -144,7 +144,8 @@ class ModelRunner:
         self.prefill_hidden: dict[int, Carried] = {}  # slot -> its prompt chunk's state
         # Self-speculation: `max_slots` counts every lane (see worker/spec_lanes.py)
         self.lanes = lanes
-        # After the layer stack: one pipeline for eager passes and every graph.
+        # After the layer stack: one pipeline for eager passes and every graph. It holds the
+        # state, lanes and exit policy: whatever replaces one of them must rebuild it.
         self.head = PassHead(model, ops, self.state, geometry, exit_policy, lanes, self.dummy_slot)
         self.graphs = None  # set by the engine when CUDA graphs are enabled
         self.mixed = None  # likewise: the graphs of passes with prompt rows
