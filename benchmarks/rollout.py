@@ -8,6 +8,10 @@ the KV pool, planned to fill the device, included), preemptions, passes.
     python -m benchmarks.rollout /tmp/ouro --device cuda --kv-layout last_exited shared_decode
 
 (defaults: 64 prompts of 256 tokens, n = 8, 4,096 output tokens, temperature 1.0, top_p 0.7)
+
+`--time-limit S` stops each layout's rollout after S seconds, aborting what still runs, and
+reports the tokens made until then ("complete": false): a whole rollout of the defaults
+outlasts a short measurement window.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import sys
 import time
 
 import torch
+from tqdm import tqdm
 
 from vllm_rlt import LLM, CacheConfig, SamplingParams
 from vllm_rlt.cli_parser import CLIParser
@@ -54,13 +59,17 @@ def rollout(args, layout: str) -> dict:
     if device.type == "cuda":  # the peak from here on: weights, KV pool and the passes
         torch.cuda.reset_peak_memory_stats(device)
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    if args.time_limit is None:
+        outputs, complete = llm.generate(prompts, params), True
+    else:
+        outputs, complete = _generate_until(llm, prompts, params, start + args.time_limit)
     seconds = time.perf_counter() - start
     tokens = sum(len(c.token_ids) for o in outputs for c in o.outputs)
     depths = [d for o in outputs for c in o.outputs for d in c.exit_depths[1:]]
     stats = llm.engine.stats()
     return {
         "kv_layout": layout,
+        "complete": complete,
         "output_tokens": tokens,
         "seconds": round(seconds, 2),
         "output_tokens_per_s": round(tokens / seconds, 1),
@@ -74,6 +83,27 @@ def rollout(args, layout: str) -> dict:
         "preemptions": stats.num_preemptions,
         "passes": stats.num_passes,
     }
+
+
+def _generate_until(llm: LLM, prompts: list[dict], params: SamplingParams, deadline: float):
+    """`llm.generate` through the engine's own loop, stopped at `deadline` (perf_counter):
+    the outputs as they stand (unfinished requests aborted) and whether all had finished."""
+    engine = llm.llm_engine
+    ids = [f"rollout-{i}" for i in range(len(prompts))]
+    for request_id, prompt in zip(ids, prompts, strict=True):
+        engine.add_request(request_id, prompt["prompt_token_ids"], params)
+    done = {}
+    with tqdm(total=len(ids), desc="Generating", file=sys.stderr) as bar:
+        while engine.has_unfinished and time.perf_counter() < deadline:
+            for output in engine.step():
+                if output.finished:
+                    done[output.request_id] = output
+                    bar.update(1)
+    complete = len(done) == len(ids)
+    for request_id in ids:
+        if request_id not in done:
+            done[request_id] = engine.abort_request(request_id)
+    return [done[request_id] for request_id in ids], complete
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -94,7 +124,15 @@ def main(argv: list[str] | None = None) -> int:
         help="run every sample to max_tokens (random weights may sample EOS early)",
     )
     parser.add_argument("--seed", type=int, default=0, help="prompts and sampling seed")
+    parser.add_argument(
+        "--time-limit",
+        type=float,
+        default=None,
+        help="stop each layout's rollout after this many seconds (default: none, run it all)",
+    )
     args = parser.parse_args(argv)
+    if args.time_limit is not None and not args.time_limit > 0:
+        parser.error(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     environment = {"python": platform.python_version(), "torch": torch.__version__}
     if torch.device(args.device).type == "cuda":
         environment["gpu"] = torch.cuda.get_device_name()
