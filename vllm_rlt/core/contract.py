@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,11 @@ class NewSlot:
     # which computes a position past `last_position` (the one that samples its last token).
     speculates: bool = False
     last_position: int = 0
+    # Prefill/decode disaggregation (engine/kv_handover.py): the prompt K/V another core
+    # computed, written into `imported_blocks` (the positions' blocks, in order) at
+    # admission; the request then decodes from `first_token` at once.
+    imported_kv: Any = None
+    imported_blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_rlt.core.contract import Penalties, SamplingRecord
 from vllm_rlt.sampling_params import SamplingParams
@@ -67,6 +68,8 @@ class Request:
     stop_reason: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
+    # Its prompt K/V from a prefill core (engine/kv_handover.py), until admission writes it.
+    kv_import: Any = None
 
     @functools.cached_property
     def sampling(self) -> SamplingRecord:

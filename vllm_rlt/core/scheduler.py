@@ -375,7 +375,7 @@ class Scheduler:
         for request in queue[: self.config.admission_scan_limit]:
             if not self.free_slots:
                 break
-            hits = self._usable_hits(request)
+            hits = 0 if request.kv_import is not None else self._usable_hits(request)
             first = self._first_chunk_blocks(request, hits)
             fits = promised + first + self._watermark() <= self.kv.num_free_blocks
             if not fits or request.preempted_in == self.round:
@@ -412,6 +412,8 @@ class Scheduler:
         request whose cache covers the prompt, within its replay), plus the cached ones that
         nobody holds (matching them takes them out of the free count); under SHARED_DECODE
         every loop's table takes the new ones."""
+        if request.kv_import is not None:  # decodes at once: its prompt and first input
+            return self.kv.blocks_for(self._imported_positions(request))
         cached = hits * self.kv.block_size
         segment_end = request.prompt_len if cached < request.prompt_len else request.prefill_len
         end = min(segment_end, cached + self.chunk_limit)
@@ -451,7 +453,8 @@ class Scheduler:
         request.admission = self._admissions
         request.plan_prefill(self.num_loops)
         self.running[slot] = request
-        if self.kv.enable_caching:
+        imported, blocks = request.kv_import, ()
+        if self.kv.enable_caching and imported is None:
             assert request.block_hashes is not None
             for index, block in self.kv.match_prefix(
                 request.request_id, request.block_hashes[:hits]
@@ -461,6 +464,13 @@ class Scheduler:
             request.num_prefilled = hits * self.kv.block_size
             self.prefix_queries += request.prompt_len
             self.prefix_hits += request.num_prefilled
+        if imported is not None:
+            request.kv_import = None  # a later preemption recomputes it, as any other
+            request.num_prefilled = request.prefill_len
+            request.status = RequestStatus.DECODE
+            placed = self._reserve(request, self._imported_positions(request), False)
+            assert placed, "admission counted these blocks"
+            blocks = tuple(self.kv.block_table(request.request_id))
         params = request.params
         resumed = bool(request.output_token_ids)
         sampling = request.sampling
@@ -473,7 +483,15 @@ class Scheduler:
             output_token_ids=tuple(request.output_token_ids) if sampling.penalties else (),
             speculates=request.speculates,
             last_position=request.prompt_len + params.max_tokens - 2,
+            imported_kv=imported,
+            imported_blocks=blocks,
         )
+
+    @staticmethod
+    def _imported_positions(request: Request) -> int:
+        """Positions an imported request holds blocks for on admission: those it brings
+        (its prompt and its decoded inputs) and the one its next decode writes."""
+        return min(request.prefill_len + 1, request.reserved_positions)
 
     # ----------------------------------------------------------------- results
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:

@@ -30,6 +30,13 @@ class RequestGroup:
     sent: list[int] = field(default_factory=list)  # tokens already sent, per completion
     finish_sent: set[int] = field(default_factory=set)  # completions whose end was sent
     prompt_logprobs_sent: bool = False
+    handover: bool = False  # ends here once prefilled, to decode on another core
+
+    @property
+    def ready_to_hand_over(self) -> bool:
+        """Every completion has its first token or has ended, and one still runs."""
+        children = self.children
+        return not self.all_ended and all(c.output_token_ids or c.is_finished for c in children)
 
     @classmethod
     def start(

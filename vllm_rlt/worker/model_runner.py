@@ -184,6 +184,8 @@ class ModelRunner:
         for new in news:
             try:
                 self.state.admit_extras(new)
+                if new.imported_kv is not None:
+                    self.import_kv(new.imported_kv, new.imported_blocks)
                 if lanes is not None:
                     lanes.admit(new.slot, new.speculates, new.prompt_len, new.last_position)
                     if new.speculates:
@@ -194,6 +196,43 @@ class ModelRunner:
                 failed.append((new, error))
             self.prefill_hidden.pop(new.slot, None)
         return failed
+
+    def _prompt_entries(self, blocks: Sequence[int], num_positions: int) -> torch.Tensor:
+        """Cache entries of positions [0, num_positions) held in `blocks`, at every plane:
+        [planes * num_positions], plane by plane."""
+        geo = self.geo
+        positions = torch.arange(num_positions)
+        table = torch.tensor(list(blocks), dtype=torch.int64)
+        rows = table[positions // geo.block_size] * geo.block_size + positions % geo.block_size
+        planes = torch.arange(geo.planes).unsqueeze(1) * geo.slots_per_plane
+        return (planes + rows).flatten().to(self.model.device)
+
+    @torch.inference_mode()
+    def export_kv(self, blocks: Sequence[int], num_positions: int) -> torch.Tensor:
+        """A copy of the K/V of positions [0, num_positions) held in `blocks`:
+        [layers, 2, planes, positions, kv_heads, head_dim] on this device, taken in stream
+        order, so the blocks may be freed (and rewritten by later passes) right after."""
+        entries = self._prompt_entries(blocks, num_positions)
+        planes = self.geo.planes
+        per_layer = [
+            torch.stack([k[entries], v[entries]]).view(2, planes, num_positions, *k.shape[1:])
+            for k, v in zip(self.k_caches, self.v_caches, strict=True)
+        ]
+        return torch.stack(per_layer)
+
+    @torch.inference_mode()
+    def import_kv(self, kv: torch.Tensor, blocks: Sequence[int]) -> None:
+        """Write an `export_kv` copy into `blocks` (before any pass that reads them)."""
+        num_positions = kv.shape[3]
+        first = self.k_caches[0]
+        expected = (len(self.k_caches), 2, self.geo.planes, num_positions, *first.shape[1:])
+        if tuple(kv.shape) != expected:
+            raise ValueError(f"handed-over K/V has shape {tuple(kv.shape)}, expected {expected}")
+        entries = self._prompt_entries(blocks, num_positions)
+        kv = kv.to(device=first.device, dtype=first.dtype)
+        for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
+            k[entries] = kv[layer, 0].reshape(-1, *k.shape[1:])
+            v[entries] = kv[layer, 1].reshape(-1, *v.shape[1:])
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingPass:

@@ -1,0 +1,180 @@
+"""Prefill/decode disaggregation inside the engine core (engine/kv_handover.py): a request
+that a prefill core runs up to its first tokens and a decode core continues produces what
+one core running it alone produces, in both per-plane KV layouts, and leaves no block or
+slot behind on either core."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from vllm_rlt import ExitConfig, SamplingParams
+
+PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 12], list(range(20, 39)), [88, 1]]
+
+
+def _collect(outputs: dict, delta) -> None:
+    """Fold one core's RequestDelta into outputs[request][index] = [tokens, depths,
+    logprobs, finish reason], checking that deltas continue where the last one ended."""
+    per_request = outputs.setdefault(delta.request_id, {})
+    for completion in delta.completions:
+        got = per_request.setdefault(completion.index, [[], [], [], None])
+        assert completion.start == len(got[0]), "a delta repeats or skips tokens"
+        got[0] += completion.token_ids
+        got[1] += completion.exit_depths
+        got[2] += completion.logprobs or []
+        if completion.finish_reason is not None:
+            assert got[3] is None, "a completion ended twice"
+            got[3] = completion.finish_reason
+    if delta.prompt_logprobs is not None:
+        assert "prompt" not in per_request, "prompt logprobs reported twice"
+        per_request["prompt"] = delta.prompt_logprobs
+
+
+def _colocated(engine, requests) -> dict:
+    outputs: dict = {}
+    for request_id, prompt, params in requests:
+        engine.add_request(request_id, prompt, params)
+    while engine.has_unfinished:
+        for delta in engine.step():
+            _collect(outputs, delta)
+    return outputs
+
+
+def _disaggregated(prefill, decode, requests) -> tuple[dict, list]:
+    outputs: dict = {}
+    handed = []
+    for request_id, prompt, params in requests:
+        prefill.add_request(request_id, prompt, params, handover=True)
+    while prefill.has_unfinished or decode.has_unfinished:
+        if prefill.has_unfinished:
+            for delta in prefill.step():
+                _collect(outputs, delta)
+            for handover in prefill.take_handovers():
+                handed.append(handover)
+                decode.import_request(handover)
+        if decode.has_unfinished:
+            for delta in decode.step():
+                _collect(outputs, delta)
+    return outputs, handed
+
+
+def _requests():
+    return [
+        ("greedy", PROMPTS[0], SamplingParams(max_tokens=9, temperature=0.0)),
+        ("seeded", PROMPTS[1], SamplingParams(max_tokens=7, temperature=0.9, seed=11)),
+        ("fanout", PROMPTS[2], SamplingParams(max_tokens=6, temperature=1.0, top_p=0.8, n=3)),
+        (
+            "penalised",
+            PROMPTS[3],
+            SamplingParams(max_tokens=8, temperature=0.7, seed=3, repetition_penalty=1.3),
+        ),
+        ("one-token", PROMPTS[0], SamplingParams(max_tokens=1, temperature=0.0)),
+        ("prompt-lp", PROMPTS[1], SamplingParams(max_tokens=5, prompt_logprobs=2, logprobs=1)),
+    ]
+
+
+def _assert_same(got: dict, expected: dict) -> None:
+    assert got.keys() == expected.keys()
+    for request_id, completions in expected.items():
+        assert got[request_id].keys() == completions.keys(), request_id
+        for index, want in completions.items():
+            have = got[request_id][index]
+            if index == "prompt":
+                assert have == pytest.approx(want), request_id
+                continue
+            assert have[0] == want[0], (request_id, index)  # tokens
+            assert have[1] == want[1], (request_id, index)  # exit depths
+            assert have[2] == pytest.approx(want[2], abs=1e-4), (request_id, index)
+            assert have[3] == want[3], (request_id, index)
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
+@pytest.mark.parametrize("exit_mode", ["ouro", "random_lookahead"])
+def test_a_handed_over_request_decodes_as_on_one_core(make_engine, layout, exit_mode):
+    """With random_lookahead at threshold 0.5 tokens exit at different depths, so the decode
+    inputs handed over with a completion hold K/V of mixed depths."""
+    settings = dict(
+        layout=layout,
+        async_scheduling=True,
+        enable_prefix_caching=False,
+        exit_config=ExitConfig(mode=exit_mode),
+    )
+    threshold = 0.5 if exit_mode == "random_lookahead" else None
+    requests = [
+        (rid, prompt, dataclasses.replace(params, exit_threshold=threshold))
+        for rid, prompt, params in _requests()
+    ]
+    expected = _colocated(make_engine(**settings), requests)
+    if exit_mode == "random_lookahead":
+        depths = {
+            depth
+            for completions in expected.values()
+            for index, completion in completions.items()
+            if index != "prompt"
+            for depth in completion[1]
+        }
+        assert len(depths) > 1, depths
+    prefill, decode = make_engine(**settings), make_engine(**settings)
+    got, handed = _disaggregated(prefill, decode, requests)
+    _assert_same(got, expected)
+    # Every request but the one that ended at its first token moved; only live
+    # completions carry K/V, one prompt's worth each, at every plane (last_exited) or the
+    # final one (shared_decode).
+    assert sorted(h.request_id for h in handed) == sorted(
+        rid for rid, _, _ in _requests() if rid != "one-token"
+    )
+    planes = prefill.runner.geo.planes
+    assert planes == (prefill.num_loops if layout == "last_exited" else 1)
+    for handover in handed:
+        for completion in handover.completions:
+            assert completion.finish_reason is None
+            computed = len(handover.prompt_token_ids) + len(completion.output_token_ids) - 1
+            assert completion.kv.shape[2:4] == (planes, computed)
+    assert prefill.stats().num_passes > 0 and decode.stats().num_passes > 0
+
+
+def test_aborts_around_the_handover_free_everything(make_engine):
+    """Aborted on the prefill core before the handover, or on the decode core before its
+    admission and while it decodes: both cores end with every block and slot free (the
+    fixture checks), and the aborted requests report their end once."""
+    prefill, decode = make_engine(), make_engine()
+    params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    for request_id in ("early", "queued", "running"):
+        prefill.add_request(request_id, PROMPTS[0], params, handover=True)
+    prefill.step()
+    assert prefill.abort_request("early").finished
+    handovers = []
+    while len(handovers) < 2:
+        prefill.step()
+        handovers += prefill.take_handovers()
+    assert not prefill.has_unfinished and prefill.all_blocks_free()
+    for handover in handovers:
+        decode.import_request(handover)
+    assert decode.abort_request("queued").finished  # never admitted
+    decode.step()
+    decode.step()
+    assert decode.abort_request("running").finished
+    while decode.has_unfinished:
+        decode.step()
+
+
+def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine):
+    prefill, decode = make_engine(), make_engine(layout="shared_decode")
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    prefill.add_request("r", PROMPTS[1], params, handover=True)
+    handovers = []
+    while not handovers:
+        prefill.step()
+        handovers = prefill.take_handovers()
+    decode.add_request("r", PROMPTS[0], params)
+    with pytest.raises(ValueError, match="already in use"):
+        decode.import_request(handovers[0])
+    decode.abort_request("r")
+    # Four planes of K/V into a one-plane pool: the request fails alone, nothing leaks.
+    decode.import_request(handovers[0])
+    errors = []
+    while decode.has_unfinished:
+        errors += [d.error for d in decode.step() if d.error]
+    assert errors and "expected" in errors[0]
