@@ -102,9 +102,17 @@ def prepare_device(
         from vllm_rlt.worker.cuda_graphs import DecodeGraphs
         from vllm_rlt.worker.mixed_graphs import MixedGraphs, mixed_sizes
 
-        runner.graphs = DecodeGraphs(runner)
+        runner.graphs = DecodeGraphs(
+            runner.decode_pass,
+            runner.dummy_slot,
+            runner.uploads.upload,
+            model.device,
+            with_lanes=runner.lanes is not None,
+        )
         runner.graphs.capture_all()
-        runner.mixed = MixedGraphs(runner, runner.graphs.pool, mixed_sizes(max_num_batched_tokens))
+        runner.mixed = MixedGraphs(
+            runner.prompt_pass_parts(), runner.graphs.pool, mixed_sizes(max_num_batched_tokens)
+        )
         runner.mixed.capture_all()
     runner.warm_up_prompt_passes(sorted({1, max_num_batched_tokens}))
 

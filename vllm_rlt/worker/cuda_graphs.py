@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+from collections.abc import Callable
 
 import torch
 from tqdm import tqdm
@@ -40,20 +41,33 @@ def graph_batch_sizes(max_slots: int) -> list[int]:
 
 
 class DecodeGraphs:
-    """Captures `runner.run_pass` for decode-only passes and replays it.
+    """Captures decode-only passes and replays them.
 
-    Padding rows point at the runner's dummy slot, whose block table addresses the dummy
-    block. Inputs (the slot list) and outputs live in buffers with fixed addresses; the runner
-    copies the slot list in and the packed results out through pinned memory. `capture_all`
+    Padding rows point at the dummy slot, whose block table addresses the dummy block.
+    Inputs (the slot list) and outputs live in buffers with fixed addresses; the slot list
+    goes in and the packed results come out through pinned memory. `capture_all`
     records the common variants of every size up front; the rest are captured on first use.
     """
 
-    def __init__(self, runner) -> None:
-        self.runner = runner
-        self.sizes = graph_batch_sizes(runner.dummy_slot)
-        device = runner.model.device
+    def __init__(
+        self,
+        decode_pass: Callable[[torch.Tensor, bool, int, bool, bool], torch.Tensor],
+        dummy_slot: int,
+        upload: Callable[..., torch.Tensor],
+        device: torch.device,
+        with_lanes: bool,
+    ) -> None:
+        """`decode_pass(slots, greedy, num_top, adjusted, speculating)`: the packed results
+        of a decode-only pass over the device tensor `slots` (what a graph records);
+        `upload(values, out=buffer)`: host ints into a device buffer without waiting;
+        `with_lanes`: the engine speculates, so graphs with lanes are captured up front."""
+        self.decode_pass = decode_pass
+        self.dummy_slot = dummy_slot
+        self.upload = upload
+        self.with_lanes = with_lanes
+        self.sizes = graph_batch_sizes(dummy_slot)
         largest = self.sizes[-1]
-        self.slots = torch.full((largest,), runner.dummy_slot, dtype=torch.int64, device=device)
+        self.slots = torch.full((largest,), dummy_slot, dtype=torch.int64, device=device)
         self.pool = torch.cuda.graph_pool_handle()
         # (batch size, greedy, with top logprobs, with logit adjustments, with speculation
         # lanes) -> graph, output
@@ -75,8 +89,8 @@ class DecodeGraphs:
         key = (size, greedy, num_top > 0, adjusted, speculating)
         if key not in self.graphs:
             self._capture(key)
-        padded = list(decode_slots) + [self.runner.dummy_slot] * (size - count)
-        self.runner.uploads.upload(padded, out=self.slots[:size])
+        padded = list(decode_slots) + [self.dummy_slot] * (size - count)
+        self.upload(padded, out=self.slots[:size])
         graph, output = self.graphs[key]
         graph.replay()
         return output[:count]
@@ -86,7 +100,7 @@ class DecodeGraphs:
         reuse its memory): otherwise the first pass of a new batch size would pay its
         capture inside some request's latency; with speculation, the variants with lanes
         too. Variants with top logprobs or logit adjustments stay lazy."""
-        lanes = (False, True) if self.runner.lanes is not None else (False,)
+        lanes = (False, True) if self.with_lanes else (False,)
         keys = [
             (size, greedy, False, False, speculating)
             for size in reversed(self.sizes)
@@ -102,10 +116,9 @@ class DecodeGraphs:
         size, greedy, with_top, adjusted, speculating = key
         num_top = MAX_LOGPROBS if with_top else 0
         slots = self.slots[:size]
-        slots.fill_(self.runner.dummy_slot)  # padding rows only: no real slot's state moves
+        slots.fill_(self.dummy_slot)  # padding rows only: no real slot's state moves
         self.graphs[key] = capture(
-            lambda: self.runner.run_pass(slots, (), 0, greedy, num_top, adjusted, speculating)[0],
-            self.pool,
+            lambda: self.decode_pass(slots, greedy, num_top, adjusted, speculating), self.pool
         )
 
 

@@ -34,6 +34,7 @@ from vllm_rlt.attention.metadata import DeviceCounts, PrefillTiles
 from vllm_rlt.core.contract import SchedulerOutput
 from vllm_rlt.sampling_params import MAX_LOGPROBS
 from vllm_rlt.worker.cuda_graphs import capture, graph_batch_sizes
+from vllm_rlt.worker.model_runner import PromptPassParts
 from vllm_rlt.worker.pass_inputs import (
     PassRows,
     build_metadata,
@@ -112,11 +113,11 @@ class MixedGraphs:
     `capture_all` records every stack size and the common head variants up front; heads
     with top logprobs or logit adjustments are captured on first use."""
 
-    def __init__(self, runner, pool, sizes: list[int]) -> None:
-        self.runner = runner
+    def __init__(self, parts: PromptPassParts, pool, sizes: list[int]) -> None:
+        self.parts = parts
         self.pool = pool
         self.sizes = sizes
-        model, geo, dummy = runner.model, runner.geo, runner.dummy_slot
+        model, geo, dummy = parts.model, parts.geo, parts.dummy_slot
         largest = sizes[-1]
         # A pass has no more decode rows than rows (takes), nor than slots.
         cap = min(largest, dummy)
@@ -147,7 +148,7 @@ class MixedGraphs:
             largest, model.config.hidden_size, dtype=model.dtype, device=model.device
         )
         self.row_index = torch.arange(largest, device=model.device)
-        self.tile_rows = runner.ops.prefill_tile_rows(model.dtype)
+        self.tile_rows = parts.ops.prefill_tile_rows(model.dtype)
         self.stacks: dict[int, torch.cuda.CUDAGraph] = {}
         # (decode rows, greedy, with top logprobs, with logit adjustments, with speculation
         # lanes) -> graph, packed output
@@ -171,7 +172,7 @@ class MixedGraphs:
         """Capture every stack size (largest first, so the smaller ones reuse its memory)
         and the greedy and sampled heads of every decode size; with speculation, the heads
         with lanes too."""
-        lanes = (False, True) if self.runner.lanes is not None else (False,)
+        lanes = (False, True) if self.parts.lanes is not None else (False,)
         heads = [
             (size, greedy, False, False, speculating)
             for size in reversed(self.head_sizes)
@@ -196,17 +197,17 @@ class MixedGraphs:
 
     def _stack(self, size: int) -> None:
         """Row inputs, block updates, metadata and one loop of the stack, into `out`."""
-        runner, f = self.runner, self.layouts[size].views(self.input)
-        st, geo, model = runner.state, runner.geo, runner.model
+        parts, f = self.parts, self.layouts[size].views(self.input)
+        st, geo, model = parts.state, parts.geo, parts.model
         updates = f["block_updates"]
         st.block_table[updates[0], updates[1]] = updates[2]
         index = self.row_index[:size]
         is_decode = index < f["counts"][0]
         decode_slots = f["decode_slots"]
         slots = torch.where(
-            is_decode, decode_slots[index.clamp(max=decode_slots.shape[0] - 1)], runner.dummy_slot
+            is_decode, decode_slots[index.clamp(max=decode_slots.shape[0] - 1)], parts.dummy_slot
         )
-        decode = decode_row_fields(slots, st, geo, runner.lanes)
+        decode = decode_row_fields(slots, st, geo, parts.lanes)
         rows = PassRows(
             tables=torch.where(is_decode, decode.tables, f["table"]),
             positions=torch.where(is_decode, decode.positions, f["position"]),
@@ -223,14 +224,12 @@ class MixedGraphs:
             row_programs=min(size, ROW_PROGRAMS),
             tile_programs=-(-size // self.tile_rows) + EXTRA_TILE_PROGRAMS,
         )
-        self.out[:size].copy_(
-            model.core(hidden, meta, runner.k_caches, runner.v_caches, runner.ops)
-        )
+        self.out[:size].copy_(model.core(hidden, meta, parts.k_caches, parts.v_caches, parts.ops))
 
     def _head(self, size: int, greedy: bool, with_top: bool, adjusted: bool, speculating: bool):
         """What follows the stack for `size` decode rows and the prompt samplers."""
         f = self.layouts[self.sizes[-1]].views(self.input)  # the fixed part: any size's
-        return self.runner.head.run(
+        return self.parts.head.run(
             self.out[:size],
             f["decode_slots"][:size],
             self.out[f["p_rows"]],
@@ -246,7 +245,7 @@ class MixedGraphs:
     ) -> tuple[torch.Tensor, list[int]]:
         """Enqueue the pass; returns the packed results and the slot of each packed row
         (the dummy slot for padding rows)."""
-        runner = self.runner
+        parts = self.parts
         chunks, decode_slots = out.prefill_chunks, out.decode_slots
         num_decode, num_rows = len(decode_slots), out.num_rows
         size = next(s for s in self.sizes if s >= num_rows)
@@ -260,14 +259,14 @@ class MixedGraphs:
             f["decode_slots"][:num_decode] = torch.tensor(decode_slots, dtype=torch.int64)
         for name, values in zip(
             ("table", "position", "loop", "write_hi"),
-            prompt_row_fields(chunks, runner.geo),
+            prompt_row_fields(chunks, parts.geo),
             strict=True,
         ):
             f[name][num_decode:num_rows] = values
         tokens, carry = self._inputs(chunks)
         f["token"][num_decode:num_rows] = torch.tensor(tokens, dtype=torch.int64)
         f["carry"][num_decode:num_rows] = torch.tensor(carry, dtype=torch.int64)
-        tiles = prefill_tile_fields(chunks, num_decode, runner.geo, self.tile_rows)
+        tiles = prefill_tile_fields(chunks, num_decode, parts.geo, self.tile_rows)
         f["tiles"][:, : tiles.shape[1]] = tiles
         f["counts"][0], f["counts"][1] = num_decode, tiles.shape[1]
         updates = out.block_updates
@@ -275,8 +274,8 @@ class MixedGraphs:
             if updates:
                 f["block_updates"][:, : len(updates)] = torch.tensor(updates, dtype=torch.int64).T
         else:
-            runner.apply_block_updates(updates)
-        samplers = runner.keep_carried(self.out, chunks, num_decode, in_buffer=True)
+            parts.apply_block_updates(updates)
+        samplers = parts.keep_carried(self.out, chunks, num_decode, in_buffer=True)
         for i, (slot, row) in enumerate(samplers):
             f["p_slots"][i], f["p_rows"][i] = slot, row
         key = (head_size, greedy, num_top > 0, adjusted, speculating)
@@ -289,7 +288,7 @@ class MixedGraphs:
         graph, packed = self.heads[key]
         graph.replay()
         self.num_replays += 1
-        dummy = runner.dummy_slot
+        dummy = parts.dummy_slot
         slots = list(decode_slots) + [dummy] * (head_size - num_decode)
         slots += [slot for slot, _ in samplers] + [dummy] * (PROMPT_SAMPLERS - len(samplers))
         return packed, slots
@@ -298,8 +297,8 @@ class MixedGraphs:
         """Per prompt row: its input token (loop 0) and the row of `out` holding its state
         (later loops). State an eager pass left is staged into `out` first, past the rows a
         captured pass left there."""
-        runner = self.runner
-        carried = {c.slot: runner.prefill_hidden.pop(c.slot) for c in chunks if c.loop > 0}
+        held = self.parts.carried
+        carried = {c.slot: held.pop(c.slot) for c in chunks if c.loop > 0}
         free_row = max(
             (c.out_row + c.hidden.shape[0] for c in carried.values() if c.out_row is not None),
             default=0,

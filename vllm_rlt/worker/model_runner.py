@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -51,6 +51,26 @@ class Carried:
 
     hidden: torch.Tensor
     out_row: int | None = None
+
+
+@dataclass(frozen=True)
+class PromptPassParts:
+    """What the graphs of passes with prompt rows (worker/mixed_graphs.py) use of the
+    runner, named one by one: the model with its caches and kernels, the slot state and
+    its geometry, the pass head, and the host side of prompt chunks between their loops."""
+
+    model: Any
+    geo: KVGeometry
+    state: SlotState
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    ops: Any
+    lanes: SpecLanes | None
+    head: PassHead
+    dummy_slot: int
+    carried: dict[int, Carried]  # slot -> its prompt chunk's state, shared with the runner
+    apply_block_updates: Callable[[tuple[tuple[int, int, int], ...]], None]
+    keep_carried: Callable[..., list[tuple[int, int]]]
 
 
 @dataclass
@@ -152,6 +172,29 @@ class ModelRunner:
         # Passes that replayed decode graphs and prompt-pass graphs (the rest ran eagerly).
         self.num_decode_graph_passes = self.num_prompt_graph_passes = 0
         self.uploads = HostUploads(max_slots + 1, model.device)
+
+    def prompt_pass_parts(self) -> PromptPassParts:
+        return PromptPassParts(
+            self.model,
+            self.geo,
+            self.state,
+            self.k_caches,
+            self.v_caches,
+            self.ops,
+            self.lanes,
+            self.head,
+            self.dummy_slot,
+            self.prefill_hidden,
+            self.apply_block_updates,
+            self.keep_carried,
+        )
+
+    def decode_pass(
+        self, slots: torch.Tensor, greedy: bool, num_top: int, adjusted: bool, speculating: bool
+    ) -> torch.Tensor:
+        """The packed results of a decode-only pass over `slots` (a device tensor): what the
+        decode graphs capture."""
+        return self.run_pass(slots, (), 0, greedy, num_top, adjusted, speculating)[0]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Admit the pass's new requests, run it and wait for its results."""
