@@ -27,6 +27,7 @@ from vllm_rlt.engine.messages import (
     EngineOutputs,
     EngineStats,
 )
+from vllm_rlt.engine.pd_client import DisaggregatedClient
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.models.load import load_tokenizer, model_sampling_defaults
@@ -63,7 +64,8 @@ class AsyncLLM:
     attachment per data-parallel rank; `llm_kwargs` then only names the model, for its
     tokenizer. `data_parallel_size` N > 1
     starts N cores (one per GPU) and places each request on the least loaded one;
-    `remote_cores` says which of them connect from other hosts.
+    `remote_cores` says which of them connect from other hosts. `disaggregate` (P, D)
+    starts P prefill and D decode cores (engine/pd_client.py).
 
     `max_waiting` bounds the sequences (completions) that wait for a slot: a request is
     refused when it would raise this frontend's sequences above `max_num_seqs +
@@ -80,6 +82,7 @@ class AsyncLLM:
         data_parallel_size: int = 1,
         remote_cores: RemoteCores | None = None,
         generation_config: str = "auto",
+        disaggregate: tuple[int, int] | None = None,
     ) -> None:
         self.max_waiting = max_waiting
         self.observer = observer
@@ -102,6 +105,10 @@ class AsyncLLM:
                 self.client = EngineCoreClient.attach(attach[0], self._on_death)
             else:
                 self.client = DataParallelClient.attach(attach, self._on_death, self._on_core_lost)
+        elif disaggregate is not None:
+            self.client = DisaggregatedClient(
+                llm_kwargs, self._on_death, *disaggregate, in_process, self._on_core_lost
+            )
         elif data_parallel_size > 1 or remote_cores is not None:
             self.client = DataParallelClient(
                 llm_kwargs,

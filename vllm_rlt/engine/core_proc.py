@@ -24,6 +24,8 @@ import zmq
 
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.kv_handover import HandedCompletion, KVHandover
+from vllm_rlt.engine.kv_transport import KVStaging, receive
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -34,7 +36,11 @@ from vllm_rlt.engine.messages import (
     EngineDead,
     EngineInfo,
     EngineOutputs,
+    HandedCompletionMessage,
+    ImportRequest,
+    KVOffer,
     Ready,
+    ReleaseHandover,
     RequestDelta,
     StartupFailed,
     command_codec,
@@ -86,6 +92,11 @@ class CoreLoop:
         self.routed = len(outputs) > 1
         self.owners: dict[str, int] = {}  # request id -> its client (routed mode only)
         self.outbox: list[list[RequestDelta]] = [[] for _ in outputs]
+        # Prefill/decode disaggregation (engine/kv_handover.py), per client: requests this
+        # core ran to their first tokens, and imports whose staged K/V may go.
+        self.offers: list[list[KVOffer]] = [[] for _ in outputs]
+        self.imported: list[list[str]] = [[] for _ in outputs]
+        self.staging = KVStaging()
         self.last_sent = [0.0] * len(outputs)
         self.rate = PassRate()
 
@@ -97,6 +108,7 @@ class CoreLoop:
                 self._take_commands(block=not engine.has_unfinished)
                 if engine.has_unfinished and not self.stopping:
                     self._route(engine.step())
+                    self._offer(engine.take_handovers())
                     self.rate.record(engine.passes.num_passes, engine.passes.num_rows_total)
                 self._publish()
         except BaseException as exc:
@@ -104,6 +116,31 @@ class CoreLoop:
             for socket in self.outputs:
                 socket.send(dead, copy=False)
             raise
+        finally:
+            self.staging.release_all()
+
+    def _offer(self, handovers: list[KVHandover]) -> None:
+        """Stage each handed-over request's K/V and offer it to the client that sent it."""
+        for handover in handovers:
+            client = self.owners.pop(handover.request_id, 0) if self.routed else 0
+            completions = [
+                HandedCompletionMessage(
+                    c.index,
+                    c.seed,
+                    c.output_token_ids,
+                    c.exit_depths,
+                    c.logprobs,
+                    [list(top) for top in c.top_logprobs],
+                    c.finish_reason,
+                    None if c.kv is None else self.staging.offer(handover.request_id, c.kv),
+                )
+                for c in handover.completions
+            ]
+            self.offers[client].append(
+                KVOffer(
+                    handover.request_id, handover.prompt_token_ids, handover.params, completions
+                )
+            )
 
     # ----------------------------------------------------------------- outputs
     def _route(self, deltas: list[RequestDelta]) -> None:
@@ -122,13 +159,15 @@ class CoreLoop:
         now = time.monotonic()
         stats = None
         for client, deltas in enumerate(self.outbox):
-            if not deltas:
+            offers, imported = self.offers[client], self.imported[client]
+            if not (deltas or offers or imported):
                 if now - self.last_sent[client] < HEARTBEAT_S or not self._busy(client):
                     continue
             if stats is None:
                 stats = self.engine.stats()
-            self.outputs[client].send(self.encode(EngineOutputs(deltas, stats)), copy=False)
-            self.outbox[client] = []
+            message = EngineOutputs(deltas, stats, offers, imported)
+            self.outputs[client].send(self.encode(message), copy=False)
+            self.outbox[client], self.offers[client], self.imported[client] = [], [], []
             self.last_sent[client] = now
 
     def _busy(self, client: int) -> bool:
@@ -151,6 +190,10 @@ class CoreLoop:
                     self._route([delta])
             elif isinstance(command, AbortAll):
                 self._abort_all(command.client)
+            elif isinstance(command, ImportRequest):
+                self._import(command)
+            elif isinstance(command, ReleaseHandover):
+                self.staging.release(command.request_id)
         while self.control.poll(0):
             call = self.decode_call(self.control.recv(copy=False))
             reply = ControlReply(call.call_id, self._control(call.name))
@@ -158,11 +201,47 @@ class CoreLoop:
 
     def _add(self, command: AddRequest) -> None:
         """Queue a request; a failure (bad input or otherwise) fails it alone."""
-        request_id, client = command.request_id, command.client
+        engine = self.engine
+        self._queue(
+            command.request_id,
+            command.client,
+            lambda: engine.add_request(
+                command.request_id, command.prompt_token_ids, command.params, command.handover
+            ),
+        )
+
+    def _import(self, command: ImportRequest) -> None:
+        """Continue a request a prefill core ran: copy its staged K/V here, queue it, and
+        tell the client it may drop the staged copy (also when the import fails)."""
+        offer = command.offer
+        self.imported[command.client if self.routed else 0].append(offer.request_id)
+        device = self.engine.model.device
+
+        def queue() -> None:
+            completions = [
+                HandedCompletion(
+                    c.index,
+                    c.seed,
+                    c.output_token_ids,
+                    c.exit_depths,
+                    c.logprobs,
+                    [tuple(map(tuple, top)) for top in c.top_logprobs],
+                    c.finish_reason,
+                    None if c.kv is None else receive(c.kv, device),
+                )
+                for c in offer.completions
+            ]
+            self.engine.import_request(
+                KVHandover(offer.request_id, offer.prompt_token_ids, offer.params, completions)
+            )
+
+        self._queue(offer.request_id, command.client, queue)
+
+    def _queue(self, request_id: str, client: int, add: Callable[[], None]) -> None:
         try:
             if request_id in self.owners:
                 raise ValueError(f"request_id {request_id!r} is already in use")
-            self.engine.add_request(request_id, command.prompt_token_ids, command.params)
+            add()
         except Exception as exc:  # noqa: BLE001 - fails this request only
             invalid = isinstance(exc, ValueError)
             failure = RequestDelta(

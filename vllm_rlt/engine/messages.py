@@ -9,18 +9,56 @@ from typing import Any
 
 import msgspec
 
+from vllm_rlt.engine.kv_transport import KVHandle
 from vllm_rlt.sampling_params import SamplingParams
 
 # ----------------------------------------------------------------- frontend -> core
 
 
 class AddRequest(msgspec.Struct, tag="add", array_like=True):
-    """`client`: which frontend sent it (its outputs go back to that one alone)."""
+    """`client`: which frontend sent it (its outputs go back to that one alone).
+    `handover`: run it to its first tokens, then offer it (`KVOffer`) for a decode core."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     client: int = 0
+    handover: bool = False
+
+
+class HandedCompletionMessage(msgspec.Struct, array_like=True):
+    """engine/kv_handover.HandedCompletion, its K/V staged behind `kv`."""
+
+    index: int
+    seed: int
+    output_token_ids: list[int]
+    exit_depths: list[int]
+    logprobs: list[float]
+    top_logprobs: list[list[tuple[int, float]]]
+    finish_reason: str | None
+    kv: KVHandle | None
+
+
+class KVOffer(msgspec.Struct, array_like=True):
+    """A request a prefill core ran to its first tokens (engine/kv_handover.KVHandover)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    completions: list[HandedCompletionMessage]
+
+
+class ImportRequest(msgspec.Struct, tag="import", array_like=True):
+    """Continue `offer` on this (decode) core; its outputs go to `client`."""
+
+    offer: KVOffer
+    client: int = 0
+
+
+class ReleaseHandover(msgspec.Struct, tag="release", array_like=True):
+    """The decode core has its copy of this request's K/V (or never will): drop it."""
+
+    request_id: str
 
 
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
@@ -36,7 +74,7 @@ class AbortAll(msgspec.Struct, tag="abort_all", array_like=True):
     client: int = 0
 
 
-Command = AddRequest | AbortRequest | AbortAll
+Command = AddRequest | AbortRequest | AbortAll | ImportRequest | ReleaseHandover
 
 
 # The parts of a sleeping engine that wake separately (vLLM's wake-up tags).
@@ -189,8 +227,13 @@ def sum_core_stats(values: list[CoreStats]) -> CoreStats:
 
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
+    """A step's deltas and counters; a prefill core's requests ready for a decode core
+    (`offers`), and a decode core's imports whose staged K/V may go (`imported`)."""
+
     requests: list[RequestDelta]
     stats: EngineStats
+    offers: list[KVOffer] = []
+    imported: list[str] = []
 
 
 class ControlReply(msgspec.Struct, tag="reply", array_like=True):

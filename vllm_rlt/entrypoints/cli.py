@@ -269,6 +269,14 @@ def _add_process_args(group: argparse._ArgumentGroup) -> None:
         "this server; each request goes to the least loaded one",
     )
     group.add_argument(
+        "--disaggregate",
+        default=None,
+        metavar="P:D",
+        help="prefill/decode disaggregation: P prefill cores run prompts and hand each "
+        "request's K/V to one of D decode cores, which generate the rest (each core a whole "
+        "engine, on its own GPU on CUDA; one API server) (default: off)",
+    )
+    group.add_argument(
         "--data-parallel-size-local",
         type=int,
         default=None,
@@ -369,6 +377,8 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         local = ns.data_parallel_size_local
         remote = local is not None and local < ns.data_parallel_size
         ns.api_server_count = auto_api_server_count(ns.device, remote or ns.headless)
+        if ns.disaggregate is not None:
+            ns.api_server_count = 1
     try:
         settings, layout = _server_settings(ns), _data_parallel_layout(ns)
     except ValueError as exc:
@@ -384,6 +394,8 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         if local > 1 or ns.headless:
             # GPUs enough, a plain "cuda"
             core_environments(ns.device, local, ns.tensor_parallel_size)
+        if settings.disaggregate is not None:
+            core_environments(ns.device, sum(settings.disaggregate), ns.tensor_parallel_size)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if ns.headless:
@@ -464,7 +476,18 @@ def _server_settings(ns: argparse.Namespace) -> ServerSettings:
         generation_config=ns.generation_config,
         api_server_count=ns.api_server_count,
         data_parallel_size=ns.data_parallel_size,
+        disaggregate=None if ns.disaggregate is None else _disaggregate(ns.disaggregate),
     )
+
+
+def _disaggregate(value: str) -> tuple[int, int]:
+    from vllm_rlt.config import ParamError
+    from vllm_rlt.engine.pd_client import parse_disaggregate
+
+    try:
+        return parse_disaggregate(value)
+    except ValueError as exc:
+        raise ParamError(f"--{exc}", "disaggregate") from None
 
 
 def _data_parallel_layout(ns: argparse.Namespace) -> DataParallelLayout:

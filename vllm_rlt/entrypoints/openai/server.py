@@ -43,6 +43,16 @@ from vllm_rlt.entrypoints.openai.settings import ServerSettings
 logger = logging.getLogger("vllm_rlt.server")
 
 
+def _cores(settings: ServerSettings) -> str:
+    """The engine cores behind this server, in words."""
+    if settings.disaggregate is not None:
+        prefill, decode = settings.disaggregate
+        return f"{prefill} prefill and {decode} decode engine cores"
+    if settings.data_parallel_size > 1:
+        return f"{settings.data_parallel_size} data-parallel engine cores"
+    return "the engine core"
+
+
 class ServerState:
     """What the routes need; filled in once the model has loaded (in the background)."""
 
@@ -69,6 +79,7 @@ class ServerState:
                 data_parallel_size=self.settings.data_parallel_size,
                 remote_cores=self.settings.remote_cores,
                 generation_config=self.settings.generation_config,
+                disaggregate=self.settings.disaggregate,
             )
             name = self.settings.served_model_name or engine.model_name
             index = self.attach[0].client if self.attach is not None else 1
@@ -97,9 +108,7 @@ class ServerState:
                 name,
                 engine.info.device,
                 engine.info.num_blocks,
-                "the engine core"
-                if self.settings.data_parallel_size == 1
-                else f"{self.settings.data_parallel_size} data-parallel engine cores",
+                _cores(self.settings),
                 f" (pid {pids})" if pids else "",
             )
             logger.info("%s", engine.info.scheduler_note)

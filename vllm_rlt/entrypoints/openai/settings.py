@@ -36,6 +36,8 @@ class ServerSettings:
     api_server_count: int = 1
     data_parallel_size: int = 1
     remote_cores: RemoteCores | None = None  # data-parallel ranks on other hosts
+    # (prefill cores, decode cores) of `--disaggregate P:D` (engine/pd_client.py)
+    disaggregate: tuple[int, int] | None = None
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -67,6 +69,15 @@ class ServerSettings:
                 f"must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}",
             )
         _check_data_parallel_size(self.data_parallel_size)
+        if self.disaggregate is not None:
+            others = {
+                "data-parallel-size": self.data_parallel_size != 1,
+                "api-server-count": self.api_server_count != 1,
+                "data-parallel-size-local": self.remote_cores is not None,
+            }
+            for flag, used in others.items():
+                if used:
+                    _fail("disaggregate", f"runs alone: it cannot be combined with --{flag}")
 
 
 def _check_data_parallel_size(size: int) -> None:

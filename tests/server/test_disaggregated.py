@@ -1,0 +1,114 @@
+"""`vllm-rlt serve --disaggregate 1:1`: a prefill core runs each prompt and hands the
+request's K/V to a decode core through shared memory. Clients see ordinary responses equal
+to the offline engine's (seeded streams, greedy completions with n > 1 and prompt
+logprobs, chat); a client that leaves mid-stream frees everything on both cores; a dead
+decode core turns /health to 503 naming it while the prefill core serves on alone."""
+
+from __future__ import annotations
+
+import glob
+import os
+import re
+import signal
+import time
+
+import httpx
+import pytest
+
+from tests.server.conftest import check_concurrent_streams, serve_process
+from tests.server.test_data_parallel import _health_until, samples
+from vllm_rlt import LLM, CacheConfig, SamplingParams
+
+_CORE_PIDS = re.compile(r"1 prefill and 1 decode engine cores \(pid (\d+), (\d+)\)")
+
+
+def _staged_files() -> set[str]:
+    return set(glob.glob("/dev/shm/vllm-rlt-kv-*"))
+
+
+def _idle(url: str, timeout: float = 60.0) -> None:
+    """Both cores report no running request and an empty KV cache."""
+    deadline = time.monotonic() + timeout
+    while True:
+        running = samples(url, "vllm_rlt:num_requests_running")
+        usage = samples(url, "vllm_rlt:kv_cache_usage_perc")
+        if set(running) == {"0", "1"} and not any(running.values()) and not any(usage.values()):
+            return
+        assert time.monotonic() < deadline, (running, usage)
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
+def test_disaggregated_serving_equals_offline_and_frees_both_cores(layout):
+    before = _staged_files()
+    flags = ("--disaggregate", "1:1", "--kv-layout", layout, "--shutdown-timeout", "5")
+    with serve_process(*flags) as (process, url):
+        if layout == "last_exited":  # against the offline engine's default layout
+            check_concurrent_streams(url, 6, max_tokens=8)
+
+        llm = LLM(model="toy", cache_config=CacheConfig(layout=layout))
+        prompt = "the quick brown fox"
+        body = {"model": "toy", "prompt": prompt, "max_tokens": 7}
+        for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
+            # echo with logprobs: the prompt's logprobs, computed on the prefill core
+            reply = httpx.post(
+                f"{url}/v1/completions",
+                json={**body, **sampling, "n": 2, "echo": True, "logprobs": 1},
+                timeout=60,
+            ).json()
+            offline = llm.generate(
+                [prompt], SamplingParams(max_tokens=7, n=2, prompt_logprobs=1, **sampling)
+            )[0]
+            texts = [choice["text"] for choice in reply["choices"]]
+            assert texts == [prompt + c.text for c in offline.outputs], sampling
+            served = reply["choices"][0]["logprobs"]["token_logprobs"]
+            expected = [None] + [
+                entry[token]
+                for token, entry in zip(
+                    offline.prompt_token_ids[1:], offline.prompt_logprobs[1:], strict=True
+                )
+            ]
+            prompt_part = served[: len(expected)]
+            assert prompt_part[0] is None
+            assert prompt_part[1:] == pytest.approx(expected[1:], abs=1e-4)
+
+        chat = {"model": "toy", "messages": [{"role": "user", "content": "hi"}]}
+        chat_reply = httpx.post(
+            f"{url}/v1/chat/completions",
+            json={**chat, "max_tokens": 6, "temperature": 0},
+            timeout=60,
+        ).json()
+        assert chat_reply["choices"][0]["finish_reason"] == "length"
+
+        # A client that leaves mid-stream: both cores end with nothing held.
+        with httpx.stream(
+            "POST",
+            f"{url}/v1/completions",
+            json={**body, "max_tokens": 3000, "ignore_eos": True, "stream": True, "seed": 1},
+            timeout=60,
+        ) as stream:
+            for index, _ in enumerate(stream.iter_lines()):
+                if index > 6:
+                    break
+        _idle(url)
+        assert samples(url, "vllm_rlt:passes_total").keys() == {"0", "1"}
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    assert _staged_files() <= before, "staged K/V files were left behind"
+
+
+def test_a_dead_decode_core_is_named_and_the_prefill_core_serves_on():
+    with serve_process("--disaggregate", "1:1", "--shutdown-timeout", "5") as (process, url):
+        log = ""
+        while not _CORE_PIDS.search(log):
+            line = process.stderr.readline()
+            assert line, f"the server's log ended early:\n{log}"
+            log += line
+        _, decode_pid = (int(pid) for pid in _CORE_PIDS.search(log).groups())
+        os.kill(decode_pid, signal.SIGKILL)
+        health = _health_until(url, 503)
+        assert "engine core 1" in health.text
+        body = {"model": "toy", "prompt": "go on", "max_tokens": 5, "temperature": 0}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["choices"][0]["finish_reason"] == "length"

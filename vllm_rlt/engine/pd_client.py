@@ -1,0 +1,153 @@
+"""`serve --disaggregate P:D`: P prefill cores and D decode cores behind one frontend.
+
+A new request goes to the least-loaded prefill core, which runs its prompt and samples its
+first tokens (the stream gets them from there), then offers it (`KVOffer`): the K/V stays
+staged in the prefill core's process (engine/kv_transport.py) and only a handle travels.
+The frontend passes the offer to the least-loaded decode core (`ImportRequest`), which
+copies the K/V into its own pool, continues the request, and says it has its copy; the
+frontend then tells the prefill core to drop the staged one (`ReleaseHandover`). Aborts
+follow the request: to its prefill core, and once offered to its decode core (an abort that
+reached the prefill core after its offer left is sent on with the import). A decode core
+that dies fails its requests; what was staged for it is released.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+from vllm_rlt.config import require_int
+from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, DataParallelClient
+from vllm_rlt.engine.messages import (
+    AbortRequest,
+    AddRequest,
+    Command,
+    EngineOutputs,
+    ImportRequest,
+    KVOffer,
+    ReleaseHandover,
+)
+
+
+def parse_disaggregate(value: str) -> tuple[int, int]:
+    """ "P:D" -> (P, D), each in [1, MAX_DATA_PARALLEL]; ValueError naming the flag."""
+    prefill, colon, decode = str(value).partition(":")
+    if not colon or not prefill.strip().isdigit() or not decode.strip().isdigit():
+        raise ValueError(f"disaggregate must be P:D (prefill and decode cores), got {value!r}")
+    sizes = int(prefill), int(decode)
+    for size, role in zip(sizes, ("prefill", "decode"), strict=True):
+        require_int(size, f"disaggregate ({role} cores)", 1, MAX_DATA_PARALLEL)
+    return sizes
+
+
+class DisaggregatedClient(DataParallelClient):
+    """The `EngineCoreClient` interface over prefill cores (ranks 0..P-1) and decode cores
+    (ranks P..P+D-1), for `AsyncLLM`."""
+
+    def __init__(
+        self,
+        llm_kwargs: dict[str, Any],
+        on_death: Callable[[str], None],
+        prefill: int,
+        decode: int,
+        in_process: bool = False,
+        on_core_lost: Callable[[int, str], None] | None = None,
+    ) -> None:
+        self.num_prefill = prefill
+        # request id -> prefill rank whose staged K/V the decode core has not yet copied
+        self._staged_at: dict[str, int] = {}
+        # request id -> its offer's staged files, to remove should its prefill core die
+        self._staged_files: dict[str, list[str]] = {}
+        # request id -> aborts sent to its prefill core, sent on with the import
+        self._early_aborts: dict[str, list[AbortRequest]] = {}
+        super().__init__(
+            llm_kwargs, on_death, prefill + decode, in_process, on_core_lost=on_core_lost
+        )
+
+    @property
+    def prefill_ranks(self) -> list[int]:
+        return [rank for rank in self.live_ranks if rank < self.num_prefill]
+
+    @property
+    def decode_ranks(self) -> list[int]:
+        return [rank for rank in self.live_ranks if rank >= self.num_prefill]
+
+    def choose(self, sequences: int, ranks: list[int] | None = None) -> int:
+        """The least-loaded core among `ranks` (default: the prefill cores)."""
+        ranks = self.prefill_ranks if ranks is None else ranks
+        if not ranks:  # every core of the role is gone: the request fails there
+            return self.live_ranks[0]
+
+        def load(rank: int) -> tuple[int, float, int]:
+            slots = self.cores[rank].info.max_num_seqs
+            waiting = max(0, self._sequences[rank] + sequences - slots)
+            return waiting, self._kv_usage[rank], self._sequences[rank]
+
+        return min(ranks, key=lambda rank: (*load(rank), rank))
+
+    def send(self, command: Command) -> None:
+        if isinstance(command, AddRequest) and command.request_id not in self._owner:
+            command = AddRequest(
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                command.client,
+                handover=True,
+            )
+        elif isinstance(command, AbortRequest):
+            owner = self._owner.get(command.request_id)
+            if owner is not None and owner[0] < self.num_prefill:
+                self._early_aborts.setdefault(command.request_id, []).append(command)
+        super().send(command)
+
+    def _outputs(self, rank: int, on_outputs, outputs: EngineOutputs) -> None:
+        for offer in outputs.offers:
+            self._pass_on(rank, offer)
+        for request_id in outputs.imported:
+            source = self._staged_at.pop(request_id, None)
+            self._staged_files.pop(request_id, None)
+            if source is not None and source not in self.lost:
+                self.cores[source].send(ReleaseHandover(request_id))
+        super()._outputs(rank, on_outputs, outputs)
+        for delta in outputs.requests:
+            if delta.finished:
+                self._early_aborts.pop(delta.request_id, None)
+
+    def _pass_on(self, source: int, offer: KVOffer) -> None:
+        """Move an offered request to a decode core: its owner, sequences and aborts."""
+        request_id = offer.request_id
+        owner = self._owner.pop(request_id, None)
+        sequences = offer.params.n if owner is None else owner[1]
+        if owner is not None:
+            self._sequences[owner[0]] -= sequences
+        target = self.choose(sequences, self.decode_ranks)
+        self._owner[request_id] = (target, sequences)
+        self._sequences[target] += sequences
+        self._staged_at[request_id] = source
+        self._staged_files[request_id] = [
+            c.kv.name for c in offer.completions if c.kv is not None and c.kv.kind == "shm"
+        ]
+        self.cores[target].send(ImportRequest(offer, self.client))
+        for abort in self._early_aborts.pop(request_id, []):
+            self.cores[target].send(abort)
+
+    def forget_core(self, rank: int) -> list[str]:
+        """A lost core's requests (see DataParallelClient); a lost decode core's staged
+        imports are released at their prefill cores, a lost prefill core's staged files
+        are removed here (its process can no longer do it)."""
+        for request_id, source in list(self._staged_at.items()):
+            target = self._owner.get(request_id, (None,))[0]
+            if target == rank and source not in self.lost:
+                self.cores[source].send(ReleaseHandover(request_id))
+                del self._staged_at[request_id]
+            elif source == rank:
+                for path in self._staged_files.pop(request_id, []):
+                    try:
+                        os.unlink(path)
+                    except FileNotFoundError:
+                        pass
+        gone = super().forget_core(rank)
+        for request_id in gone:
+            self._early_aborts.pop(request_id, None)
+        return gone
