@@ -92,6 +92,15 @@ def test_disaggregated_serving_equals_offline_and_frees_both_cores(layout):
                     break
         _idle(url)
         assert samples(url, "vllm_rlt:passes_total").keys() == {"0", "1"}
+        scrape = httpx.get(f"{url}/metrics").text
+        handovers = re.search(r"^vllm_rlt:kv_transfer_handovers_total (\S+)$", scrape, re.M)
+        moved = re.search(r"^vllm_rlt:kv_transfer_bytes_total (\S+)$", scrape, re.M)
+        # the six streams (last_exited), two n = 2 requests, the chat and the stream that
+        # left
+        assert float(handovers.group(1)) == (10 if layout == "last_exited" else 4)
+        assert float(moved.group(1)) > 0
+        assert re.search(r"^vllm_rlt:kv_transfer_queue 0\.0$", scrape, re.M)
+        assert "vllm_rlt:kv_transfer_seconds_count" in scrape
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
     assert _staged_files() <= before, "staged K/V files were left behind"

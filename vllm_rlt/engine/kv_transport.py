@@ -71,6 +71,14 @@ class KVStaging:
             self.release(key)
 
 
+def handle_bytes(handle: KVHandle) -> int:
+    """Bytes of the tensor a handle stands for."""
+    numel = 1
+    for size in handle.shape:
+        numel *= size
+    return numel * torch.empty(0, dtype=DTYPES[handle.dtype]).element_size()
+
+
 def receive(handle: KVHandle, device: torch.device) -> torch.Tensor:
     """This process's own copy of a staged tensor, on `device`."""
     dtype = DTYPES[handle.dtype]

@@ -10,11 +10,13 @@ multiprocess files and every scrape sums them all."""
 from __future__ import annotations
 
 import os
+import time
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
+from vllm_rlt.engine.kv_transport import handle_bytes
 from vllm_rlt.engine.messages import CoreStats, EngineOutputs
 from vllm_rlt.engine.pass_rate import RATE_WINDOW_S
 from vllm_rlt.outputs import RequestOutput
@@ -94,6 +96,28 @@ class ServerMetrics:
             buckets=tuple(range(1, num_loops + 1)),
             registry=r,
         )
+        # Prefill/decode disaggregation (serve --disaggregate): requests handed over.
+        self.kv_handovers = Counter(
+            "vllm_rlt:kv_transfer_handovers",
+            "Requests a prefill core handed to a decode core",
+            registry=r,
+        )
+        self.kv_bytes = Counter(
+            "vllm_rlt:kv_transfer_bytes", "K/V bytes handed to decode cores", registry=r
+        )
+        self.kv_seconds = Histogram(
+            "vllm_rlt:kv_transfer_seconds",
+            "From a prefill core's offer to the decode core holding its copy of the K/V",
+            buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.kv_queue = Gauge(
+            "vllm_rlt:kv_transfer_queue",
+            "Handovers offered and not yet copied by their decode core",
+            registry=r,
+            multiprocess_mode="livesum",
+        )
+        self._offered: dict[str, tuple[float, int]] = {}  # request id -> (when, bytes)
 
     def render(self, engine: CoreStats | None) -> bytes:
         """The scrape: every API server's request figures and the core's counters
@@ -124,6 +148,21 @@ class ServerMetrics:
                     self.exit_depth.observe(depth)
         if tokens:
             self.generation_tokens.inc(tokens)
+        if outputs.offers or outputs.imported:
+            self._observe_handovers(outputs)
+
+    def _observe_handovers(self, outputs: EngineOutputs) -> None:
+        now = time.monotonic()
+        for offer in outputs.offers:
+            handles = [c.kv for c in offer.completions if c.kv is not None]
+            self._offered[offer.request_id] = (now, sum(map(handle_bytes, handles)))
+        for request_id in outputs.imported:
+            offered = self._offered.pop(request_id, None)
+            if offered is not None:
+                self.kv_handovers.inc()
+                self.kv_bytes.inc(offered[1])
+                self.kv_seconds.observe(now - offered[0])
+        self.kv_queue.set(len(self._offered))
 
     def observe_finished(self, output: RequestOutput) -> None:
         metrics = output.metrics
