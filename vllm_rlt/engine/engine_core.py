@@ -11,9 +11,9 @@ import torch
 
 from vllm_rlt.config import CacheConfig, ExecutionConfig, SpeculativeConfig, require
 from vllm_rlt.core.memory import MemoryPlan
-from vllm_rlt.core.request import Request, RequestStatus
+from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
-from vllm_rlt.engine.kv_handover import HandedCompletion, KVHandover
+from vllm_rlt.engine.kv_handover import KVHandover, continue_completions, hand_over
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.pass_pipeline import PassPipeline
 from vllm_rlt.engine.request_checks import RequestChecker, check_allowed_tokens
@@ -137,48 +137,13 @@ class EngineCore:
 
     def import_request(self, handover: KVHandover) -> None:
         """Continue a request a prefill core ran (engine/kv_handover.py): every live
-        completion decodes from its first token with its prompt K/V written at admission;
-        the first tokens and prompt logprobs are not reported again. Checked like a new
+        completion decodes from its first token with its K/V written at admission; the
+        first tokens and prompt logprobs are not reported again. Checked like a new
         request; any error leaves the engine untouched."""
         require(self.mirror is None, "handovers with tensor_parallel_size > 1 are not supported")
-        group = self._new_group(
-            str(handover.request_id), handover.prompt_token_ids, handover.params
-        )
-        require(
-            len(handover.completions) == len(group.children),
-            f"a handover carries every completion: {len(group.children)}, got "
-            f"{len(handover.completions)}",
-            "completions",
-        )
-        live = []
-        for index, (child, handed) in enumerate(
-            zip(group.children, handover.completions, strict=True)
-        ):
-            child.seed = handed.seed
-            child.prompt_logprobs = None  # reported by the prefill core
-            child.output_token_ids = list(handed.output_token_ids)
-            child.exit_depths = list(handed.exit_depths)
-            child.logprobs = list(handed.logprobs)
-            child.top_logprobs = list(handed.top_logprobs)
-            if handed.finish_reason is not None:
-                child.status = RequestStatus.FINISHED
-                child.finish_reason = handed.finish_reason
-                group.finish_reasons[index] = handed.finish_reason
-                group.finish_sent.add(index)
-            else:
-                positions = child.prefill_len
-                require(
-                    bool(child.output_token_ids) and handed.kv.shape[3] == positions,
-                    f"a live completion brings its first token and the K/V of its {positions} "
-                    f"computed positions, got {handed.kv.shape[3]} positions",
-                    "completions",
-                )
-                child.kv_import = handed.kv
-                child.first_token_time = time.monotonic()
-                live.append(child)
-        group.sent = [len(child.output_token_ids) for child in group.children]
-        group.prompt_logprobs_sent = True
-        self._queue(group, live)
+        request_id = str(handover.request_id)
+        group = self._new_group(request_id, handover.prompt_token_ids, handover.params)
+        self._queue(group, continue_completions(group, handover))
 
     def take_handovers(self) -> list[KVHandover]:
         """The requests this core handed over since the last call (see `add_request`)."""
@@ -186,37 +151,19 @@ class EngineCore:
         return taken
 
     def _hand_over(self, group: RequestGroup) -> None:
-        """Copy each live completion's K/V (its prompt and the decode inputs it has run:
-        completions of one request reach their first tokens in different passes and decode
-        on meanwhile), end the request here without a word to
-        the frontend (it goes on elsewhere) and offer it."""
-        completions = []
-        for index, child in enumerate(group.children):
-            kv = None
-            if not child.is_finished:
-                blocks = self.kv.block_table(child.request_id)
-                kv = self.runner.export_kv(blocks, child.prefill_len)
-            completions.append(
-                HandedCompletion(
-                    index=index,
-                    seed=child.seed,
-                    output_token_ids=list(child.output_token_ids),
-                    exit_depths=list(child.exit_depths),
-                    logprobs=list(child.logprobs),
-                    top_logprobs=list(child.top_logprobs),
-                    finish_reason=group.finish_reasons.get(index),
-                    kv=kv,
-                )
-            )
+        """Offer the request and end it here without a word to the frontend: it goes on
+        elsewhere."""
+        handover = hand_over(
+            group,
+            lambda child: self.runner.export_kv(
+                self.kv.block_table(child.request_id), child.prefill_len
+            ),
+        )
         group.end(self.scheduler, "handover")
         del self.groups[group.request_id]
         for child in group.children:
             del self._group_of[child.request_id]
-        self.handovers.append(
-            KVHandover(
-                group.request_id, group.prompt_token_ids, group.children[0].params, completions
-            )
-        )
+        self.handovers.append(handover)
 
     def _speculates(self, params: SamplingParams, max_loops: int) -> bool:
         """Whether a request decodes in speculation lanes: its depth may exceed the draft's,

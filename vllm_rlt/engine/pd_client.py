@@ -17,8 +17,7 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from vllm_rlt.config import require_int
-from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, DataParallelClient
+from vllm_rlt.engine.dp_client import DataParallelClient
 from vllm_rlt.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -28,17 +27,6 @@ from vllm_rlt.engine.messages import (
     KVOffer,
     ReleaseHandover,
 )
-
-
-def parse_disaggregate(value: str) -> tuple[int, int]:
-    """ "P:D" -> (P, D), each in [1, MAX_DATA_PARALLEL]; ValueError naming the flag."""
-    prefill, colon, decode = str(value).partition(":")
-    if not colon or not prefill.strip().isdigit() or not decode.strip().isdigit():
-        raise ValueError(f"disaggregate must be P:D (prefill and decode cores), got {value!r}")
-    sizes = int(prefill), int(decode)
-    for size, role in zip(sizes, ("prefill", "decode"), strict=True):
-        require_int(size, f"disaggregate ({role} cores)", 1, MAX_DATA_PARALLEL)
-    return sizes
 
 
 class DisaggregatedClient(DataParallelClient):

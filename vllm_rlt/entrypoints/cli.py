@@ -272,9 +272,8 @@ def _add_process_args(group: argparse._ArgumentGroup) -> None:
         "--disaggregate",
         default=None,
         metavar="P:D",
-        help="prefill/decode disaggregation: P prefill cores run prompts and hand each "
-        "request's K/V to one of D decode cores, which generate the rest (each core a whole "
-        "engine, on its own GPU on CUDA; one API server) (default: off)",
+        help="P prefill engine cores run prompts and hand each request's K/V to one of D "
+        "decode cores (each on its own GPU on CUDA; one API server) (default: off)",
     )
     group.add_argument(
         "--data-parallel-size-local",
@@ -376,9 +375,8 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if sized_api_servers:
         local = ns.data_parallel_size_local
         remote = local is not None and local < ns.data_parallel_size
-        ns.api_server_count = auto_api_server_count(ns.device, remote or ns.headless)
-        if ns.disaggregate is not None:
-            ns.api_server_count = 1
+        auto = auto_api_server_count(ns.device, remote or ns.headless)
+        ns.api_server_count = 1 if ns.disaggregate is not None else auto
     try:
         settings, layout = _server_settings(ns), _data_parallel_layout(ns)
     except ValueError as exc:
@@ -391,11 +389,9 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     try:
         engine_args = engine_args_from(ns)
         check_model_source(engine_args.model)
-        if local > 1 or ns.headless:
-            # GPUs enough, a plain "cuda"
-            core_environments(ns.device, local, ns.tensor_parallel_size)
-        if settings.disaggregate is not None:
-            core_environments(ns.device, sum(settings.disaggregate), ns.tensor_parallel_size)
+        cores = sum(settings.disaggregate) if settings.disaggregate else local
+        if cores > 1 or ns.headless:  # GPUs enough, a plain "cuda"
+            core_environments(ns.device, cores, ns.tensor_parallel_size)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if ns.headless:
@@ -455,7 +451,7 @@ def auto_api_server_count(device: str, cores_elsewhere: bool, cpus: int | None =
 
 def _server_settings(ns: argparse.Namespace) -> ServerSettings:
     """The server's settings from its flags (ParamError names a bad one)."""
-    from vllm_rlt.entrypoints.openai.settings import ServerSettings
+    from vllm_rlt.entrypoints.openai.settings import ServerSettings, disaggregate_sizes
 
     return ServerSettings(
         served_model_name=ns.served_model_name,
@@ -476,18 +472,8 @@ def _server_settings(ns: argparse.Namespace) -> ServerSettings:
         generation_config=ns.generation_config,
         api_server_count=ns.api_server_count,
         data_parallel_size=ns.data_parallel_size,
-        disaggregate=None if ns.disaggregate is None else _disaggregate(ns.disaggregate),
+        disaggregate=None if ns.disaggregate is None else disaggregate_sizes(ns.disaggregate),
     )
-
-
-def _disaggregate(value: str) -> tuple[int, int]:
-    from vllm_rlt.config import ParamError
-    from vllm_rlt.engine.pd_client import parse_disaggregate
-
-    try:
-        return parse_disaggregate(value)
-    except ValueError as exc:
-        raise ParamError(f"--{exc}", "disaggregate") from None
 
 
 def _data_parallel_layout(ns: argparse.Namespace) -> DataParallelLayout:

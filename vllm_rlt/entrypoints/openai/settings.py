@@ -80,6 +80,17 @@ class ServerSettings:
                     _fail("disaggregate", f"runs alone: it cannot be combined with --{flag}")
 
 
+def disaggregate_sizes(value: str) -> tuple[int, int]:
+    """`--disaggregate P:D` -> (P, D), each in [1, MAX_DATA_PARALLEL]."""
+    prefill, colon, decode = str(value).partition(":")
+    if not colon or not prefill.strip().isdigit() or not decode.strip().isdigit():
+        _fail("disaggregate", f"must be P:D (prefill and decode cores), got {value!r}")
+    sizes = int(prefill), int(decode)
+    if not all(1 <= size <= MAX_DATA_PARALLEL for size in sizes):
+        _fail("disaggregate", f"needs P and D in [1, {MAX_DATA_PARALLEL}], got {value!r}")
+    return sizes
+
+
 def _check_data_parallel_size(size: int) -> None:
     if not 1 <= size <= MAX_DATA_PARALLEL:
         _fail("data-parallel-size", f"must be in [1, {MAX_DATA_PARALLEL}], got {size}")
