@@ -116,14 +116,17 @@ class DataParallelClient:
         remote: RemoteCores | None = None,
         api_servers: int = 0,
         on_core_lost: Callable[[int, str], None] | None = None,
+        envs: list[dict[str, str]] | None = None,
     ) -> None:
+        """`envs`: each local core's environment (default: `engine_environments`)."""
         local = size if remote is None else remote.local_size
         require(
             not (api_servers and local < size),
             "several API servers need every data-parallel core on this host",
             "api_server_count",
         )
-        envs = engine_environments(llm_kwargs, local) if local else []
+        if envs is None:
+            envs = engine_environments(llm_kwargs, local) if local else []
         self._prepare(on_death, on_core_lost)
         try:
             for rank in range(size):

@@ -13,11 +13,13 @@ that dies fails its requests; what was staged for it is released.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any
 
-from vllm_rlt.engine.dp_client import DataParallelClient
+from vllm_rlt.config import CacheConfig, require
+from vllm_rlt.engine.dp_client import DataParallelClient, _visible_gpus, core_environments
 from vllm_rlt.engine.messages import (
     AbortRequest,
     AddRequest,
@@ -27,6 +29,35 @@ from vllm_rlt.engine.messages import (
     KVOffer,
     ReleaseHandover,
 )
+
+
+def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, str]], dict]:
+    """Each core's environment and the engine arguments they share. On CUDA every core
+    gets a GPU of its own while there are enough; with fewer, the cores take the visible
+    GPUs in turn and split each GPU's memory: each plans its KV cache within
+    gpu_memory_utilization / (cores on that GPU) of it."""
+    require(
+        int(llm_kwargs.get("tensor_parallel_size") or 1) == 1,
+        "disaggregate runs cores of one GPU each: tensor_parallel_size must be 1",
+        "disaggregate",
+    )
+    device = str(llm_kwargs.get("device", "cpu"))
+    if not device.startswith("cuda"):
+        return [{} for _ in range(size)], llm_kwargs
+    visible = _visible_gpus() if device == "cuda" else []
+    require(
+        device != "cuda" or bool(visible),
+        "disaggregate on CUDA needs a visible GPU, but none is",
+        "disaggregate",
+    )
+    if len(visible) >= size or device != "cuda":
+        return core_environments(device, size), llm_kwargs  # names a wrong device
+    per_gpu = -(-size // len(visible))
+    cache = llm_kwargs.get("cache_config") or CacheConfig()
+    utilization = cache.gpu_memory_utilization / per_gpu
+    shared = dataclasses.replace(cache, gpu_memory_utilization=utilization)
+    envs = [{"CUDA_VISIBLE_DEVICES": visible[rank % len(visible)]} for rank in range(size)]
+    return envs, {**llm_kwargs, "cache_config": shared}
 
 
 class DisaggregatedClient(DataParallelClient):
@@ -49,8 +80,14 @@ class DisaggregatedClient(DataParallelClient):
         self._staged_files: dict[str, list[str]] = {}
         # request id -> aborts sent to its prefill core, sent on with the import
         self._early_aborts: dict[str, list[AbortRequest]] = {}
+        envs, llm_kwargs = pool_layout(llm_kwargs, prefill + decode)
         super().__init__(
-            llm_kwargs, on_death, prefill + decode, in_process, on_core_lost=on_core_lost
+            llm_kwargs,
+            on_death,
+            prefill + decode,
+            in_process,
+            on_core_lost=on_core_lost,
+            envs=envs,
         )
 
     @property

@@ -389,9 +389,8 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     try:
         engine_args = engine_args_from(ns)
         check_model_source(engine_args.model)
-        cores = sum(settings.disaggregate) if settings.disaggregate else local
-        if cores > 1 or ns.headless:  # GPUs enough, a plain "cuda"
-            core_environments(ns.device, cores, ns.tensor_parallel_size)
+        if (local > 1 or ns.headless) and not settings.disaggregate:  # GPUs enough
+            core_environments(ns.device, local, ns.tensor_parallel_size)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if ns.headless:
