@@ -12,11 +12,12 @@ from vllm_rlt.engine.pd_client import pool_layout
 def test_cores_take_gpus_in_turn_and_split_their_memory(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
     envs, kwargs = pool_layout({"device": "cuda"}, 2)
-    assert envs == [{"CUDA_VISIBLE_DEVICES": "3"}, {"CUDA_VISIBLE_DEVICES": "5"}]
+    # each its own GPU first, and the other in view for CUDA IPC
+    assert envs == [{"CUDA_VISIBLE_DEVICES": "3,5"}, {"CUDA_VISIBLE_DEVICES": "5,3"}]
     assert "cache_config" not in kwargs  # a GPU each: nothing to split
     cache = CacheConfig(gpu_memory_utilization=0.8, layout="shared_decode")
     envs, kwargs = pool_layout({"device": "cuda", "cache_config": cache}, 3)
-    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["3", "5", "3"]
+    assert [env["CUDA_VISIBLE_DEVICES"] for env in envs] == ["3,5", "5,3", "3,5"]
     assert kwargs["cache_config"].gpu_memory_utilization == pytest.approx(0.4)
     assert kwargs["cache_config"].layout == cache.layout
 

@@ -6,8 +6,8 @@ own memory and says so; the prefill core then drops the staged copy.
 - CPU: the staged bytes live in a file in shared memory (/dev/shm where there is one),
   named by the handle.
 - CUDA: the staged tensor stays on the prefill core's device and the handle carries its
-  CUDA IPC handle; the decode core maps it and copies device to device (two cores may
-  share one GPU).
+  CUDA IPC handle and the GPU's id; the decode core, which sees that GPU too, maps it and
+  copies device to device (two cores may share one GPU).
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ class KVHandle(msgspec.Struct, array_like=True):
     dtype: str
     name: str = ""
     ipc: list[Any] = []
+    gpu: str = ""  # cuda_ipc: the GPU's id in CUDA_VISIBLE_DEVICES terms (or its index)
 
 
 class KVStaging:
@@ -49,7 +50,8 @@ class KVStaging:
         if kv.is_cuda:
             self.held.setdefault(key, []).append(kv)
             ipc = list(kv.untyped_storage()._share_cuda_())
-            return KVHandle("cuda_ipc", shape, dtype, ipc=ipc)
+            gpu = _visible_gpu_ids()[kv.device.index or 0]
+            return KVHandle("cuda_ipc", shape, dtype, ipc=ipc, gpu=gpu)
         folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
         path = os.path.join(folder, f"{PREFIX}{uuid.uuid4().hex}")
         self.held.setdefault(key, []).append(path)
@@ -71,6 +73,14 @@ class KVStaging:
             self.release(key)
 
 
+def _visible_gpu_ids() -> list[str]:
+    """This process's GPUs by their system-wide ids, in its device order."""
+    listed = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if listed is not None:
+        return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
+    return [str(index) for index in range(torch.cuda.device_count())]
+
+
 def handle_bytes(handle: KVHandle) -> int:
     """Bytes of the tensor a handle stands for."""
     numel = 1
@@ -87,8 +97,13 @@ def receive(handle: KVHandle, device: torch.device) -> torch.Tensor:
         numel *= size
     if handle.kind == "cuda_ipc":
         torch.cuda._lazy_init()
-        # Waits (on the device) for the prefill core's copy when the handle says so.
-        storage = torch.UntypedStorage._new_shared_cuda(*handle.ipc)
+        visible = _visible_gpu_ids()
+        if handle.gpu not in visible:
+            raise ValueError(f"the staged K/V is on GPU {handle.gpu}, which is not visible here")
+        # The IPC handle numbers the device as the prefill core sees it; this is its
+        # number here. Opening waits (on the device) for the prefill core's copy.
+        ipc = [visible.index(handle.gpu), *handle.ipc[1:]]
+        storage = torch.UntypedStorage._new_shared_cuda(*ipc)
         staged = torch.empty(0, dtype=dtype, device=storage.device)
         staged.set_(storage, 0, handle.shape)
         return staged.to(device, copy=True)

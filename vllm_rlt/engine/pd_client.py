@@ -50,13 +50,20 @@ def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, s
         "disaggregate on CUDA needs a visible GPU, but none is",
         "disaggregate",
     )
-    if len(visible) >= size or device != "cuda":
-        return core_environments(device, size), llm_kwargs  # names a wrong device
-    per_gpu = -(-size // len(visible))
+    if device != "cuda":
+        return core_environments(device, size), llm_kwargs  # names the wrong device
+    pool = visible[:size]
+    # Its own GPU first (its "cuda"), then the pool's others: a decode core opens the K/V
+    # a prefill core staged on its GPU through CUDA IPC (engine/kv_transport.py).
+    envs = [
+        {"CUDA_VISIBLE_DEVICES": ",".join([own] + [gpu for gpu in pool if gpu != own])}
+        for own in (pool[rank % len(pool)] for rank in range(size))
+    ]
+    if len(visible) >= size:
+        return envs, llm_kwargs
     cache = llm_kwargs.get("cache_config") or CacheConfig()
-    utilization = cache.gpu_memory_utilization / per_gpu
+    utilization = cache.gpu_memory_utilization / -(-size // len(pool))
     shared = dataclasses.replace(cache, gpu_memory_utilization=utilization)
-    envs = [{"CUDA_VISIBLE_DEVICES": visible[rank % len(visible)]} for rank in range(size)]
     return envs, {**llm_kwargs, "cache_config": shared}
 
 
