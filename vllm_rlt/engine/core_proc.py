@@ -206,7 +206,10 @@ class CoreLoop:
             command.request_id,
             command.client,
             lambda: engine.add_request(
-                command.request_id, command.prompt_token_ids, command.params, command.handover
+                command.request_id,
+                command.prompt_token_ids,
+                command.params,
+                **({"handover": True} if command.handover else {}),
             ),
         )
 
