@@ -10,6 +10,7 @@ import dataclasses
 import pytest
 
 from vllm_rlt import ExitConfig, SamplingParams
+from vllm_rlt.config import SpeculativeConfig
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 12], list(range(20, 39)), [88, 1]]
 
@@ -181,3 +182,44 @@ def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine)
     while decode.has_unfinished:
         errors += [d.error for d in decode.step() if d.error]
     assert errors and "expected" in errors[0]
+
+
+@pytest.mark.parametrize("num_blocks", [12, 13, 14, 16, 20])
+def test_completions_preempted_before_their_siblings_start_decoding(make_engine, num_blocks):
+    """A small prefill pool preempts completions of an n > 1 request while their siblings
+    already decode: the request is handed over only once every completion decodes again,
+    and the outputs still equal one core's."""
+    settings = dict(
+        async_scheduling=True,
+        enable_prefix_caching=False,
+        exit_config=ExitConfig(mode="random_lookahead"),
+    )
+    common = dict(max_tokens=30, temperature=0.8, exit_threshold=0.5, ignore_eos=True)
+    requests = [
+        ("a", list(range(20, 36)), SamplingParams(seed=1, n=3, **common)),
+        ("b", list(range(40, 56)), SamplingParams(seed=2, n=2, **common)),
+    ]
+    expected = _colocated(make_engine(**settings), requests)
+    prefill = make_engine(**settings, num_blocks=num_blocks, max_num_batched_tokens=8)
+    got, _ = _disaggregated(prefill, make_engine(**settings), requests)
+    _assert_same(got, expected)
+
+
+def test_speculating_requests_draft_on_their_decode_core_as_on_one_core(make_engine):
+    spec = SpeculativeConfig(num_speculative_tokens=3, draft_loops=1)
+    settings = dict(
+        async_scheduling=True,
+        enable_prefix_caching=False,
+        exit_config=ExitConfig(mode="random_lookahead"),
+        speculative_config=spec,
+    )
+    requests = [
+        (rid, prompt, dataclasses.replace(params, exit_threshold=0.5))
+        for rid, prompt, params in _requests()
+        if rid in ("greedy", "seeded", "fanout")
+    ]
+    expected = _colocated(make_engine(**settings), requests)
+    prefill, decode = make_engine(**settings), make_engine(**settings)
+    got, _ = _disaggregated(prefill, decode, requests)
+    _assert_same(got, expected)
+    assert decode.scheduler.num_drafted > 0

@@ -387,7 +387,8 @@ class Scheduler:
                 break
             for earlier in blocked:
                 earlier.bypass_count += 1
-            promised += first
+            if request.kv_import is None:  # an import takes its blocks as it is placed
+                promised += first
             admitted.append(self._place(request, hits))
         return admitted
 
@@ -468,6 +469,9 @@ class Scheduler:
             request.kv_import = None  # a later preemption recomputes it, as any other
             request.num_prefilled = request.prefill_len
             request.status = RequestStatus.DECODE
+            # It decodes from this pass on, as it would have on its prefill core: its lanes
+            # draft whenever this round does.
+            request.lanes_collapsed = self.last_drafting_round != self.round
             placed = self._reserve(request, self._imported_positions(request), False)
             assert placed, "admission counted these blocks"
             blocks = tuple(self.kv.block_table(request.request_id))
@@ -487,11 +491,11 @@ class Scheduler:
             imported_blocks=blocks,
         )
 
-    @staticmethod
-    def _imported_positions(request: Request) -> int:
+    def _imported_positions(self, request: Request) -> int:
         """Positions an imported request holds blocks for on admission: those it brings
-        (its prompt and its decoded inputs) and the one its next decode writes."""
-        return min(request.prefill_len + 1, request.reserved_positions)
+        (its prompt and its decoded inputs) and those its next decode writes (one per
+        speculation lane)."""
+        return min(request.prefill_len + self._decode_rows(request), request.reserved_positions)
 
     # ----------------------------------------------------------------- results
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:

@@ -202,7 +202,10 @@ class EngineCore:
         deltas = [self._delta(group) for group in progressed]
         for group in progressed:
             if group.handover and group.request_id in self.groups and group.ready_to_hand_over:
-                self._hand_over(group)
+                try:
+                    self._hand_over(group)
+                except Exception as error:  # noqa: BLE001 - fails this request only
+                    deltas.append(self._delta(self._fail(group.children[0], error)))
         return deltas
 
     def _step(self) -> list[RequestGroup]:

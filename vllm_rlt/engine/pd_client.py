@@ -15,12 +15,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
 from vllm_rlt.config import CacheConfig, require
 from vllm_rlt.engine.dp_client import DataParallelClient, _visible_gpus, core_environments
 from vllm_rlt.engine.messages import (
+    AbortAll,
     AbortRequest,
     AddRequest,
     Command,
@@ -131,6 +133,10 @@ class DisaggregatedClient(DataParallelClient):
             owner = self._owner.get(command.request_id)
             if owner is not None and owner[0] < self.num_prefill:
                 self._early_aborts.setdefault(command.request_id, []).append(command)
+        elif isinstance(command, AbortAll):  # offers may be on their way: abort them too
+            for request_id, (rank, _) in self._owner.items():
+                if rank < self.num_prefill:
+                    self._early_aborts.setdefault(request_id, []).append(AbortRequest(request_id))
         super().send(command)
 
     def _outputs(self, rank: int, on_outputs, outputs: EngineOutputs) -> None:
@@ -138,9 +144,11 @@ class DisaggregatedClient(DataParallelClient):
             self._pass_on(rank, offer)
         for request_id in outputs.imported:
             source = self._staged_at.pop(request_id, None)
-            self._staged_files.pop(request_id, None)
+            files = self._staged_files.pop(request_id, [])
             if source is not None and source not in self.lost:
                 self.cores[source].send(ReleaseHandover(request_id))
+            elif source is not None:  # its process is gone: nobody else removes them
+                _remove(files)
         super()._outputs(rank, on_outputs, outputs)
         for delta in outputs.requests:
             if delta.finished:
@@ -154,6 +162,8 @@ class DisaggregatedClient(DataParallelClient):
         if owner is not None:
             self._sequences[owner[0]] -= sequences
         target = self.choose(sequences, self.decode_ranks)
+        if self._sequences[target] == 0:  # an idle core owes no message until now
+            self._heard[target] = time.monotonic()
         self._owner[request_id] = (target, sequences)
         self._sequences[target] += sequences
         self._staged_at[request_id] = source
@@ -165,21 +175,27 @@ class DisaggregatedClient(DataParallelClient):
             self.cores[target].send(abort)
 
     def forget_core(self, rank: int) -> list[str]:
-        """A lost core's requests (see DataParallelClient); a lost decode core's staged
-        imports are released at their prefill cores, a lost prefill core's staged files
-        are removed here (its process can no longer do it)."""
+        """A lost core's requests (see DataParallelClient). The imports a lost decode core
+        had not copied are released at their prefill cores; a lost prefill core's staged
+        files are removed once their decode cores have their copies."""
         for request_id, source in list(self._staged_at.items()):
             target = self._owner.get(request_id, (None,))[0]
-            if target == rank and source not in self.lost:
-                self.cores[source].send(ReleaseHandover(request_id))
+            if target == rank:
                 del self._staged_at[request_id]
-            elif source == rank:
-                for path in self._staged_files.pop(request_id, []):
-                    try:
-                        os.unlink(path)
-                    except FileNotFoundError:
-                        pass
+                files = self._staged_files.pop(request_id, [])
+                if source in self.lost:
+                    _remove(files)
+                else:
+                    self.cores[source].send(ReleaseHandover(request_id))
         gone = super().forget_core(rank)
         for request_id in gone:
             self._early_aborts.pop(request_id, None)
         return gone
+
+
+def _remove(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass

@@ -7,7 +7,7 @@ import random
 import time
 from dataclasses import dataclass, field
 
-from vllm_rlt.core.request import Request
+from vllm_rlt.core.request import Request, RequestStatus
 from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
 from vllm_rlt.outputs import prompt_logprob_entries
 from vllm_rlt.sampling_params import SamplingParams
@@ -34,9 +34,13 @@ class RequestGroup:
 
     @property
     def ready_to_hand_over(self) -> bool:
-        """Every completion has its first token or has ended, and one still runs."""
+        """One completion still runs, and each has ended or decodes with its first token
+        (not one that a preemption sent back to wait or to replay what it computed)."""
         children = self.children
-        return not self.all_ended and all(c.output_token_ids or c.is_finished for c in children)
+        return not self.all_ended and all(
+            child.is_finished or (child.status is RequestStatus.DECODE and child.output_token_ids)
+            for child in children
+        )
 
     @classmethod
     def start(
