@@ -165,6 +165,8 @@ class ServerMetrics:
         self.kv_queue.set(len(self._offered))
 
     def observe_finished(self, output: RequestOutput) -> None:
+        if self._offered.pop(output.request_id, None) is not None:  # never copied
+            self.kv_queue.set(len(self._offered))
         metrics = output.metrics
         tokens = sum(len(c.token_ids) for c in output.outputs)
         self.prompt_tokens.inc(len(output.prompt_token_ids))
