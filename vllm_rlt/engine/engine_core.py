@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import random
 import time
 from collections.abc import Callable, Iterable
 
@@ -16,8 +15,9 @@ from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.kv_handover import KVHandover, continue_completions, hand_over
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.pass_pipeline import PassPipeline
-from vllm_rlt.engine.request_checks import RequestChecker, check_allowed_tokens
+from vllm_rlt.engine.request_checks import RequestChecker
 from vllm_rlt.engine.request_group import RequestGroup, completion_ids
+from vllm_rlt.engine.request_intake import RequestIntake
 from vllm_rlt.engine.trainer_hooks import TrainerHooks
 from vllm_rlt.parallel.tensor_parallel import mirrored
 from vllm_rlt.sampling_params import SamplingParams
@@ -57,7 +57,6 @@ class EngineCore:
         self.checker = checker
         self.memory_plan = memory_plan
         self.cache_config = cache_config
-        self.speculative_config = speculative_config
         self.attention_backend = attention_backend
         self.scheduler_note = scheduler_note
         self.num_loops = model.config.num_loops
@@ -74,7 +73,10 @@ class EngineCore:
         )
         self.passes = PassPipeline(runner, scheduler, self.async_scheduling)
         self._group_of: dict[str, str] = {}  # engine request id -> user request id
-        self._seeds = random.Random(execution_config.seed)
+        threshold = model.config.early_exit_threshold
+        self.intake = RequestIntake(
+            checker, eos_token_ids, threshold, speculative_config, execution_config.seed
+        )
         self.hooks = TrainerHooks(
             runner, execution_config.cuda_graphs, scheduler.config.max_num_batched_tokens
         )
@@ -107,26 +109,7 @@ class EngineCore:
                 f"request_id {request_id!r} is already in use"
                 + ("" if used == request_id else f" (its completion id {used!r} is taken)"),
             )
-        min_loops, max_loops, decode_depths = self.check_request(
-            request_id, prompt_token_ids, params
-        )
-        check_allowed_tokens(params, self.eos_token_ids)
-        threshold = params.exit_threshold
-        if threshold is None:
-            threshold = self.model.config.early_exit_threshold
-        group = RequestGroup.start(
-            request_id,
-            prompt_token_ids,
-            params,
-            self._seeds,
-            min_loops=min_loops,
-            max_loops=max_loops,
-            exit_threshold=float(threshold),
-            decode_depths=decode_depths,
-            eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
-            speculates=self._speculates(params, max_loops),
-        )
-        return group
+        return self.intake.group(request_id, prompt_token_ids, params)
 
     def _queue(self, group: RequestGroup, children: list[Request]) -> None:
         self.groups[group.request_id] = group
@@ -165,19 +148,11 @@ class EngineCore:
             del self._group_of[child.request_id]
         self.handovers.append(handover)
 
-    def _speculates(self, params: SamplingParams, max_loops: int) -> bool:
-        """Whether a request decodes in speculation lanes: its depth may exceed the draft's,
-        and it has no logit adjustments (their counts of earlier tokens live per slot, and
-        a lane would count unverified drafts). Others decode loop by loop as usual."""
-        config = self.speculative_config
-        return config is not None and config.draft_loops < max_loops and not params.adjusts_logits
-
     def check_request(
         self, request_id: str, prompt: list[int], params: SamplingParams
     ) -> tuple[int, int, tuple[int, ...] | None]:
-        """Every check that depends only on configuration: returns (min_loops, max_loops,
-        trace depths of the decode inputs or None)."""
-        return self.checker.check(request_id, prompt, params)
+        """See `RequestIntake.check`."""
+        return self.intake.check(request_id, prompt, params)
 
     @mirrored
     def abort_request(self, request_id: str, index: int | None = None) -> RequestDelta | None:
