@@ -4,6 +4,7 @@ range, wherever the settings are made."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import pytest
 
@@ -69,3 +70,36 @@ def test_a_layout_with_remote_cores_describes_them():
     assert layout.remote and layout.local_cores == 1
     cores = layout.remote_cores()
     assert (cores.local_size, cores.address, cores.rpc_port) == (1, "127.0.0.1", 13345)
+
+
+@pytest.mark.parametrize(
+    ("value", "message"),
+    [
+        ("2", "--disaggregate must be P:D (prefill and decode cores), got '2'"),
+        ("1:-1", "--disaggregate must be P:D (prefill and decode cores), got '1:-1'"),
+        ("0:1", "--disaggregate needs P and D in [1, 64], got '0:1'"),
+        ("1:99999999999999999999", "--disaggregate needs P and D in [1, 64]"),
+    ],
+)
+def test_disaggregate_takes_prefill_and_decode_core_counts(value, message):
+    from vllm_rlt.entrypoints.openai.settings import disaggregate_sizes
+
+    assert disaggregate_sizes(" 2 : 3 ") == (2, 3)
+    with pytest.raises(ParamError, match=re.escape(message)):
+        disaggregate_sizes(value)
+
+
+@pytest.mark.parametrize(
+    ("fields", "flag"),
+    [
+        ({"data_parallel_size": 2}, "data-parallel-size"),
+        ({"api_server_count": 2}, "api-server-count"),
+    ],
+)
+def test_disaggregate_runs_alone(fields, flag):
+    from vllm_rlt.entrypoints.openai.settings import DataParallelLayout
+
+    with pytest.raises(ParamError, match=f"cannot be combined with --{flag}"):
+        ServerSettings(disaggregate=(1, 1), **fields)
+    with pytest.raises(ParamError, match="cannot be combined with --headless"):
+        DataParallelLayout(headless=True, disaggregate=True)

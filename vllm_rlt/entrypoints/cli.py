@@ -488,6 +488,7 @@ def _data_parallel_layout(ns: argparse.Namespace) -> DataParallelLayout:
         headless=ns.headless,
         api_server_count=ns.api_server_count,
         api_key=ns.api_key,
+        disaggregate=ns.disaggregate is not None,
     )
 
 

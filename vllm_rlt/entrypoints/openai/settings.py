@@ -115,10 +115,13 @@ class DataParallelLayout:
     headless: bool = False
     api_server_count: int = 1
     api_key: str | None = None
+    disaggregate: bool = False  # --disaggregate runs every core beside the server
 
     def __post_init__(self) -> None:
         size = self.size
         _check_data_parallel_size(size)
+        if self.disaggregate and self.headless:
+            _fail("disaggregate", "runs alone: it cannot be combined with --headless")
         if self.local is None:
             object.__setattr__(self, "local", size)
         local = self.local_cores
