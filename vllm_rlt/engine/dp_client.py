@@ -64,7 +64,7 @@ def core_environments(device: str, size: int, gpus_per_core: int = 1) -> list[di
         "(choose the GPUs with CUDA_VISIBLE_DEVICES)",
         "device",
     )
-    visible = _visible_gpus()
+    visible = visible_gpus()
     needed = size * gpus_per_core
     require(
         needed <= len(visible),
@@ -91,7 +91,7 @@ def engine_environments(llm_kwargs: dict[str, Any], size: int) -> list[dict[str,
     return core_environments(device, size, int(llm_kwargs.get("tensor_parallel_size") or 1))
 
 
-def _visible_gpus() -> list[str]:
+def visible_gpus() -> list[str]:
     listed = os.environ.get("CUDA_VISIBLE_DEVICES")
     if listed is not None:
         return [gpu.strip() for gpu in listed.split(",") if gpu.strip()]
@@ -213,15 +213,23 @@ class DataParallelClient:
         return [core.process for core in self.cores if core.process is not None]
 
     # ----------------------------------------------------------------- routing
-    def choose(self, sequences: int) -> int:
-        """The core a new request of `sequences` completions goes to."""
+    def choose(self, sequences: int, ranks: list[int] | None = None) -> int:
+        """The core among `ranks` (default: every running one) a new request of
+        `sequences` completions goes to."""
 
         def load(rank: int) -> tuple[int, float, int]:
             slots = self.cores[rank].info.max_num_seqs
             waiting = max(0, self._sequences[rank] + sequences - slots)
             return waiting, self._kv_usage[rank], self._sequences[rank]
 
-        return min(self.live_ranks, key=lambda rank: (*load(rank), rank))
+        return min(ranks or self.live_ranks, key=lambda rank: (*load(rank), rank))
+
+    def _assign(self, request_id: str, rank: int, sequences: int) -> None:
+        """Count `request_id`'s `sequences` completions on core `rank` from now on."""
+        if self._sequences[rank] == 0:  # an idle core owes no message until now
+            self._heard[rank] = time.monotonic()
+        self._owner[request_id] = (rank, sequences)
+        self._sequences[rank] += sequences
 
     def send(self, command: Command) -> None:
         if isinstance(command, AddRequest):
@@ -231,10 +239,7 @@ class DataParallelClient:
                 return
             n = command.params.n
             rank = self.choose(n)
-            if self._sequences[rank] == 0:  # an idle core owes no message until now
-                self._heard[rank] = time.monotonic()
-            self._owner[command.request_id] = (rank, n)
-            self._sequences[rank] += n
+            self._assign(command.request_id, rank, n)
             self.cores[rank].send(command)
         elif isinstance(command, AbortRequest):
             owner = self._owner.get(command.request_id)

@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 from vllm_rlt.config import CacheConfig, require
-from vllm_rlt.engine.dp_client import DataParallelClient, _visible_gpus, core_environments
+from vllm_rlt.engine.dp_client import DataParallelClient, core_environments, visible_gpus
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -46,7 +45,7 @@ def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, s
     device = str(llm_kwargs.get("device", "cpu"))
     if not device.startswith("cuda"):
         return [{} for _ in range(size)], llm_kwargs
-    visible = _visible_gpus() if device == "cuda" else []
+    visible = visible_gpus() if device == "cuda" else []
     require(
         device != "cuda" or bool(visible),
         "disaggregate on CUDA needs a visible GPU, but none is",
@@ -108,17 +107,9 @@ class DisaggregatedClient(DataParallelClient):
         return [rank for rank in self.live_ranks if rank >= self.num_prefill]
 
     def choose(self, sequences: int, ranks: list[int] | None = None) -> int:
-        """The least-loaded core among `ranks` (default: the prefill cores)."""
-        ranks = self.prefill_ranks if ranks is None else ranks
-        if not ranks:  # every core of the role is gone: the request fails there
-            return self.live_ranks[0]
-
-        def load(rank: int) -> tuple[int, float, int]:
-            slots = self.cores[rank].info.max_num_seqs
-            waiting = max(0, self._sequences[rank] + sequences - slots)
-            return waiting, self._kv_usage[rank], self._sequences[rank]
-
-        return min(ranks, key=lambda rank: (*load(rank), rank))
+        """The least-loaded core among `ranks` (default: the prefill cores); with every
+        core of that role gone, among those still running."""
+        return super().choose(sequences, self.prefill_ranks if ranks is None else ranks)
 
     def send(self, command: Command) -> None:
         if isinstance(command, AddRequest) and command.request_id not in self._owner:
@@ -162,10 +153,7 @@ class DisaggregatedClient(DataParallelClient):
         if owner is not None:
             self._sequences[owner[0]] -= sequences
         target = self.choose(sequences, self.decode_ranks)
-        if self._sequences[target] == 0:  # an idle core owes no message until now
-            self._heard[target] = time.monotonic()
-        self._owner[request_id] = (target, sequences)
-        self._sequences[target] += sequences
+        self._assign(request_id, target, sequences)
         self._staged_at[request_id] = source
         self._staged_files[request_id] = [
             c.kv.name for c in offer.completions if c.kv is not None and c.kv.kind == "shm"
