@@ -182,10 +182,10 @@ def test_one_failing_request_fails_alone(monkeypatch):
         engine = core_engine(state)
         original = engine.add_request
 
-        def flaky(request_id, ids, params):
+        def flaky(request_id, ids, params, **options):
             if params.seed == 666:
                 raise RuntimeError("boom")
-            return original(request_id, ids, params)
+            return original(request_id, ids, params, **options)
 
         monkeypatch.setattr(engine, "add_request", flaky)
         body = {"model": "toy", "prompt": "explode", "seed": 666}

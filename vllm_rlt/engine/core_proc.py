@@ -11,6 +11,7 @@ in its last message.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
@@ -123,16 +124,13 @@ class CoreLoop:
         """Stage each handed-over request's K/V and offer it to the client that sent it."""
         for handover in handovers:
             client = self.owners.pop(handover.request_id, 0) if self.routed else 0
+            staged = self.staging.offer
             completions = [
                 HandedCompletionMessage(
-                    c.index,
-                    c.seed,
-                    c.output_token_ids,
-                    c.exit_depths,
-                    c.logprobs,
-                    [list(top) for top in c.top_logprobs],
-                    c.finish_reason,
-                    None if c.kv is None else self.staging.offer(handover.request_id, c.kv),
+                    **{
+                        **_fields(c),
+                        "kv": None if c.kv is None else staged(handover.request_id, c.kv),
+                    }
                 )
                 for c in handover.completions
             ]
@@ -209,7 +207,7 @@ class CoreLoop:
                 command.request_id,
                 command.prompt_token_ids,
                 command.params,
-                **({"handover": True} if command.handover else {}),
+                handover=command.handover,
             ),
         )
 
@@ -223,14 +221,11 @@ class CoreLoop:
         def queue() -> None:
             completions = [
                 HandedCompletion(
-                    c.index,
-                    c.seed,
-                    c.output_token_ids,
-                    c.exit_depths,
-                    c.logprobs,
-                    [tuple(map(tuple, top)) for top in c.top_logprobs],
-                    c.finish_reason,
-                    None if c.kv is None else receive(c.kv, device),
+                    **{
+                        **msgspec.structs.asdict(c),
+                        "top_logprobs": [tuple(map(tuple, top)) for top in c.top_logprobs],
+                        "kv": None if c.kv is None else receive(c.kv, device),
+                    }
                 )
                 for c in offer.completions
             ]
@@ -310,6 +305,11 @@ class CoreLoop:
             logger.exception("control call %r failed", name)
             return {"error": f"{name} failed: {type(exc).__name__}: {exc}"}
         return {"is_sleeping": engine.is_sleeping}
+
+
+def _fields(value) -> dict[str, Any]:
+    """A dataclass's fields by name, the values themselves (no deep copy of tensors)."""
+    return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
 
 
 def engine_info(engine: EngineCore, model_name: str) -> EngineInfo:

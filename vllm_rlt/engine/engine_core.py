@@ -176,7 +176,7 @@ class EngineCore:
         progressed = self._step()
         deltas = [self._delta(group) for group in progressed]
         for group in progressed:
-            if group.handover and group.request_id in self.groups and group.ready_to_hand_over:
+            if group.handover and group.ready_to_hand_over:  # an ended group is never ready
                 try:
                     self._hand_over(group)
                 except Exception as error:  # noqa: BLE001 - fails this request only

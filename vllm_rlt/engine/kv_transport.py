@@ -12,6 +12,7 @@ own memory and says so; the prefill core then drops the staged copy.
 
 from __future__ import annotations
 
+import math
 import os
 import tempfile
 import uuid
@@ -83,18 +84,13 @@ def _visible_gpu_ids() -> list[str]:
 
 def handle_bytes(handle: KVHandle) -> int:
     """Bytes of the tensor a handle stands for."""
-    numel = 1
-    for size in handle.shape:
-        numel *= size
-    return numel * torch.empty(0, dtype=DTYPES[handle.dtype]).element_size()
+    return math.prod(handle.shape) * torch.empty(0, dtype=DTYPES[handle.dtype]).element_size()
 
 
 def receive(handle: KVHandle, device: torch.device) -> torch.Tensor:
     """This process's own copy of a staged tensor, on `device`."""
     dtype = DTYPES[handle.dtype]
-    numel = 1
-    for size in handle.shape:
-        numel *= size
+    numel = math.prod(handle.shape)
     if handle.kind == "cuda_ipc":
         torch.cuda._lazy_init()
         visible = _visible_gpu_ids()
