@@ -1,6 +1,6 @@
 """Prefill/decode handover on one GPU: two engine cores (Triton kernels, CUDA graphs,
 asynchronous scheduling) give what one core gives, in both per-plane layouts, with the K/V
-moved through CUDA IPC from another process."""
+read through CUDA IPC from another process's pool."""
 
 from __future__ import annotations
 
@@ -13,9 +13,10 @@ import torch
 from tests.unit.test_kv_handover import _assert_same, _colocated, _disaggregated, _requests
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.engine.builder import build_engine_core
-from vllm_rlt.engine.kv_transport import KVHandle, KVStaging, receive
+from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.worker.kv_pool import KVPool
 
 pytestmark = pytest.mark.gpu
 
@@ -40,27 +41,33 @@ def test_cuda_handover_equals_one_core(toy_config, toy_state, exact_float32, lay
     prefill, decode = _engine(model, layout), _engine(model, layout)
     got, handed = _disaggregated(prefill, decode, _requests())
     _assert_same(got, expected)
-    assert handed and prefill.all_blocks_free() and decode.all_blocks_free()
+    assert handed and prefill.all_blocks_free() and decode.all_blocks_free()  # released
 
 
-def _stage_in_child(kv: list, queue, done) -> None:
-    staging = KVStaging()
-    tensor = torch.tensor(kv, device="cuda", dtype=torch.bfloat16)
-    queue.put(msgspec.msgpack.encode(staging.offer("r", tensor)))
-    done.wait(120)  # the staged tensor lives until the receiver has its copy
-    staging.release("r")
+def _share_in_child(queue, done) -> None:
+    generator = torch.Generator().manual_seed(0)
+    k = [torch.randn(2 * 12, 3, 8, generator=generator).to("cuda", torch.bfloat16)]
+    v = [torch.randn(2 * 12, 3, 8, generator=generator).to("cuda", torch.bfloat16)]
+    shared = SharedPool(KVPool(k, v, planes=2, block_size=4))
+    torch.cuda.synchronize()
+    queue.put(msgspec.msgpack.encode(shared.handle))
+    done.wait(120)  # the pool lives until the reader has its copy
 
 
-def test_cuda_ipc_moves_a_tensor_between_processes():
-    kv = torch.randn(2, 2, 4, 7, 3, 8).tolist()
+def test_cuda_ipc_maps_another_process_pool():
     context = multiprocessing.get_context("spawn")
     queue, done = context.Queue(), context.Event()
-    child = context.Process(target=_stage_in_child, args=(kv, queue, done))
+    child = context.Process(target=_share_in_child, args=(queue, done))
     child.start()
-    handle = msgspec.msgpack.decode(queue.get(timeout=120), type=KVHandle)
+    handle = msgspec.msgpack.decode(queue.get(timeout=120), type=KVPoolHandle)
     assert handle.kind == "cuda_ipc"
-    got = receive(handle, torch.device("cuda"))
+    pool = OpenedPools().open(handle)
+    got = [t.clone() for t in [*pool.k, *pool.v]]
+    torch.cuda.synchronize()
     done.set()
     child.join(timeout=120)
     assert child.exitcode == 0
-    assert torch.equal(got, torch.tensor(kv, device="cuda", dtype=torch.bfloat16))
+    generator = torch.Generator().manual_seed(0)
+    for tensor in got:
+        want = torch.randn(2 * 12, 3, 8, generator=generator).to("cuda", torch.bfloat16)
+        assert torch.equal(tensor, want)

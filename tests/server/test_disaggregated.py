@@ -22,7 +22,7 @@ from vllm_rlt import LLM, CacheConfig, SamplingParams
 _CORE_PIDS = re.compile(r"1 prefill and 1 decode engine cores \(pid (\d+), (\d+)\)")
 
 
-def _staged_files() -> set[str]:
+def _pool_files() -> set[str]:
     return set(glob.glob("/dev/shm/vllm-rlt-kv-*"))
 
 
@@ -40,7 +40,7 @@ def _idle(url: str, timeout: float = 60.0) -> None:
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
 def test_disaggregated_serving_equals_offline_and_frees_both_cores(layout):
-    before = _staged_files()
+    before = _pool_files()
     flags = ("--disaggregate", "1:1", "--kv-layout", layout, "--shutdown-timeout", "5")
     with serve_process(*flags) as (process, url):
         if layout == "last_exited":  # against the offline engine's default layout
@@ -103,7 +103,7 @@ def test_disaggregated_serving_equals_offline_and_frees_both_cores(layout):
         assert "vllm_rlt:kv_transfer_seconds_count" in scrape
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
-    assert _staged_files() <= before, "staged K/V files were left behind"
+    assert _pool_files() <= before, "pool files were left behind"
 
 
 def test_a_dead_decode_core_is_named_and_the_prefill_core_serves_on():

@@ -43,7 +43,14 @@ def _colocated(engine, requests) -> dict:
     return outputs
 
 
+def _release_copied(prefill, decode) -> None:
+    for request_id in decode.take_copied():
+        assert prefill.release_handover(request_id)
+
+
 def _disaggregated(prefill, decode, requests) -> tuple[dict, list]:
+    """Both cores to the end; the prefill core frees each handover's blocks once the
+    decode core says its copy is done, and not before."""
     outputs: dict = {}
     handed = []
     for request_id, prompt, params in requests:
@@ -54,10 +61,19 @@ def _disaggregated(prefill, decode, requests) -> tuple[dict, list]:
                 _collect(outputs, delta)
             for handover in prefill.take_handovers():
                 handed.append(handover)
+                if any(c.kv is not None for c in handover.completions):
+                    assert not prefill.all_blocks_free()  # lent until the copy is done
                 decode.import_request(handover)
         if decode.has_unfinished:
             for delta in decode.step():
                 _collect(outputs, delta)
+        _release_copied(prefill, decode)
+    for _ in range(1000):  # copies may still run on the device
+        if not decode.ledger.importing:
+            break
+        _release_copied(prefill, decode)
+    _release_copied(prefill, decode)
+    assert not prefill.ledger.lent and not decode.ledger.importing
     return outputs, handed
 
 
@@ -135,7 +151,14 @@ def test_a_handed_over_request_decodes_as_on_one_core(make_engine, layout, exit_
         for completion in handover.completions:
             assert completion.finish_reason is None
             computed = len(handover.prompt_token_ids) + len(completion.output_token_ids) - 1
-            assert completion.kv.shape[2:4] == (planes, computed)
+            assert handover.pool.planes == planes
+            assert completion.kv.num_positions == computed
+            size = handover.pool.block_size
+            assert len(completion.kv.blocks) == -(-computed // size)
+            config = prefill.model.config
+            per_position = config.num_hidden_layers * 2 * config.num_key_value_heads
+            per_position *= config.head_dim * 4 * planes  # float32 K and V at every plane
+            assert completion.kv.nbytes == computed * per_position
     assert prefill.stats().num_passes > 0 and decode.stats().num_passes > 0
 
 
@@ -153,15 +176,19 @@ def test_aborts_around_the_handover_free_everything(make_engine):
     while len(handovers) < 2:
         prefill.step()
         handovers += prefill.take_handovers()
-    assert not prefill.has_unfinished and prefill.all_blocks_free()
+    assert not prefill.has_unfinished and not prefill.all_blocks_free()  # lent
     for handover in handovers:
         decode.import_request(handover)
-    assert decode.abort_request("queued").finished  # never admitted
+    assert decode.abort_request("queued").finished  # never admitted: its source is unread
+    assert decode.take_copied() == ["queued"]
+    assert prefill.release_handover("queued") and not prefill.release_handover("queued")
     decode.step()
     decode.step()
+    assert decode.take_copied() == ["running"]  # admitted, copied
     assert decode.abort_request("running").finished
     while decode.has_unfinished:
         decode.step()
+    assert prefill.release_handover("running") and prefill.all_blocks_free()
 
 
 def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine):
@@ -175,6 +202,7 @@ def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine)
     decode.add_request("r", PROMPTS[0], params)
     with pytest.raises(ValueError, match="already in use"):
         decode.import_request(handovers[0])
+    assert decode.take_copied() == ["r"]  # refused: the prefill core may free its blocks
     decode.abort_request("r")
     # Four planes of K/V into a one-plane pool: the request fails alone, nothing leaks.
     decode.import_request(handovers[0])
@@ -182,6 +210,8 @@ def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine)
     while decode.has_unfinished:
         errors += [d.error for d in decode.step() if d.error]
     assert errors and "expected" in errors[0]
+    assert decode.take_copied() == ["r"]
+    assert prefill.release_handover("r") and prefill.all_blocks_free()
 
 
 @pytest.mark.parametrize("num_blocks", [12, 13, 14, 16, 20])
@@ -223,3 +253,25 @@ def test_speculating_requests_draft_on_their_decode_core_as_on_one_core(make_eng
     got, _ = _disaggregated(prefill, decode, requests)
     _assert_same(got, expected)
     assert decode.scheduler.num_drafted > 0
+
+
+def test_a_pool_full_of_lent_blocks_holds_back_new_prompts_until_released(make_engine):
+    """Blocks lent to a slow decode core may fill the prefill core's pool: new prompts wait
+    (no pass runs, nothing fails) and go on once the blocks come back."""
+    prefill = make_engine(num_blocks=12, enable_prefix_caching=False)
+    params = SamplingParams(max_tokens=4, temperature=0.0)
+    handovers = []
+    for request_id in ("a", "b", "c"):
+        prefill.add_request(request_id, list(range(30, 44)), params, handover=True)
+    while len(handovers) < 3:
+        prefill.step()
+        handovers += prefill.take_handovers()
+    prefill.add_request("d", list(range(50, 64)), params, handover=True)
+    for _ in range(3):
+        assert prefill.step() == [] and prefill.held_back
+    for handover in handovers:
+        assert prefill.release_handover(handover.request_id)
+    while not prefill.take_handovers():
+        prefill.step()
+    assert not prefill.held_back
+    assert prefill.release_handover("d") and prefill.all_blocks_free()

@@ -1,51 +1,77 @@
-"""engine/kv_transport.py on CPU: a staged tensor reaches another process through shared
-memory bit for bit, and releasing it removes its file."""
+"""engine/kv_transport.py on CPU: a pool shared by one process is read by another bit for
+bit, later writes included (it is mapped, not copied); the sharing process's tensors keep
+their values; closing removes the pool's file; bad handles are refused by name."""
 
 from __future__ import annotations
 
 import multiprocessing
 import os
 
+import msgspec
 import pytest
 import torch
 
-from vllm_rlt.engine.kv_transport import KVHandle, KVStaging, receive
+from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool
+from vllm_rlt.worker.kv_pool import KVPool
 
 
-def _receive_in_child(handle_bytes: bytes, queue) -> None:
-    import msgspec
+def _pool(dtype) -> KVPool:
+    generator = torch.Generator().manual_seed(0)
+    k = [torch.randn(2 * 12, 3, 8, generator=generator).to(dtype) for _ in range(2)]
+    v = [torch.randn(2 * 12, 3, 8, generator=generator).to(dtype) for _ in range(2)]
+    return KVPool(k, v, planes=2, block_size=4)
 
-    handle = msgspec.msgpack.decode(handle_bytes, type=KVHandle)
-    got = receive(handle, torch.device("cpu"))
-    queue.put((str(got.dtype), got.shape, got.float().flatten().tolist()))
+
+def _share_in_child(dtype_name: str, queue, mapped, read) -> None:
+    pool = _pool(getattr(torch, dtype_name))
+    shared = SharedPool(pool)
+    queue.put(msgspec.msgpack.encode(shared.handle))
+    mapped.wait(60)
+    pool.v[1][5].fill_(7)  # after the reader mapped it
+    queue.put("written")
+    read.wait(60)
+    shared.close()
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_a_staged_tensor_arrives_whole_in_another_process(dtype):
-    import msgspec
-
-    kv = torch.randn(2, 2, 4, 5, 3, 8).to(dtype)
-    staging = KVStaging()
-    handle = staging.offer("r", kv[:, :, 1:])  # not contiguous: staged contiguously
+def test_a_shared_pool_is_read_in_another_process(dtype):
     context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    child = context.Process(target=_receive_in_child, args=(msgspec.msgpack.encode(handle), queue))
+    queue, mapped, read = context.Queue(), context.Event(), context.Event()
+    name = str(dtype).removeprefix("torch.")
+    child = context.Process(target=_share_in_child, args=(name, queue, mapped, read))
     child.start()
-    got_dtype, got_shape, values = queue.get(timeout=60)
+    handle = msgspec.msgpack.decode(queue.get(timeout=60), type=KVPoolHandle)
+    assert handle.kind == "shm" and handle.planes == 2 and handle.block_size == 4
+    pools = OpenedPools()
+    opened = pools.open(handle)
+    assert pools.open(handle) is opened  # mapped once
+    expected = _pool(dtype)
+    for got, want in zip([*opened.k, *opened.v], [*expected.k, *expected.v], strict=True):
+        assert torch.equal(got, want)  # bit for bit
+    entries = opened.entries([2, 0], 6)  # block 2 holds positions 0-3, block 0 holds 4-5
+    assert entries.tolist() == [8, 9, 10, 11, 0, 1, 20, 21, 22, 23, 12, 13]
+    mapped.set()
+    assert queue.get(timeout=60) == "written"
+    assert bool((opened.v[1][5] == 7).all())
+    read.set()
     child.join(timeout=60)
     assert child.exitcode == 0
-    expected = kv[:, :, 1:]
-    assert got_dtype == str(dtype) and got_shape == expected.shape
-    assert values == expected.float().flatten().tolist()  # bit for bit
-    staging.release("r")
     assert not os.path.exists(handle.name)
 
 
-def test_release_all_and_an_unknown_kind():
-    staging = KVStaging()
-    handles = [staging.offer(key, torch.ones(3)) for key in ("a", "b")]
-    assert torch.equal(receive(handles[0], torch.device("cpu")), torch.ones(3))
-    staging.release_all()
-    assert not staging.held
-    with pytest.raises(ValueError, match="unknown K/V handle kind"):
-        receive(KVHandle("pipe", [1], "torch.float32"), torch.device("cpu"))
+def test_sharing_keeps_the_tensors_and_bad_handles_are_refused():
+    pool = _pool(torch.float32)
+    before = [t.clone() for t in [*pool.k, *pool.v]]
+    k0 = pool.k[0]
+    shared = SharedPool(pool)
+    assert pool.k[0] is k0  # the engine's tensors stay; their memory moved
+    assert all(torch.equal(a, b) for a, b in zip([*pool.k, *pool.v], before, strict=True))
+    pool.k[0][0].fill_(3)
+    assert bool((OpenedPools().open(shared.handle).k[0][0] == 3).all())
+    shared.close()
+    shared.close()
+    handle = shared.handle
+    with pytest.raises(ValueError, match="unknown K/V pool handle kind"):
+        OpenedPools().open(msgspec.structs.replace(handle, kind="pipe"))
+    with pytest.raises(ValueError, match="vllm-rlt-kv-"):
+        OpenedPools().open(msgspec.structs.replace(handle, name="/etc/passwd"))

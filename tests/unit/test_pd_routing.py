@@ -1,12 +1,13 @@
 """DisaggregatedClient's routing with stand-in cores: an abort that reaches a prefill core
 after its offer left follows the offer to the decode core, and a decode core's copy
-releases the prefill core's staged one."""
+frees the prefill core's lent blocks, and a lost core's handovers are cleaned up."""
 
 from __future__ import annotations
 
 import time
 import types
 
+from vllm_rlt.engine.kv_transport import KVPoolHandle
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -33,7 +34,7 @@ def _client() -> DisaggregatedClient:
     """One prefill and one decode stand-in core, without processes."""
     client = DisaggregatedClient.__new__(DisaggregatedClient)
     client.num_prefill = 1
-    client._staged_at, client._staged_files, client._early_aborts = {}, {}, {}
+    client._lent_by, client._pool_files, client._early_aborts = {}, {}, {}
     client._prepare(lambda reason: None, None)
     client.cores = [_Core(), _Core()]
     client.client, client._owner = 0, {}
@@ -49,6 +50,12 @@ def _outputs(offers=(), imported=()):
     )
 
 
+def _offer(request_id: str, params: SamplingParams, pool_file: str = "") -> KVOffer:
+    pool = KVPoolHandle("p", "shm" if pool_file else "cuda_ipc", [1], "torch.float32", 1, 1, 1)
+    pool.name = pool_file
+    return KVOffer(request_id, [1], params, [], pool)
+
+
 def test_aborts_sent_before_an_offer_arrives_follow_it():
     client = _client()
     params = SamplingParams(max_tokens=5)
@@ -58,7 +65,7 @@ def test_aborts_sent_before_an_offer_arrives_follow_it():
     client.send(AbortRequest("one"))
     client.send(AbortAll(0))
     for request_id in ("one", "all"):  # both left their prefill core before the aborts
-        client._outputs(0, lambda outputs: None, _outputs([KVOffer(request_id, [1], params, [])]))
+        client._outputs(0, lambda outputs: None, _outputs([_offer(request_id, params)]))
     decode = client.cores[1].sent
     imports = [i for i, c in enumerate(decode) if isinstance(c, ImportRequest)]
     aborts = {c.request_id for c in decode if isinstance(c, AbortRequest)}
@@ -68,3 +75,27 @@ def test_aborts_sent_before_an_offer_arrives_follow_it():
     client._outputs(1, lambda outputs: None, _outputs(imported=["one"]))
     assert isinstance(client.cores[0].sent[-1], ReleaseHandover)
     assert client.cores[0].sent[-1].request_id == "one"
+
+
+def test_a_lost_core_frees_what_its_handovers_held(tmp_path):
+    """A lost decode core: the blocks lent for its imports are freed at their prefill core.
+    A lost prefill core: its pool's file is removed."""
+    client = _client()
+    params = SamplingParams(max_tokens=5)
+    pool_file = tmp_path / "vllm-rlt-kv-pool"
+    pool_file.write_bytes(b"\0" * 8)
+    for request_id in ("a", "b"):
+        client.send(AddRequest(request_id, [1, 2, 3], params))
+        client._outputs(
+            0, lambda outputs: None, _outputs([_offer(request_id, params, str(pool_file))])
+        )
+    client._outputs(1, lambda outputs: None, _outputs(imported=["a"]))
+    client._owner.pop("b")  # it finished on the decode core before its copy was reported
+    client.lost[1] = "killed"
+    assert client.forget_core(1) == ["a"]  # "b" already ended there
+    releases = [c.request_id for c in client.cores[0].sent if isinstance(c, ReleaseHandover)]
+    assert releases == ["a", "b"] and not client._lent_by
+    assert pool_file.exists()  # its prefill core still runs
+    client.lost[0] = "killed"
+    client.forget_core(0)
+    assert not pool_file.exists()

@@ -94,6 +94,7 @@ def test_disaggregate_takes_prefill_and_decode_core_counts(value, message):
     [
         ({"data_parallel_size": 2}, "data-parallel-size"),
         ({"api_server_count": 2}, "api-server-count"),
+        ({"enable_sleep_mode": True}, "enable-sleep-mode"),
     ],
 )
 def test_disaggregate_runs_alone(fields, flag):

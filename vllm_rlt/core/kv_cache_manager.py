@@ -159,7 +159,14 @@ class KVCacheManager:
         self._block_of.clear()
         return True
 
-    def block_table(self, request_id: str) -> list[int]:
+    def lend(self, owner: Hashable, borrower: Hashable) -> None:
+        """Move `owner`'s table, references and all, to `borrower`: freeing `owner` then
+        keeps the blocks; freeing `borrower` gives them back."""
+        if borrower in self._tables:
+            raise RuntimeError(f"{borrower!r} already holds blocks")
+        self._tables[borrower] = self._tables.pop(owner, [])
+
+    def block_table(self, request_id: Hashable) -> list[int]:
         return self._tables.get(request_id, [])
 
     def all_free(self) -> bool:

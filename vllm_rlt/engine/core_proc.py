@@ -4,7 +4,9 @@ produced something.
 
 The loop never waits while it has work: it drains the commands that arrived, answers the
 control calls (a request-reply socket of their own), runs a pass, and sends that pass's
-deltas with the engine counters. Idle, it blocks on its inputs. It
+deltas with the engine counters. Idle, it blocks on its inputs (polling them every
+millisecond while K/V copies from a prefill core still run, and every 10 ms while blocks
+lent to decode cores hold back every pass). It
 leaves when told to, when its parent process dies, or after an error, which it reports
 in its last message.
 """
@@ -23,10 +25,11 @@ from typing import Any
 import msgspec
 import zmq
 
+from vllm_rlt.config import require
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.kv_handover import HandedCompletion, KVHandover
-from vllm_rlt.engine.kv_transport import KVStaging, receive
+from vllm_rlt.engine.kv_transport import OpenedPools, SharedPool
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -94,10 +97,12 @@ class CoreLoop:
         self.owners: dict[str, int] = {}  # request id -> its client (routed mode only)
         self.outbox: list[list[RequestDelta]] = [[] for _ in outputs]
         # Prefill/decode disaggregation (engine/kv_handover.py), per client: requests this
-        # core ran to their first tokens, and imports whose staged K/V may go.
+        # core ran to their first tokens, and imports whose source blocks may go.
         self.offers: list[list[KVOffer]] = [[] for _ in outputs]
         self.imported: list[list[str]] = [[] for _ in outputs]
-        self.staging = KVStaging()
+        self.import_client: dict[str, int] = {}
+        self.shared_pool: SharedPool | None = None  # shared at the first handover
+        self.opened_pools = OpenedPools()
         self.last_sent = [0.0] * len(outputs)
         self.rate = PassRate()
 
@@ -106,11 +111,17 @@ class CoreLoop:
         engine = self.engine
         try:
             while not self.stopping:
-                self._take_commands(block=not engine.has_unfinished)
+                if engine.has_unfinished:  # held back: only a release can free blocks
+                    wait = 10 if engine.held_back else 0
+                else:  # idle with copies still running: look at them again soon
+                    wait = 1 if engine.ledger.importing else None
+                self._take_commands(wait)
                 if engine.has_unfinished and not self.stopping:
                     self._route(engine.step())
                     self._offer(engine.take_handovers())
                     self.rate.record(engine.passes.num_passes, engine.passes.num_rows_total)
+                for request_id in engine.take_copied():
+                    self.imported[self.import_client.pop(request_id, 0)].append(request_id)
                 self._publish()
         except BaseException as exc:
             dead = self.encode(EngineDead(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -118,25 +129,24 @@ class CoreLoop:
                 socket.send(dead, copy=False)
             raise
         finally:
-            self.staging.release_all()
+            if self.shared_pool is not None:
+                self.shared_pool.close()
 
     def _offer(self, handovers: list[KVHandover]) -> None:
-        """Stage each handed-over request's K/V and offer it to the client that sent it."""
+        """Offer each handed-over request to the client that sent it; the first handover
+        makes this core's pool visible to the host's other processes."""
+        if handovers and self.shared_pool is None:
+            self.shared_pool = SharedPool(self.engine.runner.kv_pool)
         for handover in handovers:
             client = self.owners.pop(handover.request_id, 0) if self.routed else 0
-            staged = self.staging.offer
-            completions = [
-                HandedCompletionMessage(
-                    **{
-                        **_fields(c),
-                        "kv": None if c.kv is None else staged(handover.request_id, c.kv),
-                    }
-                )
-                for c in handover.completions
-            ]
+            completions = [HandedCompletionMessage(**_fields(c)) for c in handover.completions]
             self.offers[client].append(
                 KVOffer(
-                    handover.request_id, handover.prompt_token_ids, handover.params, completions
+                    handover.request_id,
+                    handover.prompt_token_ids,
+                    handover.params,
+                    completions,
+                    self.shared_pool.handle,
                 )
             )
 
@@ -174,10 +184,11 @@ class CoreLoop:
         return client in self.owners.values()
 
     # ----------------------------------------------------------------- commands
-    def _take_commands(self, block: bool) -> None:
-        """Apply every command and answer every call that arrived (idle: wait for one)."""
-        if block:
-            self.poller.poll(None)
+    def _take_commands(self, wait_ms: int | None) -> None:
+        """Apply every command and answer every call that arrived, waiting up to `wait_ms`
+        (None: until one comes) for the first."""
+        if wait_ms != 0:
+            self.poller.poll(wait_ms)
         while self.inputs.poll(0):
             command = self.decode(self.inputs.recv(copy=False))
             if isinstance(command, AddRequest):
@@ -191,7 +202,7 @@ class CoreLoop:
             elif isinstance(command, ImportRequest):
                 self._import(command)
             elif isinstance(command, ReleaseHandover):
-                self.staging.release(command.request_id)
+                self.engine.release_handover(command.request_id)
         while self.control.poll(0):
             call = self.decode_call(self.control.recv(copy=False))
             reply = ControlReply(call.call_id, self._control(call.name))
@@ -212,11 +223,11 @@ class CoreLoop:
         )
 
     def _import(self, command: ImportRequest) -> None:
-        """Continue a request a prefill core ran: copy its staged K/V here, queue it, and
-        tell the client it may drop the staged copy (also when the import fails)."""
+        """Continue a request a prefill core ran: queue it here; its K/V is copied from the
+        prefill core's pool at admission. The client hears once the prefill core may free
+        its blocks (`EngineCore.take_copied`, also when the import fails)."""
         offer = command.offer
-        self.imported[command.client if self.routed else 0].append(offer.request_id)
-        device = self.engine.model.device
+        self.import_client[offer.request_id] = command.client if self.routed else 0
 
         def queue() -> None:
             completions = [
@@ -224,16 +235,21 @@ class CoreLoop:
                     **{
                         **msgspec.structs.asdict(c),
                         "top_logprobs": [tuple(map(tuple, top)) for top in c.top_logprobs],
-                        "kv": None if c.kv is None else receive(c.kv, device),
                     }
                 )
                 for c in offer.completions
             ]
+            pool = self.opened_pools.open(offer.pool)
             self.engine.import_request(
-                KVHandover(offer.request_id, offer.prompt_token_ids, offer.params, completions)
+                KVHandover(
+                    offer.request_id, offer.prompt_token_ids, offer.params, completions, pool
+                )
             )
 
         self._queue(offer.request_id, command.client, queue)
+        ledger = self.engine.ledger
+        if offer.request_id not in ledger.importing and offer.request_id not in ledger.unread:
+            ledger.unread.append(offer.request_id)  # refused before the engine saw it
 
     def _queue(self, request_id: str, client: int, add: Callable[[], None]) -> None:
         try:
@@ -291,6 +307,11 @@ class CoreLoop:
         engine = self.engine
         try:
             if name in ("sleep_1", "sleep_2"):
+                require(
+                    self.shared_pool is None,
+                    "sleep is not available once decode cores read this core's KV pool",
+                    "level",
+                )
                 engine.sleep(int(name[-1]))
             elif name.startswith("wake_up"):  # "wake_up" or "wake_up:TAG,TAG"
                 _, _, tags = name.partition(":")

@@ -12,7 +12,7 @@ from vllm_rlt.config import CacheConfig, ExecutionConfig, SpeculativeConfig, req
 from vllm_rlt.core.memory import MemoryPlan
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
-from vllm_rlt.engine.kv_handover import KVHandover, continue_completions, hand_over
+from vllm_rlt.engine.kv_handover import HandoverLedger, KVHandover, continue_completions
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.pass_pipeline import PassPipeline
 from vllm_rlt.engine.request_checks import RequestChecker
@@ -67,6 +67,8 @@ class EngineCore:
         self.eos_token_ids = eos_token_ids
         self.groups: dict[str, RequestGroup] = {}
         self.handovers: list[KVHandover] = []  # prefill side: offered, not yet taken
+        self.ledger = HandoverLedger(self.kv, runner.kv_pool, runner.kv_position_bytes)
+        self.held_back = False  # the last step ran nothing: lent blocks fill the pool
         # no_refill cohorts depend on the previous pass's exits, so they run synchronously.
         self.async_scheduling = (
             execution_config.async_scheduling and scheduler.config.mode == "refill"
@@ -123,10 +125,24 @@ class EngineCore:
         completion decodes from its first token with its K/V written at admission; the
         first tokens and prompt logprobs are not reported again. Checked like a new
         request; any error leaves the engine untouched."""
-        require(self.mirror is None, "handovers with tensor_parallel_size > 1 are not supported")
         request_id = str(handover.request_id)
-        group = self._new_group(request_id, handover.prompt_token_ids, handover.params)
-        self._queue(group, continue_completions(group, handover))
+        try:
+            require(self.mirror is None, "handovers need tensor_parallel_size 1", "handover")
+            group = self._new_group(request_id, handover.prompt_token_ids, handover.params)
+            live = continue_completions(group, handover)
+        except Exception:
+            self.ledger.unread.append(request_id)
+            raise
+        self._queue(group, live)
+        self.ledger.importing[request_id] = live
+
+    def take_copied(self) -> list[str]:
+        """Imports whose prefill core may free their blocks now (see `HandoverLedger`)."""
+        return self.ledger.copied()
+
+    def release_handover(self, request_id: str) -> bool:
+        """Free the blocks a handover lent (its decode core has its copy, or never will)."""
+        return self.ledger.release(str(request_id))
 
     def take_handovers(self) -> list[KVHandover]:
         """The requests this core handed over since the last call (see `add_request`)."""
@@ -136,12 +152,7 @@ class EngineCore:
     def _hand_over(self, group: RequestGroup) -> None:
         """Offer the request and end it here without a word to the frontend: it goes on
         elsewhere."""
-        handover = hand_over(
-            group,
-            lambda child: self.runner.export_kv(
-                self.kv.block_table(child.request_id), child.prefill_len
-            ),
-        )
+        handover = self.ledger.hand_over(group)
         group.end(self.scheduler, "handover")
         del self.groups[group.request_id]
         for child in group.children:
@@ -192,7 +203,9 @@ class EngineCore:
         if self.scheduler.has_unfinished:
             scheduled = self.scheduler.schedule()
             failed = self._admit(scheduled.new_slots)
-        done, pass_failed = self.passes.advance(scheduled)
+        done, pass_failed = self.passes.advance(scheduled, bool(self.ledger.lent))
+        # Only blocks lent to decode cores hold back a pass: wait for their release.
+        self.held_back = bool(scheduled and scheduled.is_empty) and self.passes.in_flight is None
         progressed: dict[str, RequestGroup] = {}
         for request, error in failed + pass_failed:
             # Its rows in passes already queued only write to blocks nobody reads before
@@ -218,6 +231,11 @@ class EngineCore:
     def _admit(self, new_slots) -> list[tuple[Request, BaseException]]:
         """Write each newly admitted request's slot; the requests whose admission failed."""
         failed = self.runner.admit(new_slots)
+        imports = [new for new in new_slots if new.imported_kv is not None]
+        if imports:  # their source may go once the copies queued here are done
+            done = self.runner.copies_done()
+            for new in imports:
+                self.scheduler.running[new.slot].kv_copy = done
         return [(self.scheduler.running[new.slot], error) for new, error in failed]
 
     def _fail(self, request: Request, error: BaseException) -> RequestGroup:
@@ -284,6 +302,11 @@ class EngineCore:
         require(
             not self.has_unfinished,
             f"{hook} needs an idle engine: let running requests finish or abort them",
+            field,
+        )
+        require(
+            not (self.ledger.lent or self.ledger.importing),
+            f"{hook} needs an idle engine: K/V handed to or from another engine is in transit",
             field,
         )
 

@@ -2,37 +2,42 @@
 core once a request's prompt has run and its first tokens are sampled.
 
 A prefill core runs a handed-over request (`EngineCore.add_request(..., handover=True)`) as
-usual until every completion has its first token (or has ended). It then copies each live
-completion's K/V out of its pool (`ModelRunner.export_kv`: every plane under last_exited,
-only the final one under shared_decode, whose other planes are gone by then), frees the
-request there and offers a `KVHandover`. The copy covers the prompt, and the decode inputs
-of a completion that decoded on while its siblings were still prefilling. A decode core
-takes it with `EngineCore.import_request`: each live completion enters a slot already
-decoding, its K/V written into fresh blocks before the pass that first reads them, and
-continues as it would have on the prefill core (sampling noise depends only on the seed and
-the token's number, so seeded and greedy outputs equal a colocated run).
+usual until every completion has its first token (or has ended). It then ends the request
+there but keeps each live completion's blocks (`EngineCore.release_handover` frees them),
+and offers a `KVHandover` naming them: every plane under last_exited, only the final one
+under shared_decode, whose other planes are gone by then. The blocks hold the prompt, and
+the decode inputs of a completion that decoded on while its siblings were still
+prefilling. A decode core takes it with `EngineCore.import_request`: each live completion
+enters a slot already decoding, its K/V copied from the prefill core's pool into fresh
+blocks before the pass that first reads them (`ModelRunner.import_kv`), and continues as it
+would have on the prefill core (sampling noise depends only on the seed and the token's
+number, so seeded and greedy outputs equal a colocated run). `EngineCore.take_copied`
+says when the prefill core's blocks may go.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
 
 from vllm_rlt.config import require
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.request import Request, RequestStatus
 from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, KVSource
 
 
 @dataclass
 class HandedCompletion:
     """One completion at the handover: its seed, what it produced so far (its first token,
     with exit depth and logprobs, or more while its siblings were still prefilling) and, if
-    it still runs, the K/V of every position it has computed (the prompt and each output
-    but the last) [layers, 2, planes, positions, kv_heads, head_dim]; an ended one has its
-    finish reason instead."""
+    it still runs, where the K/V of every position it has computed (the prompt and each
+    output but the last) lies in the prefill core's pool; an ended one has its finish
+    reason instead."""
 
     index: int
     seed: int
@@ -41,22 +46,24 @@ class HandedCompletion:
     logprobs: list[float]
     top_logprobs: list[tuple[tuple[int, float], ...]]
     finish_reason: str | None = None
-    kv: Any = None
+    kv: KVBlocks | None = None
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.kv is None else self.kv.numel() * self.kv.element_size()
+        return 0 if self.kv is None else self.kv.nbytes
 
 
 @dataclass
 class KVHandover:
     """A request whose prompt a prefill core ran, ready to decode elsewhere. The frontend
-    has had its first tokens and its prompt logprobs from the prefill core."""
+    has had its first tokens and its prompt logprobs from the prefill core; `pool` is that
+    core's KV pool (as this process sees it)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[HandedCompletion] = field(default_factory=list)
+    pool: KVPool | None = None
 
     @property
     def nbytes(self) -> int:
@@ -64,11 +71,13 @@ class KVHandover:
         return sum(completion.nbytes for completion in self.completions)
 
 
-def hand_over(group: RequestGroup, copy_kv: Callable[[Request], Any]) -> KVHandover:
+def hand_over(
+    group: RequestGroup, lend_kv: Callable[[Request], KVBlocks], pool: KVPool
+) -> KVHandover:
     """The handover of `group`, whose completions all have their first tokens or have
-    ended: `copy_kv(completion)` copies a live one's K/V. Completions of one request reach
-    their first tokens in different passes and decode on meanwhile, so a copy covers every
-    position a completion has computed."""
+    ended: `lend_kv(completion)` keeps a live one's blocks for the decode core. Completions
+    of one request reach their first tokens in different passes and decode on meanwhile, so
+    the blocks cover every position a completion has computed."""
     completions = [
         HandedCompletion(
             index=index,
@@ -78,12 +87,12 @@ def hand_over(group: RequestGroup, copy_kv: Callable[[Request], Any]) -> KVHando
             logprobs=list(child.logprobs),
             top_logprobs=list(child.top_logprobs),
             finish_reason=group.finish_reasons.get(index),
-            kv=None if child.is_finished else copy_kv(child),
+            kv=None if child.is_finished else lend_kv(child),
         )
         for index, child in enumerate(group.children)
     ]
     params = group.children[0].params
-    return KVHandover(group.request_id, group.prompt_token_ids, params, completions)
+    return KVHandover(group.request_id, group.prompt_token_ids, params, completions, pool)
 
 
 def continue_completions(group: RequestGroup, handover: KVHandover) -> list[Request]:
@@ -111,16 +120,86 @@ def continue_completions(group: RequestGroup, handover: KVHandover) -> list[Requ
             group.finish_sent.add(index)
             continue
         positions = child.prefill_len
-        brought = None if handed.kv is None else handed.kv.shape[3]
+        brought = None if handed.kv is None else handed.kv.num_positions
         require(
-            bool(child.output_token_ids) and brought == positions,
+            bool(child.output_token_ids) and brought == positions and handover.pool is not None,
             f"a live completion brings its first token and the K/V of its {positions} "
             f"computed positions, got {brought}",
             "completions",
         )
-        child.kv_import = handed.kv
+        assert handed.kv is not None and handover.pool is not None
+        child.kv_import = KVSource(handover.pool, handed.kv)
         child.first_token_time = time.monotonic()
         live.append(child)
     group.sent = [len(child.output_token_ids) for child in group.children]
     group.prompt_logprobs_sent = True
     return live
+
+
+class HandoverLedger:
+    """One core's handovers in progress: on a prefill core the blocks it lent to decode
+    cores, by request; on a decode core the imports whose source a copy may still read."""
+
+    def __init__(self, kv: KVCacheManager, pool: KVPool, position_bytes: int) -> None:
+        self.kv = kv
+        self.pool = pool
+        self.position_bytes = position_bytes  # K/V bytes of one position, every plane
+        # request id -> per handover of that id (oldest first: an id may come back once
+        # its request has ended), the tables it lent
+        self.lent: dict[str, deque[list[tuple[str, int]]]] = {}
+        self.importing: dict[str, list[Request]] = {}
+        self.unread: list[str] = []  # imports refused before anything was queued
+        self._keys = itertools.count()
+
+    def hand_over(self, group: RequestGroup) -> KVHandover:
+        """The handover of `group` (see `hand_over`), its live completions' blocks kept
+        past their end here until `release`."""
+        keys: list[tuple[str, int]] = []
+
+        def lend(child: Request) -> KVBlocks:
+            key = ("lent", next(self._keys))
+            self.kv.lend(child.request_id, key)
+            keys.append(key)
+            positions = child.prefill_len
+            blocks = self.kv.block_table(key)[: self.kv.blocks_for(positions)]
+            return KVBlocks(list(blocks), positions, positions * self.position_bytes)
+
+        try:
+            handover = hand_over(group, lend, self.pool)
+        except Exception:
+            for key in keys:
+                self.kv.free(key)
+            raise
+        self.lent.setdefault(group.request_id, deque()).append(keys)
+        return handover
+
+    def release(self, request_id: str) -> bool:
+        """Free what the oldest handover of `request_id` lent (the decode core has its
+        copy, or never will); False if nothing was lent."""
+        handovers = self.lent.get(request_id)
+        if not handovers:
+            return False
+        for key in handovers.popleft():
+            self.kv.free(key)
+        if not handovers:
+            del self.lent[request_id]
+        return True
+
+    def copied(self) -> list[str]:
+        """Imports whose source nobody here reads any more: each live completion's copy
+        is done (in stream order) or it ended before its admission. Each import is
+        reported once, also one refused at once."""
+        done, self.unread = self.unread, []
+        for request_id, children in list(self.importing.items()):
+            if all(_source_unread(child) for child in children):
+                done.append(request_id)
+                del self.importing[request_id]
+        return done
+
+
+def _source_unread(child: Request) -> bool:
+    if child.kv_copy is not None:
+        if not child.kv_copy.query():
+            return False
+        child.kv_copy = None
+    return child.kv_import is None or child.is_finished

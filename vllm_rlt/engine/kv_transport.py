@@ -1,19 +1,22 @@
-"""Moving handed-over K/V (engine/kv_handover.py) from a prefill core's process to a decode
-core's on one host, without the bytes passing through the frontend: the prefill core
-stages each tensor and sends a small `KVHandle`; the decode core copies from it into its
-own memory and says so; the prefill core then drops the staged copy.
+"""How a decode core reads a prefill core's K/V on one host: straight from the prefill
+core's own KV pool, which that core makes visible to the host's other processes once (a
+`KVPoolHandle`). A handover then names only the blocks (`KVBlocks`); the prefill core keeps
+them until the decode core has copied them into its own pool and says so. No copy is
+staged outside the two pools, so a burst of long prompts cannot run a GPU out of memory
+between them, and the bytes move once.
 
-- CPU: the staged bytes live in a file in shared memory (/dev/shm where there is one),
-  named by the handle.
-- CUDA: the staged tensor stays on the prefill core's device and the handle carries its
-  CUDA IPC handle and the GPU's id; the decode core, which sees that GPU too, maps it and
-  copies device to device (two cores may share one GPU).
+- CPU: the pool moves into one file in shared memory (/dev/shm where it has room), which
+  the decode core maps (through the prefill core's descriptor where there is /proc).
+- CUDA: each layer's K and V tensor is shared by its CUDA IPC handle with the GPU's id;
+  the decode core, which sees that GPU too, maps them and copies device to device (two
+  cores may share one GPU).
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import tempfile
 import uuid
 from typing import Any
@@ -21,57 +24,111 @@ from typing import Any
 import msgspec
 import torch
 
-PREFIX = "vllm-rlt-kv-"  # of every staged file's name
+from vllm_rlt.worker.kv_pool import KVPool
+
+PREFIX = "vllm-rlt-kv-"  # of every shared pool file's name
 DTYPES = {
     str(dtype): dtype for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 }
 
 
-class KVHandle(msgspec.Struct, array_like=True):
-    """Where a staged tensor is: `kind` "shm" (`name`: its file in shared memory) or
-    "cuda_ipc" (the storage's IPC handle in `ipc`)."""
+class KVPoolHandle(msgspec.Struct, array_like=True):
+    """How another process on the host opens a prefill core's pool: kind "shm" (the file
+    `name`, or the descriptor /proc/PID/fd/N, holds every layer's K, then every layer's V)
+    or "cuda_ipc" (each tensor's IPC handle in `ipc`, K then V, on GPU `gpu`). `shape` is
+    one tensor's."""
 
+    pool_id: str
     kind: str
     shape: list[int]
     dtype: str
+    num_layers: int
+    planes: int
+    block_size: int
     name: str = ""
-    ipc: list[Any] = []
+    ipc: list[list[Any]] = []
     gpu: str = ""  # cuda_ipc: the GPU's id in CUDA_VISIBLE_DEVICES terms (or its index)
 
 
-class KVStaging:
-    """The prefill core's staged copies, by handover key, until `release`."""
+class SharedPool:
+    """A prefill core's pool, visible to the host's other processes until `close`."""
 
-    def __init__(self) -> None:
-        self.held: dict[str, list[Any]] = {}
+    @torch.inference_mode()
+    def __init__(self, pool: KVPool) -> None:
+        tensors = [*pool.k, *pool.v]
+        first = tensors[0]
+        self.path: str | None = None
+        self.fd: int | None = None
+        common = dict(
+            pool_id=uuid.uuid4().hex,
+            shape=list(first.shape),
+            dtype=str(first.dtype),
+            num_layers=len(pool.k),
+            planes=pool.planes,
+            block_size=pool.block_size,
+        )
+        if first.is_cuda:
+            ipc = [list(t.untyped_storage()._share_cuda_()) for t in tensors]
+            gpu = _visible_gpu_ids()[first.device.index or 0]
+            self.handle = KVPoolHandle(kind="cuda_ipc", ipc=ipc, gpu=gpu, **common)
+            return
+        per_tensor = first.numel()
+        self.path, self.fd = _pool_file(per_tensor * len(tensors) * first.element_size())
+        name = self.path or f"/proc/{os.getpid()}/fd/{self.fd}"
+        flat = torch.from_file(name, shared=True, size=per_tensor * len(tensors), dtype=first.dtype)
+        # The engine's tensors stay the same objects; only their memory moves to the file.
+        for index, tensor in enumerate(tensors):
+            start = index * per_tensor
+            flat[start : start + per_tensor].copy_(tensor.reshape(-1))
+            tensor.set_(flat.untyped_storage(), start, tensor.shape, tensor.stride())
+        self.handle = KVPoolHandle(kind="shm", name=name, **common)
 
-    def offer(self, key: str, kv: torch.Tensor) -> KVHandle:
-        kv = kv.contiguous()
-        shape, dtype = list(kv.shape), str(kv.dtype)
-        if kv.is_cuda:
-            self.held.setdefault(key, []).append(kv)
-            ipc = list(kv.untyped_storage()._share_cuda_())
-            gpu = _visible_gpu_ids()[kv.device.index or 0]
-            return KVHandle("cuda_ipc", shape, dtype, ipc=ipc, gpu=gpu)
-        folder = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-        path = os.path.join(folder, f"{PREFIX}{uuid.uuid4().hex}")
-        self.held.setdefault(key, []).append(path)
-        if kv.numel():
-            staged = torch.from_file(path, shared=True, size=kv.numel(), dtype=kv.dtype)
-            staged.copy_(kv.view(-1))
+    def close(self) -> None:
+        """Drop this process's hold on the pool's file (processes that mapped it keep
+        their mapping)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+        if self.path is not None:
+            remove_files([self.path])
+            self.path = None
+
+
+def _pool_file(nbytes: int) -> tuple[str | None, int | None]:
+    """A new file of `nbytes` for a pool, in /dev/shm if it has room, else the temp folder,
+    its space taken now (a full disk fails here, not with a SIGBUS at a later write).
+    Where /proc is, the file is unlinked at once and reached through this process's open
+    descriptor, so its memory goes with the last process that maps it, however this one
+    ends: (None, descriptor). Elsewhere: (its path, None), removed by `close`."""
+    folder = tempfile.gettempdir()
+    if os.path.isdir("/dev/shm"):
+        stats = os.statvfs("/dev/shm")
+        if stats.f_bavail * stats.f_frsize > 2 * nbytes:
+            folder = "/dev/shm"
+    path = os.path.join(folder, f"{PREFIX}{uuid.uuid4().hex}")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if hasattr(os, "posix_fallocate"):
+            os.posix_fallocate(fd, 0, nbytes)
         else:
-            open(path, "wb").close()
-        return KVHandle("shm", shape, dtype, name=path)
+            os.ftruncate(fd, nbytes)
+    except BaseException:
+        os.close(fd)
+        remove_files([path])
+        raise
+    if os.path.isdir(f"/proc/{os.getpid()}/fd"):
+        os.unlink(path)
+        return None, fd
+    os.close(fd)
+    return path, None
 
-    def release(self, key: str) -> None:
-        """Drop what `key` staged (the decode core has its copy, or never will)."""
-        for held in self.held.pop(key, []):
-            if isinstance(held, str):
-                os.unlink(held)
 
-    def release_all(self) -> None:
-        for key in list(self.held):
-            self.release(key)
+def remove_files(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
 
 
 def _visible_gpu_ids() -> list[str]:
@@ -82,32 +139,49 @@ def _visible_gpu_ids() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-def handle_bytes(handle: KVHandle) -> int:
-    """Bytes of the tensor a handle stands for."""
-    return math.prod(handle.shape) * torch.empty(0, dtype=DTYPES[handle.dtype]).element_size()
+class OpenedPools:
+    """The prefill cores' pools this process has mapped, by pool id (each is mapped once)."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, KVPool] = {}
+
+    def open(self, handle: KVPoolHandle) -> KVPool:
+        pool = self.pools.get(handle.pool_id)
+        if pool is None:
+            pool = self.pools[handle.pool_id] = _map(handle)
+        return pool
 
 
-def receive(handle: KVHandle, device: torch.device) -> torch.Tensor:
-    """This process's own copy of a staged tensor, on `device`."""
+def _map(handle: KVPoolHandle) -> KVPool:
     dtype = DTYPES[handle.dtype]
-    numel = math.prod(handle.shape)
+    count = 2 * handle.num_layers
     if handle.kind == "cuda_ipc":
         torch.cuda._lazy_init()
         visible = _visible_gpu_ids()
         if handle.gpu not in visible:
-            raise ValueError(f"the staged K/V is on GPU {handle.gpu}, which is not visible here")
-        # The IPC handle numbers the device as the prefill core sees it; this is its
-        # number here. Opening waits (on the device) for the prefill core's copy.
-        ipc = [visible.index(handle.gpu), *handle.ipc[1:]]
-        storage = torch.UntypedStorage._new_shared_cuda(*ipc)
-        staged = torch.empty(0, dtype=dtype, device=storage.device)
-        staged.set_(storage, 0, handle.shape)
-        return staged.to(device, copy=True)
-    if handle.kind != "shm":
-        raise ValueError(f"unknown K/V handle kind {handle.kind!r}")
-    if not os.path.basename(handle.name).startswith(PREFIX):
-        raise ValueError(f"a K/V handle names a staged file ({PREFIX}...), got {handle.name!r}")
-    if not numel:
-        return torch.empty(handle.shape, dtype=dtype, device=device)
-    staged = torch.from_file(handle.name, shared=False, size=numel, dtype=dtype)
-    return staged.view(handle.shape).to(device, copy=True)
+            raise ValueError(f"the prefill core's K/V is on GPU {handle.gpu}, not visible here")
+        tensors = []
+        for ipc in handle.ipc:
+            # The IPC handle numbers the device as the prefill core sees it; this is its
+            # number here.
+            storage = torch.UntypedStorage._new_shared_cuda(visible.index(handle.gpu), *ipc[1:])
+            tensor = torch.empty(0, dtype=dtype, device=storage.device)
+            tensors.append(tensor.set_(storage, 0, handle.shape))
+    elif handle.kind == "shm":
+        descriptor = re.fullmatch(r"/proc/\d+/fd/\d+", handle.name)
+        if not (descriptor or os.path.basename(handle.name).startswith(PREFIX)):
+            raise ValueError(
+                f"a K/V pool handle names a file {PREFIX}... or /proc/PID/fd/N, got {handle.name!r}"
+            )
+        per_tensor = math.prod(handle.shape)
+        flat = torch.from_file(handle.name, shared=True, size=per_tensor * count, dtype=dtype)
+        tensors = [
+            flat[index * per_tensor : (index + 1) * per_tensor].view(handle.shape)
+            for index in range(count)
+        ]
+    else:
+        raise ValueError(f"unknown K/V pool handle kind {handle.kind!r}")
+    if len(tensors) != count:
+        raise ValueError(f"a K/V pool handle carries {count} tensors, got {len(tensors)}")
+    layers = handle.num_layers
+    return KVPool(tensors[:layers], tensors[layers:], handle.planes, handle.block_size)

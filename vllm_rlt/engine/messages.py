@@ -9,8 +9,9 @@ from typing import Any
 
 import msgspec
 
-from vllm_rlt.engine.kv_transport import KVHandle
+from vllm_rlt.engine.kv_transport import KVPoolHandle
 from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.worker.kv_pool import KVBlocks
 
 # ----------------------------------------------------------------- frontend -> core
 
@@ -27,7 +28,7 @@ class AddRequest(msgspec.Struct, tag="add", array_like=True):
 
 
 class HandedCompletionMessage(msgspec.Struct, array_like=True):
-    """engine/kv_handover.HandedCompletion, its K/V staged behind `kv`."""
+    """engine/kv_handover.HandedCompletion."""
 
     index: int
     seed: int
@@ -36,16 +37,18 @@ class HandedCompletionMessage(msgspec.Struct, array_like=True):
     logprobs: list[float]
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str | None
-    kv: KVHandle | None
+    kv: KVBlocks | None
 
 
 class KVOffer(msgspec.Struct, array_like=True):
-    """A request a prefill core ran to its first tokens (engine/kv_handover.KVHandover)."""
+    """A request a prefill core ran to its first tokens (engine/kv_handover.KVHandover),
+    its K/V in blocks of the pool `pool` opens."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[HandedCompletionMessage]
+    pool: KVPoolHandle
 
 
 class ImportRequest(msgspec.Struct, tag="import", array_like=True):
@@ -56,7 +59,7 @@ class ImportRequest(msgspec.Struct, tag="import", array_like=True):
 
 
 class ReleaseHandover(msgspec.Struct, tag="release", array_like=True):
-    """The decode core has its copy of this request's K/V (or never will): drop it."""
+    """The decode core has its copy of this request's K/V (or never will): free its blocks."""
 
     request_id: str
 
@@ -228,7 +231,7 @@ def sum_core_stats(values: list[CoreStats]) -> CoreStats:
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """A step's deltas and counters; a prefill core's requests ready for a decode core
-    (`offers`), and a decode core's imports whose staged K/V may go (`imported`)."""
+    (`offers`), and a decode core's imports whose source blocks may go (`imported`)."""
 
     requests: list[RequestDelta]
     stats: EngineStats

@@ -2,24 +2,26 @@
 
 A new request goes to the least-loaded prefill core, which runs its prompt and samples its
 first tokens (the stream gets them from there), then offers it (`KVOffer`): the K/V stays
-staged in the prefill core's process (engine/kv_transport.py) and only a handle travels.
-The frontend passes the offer to the least-loaded decode core (`ImportRequest`), which
-copies the K/V into its own pool, continues the request, and says it has its copy; the
-frontend then tells the prefill core to drop the staged one (`ReleaseHandover`). Aborts
-follow the request: to its prefill core, and once offered to its decode core (an abort that
-reached the prefill core after its offer left is sent on with the import). A decode core
-that dies fails its requests; what was staged for it is released.
+in the prefill core's blocks, and only their ids and a handle to its pool travel
+(engine/kv_transport.py). The frontend passes the offer to the least-loaded decode core
+(`ImportRequest`), which copies the blocks into its own pool, continues the request, and
+says once its copy is done; the frontend then tells the prefill core to free them
+(`ReleaseHandover`). Aborts follow the request: to its prefill core, and once offered to
+its decode core (an abort that reached the prefill core after its offer left is sent on
+with the import). A decode core that dies fails its requests; the blocks lent to it are
+freed. On the CPU a prefill core's pool lives in a file that goes with the last process
+mapping it (or, without /proc, that the frontend removes when that core is lost).
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Callable
 from typing import Any
 
 from vllm_rlt.config import CacheConfig, require
 from vllm_rlt.engine.dp_client import DataParallelClient, core_environments, visible_gpus
+from vllm_rlt.engine.kv_transport import remove_files
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -55,7 +57,7 @@ def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, s
         return core_environments(device, size), llm_kwargs  # names the wrong device
     pool = visible[:size]
     # Its own GPU first (its "cuda"), then the pool's others: a decode core opens the K/V
-    # a prefill core staged on its GPU through CUDA IPC (engine/kv_transport.py).
+    # a prefill core holds on its GPU through CUDA IPC (engine/kv_transport.py).
     envs = [
         {"CUDA_VISIBLE_DEVICES": ",".join([own] + [gpu for gpu in pool if gpu != own])}
         for own in (pool[rank % len(pool)] for rank in range(size))
@@ -82,10 +84,11 @@ class DisaggregatedClient(DataParallelClient):
         on_core_lost: Callable[[int, str], None] | None = None,
     ) -> None:
         self.num_prefill = prefill
-        # request id -> prefill rank whose staged K/V the decode core has not yet copied
-        self._staged_at: dict[str, int] = {}
-        # request id -> its offer's staged files, to remove should its prefill core die
-        self._staged_files: dict[str, list[str]] = {}
+        # request id -> (prefill rank whose blocks it has not yet copied, decode rank)
+        self._lent_by: dict[str, tuple[int, int]] = {}
+        # prefill rank -> its pool's named file (CPU without /proc), to remove should that
+        # core die
+        self._pool_files: dict[int, str] = {}
         # request id -> aborts sent to its prefill core, sent on with the import
         self._early_aborts: dict[str, list[AbortRequest]] = {}
         envs, llm_kwargs = pool_layout(llm_kwargs, prefill + decode)
@@ -134,12 +137,9 @@ class DisaggregatedClient(DataParallelClient):
         for offer in outputs.offers:
             self._pass_on(rank, offer)
         for request_id in outputs.imported:
-            source = self._staged_at.pop(request_id, None)
-            files = self._staged_files.pop(request_id, [])
+            source, _ = self._lent_by.pop(request_id, (None, None))
             if source is not None and source not in self.lost:
                 self.cores[source].send(ReleaseHandover(request_id))
-            elif source is not None:  # its process is gone: nobody else removes them
-                _remove(files)
         super()._outputs(rank, on_outputs, outputs)
         for delta in outputs.requests:
             if delta.finished:
@@ -154,36 +154,24 @@ class DisaggregatedClient(DataParallelClient):
             self._sequences[owner[0]] -= sequences
         target = self.choose(sequences, self.decode_ranks)
         self._assign(request_id, target, sequences)
-        self._staged_at[request_id] = source
-        self._staged_files[request_id] = [
-            c.kv.name for c in offer.completions if c.kv is not None and c.kv.kind == "shm"
-        ]
+        self._lent_by[request_id] = (source, target)
+        if offer.pool.kind == "shm" and not offer.pool.name.startswith("/proc/"):
+            self._pool_files[source] = offer.pool.name
         self.cores[target].send(ImportRequest(offer, self.client))
         for abort in self._early_aborts.pop(request_id, []):
             self.cores[target].send(abort)
 
     def forget_core(self, rank: int) -> list[str]:
-        """A lost core's requests (see DataParallelClient). The imports a lost decode core
-        had not copied are released at their prefill cores; a lost prefill core's staged
-        files are removed once their decode cores have their copies."""
-        for request_id, source in list(self._staged_at.items()):
-            target = self._owner.get(request_id, (None,))[0]
-            if target == rank:
-                del self._staged_at[request_id]
-                files = self._staged_files.pop(request_id, [])
-                if source in self.lost:
-                    _remove(files)
-                else:
+        """A lost core's requests (see DataParallelClient). The blocks lent to a lost decode
+        core are freed at their prefill cores; a lost prefill core's pool file is removed
+        (decode cores that mapped it keep their mapping)."""
+        for request_id, (source, target) in list(self._lent_by.items()):
+            if target == rank:  # also when its request already finished there
+                del self._lent_by[request_id]
+                if source not in self.lost:
                     self.cores[source].send(ReleaseHandover(request_id))
+        remove_files([self._pool_files.pop(rank)] if rank in self._pool_files else [])
         gone = super().forget_core(rank)
         for request_id in gone:
             self._early_aborts.pop(request_id, None)
         return gone
-
-
-def _remove(paths: list[str]) -> None:
-    for path in paths:
-        try:
-            os.unlink(path)
-        except FileNotFoundError:
-            pass

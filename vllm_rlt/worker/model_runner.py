@@ -18,6 +18,7 @@ from vllm_rlt.core.contract import (
 )
 from vllm_rlt.exit import ExitPolicy
 from vllm_rlt.layers.sampler import token_logprobs
+from vllm_rlt.worker.kv_pool import KVPool, KVSource
 from vllm_rlt.worker.pass_head import PassHead
 from vllm_rlt.worker.pass_inputs import (
     KVGeometry,
@@ -26,6 +27,8 @@ from vllm_rlt.worker.pass_inputs import (
 )
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
+
+IMPORT_PIECE = 4096  # cache entries `ModelRunner.import_kv` gathers at a time (on the source GPU)
 
 # Fields packed per sampling row before the top logprobs: exited, token, depth, logprob,
 # and for self-speculation: the draft's outcome (0 none, 1 accepted, 2 refused), its lead.
@@ -240,42 +243,47 @@ class ModelRunner:
             self.prefill_hidden.pop(new.slot, None)
         return failed
 
-    def _prompt_entries(self, blocks: Sequence[int], num_positions: int) -> torch.Tensor:
-        """Cache entries of positions [0, num_positions) held in `blocks`, at every plane:
-        [planes * num_positions], plane by plane."""
-        geo = self.geo
-        positions = torch.arange(num_positions)
-        table = torch.tensor(list(blocks), dtype=torch.int64)
-        rows = table[positions // geo.block_size] * geo.block_size + positions % geo.block_size
-        planes = torch.arange(geo.planes).unsqueeze(1) * geo.slots_per_plane
-        return (planes + rows).flatten().to(self.model.device)
+    @property
+    def kv_pool(self) -> KVPool:
+        return KVPool(self.k_caches, self.v_caches, self.geo.planes, self.geo.block_size)
 
-    @torch.inference_mode()
-    def export_kv(self, blocks: Sequence[int], num_positions: int) -> torch.Tensor:
-        """A copy of the K/V of positions [0, num_positions) held in `blocks`:
-        [layers, 2, planes, positions, kv_heads, head_dim] on this device, taken in stream
-        order, so the blocks may be freed (and rewritten by later passes) right after."""
-        entries = self._prompt_entries(blocks, num_positions)
-        planes = self.geo.planes
-        per_layer = [
-            torch.stack([k[entries], v[entries]]).view(2, planes, num_positions, *k.shape[1:])
-            for k, v in zip(self.k_caches, self.v_caches, strict=True)
-        ]
-        return torch.stack(per_layer)
-
-    @torch.inference_mode()
-    def import_kv(self, kv: torch.Tensor, blocks: Sequence[int]) -> None:
-        """Write an `export_kv` copy into `blocks` (before any pass that reads them)."""
-        num_positions = kv.shape[3]
+    @property
+    def kv_position_bytes(self) -> int:
+        """K/V bytes one position takes in this pool, over every layer and plane."""
         first = self.k_caches[0]
-        expected = (len(self.k_caches), 2, self.geo.planes, num_positions, *first.shape[1:])
-        if tuple(kv.shape) != expected:
-            raise ValueError(f"handed-over K/V has shape {tuple(kv.shape)}, expected {expected}")
-        entries = self._prompt_entries(blocks, num_positions)
-        kv = kv.to(device=first.device, dtype=first.dtype)
-        for layer, (k, v) in enumerate(zip(self.k_caches, self.v_caches, strict=True)):
-            k[entries] = kv[layer, 0].reshape(-1, *k.shape[1:])
-            v[entries] = kv[layer, 1].reshape(-1, *v.shape[1:])
+        per_plane = first[0].numel() * first.element_size() * 2 * len(self.k_caches)
+        return per_plane * self.geo.planes
+
+    @torch.inference_mode()
+    def import_kv(self, source: KVSource, blocks: Sequence[int]) -> None:
+        """Copy a handed-over completion's K/V from its prefill core's pool into `blocks`,
+        in stream order before any pass that reads them."""
+        pool, positions, first = source.pool, source.blocks.num_positions, self.k_caches[0]
+        theirs = (len(pool.k), pool.planes, *pool.k[0].shape[1:])
+        expected = (len(self.k_caches), self.geo.planes, *first.shape[1:])
+        if theirs != expected or pool.k[0].dtype != first.dtype:
+            raise ValueError(
+                f"handed-over K/V has (layers, planes, kv_heads, head_dim) {theirs} in "
+                f"{pool.k[0].dtype}, expected {expected} in {first.dtype}"
+            )
+        source_entries = pool.entries(source.blocks.blocks, positions)
+        entries = self.kv_pool.entries(blocks, positions)
+        # In pieces, so the gathered copy stays small whatever the prompt's length.
+        for start in range(0, entries.numel(), IMPORT_PIECE):
+            theirs_piece = source_entries[start : start + IMPORT_PIECE]
+            piece = entries[start : start + IMPORT_PIECE]
+            pairs = zip([*self.k_caches, *self.v_caches], [*pool.k, *pool.v], strict=True)
+            for ours, their in pairs:
+                ours[piece] = their[theirs_piece].to(ours.device)
+
+    def copies_done(self) -> Any:
+        """What says the copies queued so far are done: a CUDA event (None on the CPU,
+        whose copies are done on return)."""
+        if self.model.device.type != "cuda":
+            return None
+        event = torch.cuda.Event()
+        event.record()
+        return event
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> PendingPass:

@@ -16,7 +16,6 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from vllm_rlt.engine.kv_transport import handle_bytes
 from vllm_rlt.engine.messages import CoreStats, EngineOutputs
 from vllm_rlt.engine.pass_rate import RATE_WINDOW_S
 from vllm_rlt.outputs import RequestOutput
@@ -154,8 +153,8 @@ class ServerMetrics:
     def _observe_handovers(self, outputs: EngineOutputs) -> None:
         now = time.monotonic()
         for offer in outputs.offers:
-            handles = [c.kv for c in offer.completions if c.kv is not None]
-            self._offered[offer.request_id] = (now, sum(map(handle_bytes, handles)))
+            moved = sum(c.kv.nbytes for c in offer.completions if c.kv is not None)
+            self._offered[offer.request_id] = (now, moved)
         for request_id in outputs.imported:
             offered = self._offered.pop(request_id, None)
             if offered is not None:

@@ -74,6 +74,8 @@ class ServerSettings:
                 "data-parallel-size": self.data_parallel_size != 1,
                 "api-server-count": self.api_server_count != 1,
                 "data-parallel-size-local": self.remote_cores is not None,
+                # a decode core may be reading a prefill core's pool at any time
+                "enable-sleep-mode": self.enable_sleep_mode,
             }
             for flag, used in others.items():
                 if used:
