@@ -7,6 +7,8 @@ from __future__ import annotations
 import time
 import types
 
+import pytest
+
 from vllm_rlt.engine.kv_transport import KVPoolHandle
 from vllm_rlt.engine.messages import (
     AbortAll,
@@ -99,3 +101,22 @@ def test_a_lost_core_frees_what_its_handovers_held(tmp_path):
     client.lost[0] = "killed"
     client.forget_core(0)
     assert not pool_file.exists()
+
+
+def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():
+    client = _client()
+    answers = {"kv_share": {"pool": "aGFuZGxl"}}
+    client.cores[0].call = lambda name, timeout: answers[name]
+    client.cores[1].call = lambda name, timeout: (
+        {"error": "RuntimeError: peer access is not available"}
+        if name == "kv_open:aGFuZGxl"
+        else {"error": f"unexpected call {name}"}
+    )
+    with pytest.raises(RuntimeError) as raised:
+        client._check_transport()
+    assert str(raised.value) == (
+        "--disaggregate: decode engine core 1 cannot read the KV pool of prefill engine core "
+        "0: RuntimeError: peer access is not available"
+    )
+    client.cores[1].call = lambda name, timeout: {"opened": True}
+    client._check_transport()

@@ -13,6 +13,7 @@ in its last message.
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import logging
 import os
@@ -23,13 +24,14 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
+import torch
 import zmq
 
 from vllm_rlt.config import require
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.kv_handover import HandedCompletion, KVHandover
-from vllm_rlt.engine.kv_transport import OpenedPools, SharedPool
+from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -299,7 +301,31 @@ class CoreLoop:
                 passes_per_second=self.rate.passes_per_second(),
                 rows_per_pass=self.rate.rows_per_pass(),
             )
+        if name.startswith("kv_"):
+            return self._kv_control(name)
         return self._memory_control(name)
+
+    def _kv_control(self, name: str) -> dict[str, bool | str]:
+        """Disaggregation's start-up check (engine/pd_client.py): "kv_share" makes this
+        core's pool visible to the host and answers its handle (msgpack, base64);
+        "kv_open:HANDLE" maps that pool here and reads from it."""
+        try:
+            if name == "kv_share":
+                if self.shared_pool is None:
+                    self.shared_pool = SharedPool(self.engine.runner.kv_pool)
+                handle = msgspec.msgpack.encode(self.shared_pool.handle)
+                return {"pool": base64.b64encode(handle).decode()}
+            if name.startswith("kv_open:"):
+                encoded = base64.b64decode(name.removeprefix("kv_open:"))
+                pool = self.opened_pools.open(msgspec.msgpack.decode(encoded, type=KVPoolHandle))
+                device = self.engine.model.device
+                probe = pool.k[0][:1].to(device, copy=True)
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                return {"opened": bool(probe.numel())}
+        except Exception as exc:  # noqa: BLE001 - answered; the frontend refuses to start
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        return {"error": f"unknown control call {name!r}"}
 
     def _memory_control(self, name: str) -> dict[str, bool | str]:
         """vLLM's sleep mode and prefix-cache reset (the server's --enable-sleep-mode

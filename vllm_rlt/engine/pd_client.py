@@ -100,6 +100,30 @@ class DisaggregatedClient(DataParallelClient):
             on_core_lost=on_core_lost,
             envs=envs,
         )
+        try:
+            self._check_transport()
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def _check_transport(self) -> None:
+        """Every decode core maps every prefill core's pool and reads from it now: a
+        transfer that cannot work (no access to the other GPU's memory, no shared memory)
+        stops the start-up with one line naming both cores, not the first request."""
+        for source in range(self.num_prefill):
+            shared = self.cores[source].call("kv_share", timeout=300)
+            if "error" in shared:
+                raise RuntimeError(
+                    f"--disaggregate: prefill engine core {source} cannot share its KV pool: "
+                    f"{shared['error']}"
+                )
+            for target in range(self.num_prefill, len(self.cores)):
+                opened = self.cores[target].call(f"kv_open:{shared['pool']}", timeout=300)
+                if "error" in opened:
+                    raise RuntimeError(
+                        f"--disaggregate: decode engine core {target} cannot read the KV pool "
+                        f"of prefill engine core {source}: {opened['error']}"
+                    )
 
     @property
     def prefill_ranks(self) -> list[int]:
