@@ -275,3 +275,36 @@ def test_a_pool_full_of_lent_blocks_holds_back_new_prompts_until_released(make_e
         prefill.step()
     assert not prefill.held_back
     assert prefill.release_handover("d") and prefill.all_blocks_free()
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
+def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layout):
+    """Imports of prompts that share their first blocks: under last_exited the decode core
+    copies those blocks once and takes them from its prefix cache afterwards (the outputs
+    still equal one core's); under shared_decode every import is copied whole."""
+    shared = list(range(20, 37))  # 17 tokens: four whole blocks of 4
+    requests = [
+        ("first", shared + [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0)),
+        ("second", shared + [9], SamplingParams(max_tokens=6, temperature=0.8, seed=4, n=2)),
+        ("third", shared[:10], SamplingParams(max_tokens=5, temperature=0.0)),
+    ]
+    settings = dict(layout=layout, async_scheduling=True)
+    expected = _colocated(make_engine(**settings), requests)
+    prefill, decode = make_engine(**settings), make_engine(**settings)
+    starts = []
+    copy = decode.runner.import_kv
+
+    def counted(source, blocks, start=0):
+        starts.append(start)
+        copy(source, blocks, start)
+
+    decode.runner.import_kv = counted
+    got, _ = _disaggregated(prefill, decode, requests)
+    _assert_same(got, expected)
+    assert len(starts) == 4  # one per live completion
+    if layout == "last_exited":
+        # the first copies everything; the second's two completions find four blocks, the
+        # third finds its two whole blocks
+        assert sorted(starts) == [0, 8, 16, 16]
+    else:
+        assert starts == [0, 0, 0, 0]

@@ -64,9 +64,11 @@ class NewSlot:
     last_position: int = 0
     # Prefill/decode disaggregation (engine/kv_handover.py): the prompt K/V another core
     # computed, written into `imported_blocks` (the positions' blocks, in order) at
-    # admission; the request then decodes from `first_token` at once.
+    # admission, from position `imported_from` on (the blocks before it came from this
+    # core's prefix cache); the request then decodes from `first_token` at once.
     imported_kv: Any = None
     imported_blocks: tuple[int, ...] = ()
+    imported_from: int = 0
 
 
 @dataclass(frozen=True)

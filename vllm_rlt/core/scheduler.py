@@ -375,7 +375,8 @@ class Scheduler:
         for request in queue[: self.config.admission_scan_limit]:
             if not self.free_slots:
                 break
-            hits = 0 if request.kv_import is not None else self._usable_hits(request)
+            imported = request.kv_import is not None
+            hits = self._import_hits(request) if imported else self._usable_hits(request)
             first = self._first_chunk_blocks(request, hits)
             fits = promised + first + self._watermark() <= self.kv.num_free_blocks
             if not fits or request.preempted_in == self.round:
@@ -402,7 +403,9 @@ class Scheduler:
         until it has a slot and its first chunk's blocks (its cached prompt blocks need none)."""
         if request.preempted_in == self.round:
             return
-        first = self._first_chunk_blocks(request, self._usable_hits(request))
+        imported = request.kv_import is not None
+        hits = self._import_hits(request) if imported else self._usable_hits(request)
+        first = self._first_chunk_blocks(request, hits)
         while not self.free_slots or first + self._watermark() > self.kv.num_free_blocks:
             if not self._preempt_one_below(request):
                 return
@@ -414,14 +417,27 @@ class Scheduler:
         nobody holds (matching them takes them out of the free count); under SHARED_DECODE
         every loop's table takes the new ones."""
         if request.kv_import is not None:  # decodes at once: its prompt and first input
-            return self.kv.blocks_for(self._imported_positions(request))
-        cached = hits * self.kv.block_size
-        segment_end = request.prompt_len if cached < request.prompt_len else request.prefill_len
-        end = min(segment_end, cached + self.chunk_limit)
-        new = (self.kv.blocks_for(end) - hits) * self.table_planes
+            new = self.kv.blocks_for(self._imported_positions(request)) - hits
+        else:
+            cached = hits * self.kv.block_size
+            segment_end = request.prompt_len if cached < request.prompt_len else request.prefill_len
+            end = min(segment_end, cached + self.chunk_limit)
+            new = (self.kv.blocks_for(end) - hits) * self.table_planes
         if hits and request.block_hashes is not None:
             new += self.kv.free_among_hits(request.block_hashes[:hits])
         return new
+
+    def _import_hits(self, request: Request) -> int:
+        """Leading whole prompt blocks of an imported request this core's prefix cache
+        holds: they are not copied. Under last_exited only, where a cached prompt block
+        holds every plane an import brings."""
+        if not self.kv.enable_caching or self.table_planes != 1:
+            return 0
+        if request.block_hashes is None:
+            request.block_hashes = block_hashes(
+                self.cache_salt, request.prompt_token_ids, self.kv.block_size
+            )
+        return self.kv.count_hits(request.block_hashes[: request.prompt_len // self.kv.block_size])
 
     def _usable_hits(self, request: Request) -> int:
         """Leading prompt blocks the prefix cache holds, as many as may be skipped: a
@@ -455,7 +471,7 @@ class Scheduler:
         request.plan_prefill(self.num_loops)
         self.running[slot] = request
         imported, blocks = request.kv_import, ()
-        if self.kv.enable_caching and imported is None:
+        if self.kv.enable_caching and (imported is None or self.table_planes == 1):
             assert request.block_hashes is not None
             for index, block in self.kv.match_prefix(
                 request.request_id, request.block_hashes[:hits]
@@ -475,6 +491,8 @@ class Scheduler:
             placed = self._reserve(request, self._imported_positions(request), False)
             assert placed, "admission counted these blocks"
             blocks = tuple(self.kv.block_table(request.request_id))
+            if self.kv.enable_caching and self.table_planes == 1:
+                self._register_prompt_blocks(request)  # copied before any pass reads them
         params = request.params
         resumed = bool(request.output_token_ids)
         sampling = request.sampling
@@ -489,6 +507,7 @@ class Scheduler:
             last_position=request.prompt_len + params.max_tokens - 2,
             imported_kv=imported,
             imported_blocks=blocks,
+            imported_from=hits * self.kv.block_size if imported is not None else 0,
         )
 
     def _imported_positions(self, request: Request) -> int:

@@ -236,7 +236,10 @@ class EngineCore:
             done = self.runner.copies_done()
             for new in imports:
                 self.scheduler.running[new.slot].kv_copy = done
-        return [(self.scheduler.running[new.slot], error) for new, error in failed]
+        failed_requests = [(self.scheduler.running[new.slot], e) for new, e in failed]
+        for request, _ in failed_requests:  # what it registered in the prefix cache was
+            self.kv.uncache_private(request.request_id)  # perhaps never written
+        return failed_requests
 
     def _fail(self, request: Request, error: BaseException) -> RequestGroup:
         """End a request's whole group (its completions share one prompt) with the error."""

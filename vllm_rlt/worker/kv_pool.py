@@ -24,10 +24,10 @@ class KVPool:
     def slots_per_plane(self) -> int:
         return self.k[0].shape[0] // self.planes
 
-    def entries(self, blocks: Sequence[int], num_positions: int) -> torch.Tensor:
-        """Cache entries of positions [0, num_positions) held in `blocks`, at every plane:
-        [planes * num_positions], plane by plane, on the pool's device."""
-        positions = torch.arange(num_positions)
+    def entries(self, blocks: Sequence[int], num_positions: int, start: int = 0) -> torch.Tensor:
+        """Cache entries of positions [start, num_positions) held in `blocks` (those of
+        positions from 0), at every plane: plane by plane, on the pool's device."""
+        positions = torch.arange(start, num_positions)
         table = torch.tensor(list(blocks), dtype=torch.int64)
         size = self.block_size
         rows = table[positions // size] * size + positions % size

@@ -231,7 +231,7 @@ class ModelRunner:
             try:
                 self.state.admit_extras(new)
                 if new.imported_kv is not None:
-                    self.import_kv(new.imported_kv, new.imported_blocks)
+                    self.import_kv(new.imported_kv, new.imported_blocks, new.imported_from)
                 if lanes is not None:
                     lanes.admit(new.slot, new.speculates, new.prompt_len, new.last_position)
                     if new.speculates:
@@ -255,9 +255,10 @@ class ModelRunner:
         return per_plane * self.geo.planes
 
     @torch.inference_mode()
-    def import_kv(self, source: KVSource, blocks: Sequence[int]) -> None:
-        """Copy a handed-over completion's K/V from its prefill core's pool into `blocks`,
-        in stream order before any pass that reads them."""
+    def import_kv(self, source: KVSource, blocks: Sequence[int], start: int = 0) -> None:
+        """Copy a handed-over completion's K/V of positions from `start` on (those before
+        are in this pool's prefix cache) from its prefill core's pool into `blocks`, in
+        stream order before any pass that reads them."""
         pool, positions, first = source.pool, source.blocks.num_positions, self.k_caches[0]
         theirs = (len(pool.k), pool.planes, *pool.k[0].shape[1:])
         expected = (len(self.k_caches), self.geo.planes, *first.shape[1:])
@@ -266,8 +267,8 @@ class ModelRunner:
                 f"handed-over K/V has (layers, planes, kv_heads, head_dim) {theirs} in "
                 f"{pool.k[0].dtype}, expected {expected} in {first.dtype}"
             )
-        source_entries = pool.entries(source.blocks.blocks, positions)
-        entries = self.kv_pool.entries(blocks, positions)
+        source_entries = pool.entries(source.blocks.blocks, positions, start)
+        entries = self.kv_pool.entries(blocks, positions, start)
         # In pieces, so the gathered copy stays small whatever the prompt's length.
         for start in range(0, entries.numel(), IMPORT_PIECE):
             theirs_piece = source_entries[start : start + IMPORT_PIECE]
