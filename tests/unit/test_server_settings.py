@@ -104,3 +104,18 @@ def test_disaggregate_runs_alone(fields, flag):
         ServerSettings(disaggregate=(1, 1), **fields)
     with pytest.raises(ParamError, match="cannot be combined with --headless"):
         DataParallelLayout(headless=True, disaggregate=True)
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"kv_connector": "torch"}, "applies to --disaggregate only"),
+        ({"kv_connector": "nccl", "disaggregate": (1, 1)}, "must be one of auto, torch, nixl"),
+        ({"kv_connector": "nixl", "disaggregate": (1, 1)}, "nixl"),
+    ],
+)
+def test_the_kv_connector_is_checked_at_start_up(fields, message):
+    with pytest.raises(ParamError, match=message) as raised:
+        ServerSettings(**fields)
+    assert raised.value.param == "kv_connector"
+    assert ServerSettings(kv_connector="torch", disaggregate=(1, 1)).kv_connector == "torch"

@@ -3,6 +3,7 @@ checked when made, each error naming the `vllm-rlt serve` flag and its range."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,7 @@ class ServerSettings:
     remote_cores: RemoteCores | None = None  # data-parallel ranks on other hosts
     # (prefill cores, decode cores) of `--disaggregate P:D` (engine/pd_client.py)
     disaggregate: tuple[int, int] | None = None
+    kv_connector: str = "auto"  # how disaggregation moves K/V (engine/kv_transport.py)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -80,6 +82,25 @@ class ServerSettings:
             for flag, used in others.items():
                 if used:
                     _fail("disaggregate", f"runs alone: it cannot be combined with --{flag}")
+        _check_kv_connector(self.kv_connector, self.disaggregate is not None)
+
+
+def _check_kv_connector(connector: str, disaggregated: bool) -> None:
+    """`--kv-connector`: auto and torch are this engine's transport; nixl is refused at
+    start-up, not at the first handover."""
+    if connector not in ("auto", "torch", "nixl"):
+        _fail("kv-connector", f"must be one of auto, torch, nixl, got {connector!r}")
+    if connector != "auto" and not disaggregated:
+        _fail("kv-connector", "applies to --disaggregate only")
+    if connector == "nixl":
+        missing = importlib.util.find_spec("nixl") is None
+        _fail(
+            "kv-connector",
+            "nixl needs the nixl package, which is not installed"
+            if missing
+            else "nixl is not available in this version: use torch (CUDA IPC between GPUs "
+            "of one host, shared memory on the CPU)",
+        )
 
 
 def disaggregate_sizes(value: str) -> tuple[int, int]:
