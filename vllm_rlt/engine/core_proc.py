@@ -13,8 +13,6 @@ in its last message.
 
 from __future__ import annotations
 
-import base64
-import dataclasses
 import logging
 import os
 import signal
@@ -24,14 +22,12 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import torch
 import zmq
 
 from vllm_rlt.config import require
 from vllm_rlt.engine.builder import build_engine
+from vllm_rlt.engine.core_handovers import CoreHandovers
 from vllm_rlt.engine.engine_core import EngineCore
-from vllm_rlt.engine.kv_handover import HandedCompletion, KVHandover
-from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -42,9 +38,7 @@ from vllm_rlt.engine.messages import (
     EngineDead,
     EngineInfo,
     EngineOutputs,
-    HandedCompletionMessage,
     ImportRequest,
-    KVOffer,
     Ready,
     ReleaseHandover,
     RequestDelta,
@@ -98,13 +92,7 @@ class CoreLoop:
         self.routed = len(outputs) > 1
         self.owners: dict[str, int] = {}  # request id -> its client (routed mode only)
         self.outbox: list[list[RequestDelta]] = [[] for _ in outputs]
-        # Prefill/decode disaggregation (engine/kv_handover.py), per client: requests this
-        # core ran to their first tokens, and imports whose source blocks may go.
-        self.offers: list[list[KVOffer]] = [[] for _ in outputs]
-        self.imported: list[list[str]] = [[] for _ in outputs]
-        self.import_client: dict[str, int] = {}
-        self.shared_pool: SharedPool | None = None  # shared at the first handover
-        self.opened_pools = OpenedPools()
+        self.handovers = CoreHandovers(engine, len(outputs))
         self.last_sent = [0.0] * len(outputs)
         self.rate = PassRate()
 
@@ -120,10 +108,9 @@ class CoreLoop:
                 self._take_commands(wait)
                 if engine.has_unfinished and not self.stopping:
                     self._route(engine.step())
-                    self._offer(engine.take_handovers())
+                    self.handovers.offer(engine.take_handovers(), self._client_of_offer)
                     self.rate.record(engine.passes.num_passes, engine.passes.num_rows_total)
-                for request_id in engine.take_copied():
-                    self.imported[self.import_client.pop(request_id, 0)].append(request_id)
+                self.handovers.collect_copied()
                 self._publish()
         except BaseException as exc:
             dead = self.encode(EngineDead(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -131,26 +118,11 @@ class CoreLoop:
                 socket.send(dead, copy=False)
             raise
         finally:
-            if self.shared_pool is not None:
-                self.shared_pool.close()
+            self.handovers.close()
 
-    def _offer(self, handovers: list[KVHandover]) -> None:
-        """Offer each handed-over request to the client that sent it; the first handover
-        makes this core's pool visible to the host's other processes."""
-        if handovers and self.shared_pool is None:
-            self.shared_pool = SharedPool(self.engine.runner.kv_pool)
-        for handover in handovers:
-            client = self.owners.pop(handover.request_id, 0) if self.routed else 0
-            completions = [HandedCompletionMessage(**_fields(c)) for c in handover.completions]
-            self.offers[client].append(
-                KVOffer(
-                    handover.request_id,
-                    handover.prompt_token_ids,
-                    handover.params,
-                    completions,
-                    self.shared_pool.handle,
-                )
-            )
+    def _client_of_offer(self, request_id: str) -> int:
+        """The client of a request handed over: it leaves this core."""
+        return self.owners.pop(request_id, 0) if self.routed else 0
 
     # ----------------------------------------------------------------- outputs
     def _route(self, deltas: list[RequestDelta]) -> None:
@@ -169,7 +141,7 @@ class CoreLoop:
         now = time.monotonic()
         stats = None
         for client, deltas in enumerate(self.outbox):
-            offers, imported = self.offers[client], self.imported[client]
+            offers, imported = self.handovers.offers[client], self.handovers.imported[client]
             if not (deltas or offers or imported):
                 if now - self.last_sent[client] < HEARTBEAT_S or not self._busy(client):
                     continue
@@ -177,7 +149,8 @@ class CoreLoop:
                 stats = self.engine.stats()
             message = EngineOutputs(deltas, stats, offers, imported)
             self.outputs[client].send(self.encode(message), copy=False)
-            self.outbox[client], self.offers[client], self.imported[client] = [], [], []
+            self.outbox[client] = []
+            self.handovers.offers[client], self.handovers.imported[client] = [], []
             self.last_sent[client] = now
 
     def _busy(self, client: int) -> bool:
@@ -225,33 +198,11 @@ class CoreLoop:
         )
 
     def _import(self, command: ImportRequest) -> None:
-        """Continue a request a prefill core ran: queue it here; its K/V is copied from the
-        prefill core's pool at admission. The client hears once the prefill core may free
-        its blocks (`EngineCore.take_copied`, also when the import fails)."""
+        """Continue a request a prefill core ran (see `CoreHandovers.importer`)."""
         offer = command.offer
-        self.import_client[offer.request_id] = command.client if self.routed else 0
-
-        def queue() -> None:
-            completions = [
-                HandedCompletion(
-                    **{
-                        **msgspec.structs.asdict(c),
-                        "top_logprobs": [tuple(map(tuple, top)) for top in c.top_logprobs],
-                    }
-                )
-                for c in offer.completions
-            ]
-            pool = self.opened_pools.open(offer.pool)
-            self.engine.import_request(
-                KVHandover(
-                    offer.request_id, offer.prompt_token_ids, offer.params, completions, pool
-                )
-            )
-
-        self._queue(offer.request_id, command.client, queue)
-        ledger = self.engine.ledger
-        if offer.request_id not in ledger.importing and offer.request_id not in ledger.unread:
-            ledger.unread.append(offer.request_id)  # refused before the engine saw it
+        client = command.client if self.routed else 0
+        self._queue(offer.request_id, command.client, self.handovers.importer(offer, client))
+        self.handovers.after_import(offer.request_id)
 
     def _queue(self, request_id: str, client: int, add: Callable[[], None]) -> None:
         try:
@@ -302,30 +253,8 @@ class CoreLoop:
                 rows_per_pass=self.rate.rows_per_pass(),
             )
         if name.startswith("kv_"):
-            return self._kv_control(name)
+            return self.handovers.control(name)
         return self._memory_control(name)
-
-    def _kv_control(self, name: str) -> dict[str, bool | str]:
-        """Disaggregation's start-up check (engine/pd_client.py): "kv_share" makes this
-        core's pool visible to the host and answers its handle (msgpack, base64);
-        "kv_open:HANDLE" maps that pool here and reads from it."""
-        try:
-            if name == "kv_share":
-                if self.shared_pool is None:
-                    self.shared_pool = SharedPool(self.engine.runner.kv_pool)
-                handle = msgspec.msgpack.encode(self.shared_pool.handle)
-                return {"pool": base64.b64encode(handle).decode()}
-            if name.startswith("kv_open:"):
-                encoded = base64.b64decode(name.removeprefix("kv_open:"))
-                pool = self.opened_pools.open(msgspec.msgpack.decode(encoded, type=KVPoolHandle))
-                device = self.engine.model.device
-                probe = pool.k[0][:1].to(device, copy=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                return {"opened": bool(probe.numel())}
-        except Exception as exc:  # noqa: BLE001 - answered; the frontend refuses to start
-            return {"error": f"{type(exc).__name__}: {exc}"}
-        return {"error": f"unknown control call {name!r}"}
 
     def _memory_control(self, name: str) -> dict[str, bool | str]:
         """vLLM's sleep mode and prefix-cache reset (the server's --enable-sleep-mode
@@ -334,7 +263,7 @@ class CoreLoop:
         try:
             if name in ("sleep_1", "sleep_2"):
                 require(
-                    self.shared_pool is None,
+                    self.handovers.shared_pool is None,
                     "sleep is not available once decode cores read this core's KV pool",
                     "level",
                 )
@@ -352,11 +281,6 @@ class CoreLoop:
             logger.exception("control call %r failed", name)
             return {"error": f"{name} failed: {type(exc).__name__}: {exc}"}
         return {"is_sleeping": engine.is_sleeping}
-
-
-def _fields(value) -> dict[str, Any]:
-    """A dataclass's fields by name, the values themselves (no deep copy of tensors)."""
-    return {field.name: getattr(value, field.name) for field in dataclasses.fields(value)}
 
 
 def engine_info(engine: EngineCore, model_name: str) -> EngineInfo:
