@@ -299,7 +299,10 @@ def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layo
         copy(source, blocks, start)
 
     decode.runner.import_kv = counted
-    got, _ = _disaggregated(prefill, decode, requests)
+    # The first request alone, then the others: imports admitted in one round copy
+    # whole (their blocks enter the cache once their copies are queued).
+    got, _ = _disaggregated(prefill, decode, requests[:1])
+    got.update(_disaggregated(prefill, decode, requests[1:])[0])
     _assert_same(got, expected)
     assert len(starts) == 4  # one per live completion
     if layout == "last_exited":
@@ -308,3 +311,76 @@ def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layo
         assert sorted(starts) == [0, 8, 16, 16]
     else:
         assert starts == [0, 0, 0, 0]
+
+
+def test_an_import_preempted_in_the_round_that_admitted_it_caches_nothing(make_engine):
+    """A small decode pool preempts an import in the round that admitted it (before its
+    copy): its blocks must not enter the prefix cache, or its recomputation would skip
+    K/V that was never written."""
+    greedy = dict(temperature=0.0, ignore_eos=True)
+    long_prompt, prompt = list(range(40, 80)), list(range(100, 116))
+    requests = [
+        ("long", long_prompt, SamplingParams(max_tokens=4, **greedy)),
+        ("imp", prompt, SamplingParams(max_tokens=12, **greedy)),
+    ]
+    expected = _colocated(make_engine(), requests)
+    prefill = make_engine()
+    outputs: dict = {}
+    prefill.add_request("imp", prompt, requests[1][2], handover=True)
+    handovers = []
+    while not handovers:
+        for delta in prefill.step():
+            _collect(outputs, delta)
+        handovers = prefill.take_handovers()
+    decode = make_engine(
+        num_blocks=12, prefill_chunk_size=8, max_num_batched_tokens=64, max_num_seqs=4
+    )
+    preempted = []
+    preempt = decode.scheduler._preempt
+
+    def recorded(request):
+        preempted.append((request.request_id, request.status.name))
+        preempt(request)
+
+    decode.scheduler._preempt = recorded
+    decode.add_request("long", long_prompt, requests[0][2])
+    for _ in range(12):
+        for delta in decode.step():
+            _collect(outputs, delta)
+    decode.import_request(handovers[0])
+    while decode.has_unfinished:
+        for delta in decode.step():
+            _collect(outputs, delta)
+        _release_copied(prefill, decode)
+    _release_copied(prefill, decode)
+    assert ("imp", "DECODE") in preempted  # in the round that admitted it
+    assert outputs["imp"][0][0] == expected["imp"][0][0]
+
+
+def test_a_failed_import_copy_leaves_no_unwritten_block_in_the_prefix_cache(make_engine):
+    prompt = list(range(100, 116)) + [7, 8]  # four whole blocks
+    fanout = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=2, ignore_eos=True)
+    later = [("later", prompt, SamplingParams(max_tokens=8, temperature=0.0))]
+    expected = _colocated(make_engine(), later)
+    prefill, decode = make_engine(), make_engine()
+    prefill.add_request("imp", prompt, fanout, handover=True)
+    handovers = []
+    while not handovers:
+        prefill.step()
+        handovers = prefill.take_handovers()
+    copy, calls = decode.runner.import_kv, []
+
+    def failing_once(source, blocks, start=0):
+        calls.append(start)
+        if len(calls) == 1:
+            raise RuntimeError("copy failed")
+        copy(source, blocks, start)
+
+    decode.runner.import_kv = failing_once
+    decode.import_request(handovers[0])
+    errors = []
+    while decode.has_unfinished:
+        errors += [d.error for d in decode.step() if d.error]
+    _release_copied(prefill, decode)
+    assert errors and "copy failed" in errors[0]
+    assert _colocated(decode, later) == expected

@@ -4,9 +4,11 @@ frees the prefill core's lent blocks, and a lost core's handovers are cleaned up
 
 from __future__ import annotations
 
+import base64
 import time
 import types
 
+import msgspec
 import pytest
 
 from vllm_rlt.engine.kv_transport import KVPoolHandle
@@ -105,11 +107,12 @@ def test_a_lost_core_frees_what_its_handovers_held(tmp_path):
 
 def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():
     client = _client()
-    answers = {"kv_share": {"pool": "aGFuZGxl"}}
-    client.cores[0].call = lambda name, timeout: answers[name]
+    handle = KVPoolHandle("p", "cuda_ipc", [1], "torch.float32", 1, 1, 1)
+    encoded = base64.b64encode(msgspec.msgpack.encode(handle)).decode()
+    client.cores[0].call = lambda name, timeout: {"kv_share": {"pool": encoded}}[name]
     client.cores[1].call = lambda name, timeout: (
         {"error": "RuntimeError: peer access is not available"}
-        if name == "kv_open:aGFuZGxl"
+        if name == f"kv_open:{encoded}"
         else {"error": f"unexpected call {name}"}
     )
     with pytest.raises(RuntimeError) as raised:
@@ -120,3 +123,14 @@ def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():
     )
     client.cores[1].call = lambda name, timeout: {"opened": True}
     client._check_transport()
+
+    def dies(name, timeout):
+        raise TimeoutError(f"the engine core did not answer {name!r} within {timeout} s")
+
+    client.cores[1].call = dies
+    with pytest.raises(RuntimeError) as raised:
+        client._check_transport()
+    assert str(raised.value) == (
+        "--disaggregate: the K/V transport check (decode engine core 1 and prefill engine core "
+        "0) failed: TimeoutError"
+    )

@@ -429,8 +429,8 @@ class Scheduler:
 
     def _import_hits(self, request: Request) -> int:
         """Leading whole prompt blocks of an imported request this core's prefix cache
-        holds: they are not copied. Under last_exited only, where a cached prompt block
-        holds every plane an import brings."""
+        holds: they are not copied. Only in layouts with one table per request (not
+        shared_decode), where a cached prompt block holds every plane an import brings."""
         if not self.kv.enable_caching or self.table_planes != 1:
             return 0
         if request.block_hashes is None:
@@ -438,6 +438,13 @@ class Scheduler:
                 self.cache_salt, request.prompt_token_ids, self.kv.block_size
             )
         return self.kv.count_hits(request.block_hashes[: request.prompt_len // self.kv.block_size])
+
+    def register_imported(self, request: Request) -> None:
+        """An admitted import's copy is queued, in stream order before any pass: its whole
+        prompt blocks enter the prefix cache (not before: an import preempted in the round
+        that admitted it, or whose admission failed, never copied them)."""
+        if self.kv.enable_caching and self.table_planes == 1:
+            self._register_prompt_blocks(request)
 
     def _usable_hits(self, request: Request) -> int:
         """Leading prompt blocks the prefix cache holds, as many as may be skipped: a
@@ -491,8 +498,6 @@ class Scheduler:
             placed = self._reserve(request, self._imported_positions(request), False)
             assert placed, "admission counted these blocks"
             blocks = tuple(self.kv.block_table(request.request_id))
-            if self.kv.enable_caching and self.table_planes == 1:
-                self._register_prompt_blocks(request)  # copied before any pass reads them
         params = request.params
         resumed = bool(request.output_token_ids)
         sampling = request.sampling

@@ -234,8 +234,12 @@ class EngineCore:
         imports = [new for new in new_slots if new.imported_kv is not None]
         if imports:  # their source may go once the copies queued here are done
             done = self.runner.copies_done()
+            failed_slots = {new.slot for new, _ in failed}
             for new in imports:
-                self.scheduler.running[new.slot].kv_copy = done
+                request = self.scheduler.running[new.slot]
+                request.kv_copy = done
+                if new.slot not in failed_slots:
+                    self.scheduler.register_imported(request)
         failed_requests = [(self.scheduler.running[new.slot], e) for new, e in failed]
         for request, _ in failed_requests:  # what it registered in the prefix cache was
             self.kv.uncache_private(request.request_id)  # perhaps never written

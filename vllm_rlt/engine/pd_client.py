@@ -15,13 +15,16 @@ mapping it (or, without /proc, that the frontend removes when that core is lost)
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from vllm_rlt.config import CacheConfig, require
 from vllm_rlt.engine.dp_client import DataParallelClient, core_environments, visible_gpus
-from vllm_rlt.engine.kv_transport import remove_files
+from vllm_rlt.engine.kv_transport import KVPoolHandle, remove_files
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -111,19 +114,32 @@ class DisaggregatedClient(DataParallelClient):
         transfer that cannot work (no access to the other GPU's memory, no shared memory)
         stops the start-up with one line naming both cores, not the first request."""
         for source in range(self.num_prefill):
-            shared = self.cores[source].call("kv_share", timeout=300)
+            shared = self._ask(source, "kv_share", f"prefill engine core {source}")
             if "error" in shared:
                 raise RuntimeError(
                     f"--disaggregate: prefill engine core {source} cannot share its KV pool: "
                     f"{shared['error']}"
                 )
+            handle = msgspec.msgpack.decode(base64.b64decode(shared["pool"]), type=KVPoolHandle)
+            if handle.kind == "shm" and not handle.name.startswith("/proc/"):
+                self._pool_files[source] = handle.name
             for target in range(self.num_prefill, len(self.cores)):
-                opened = self.cores[target].call(f"kv_open:{shared['pool']}", timeout=300)
+                pair = f"decode engine core {target} and prefill engine core {source}"
+                opened = self._ask(target, f"kv_open:{shared['pool']}", pair)
                 if "error" in opened:
                     raise RuntimeError(
                         f"--disaggregate: decode engine core {target} cannot read the KV pool "
                         f"of prefill engine core {source}: {opened['error']}"
                     )
+
+    def _ask(self, rank: int, call: str, who: str) -> dict:
+        """A start-up call, its failure (timeout, a core that died) named by `who`."""
+        try:
+            return self.cores[rank].call(call, timeout=300)  # type: ignore[return-value]
+        except Exception as exc:  # noqa: BLE001 - restated without the call's long argument
+            raise RuntimeError(
+                f"--disaggregate: the K/V transport check ({who}) failed: {type(exc).__name__}"
+            ) from None
 
     @property
     def prefill_ranks(self) -> list[int]:

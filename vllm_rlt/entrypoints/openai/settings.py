@@ -3,7 +3,6 @@ checked when made, each error naming the `vllm-rlt serve` flag and its range."""
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -93,13 +92,10 @@ def _check_kv_connector(connector: str, disaggregated: bool) -> None:
     if connector != "auto" and not disaggregated:
         _fail("kv-connector", "applies to --disaggregate only")
     if connector == "nixl":
-        missing = importlib.util.find_spec("nixl") is None
         _fail(
             "kv-connector",
-            "nixl needs the nixl package, which is not installed"
-            if missing
-            else "nixl is not available in this version: use torch (CUDA IPC between GPUs "
-            "of one host, shared memory on the CPU)",
+            "nixl is not available in this version: use torch (CUDA IPC between GPUs of "
+            "one host, shared memory on the CPU)",
         )
 
 
