@@ -375,8 +375,7 @@ class Scheduler:
         for request in queue[: self.config.admission_scan_limit]:
             if not self.free_slots:
                 break
-            imported = request.kv_import is not None
-            hits = self._import_hits(request) if imported else self._usable_hits(request)
+            hits = self._hits(request)
             first = self._first_chunk_blocks(request, hits)
             fits = promised + first + self._watermark() <= self.kv.num_free_blocks
             if not fits or request.preempted_in == self.round:
@@ -403,9 +402,7 @@ class Scheduler:
         until it has a slot and its first chunk's blocks (its cached prompt blocks need none)."""
         if request.preempted_in == self.round:
             return
-        imported = request.kv_import is not None
-        hits = self._import_hits(request) if imported else self._usable_hits(request)
-        first = self._first_chunk_blocks(request, hits)
+        first = self._first_chunk_blocks(request, self._hits(request))
         while not self.free_slots or first + self._watermark() > self.kv.num_free_blocks:
             if not self._preempt_one_below(request):
                 return
@@ -426,6 +423,12 @@ class Scheduler:
         if hits and request.block_hashes is not None:
             new += self.kv.free_among_hits(request.block_hashes[:hits])
         return new
+
+    def _hits(self, request: Request) -> int:
+        """Leading prompt blocks `request` takes from the prefix cache on admission."""
+        if request.kv_import is not None:
+            return self._import_hits(request)
+        return self._usable_hits(request)
 
     def _import_hits(self, request: Request) -> int:
         """Leading whole prompt blocks of an imported request this core's prefix cache

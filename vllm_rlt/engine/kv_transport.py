@@ -49,6 +49,12 @@ class KVPoolHandle(msgspec.Struct, array_like=True):
     ipc: list[list[Any]] = []
     gpu: str = ""  # cuda_ipc: the GPU's id in CUDA_VISIBLE_DEVICES terms (or its index)
 
+    @property
+    def named_file(self) -> str | None:
+        """The pool's file where it has a name (CPU without /proc): someone must remove it
+        should its core die."""
+        return self.name if self.kind == "shm" and not self.name.startswith("/proc/") else None
+
 
 class SharedPool:
     """A prefill core's pool, visible to the host's other processes until `close`."""

@@ -121,8 +121,8 @@ class DisaggregatedClient(DataParallelClient):
                     f"{shared['error']}"
                 )
             handle = msgspec.msgpack.decode(base64.b64decode(shared["pool"]), type=KVPoolHandle)
-            if handle.kind == "shm" and not handle.name.startswith("/proc/"):
-                self._pool_files[source] = handle.name
+            if handle.named_file:
+                self._pool_files[source] = handle.named_file
             for target in range(self.num_prefill, len(self.cores)):
                 pair = f"decode engine core {target} and prefill engine core {source}"
                 opened = self._ask(target, f"kv_open:{shared['pool']}", pair)
@@ -195,8 +195,8 @@ class DisaggregatedClient(DataParallelClient):
         target = self.choose(sequences, self.decode_ranks)
         self._assign(request_id, target, sequences)
         self._lent_by[request_id] = (source, target)
-        if offer.pool.kind == "shm" and not offer.pool.name.startswith("/proc/"):
-            self._pool_files[source] = offer.pool.name
+        if offer.pool.named_file:
+            self._pool_files[source] = offer.pool.named_file
         self.cores[target].send(ImportRequest(offer, self.client))
         for abort in self._early_aborts.pop(request_id, []):
             self.cores[target].send(abort)
