@@ -44,8 +44,8 @@ def _colocated(engine, requests) -> dict:
 
 
 def _release_copied(prefill, decode) -> None:
-    for request_id in decode.take_copied():
-        assert prefill.release_handover(request_id)
+    for request_id in decode.ledger.copied():
+        assert prefill.ledger.release(request_id)
 
 
 def _disaggregated(prefill, decode, requests) -> tuple[dict, list]:
@@ -180,15 +180,15 @@ def test_aborts_around_the_handover_free_everything(make_engine):
     for handover in handovers:
         decode.import_request(handover)
     assert decode.abort_request("queued").finished  # never admitted: its source is unread
-    assert decode.take_copied() == ["queued"]
-    assert prefill.release_handover("queued") and not prefill.release_handover("queued")
+    assert decode.ledger.copied() == ["queued"]
+    assert prefill.ledger.release("queued") and not prefill.ledger.release("queued")
     decode.step()
     decode.step()
-    assert decode.take_copied() == ["running"]  # admitted, copied
+    assert decode.ledger.copied() == ["running"]  # admitted, copied
     assert decode.abort_request("running").finished
     while decode.has_unfinished:
         decode.step()
-    assert prefill.release_handover("running") and prefill.all_blocks_free()
+    assert prefill.ledger.release("running") and prefill.all_blocks_free()
 
 
 def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine):
@@ -202,7 +202,7 @@ def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine)
     decode.add_request("r", PROMPTS[0], params)
     with pytest.raises(ValueError, match="already in use"):
         decode.import_request(handovers[0])
-    assert decode.take_copied() == ["r"]  # refused: the prefill core may free its blocks
+    assert decode.ledger.copied() == ["r"]  # refused: the prefill core may free its blocks
     decode.abort_request("r")
     # Four planes of K/V into a one-plane pool: the request fails alone, nothing leaks.
     decode.import_request(handovers[0])
@@ -210,8 +210,8 @@ def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine)
     while decode.has_unfinished:
         errors += [d.error for d in decode.step() if d.error]
     assert errors and "expected" in errors[0]
-    assert decode.take_copied() == ["r"]
-    assert prefill.release_handover("r") and prefill.all_blocks_free()
+    assert decode.ledger.copied() == ["r"]
+    assert prefill.ledger.release("r") and prefill.all_blocks_free()
 
 
 @pytest.mark.parametrize("num_blocks", [12, 13, 14, 16, 20])
@@ -270,11 +270,11 @@ def test_a_pool_full_of_lent_blocks_holds_back_new_prompts_until_released(make_e
     for _ in range(3):
         assert prefill.step() == [] and prefill.held_back
     for handover in handovers:
-        assert prefill.release_handover(handover.request_id)
+        assert prefill.ledger.release(handover.request_id)
     while not prefill.take_handovers():
         prefill.step()
     assert not prefill.held_back
-    assert prefill.release_handover("d") and prefill.all_blocks_free()
+    assert prefill.ledger.release("d") and prefill.all_blocks_free()
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])

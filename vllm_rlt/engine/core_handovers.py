@@ -80,7 +80,7 @@ class CoreHandovers:
             ledger.unread.append(request_id)  # refused before the engine saw it
 
     def collect_copied(self) -> None:
-        for request_id in self.engine.take_copied():
+        for request_id in self.engine.ledger.copied():
             self.imported[self.import_client.pop(request_id, 0)].append(request_id)
 
     def control(self, name: str) -> dict[str, bool | str]:

@@ -177,7 +177,7 @@ class CoreLoop:
             elif isinstance(command, ImportRequest):
                 self._import(command)
             elif isinstance(command, ReleaseHandover):
-                self.engine.release_handover(command.request_id)
+                self.engine.ledger.release(command.request_id)
         while self.control.poll(0):
             call = self.decode_call(self.control.recv(copy=False))
             reply = ControlReply(call.call_id, self._control(call.name))

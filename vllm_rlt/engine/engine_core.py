@@ -16,7 +16,7 @@ from vllm_rlt.engine.kv_handover import HandoverLedger, KVHandover, continue_com
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.pass_pipeline import PassPipeline
 from vllm_rlt.engine.request_checks import RequestChecker
-from vllm_rlt.engine.request_group import RequestGroup, completion_ids
+from vllm_rlt.engine.request_group import RequestGroup, RequestGroups
 from vllm_rlt.engine.request_intake import RequestIntake
 from vllm_rlt.engine.trainer_hooks import TrainerHooks
 from vllm_rlt.parallel.tensor_parallel import mirrored
@@ -65,7 +65,7 @@ class EngineCore:
         # (see parallel/tensor_parallel.py).
         self.mirror: Callable[[str, tuple, dict], None] | None = None
         self.eos_token_ids = eos_token_ids
-        self.groups: dict[str, RequestGroup] = {}
+        self.groups = RequestGroups()
         self.handovers: list[KVHandover] = []  # prefill side: offered, not yet taken
         self.ledger = HandoverLedger(self.kv, runner.kv_pool, runner.kv_position_bytes)
         self.held_back = False  # the last step ran nothing: lent blocks fill the pool
@@ -74,7 +74,6 @@ class EngineCore:
             execution_config.async_scheduling and scheduler.config.mode == "refill"
         )
         self.passes = PassPipeline(runner, scheduler, self.async_scheduling)
-        self._group_of: dict[str, str] = {}  # engine request id -> user request id
         threshold = model.config.early_exit_threshold
         self.intake = RequestIntake(
             checker, eos_token_ids, threshold, speculative_config, execution_config.seed
@@ -105,18 +104,11 @@ class EngineCore:
         """The checked group of a new request (nothing queued yet)."""
         self.hooks.check_serving()
         require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
-        for used in [request_id, *completion_ids(request_id, params.n)]:
-            require(
-                used not in self.groups and used not in self._group_of,
-                f"request_id {request_id!r} is already in use"
-                + ("" if used == request_id else f" (its completion id {used!r} is taken)"),
-            )
+        self.groups.require_free(request_id, params.n)
         return self.intake.group(request_id, prompt_token_ids, params)
 
     def _queue(self, group: RequestGroup, children: list[Request]) -> None:
-        self.groups[group.request_id] = group
-        for child in group.children:
-            self._group_of[child.request_id] = group.request_id
+        self.groups.add(group)
         for child in children:
             self.scheduler.add_request(child)
 
@@ -136,14 +128,6 @@ class EngineCore:
         self._queue(group, live)
         self.ledger.importing[request_id] = live
 
-    def take_copied(self) -> list[str]:
-        """Imports whose prefill core may free their blocks now (see `HandoverLedger`)."""
-        return self.ledger.copied()
-
-    def release_handover(self, request_id: str) -> bool:
-        """Free the blocks a handover lent (its decode core has its copy, or never will)."""
-        return self.ledger.release(str(request_id))
-
     def take_handovers(self) -> list[KVHandover]:
         """The requests this core handed over since the last call (see `add_request`)."""
         taken, self.handovers = self.handovers, []
@@ -154,9 +138,7 @@ class EngineCore:
         elsewhere."""
         handover = self.ledger.hand_over(group)
         group.end(self.scheduler, "handover")
-        del self.groups[group.request_id]
-        for child in group.children:
-            del self._group_of[child.request_id]
+        self.groups.remove(group)
         self.handovers.append(handover)
 
     def check_request(
@@ -221,7 +203,7 @@ class EngineCore:
                     continue  # a sibling's failure ended its group within this loop
                 if request.first_token_time is None:
                     request.first_token_time = now
-                group = self.groups[self._group_of[request.request_id]]
+                group = self.groups.of(request)
                 if request.stop_reason is not None:
                     group.end(self.scheduler, request.stop_reason, group.children.index(request))
                 progressed[group.request_id] = group
@@ -247,7 +229,7 @@ class EngineCore:
 
     def _fail(self, request: Request, error: BaseException) -> RequestGroup:
         """End a request's whole group (its completions share one prompt) with the error."""
-        group = self.groups[self._group_of[request.request_id]]
+        group = self.groups.of(request)
         logger.error(
             "request %s failed; the engine keeps running",
             group.request_id,
@@ -259,17 +241,8 @@ class EngineCore:
 
     def _delta(self, group: RequestGroup) -> RequestDelta:
         delta = group.delta()
-        self._forget_if_finished(group)
+        self.groups.forget_if_finished(group)
         return delta
-
-    def _forget_if_finished(self, group: RequestGroup) -> bool:
-        """Drop a group whose completions have all ended; whether it had."""
-        if not group.all_ended:
-            return False
-        if self.groups.pop(group.request_id, None) is not None:
-            for child in group.children:
-                del self._group_of[child.request_id]
-        return True
 
     @mirrored
     def reset_prefix_cache(self) -> bool:

@@ -3,7 +3,7 @@ core once a request's prompt has run and its first tokens are sampled.
 
 A prefill core runs a handed-over request (`EngineCore.add_request(..., handover=True)`) as
 usual until every completion has its first token (or has ended). It then ends the request
-there but keeps each live completion's blocks (`EngineCore.release_handover` frees them),
+there but keeps each live completion's blocks (`HandoverLedger.release` frees them),
 and offers a `KVHandover` naming them: every plane under last_exited, only the final one
 under shared_decode, whose other planes are gone by then. The blocks hold the prompt, and
 the decode inputs of a completion that decoded on while its siblings were still
@@ -11,7 +11,7 @@ prefilling. A decode core takes it with `EngineCore.import_request`: each live c
 enters a slot already decoding, its K/V copied from the prefill core's pool into fresh
 blocks before the pass that first reads them (`ModelRunner.import_kv`), and continues as it
 would have on the prefill core (sampling noise depends only on the seed and the token's
-number, so seeded and greedy outputs equal a colocated run). `EngineCore.take_copied`
+number, so seeded and greedy outputs equal a colocated run). `HandoverLedger.copied`
 says when the prefill core's blocks may go.
 """
 

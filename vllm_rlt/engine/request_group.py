@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
+from vllm_rlt.config import require
 from vllm_rlt.core.request import Request, RequestStatus
 from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
 from vllm_rlt.outputs import prompt_logprob_entries
@@ -130,3 +132,52 @@ class RequestGroup:
             error=self.error,
             prompt_logprobs=prompt_logprobs,
         )
+
+
+class RequestGroups:
+    """The user requests one engine core runs, by id, and the group each of their engine
+    requests (one per completion) belongs to. Iterating yields the user request ids."""
+
+    def __init__(self) -> None:
+        self._groups: dict[str, RequestGroup] = {}
+        self._group_of: dict[str, str] = {}  # engine request id -> user request id
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._groups)
+
+    def __len__(self) -> int:
+        return len(self._groups)
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self._groups
+
+    def get(self, request_id: str) -> RequestGroup | None:
+        return self._groups.get(request_id)
+
+    def of(self, request: Request) -> RequestGroup:
+        """The group an engine request belongs to."""
+        return self._groups[self._group_of[request.request_id]]
+
+    def require_free(self, request_id: str, n: int) -> None:
+        """A new request's id, and each of its completion ids, must be unused."""
+        for used in [request_id, *completion_ids(request_id, n)]:
+            require(
+                used not in self._groups and used not in self._group_of,
+                f"request_id {request_id!r} is already in use"
+                + ("" if used == request_id else f" (its completion id {used!r} is taken)"),
+            )
+
+    def add(self, group: RequestGroup) -> None:
+        self._groups[group.request_id] = group
+        for child in group.children:
+            self._group_of[child.request_id] = group.request_id
+
+    def remove(self, group: RequestGroup) -> None:
+        if self._groups.pop(group.request_id, None) is not None:
+            for child in group.children:
+                del self._group_of[child.request_id]
+
+    def forget_if_finished(self, group: RequestGroup) -> None:
+        """Drop a group whose completions have all ended."""
+        if group.all_ended:
+            self.remove(group)
