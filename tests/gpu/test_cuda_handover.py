@@ -1,6 +1,6 @@
 """Prefill/decode handover on one GPU: two engine cores (Triton kernels, CUDA graphs,
 asynchronous scheduling) give what one core gives, in both per-plane layouts, with the K/V
-read through CUDA IPC from another process's pool."""
+read through CUDA IPC from another process's pool, or through NIXL where it is installed."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import torch
 from tests.unit.test_kv_handover import _assert_same, _colocated, _disaggregated, _requests
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.engine.builder import build_engine_core
-from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool
+from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool, share_pool
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.worker.kv_pool import KVPool
@@ -42,6 +42,23 @@ def test_cuda_handover_equals_one_core(toy_config, toy_state, exact_float32, lay
     got, handed = _disaggregated(prefill, decode, _requests())
     _assert_same(got, expected)
     assert handed and prefill.all_blocks_free() and decode.all_blocks_free()  # released
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
+def test_cuda_handover_through_nixl_equals_one_core(toy_config, toy_state, exact_float32, layout):
+    pytest.importorskip("nixl._api")
+    model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cuda")
+    expected = _colocated(_engine(model, layout), _requests())
+    prefill, decode = _engine(model, layout), _engine(model, layout)
+    shared = share_pool(prefill.runner.kv_pool, "nixl")
+    try:
+        peer = OpenedPools(lambda: decode.runner.kv_pool).open(shared.handle)
+        assert shared.handle.memory == "VRAM"
+        got, handed = _disaggregated(prefill, decode, _requests(), source=peer)
+    finally:
+        shared.close()
+    _assert_same(got, expected)
+    assert handed and prefill.all_blocks_free() and decode.all_blocks_free()
 
 
 def _share_in_child(queue, done) -> None:

@@ -121,3 +121,25 @@ def test_a_dead_decode_core_is_named_and_the_prefill_core_serves_on():
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
+def test_the_nixl_connector_serves_what_the_offline_engine_does(layout):
+    """`--kv-connector nixl` (where the nixl package is installed): the decode core reads
+    the prefill core's blocks through NIXL; greedy and seeded n = 2 equal the offline
+    engine, and both cores end with nothing held."""
+    pytest.importorskip("nixl._api")
+    flags = ("--disaggregate", "1:1", "--kv-connector", "nixl", "--kv-layout", layout)
+    with serve_process(*flags, "--shutdown-timeout", "5") as (process, url):
+        llm = LLM(model="toy", cache_config=CacheConfig(layout=layout))
+        prompt = "a long enough prompt to fill more than one block of sixteen positions " * 2
+        for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
+            body = {"model": "toy", "prompt": prompt, "max_tokens": 9, "n": 2, **sampling}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
+            offline = llm.generate([prompt], SamplingParams(max_tokens=9, n=2, **sampling))[0]
+            assert [c["text"] for c in reply["choices"]] == [c.text for c in offline.outputs]
+        _idle(url)
+        scrape = httpx.get(f"{url}/metrics").text
+        assert re.search(r"^vllm_rlt:kv_transfer_handovers_total 2\.0$", scrape, re.M)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0

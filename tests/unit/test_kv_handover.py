@@ -11,6 +11,7 @@ import pytest
 
 from vllm_rlt import ExitConfig, SamplingParams
 from vllm_rlt.config import SpeculativeConfig
+from vllm_rlt.engine.kv_transport import OpenedPools, share_pool
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 12], list(range(20, 39)), [88, 1]]
 
@@ -48,9 +49,10 @@ def _release_copied(prefill, decode) -> None:
         assert prefill.ledger.release(request_id)
 
 
-def _disaggregated(prefill, decode, requests) -> tuple[dict, list]:
+def _disaggregated(prefill, decode, requests, source=None) -> tuple[dict, list]:
     """Both cores to the end; the prefill core frees each handover's blocks once the
-    decode core says its copy is done, and not before."""
+    decode core says its copy is done, and not before. `source` (if given) is the prefill
+    pool as the decode core reads it (through a connector)."""
     outputs: dict = {}
     handed = []
     for request_id, prompt, params in requests:
@@ -63,6 +65,8 @@ def _disaggregated(prefill, decode, requests) -> tuple[dict, list]:
                 handed.append(handover)
                 if any(c.kv is not None for c in handover.completions):
                     assert not prefill.all_blocks_free()  # lent until the copy is done
+                if source is not None:
+                    handover.pool = source
                 decode.import_request(handover)
         if decode.has_unfinished:
             for delta in decode.step():
@@ -278,10 +282,12 @@ def test_a_pool_full_of_lent_blocks_holds_back_new_prompts_until_released(make_e
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
-def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layout):
+@pytest.mark.parametrize("connector", ["torch", "nixl"])
+def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layout, connector):
     """Imports of prompts that share their first blocks: under last_exited the decode core
     copies those blocks once and takes them from its prefix cache afterwards (the outputs
-    still equal one core's); under shared_decode every import is copied whole."""
+    still equal one core's); under shared_decode every import is copied whole. With nixl
+    (where installed) the decode core reads the prefill pool through NIXL."""
     shared = list(range(20, 37))  # 17 tokens: four whole blocks of 4
     requests = [
         ("first", shared + [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0)),
@@ -299,10 +305,19 @@ def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layo
         copy(source, blocks, start)
 
     decode.runner.import_kv = counted
+    source, shared = None, None
+    if connector == "nixl":
+        pytest.importorskip("nixl._api")
+        shared = share_pool(prefill.runner.kv_pool, "nixl")
+        source = OpenedPools(lambda: decode.runner.kv_pool).open(shared.handle)
     # The first request alone, then the others: imports admitted in one round copy
     # whole (their blocks enter the cache once their copies are queued).
-    got, _ = _disaggregated(prefill, decode, requests[:1])
-    got.update(_disaggregated(prefill, decode, requests[1:])[0])
+    try:
+        got, _ = _disaggregated(prefill, decode, requests[:1], source)
+        got.update(_disaggregated(prefill, decode, requests[1:], source)[0])
+    finally:
+        if shared is not None:
+            shared.close()
     _assert_same(got, expected)
     assert len(starts) == 4  # one per live completion
     if layout == "last_exited":

@@ -38,6 +38,7 @@ def _client() -> DisaggregatedClient:
     """One prefill and one decode stand-in core, without processes."""
     client = DisaggregatedClient.__new__(DisaggregatedClient)
     client.num_prefill = 1
+    client.kv_connector = "torch"
     client._lent_by, client._pool_files, client._early_aborts = {}, {}, {}
     client._prepare(lambda reason: None, None)
     client.cores = [_Core(), _Core()]
@@ -109,7 +110,7 @@ def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():
     client = _client()
     handle = KVPoolHandle("p", "cuda_ipc", [1], "torch.float32", 1, 1, 1)
     encoded = base64.b64encode(msgspec.msgpack.encode(handle)).decode()
-    client.cores[0].call = lambda name, timeout: {"kv_share": {"pool": encoded}}[name]
+    client.cores[0].call = lambda name, timeout: {"kv_share:torch": {"pool": encoded}}[name]
     client.cores[1].call = lambda name, timeout: (
         {"error": "RuntimeError: peer access is not available"}
         if name == f"kv_open:{encoded}"

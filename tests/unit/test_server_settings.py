@@ -9,6 +9,7 @@ import re
 import pytest
 
 from vllm_rlt.config import ParamError
+from vllm_rlt.entrypoints.openai import settings
 from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 BAD = [
@@ -111,7 +112,6 @@ def test_disaggregate_runs_alone(fields, flag):
     [
         ({"kv_connector": "torch"}, "applies to --disaggregate only"),
         ({"kv_connector": "nccl", "disaggregate": (1, 1)}, "must be one of auto, torch, nixl"),
-        ({"kv_connector": "nixl", "disaggregate": (1, 1)}, "nixl"),
     ],
 )
 def test_the_kv_connector_is_checked_at_start_up(fields, message):
@@ -119,3 +119,12 @@ def test_the_kv_connector_is_checked_at_start_up(fields, message):
         ServerSettings(**fields)
     assert raised.value.param == "kv_connector"
     assert ServerSettings(kv_connector="torch", disaggregate=(1, 1)).kv_connector == "torch"
+
+
+def test_the_nixl_connector_needs_its_package_at_start_up(monkeypatch):
+    monkeypatch.setattr(settings, "nixl_missing", lambda: "the nixl package is not installed")
+    with pytest.raises(ParamError, match="nixl: the nixl package is not installed") as raised:
+        ServerSettings(kv_connector="nixl", disaggregate=(1, 1))
+    assert raised.value.param == "kv_connector"
+    monkeypatch.setattr(settings, "nixl_missing", lambda: None)
+    assert ServerSettings(kv_connector="nixl", disaggregate=(1, 1)).kv_connector == "nixl"

@@ -83,6 +83,7 @@ class AsyncLLM:
         remote_cores: RemoteCores | None = None,
         generation_config: str = "auto",
         disaggregate: tuple[int, int] | None = None,
+        kv_connector: str = "auto",
     ) -> None:
         self.max_waiting = max_waiting
         self.observer = observer
@@ -107,7 +108,12 @@ class AsyncLLM:
                 self.client = DataParallelClient.attach(attach, self._on_death, self._on_core_lost)
         elif disaggregate is not None:
             self.client = DisaggregatedClient(
-                llm_kwargs, self._on_death, *disaggregate, in_process, self._on_core_lost
+                llm_kwargs,
+                self._on_death,
+                *disaggregate,
+                in_process,
+                self._on_core_lost,
+                kv_connector,
             )
         elif data_parallel_size > 1 or remote_cores is not None:
             self.client = DataParallelClient(

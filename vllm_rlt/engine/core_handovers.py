@@ -10,11 +10,11 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-import torch
 
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.kv_handover import HandedCompletion, KVHandover
-from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool
+from vllm_rlt.engine.kv_nixl import NixlSharedPool
+from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool, share_pool
 from vllm_rlt.engine.messages import HandedCompletionMessage, KVOffer
 
 
@@ -27,8 +27,8 @@ class CoreHandovers:
         self.offers: list[list[KVOffer]] = [[] for _ in range(clients)]
         self.imported: list[list[str]] = [[] for _ in range(clients)]
         self.import_client: dict[str, int] = {}
-        self.shared_pool: SharedPool | None = None  # shared at start-up or first handover
-        self.opened_pools = OpenedPools()
+        self.shared_pool: SharedPool | NixlSharedPool | None = None
+        self.opened_pools = OpenedPools(lambda: engine.runner.kv_pool)
 
     def offer(self, handovers: list[KVHandover], client_of: Callable[[str], int]) -> None:
         """Offer each handed-over request to the client that sent it."""
@@ -44,9 +44,11 @@ class CoreHandovers:
                 )
             )
 
-    def share(self) -> SharedPool:
+    def share(self, connector: str = "torch") -> SharedPool | NixlSharedPool:
+        """This core's pool as decode cores read it: shared through `connector` by the
+        start-up check, before any handover."""
         if self.shared_pool is None:
-            self.shared_pool = SharedPool(self.engine.runner.kv_pool)
+            self.shared_pool = share_pool(self.engine.runner.kv_pool, connector)
         return self.shared_pool
 
     def importer(self, offer: KVOffer, client: int) -> Callable[[], None]:
@@ -84,21 +86,17 @@ class CoreHandovers:
             self.imported[self.import_client.pop(request_id, 0)].append(request_id)
 
     def control(self, name: str) -> dict[str, bool | str]:
-        """The start-up check (engine/pd_client.py): "kv_share" makes this core's pool
-        visible to the host and answers its handle (msgpack, base64); "kv_open:HANDLE" maps
-        that pool here and reads from it."""
+        """The start-up check (engine/pd_client.py): "kv_share:CONNECTOR" makes this core's
+        pool readable by decode cores through that connector and answers its handle
+        (msgpack, base64); "kv_open:HANDLE" opens that pool here and reads from it."""
         try:
-            if name == "kv_share":
-                handle = msgspec.msgpack.encode(self.share().handle)
+            if name.startswith("kv_share:"):
+                handle = msgspec.msgpack.encode(self.share(name.removeprefix("kv_share:")).handle)
                 return {"pool": base64.b64encode(handle).decode()}
             if name.startswith("kv_open:"):
                 encoded = base64.b64decode(name.removeprefix("kv_open:"))
                 pool = self.opened_pools.open(msgspec.msgpack.decode(encoded, type=KVPoolHandle))
-                device = self.engine.model.device
-                probe = pool.k[0][:1].to(device, copy=True)
-                if device.type == "cuda":
-                    torch.cuda.synchronize(device)
-                return {"opened": bool(probe.numel())}
+                return {"opened": self.opened_pools.probe(pool, self.engine.model.device)}
         except Exception as exc:  # noqa: BLE001 - answered; the frontend refuses to start
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"error": f"unknown control call {name!r}"}

@@ -10,6 +10,9 @@ between them, and the bytes move once.
 - CUDA: each layer's K and V tensor is shared by its CUDA IPC handle with the GPU's id;
   the decode core, which sees that GPU too, maps them and copies device to device (two
   cores may share one GPU).
+
+That is the torch connector (`--kv-connector torch`, and auto). The nixl connector reads the
+same blocks through NIXL instead of mapping the pool (engine/kv_nixl.py).
 """
 
 from __future__ import annotations
@@ -19,11 +22,13 @@ import os
 import re
 import tempfile
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import msgspec
 import torch
 
+from vllm_rlt.engine.kv_nixl import NixlPeer, NixlReader, NixlSharedPool
 from vllm_rlt.worker.kv_pool import KVPool
 
 PREFIX = "vllm-rlt-kv-"  # of every shared pool file's name
@@ -33,10 +38,11 @@ DTYPES = {
 
 
 class KVPoolHandle(msgspec.Struct, array_like=True):
-    """How another process on the host opens a prefill core's pool: kind "shm" (the file
-    `name`, or the descriptor /proc/PID/fd/N, holds every layer's K, then every layer's V)
-    or "cuda_ipc" (each tensor's IPC handle in `ipc`, K then V, on GPU `gpu`). `shape` is
-    one tensor's."""
+    """How another process opens a prefill core's pool: kind "shm" (the file `name`, or the
+    descriptor /proc/PID/fd/N, holds every layer's K, then every layer's V), "cuda_ipc"
+    (each tensor's IPC handle in `ipc`, K then V, on GPU `gpu`) or "nixl" (the prefill
+    core's NIXL agent metadata in `agent`, each tensor's [address, bytes, device] in
+    `regions`, K then V, in `memory` DRAM or VRAM). `shape` is one tensor's."""
 
     pool_id: str
     kind: str
@@ -48,12 +54,35 @@ class KVPoolHandle(msgspec.Struct, array_like=True):
     name: str = ""
     ipc: list[list[Any]] = []
     gpu: str = ""  # cuda_ipc: the GPU's id in CUDA_VISIBLE_DEVICES terms (or its index)
+    agent: bytes = b""
+    regions: list[list[int]] = []
+    memory: str = ""
 
     @property
     def named_file(self) -> str | None:
         """The pool's file where it has a name (CPU without /proc): someone must remove it
         should its core die."""
         return self.name if self.kind == "shm" and not self.name.startswith("/proc/") else None
+
+
+def share_pool(pool: KVPool, connector: str) -> SharedPool | NixlSharedPool:
+    """Make a prefill core's pool readable by decode cores, through `connector` (auto and
+    torch: `SharedPool`; nixl: `NixlSharedPool`); its `handle` says how to read it."""
+    if connector == "nixl":
+        return NixlSharedPool(pool, lambda **fields: KVPoolHandle(**_fields(pool), **fields))
+    return SharedPool(pool)
+
+
+def _fields(pool: KVPool) -> dict[str, Any]:
+    first = pool.k[0]
+    return dict(
+        pool_id=uuid.uuid4().hex,
+        shape=list(first.shape),
+        dtype=str(first.dtype),
+        num_layers=len(pool.k),
+        planes=pool.planes,
+        block_size=pool.block_size,
+    )
 
 
 class SharedPool:
@@ -65,14 +94,7 @@ class SharedPool:
         first = tensors[0]
         self.path: str | None = None
         self.fd: int | None = None
-        common = dict(
-            pool_id=uuid.uuid4().hex,
-            shape=list(first.shape),
-            dtype=str(first.dtype),
-            num_layers=len(pool.k),
-            planes=pool.planes,
-            block_size=pool.block_size,
-        )
+        common = _fields(pool)
         if first.is_cuda:
             ipc = [list(t.untyped_storage()._share_cuda_()) for t in tensors]
             gpu = _visible_gpu_ids()[first.device.index or 0]
@@ -146,16 +168,35 @@ def _visible_gpu_ids() -> list[str]:
 
 
 class OpenedPools:
-    """The prefill cores' pools this process has mapped, by pool id (each is mapped once)."""
+    """The prefill cores' pools this process has opened, by pool id (each is opened once):
+    mapped here, or read through NIXL into `local` (this core's own pool)."""
 
-    def __init__(self) -> None:
-        self.pools: dict[str, KVPool] = {}
+    def __init__(self, local: Callable[[], KVPool] | None = None) -> None:
+        self.local = local
+        self.pools: dict[str, KVPool | NixlPeer] = {}
+        self.reader: NixlReader | None = None
 
-    def open(self, handle: KVPoolHandle) -> KVPool:
+    def open(self, handle: KVPoolHandle) -> KVPool | NixlPeer:
         pool = self.pools.get(handle.pool_id)
         if pool is None:
-            pool = self.pools[handle.pool_id] = _map(handle)
+            if handle.kind == "nixl":
+                if self.local is None:
+                    raise ValueError("a nixl handle is read into an engine's own pool")
+                self.reader = self.reader or NixlReader(self.local())
+                pool = self.reader.open(handle)
+            else:
+                pool = _map(handle)
+            self.pools[handle.pool_id] = pool
         return pool
+
+    def probe(self, pool: KVPool | NixlPeer, device: torch.device) -> bool:
+        """Read something of an opened pool: what fails here would fail every import."""
+        if isinstance(pool, NixlPeer):
+            return pool.reader.probe(pool)
+        probe = pool.k[0][:1].to(device, copy=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return bool(probe.numel())
 
 
 def _map(handle: KVPoolHandle) -> KVPool:

@@ -85,8 +85,10 @@ class DisaggregatedClient(DataParallelClient):
         decode: int,
         in_process: bool = False,
         on_core_lost: Callable[[int, str], None] | None = None,
+        kv_connector: str = "auto",
     ) -> None:
         self.num_prefill = prefill
+        self.kv_connector = "torch" if kv_connector == "auto" else kv_connector
         # request id -> (prefill rank whose blocks it has not yet copied, decode rank)
         self._lent_by: dict[str, tuple[int, int]] = {}
         # prefill rank -> its pool's named file (CPU without /proc), to remove should that
@@ -114,7 +116,9 @@ class DisaggregatedClient(DataParallelClient):
         transfer that cannot work (no access to the other GPU's memory, no shared memory)
         stops the start-up with one line naming both cores, not the first request."""
         for source in range(self.num_prefill):
-            shared = self._ask(source, "kv_share", f"prefill engine core {source}")
+            shared = self._ask(
+                source, f"kv_share:{self.kv_connector}", f"prefill engine core {source}"
+            )
             if "error" in shared:
                 raise RuntimeError(
                     f"--disaggregate: prefill engine core {source} cannot share its KV pool: "

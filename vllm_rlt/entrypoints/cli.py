@@ -169,9 +169,9 @@ def _add_process_args(group: argparse._ArgumentGroup) -> None:
         "--kv-connector",
         choices=("auto", "torch", "nixl"),
         default="auto",
-        help="how --disaggregate moves K/V: torch reads the prefill core's pool directly "
-        "(CUDA IPC between GPUs of one host, shared memory on the CPU); auto picks torch; "
-        "nixl is not available in this version (default: %(default)s)",
+        help="how --disaggregate moves K/V: torch maps the prefill core's pool and copies "
+        "from it (CUDA IPC between GPUs of one host, shared memory on the CPU); nixl reads "
+        "it through NIXL (needs: pip install nixl); auto picks torch (default: %(default)s)",
     )
     group.add_argument(
         "--data-parallel-size-local",

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import msgspec
 import torch
@@ -19,6 +20,12 @@ class KVPool:
     v: list[torch.Tensor]
     planes: int
     block_size: int
+
+    @property
+    def geometry(self) -> tuple[int, int, int, int, str]:
+        """(layers, planes, kv_heads, head_dim, dtype): what a copy between pools must match."""
+        first = self.k[0]
+        return (len(self.k), self.planes, *first.shape[1:], str(first.dtype))
 
     @property
     def slots_per_plane(self) -> int:
@@ -44,9 +51,22 @@ class KVBlocks(msgspec.Struct, array_like=True):
     nbytes: int
 
 
+class RemoteKVPool(Protocol):
+    """Another engine's pool read through a connector (engine/kv_nixl.py) instead of mapped
+    into this process: its `geometry` as `KVPool.geometry` gives it."""
+
+    geometry: tuple[int, int, int, int, str]
+
+    def read_into(self, blocks: KVBlocks, targets: list[int], start: int) -> None:
+        """Copy positions [start, blocks.num_positions) into `targets` of this engine's
+        pool (both tables count from position 0), done on return."""
+        ...
+
+
 @dataclass(frozen=True)
 class KVSource:
-    """Where an imported completion's K/V is read from at its admission."""
+    """Where an imported completion's K/V is read from at its admission: a pool mapped
+    here, or one a connector reads."""
 
-    pool: KVPool
+    pool: KVPool | RemoteKVPool
     blocks: KVBlocks

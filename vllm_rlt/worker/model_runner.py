@@ -259,16 +259,17 @@ class ModelRunner:
         """Copy a handed-over completion's K/V of positions from `start` on (those before
         are in this pool's prefix cache) from its prefill core's pool into `blocks`, in
         stream order before any pass that reads them."""
-        pool, positions, first = source.pool, source.blocks.num_positions, self.k_caches[0]
-        theirs = (len(pool.k), pool.planes, *pool.k[0].shape[1:])
-        expected = (len(self.k_caches), self.geo.planes, *first.shape[1:])
-        if theirs != expected or pool.k[0].dtype != first.dtype:
+        pool, positions, ours = source.pool, source.blocks.num_positions, self.kv_pool
+        if pool.geometry != ours.geometry:
             raise ValueError(
-                f"handed-over K/V has (layers, planes, kv_heads, head_dim) {theirs} in "
-                f"{pool.k[0].dtype}, expected {expected} in {first.dtype}"
+                f"handed-over K/V has (layers, planes, kv_heads, head_dim, dtype) "
+                f"{pool.geometry}, expected {ours.geometry}"
             )
+        if not isinstance(pool, KVPool):  # read by its connector, done on return
+            pool.read_into(source.blocks, list(blocks), start)
+            return
         source_entries = pool.entries(source.blocks.blocks, positions, start)
-        entries = self.kv_pool.entries(blocks, positions, start)
+        entries = ours.entries(blocks, positions, start)
         # In pieces, so the gathered copy stays small whatever the prompt's length.
         for start in range(0, entries.numel(), IMPORT_PIECE):
             theirs_piece = source_entries[start : start + IMPORT_PIECE]

@@ -80,6 +80,7 @@ class ServerState:
                 remote_cores=self.settings.remote_cores,
                 generation_config=self.settings.generation_config,
                 disaggregate=self.settings.disaggregate,
+                kv_connector=self.settings.kv_connector,
             )
             name = self.settings.served_model_name or engine.model_name
             index = self.attach[0].client if self.attach is not None else 1

@@ -1,0 +1,63 @@
+"""engine/kv_nixl.py: the runs of blocks one READ moves (joined where consecutive on both
+sides, a prefix hit skipped), and, where the nixl package is installed, a decode pool that
+reads a prefill pool's blocks through NIXL bit for bit, every plane, nothing else touched."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from vllm_rlt.engine.kv_nixl import _descriptors, _runs
+from vllm_rlt.worker.kv_pool import KVBlocks, KVPool
+
+
+def test_runs_join_blocks_consecutive_on_both_sides_and_skip_a_prefix():
+    # positions 0..9 in blocks of 4: source blocks 5, 6, 2; target blocks 1, 2, 3
+    assert _runs([5, 6, 2], [1, 2, 3], 0, 10, 4).tolist() == [[20, 4, 8], [8, 12, 2]]
+    # from position 4 on (a prefix hit of one block), the last block partly
+    assert _runs([5, 6, 2], [1, 2, 3], 4, 10, 4).tolist() == [[24, 8, 4], [8, 12, 2]]
+    assert _runs([5], [1], 4, 4, 4).shape == (0, 3)
+
+
+def test_descriptors_name_every_tensor_plane_and_run():
+    regions = np.array([[1000, 0, 3], [5000, 0, 3]], dtype=np.int64)
+    runs = _descriptors(regions, np.array([2, 7]), np.array([1, 3]), 2, 10, 8)
+    assert runs.tolist() == [
+        [1016, 8, 3], [1056, 24, 3], [1096, 8, 3], [1136, 24, 3],
+        [5016, 8, 3], [5056, 24, 3], [5096, 8, 3], [5136, 24, 3],
+    ]  # fmt: skip
+
+
+def _pool(seed: int, blocks: int) -> KVPool:
+    generator = torch.Generator().manual_seed(seed)
+    shape = (2 * blocks * 4, 3, 8)  # two planes of `blocks` blocks of 4 positions
+    k = [torch.randn(shape, generator=generator) for _ in range(2)]
+    v = [torch.randn(shape, generator=generator) for _ in range(2)]
+    return KVPool(k, v, planes=2, block_size=4)
+
+
+def test_a_decode_pool_reads_a_prefill_pools_blocks_through_nixl():
+    pytest.importorskip("nixl._api")
+    from vllm_rlt.engine.kv_transport import OpenedPools, share_pool
+
+    prefill, decode = _pool(0, 6), _pool(1, 8)
+    untouched = [t.clone() for t in (*decode.k, *decode.v)]
+    shared = share_pool(prefill, "nixl")
+    try:
+        pools = OpenedPools(lambda: decode)
+        peer = pools.open(shared.handle)
+        assert peer.geometry == decode.geometry and pools.open(shared.handle) is peer
+        sources, targets = [4, 5, 1], [0, 6, 7]
+        peer.read_into(KVBlocks(sources, 10, 0), targets, 4)  # the first block was a hit
+        read = decode.entries(targets, 10, 4)
+        written = prefill.entries(sources, 10, 4)
+        for ours, theirs, before in zip(
+            [*decode.k, *decode.v], [*prefill.k, *prefill.v], untouched, strict=True
+        ):
+            assert torch.equal(ours[read], theirs[written])
+            others = torch.ones(ours.shape[0], dtype=torch.bool)
+            others[read] = False
+            assert torch.equal(ours[others], before[others])
+    finally:
+        shared.close()

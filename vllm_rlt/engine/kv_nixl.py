@@ -1,0 +1,192 @@
+"""The nixl connector (`serve --disaggregate P:D --kv-connector nixl`): a decode core reads a
+prefill core's K/V through NIXL (its UCX backend: CUDA IPC or NVLink between GPUs of one
+host, RDMA between hosts, shared memory between processes on the CPU) instead of mapping
+that core's pool into its own address space (engine/kv_transport.py).
+
+The prefill core registers its pool with a NIXL agent once and puts the agent's metadata
+and each tensor's address in its `KVPoolHandle`. A decode core registers its own pool with
+its own agent once, adds the prefill core's agent when it first sees that handle, and at an
+import's admission reads the completion's blocks straight into its fresh blocks with one
+READ: one descriptor per tensor (each layer's K and V), plane and run of blocks that are
+consecutive on both sides. NIXL moves the bytes outside this process's CUDA stream, so the
+read starts only once the pass in flight is done (its rows of a request that has just ended
+may still write into blocks handed to the import) and the admission waits for the read to
+finish before any pass can read those blocks.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any
+
+import numpy as np
+import torch
+
+from vllm_rlt.worker.kv_pool import KVBlocks, KVPool
+
+INSTALL_HINT = 'pip install nixl (or "vllm-rlt[nixl]")'
+
+
+def nixl_missing() -> str | None:
+    """Why the nixl connector cannot run here (None: it can)."""
+    try:
+        import nixl._api  # noqa: F401
+    except ImportError as exc:
+        return f"the nixl package is not installed ({exc}): {INSTALL_HINT}"
+    return None
+
+
+def _agent(role: str) -> Any:
+    from nixl._api import nixl_agent, nixl_agent_config
+
+    name = f"vllm-rlt-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+
+
+def _memory_kind(tensor: torch.Tensor) -> str:
+    return "VRAM" if tensor.is_cuda else "DRAM"
+
+
+def _region(tensor: torch.Tensor) -> list[int]:
+    """[address, bytes, device] of a contiguous tensor, as NIXL names memory."""
+    if not tensor.is_contiguous():
+        raise ValueError("the nixl connector needs contiguous K/V tensors")
+    device = tensor.device.index if tensor.is_cuda else 0
+    return [tensor.data_ptr(), tensor.numel() * tensor.element_size(), device or 0]
+
+
+class NixlSharedPool:
+    """A prefill core's pool registered with its NIXL agent until `close`; `handle` (a
+    `KVPoolHandle` of kind "nixl") is what decode cores need to read it."""
+
+    def __init__(self, pool: KVPool, handle_of: Any) -> None:
+        self.agent = _agent("prefill")
+        tensors = [*pool.k, *pool.v]
+        self.memory = _memory_kind(tensors[0])
+        self.registered = self.agent.register_memory(tensors)
+        self.handle = handle_of(
+            kind="nixl",
+            agent=self.agent.get_agent_metadata(),
+            regions=[_region(tensor) for tensor in tensors],
+            memory=self.memory,
+        )
+
+    def close(self) -> None:
+        if self.registered is not None:
+            self.agent.deregister_memory(self.registered)
+            self.registered = None
+
+
+class NixlPeer:
+    """A prefill core's pool as a decode core reads it through NIXL (the `source.pool` of
+    an import's `KVSource`): its geometry, and `read_into` this core's pool."""
+
+    def __init__(self, reader: NixlReader, handle: Any) -> None:
+        self.reader = reader
+        self.agent_name = reader.agent.add_remote_agent(handle.agent)
+        self.regions = np.array(handle.regions, dtype=np.int64)
+        self.memory = handle.memory
+        self.planes = handle.planes
+        self.block_size = handle.block_size
+        layers, (rows, kv_heads, head_dim) = handle.num_layers, handle.shape
+        self.geometry = (layers, handle.planes, kv_heads, head_dim, handle.dtype)
+        self.per_plane = rows // handle.planes  # entries
+
+    def read_into(self, blocks: KVBlocks, targets: list[int], start: int) -> None:
+        """Copy positions [start, blocks.num_positions) from `blocks` here into `targets`
+        of the decode core's pool (both tables count from position 0); returns once they
+        are there."""
+        self.reader.read(self, blocks, targets, start)
+
+
+class NixlReader:
+    """A decode core's NIXL agent with its own pool registered (once, at the first nixl
+    handle it opens), reading from the prefill cores' pools it was shown."""
+
+    def __init__(self, local: KVPool) -> None:
+        self.agent = _agent("decode")
+        self.local = local
+        tensors = [*local.k, *local.v]
+        self.memory = _memory_kind(tensors[0])
+        self.regions = np.array([_region(tensor) for tensor in tensors], dtype=np.int64)
+        self.row_bytes = tensors[0][0].numel() * tensors[0].element_size()
+        self.per_plane = local.slots_per_plane
+        self.registered = self.agent.register_memory(tensors)
+
+    def open(self, handle: Any) -> NixlPeer:
+        if handle.memory != self.memory:
+            raise ValueError(
+                f"the prefill core's K/V is in {handle.memory}, this core's in {self.memory}: "
+                "the nixl connector reads between pools of one kind"
+            )
+        return NixlPeer(self, handle)
+
+    def probe(self, peer: NixlPeer) -> bool:
+        """Read the first position of the peer's first plane into this pool's first entry,
+        which no request holds yet (the start-up check, before any request)."""
+        blocks = KVBlocks([0], 1, 0)
+        self.read(peer, blocks, [0], 0)
+        return True
+
+    def read(self, peer: NixlPeer, blocks: KVBlocks, targets: list[int], start: int) -> None:
+        first = self.local.k[0]
+        if first.is_cuda:  # a pass in flight may still write into `targets`
+            torch.cuda.current_stream(first.device).synchronize()
+        runs = _runs(blocks.blocks, targets, start, blocks.num_positions, peer.block_size)
+        if not len(runs):
+            return
+        planes, size = peer.planes, self.row_bytes
+        local = _descriptors(self.regions, runs[:, 1], runs[:, 2], planes, self.per_plane, size)
+        remote = _descriptors(peer.regions, runs[:, 0], runs[:, 2], planes, peer.per_plane, size)
+        agent = self.agent
+        transfer = agent.initialize_xfer(
+            "READ",
+            agent.get_xfer_descs(local, self.memory),
+            agent.get_xfer_descs(remote, peer.memory),
+            peer.agent_name,
+        )
+        try:
+            state = agent.transfer(transfer)
+            while state == "PROC":
+                state = agent.check_xfer_state(transfer)
+            if state != "DONE":
+                raise RuntimeError(f"the nixl K/V read ended in state {state}")
+        finally:
+            agent.release_xfer_handle(transfer)
+
+
+def _runs(
+    sources: list[int], targets: list[int], start: int, end: int, block_size: int
+) -> np.ndarray:
+    """[source row, target row, rows] of positions [start, end): block by block, runs of
+    blocks consecutive on both sides joined."""
+    runs: list[list[int]] = []
+    for index in range(start // block_size, -(-end // block_size)):
+        first = max(start, index * block_size) - index * block_size
+        last = min(end, (index + 1) * block_size) - index * block_size
+        source = sources[index] * block_size + first
+        target = targets[index] * block_size + first
+        previous = runs[-1] if runs else None
+        if previous and previous[0] + previous[2] == source and previous[1] + previous[2] == target:
+            previous[2] += last - first
+        else:
+            runs.append([source, target, last - first])
+    return np.array(runs, dtype=np.int64).reshape(-1, 3)
+
+
+def _descriptors(
+    regions: np.ndarray,
+    first_rows: np.ndarray,
+    counts: np.ndarray,
+    planes: int,
+    per_plane: int,
+    row_bytes: int,
+) -> np.ndarray:
+    """[address, bytes, device] per tensor (`regions`), plane and run: `counts` rows from
+    `first_rows` within each plane."""
+    rows = np.arange(planes, dtype=np.int64)[:, None] * per_plane + first_rows[None, :]
+    address = regions[:, 0, None, None] + rows[None] * row_bytes
+    size = np.broadcast_to(counts * row_bytes, address.shape)
+    device = np.broadcast_to(regions[:, 2, None, None], address.shape)
+    return np.stack([address, size, device], axis=-1).reshape(-1, 3)
