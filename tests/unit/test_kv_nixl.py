@@ -59,5 +59,8 @@ def test_a_decode_pool_reads_a_prefill_pools_blocks_through_nixl():
             others = torch.ones(ours.shape[0], dtype=torch.bool)
             others[read] = False
             assert torch.equal(ours[others], before[others])
+        pools.forget(shared.handle.pool_id)  # its prefill core was lost
+        with pytest.raises(Exception):  # noqa: B017 - NIXL's own error for an unknown agent
+            peer.read_into(KVBlocks(sources, 10, 0), targets, 4)
     finally:
         shared.close()

@@ -67,7 +67,11 @@ def test_sharing_keeps_the_tensors_and_bad_handles_are_refused():
     assert pool.k[0] is k0  # the engine's tensors stay; their memory moved
     assert all(torch.equal(a, b) for a, b in zip([*pool.k, *pool.v], before, strict=True))
     pool.k[0][0].fill_(3)
-    assert bool((OpenedPools().open(shared.handle).k[0][0] == 3).all())
+    pools = OpenedPools()
+    opened = pools.open(shared.handle)
+    assert bool((opened.k[0][0] == 3).all())
+    pools.forget(shared.handle.pool_id)  # its prefill core was lost: mapped anew if asked
+    assert pools.open(shared.handle) is not opened
     shared.close()
     shared.close()
     handle = shared.handle

@@ -16,6 +16,7 @@ from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
     AddRequest,
+    ForgetKVPool,
     ImportRequest,
     KVOffer,
     ReleaseHandover,
@@ -40,6 +41,7 @@ def _client() -> DisaggregatedClient:
     client.num_prefill = 1
     client.kv_connector = "torch"
     client._lent_by, client._pool_files, client._early_aborts = {}, {}, {}
+    client._pool_ids = {}
     client._prepare(lambda reason: None, None)
     client.cores = [_Core(), _Core()]
     client.client, client._owner = 0, {}
@@ -104,6 +106,17 @@ def test_a_lost_core_frees_what_its_handovers_held(tmp_path):
     client.lost[0] = "killed"
     client.forget_core(0)
     assert not pool_file.exists()
+
+
+def test_a_lost_prefill_core_pool_is_let_go_by_the_decode_cores():
+    client = _client()
+    client._pool_ids[0] = "pool-0"
+    client.lost[0] = "killed"
+    client.forget_core(0)
+    assert [c for c in client.cores[1].sent if isinstance(c, ForgetKVPool)] == [
+        ForgetKVPool("pool-0")
+    ]
+    assert not client._pool_ids
 
 
 def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():

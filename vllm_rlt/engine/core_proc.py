@@ -38,6 +38,7 @@ from vllm_rlt.engine.messages import (
     EngineDead,
     EngineInfo,
     EngineOutputs,
+    ForgetKVPool,
     ImportRequest,
     Ready,
     ReleaseHandover,
@@ -178,6 +179,8 @@ class CoreLoop:
                 self._import(command)
             elif isinstance(command, ReleaseHandover):
                 self.engine.ledger.release(command.request_id)
+            elif isinstance(command, ForgetKVPool):
+                self.handovers.opened_pools.forget(command.pool_id)
         while self.control.poll(0):
             call = self.decode_call(self.control.recv(copy=False))
             reply = ControlReply(call.call_id, self._control(call.name))

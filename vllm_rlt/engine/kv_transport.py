@@ -189,6 +189,14 @@ class OpenedPools:
             self.pools[handle.pool_id] = pool
         return pool
 
+    def forget(self, pool_id: str) -> None:
+        """Let go of a lost prefill core's pool: a mapping goes with the last import that
+        still holds it; a NIXL peer is removed now (a read queued from it then fails its
+        request alone)."""
+        pool = self.pools.pop(pool_id, None)
+        if isinstance(pool, NixlPeer):
+            pool.reader.agent.remove_remote_agent(pool.agent_name)
+
     def probe(self, pool: KVPool | NixlPeer, device: torch.device) -> bool:
         """Read something of an opened pool: what fails here would fail every import."""
         if isinstance(pool, NixlPeer):

@@ -64,6 +64,13 @@ class ReleaseHandover(msgspec.Struct, tag="release", array_like=True):
     request_id: str
 
 
+class ForgetKVPool(msgspec.Struct, tag="forget_pool", array_like=True):
+    """A prefill core is gone: let go of its pool, mapped or read through NIXL, once the
+    imports still queued from it are done with it."""
+
+    pool_id: str
+
+
 class AbortRequest(msgspec.Struct, tag="abort", array_like=True):
     """Abort a request, or only its completion `index`."""
 
@@ -77,7 +84,7 @@ class AbortAll(msgspec.Struct, tag="abort_all", array_like=True):
     client: int = 0
 
 
-Command = AddRequest | AbortRequest | AbortAll | ImportRequest | ReleaseHandover
+Command = AddRequest | AbortRequest | AbortAll | ImportRequest | ReleaseHandover | ForgetKVPool
 
 
 # The parts of a sleeping engine that wake separately (vLLM's wake-up tags).

@@ -31,6 +31,7 @@ from vllm_rlt.engine.messages import (
     AddRequest,
     Command,
     EngineOutputs,
+    ForgetKVPool,
     ImportRequest,
     KVOffer,
     ReleaseHandover,
@@ -94,6 +95,7 @@ class DisaggregatedClient(DataParallelClient):
         # prefill rank -> its pool's named file (CPU without /proc), to remove should that
         # core die
         self._pool_files: dict[int, str] = {}
+        self._pool_ids: dict[int, str] = {}  # prefill rank -> its pool's id
         # request id -> aborts sent to its prefill core, sent on with the import
         self._early_aborts: dict[str, list[AbortRequest]] = {}
         envs, llm_kwargs = pool_layout(llm_kwargs, prefill + decode)
@@ -125,6 +127,7 @@ class DisaggregatedClient(DataParallelClient):
                     f"{shared['error']}"
                 )
             handle = msgspec.msgpack.decode(base64.b64decode(shared["pool"]), type=KVPoolHandle)
+            self._pool_ids[source] = handle.pool_id
             if handle.named_file:
                 self._pool_files[source] = handle.named_file
             for target in range(self.num_prefill, len(self.cores)):
@@ -207,14 +210,19 @@ class DisaggregatedClient(DataParallelClient):
 
     def forget_core(self, rank: int) -> list[str]:
         """A lost core's requests (see DataParallelClient). The blocks lent to a lost decode
-        core are freed at their prefill cores; a lost prefill core's pool file is removed
-        (decode cores that mapped it keep their mapping)."""
+        core are freed at their prefill cores; a lost prefill core's pool file is removed,
+        and the decode cores let go of that pool once their queued imports from it are done."""
         for request_id, (source, target) in list(self._lent_by.items()):
             if target == rank:  # also when its request already finished there
                 del self._lent_by[request_id]
                 if source not in self.lost:
                     self.cores[source].send(ReleaseHandover(request_id))
         remove_files([self._pool_files.pop(rank)] if rank in self._pool_files else [])
+        pool_id = self._pool_ids.pop(rank, None)
+        if pool_id is not None:
+            for target in self.decode_ranks:
+                if target != rank:
+                    self.cores[target].send(ForgetKVPool(pool_id))
         gone = super().forget_core(rank)
         for request_id in gone:
             self._early_aborts.pop(request_id, None)
