@@ -132,7 +132,7 @@ class NixlReader:
     def read(self, peer: NixlPeer, blocks: KVBlocks, targets: list[int], start: int) -> None:
         first = self.local.k[0]
         if first.is_cuda:  # a pass in flight may still write into `targets`
-            torch.cuda.current_stream(first.device).synchronize()
+            torch.cuda.synchronize(first.device)
         runs = _runs(blocks.blocks, targets, start, blocks.num_positions, peer.block_size)
         if not len(runs):
             return
