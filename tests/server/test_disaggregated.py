@@ -131,6 +131,12 @@ def test_the_nixl_connector_serves_what_the_offline_engine_does(layout):
     pytest.importorskip("nixl._api")
     flags = ("--disaggregate", "1:1", "--kv-connector", "nixl", "--kv-layout", layout)
     with serve_process(*flags, "--shutdown-timeout", "5") as (process, url):
+        log = ""
+        while "; ready" not in log:
+            line = process.stderr.readline()
+            assert line, f"the server's log ended early:\n{log}"
+            log += line
+        assert "K/V through nixl; ready" in log
         llm = LLM(model="toy", cache_config=CacheConfig(layout=layout))
         prompt = "a long enough prompt to fill more than one block of sixteen positions " * 2
         for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):

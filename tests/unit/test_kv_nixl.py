@@ -4,6 +4,7 @@ reads a prefill pool's blocks through NIXL bit for bit, every plane, nothing els
 
 from __future__ import annotations
 
+import msgspec
 import numpy as np
 import pytest
 import torch
@@ -27,6 +28,28 @@ def test_descriptors_name_every_tensor_plane_and_run():
         [1016, 8, 3], [1056, 24, 3], [1096, 8, 3], [1136, 24, 3],
         [5016, 8, 3], [5056, 24, 3], [5096, 8, 3], [5136, 24, 3],
     ]  # fmt: skip
+
+
+def test_a_nixl_pool_of_another_geometry_is_refused_by_name():
+    pytest.importorskip("nixl._api")
+    from vllm_rlt.engine.kv_transport import OpenedPools, share_pool
+
+    prefill = _pool(0, 6)
+    shared = share_pool(prefill, "nixl")
+    try:
+        for field, change in [
+            ("block_size", {"block_size": 8}),
+            ("geometry", {"dtype": "torch.float16"}),
+            ("regions", {"regions": shared.handle.regions[:1]}),
+            ("planes", {"planes": 0}),
+        ]:
+            handle = msgspec.structs.replace(shared.handle, pool_id=field, **change)
+            with pytest.raises(ValueError, match=field):
+                OpenedPools(lambda: _pool(1, 8)).open(handle)
+    finally:
+        shared.close()
+    with pytest.raises(ValueError, match="kv_connector must be one of auto, torch, nixl"):
+        share_pool(prefill, "nccl")
 
 
 def _pool(seed: int, blocks: int) -> KVPool:
@@ -59,6 +82,11 @@ def test_a_decode_pool_reads_a_prefill_pools_blocks_through_nixl():
             others = torch.ones(ours.shape[0], dtype=torch.bool)
             others[read] = False
             assert torch.equal(ours[others], before[others])
+        with pytest.raises(Exception):  # noqa: B017 - NIXL's own error for a bad address
+            peer.read_into(KVBlocks([10**6], 4, 0), targets, 0)  # far outside its pool
+        peer.read_into(KVBlocks(sources, 10, 0), targets, 0)  # a failure stays its own
+        everything = prefill.entries(sources, 10)
+        assert torch.equal(decode.v[1][decode.entries(targets, 10)], prefill.v[1][everything])
         pools.forget(shared.handle.pool_id)  # its prefill core was lost
         with pytest.raises(Exception):  # noqa: B017 - NIXL's own error for an unknown agent
             peer.read_into(KVBlocks(sources, 10, 0), targets, 4)

@@ -11,6 +11,8 @@ import types
 import msgspec
 import pytest
 
+from vllm_rlt.config import ParamError
+from vllm_rlt.engine import pd_client
 from vllm_rlt.engine.kv_transport import KVPoolHandle
 from vllm_rlt.engine.messages import (
     AbortAll,
@@ -148,3 +150,12 @@ def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():
         "--disaggregate: the K/V transport check (decode engine core 1 and prefill engine core "
         "0) failed: TimeoutError"
     )
+
+
+def test_the_python_api_checks_its_kv_connector_before_starting_cores(monkeypatch):
+    with pytest.raises(ParamError, match="kv_connector must be one of auto, torch, nixl"):
+        DisaggregatedClient({}, lambda reason: None, 1, 1, kv_connector="nccl")
+    monkeypatch.setattr(pd_client, "nixl_missing", lambda: "the nixl package is not installed")
+    with pytest.raises(ParamError, match="nixl: the nixl package is not installed") as raised:
+        DisaggregatedClient({}, lambda reason: None, 1, 1, kv_connector="nixl")
+    assert raised.value.param == "kv_connector"

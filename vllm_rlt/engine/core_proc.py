@@ -270,6 +270,11 @@ class CoreLoop:
                     "sleep is not available once decode cores read this core's KV pool",
                     "level",
                 )
+                require(  # its pool is registered with NIXL at its present address
+                    self.handovers.opened_pools.reader is None,
+                    "sleep is not available once this core reads K/V through nixl",
+                    "level",
+                )
                 engine.sleep(int(name[-1]))
             elif name.startswith("wake_up"):  # "wake_up" or "wake_up:TAG,TAG"
                 _, _, tags = name.partition(":")

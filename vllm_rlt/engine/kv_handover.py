@@ -28,7 +28,7 @@ from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.request import Request, RequestStatus
 from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.sampling_params import SamplingParams
-from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, KVSource
+from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, KVSource, RemoteKVPool
 
 
 @dataclass
@@ -63,7 +63,7 @@ class KVHandover:
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[HandedCompletion] = field(default_factory=list)
-    pool: KVPool | None = None
+    pool: KVPool | RemoteKVPool | None = None
 
     @property
     def nbytes(self) -> int:

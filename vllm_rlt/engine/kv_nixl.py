@@ -17,6 +17,7 @@ finish before any pass can read those blocks.
 from __future__ import annotations
 
 import os
+import time
 import uuid
 from typing import Any
 
@@ -26,6 +27,9 @@ import torch
 from vllm_rlt.worker.kv_pool import KVBlocks, KVPool
 
 INSTALL_HINT = 'pip install nixl (or "vllm-rlt[nixl]")'
+# A read's deadline: this long, plus its bytes at this rate (far below any transport's).
+READ_DEADLINE_S = 30.0
+READ_DEADLINE_BYTES_PER_S = 1e8
 
 
 def nixl_missing() -> str | None:
@@ -41,7 +45,10 @@ def _agent(role: str) -> Any:
     from nixl._api import nixl_agent, nixl_agent_config
 
     name = f"vllm-rlt-{role}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    agent = nixl_agent(name, nixl_agent_config(backends=["UCX"]))
+    if "UCX" not in agent.backends:
+        raise RuntimeError("the nixl package has no UCX backend here (its UCX plugin is missing)")
+    return agent
 
 
 def _memory_kind(tensor: torch.Tensor) -> str:
@@ -84,6 +91,7 @@ class NixlPeer:
 
     def __init__(self, reader: NixlReader, handle: Any) -> None:
         self.reader = reader
+        self.metadata = handle.agent  # to reconnect after a failed read
         self.agent_name = reader.agent.add_remote_agent(handle.agent)
         self.regions = np.array(handle.regions, dtype=np.int64)
         self.memory = handle.memory
@@ -115,18 +123,39 @@ class NixlReader:
         self.registered = self.agent.register_memory(tensors)
 
     def open(self, handle: Any) -> NixlPeer:
-        if handle.memory != self.memory:
+        """The pool `handle` names, checked against this core's: the nixl connector moves
+        whole rows between pools of one geometry, memory kind and block size."""
+        local = self.local
+        if len(handle.shape) != 3 or handle.planes < 1 or handle.block_size < 1:
             raise ValueError(
-                f"the prefill core's K/V is in {handle.memory}, this core's in {self.memory}: "
-                "the nixl connector reads between pools of one kind"
+                f"a nixl pool handle has a 3-d shape and planes and block_size of at least 1, "
+                f"got shape {handle.shape}, planes {handle.planes}, block_size {handle.block_size}"
             )
+        theirs = {
+            "memory": handle.memory,
+            "block_size": handle.block_size,
+            "geometry": (handle.num_layers, handle.planes, *handle.shape[1:], handle.dtype),
+            "regions": len(handle.regions),
+        }
+        ours = {
+            "memory": self.memory,
+            "block_size": local.block_size,
+            "geometry": local.geometry,
+            "regions": 2 * len(local.k),
+        }
+        for field, value in theirs.items():
+            if value != ours[field]:
+                raise ValueError(
+                    f"the prefill core's pool has {field} {value}, this core's {ours[field]}: "
+                    "the nixl connector reads between pools of one geometry"
+                )
         return NixlPeer(self, handle)
 
     def probe(self, peer: NixlPeer) -> bool:
-        """Read the first position of the peer's first plane into this pool's first entry,
-        which no request holds yet (the start-up check, before any request)."""
-        blocks = KVBlocks([0], 1, 0)
-        self.read(peer, blocks, [0], 0)
+        """Read the peer's first block into this pool's last one, which only padding rows
+        of captured passes write (the start-up check)."""
+        last = self.per_plane // self.local.block_size - 1
+        self.read(peer, KVBlocks([0], 1, 0), [last], 0)
         return True
 
     def read(self, peer: NixlPeer, blocks: KVBlocks, targets: list[int], start: int) -> None:
@@ -139,6 +168,17 @@ class NixlReader:
         planes, size = peer.planes, self.row_bytes
         local = _descriptors(self.regions, runs[:, 1], runs[:, 2], planes, self.per_plane, size)
         remote = _descriptors(peer.regions, runs[:, 0], runs[:, 2], planes, peer.per_plane, size)
+        nbytes = int(local[:, 1].sum())
+        try:
+            self._transfer(peer, local, remote, nbytes)
+        except Exception:
+            # NIXL marks a peer disconnected after a failed transfer: connect afresh, so
+            # that this failure stays this import's alone.
+            self.agent.remove_remote_agent(peer.agent_name)
+            peer.agent_name = self.agent.add_remote_agent(peer.metadata)
+            raise
+
+    def _transfer(self, peer: NixlPeer, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
         agent = self.agent
         transfer = agent.initialize_xfer(
             "READ",
@@ -146,14 +186,24 @@ class NixlReader:
             agent.get_xfer_descs(remote, peer.memory),
             peer.agent_name,
         )
+        limit = READ_DEADLINE_S + nbytes / READ_DEADLINE_BYTES_PER_S
+        deadline = time.monotonic() + limit
         try:
             state = agent.transfer(transfer)
             while state == "PROC":
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the nixl read of {nbytes} K/V bytes from the prefill core did not "
+                        f"finish in {limit:.0f} s"
+                    )
                 state = agent.check_xfer_state(transfer)
             if state != "DONE":
                 raise RuntimeError(f"the nixl K/V read ended in state {state}")
         finally:
-            agent.release_xfer_handle(transfer)
+            try:
+                agent.release_xfer_handle(transfer)
+            except Exception:  # noqa: BLE001, S110 - the read's own outcome is what counts
+                pass
 
 
 def _runs(

@@ -70,6 +70,8 @@ def share_pool(pool: KVPool, connector: str) -> SharedPool | NixlSharedPool:
     torch: `SharedPool`; nixl: `NixlSharedPool`); its `handle` says how to read it."""
     if connector == "nixl":
         return NixlSharedPool(pool, lambda **fields: KVPoolHandle(**_fields(pool), **fields))
+    if connector not in ("auto", "torch"):
+        raise ValueError(f"kv_connector must be one of auto, torch, nixl, got {connector!r}")
     return SharedPool(pool)
 
 

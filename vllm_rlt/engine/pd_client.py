@@ -22,8 +22,9 @@ from typing import Any
 
 import msgspec
 
-from vllm_rlt.config import CacheConfig, require
+from vllm_rlt.config import CacheConfig, ParamError, require
 from vllm_rlt.engine.dp_client import DataParallelClient, core_environments, visible_gpus
+from vllm_rlt.engine.kv_nixl import nixl_missing
 from vllm_rlt.engine.kv_transport import KVPoolHandle, remove_files
 from vllm_rlt.engine.messages import (
     AbortAll,
@@ -90,6 +91,13 @@ class DisaggregatedClient(DataParallelClient):
     ) -> None:
         self.num_prefill = prefill
         self.kv_connector = "torch" if kv_connector == "auto" else kv_connector
+        require(
+            self.kv_connector in ("torch", "nixl"),
+            f"kv_connector must be one of auto, torch, nixl, got {kv_connector!r}",
+            "kv_connector",
+        )
+        if self.kv_connector == "nixl" and (missing := nixl_missing()) is not None:
+            raise ParamError(f"nixl: {missing}", "kv_connector")
         # request id -> (prefill rank whose blocks it has not yet copied, decode rank)
         self._lent_by: dict[str, tuple[int, int]] = {}
         # prefill rank -> its pool's named file (CPU without /proc), to remove should that

@@ -105,12 +105,15 @@ class ServerState:
             processes = getattr(engine.client, "processes", None) or [engine.client.process]
             pids = ", ".join(str(p.pid) for p in processes if p is not None)
             logger.info(
-                "model %s loaded (%s, %d KV blocks) in %s%s; ready",
+                "model %s loaded (%s, %d KV blocks) in %s%s%s; ready",
                 name,
                 engine.info.device,
                 engine.info.num_blocks,
                 _cores(self.settings),
                 f" (pid {pids})" if pids else "",
+                f", K/V through {engine.client.kv_connector}"
+                if self.settings.disaggregate is not None
+                else "",
             )
             logger.info("%s", engine.info.scheduler_note)
         except BaseException as exc:  # reported by /health and every route
