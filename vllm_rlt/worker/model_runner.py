@@ -275,8 +275,8 @@ class ModelRunner:
             theirs_piece = source_entries[start : start + IMPORT_PIECE]
             piece = entries[start : start + IMPORT_PIECE]
             pairs = zip([*self.k_caches, *self.v_caches], [*pool.k, *pool.v], strict=True)
-            for mine, their in pairs:
-                mine[piece] = their[theirs_piece].to(mine.device)
+            for ours, their in pairs:
+                ours[piece] = their[theirs_piece].to(ours.device)
 
     def copies_done(self) -> Any:
         """What says the copies queued so far are done: a CUDA event (None on the CPU,
