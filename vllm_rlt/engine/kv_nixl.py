@@ -97,9 +97,8 @@ class NixlPeer:
         self.memory = handle.memory
         self.planes = handle.planes
         self.block_size = handle.block_size
-        layers, (rows, kv_heads, head_dim) = handle.num_layers, handle.shape
-        self.geometry = (layers, handle.planes, kv_heads, head_dim, handle.dtype)
-        self.per_plane = rows // handle.planes  # entries
+        self.geometry = _geometry(handle)
+        self.per_plane = handle.shape[0] // handle.planes  # entries
 
     def read_into(self, blocks: KVBlocks, targets: list[int], start: int) -> None:
         """Copy positions [start, blocks.num_positions) from `blocks` here into `targets`
@@ -134,7 +133,7 @@ class NixlReader:
         theirs = {
             "memory": handle.memory,
             "block_size": handle.block_size,
-            "geometry": (handle.num_layers, handle.planes, *handle.shape[1:], handle.dtype),
+            "geometry": _geometry(handle),
             "regions": len(handle.regions),
         }
         ours = {
@@ -204,6 +203,11 @@ class NixlReader:
                 agent.release_xfer_handle(transfer)
             except Exception:  # noqa: BLE001, S110 - the read's own outcome is what counts
                 pass
+
+
+def _geometry(handle: Any) -> tuple[int, int, int, int, str]:
+    """A pool handle's (layers, planes, kv_heads, head_dim, dtype), as `KVPool.geometry`."""
+    return (handle.num_layers, handle.planes, *handle.shape[1:], handle.dtype)
 
 
 def _runs(

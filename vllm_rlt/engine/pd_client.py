@@ -25,7 +25,7 @@ import msgspec
 from vllm_rlt.config import CacheConfig, ParamError, require
 from vllm_rlt.engine.dp_client import DataParallelClient, core_environments, visible_gpus
 from vllm_rlt.engine.kv_nixl import nixl_missing
-from vllm_rlt.engine.kv_transport import KVPoolHandle, remove_files
+from vllm_rlt.engine.kv_transport import KV_CONNECTORS, KVPoolHandle, remove_files
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -92,7 +92,7 @@ class DisaggregatedClient(DataParallelClient):
         self.num_prefill = prefill
         self.kv_connector = "torch" if kv_connector == "auto" else kv_connector
         require(
-            self.kv_connector in ("torch", "nixl"),
+            kv_connector in KV_CONNECTORS,
             f"kv_connector must be one of auto, torch, nixl, got {kv_connector!r}",
             "kv_connector",
         )
