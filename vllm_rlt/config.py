@@ -9,6 +9,7 @@ from types import MappingProxyType
 from typing import Any
 
 MAX_NUM_SEQS = 65536
+MIN_ADMISSION_SCAN = 64  # waiting requests admission looks at per pass, when not set
 # Which entry point runs the engine: scheduler defaults differ (engine/device_defaults.py).
 OFFLINE, SERVE = "offline", "serve"
 
@@ -150,8 +151,10 @@ class SchedulerConfig:
     chunks of at most `prefill_chunk_size` positions, each running all loops;
     `max_prefill_batches_before_decode` bounds how many prefill chunks may be in flight at once,
     so decode rows keep most of every pass. Admission scans at most `admission_scan_limit`
-    waiting requests, and a request that cannot be admitted is passed by later ones at most
-    `max_admission_bypasses` times before admission waits for it. `scheduling_policy`
+    waiting requests (unset: as many as may start a prompt chunk in one pass, at least 64, so
+    a burst of prompts is admitted together), and a request that cannot be admitted is
+    passed by later ones at most `max_admission_bypasses` times before admission waits for
+    it. `scheduling_policy`
     "fcfs" serves requests in arrival order; "priority" by `SamplingParams.priority` (lower
     first), then arrival, and preempts running requests of a higher value for a waiting one.
 
@@ -165,7 +168,7 @@ class SchedulerConfig:
     max_num_batched_tokens: int | None = None
     prefill_chunk_size: int = 512
     max_prefill_batches_before_decode: int | None = None
-    admission_scan_limit: int = 64
+    admission_scan_limit: int | None = None
     max_admission_bypasses: int = 8
     scheduling_policy: str = "fcfs"
 
@@ -189,7 +192,8 @@ class SchedulerConfig:
             require_int(
                 self.max_prefill_batches_before_decode, "max_prefill_batches_before_decode", 1
             )
-        require_int(self.admission_scan_limit, "admission_scan_limit", 1)
+        if self.admission_scan_limit is not None:
+            require_int(self.admission_scan_limit, "admission_scan_limit", 1)
         require_int(self.max_admission_bypasses, "max_admission_bypasses", 0)
         if self.max_num_seqs is not None and self.max_num_batched_tokens is not None:
             require(
@@ -197,6 +201,14 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= "
                 f"max_num_seqs ({self.max_num_seqs}) so every running request gets a row",
             )
+
+    @property
+    def admission_scan(self) -> int:
+        """Waiting requests admission looks at per pass (of a sized config)."""
+        if self.admission_scan_limit is not None:
+            return self.admission_scan_limit
+        assert self.max_prefill_batches_before_decode is not None
+        return max(MIN_ADMISSION_SCAN, self.max_prefill_batches_before_decode)
 
     @property
     def is_sized(self) -> bool:

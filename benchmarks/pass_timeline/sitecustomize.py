@@ -98,10 +98,10 @@ def patch_core_loop(module) -> None:
         EVENTS.append(("add", time.monotonic()))
         return add(self, command)
 
-    def _take_commands(self, block):
-        if block:
+    def _take_commands(self, wait_ms):
+        if wait_ms is None:
             flush("core")  # idle: the busy period is over
-        return take(self, block)
+        return take(self, wait_ms)
 
     loop._add, loop._take_commands = _add, _take_commands
     timed(loop, "_publish", lambda t0, t1, a, r: ("publish", t0, t1))

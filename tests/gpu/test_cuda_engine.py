@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 
@@ -252,6 +254,42 @@ def test_mixed_pass_launches_no_kernel_outside_its_graphs(toy_config, toy_state)
     for request_id in list(engine.groups):  # the manual passes moved device state on
         front.abort_request(request_id)
     assert engine.all_blocks_free()
+
+
+def test_prompts_finishing_together_stay_in_graphs(toy_config, toy_state):
+    """40 prompts of one length arrive together, so 40 sample in one pass: more than the
+    smallest sampler padding (32). Every pass still runs as captured graphs, with the
+    tokens and depths of eager passes."""
+    from vllm_rlt.worker.mixed_graphs import PROMPT_SAMPLER_SIZES
+
+    rng = random.Random(5)
+    prompts = [[rng.randrange(3, 259) for _ in range(8)] for _ in range(40)]
+    assert len(prompts) > PROMPT_SAMPLER_SIZES[0]
+    params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, exit_threshold=0.7)
+    results = []
+    for graphs in (False, True):
+        model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cuda")
+        engine = build_engine_core(
+            model,
+            Tokenizer.byte_level(),
+            CacheConfig(num_blocks=512, block_size=4),
+            SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=512, prefill_chunk_size=16),
+            ExitConfig(mode="ouro"),
+            ExecutionConfig(cuda_graphs=graphs),
+            "triton",
+        )
+        arrivals = {0: [(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)]}
+        outputs = drain(engine, arrivals)
+        assert engine.all_blocks_free()
+        stats = engine.stats()
+        if graphs:
+            assert stats.num_prompt_graph_passes > 0
+            graphed = stats.num_prompt_graph_passes + stats.num_decode_graph_passes
+            assert graphed == stats.num_passes  # no eager pass, the one of 40 samplers neither
+        results.append(
+            {rid: (o.outputs[0].token_ids, o.outputs[0].exit_depths) for rid, o in outputs.items()}
+        )
+    assert results[0] == results[1]
 
 
 def test_cuda_bfloat16_runs_and_stays_close(toy_config, toy_state):

@@ -372,7 +372,7 @@ class Scheduler:
         queue = sorted(self.waiting, key=self._rank) if self.by_priority else list(self.waiting)
         if self.by_priority and queue:
             self._make_room(queue[0])
-        for request in queue[: self.config.admission_scan_limit]:
+        for request in queue[: self.config.admission_scan]:
             if not self.free_slots:
                 break
             hits = self._hits(request)

@@ -28,7 +28,12 @@ from vllm_rlt.config import (
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
-from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
+from vllm_rlt.engine.device_setup import (
+    check_speculation,
+    drive_with_one_host_thread,
+    plan_memory,
+    prepare_device,
+)
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
@@ -153,6 +158,7 @@ def run_tensor_parallel_rank(
     leave_with_parent(parent_pid)
     built = build_engine(**arguments, tensor_parallel_size=world, tensor_parallel_rank=(rank, port))
     assert built.tensor_parallel is not None
+    drive_with_one_host_thread(built.engine.model.device)
     follow(built.engine, built.tensor_parallel)
 
 

@@ -27,6 +27,7 @@ import zmq
 from vllm_rlt.config import require
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.core_handovers import CoreHandovers
+from vllm_rlt.engine.device_setup import drive_with_one_host_thread
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.messages import (
     AbortAll,
@@ -397,7 +398,13 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     leave_with_parent(parent_pid)
     context = zmq.Context()
-    code = serve_engine(llm_kwargs, context, peers, keys=keys)
+    code = serve_engine(
+        llm_kwargs,
+        context,
+        peers,
+        lambda engine: drive_with_one_host_thread(engine.model.device),
+        keys,
+    )
     # Let the last messages leave, then exit without tearing the interpreter down: the
     # device and the runtime's threads need no orderly teardown, and it could hang.
     context.term()

@@ -1,9 +1,12 @@
 """What the engine's device side needs before the first request: the memory plan that
 sizes the KV cache, the checks speculation makes of the other settings, and on CUDA the
-graph captures and the warm-up of passes with prompt rows."""
+graph captures, the warm-up of passes with prompt rows and the host threads of a process
+that only drives the GPU."""
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
@@ -24,6 +27,18 @@ from vllm_rlt.core.memory import (
     plan_kv_cache,
 )
 from vllm_rlt.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+def drive_with_one_host_thread(device: torch.device) -> None:
+    """In a process of its own that drives a GPU (an engine core, a tensor-parallel rank),
+    torch keeps one host thread unless OMP_NUM_THREADS says otherwise. The host work there
+    is small tensors, and a pool of threads in every such process would spin against the
+    API servers and the other processes on the same CPU cores."""
+    if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+        logger.debug("engine process on %s: one torch host thread", device)
 
 
 def plan_memory(
@@ -48,7 +63,7 @@ def plan_memory(
         default = CPU_DEFAULT_BLOCKS * table_planes
         return plan_kv_cache(cache_config, cfg, planes, model.dtype, default)
     from vllm_rlt.worker.memory_profile import peak_pass_bytes
-    from vllm_rlt.worker.mixed_graphs import PROMPT_SAMPLERS, buffer_bytes, mixed_sizes
+    from vllm_rlt.worker.mixed_graphs import buffer_bytes, mixed_sizes, sampler_sizes
 
     seqs = scheduler_config.max_num_seqs
     rows = scheduler_config.max_num_batched_tokens
@@ -61,7 +76,7 @@ def plan_memory(
         # prompt-pass heads, with their prompt samplers), the largest prompt-pass stack,
         # and the stack's output buffer.
         stack = mixed_sizes(rows)[-1]
-        head_rows = samplers + PROMPT_SAMPLERS
+        head_rows = samplers + sampler_sizes(seqs)[-1]
         graph_pool = (
             peak_pass_bytes(model, ops, head_rows, head_rows, planes, block_size)
             + peak_pass_bytes(model, ops, stack, 1, planes, block_size)

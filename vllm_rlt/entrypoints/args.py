@@ -183,7 +183,11 @@ def _add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         help=f"prefill chunks in flight at once ({sized(4)})",
     )
     sched.add_argument(
-        "--admission-scan-limit", type=int, default=64, help="waiting requests scanned per pass"
+        "--admission-scan-limit",
+        type=int,
+        default=None,
+        help="waiting requests scanned per pass (default: as many as may start a prompt chunk "
+        "in one pass, at least 64)",
     )
     sched.add_argument(
         "--max-admission-bypasses",

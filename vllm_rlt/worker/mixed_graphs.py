@@ -16,7 +16,8 @@ Two graphs run it. The stack graph of the padded row count gathers the row input
 the block updates, builds the metadata and runs one loop of the layer stack with attention
 inside, into `out`. The head graph of the padded decode-row count then runs what a decode
 graph runs after the stack (exits, sampling, the slot-state scatter, the packed result) on
-`out`'s decode rows plus PROMPT_SAMPLERS prompt rows.
+`out`'s decode rows plus the prompt rows that sample, padded to one of PROMPT_SAMPLER_SIZES
+(a burst of same-length prompts finishes together: 64 or more may sample in one pass).
 
 A chunk with loops to go leaves its state in `out`. The next pass reads it there before it
 overwrites `out`: a started chunk runs every pass until done, so no other pass comes
@@ -45,8 +46,9 @@ from vllm_rlt.worker.pass_inputs import (
 
 # Passes with more rows run eagerly: their launches are a small part of their device time.
 MAX_MIXED_ROWS = 4096
-# Prompt rows a captured pass may sample (the head graph's fixed share of them).
-PROMPT_SAMPLERS = 32
+# Prompt rows a captured pass may sample, padded to the first size that holds them: a head
+# graph is captured per size, so a pass of few samplers pays for few padding rows.
+PROMPT_SAMPLER_SIZES = (32, 256)
 # Programs per head of the row attention kernel: each takes every ROW_PROGRAMS-th row.
 ROW_PROGRAMS = 128
 # Tile programs beyond one per BLOCK_M padded rows (a chunk's last tile may be partial).
@@ -55,6 +57,8 @@ EXTRA_TILE_PROGRAMS = 8
 ROW_FIELDS = ("table", "position", "loop", "write_hi", "token", "carry")
 # Pinned host buffers in turn: one is reused only after later passes were collected.
 HOST_BUFFERS = 4
+
+HeadKey = tuple[int, int, bool, bool, bool, bool]
 
 
 def mixed_sizes(max_rows: int) -> list[int]:
@@ -68,6 +72,12 @@ def mixed_sizes(max_rows: int) -> list[int]:
         size += 8 if size < 64 else 32 if size < 256 else 128 if size < 1024 else 512
     sizes.append(cap)
     return sizes
+
+
+def sampler_sizes(max_slots: int) -> list[int]:
+    """The sampler paddings of an engine of `max_slots` slots (no pass samples more
+    prompts than there are slots)."""
+    return sorted({min(size, max_slots) for size in PROMPT_SAMPLER_SIZES})
 
 
 def buffer_bytes(config, dtype: torch.dtype, rows: int) -> int:
@@ -122,7 +132,8 @@ class MixedGraphs:
         # A pass has no more decode rows than rows (takes), nor than slots.
         cap = min(largest, dummy)
         self.head_sizes = [s for s in graph_batch_sizes(dummy) if s < cap] + [cap]
-        self.layouts = {size: _Layout(dummy, PROMPT_SAMPLERS, size) for size in sizes}
+        self.sampler_sizes = sampler_sizes(dummy)
+        self.layouts = {size: _Layout(dummy, self.sampler_sizes[-1], size) for size in sizes}
         # What a row, tile or update holds when nothing is there: the dummy slot, its
         # table row and its block, position 0, loop 0.
         dummy_row = geo.final_table_row(dummy)
@@ -150,32 +161,32 @@ class MixedGraphs:
         self.row_index = torch.arange(largest, device=model.device)
         self.tile_rows = parts.ops.prefill_tile_rows(model.dtype)
         self.stacks: dict[int, torch.cuda.CUDAGraph] = {}
-        # (decode rows, greedy, with top logprobs, with logit adjustments, with speculation
-        # lanes) -> graph, packed output
-        self.heads: dict[
-            tuple[int, bool, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]
-        ] = {}
+        # (decode rows, prompt samplers, greedy, with top logprobs, with logit adjustments,
+        # with speculation lanes) -> graph, packed output
+        self.heads: dict[HeadKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0  # passes served, for tests
 
     def takes(self, out: SchedulerOutput) -> bool:
-        """Whether this pass fits: prompt rows, at most the largest size, at most
-        PROMPT_SAMPLERS sampling chunks, and no prompt logprobs (those run eagerly)."""
+        """Whether this pass fits: prompt rows, at most the largest size, at most the
+        largest sampler padding of sampling chunks, and no prompt logprobs (those run
+        eagerly)."""
         chunks = out.prefill_chunks
         return (
             bool(chunks)
             and out.num_rows <= self.sizes[-1]
-            and sum(c.samples for c in chunks) <= PROMPT_SAMPLERS
+            and sum(c.samples for c in chunks) <= self.sampler_sizes[-1]
             and not any(c.prompt_targets for c in chunks)
         )
 
     def capture_all(self) -> None:
         """Capture every stack size (largest first, so the smaller ones reuse its memory)
-        and the greedy and sampled heads of every decode size; with speculation, the heads
-        with lanes too."""
+        and the greedy and sampled heads of every decode size and sampler padding; with
+        speculation, the heads with lanes too."""
         lanes = (False, True) if self.parts.lanes is not None else (False,)
         heads = [
-            (size, greedy, False, False, speculating)
+            (size, samplers, greedy, False, False, speculating)
             for size in reversed(self.head_sizes)
+            for samplers in reversed(self.sampler_sizes)
             for greedy in (True, False)
             for speculating in lanes
         ]
@@ -192,7 +203,7 @@ class MixedGraphs:
         for key in tqdm(heads, desc="capturing prompt-pass heads", unit="graph", file=sys.stderr):
             self._capture_head(key)
 
-    def _capture_head(self, key: tuple[int, bool, bool, bool, bool]) -> None:
+    def _capture_head(self, key: HeadKey) -> None:
         self.heads[key] = capture(lambda: self._head(*key), self.pool)
 
     def _stack(self, size: int) -> None:
@@ -226,14 +237,22 @@ class MixedGraphs:
         )
         self.out[:size].copy_(model.core(hidden, meta, parts.k_caches, parts.v_caches, parts.ops))
 
-    def _head(self, size: int, greedy: bool, with_top: bool, adjusted: bool, speculating: bool):
-        """What follows the stack for `size` decode rows and the prompt samplers."""
+    def _head(
+        self,
+        size: int,
+        samplers: int,
+        greedy: bool,
+        with_top: bool,
+        adjusted: bool,
+        speculating: bool,
+    ):
+        """What follows the stack for `size` decode rows and `samplers` prompt samplers."""
         f = self.layouts[self.sizes[-1]].views(self.input)  # the fixed part: any size's
         return self.parts.head.run(
             self.out[:size],
             f["decode_slots"][:size],
-            self.out[f["p_rows"]],
-            f["p_slots"],
+            self.out[f["p_rows"][:samplers]],
+            f["p_slots"][:samplers],
             greedy,
             MAX_LOGPROBS if with_top else 0,
             adjusted,
@@ -278,7 +297,8 @@ class MixedGraphs:
         samplers = parts.keep_carried(self.out, chunks, num_decode, in_buffer=True)
         for i, (slot, row) in enumerate(samplers):
             f["p_slots"][i], f["p_rows"][i] = slot, row
-        key = (head_size, greedy, num_top > 0, adjusted, speculating)
+        sampler_size = next(s for s in self.sampler_sizes if s >= len(samplers))
+        key = (head_size, sampler_size, greedy, num_top > 0, adjusted, speculating)
         if key not in self.heads:
             # The capture runs the head once first: on padding rows only, not this pass's.
             self.input.copy_(self.templates[self.sizes[-1]])
@@ -290,7 +310,7 @@ class MixedGraphs:
         self.num_replays += 1
         dummy = parts.dummy_slot
         slots = list(decode_slots) + [dummy] * (head_size - num_decode)
-        slots += [slot for slot, _ in samplers] + [dummy] * (PROMPT_SAMPLERS - len(samplers))
+        slots += [slot for slot, _ in samplers] + [dummy] * (sampler_size - len(samplers))
         return packed, slots
 
     def _inputs(self, chunks) -> tuple[list[int], list[int]]:
