@@ -9,7 +9,7 @@ from types import MappingProxyType
 from typing import Any
 
 MAX_NUM_SEQS = 65536
-MIN_ADMISSION_SCAN = 64  # waiting requests admission looks at per pass, when not set
+DEFAULT_ADMISSION_SCAN = 64  # waiting requests admission looks at per pass, when not sized
 # Which entry point runs the engine: scheduler defaults differ (engine/device_defaults.py).
 OFFLINE, SERVE = "offline", "serve"
 
@@ -151,16 +151,15 @@ class SchedulerConfig:
     chunks of at most `prefill_chunk_size` positions, each running all loops;
     `max_prefill_batches_before_decode` bounds how many prefill chunks may be in flight at once,
     so decode rows keep most of every pass. Admission scans at most `admission_scan_limit`
-    waiting requests (unset: as many as may start a prompt chunk in one pass, at least 64, so
-    a burst of prompts is admitted together), and a request that cannot be admitted is
-    passed by later ones at most `max_admission_bypasses` times before admission waits for
-    it. `scheduling_policy`
+    waiting requests, and a request that cannot be admitted is passed by later ones at most
+    `max_admission_bypasses` times before admission waits for it. `scheduling_policy`
     "fcfs" serves requests in arrival order; "priority" by `SamplingParams.priority` (lower
     first), then arrival, and preempts running requests of a higher value for a waiting one.
 
-    `max_num_seqs`, `max_num_batched_tokens` and `max_prefill_batches_before_decode` left at
-    None are sized to the device when the engine starts (`engine/device_defaults.py`): small
-    on the CPU, large on a big GPU, and for a server other than for offline batches.
+    `max_num_seqs`, `max_num_batched_tokens`, `max_prefill_batches_before_decode` and
+    `admission_scan_limit` left at None are sized to the device when the engine starts
+    (`engine/device_defaults.py`): small on the CPU, large on a big GPU, and for a server
+    other than for offline batches.
     """
 
     mode: str = "refill"
@@ -204,15 +203,16 @@ class SchedulerConfig:
 
     @property
     def admission_scan(self) -> int:
-        """Waiting requests admission looks at per pass (of a sized config)."""
-        if self.admission_scan_limit is not None:
-            return self.admission_scan_limit
-        assert self.max_prefill_batches_before_decode is not None
-        return max(MIN_ADMISSION_SCAN, self.max_prefill_batches_before_decode)
+        """Waiting requests admission looks at per pass (DEFAULT_ADMISSION_SCAN unless set
+        or sized)."""
+        if self.admission_scan_limit is None:
+            return DEFAULT_ADMISSION_SCAN
+        return self.admission_scan_limit
 
     @property
     def is_sized(self) -> bool:
-        """Whether every device-sized field has a value."""
+        """Whether every field the scheduler needs sized has a value (the admission scan
+        falls back to DEFAULT_ADMISSION_SCAN)."""
         return None not in (
             self.max_num_seqs,
             self.max_num_batched_tokens,

@@ -4,6 +4,7 @@ one is kept, the choice is one logged line; and `vllm-rlt bench sweep` reports a
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -33,9 +34,16 @@ def test_the_cpu_keeps_small_passes_and_set_fields_are_kept():
     config, _ = size_scheduler(SchedulerConfig(max_num_seqs=8, prefill_chunk_size=32), CPU)
     assert (config.max_num_seqs, config.prefill_chunk_size) == (8, 32)
     explicit = SchedulerConfig(
-        max_num_seqs=2, max_num_batched_tokens=9, max_prefill_batches_before_decode=1
+        max_num_seqs=2,
+        max_num_batched_tokens=9,
+        max_prefill_batches_before_decode=1,
+        admission_scan_limit=3,
     )
     assert size_scheduler(explicit, CPU) == (explicit, "scheduler set by its flags")
+    # the scan alone unset: it is sized, and the note names it
+    config, note = size_scheduler(replace(explicit, admission_scan_limit=None), CPU)
+    assert config == replace(explicit, admission_scan_limit=64)
+    assert note.endswith("offline use: admission_scan_limit=64 (flags override)")
 
 
 @pytest.mark.parametrize(("gib", "kind"), [(141, "large gpu"), (24, "gpu")])
@@ -47,6 +55,9 @@ def test_a_gpu_gets_its_class_defaults_for_the_entry_point(monkeypatch, gib, kin
     assert config.max_num_seqs == want.max_num_seqs
     assert config.max_num_batched_tokens == want.max_num_batched_tokens
     assert config.max_prefill_batches_before_decode == want.max_prefill_batches_before_decode
+    assert config.admission_scan == want.admission_scan_limit
+    # a large GPU's server admits a burst together; offline batches go in cohorts of 64
+    assert want.admission_scan_limit == (256 if (kind, usage) == ("large gpu", "serve") else 64)
     assert f"Fake GPU ({gib} GiB, 132 SMs" in note and f"{usage} use" in note
 
 

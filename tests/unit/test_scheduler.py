@@ -265,20 +265,20 @@ def test_admission_scan_limit_bounds_the_scan():
     assert_idle(scheduler)
 
 
-@pytest.mark.parametrize(("chunks", "admitted"), [(4, 64), (100, 100)])
-def test_unset_scan_limit_admits_a_burst_as_chunks_may_start(chunks, admitted):
-    """Left unset, the scan covers as many requests as may start a prompt chunk in one pass,
-    and never fewer than 64: a burst of prompts on a large GPU is admitted in one pass."""
+@pytest.mark.parametrize(("scan", "admitted"), [(None, 64), (100, 100)])
+def test_a_burst_is_admitted_as_deep_as_the_scan(scan, admitted):
+    """A burst of 100 fitting requests: one pass admits as many as the scan looks at (64
+    unless sized or set), and starts a chunk for each within the chunk limit."""
     scheduler = make_scheduler(
-        num_blocks=512, max_num_seqs=128, max_prefill_batches_before_decode=chunks
+        num_blocks=512,
+        max_num_seqs=128,
+        max_prefill_batches_before_decode=100,
+        admission_scan_limit=scan,
     )
-    assert scheduler.config.admission_scan == max(64, chunks)
     for i in range(100):
         scheduler.add_request(make_request(f"r{i}", 4, 1, arrival=i))
     out = scheduler.schedule()
-    assert len(out.new_slots) == admitted
-    assert len(out.prefill_chunks) == min(chunks, admitted)
-    assert make_scheduler(admission_scan_limit=3).config.admission_scan == 3
+    assert len(out.new_slots) == len(out.prefill_chunks) == admitted
 
 
 def _chunks_of(passes: list[SchedulerOutput], slot: int) -> list[tuple[int, int, int, bool]]:

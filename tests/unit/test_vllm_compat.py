@@ -250,3 +250,23 @@ def test_the_models_generation_eos_ids_hold_without_a_tokenizer(tmp_path):
     for skip in (False, True):
         llm = LLM(model=str(folder), skip_tokenizer_init=skip)
         assert 7 in llm.engine.eos_token_ids, skip
+
+
+def test_sleep_thaws_a_frozen_heap_and_wake_up_freezes_it_again():
+    """A served process froze its start-up heap: a sleep collects what it lets go of (the
+    collector skips frozen objects), and waking up freezes the heap again. A heap nobody
+    froze stays unfrozen."""
+    import gc
+
+    llm = LLM(model="toy", enable_sleep_mode=True)
+    try:
+        gc.freeze()
+        llm.sleep(level=1)
+        assert gc.get_freeze_count() == 0
+        llm.wake_up()
+        assert gc.get_freeze_count() > 0
+    finally:
+        gc.unfreeze()
+    llm.sleep(level=1)
+    llm.wake_up()
+    assert gc.get_freeze_count() == 0

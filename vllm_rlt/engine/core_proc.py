@@ -27,7 +27,6 @@ import zmq
 from vllm_rlt.config import require
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.core_handovers import CoreHandovers
-from vllm_rlt.engine.device_setup import drive_with_one_host_thread
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.messages import (
     AbortAll,
@@ -50,6 +49,7 @@ from vllm_rlt.engine.messages import (
 )
 from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.pass_rate import PassRate
+from vllm_rlt.engine.process_setup import drive_with_one_host_thread, freeze_startup_heap
 from vllm_rlt.engine.remote_channel import (
     ChannelKeys,
     Peer,
@@ -379,6 +379,12 @@ def _frontend_lost(message: str) -> None:
     os._exit(3)
 
 
+def _settle(engine: EngineCore) -> None:
+    """The core process, its engine built: see `process_setup`."""
+    drive_with_one_host_thread(engine.model.device)
+    freeze_startup_heap()
+
+
 def run_engine_core(
     llm_kwargs: dict[str, Any],
     peers: list[Peer],
@@ -398,13 +404,7 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     leave_with_parent(parent_pid)
     context = zmq.Context()
-    code = serve_engine(
-        llm_kwargs,
-        context,
-        peers,
-        lambda engine: drive_with_one_host_thread(engine.model.device),
-        keys,
-    )
+    code = serve_engine(llm_kwargs, context, peers, _settle, keys)
     # Let the last messages leave, then exit without tearing the interpreter down: the
     # device and the runtime's threads need no orderly teardown, and it could hang.
     context.term()

@@ -28,19 +28,25 @@ class SchedulerDefaults:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_prefill_batches_before_decode: int
+    admission_scan_limit: int
 
 
 # (device class, entry point) -> defaults. The large-GPU rows are the best points of
 # `vllm-rlt bench sweep` on an H200, offline and served (docs/benchmarks/
 # 2026-12-02-scheduler-defaults.md, 2026-12-02-serve-defaults.md); the smaller GPU's are
-# vLLM's sizes for GPUs under 70 GB, not measured here.
+# vLLM's sizes for GPUs under 70 GB, not measured here. A large GPU's server scans 256
+# waiting requests per pass (the default count of prompt chunks that may start in one):
+# a burst reaches the core over tens of ms while passes run, and what arrived is admitted
+# together (2026-12-03-burst-admission.md); an offline batch, all there at once, does
+# better admitted in cohorts of 64 that start decoding while later cohorts run their
+# prompts' loops.
 DEFAULTS = {
-    ("cpu", OFFLINE): SchedulerDefaults(64, 2048, 4),
-    ("cpu", SERVE): SchedulerDefaults(64, 2048, 4),
-    ("gpu", OFFLINE): SchedulerDefaults(256, 8192, 64),
-    ("gpu", SERVE): SchedulerDefaults(256, 2048, 64),
-    ("large gpu", OFFLINE): SchedulerDefaults(1024, 16384, 256),
-    ("large gpu", SERVE): SchedulerDefaults(1024, 16384, 256),
+    ("cpu", OFFLINE): SchedulerDefaults(64, 2048, 4, 64),
+    ("cpu", SERVE): SchedulerDefaults(64, 2048, 4, 64),
+    ("gpu", OFFLINE): SchedulerDefaults(256, 8192, 64, 64),
+    ("gpu", SERVE): SchedulerDefaults(256, 2048, 64, 64),
+    ("large gpu", OFFLINE): SchedulerDefaults(1024, 16384, 256, 64),
+    ("large gpu", SERVE): SchedulerDefaults(1024, 16384, 256, 256),
 }
 
 
@@ -67,7 +73,7 @@ def size_scheduler(
         raise ValueError(
             f"usage_context must be one of {', '.join(USAGE_CONTEXTS)}, got {usage_context!r}"
         )
-    if config.is_sized:
+    if config.is_sized and config.admission_scan_limit is not None:
         return config, "scheduler set by its flags"
     kind, measured = device_class(device)
     defaults = DEFAULTS[(kind, usage_context)]

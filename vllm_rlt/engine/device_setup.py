@@ -1,12 +1,9 @@
 """What the engine's device side needs before the first request: the memory plan that
 sizes the KV cache, the checks speculation makes of the other settings, and on CUDA the
-graph captures, the warm-up of passes with prompt rows and the host threads of a process
-that only drives the GPU."""
+graph captures and the warm-up of passes with prompt rows."""
 
 from __future__ import annotations
 
-import logging
-import os
 from typing import Any
 
 import torch
@@ -27,18 +24,6 @@ from vllm_rlt.core.memory import (
     plan_kv_cache,
 )
 from vllm_rlt.worker.model_runner import ModelRunner
-
-logger = logging.getLogger(__name__)
-
-
-def drive_with_one_host_thread(device: torch.device) -> None:
-    """In a process of its own that drives a GPU (an engine core, a tensor-parallel rank),
-    torch keeps one host thread unless OMP_NUM_THREADS says otherwise. The host work there
-    is small tensors, and a pool of threads in every such process would spin against the
-    API servers and the other processes on the same CPU cores."""
-    if device.type == "cuda" and "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(1)
-        logger.debug("engine process on %s: one torch host thread", device)
 
 
 def plan_memory(

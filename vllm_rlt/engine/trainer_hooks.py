@@ -87,6 +87,10 @@ class EngineSleep:
         self.saved = [w.to("cpu", copy=True) for w in self.parts["weights"]] if level == 1 else None
         self.asleep = set(WAKE_TAGS)
         runner.graphs = runner.mixed = None  # they read the memory about to go
+        # A served process froze its start-up heap (process_setup), and a collection
+        # reaches only unfrozen objects: thawed here, frozen again once awake.
+        self.frozen = gc.get_freeze_count() > 0
+        gc.unfreeze()
         gc.collect()
         for tensor in every:
             tensor.untyped_storage().resize_(0)
@@ -180,4 +184,6 @@ class TrainerHooks:
                 # Still asleep: a retried wake_up captures the graphs again from scratch.
                 self.runner.graphs = self.runner.mixed = None
                 raise
+            if self.sleeping.frozen:
+                gc.freeze()
             self.sleeping = None

@@ -186,8 +186,7 @@ def _add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         "--admission-scan-limit",
         type=int,
         default=None,
-        help="waiting requests scanned per pass (default: as many as may start a prompt chunk "
-        "in one pass, at least 64)",
+        help=f"waiting requests scanned per pass ({sized(64)})",
     )
     sched.add_argument(
         "--max-admission-bypasses",

@@ -74,10 +74,10 @@ def mixed_sizes(max_rows: int) -> list[int]:
     return sizes
 
 
-def sampler_sizes(max_slots: int) -> list[int]:
-    """The sampler paddings of an engine of `max_slots` slots (no pass samples more
-    prompts than there are slots)."""
-    return sorted({min(size, max_slots) for size in PROMPT_SAMPLER_SIZES})
+def sampler_sizes(max_num_seqs: int) -> list[int]:
+    """The sampler paddings of an engine running up to `max_num_seqs` requests (no pass
+    samples more prompts than that)."""
+    return sorted({min(size, max_num_seqs) for size in PROMPT_SAMPLER_SIZES})
 
 
 def buffer_bytes(config, dtype: torch.dtype, rows: int) -> int:
@@ -132,7 +132,9 @@ class MixedGraphs:
         # A pass has no more decode rows than rows (takes), nor than slots.
         cap = min(largest, dummy)
         self.head_sizes = [s for s in graph_batch_sizes(dummy) if s < cap] + [cap]
-        self.sampler_sizes = sampler_sizes(dummy)
+        # A prompt samples once, so no more samplers than requests (not lanes) run.
+        requests = parts.lanes.num_seqs if parts.lanes is not None else dummy
+        self.sampler_sizes = sampler_sizes(requests)
         self.layouts = {size: _Layout(dummy, self.sampler_sizes[-1], size) for size in sizes}
         # What a row, tile or update holds when nothing is there: the dummy slot, its
         # table row and its block, position 0, loop 0.

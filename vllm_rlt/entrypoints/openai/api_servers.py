@@ -30,6 +30,7 @@ import threading
 from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
 from vllm_rlt.engine.dp_client import DataParallelClient
 from vllm_rlt.engine.parent_watch import leave_with_parent
+from vllm_rlt.engine.process_setup import freeze_startup_heap
 from vllm_rlt.entrypoints.openai.server import (
     ServerState,
     build_server,
@@ -171,6 +172,7 @@ def run_api_server(
     state.load()
     if state.load_error is not None:
         raise SystemExit(1)
+    freeze_startup_heap()
     server = build_server(
         state,
         host,

@@ -8,6 +8,7 @@ import os
 import sys
 import threading
 
+from vllm_rlt.engine.process_setup import freeze_startup_heap
 from vllm_rlt.entrypoints.openai.api_servers import serve_with_api_servers
 from vllm_rlt.entrypoints.openai.server import (
     ServerState,
@@ -38,7 +39,7 @@ def serve(
             server.should_exit = True
 
         state.on_load_error = stop
-    loader = threading.Thread(target=state.load, name="vllm-rlt-load", daemon=True)
+    loader = threading.Thread(target=_load, args=(state,), name="vllm-rlt-load", daemon=True)
     loader.start()
     try:
         server.run(sockets=[sock])
@@ -53,3 +54,11 @@ def serve(
         sys.stderr.flush()
         os._exit(0)
     return state.load_error if settings.exit_on_load_error else None
+
+
+def _load(state: ServerState) -> None:
+    """Load the model while the server already answers /health; then settle the process
+    (`process_setup`)."""
+    state.load()
+    if state.load_error is None:
+        freeze_startup_heap()
