@@ -1,6 +1,6 @@
-"""engine/kv_nixl.py: the runs of blocks one READ moves (joined where consecutive on both
-sides, a prefix hit skipped), and, where the nixl package is installed, a decode pool that
-reads a prefill pool's blocks through NIXL bit for bit, every plane, nothing else touched."""
+"""engine/kv_nixl.py: the descriptors of the runs one READ moves, and, where the nixl
+package is installed, a decode pool that reads a prefill pool's blocks through NIXL bit
+for bit, every plane, nothing else touched."""
 
 from __future__ import annotations
 
@@ -9,16 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from vllm_rlt.engine.kv_nixl import _descriptors, _runs
+from vllm_rlt.engine.kv_nixl import _descriptors
 from vllm_rlt.worker.kv_pool import KVBlocks, KVPool
-
-
-def test_runs_join_blocks_consecutive_on_both_sides_and_skip_a_prefix():
-    # positions 0..9 in blocks of 4: source blocks 5, 6, 2; target blocks 1, 2, 3
-    assert _runs([5, 6, 2], [1, 2, 3], 0, 10, 4).tolist() == [[20, 4, 8], [8, 12, 2]]
-    # from position 4 on (a prefix hit of one block), the last block partly
-    assert _runs([5, 6, 2], [1, 2, 3], 4, 10, 4).tolist() == [[24, 8, 4], [8, 12, 2]]
-    assert _runs([5], [1], 4, 4, 4).shape == (0, 3)
 
 
 def test_descriptors_name_every_tensor_plane_and_run():

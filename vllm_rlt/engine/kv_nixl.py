@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from vllm_rlt.worker.kv_pool import KVBlocks, KVPool
+from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, block_runs
 
 INSTALL_HINT = 'pip install nixl (or "vllm-rlt[nixl]")'
 # A read's deadline: this long, plus its bytes at this rate (far below any transport's).
@@ -161,7 +161,7 @@ class NixlReader:
         first = self.local.k[0]
         if first.is_cuda:  # a pass in flight may still write into `targets`
             torch.cuda.synchronize(first.device)
-        runs = _runs(blocks.blocks, targets, start, blocks.num_positions, peer.block_size)
+        runs = block_runs(blocks.blocks, targets, start, blocks.num_positions, peer.block_size)
         if not len(runs):
             return
         planes, size = peer.planes, self.row_bytes
@@ -208,25 +208,6 @@ class NixlReader:
 def _geometry(handle: Any) -> tuple[int, int, int, int, str]:
     """A pool handle's (layers, planes, kv_heads, head_dim, dtype), as `KVPool.geometry`."""
     return (handle.num_layers, handle.planes, *handle.shape[1:], handle.dtype)
-
-
-def _runs(
-    sources: list[int], targets: list[int], start: int, end: int, block_size: int
-) -> np.ndarray:
-    """[source row, target row, rows] of positions [start, end): block by block, runs of
-    blocks consecutive on both sides joined."""
-    runs: list[list[int]] = []
-    for index in range(start // block_size, -(-end // block_size)):
-        first = max(start, index * block_size) - index * block_size
-        last = min(end, (index + 1) * block_size) - index * block_size
-        source = sources[index] * block_size + first
-        target = targets[index] * block_size + first
-        previous = runs[-1] if runs else None
-        if previous and previous[0] + previous[2] == source and previous[1] + previous[2] == target:
-            previous[2] += last - first
-        else:
-            runs.append([source, target, last - first])
-    return np.array(runs, dtype=np.int64).reshape(-1, 3)
 
 
 def _descriptors(

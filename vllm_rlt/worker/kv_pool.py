@@ -1,5 +1,6 @@
 """An engine's KV pool as prefill/decode handover sees it (engine/kv_handover.py): the
-pool, one completion's blocks in it, and where an imported completion reads its K/V."""
+pool, one completion's blocks in it, where an imported completion reads its K/V, and the
+copy of that K/V between two pools mapped in one process."""
 
 from __future__ import annotations
 
@@ -8,7 +9,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import msgspec
+import numpy as np
 import torch
+
+# A run of entries consecutive in both pools moves as one slice copy per tensor and plane
+# when it holds at least this many bytes; shorter runs are gathered together. A copy costs
+# a few microseconds to launch, and a gathered import moved 109-161 GB/s on an H200 (a
+# gather and a scatter kernel per piece), so a slice copy wins from about 1 MB on.
+SLICE_COPY_BYTES = 1 << 20
+GATHER_PIECE = 4096  # cache entries gathered at a time, so the gathered temporary stays small
 
 
 @dataclass
@@ -30,6 +39,12 @@ class KVPool:
     @property
     def slots_per_plane(self) -> int:
         return self.k[0].shape[0] // self.planes
+
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one cache entry (one position's K or V of one layer and plane)."""
+        first = self.k[0]
+        return first[0].numel() * first.element_size()
 
     def entries(self, blocks: Sequence[int], num_positions: int, start: int = 0) -> torch.Tensor:
         """Cache entries of positions [start, num_positions) held in `blocks` (those of
@@ -70,3 +85,68 @@ class KVSource:
 
     pool: KVPool | RemoteKVPool
     blocks: KVBlocks
+
+
+def block_runs(
+    sources: Sequence[int], targets: Sequence[int], start: int, end: int, block_size: int
+) -> np.ndarray:
+    """[source row, target row, rows] within a plane for positions [start, end) of a
+    completion held in blocks `sources` of one pool and `targets` of another (both tables
+    count from position 0): block by block, runs of blocks consecutive on both sides
+    joined."""
+    runs: list[list[int]] = []
+    for index in range(start // block_size, -(-end // block_size)):
+        first = max(start, index * block_size) - index * block_size
+        last = min(end, (index + 1) * block_size) - index * block_size
+        source = sources[index] * block_size + first
+        target = targets[index] * block_size + first
+        previous = runs[-1] if runs else None
+        if previous and previous[0] + previous[2] == source and previous[1] + previous[2] == target:
+            previous[2] += last - first
+        else:
+            runs.append([source, target, last - first])
+    return np.array(runs, dtype=np.int64).reshape(-1, 3)
+
+
+def copy_kv(
+    source: KVPool,
+    source_blocks: Sequence[int],
+    target: KVPool,
+    target_blocks: Sequence[int],
+    start: int,
+    end: int,
+) -> None:
+    """Copy positions [start, end) of one completion, every layer, K and V and plane, from
+    `source` to `target` in stream order: runs of at least SLICE_COPY_BYTES as slice
+    copies, the others gathered together."""
+    runs = block_runs(source_blocks, target_blocks, start, end, source.block_size)
+    long = runs[:, 2] * target.entry_bytes >= SLICE_COPY_BYTES
+    pairs = list(zip([*target.k, *target.v], [*source.k, *source.v], strict=True))
+    theirs_per_plane, ours_per_plane = source.slots_per_plane, target.slots_per_plane
+    for plane in range(target.planes):
+        for first, into, rows in runs[long].tolist():
+            first += plane * theirs_per_plane
+            into += plane * ours_per_plane
+            for ours, theirs in pairs:
+                ours[into : into + rows].copy_(theirs[first : first + rows], non_blocking=True)
+    short = runs[~long]
+    if not len(short):
+        return
+    theirs_rows = _plane_rows(short[:, 0], short[:, 2], source.planes, theirs_per_plane)
+    ours_rows = _plane_rows(short[:, 1], short[:, 2], target.planes, ours_per_plane)
+    theirs_index = torch.from_numpy(theirs_rows).to(source.k[0].device)
+    ours_index = torch.from_numpy(ours_rows).to(target.k[0].device)
+    for lo in range(0, len(ours_rows), GATHER_PIECE):
+        theirs_piece = theirs_index[lo : lo + GATHER_PIECE]
+        piece = ours_index[lo : lo + GATHER_PIECE]
+        for ours, theirs in pairs:
+            ours[piece] = theirs[theirs_piece].to(ours.device)
+
+
+def _plane_rows(firsts: np.ndarray, counts: np.ndarray, planes: int, per_plane: int) -> np.ndarray:
+    """The pool rows of runs (`counts` rows from `firsts` within a plane) at every plane,
+    plane by plane."""
+    within = np.concatenate(
+        [np.arange(first, first + count) for first, count in zip(firsts, counts, strict=True)]
+    )
+    return (np.arange(planes, dtype=np.int64)[:, None] * per_plane + within[None]).ravel()

@@ -18,7 +18,7 @@ from vllm_rlt.core.contract import (
 )
 from vllm_rlt.exit import ExitPolicy
 from vllm_rlt.layers.sampler import token_logprobs
-from vllm_rlt.worker.kv_pool import KVPool, KVSource
+from vllm_rlt.worker.kv_pool import KVPool, KVSource, copy_kv
 from vllm_rlt.worker.pass_head import PassHead
 from vllm_rlt.worker.pass_inputs import (
     KVGeometry,
@@ -27,8 +27,6 @@ from vllm_rlt.worker.pass_inputs import (
 )
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
-
-IMPORT_PIECE = 4096  # cache entries `ModelRunner.import_kv` gathers at a time (on the source GPU)
 
 # Fields packed per sampling row before the top logprobs: exited, token, depth, logprob,
 # and for self-speculation: the draft's outcome (0 none, 1 accepted, 2 refused), its lead.
@@ -268,15 +266,7 @@ class ModelRunner:
         if not isinstance(pool, KVPool):  # read by its connector, done on return
             pool.read_into(source.blocks, list(blocks), start)
             return
-        source_entries = pool.entries(source.blocks.blocks, positions, start)
-        entries = ours.entries(blocks, positions, start)
-        # In pieces, so the gathered copy stays small whatever the prompt's length.
-        for start in range(0, entries.numel(), IMPORT_PIECE):
-            theirs_piece = source_entries[start : start + IMPORT_PIECE]
-            piece = entries[start : start + IMPORT_PIECE]
-            pairs = zip([*self.k_caches, *self.v_caches], [*pool.k, *pool.v], strict=True)
-            for ours, their in pairs:
-                ours[piece] = their[theirs_piece].to(ours.device)
+        copy_kv(pool, source.blocks.blocks, ours, blocks, start, positions)
 
     def copies_done(self) -> Any:
         """What says the copies queued so far are done: a CUDA event (None on the CPU,
