@@ -89,6 +89,7 @@ def test_sweep_reports_every_point_and_the_best(tmp_path, capsys):
     assert report == json.loads(capsys.readouterr().out)
     assert [point["asked"]["max_num_seqs"] for point in report["results"]] == [None, 4]
     assert report["results"][0]["settings"]["max_num_seqs"] == 64  # the CPU default
+    assert report["results"][0]["settings"]["admission_scan_limit"] == 64  # sized too
     assert len(report["rows"]) == 4 and {r["concurrency"] for r in report["rows"]} == {2, 3}
     assert all(
         row["tokens_per_s"] > 0 and row["ttft_s_p99"] >= row["ttft_s_p50"] for row in report["rows"]

@@ -1,9 +1,10 @@
 """`vllm-rlt bench sweep`: which scheduler settings serve a workload best on this device.
 
 For every point of a grid over `max_num_seqs`, `max_num_batched_tokens`,
-`max_prefill_batches_before_decode` and `prefill_chunk_size` (each value may be `auto`: the
-device's default for --usage), the offline engine runs closed batches: every concurrency
-value's requests are sent at once, as `LLM.generate` does with a list of prompts. With
+`max_prefill_batches_before_decode`, `prefill_chunk_size` and `admission_scan_limit` (each
+value may be `auto`: the device's default for --usage), the offline engine runs closed
+batches: every concurrency value's requests are sent at once, as `LLM.generate` does with
+a list of prompts. With
 `--launch MODEL` a server is measured instead: `vllm-rlt bench serve --launch MODEL` with
 the point's flags, its requests sent at once by the load generator. Each run
 reports end-to-end output tokens/s (first request sent to last token), TTFT and TPOT at
@@ -37,6 +38,7 @@ GRID_DEFAULTS: dict[str, list[int | None]] = {
     "max_num_batched_tokens": [None, 2048, 8192, 16384],
     "max_prefill_batches_before_decode": [None, 4, 256],
     "prefill_chunk_size": [512],
+    "admission_scan_limit": [None],
 }
 GRID = tuple(GRID_DEFAULTS)
 SERVER_GRID = ("api_server_count",)  # a server's own settings: with --launch only
