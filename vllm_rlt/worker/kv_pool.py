@@ -88,23 +88,35 @@ class KVSource:
 
 
 def block_runs(
-    sources: Sequence[int], targets: Sequence[int], start: int, end: int, block_size: int
+    sources: Sequence[int],
+    targets: Sequence[int],
+    start: int,
+    end: int,
+    block_size: int,
+    target_block_size: int | None = None,
 ) -> np.ndarray:
     """[source row, target row, rows] within a plane for positions [start, end) of a
     completion held in blocks `sources` of one pool and `targets` of another (both tables
-    count from position 0): block by block, runs of blocks consecutive on both sides
-    joined."""
+    count from position 0; the target's blocks hold `target_block_size` positions, the
+    source's by default): piece by piece between either side's block boundaries, runs
+    consecutive on both sides joined."""
+    target_size = target_block_size or block_size
     runs: list[list[int]] = []
-    for index in range(start // block_size, -(-end // block_size)):
-        first = max(start, index * block_size) - index * block_size
-        last = min(end, (index + 1) * block_size) - index * block_size
-        source = sources[index] * block_size + first
-        target = targets[index] * block_size + first
+    position = start
+    while position < end:
+        source_index, source_offset = divmod(position, block_size)
+        target_index, target_offset = divmod(position, target_size)
+        length = (
+            min(end, (source_index + 1) * block_size, (target_index + 1) * target_size) - position
+        )
+        source = sources[source_index] * block_size + source_offset
+        target = targets[target_index] * target_size + target_offset
         previous = runs[-1] if runs else None
         if previous and previous[0] + previous[2] == source and previous[1] + previous[2] == target:
-            previous[2] += last - first
+            previous[2] += length
         else:
-            runs.append([source, target, last - first])
+            runs.append([source, target, length])
+        position += length
     return np.array(runs, dtype=np.int64).reshape(-1, 3)
 
 
@@ -119,7 +131,9 @@ def copy_kv(
     """Copy positions [start, end) of one completion, every layer, K and V and plane, from
     `source` to `target` in stream order: runs of at least SLICE_COPY_BYTES as slice
     copies, the others gathered together."""
-    runs = block_runs(source_blocks, target_blocks, start, end, source.block_size)
+    runs = block_runs(
+        source_blocks, target_blocks, start, end, source.block_size, target.block_size
+    )
     long = runs[:, 2] * target.entry_bytes >= SLICE_COPY_BYTES
     pairs = list(zip([*target.k, *target.v], [*source.k, *source.v], strict=True))
     theirs_per_plane, ours_per_plane = source.slots_per_plane, target.slots_per_plane
