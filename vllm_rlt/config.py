@@ -58,6 +58,8 @@ KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 USAGE_CONTEXTS = (OFFLINE, SERVE)
 SCHEDULING_MODES = ("refill", "no_refill")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+# How `--disaggregate` moves K/V (engine/kv_transport.py, engine/kv_nixl.py); auto is torch.
+KV_CONNECTORS = ("auto", "torch", "nixl")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 # KV blocks on the CPU when no size is given; here, free of torch, for the help screens.
 CPU_DEFAULT_BLOCKS = 256

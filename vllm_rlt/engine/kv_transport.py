@@ -28,11 +28,11 @@ from typing import Any
 import msgspec
 import torch
 
+from vllm_rlt.config import KV_CONNECTORS
 from vllm_rlt.engine.kv_nixl import NixlPeer, NixlReader, NixlSharedPool
 from vllm_rlt.worker.kv_pool import KVPool
 
 PREFIX = "vllm-rlt-kv-"  # of every shared pool file's name
-KV_CONNECTORS = ("auto", "torch", "nixl")  # --kv-connector; auto is torch
 DTYPES = {
     str(dtype): dtype for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 }
@@ -72,7 +72,9 @@ def share_pool(pool: KVPool, connector: str) -> SharedPool | NixlSharedPool:
     if connector == "nixl":
         return NixlSharedPool(pool, lambda **fields: KVPoolHandle(**_fields(pool), **fields))
     if connector not in KV_CONNECTORS:
-        raise ValueError(f"kv_connector must be one of auto, torch, nixl, got {connector!r}")
+        raise ValueError(
+            f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {connector!r}"
+        )
     return SharedPool(pool)
 
 

@@ -22,10 +22,10 @@ from typing import Any
 
 import msgspec
 
-from vllm_rlt.config import CacheConfig, ParamError, require
+from vllm_rlt.config import KV_CONNECTORS, CacheConfig, ParamError, require
 from vllm_rlt.engine.dp_client import DataParallelClient, core_environments, visible_gpus
 from vllm_rlt.engine.kv_nixl import nixl_missing
-from vllm_rlt.engine.kv_transport import KV_CONNECTORS, KVPoolHandle, remove_files
+from vllm_rlt.engine.kv_transport import KVPoolHandle, remove_files
 from vllm_rlt.engine.messages import (
     AbortAll,
     AbortRequest,
@@ -93,7 +93,7 @@ class DisaggregatedClient(DataParallelClient):
         self.kv_connector = "torch" if kv_connector == "auto" else kv_connector
         require(
             kv_connector in KV_CONNECTORS,
-            f"kv_connector must be one of auto, torch, nixl, got {kv_connector!r}",
+            f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {kv_connector!r}",
             "kv_connector",
         )
         if self.kv_connector == "nixl" and (missing := nixl_missing()) is not None:

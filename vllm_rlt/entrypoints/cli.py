@@ -13,7 +13,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.config import SERVE
+from vllm_rlt.config import KV_CONNECTORS, SERVE
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.entrypoints.sampling_args import add_sampling_args, sampling_params_from
 
@@ -167,7 +167,7 @@ def _add_process_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--kv-connector",
-        choices=("auto", "torch", "nixl"),
+        choices=KV_CONNECTORS,
         default="auto",
         help="how --disaggregate moves K/V: torch maps the prefill core's pool and copies "
         "from it (CUDA IPC between GPUs of one host, shared memory on the CPU); nixl reads "

@@ -6,10 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from vllm_rlt.config import ParamError
+from vllm_rlt.config import KV_CONNECTORS, ParamError
 from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, RemoteCores
 from vllm_rlt.engine.kv_nixl import nixl_missing
-from vllm_rlt.engine.kv_transport import KV_CONNECTORS
 from vllm_rlt.engine.remote_channel import channel_keys, check_address, check_ports
 from vllm_rlt.entrypoints.openai.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
@@ -91,7 +90,7 @@ def _check_kv_connector(connector: str, disaggregated: bool) -> None:
     nixl reads it through the nixl package, which must be installed (checked here, at
     start-up, not at the first handover)."""
     if connector not in KV_CONNECTORS:
-        _fail("kv-connector", f"must be one of auto, torch, nixl, got {connector!r}")
+        _fail("kv-connector", f"must be one of {', '.join(KV_CONNECTORS)}, got {connector!r}")
     if connector != "auto" and not disaggregated:
         _fail("kv-connector", "applies to --disaggregate only")
     if connector == "nixl" and (missing := nixl_missing()) is not None:
