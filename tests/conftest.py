@@ -99,6 +99,18 @@ def make_engine(toy_model):
 _FRONTENDS: weakref.WeakKeyDictionary[EngineCore, LLMEngine] = weakref.WeakKeyDictionary()
 
 
+def pool_entries(pool, blocks, num_positions: int, start: int = 0) -> torch.Tensor:
+    """The rows of a `KVPool` holding positions [start, num_positions) of a completion in
+    `blocks` (those of positions from 0), at every plane, plane by plane: computed position
+    by position, apart from the run arithmetic the copies use."""
+    positions = torch.arange(start, num_positions)
+    table = torch.tensor(list(blocks), dtype=torch.int64)
+    size = pool.block_size
+    rows = table[positions // size] * size + positions % size
+    planes = torch.arange(pool.planes).unsqueeze(1) * pool.slots_per_plane
+    return (planes + rows).flatten().to(pool.k[0].device)
+
+
 def frontend(engine: EngineCore) -> LLMEngine:
     """The frontend `LLM` runs in front of this core (the same one every call): requests
     added, stepped and aborted through it come back as outputs."""

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.conftest import pool_entries
 from vllm_rlt.engine.kv_nixl import _descriptors
 from vllm_rlt.worker.kv_pool import KVBlocks, KVPool
 
@@ -65,8 +66,8 @@ def test_a_decode_pool_reads_a_prefill_pools_blocks_through_nixl():
         assert peer.geometry == decode.geometry and pools.open(shared.handle) is peer
         sources, targets = [4, 5, 1], [0, 6, 7]
         peer.read_into(KVBlocks(sources, 10, 0), targets, 4)  # the first block was a hit
-        read = decode.entries(targets, 10, 4)
-        written = prefill.entries(sources, 10, 4)
+        read = pool_entries(decode, targets, 10, 4)
+        written = pool_entries(prefill, sources, 10, 4)
         for ours, theirs, before in zip(
             [*decode.k, *decode.v], [*prefill.k, *prefill.v], untouched, strict=True
         ):
@@ -77,8 +78,8 @@ def test_a_decode_pool_reads_a_prefill_pools_blocks_through_nixl():
         with pytest.raises(Exception):  # noqa: B017 - NIXL's own error for a bad address
             peer.read_into(KVBlocks([10**6], 4, 0), targets, 0)  # far outside its pool
         peer.read_into(KVBlocks(sources, 10, 0), targets, 0)  # a failure stays its own
-        everything = prefill.entries(sources, 10)
-        assert torch.equal(decode.v[1][decode.entries(targets, 10)], prefill.v[1][everything])
+        everything = pool_entries(prefill, sources, 10)
+        assert torch.equal(decode.v[1][pool_entries(decode, targets, 10)], prefill.v[1][everything])
         pools.forget(shared.handle.pool_id)  # its prefill core was lost
         with pytest.raises(Exception):  # noqa: B017 - NIXL's own error for an unknown agent
             peer.read_into(KVBlocks(sources, 10, 0), targets, 4)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.conftest import pool_entries
 from vllm_rlt.worker import kv_pool
 from vllm_rlt.worker.kv_pool import KVPool, block_runs, copy_kv
 
@@ -48,8 +49,8 @@ def test_copy_moves_every_entry_of_the_positions_and_nothing_else(
     sources = [3, 4, 0, 6]
     targets = [7, 8, 1, 2] if block_size == 4 else [14, 15, 16, 17, 2, 3, 4, 5]
     copy_kv(source, sources, target, targets, start, 14)
-    moved_to = target.entries(targets, 14, start)
-    moved_from = source.entries(sources, 14, start)
+    moved_to = pool_entries(target, targets, 14, start)
+    moved_from = pool_entries(source, sources, 14, start)
     untouched = torch.ones(target.k[0].shape[0], dtype=torch.bool)
     untouched[moved_to] = False
     for ours, theirs, old in zip(

@@ -11,6 +11,7 @@ import msgspec
 import pytest
 import torch
 
+from tests.conftest import pool_entries
 from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool
 from vllm_rlt.worker.kv_pool import KVPool
 
@@ -48,7 +49,7 @@ def test_a_shared_pool_is_read_in_another_process(dtype):
     expected = _pool(dtype)
     for got, want in zip([*opened.k, *opened.v], [*expected.k, *expected.v], strict=True):
         assert torch.equal(got, want)  # bit for bit
-    entries = opened.entries([2, 0], 6)  # block 2 holds positions 0-3, block 0 holds 4-5
+    entries = pool_entries(opened, [2, 0], 6)  # block 2 holds positions 0-3, block 0 holds 4-5
     assert entries.tolist() == [8, 9, 10, 11, 0, 1, 20, 21, 22, 23, 12, 13]
     mapped.set()
     assert queue.get(timeout=60) == "written"

@@ -117,7 +117,6 @@ class NixlReader:
         tensors = [*local.k, *local.v]
         self.memory = _memory_kind(tensors[0])
         self.regions = np.array([_region(tensor) for tensor in tensors], dtype=np.int64)
-        self.row_bytes = tensors[0][0].numel() * tensors[0].element_size()
         self.per_plane = local.slots_per_plane
         self.registered = self.agent.register_memory(tensors)
 
@@ -164,7 +163,7 @@ class NixlReader:
         runs = block_runs(blocks.blocks, targets, start, blocks.num_positions, peer.block_size)
         if not len(runs):
             return
-        planes, size = peer.planes, self.row_bytes
+        planes, size = peer.planes, self.local.entry_bytes
         local = _descriptors(self.regions, runs[:, 1], runs[:, 2], planes, self.per_plane, size)
         remote = _descriptors(peer.regions, runs[:, 0], runs[:, 2], planes, peer.per_plane, size)
         nbytes = int(local[:, 1].sum())

@@ -46,16 +46,6 @@ class KVPool:
         first = self.k[0]
         return first[0].numel() * first.element_size()
 
-    def entries(self, blocks: Sequence[int], num_positions: int, start: int = 0) -> torch.Tensor:
-        """Cache entries of positions [start, num_positions) held in `blocks` (those of
-        positions from 0), at every plane: plane by plane, on the pool's device."""
-        positions = torch.arange(start, num_positions)
-        table = torch.tensor(list(blocks), dtype=torch.int64)
-        size = self.block_size
-        rows = table[positions // size] * size + positions % size
-        planes = torch.arange(self.planes).unsqueeze(1) * self.slots_per_plane
-        return (planes + rows).flatten().to(self.k[0].device)
-
 
 class KVBlocks(msgspec.Struct, array_like=True):
     """One completion's K/V in its prefill core's pool: positions [0, num_positions) in
