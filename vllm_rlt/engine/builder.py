@@ -31,7 +31,7 @@ from vllm_rlt.engine.device_defaults import size_scheduler
 from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.parent_watch import leave_with_parent
-from vllm_rlt.engine.process_setup import drive_with_one_host_thread, freeze_startup_heap
+from vllm_rlt.engine.process_setup import settle_engine_process
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.exit import make_exit_policy
 from vllm_rlt.models.load import (
@@ -154,8 +154,7 @@ def run_tensor_parallel_rank(
     leave_with_parent(parent_pid)
     built = build_engine(**arguments, tensor_parallel_size=world, tensor_parallel_rank=(rank, port))
     assert built.tensor_parallel is not None
-    drive_with_one_host_thread(built.engine.model.device)
-    freeze_startup_heap()
+    settle_engine_process(built.engine.model.device)
     follow(built.engine, built.tensor_parallel)
 
 

@@ -49,7 +49,7 @@ from vllm_rlt.engine.messages import (
 )
 from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.pass_rate import PassRate
-from vllm_rlt.engine.process_setup import drive_with_one_host_thread, freeze_startup_heap
+from vllm_rlt.engine.process_setup import settle_engine_process
 from vllm_rlt.engine.remote_channel import (
     ChannelKeys,
     Peer,
@@ -379,12 +379,6 @@ def _frontend_lost(message: str) -> None:
     os._exit(3)
 
 
-def _settle(engine: EngineCore) -> None:
-    """The core process, its engine built: see `process_setup`."""
-    drive_with_one_host_thread(engine.model.device)
-    freeze_startup_heap()
-
-
 def run_engine_core(
     llm_kwargs: dict[str, Any],
     peers: list[Peer],
@@ -404,7 +398,9 @@ def run_engine_core(
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     leave_with_parent(parent_pid)
     context = zmq.Context()
-    code = serve_engine(llm_kwargs, context, peers, _settle, keys)
+    code = serve_engine(
+        llm_kwargs, context, peers, lambda engine: settle_engine_process(engine.model.device), keys
+    )
     # Let the last messages leave, then exit without tearing the interpreter down: the
     # device and the runtime's threads need no orderly teardown, and it could hang.
     context.term()

@@ -23,6 +23,12 @@ def drive_with_one_host_thread(device: torch.device) -> None:
         logger.debug("process on %s: one torch host thread", device)
 
 
+def settle_engine_process(device: torch.device) -> None:
+    """An engine core or tensor-parallel rank, its engine built: both of the above."""
+    drive_with_one_host_thread(device)
+    freeze_startup_heap()
+
+
 def freeze_startup_heap() -> None:
     """Move every object built so far (modules, the runtime's, the app's) out of the cyclic
     collector's reach: they live as long as the process, and a full collection walking
