@@ -5,13 +5,16 @@ read through CUDA IPC from another process's pool, or through NIXL where it is i
 from __future__ import annotations
 
 import multiprocessing
+import re
 
+import httpx
 import msgspec
 import pytest
 import torch
 
+from tests.server.conftest import serve_process
 from tests.unit.test_kv_handover import _assert_same, _colocated, _disaggregated, _requests
-from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SchedulerConfig
+from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool, share_pool
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
@@ -21,12 +24,12 @@ from vllm_rlt.worker.kv_pool import KVPool
 pytestmark = pytest.mark.gpu
 
 
-def _engine(model, layout):
+def _engine(model, layout, batched: int = 128):
     return build_engine_core(
         model,
         Tokenizer.byte_level(),
         CacheConfig(layout=layout, num_blocks=256, block_size=4),
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=128),
+        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched),
         ExitConfig(),
         ExecutionConfig(cuda_graphs=True, async_scheduling=True),
         "triton",
@@ -42,6 +45,28 @@ def test_cuda_handover_equals_one_core(toy_config, toy_state, exact_float32, lay
     got, handed = _disaggregated(prefill, decode, _requests())
     _assert_same(got, expected)
     assert handed and prefill.all_blocks_free() and decode.all_blocks_free()  # released
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared"])
+def test_cuda_blocks_moved_while_later_chunks_run_equal_one_core(
+    toy_config, toy_state, exact_float32, layout
+):
+    """Chunks of 8 positions: each finished block is copied on the device (ordered by an
+    event) while later chunks run, and the outputs equal one core's."""
+    model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cuda")
+    prompt = [(7 * i) % 90 + 3 for i in range(45)]
+    requests = [
+        ("long", prompt, SamplingParams(max_tokens=6, temperature=0.0)),
+        ("fanout", prompt[:33], SamplingParams(max_tokens=5, temperature=0.8, seed=4, n=2)),
+    ]
+    expected = _colocated(_engine(model, layout, 8), requests)
+    prefill, decode = _engine(model, layout, 8), _engine(model, layout, 8)
+    lent = []
+    take = prefill.take_prefetches
+    prefill.take_prefetches = lambda: lent.extend(taken := take()) or taken
+    got, _ = _disaggregated(prefill, decode, requests)
+    _assert_same(got, expected)
+    assert len(lent) >= 3 and prefill.all_blocks_free() and decode.all_blocks_free()
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
@@ -88,3 +113,30 @@ def test_cuda_ipc_maps_another_process_pool():
     for tensor in got:
         want = torch.randn(2 * 12, 3, 8, generator=generator).to("cuda", torch.bfloat16)
         assert torch.equal(tensor, want)
+
+
+def _served_texts(flags: tuple[str, ...], prompts: list[str]) -> tuple[list[str], str]:
+    """Greedy completions of `prompts`, one request at a time, and the final scrape."""
+    with serve_process(*flags) as (_, url):
+        texts = []
+        for prompt in prompts:
+            body = {"model": "toy", "prompt": prompt, "max_tokens": 12, "temperature": 0}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+            assert reply.status_code == 200, reply.text
+            texts.append(reply.json()["choices"][0]["text"])
+        return texts, httpx.get(f"{url}/metrics", timeout=60).text
+
+
+def test_served_handover_over_cuda_ipc_moves_chunks_early_and_equals_one_engine():
+    """`serve --disaggregate 1:1` on one GPU: the decode core maps the prefill core's pool
+    through CUDA IPC, and prompts run in chunks of 16 move their finished blocks while later
+    chunks run. Each request alone (a batch of one on either server) gives the text one
+    engine gives with the same chunks."""
+    prompts = [f"prompt {i} " + "with several words " * (4 + 6 * i) for i in range(3)]
+    common = ("--device", "cuda", "--dtype", "float32", "--prefill-chunk-size", "16")
+    expected, _ = _served_texts(common, prompts)
+    flags = (*common, "--disaggregate", "1:1", "--kv-connector", "torch")
+    got, scrape = _served_texts(flags, prompts)
+    assert got == expected
+    early = re.search(r"^vllm_rlt:kv_transfer_prefetched_blocks_total (\S+)$", scrape, re.M)
+    assert early and float(early.group(1)) > 0

@@ -42,6 +42,8 @@ def _idle(url: str, timeout: float = 60.0) -> None:
 def test_disaggregated_serving_equals_offline_and_frees_both_cores(layout):
     before = _pool_files()
     flags = ("--disaggregate", "1:1", "--kv-layout", layout, "--shutdown-timeout", "5")
+    # Chunks of 8: the prompt's first block of 16 moves while its last chunk runs.
+    flags += ("--prefill-chunk-size", "8")
     with serve_process(*flags) as (process, url):
         if layout == "last_exited":  # against the offline engine's default layout
             check_concurrent_streams(url, 6, max_tokens=8)
@@ -99,6 +101,8 @@ def test_disaggregated_serving_equals_offline_and_frees_both_cores(layout):
         # left
         assert float(handovers.group(1)) == (10 if layout == "last_exited" else 4)
         assert float(moved.group(1)) > 0
+        early = re.search(r"^vllm_rlt:kv_transfer_prefetched_blocks_total (\S+)$", scrape, re.M)
+        assert (float(early.group(1)) > 0) == (layout == "last_exited")
         assert re.search(r"^vllm_rlt:kv_transfer_queue 0\.0$", scrape, re.M)
         assert "vllm_rlt:kv_transfer_seconds_count" in scrape
         process.send_signal(signal.SIGTERM)

@@ -45,6 +45,8 @@ def _colocated(engine, requests) -> dict:
 
 
 def _release_copied(prefill, decode) -> None:
+    for request_id in decode.ledger.prefetched():  # lent first, released first
+        assert prefill.ledger.release(request_id)
     for request_id in decode.ledger.copied():
         assert prefill.ledger.release(request_id)
 
@@ -61,6 +63,8 @@ def _disaggregated(prefill, decode, requests, source=None) -> tuple[dict, list]:
         if prefill.has_unfinished:
             for delta in prefill.step():
                 _collect(outputs, delta)
+            for blocks in prefill.take_prefetches():
+                decode.prefetch_kv(blocks, prefill.runner.kv_pool if source is None else source)
             for handover in prefill.take_handovers():
                 handed.append(handover)
                 if any(c.kv is not None for c in handover.completions):
@@ -73,11 +77,12 @@ def _disaggregated(prefill, decode, requests, source=None) -> tuple[dict, list]:
                 _collect(outputs, delta)
         _release_copied(prefill, decode)
     for _ in range(1000):  # copies may still run on the device
-        if not decode.ledger.importing:
+        if not (decode.ledger.importing or decode.ledger.prefetching):
             break
         _release_copied(prefill, decode)
     _release_copied(prefill, decode)
     assert not prefill.ledger.lent and not decode.ledger.importing
+    assert not decode.ledger.prefetching
     return outputs, handed
 
 
@@ -164,6 +169,70 @@ def test_a_handed_over_request_decodes_as_on_one_core(make_engine, layout, exit_
             per_position *= config.head_dim * 4 * planes  # float32 K and V at every plane
             assert completion.kv.nbytes == computed * per_position
     assert prefill.stats().num_passes > 0 and decode.stats().num_passes > 0
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_a_long_prompt_moves_its_finished_blocks_while_later_chunks_run(
+    make_engine, layout, async_scheduling
+):
+    """A prompt run in chunks of 8 positions lends each whole block a chunk finished; the
+    decode core copies them into its prefix cache at once, and the import copies only
+    what came after them. Outputs equal one core's; shared_decode (no prefix cache for
+    imports) moves everything at the handover, as before."""
+    settings = dict(layout=layout, async_scheduling=async_scheduling, max_num_batched_tokens=8)
+    prompt = [(7 * i) % 90 + 3 for i in range(37)]
+    requests = [
+        ("long", prompt, SamplingParams(max_tokens=5, temperature=0.0)),
+        ("fanout", prompt[:30], SamplingParams(max_tokens=4, temperature=0.8, seed=2, n=2)),
+    ]
+    expected = _colocated(make_engine(**settings), requests)
+    prefill, decode = make_engine(**settings), make_engine(**settings)
+    lent = []
+    take = prefill.take_prefetches
+    prefill.take_prefetches = lambda: lent.extend(taken := take()) or taken
+    copied_from = []
+    import_kv = decode.runner.import_kv
+    decode.runner.import_kv = lambda source, blocks, start=0: (
+        copied_from.append(start) or import_kv(source, blocks, start)
+    )
+    got, _ = _disaggregated(prefill, decode, requests)
+    _assert_same(got, expected)
+    if layout == "shared_decode":
+        assert not lent and set(copied_from) == {0}
+        return
+    # Blocks of 4, each lent once, in order, with the prompt up to its end.
+    long = [blocks for blocks in lent if blocks.request_id == "long"]
+    ends = [b.first + len(b.blocks) for b in long]
+    assert [b.first for b in long] == [0, *ends[:-1]] and len(long) >= 3
+    assert all(len(b.prompt_token_ids) == 4 * end for b, end in zip(long, ends, strict=True))
+    # The import copies only what was not lent: at most the prompt's last 8 positions.
+    assert sorted(copied_from)[-1] == 4 * ends[-1] >= len(prompt) - 8 and all(copied_from)
+    assert decode.kv.num_cached_blocks >= ends[-1]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_an_abort_while_blocks_are_lent_early_frees_both_cores(make_engine, async_scheduling):
+    """Aborted while its later chunks run: the blocks lent early stay until the decode
+    core's copy is done, then both cores hold nothing (the copy stays in its prefix cache,
+    evictable)."""
+    settings = dict(async_scheduling=async_scheduling, max_num_batched_tokens=8)
+    prefill, decode = make_engine(**settings), make_engine(**settings)
+    params = SamplingParams(max_tokens=5, temperature=0.0)
+    prefill.add_request("long", [(5 * i) % 80 + 3 for i in range(40)], params, handover=True)
+    lent = []
+    while not lent:
+        prefill.step()
+        lent += prefill.take_prefetches()
+    assert prefill.abort_request("long").finished
+    while prefill.has_unfinished:
+        prefill.step()
+    assert not prefill.take_prefetches() and not prefill.all_blocks_free()
+    for blocks in lent:
+        decode.prefetch_kv(blocks, prefill.runner.kv_pool)
+    assert decode.ledger.prefetched() == ["long"] * len(lent)
+    assert prefill.ledger.release("long") and prefill.all_blocks_free()
+    assert decode.kv.num_cached_blocks == sum(len(blocks.blocks) for blocks in lent)
 
 
 def test_aborts_around_the_handover_free_everything(make_engine):

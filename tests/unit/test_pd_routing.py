@@ -21,6 +21,8 @@ from vllm_rlt.engine.messages import (
     ForgetKVPool,
     ImportRequest,
     KVOffer,
+    KVPrefetch,
+    PrefetchKV,
     ReleaseHandover,
 )
 from vllm_rlt.engine.pd_client import DisaggregatedClient
@@ -43,7 +45,7 @@ def _client() -> DisaggregatedClient:
     client.num_prefill = 1
     client.kv_connector = "torch"
     client._lent_by, client._pool_files, client._early_aborts = {}, {}, {}
-    client._pool_ids = {}
+    client._pool_ids, client._prefetch_target, client._prefetch_lent = {}, {}, {}
     client._prepare(lambda reason: None, None)
     client.cores = [_Core(), _Core()]
     client.client, client._owner = 0, {}
@@ -52,10 +54,15 @@ def _client() -> DisaggregatedClient:
     return client
 
 
-def _outputs(offers=(), imported=()):
+def _outputs(offers=(), imported=(), prefetches=(), prefetched=()):
     stats = types.SimpleNamespace(num_free_blocks=1, num_blocks=1)
     return types.SimpleNamespace(
-        offers=list(offers), imported=list(imported), requests=[], stats=stats
+        offers=list(offers),
+        imported=list(imported),
+        prefetches=list(prefetches),
+        prefetched=list(prefetched),
+        requests=[],
+        stats=stats,
     )
 
 
@@ -84,6 +91,56 @@ def test_aborts_sent_before_an_offer_arrives_follow_it():
     client._outputs(1, lambda outputs: None, _outputs(imported=["one"]))
     assert isinstance(client.cores[0].sent[-1], ReleaseHandover)
     assert client.cores[0].sent[-1].request_id == "one"
+
+
+def _prefetch(request_id: str, first: int) -> KVPrefetch:
+    pool = KVPoolHandle("p", "cuda_ipc", [1], "torch.float32", 1, 1, 1)
+    return KVPrefetch(request_id, [1] * 4 * (first + 1), first, [first], pool)
+
+
+def _releases(core) -> list[str]:
+    return [c.request_id for c in core.sent if isinstance(c, ReleaseHandover)]
+
+
+def test_early_lent_blocks_go_to_the_decode_core_that_later_takes_the_request():
+    """Prefetches go to the decode core chosen at the first of them, the offer follows
+    them there, and each copy done frees one lend at the prefill core before the import's."""
+    client = _client()
+    client.cores.append(_Core())  # a second decode core
+    client._sequences.append(0)
+    client._kv_usage.append(0.0)
+    client._heard.append(time.monotonic())
+    params = SamplingParams(max_tokens=5)
+    client.send(AddRequest("long", [1] * 12, params))
+    client._sequences[1] = 3  # the first decode core is busier: the second one is chosen
+    for first in (0, 1):
+        client._outputs(0, lambda outputs: None, _outputs(prefetches=[_prefetch("long", first)]))
+    client._sequences[1], client._sequences[2] = 0, 3  # now the other is less loaded
+    client._outputs(0, lambda outputs: None, _outputs([_offer("long", params)]))
+    target = client.cores[2].sent
+    assert [type(c) for c in target] == [PrefetchKV, PrefetchKV, ImportRequest]
+    assert [c.prefetch.first_block for c in target[:2]] == [0, 1]
+    assert not client.cores[1].sent and client._owner["long"][0] == 2
+    client._outputs(2, lambda outputs: None, _outputs(prefetched=["long"]))
+    assert _releases(client.cores[0]) == ["long"]
+    client._outputs(2, lambda outputs: None, _outputs(imported=["long"], prefetched=["long"]))
+    assert _releases(client.cores[0]) == ["long"] * 3
+    assert not client._prefetch_lent and not client._lent_by and not client._prefetch_target
+
+
+def test_early_lent_blocks_are_freed_when_their_decode_core_is_lost_or_absent():
+    client = _client()
+    params = SamplingParams(max_tokens=5)
+    client.send(AddRequest("r", [1] * 12, params))
+    for first in (0, 1, 2):
+        client._outputs(0, lambda outputs: None, _outputs(prefetches=[_prefetch("r", first)]))
+    client._outputs(1, lambda outputs: None, _outputs(prefetched=["r"]))
+    client.lost[1] = "killed"
+    client.forget_core(1)
+    assert _releases(client.cores[0]) == ["r"] * 3 and not client._prefetch_lent
+    # No decode core left: a later prefetch is released at once.
+    client._outputs(0, lambda outputs: None, _outputs(prefetches=[_prefetch("r", 3)]))
+    assert _releases(client.cores[0]) == ["r"] * 4
 
 
 def test_a_lost_core_frees_what_its_handovers_held(tmp_path):

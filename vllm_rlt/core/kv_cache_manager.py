@@ -166,6 +166,17 @@ class KVCacheManager:
             raise RuntimeError(f"{borrower!r} already holds blocks")
         self._tables[borrower] = self._tables.pop(owner, [])
 
+    def share(self, owner: Hashable, borrower: Hashable, first: int, count: int) -> list[int]:
+        """Give `borrower` blocks [first, first + count) of `owner`'s table as well, one
+        more reference each: they stay until both tables are freed. Returns them."""
+        if borrower in self._tables:
+            raise RuntimeError(f"{borrower!r} already holds blocks")
+        blocks = self._tables[owner][first : first + count]
+        for block in blocks:
+            self._refs[block] += 1
+        self._tables[borrower] = list(blocks)
+        return list(blocks)
+
     def block_table(self, request_id: Hashable) -> list[int]:
         return self._tables.get(request_id, [])
 

@@ -1,6 +1,7 @@
 """An engine-core process's side of prefill/decode disaggregation (engine/pd_client.py):
-its offers, the imports whose source blocks may go, its pool as the host sees it and the
-prefill pools it has mapped, and the start-up check of the transport."""
+its offers and early-lent prompt blocks, the imports and prefetches whose source blocks may
+go, its pool as the host sees it and the prefill pools it has mapped, and the start-up
+check of the transport."""
 
 from __future__ import annotations
 
@@ -14,19 +15,35 @@ import msgspec
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.kv_handover import HandedCompletion, KVHandover
 from vllm_rlt.engine.kv_nixl import NixlSharedPool
+from vllm_rlt.engine.kv_prefetch import PromptBlocks
 from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool, share_pool
-from vllm_rlt.engine.messages import HandedCompletionMessage, KVOffer
+from vllm_rlt.engine.messages import HandedCompletionMessage, KVOffer, KVPrefetch
+
+
+@dataclasses.dataclass
+class HandoverNews:
+    """What one client (frontend) hears next from this core: requests it ran to their
+    first tokens (`offers`) and prompt blocks it lent before that (`prefetches`); imports
+    and prefetches whose source blocks the prefill core may free (`imported`, `prefetched`:
+    one request id per prefetch)."""
+
+    offers: list[KVOffer] = dataclasses.field(default_factory=list)
+    imported: list[str] = dataclasses.field(default_factory=list)
+    prefetches: list[KVPrefetch] = dataclasses.field(default_factory=list)
+    prefetched: list[str] = dataclasses.field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.offers or self.imported or self.prefetches or self.prefetched)
 
 
 class CoreHandovers:
-    """Per client (frontend): requests this core ran to their first tokens (`offers`)
-    and imports whose source blocks the prefill core may free (`imported`)."""
+    """Per client (frontend), the `HandoverNews` to send."""
 
     def __init__(self, engine: EngineCore, clients: int) -> None:
         self.engine = engine
-        self.offers: list[list[KVOffer]] = [[] for _ in range(clients)]
-        self.imported: list[list[str]] = [[] for _ in range(clients)]
+        self.news = [HandoverNews() for _ in range(clients)]
         self.import_client: dict[str, int] = {}
+        self.prefetch_clients: list[int] = []  # per prefetch in `ledger.prefetching`
         self.shared_pool: SharedPool | NixlSharedPool | None = None
         self.opened_pools = OpenedPools(lambda: engine.runner.kv_pool)
 
@@ -34,7 +51,7 @@ class CoreHandovers:
         """Offer each handed-over request to the client that sent it."""
         for handover in handovers:
             completions = [HandedCompletionMessage(**_fields(c)) for c in handover.completions]
-            self.offers[client_of(handover.request_id)].append(
+            self.news[client_of(handover.request_id)].offers.append(
                 KVOffer(
                     handover.request_id,
                     handover.prompt_token_ids,
@@ -43,6 +60,33 @@ class CoreHandovers:
                     self.share().handle,
                 )
             )
+
+    def lend_early(self, lent: list[PromptBlocks], client_of: Callable[[str], int]) -> None:
+        """Tell each request's client of the prompt blocks lent before its handover."""
+        for blocks in lent:
+            self.news[client_of(blocks.request_id)].prefetches.append(
+                KVPrefetch(
+                    blocks.request_id,
+                    blocks.prompt_token_ids,
+                    blocks.first,
+                    blocks.blocks,
+                    self.share().handle,
+                )
+            )
+
+    def prefetch(self, prefetch: KVPrefetch, client: int) -> None:
+        """Copy a prefill core's early-lent prompt blocks here (`EngineCore.prefetch_kv`);
+        its client hears once the copy is done (`collect_copied`). A pool that cannot be
+        opened skips the copy."""
+        try:
+            source = self.opened_pools.open(prefetch.pool)
+        except Exception:  # noqa: BLE001 - the import then fails or copies them itself
+            source = None
+        blocks = PromptBlocks(
+            prefetch.request_id, prefetch.prompt_token_ids, prefetch.first_block, prefetch.blocks
+        )
+        self.engine.prefetch_kv(blocks, source)
+        self.prefetch_clients.append(client)
 
     def share(self, connector: str = "torch") -> SharedPool | NixlSharedPool:
         """This core's pool as decode cores read it: shared through `connector` by the
@@ -82,8 +126,11 @@ class CoreHandovers:
             ledger.unread.append(request_id)  # refused before the engine saw it
 
     def collect_copied(self) -> None:
-        for request_id in self.engine.ledger.copied():
-            self.imported[self.import_client.pop(request_id, 0)].append(request_id)
+        ledger = self.engine.ledger
+        for request_id in ledger.prefetched():  # before the imports they precede
+            self.news[self.prefetch_clients.pop(0)].prefetched.append(request_id)
+        for request_id in ledger.copied():
+            self.news[self.import_client.pop(request_id, 0)].imported.append(request_id)
 
     def control(self, name: str) -> dict[str, bool | str]:
         """The start-up check (engine/pd_client.py): "kv_share:CONNECTOR" makes this core's

@@ -26,7 +26,7 @@ import zmq
 
 from vllm_rlt.config import require
 from vllm_rlt.engine.builder import build_engine
-from vllm_rlt.engine.core_handovers import CoreHandovers
+from vllm_rlt.engine.core_handovers import CoreHandovers, HandoverNews
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.messages import (
     AbortAll,
@@ -40,6 +40,7 @@ from vllm_rlt.engine.messages import (
     EngineOutputs,
     ForgetKVPool,
     ImportRequest,
+    PrefetchKV,
     Ready,
     ReleaseHandover,
     RequestDelta,
@@ -106,10 +107,11 @@ class CoreLoop:
                 if engine.has_unfinished:  # held back: only a release can free blocks
                     wait = 10 if engine.held_back else 0
                 else:  # idle with copies still running: look at them again soon
-                    wait = 1 if engine.ledger.importing else None
+                    wait = 1 if engine.ledger.importing or engine.ledger.prefetching else None
                 self._take_commands(wait)
                 if engine.has_unfinished and not self.stopping:
                     self._route(engine.step())
+                    self.handovers.lend_early(engine.take_prefetches(), self._client_of)
                     self.handovers.offer(engine.take_handovers(), self._client_of_offer)
                     self.rate.record(engine.passes.num_passes, engine.passes.num_rows_total)
                 self.handovers.collect_copied()
@@ -121,6 +123,9 @@ class CoreLoop:
             raise
         finally:
             self.handovers.close()
+
+    def _client_of(self, request_id: str) -> int:
+        return self.owners.get(request_id, 0) if self.routed else 0
 
     def _client_of_offer(self, request_id: str) -> int:
         """The client of a request handed over: it leaves this core."""
@@ -143,16 +148,18 @@ class CoreLoop:
         now = time.monotonic()
         stats = None
         for client, deltas in enumerate(self.outbox):
-            offers, imported = self.handovers.offers[client], self.handovers.imported[client]
-            if not (deltas or offers or imported):
+            news = self.handovers.news[client]
+            if not (deltas or news):
                 if now - self.last_sent[client] < HEARTBEAT_S or not self._busy(client):
                     continue
             if stats is None:
                 stats = self.engine.stats()
-            message = EngineOutputs(deltas, stats, offers, imported)
+            message = EngineOutputs(
+                deltas, stats, news.offers, news.imported, news.prefetches, news.prefetched
+            )
             self.outputs[client].send(self.encode(message), copy=False)
             self.outbox[client] = []
-            self.handovers.offers[client], self.handovers.imported[client] = [], []
+            self.handovers.news[client] = HandoverNews()
             self.last_sent[client] = now
 
     def _busy(self, client: int) -> bool:
@@ -178,6 +185,8 @@ class CoreLoop:
                 self._abort_all(command.client)
             elif isinstance(command, ImportRequest):
                 self._import(command)
+            elif isinstance(command, PrefetchKV):
+                self.handovers.prefetch(command.prefetch, command.client if self.routed else 0)
             elif isinstance(command, ReleaseHandover):
                 self.engine.ledger.release(command.request_id)
             elif isinstance(command, ForgetKVPool):

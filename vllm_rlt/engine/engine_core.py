@@ -13,6 +13,7 @@ from vllm_rlt.core.memory import MemoryPlan
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.kv_handover import HandoverLedger, KVHandover, continue_completions
+from vllm_rlt.engine.kv_prefetch import PromptBlocks, PromptPrefetcher, prefetch_into
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.pass_pipeline import PassPipeline
 from vllm_rlt.engine.request_checks import RequestChecker
@@ -68,6 +69,8 @@ class EngineCore:
         self.groups = RequestGroups()
         self.handovers: list[KVHandover] = []  # prefill side: offered, not yet taken
         self.ledger = HandoverLedger(self.kv, runner.kv_pool, runner.kv_position_bytes)
+        self.prefetcher = PromptPrefetcher(scheduler, self.ledger)
+        self.prefetches: list[PromptBlocks] = []  # prefill side: lent early, not yet sent
         self.held_back = False  # the last step ran nothing: lent blocks fill the pool
         # no_refill cohorts depend on the previous pass's exits, so they run synchronously.
         self.async_scheduling = (
@@ -97,6 +100,8 @@ class EngineCore:
         group = self._new_group(str(request_id), prompt_token_ids, params)
         group.handover = handover
         self._queue(group, group.children)
+        if handover:
+            self.prefetcher.watch(group)
 
     def _new_group(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
@@ -128,15 +133,33 @@ class EngineCore:
         self._queue(group, live)
         self.ledger.importing[request_id] = live
 
+    def prefetch_kv(self, blocks: PromptBlocks, source: object) -> None:
+        """Copy prompt blocks a prefill core lent early from its pool `source` into this
+        core's prefix cache (engine/kv_prefetch.py); `ledger.prefetched` says when that
+        copy is done. A copy that cannot be made is skipped: the import copies them."""
+        try:
+            done = prefetch_into(self.scheduler, self.runner, source, blocks)
+        except Exception:  # noqa: BLE001 - the import then copies these blocks itself
+            logger.warning("prefetch of %s skipped", blocks.request_id, exc_info=True)
+            done = None
+        self.ledger.prefetching.append((blocks.request_id, done, source))
+
     def take_handovers(self) -> list[KVHandover]:
         """The requests this core handed over since the last call (see `add_request`)."""
         taken, self.handovers = self.handovers, []
+        return taken
+
+    def take_prefetches(self) -> list[PromptBlocks]:
+        """Prompt blocks of handed-over requests lent since the last call, before their
+        handover (engine/kv_prefetch.py)."""
+        taken, self.prefetches = self.prefetches, []
         return taken
 
     def _hand_over(self, group: RequestGroup) -> None:
         """Offer the request and end it here without a word to the frontend: it goes on
         elsewhere."""
         handover = self.ledger.hand_over(group)
+        self.prefetcher.forget(group.request_id)
         group.end(self.scheduler, "handover")
         self.groups.remove(group)
         self.handovers.append(handover)
@@ -166,6 +189,7 @@ class EngineCore:
     @mirrored
     def step(self) -> list[RequestDelta]:
         """Run one pass; return what each request that progressed produced in it."""
+        settled = self.prefetcher.settled() if self.prefetcher.watched else None
         progressed = self._step()
         deltas = [self._delta(group) for group in progressed]
         for group in progressed:
@@ -174,6 +198,8 @@ class EngineCore:
                     self._hand_over(group)
                 except Exception as error:  # noqa: BLE001 - fails this request only
                     deltas.append(self._delta(self._fail(group.children[0], error)))
+        if settled is not None:
+            self.prefetches += self.prefetcher.plan(settled)
         return deltas
 
     def _step(self) -> list[RequestGroup]:
@@ -285,7 +311,7 @@ class EngineCore:
             field,
         )
         require(
-            not (self.ledger.lent or self.ledger.importing),
+            not (self.ledger.lent or self.ledger.importing or self.ledger.prefetching),
             f"{hook} needs an idle engine: K/V handed to or from another engine is in transit",
             field,
         )

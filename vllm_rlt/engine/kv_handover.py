@@ -22,6 +22,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 from vllm_rlt.config import require
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
@@ -149,6 +150,9 @@ class HandoverLedger:
         self.lent: dict[str, deque[list[tuple[str, int]]]] = {}
         self.importing: dict[str, list[Request]] = {}
         self.unread: list[str] = []  # imports refused before anything was queued
+        # decode side, per prefetch in stream order: (request id, what says its copy is
+        # done, the pool it reads: kept mapped until then)
+        self.prefetching: deque[tuple[str, Any, Any]] = deque()
         self._keys = itertools.count()
 
     def hand_over(self, group: RequestGroup) -> KVHandover:
@@ -173,6 +177,15 @@ class HandoverLedger:
         self.lent.setdefault(group.request_id, deque()).append(keys)
         return handover
 
+    def lend_prefix(self, request_id: str, owner: str, first: int, count: int) -> list[int]:
+        """Keep blocks [first, first + count) of `owner`'s table (a completion of
+        `request_id` still prefilling) for a decode core's prefetch, until `release`: a
+        lend like a handover's, released in the order lent."""
+        key = ("lent", next(self._keys))
+        blocks = self.kv.share(owner, key, first, count)
+        self.lent.setdefault(request_id, deque()).append([key])
+        return blocks
+
     def release(self, request_id: str) -> bool:
         """Free what the oldest handover of `request_id` lent (the decode core has its
         copy, or never will); False if nothing was lent."""
@@ -189,12 +202,26 @@ class HandoverLedger:
         """Imports whose source nobody here reads any more: each live completion's copy
         is done (in stream order) or it ended before its admission. Each import is
         reported once, also one refused at once."""
-        done, self.unread = self.unread, []
+        pending = {entry[0] for entry in self.prefetching}
+        done = [request_id for request_id in self.unread if request_id not in pending]
+        self.unread = [request_id for request_id in self.unread if request_id in pending]
         for request_id, children in list(self.importing.items()):
-            if all(_source_unread(child) for child in children):
+            # After its prefetches: the prefill core frees the oldest of its lends first.
+            if request_id not in pending and all(_source_unread(child) for child in children):
                 done.append(request_id)
                 del self.importing[request_id]
         return done
+
+    def prefetched(self) -> list[str]:
+        """The request id of each prefetch whose copy is done, in the order they came."""
+        done = []
+        while self.prefetching and _event_done(self.prefetching[0][1]):
+            done.append(self.prefetching.popleft()[0])
+        return done
+
+
+def _event_done(event: Any) -> bool:
+    return event is None or event.query()
 
 
 def _source_unread(child: Request) -> bool:

@@ -51,6 +51,26 @@ class KVOffer(msgspec.Struct, array_like=True):
     pool: KVPoolHandle
 
 
+class KVPrefetch(msgspec.Struct, array_like=True):
+    """Whole prompt blocks a prefill core finished while later chunks of the same prompt
+    still run: blocks [first_block, first_block + len(blocks)) of its table, in the pool
+    `pool` opens, holding positions of `prompt_token_ids` (the prompt up to their end)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    first_block: int
+    blocks: list[int]
+    pool: KVPoolHandle
+
+
+class PrefetchKV(msgspec.Struct, tag="prefetch", array_like=True):
+    """Copy `prefetch`'s blocks into this (decode) core's prefix cache now, so that the
+    request's import later copies only what came after; `client` hears when it is done."""
+
+    prefetch: KVPrefetch
+    client: int = 0
+
+
 class ImportRequest(msgspec.Struct, tag="import", array_like=True):
     """Continue `offer` on this (decode) core; its outputs go to `client`."""
 
@@ -84,7 +104,15 @@ class AbortAll(msgspec.Struct, tag="abort_all", array_like=True):
     client: int = 0
 
 
-Command = AddRequest | AbortRequest | AbortAll | ImportRequest | ReleaseHandover | ForgetKVPool
+Command = (
+    AddRequest
+    | AbortRequest
+    | AbortAll
+    | ImportRequest
+    | PrefetchKV
+    | ReleaseHandover
+    | ForgetKVPool
+)
 
 
 # The parts of a sleeping engine that wake separately (vLLM's wake-up tags).
@@ -238,12 +266,16 @@ def sum_core_stats(values: list[CoreStats]) -> CoreStats:
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """A step's deltas and counters; a prefill core's requests ready for a decode core
-    (`offers`), and a decode core's imports whose source blocks may go (`imported`)."""
+    (`offers`) and prompt blocks finished early (`prefetches`); a decode core's imports
+    (`imported`) and prefetches (`prefetched`, one id per prefetch) whose source blocks may
+    go."""
 
     requests: list[RequestDelta]
     stats: EngineStats
     offers: list[KVOffer] = []
     imported: list[str] = []
+    prefetches: list[KVPrefetch] = []
+    prefetched: list[str] = []
 
 
 class ControlReply(msgspec.Struct, tag="reply", array_like=True):

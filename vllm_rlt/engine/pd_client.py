@@ -1,16 +1,20 @@
 """`serve --disaggregate P:D`: P prefill cores and D decode cores behind one frontend.
 
-A new request goes to the least-loaded prefill core, which runs its prompt and samples its
-first tokens (the stream gets them from there), then offers it (`KVOffer`): the K/V stays
-in the prefill core's blocks, and only their ids and a handle to its pool travel
+A new request goes to the least-loaded prefill core, which runs its prompt and samples
+its first tokens (the stream gets them from there), then offers it (`KVOffer`): the K/V
+stays in the prefill core's blocks, and only their ids and a handle to its pool travel
 (engine/kv_transport.py). The frontend passes the offer to the least-loaded decode core
 (`ImportRequest`), which copies the blocks into its own pool, continues the request, and
 says once its copy is done; the frontend then tells the prefill core to free them
-(`ReleaseHandover`). Aborts follow the request: to its prefill core, and once offered to
-its decode core (an abort that reached the prefill core after its offer left is sent on
-with the import). A decode core that dies fails its requests; the blocks lent to it are
-freed. On the CPU a prefill core's pool lives in a file that goes with the last process
-mapping it (or, without /proc, that the frontend removes when that core is lost).
+(`ReleaseHandover`). A prompt run in several chunks has its finished blocks lent early
+(`KVPrefetch`): the frontend chooses the request's decode core at the first of them and
+passes each on (`PrefetchKV`), that core copies them into its prefix cache while later
+chunks run, and the import then copies only the rest. Aborts follow the request: to its
+prefill core, and once offered to its decode core (an abort that reached the prefill
+core after its offer left is sent on with the import). A decode core that dies fails its
+requests; the blocks lent to it are freed. On the CPU a prefill core's pool lives in a
+file that goes with the last process mapping it (or, without /proc, that the frontend
+removes when that core is lost).
 """
 
 from __future__ import annotations
@@ -35,6 +39,8 @@ from vllm_rlt.engine.messages import (
     ForgetKVPool,
     ImportRequest,
     KVOffer,
+    KVPrefetch,
+    PrefetchKV,
     ReleaseHandover,
 )
 
@@ -100,6 +106,10 @@ class DisaggregatedClient(DataParallelClient):
             raise ParamError(f"nixl: {missing}", "kv_connector")
         # request id -> (prefill rank whose blocks it has not yet copied, decode rank)
         self._lent_by: dict[str, tuple[int, int]] = {}
+        # request id -> the decode rank its early-lent blocks go to (until its offer), and
+        # [prefill rank, that decode rank, early lends not yet copied]
+        self._prefetch_target: dict[str, int] = {}
+        self._prefetch_lent: dict[str, list[int]] = {}
         # prefill rank -> its pool's named file (CPU without /proc), to remove should that
         # core die
         self._pool_files: dict[int, str] = {}
@@ -189,8 +199,19 @@ class DisaggregatedClient(DataParallelClient):
         super().send(command)
 
     def _outputs(self, rank: int, on_outputs, outputs: EngineOutputs) -> None:
+        for prefetch in outputs.prefetches:
+            self._prefetch(rank, prefetch)
         for offer in outputs.offers:
             self._pass_on(rank, offer)
+        for request_id in outputs.prefetched:  # before the imports: lends go oldest first
+            lent = self._prefetch_lent.get(request_id)
+            if lent is None:
+                continue
+            lent[2] -= 1
+            if not lent[2]:
+                del self._prefetch_lent[request_id]
+            if lent[0] not in self.lost:
+                self.cores[lent[0]].send(ReleaseHandover(request_id))
         for request_id in outputs.imported:
             source, _ = self._lent_by.pop(request_id, (None, None))
             if source is not None and source not in self.lost:
@@ -199,6 +220,22 @@ class DisaggregatedClient(DataParallelClient):
         for delta in outputs.requests:
             if delta.finished:
                 self._early_aborts.pop(delta.request_id, None)
+                self._prefetch_target.pop(delta.request_id, None)
+
+    def _prefetch(self, source: int, prefetch: KVPrefetch) -> None:
+        """Pass early-lent prompt blocks to the request's decode core, chosen now at its
+        first prefetch (with none alive, they are released at once)."""
+        request_id = prefetch.request_id
+        target = self._prefetch_target.get(request_id)
+        if target is None or target in self.lost:
+            if not self.decode_ranks or self.kv_connector == "nixl":  # its read blocks
+                self.cores[source].send(ReleaseHandover(request_id))
+                return
+            owner = self._owner.get(request_id)
+            target = self.choose(1 if owner is None else owner[1], self.decode_ranks)
+            self._prefetch_target[request_id] = target
+        self._prefetch_lent.setdefault(request_id, [source, target, 0])[2] += 1
+        self.cores[target].send(PrefetchKV(prefetch, self.client))
 
     def _pass_on(self, source: int, offer: KVOffer) -> None:
         """Move an offered request to a decode core: its owner, sequences and aborts."""
@@ -207,7 +244,9 @@ class DisaggregatedClient(DataParallelClient):
         sequences = offer.params.n if owner is None else owner[1]
         if owner is not None:
             self._sequences[owner[0]] -= sequences
-        target = self.choose(sequences, self.decode_ranks)
+        target = self._prefetch_target.pop(request_id, None)  # holds its early blocks
+        if target is None or target in self.lost:
+            target = self.choose(sequences, self.decode_ranks)
         self._assign(request_id, target, sequences)
         self._lent_by[request_id] = (source, target)
         if offer.pool.named_file:
@@ -224,6 +263,11 @@ class DisaggregatedClient(DataParallelClient):
             if target == rank:  # also when its request already finished there
                 del self._lent_by[request_id]
                 if source not in self.lost:
+                    self.cores[source].send(ReleaseHandover(request_id))
+        for request_id, (source, target, count) in list(self._prefetch_lent.items()):
+            if rank in (source, target):
+                del self._prefetch_lent[request_id]
+                for _ in range(count if target == rank and source not in self.lost else 0):
                     self.cores[source].send(ReleaseHandover(request_id))
         remove_files([self._pool_files.pop(rank)] if rank in self._pool_files else [])
         pool_id = self._pool_ids.pop(rank, None)

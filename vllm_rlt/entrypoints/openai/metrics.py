@@ -110,6 +110,11 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
+        self.kv_prefetched_blocks = Counter(
+            "vllm_rlt:kv_transfer_prefetched_blocks",
+            "Prompt blocks lent to a decode core while the prompt's later chunks still ran",
+            registry=r,
+        )
         self.kv_queue = Gauge(
             "vllm_rlt:kv_transfer_queue",
             "Handovers offered and not yet copied by their decode core",
@@ -149,6 +154,8 @@ class ServerMetrics:
             self.generation_tokens.inc(tokens)
         if outputs.offers or outputs.imported:
             self._observe_handovers(outputs)
+        for prefetch in outputs.prefetches:
+            self.kv_prefetched_blocks.inc(len(prefetch.blocks))
 
     def _observe_handovers(self, outputs: EngineOutputs) -> None:
         now = time.monotonic()
