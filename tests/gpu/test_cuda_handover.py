@@ -4,17 +4,18 @@ read through CUDA IPC from another process's pool, or through NIXL where it is i
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import re
+import urllib.request
 
-import httpx
 import msgspec
 import pytest
 import torch
 
-from tests.server.conftest import serve_process
 from tests.unit.test_kv_handover import _assert_same, _colocated, _disaggregated, _requests
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
+from vllm_rlt.bench.serve_launch import launched
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool, share_pool
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
@@ -117,14 +118,19 @@ def test_cuda_ipc_maps_another_process_pool():
 
 def _served_texts(flags: tuple[str, ...], prompts: list[str]) -> tuple[list[str], str]:
     """Greedy completions of `prompts`, one request at a time, and the final scrape."""
-    with serve_process(*flags) as (_, url):
+    with launched(["vllm_rlt.entrypoints.cli", "serve", "toy"], list(flags), {}) as url:
         texts = []
         for prompt in prompts:
             body = {"model": "toy", "prompt": prompt, "max_tokens": 12, "temperature": 0}
-            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-            assert reply.status_code == 200, reply.text
-            texts.append(reply.json()["choices"][0]["text"])
-        return texts, httpx.get(f"{url}/metrics", timeout=60).text
+            request = urllib.request.Request(
+                f"{url}/v1/completions",
+                json.dumps(body).encode(),
+                {"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=120) as reply:
+                texts.append(json.load(reply)["choices"][0]["text"])
+        with urllib.request.urlopen(f"{url}/metrics", timeout=60) as reply:
+            return texts, reply.read().decode()
 
 
 def test_served_handover_over_cuda_ipc_moves_chunks_early_and_equals_one_engine():
