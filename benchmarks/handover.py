@@ -1,6 +1,8 @@
 """Prefill/decode handover cost: a `serve --disaggregate 1:1` server per KV layout, one
 request at a time with prompts of the given lengths; from the server's /metrics, the K/V
-bytes each handover moved, its time (offer to the decode core's copy) and the bandwidth.
+bytes each handover moved, its time (offer to the decode core's copy), the bandwidth, and
+the prompt blocks moved early (while later chunks ran, before the offer: their bytes count,
+their time does not).
 Prints one JSON line per (layout, prompt length).
 
     python -m benchmarks.random_checkpoint ouro-1.4b /tmp/ouro --device cuda
@@ -21,7 +23,12 @@ from tqdm import tqdm
 from vllm_rlt.bench.serve_launch import launched
 from vllm_rlt.cli_parser import CLIParser
 
-METRICS = ("kv_transfer_bytes_total", "kv_transfer_seconds_sum", "kv_transfer_seconds_count")
+METRICS = (
+    "kv_transfer_bytes_total",
+    "kv_transfer_seconds_sum",
+    "kv_transfer_seconds_count",
+    "kv_transfer_prefetched_blocks_total",
+)
 
 
 def _post(url: str, body: dict) -> dict:
@@ -66,6 +73,8 @@ def measure(args, layout: str, prompt_len: int, extra: list[str]) -> dict:
         "bytes_per_handover": moved["kv_transfer_bytes_total"] / count,
         "seconds_per_handover": seconds / count,
         "gb_per_s": moved["kv_transfer_bytes_total"] / seconds / 1e9 if seconds else None,
+        # whole prompt blocks moved while later chunks ran, before the handover's seconds
+        "prefetched_blocks_per_handover": moved["kv_transfer_prefetched_blocks_total"] / count,
     }
 
 
