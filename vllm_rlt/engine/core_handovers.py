@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+from collections import deque
 from collections.abc import Callable
 from typing import Any
 
@@ -43,7 +44,7 @@ class CoreHandovers:
         self.engine = engine
         self.news = [HandoverNews() for _ in range(clients)]
         self.import_client: dict[str, int] = {}
-        self.prefetch_clients: list[int] = []  # per prefetch in `ledger.prefetching`
+        self.prefetch_clients: deque[int] = deque()  # per prefetch in `ledger.prefetching`
         self.shared_pool: SharedPool | NixlSharedPool | None = None
         self.opened_pools = OpenedPools(lambda: engine.runner.kv_pool)
 
@@ -128,7 +129,7 @@ class CoreHandovers:
     def collect_copied(self) -> None:
         ledger = self.engine.ledger
         for request_id in ledger.prefetched():  # before the imports they precede
-            self.news[self.prefetch_clients.pop(0)].prefetched.append(request_id)
+            self.news[self.prefetch_clients.popleft()].prefetched.append(request_id)
         for request_id in ledger.copied():
             self.news[self.import_client.pop(request_id, 0)].imported.append(request_id)
 

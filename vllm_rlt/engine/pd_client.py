@@ -265,9 +265,11 @@ class DisaggregatedClient(DataParallelClient):
                 if source not in self.lost:
                     self.cores[source].send(ReleaseHandover(request_id))
         for request_id, (source, target, count) in list(self._prefetch_lent.items()):
-            if rank in (source, target):
-                del self._prefetch_lent[request_id]
-                for _ in range(count if target == rank and source not in self.lost else 0):
+            if rank not in (source, target):
+                continue
+            del self._prefetch_lent[request_id]
+            if target == rank and source not in self.lost:
+                for _ in range(count):
                     self.cores[source].send(ReleaseHandover(request_id))
         remove_files([self._pool_files.pop(rank)] if rank in self._pool_files else [])
         pool_id = self._pool_ids.pop(rank, None)
