@@ -47,12 +47,6 @@ class KVLayout(str, enum.Enum):
         """A prompt position runs every loop before the next starts (shared)."""
         return self is KVLayout.SHARED
 
-    @property
-    def caches_prefixes(self) -> bool:
-        """Prompt blocks can be shared between requests (not under shared_decode, which
-        frees a prompt's per-loop planes once it is done)."""
-        return self is not KVLayout.SHARED_DECODE
-
 
 KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 USAGE_CONTEXTS = (OFFLINE, SERVE)
@@ -109,8 +103,9 @@ class CacheConfig:
     pool automatically; `kv_cache_memory_bytes` sizes it from a byte budget instead.
     `enable_prefix_caching` shares the K/V of full prompt blocks between requests whose
     prompts start alike (prompt positions run every loop, so this is exact in every exit
-    mode). It does not apply under shared_decode, which frees a prompt's per-loop planes
-    once the prompt is done, while a later prompt needs them to continue from the prefix.
+    mode). Under shared_decode, which frees a prompt's per-loop planes once the prompt is
+    done (a later prompt would need them to continue from the prefix), the cache holds
+    only final planes handed over by prefill cores (disaggregation), and serves imports.
     """
 
     layout: KVLayout | str = KVLayout.LAST_EXITED  # a name is taken and kept as KVLayout

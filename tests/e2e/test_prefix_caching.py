@@ -62,11 +62,12 @@ def test_prefix_cache_changes_nothing_but_the_work(make_engine, layout, policy):
             assert all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
 
 
-def test_shared_decode_runs_without_the_prefix_cache(make_engine):
+def test_shared_decode_prompts_neither_find_nor_fill_the_prefix_cache(make_engine):
     """SHARED_DECODE frees a finished prompt's per-loop planes, which a prompt continuing
-    its prefix would need: the flag's default leaves the cache off there, nothing else."""
+    its prefix would need: with the cache on, prompts run here neither look it up nor
+    enter it (it serves only K/V handed over from prefill cores)."""
     engine, outputs = _run(make_engine, "shared_decode", "ouro_q0.7", caching=True)
-    assert not engine.kv.enable_caching
+    assert engine.kv.enable_caching and not engine.scheduler.caches_prompts
     assert engine.scheduler.prefix_queries == engine.scheduler.prefix_hits == 0
     assert engine.kv.num_cached_blocks == 0
     assert all(len(out.outputs[0].token_ids) == 8 for out in outputs.values())

@@ -133,13 +133,15 @@ def _served_texts(flags: tuple[str, ...], prompts: list[str]) -> tuple[list[str]
             return texts, reply.read().decode()
 
 
-def test_served_handover_over_cuda_ipc_moves_chunks_early_and_equals_one_engine():
+@pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
+def test_served_handover_over_cuda_ipc_moves_chunks_early_and_equals_one_engine(layout):
     """`serve --disaggregate 1:1` on one GPU: the decode core maps the prefill core's pool
-    through CUDA IPC, and prompts run in chunks of 16 move their finished blocks while later
-    chunks run. Each request alone (a batch of one on either server) gives the text one
-    engine gives with the same chunks."""
+    through CUDA IPC, and prompts run in chunks of 16 move their finished blocks (every
+    plane, or the final one) while later chunks run. Each request alone (a batch of one on
+    either server) gives the text one engine gives with the same chunks."""
     prompts = [f"prompt {i} " + "with several words " * (4 + 6 * i) for i in range(3)]
     common = ("--device", "cuda", "--dtype", "float32", "--prefill-chunk-size", "16")
+    common += ("--kv-layout", layout)
     expected, _ = _served_texts(common, prompts)
     flags = (*common, "--disaggregate", "1:1", "--kv-connector", "torch")
     got, scrape = _served_texts(flags, prompts)

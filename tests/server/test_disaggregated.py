@@ -102,7 +102,7 @@ def test_disaggregated_serving_equals_offline_and_frees_both_cores(layout):
         assert float(handovers.group(1)) == (10 if layout == "last_exited" else 4)
         assert float(moved.group(1)) > 0
         early = re.search(r"^vllm_rlt:kv_transfer_prefetched_blocks_total (\S+)$", scrape, re.M)
-        assert (float(early.group(1)) > 0) == (layout == "last_exited")
+        assert float(early.group(1)) > 0  # chunks of 8: blocks moved early in both layouts
         assert re.search(r"^vllm_rlt:kv_transfer_queue 0\.0$", scrape, re.M)
         assert "vllm_rlt:kv_transfer_seconds_count" in scrape
         process.send_signal(signal.SIGTERM)

@@ -60,7 +60,7 @@ def test_random_traffic_never_leaks_or_shares_a_block(data):
         prefill_chunk_size=data.draw(st.integers(1, 8), label="chunk"),
         mode=data.draw(st.sampled_from(["refill", "no_refill"]), label="mode"),
         scheduling_policy=policy,
-        enable_caching=table_planes == 1 and data.draw(st.booleans(), label="caching"),
+        enable_caching=data.draw(st.booleans(), label="caching"),
     )
     rng_depths: dict[tuple[str, int], int] = {}
 

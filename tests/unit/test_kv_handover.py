@@ -12,6 +12,7 @@ import pytest
 from vllm_rlt import ExitConfig, SamplingParams
 from vllm_rlt.config import SpeculativeConfig
 from vllm_rlt.engine.kv_transport import OpenedPools, share_pool
+from vllm_rlt.worker.kv_pool import copy_kv
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 12], list(range(20, 39)), [88, 1]]
 
@@ -171,15 +172,27 @@ def test_a_handed_over_request_decodes_as_on_one_core(make_engine, layout, exit_
     assert prefill.stats().num_passes > 0 and decode.stats().num_passes > 0
 
 
-@pytest.mark.parametrize("layout", ["last_exited", "shared", "shared_decode"])
-@pytest.mark.parametrize("async_scheduling", [False, True])
+EARLY_MOVES = [
+    (layout, async_scheduling, "torch")
+    for layout in ("last_exited", "shared", "shared_decode")
+    for async_scheduling in (False, True)
+] + [
+    (layout, async_scheduling, connector)
+    for layout, async_scheduling in (("last_exited", True), ("shared_decode", False))
+    for connector in ("reads", "nixl")
+]
+
+
+@pytest.mark.parametrize(("layout", "async_scheduling", "connector"), EARLY_MOVES)
 def test_a_long_prompt_moves_its_finished_blocks_while_later_chunks_run(
-    make_engine, layout, async_scheduling
+    make_engine, layout, async_scheduling, connector
 ):
     """A prompt run in chunks of 8 positions lends each whole block a chunk finished; the
-    decode core copies them into its prefix cache at once, and the import copies only
-    what came after them. Outputs equal one core's; shared_decode (no prefix cache for
-    imports) moves everything at the handover, as before."""
+    decode core copies them into its prefix cache at once (a connector that reads outside
+    the core's stream, "reads" or nixl where installed: caches them once read, and the
+    import waits for those reads), and the import copies only what came after them.
+    Outputs equal one core's, in every layout (under shared_decode the blocks hold the
+    final plane)."""
     settings = dict(layout=layout, async_scheduling=async_scheduling, max_num_batched_tokens=8)
     prompt = [(7 * i) % 90 + 3 for i in range(37)]
     requests = [
@@ -196,11 +209,19 @@ def test_a_long_prompt_moves_its_finished_blocks_while_later_chunks_run(
     decode.runner.import_kv = lambda source, blocks, start=0: (
         copied_from.append(start) or import_kv(source, blocks, start)
     )
-    got, _ = _disaggregated(prefill, decode, requests)
+    source, shared = None, None
+    if connector == "reads":
+        source = _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, polls=12)
+    if connector == "nixl":
+        pytest.importorskip("nixl._api")
+        shared = share_pool(prefill.runner.kv_pool, "nixl")
+        source = OpenedPools(lambda: decode.runner.kv_pool).open(shared.handle)
+    try:
+        got, _ = _disaggregated(prefill, decode, requests, source)
+    finally:
+        if shared is not None:
+            shared.close()
     _assert_same(got, expected)
-    if layout == "shared_decode":
-        assert not lent and set(copied_from) == {0}
-        return
     # Blocks of 4, each lent once, in order, with the prompt up to its end.
     long = [blocks for blocks in lent if blocks.request_id == "long"]
     ends = [b.first + len(b.blocks) for b in long]
@@ -233,6 +254,60 @@ def test_an_abort_while_blocks_are_lent_early_frees_both_cores(make_engine, asyn
     assert decode.ledger.prefetched() == ["long"] * len(lent)
     assert prefill.ledger.release("long") and prefill.all_blocks_free()
     assert decode.kv.num_cached_blocks == sum(len(blocks.blocks) for blocks in lent)
+
+
+class _ReadLater:
+    """A connector that reads outside the core's stream (engine/kv_nixl.py), on the CPU:
+    an early read ends at its `polls`-th poll, copied or failed; a handover's read at once."""
+
+    def __init__(self, pool, ours, fail: bool = False, polls: int = 3) -> None:
+        self.pool, self.ours, self.fail, self.polls = pool, ours, fail, polls
+        self.geometry, self.block_size = pool.geometry, pool.block_size
+
+    def read_into(self, blocks, targets, start) -> None:
+        copy_kv(self.pool, blocks.blocks, self.ours, targets, start, blocks.num_positions)
+
+    def start_read(self, blocks, targets, start, after):
+        connector = self
+
+        class Read:
+            polls = 0
+
+            def done(self) -> bool:
+                self.polls += 1
+                if self.polls < connector.polls:
+                    return False
+                if connector.fail:
+                    raise RuntimeError("read failed")
+                connector.read_into(blocks, targets, start)
+                return True
+
+        return Read()
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_blocks_a_connector_reads_early_enter_the_cache_once_read(make_engine, fail):
+    """Until the read has ended its blocks are held and uncached (an import must not find
+    them); then they are cached and released, or, if the read failed, only released."""
+    settings = dict(max_num_batched_tokens=8)
+    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prompt = [(5 * i) % 80 + 3 for i in range(40)]
+    prefill.add_request("long", prompt, SamplingParams(max_tokens=2), handover=True)
+    lent = []
+    while not lent:
+        prefill.step()
+        lent += prefill.take_prefetches()
+    source = _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, fail)
+    decode.prefetch_kv(lent[0], source)
+    assert decode.kv.num_cached_blocks == 0 and not decode.kv.all_free()
+    assert decode.ledger.prefetched() == [] and decode.ledger.prefetched() == []
+    assert decode.ledger.prefetched() == ["long"]
+    assert decode.kv.all_free()  # released: cached and evictable, or free
+    assert decode.kv.num_cached_blocks == (0 if fail else len(lent[0].blocks))
+    assert prefill.abort_request("long").finished
+    while prefill.has_unfinished:
+        prefill.step()
+    assert prefill.ledger.release("long") and prefill.all_blocks_free()
 
 
 def test_aborts_around_the_handover_free_everything(make_engine):
@@ -353,10 +428,10 @@ def test_a_pool_full_of_lent_blocks_holds_back_new_prompts_until_released(make_e
 @pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
 @pytest.mark.parametrize("connector", ["torch", "nixl"])
 def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layout, connector):
-    """Imports of prompts that share their first blocks: under last_exited the decode core
-    copies those blocks once and takes them from its prefix cache afterwards (the outputs
-    still equal one core's); under shared_decode every import is copied whole. With nixl
-    (where installed) the decode core reads the prefill pool through NIXL."""
+    """Imports of prompts that share their first blocks: the decode core copies those
+    blocks once (every plane, or under shared_decode the final one) and takes them from its
+    prefix cache afterwards; the outputs still equal one core's. With nixl (where
+    installed) the decode core reads the prefill pool through NIXL."""
     shared = list(range(20, 37))  # 17 tokens: four whole blocks of 4
     requests = [
         ("first", shared + [5, 6, 7], SamplingParams(max_tokens=6, temperature=0.0)),
@@ -375,6 +450,8 @@ def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layo
 
     decode.runner.import_kv = counted
     source, shared = None, None
+    if connector == "reads":
+        source = _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, polls=12)
     if connector == "nixl":
         pytest.importorskip("nixl._api")
         shared = share_pool(prefill.runner.kv_pool, "nixl")
@@ -388,13 +465,9 @@ def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layo
         if shared is not None:
             shared.close()
     _assert_same(got, expected)
-    assert len(starts) == 4  # one per live completion
-    if layout == "last_exited":
-        # the first copies everything; the second's two completions find four blocks, the
-        # third finds its two whole blocks
-        assert sorted(starts) == [0, 8, 16, 16]
-    else:
-        assert starts == [0, 0, 0, 0]
+    # One per live completion: the first copies everything; the second's two completions
+    # find four blocks, the third finds its two whole blocks.
+    assert sorted(starts) == [0, 8, 16, 16]
 
 
 def test_an_import_preempted_in_the_round_that_admitted_it_caches_nothing(make_engine):

@@ -628,14 +628,13 @@ def test_a_layout_name_becomes_its_kind_with_its_geometry():
             layout.table_planes(4),
             layout.writes_deeper_planes,
             layout.one_position_prefill,
-            layout.caches_prefixes,
         )
         for name, layout in layouts.items()
     }
     assert geometry == {
-        "last_exited": (4, 1, True, False, True),
-        "shared": (1, 1, False, True, True),
-        "shared_decode": (1, 4, False, False, False),
+        "last_exited": (4, 1, True, False),
+        "shared": (1, 1, False, True),
+        "shared_decode": (1, 4, False, False),
     }
     assert f"{KVLayout.SHARED}" == str(KVLayout.SHARED) == "shared"
     with pytest.raises(ValueError, match="layout must be one of last_exited, shared"):

@@ -211,6 +211,14 @@ class Scheduler:
         priority = request.params.priority if self.by_priority else 0
         return (priority, request.arrival_time, request.sequence)
 
+    @property
+    def caches_prompts(self) -> bool:
+        """Prompt blocks computed here serve later prompts: the prefix cache is on and a
+        request has one table. Under shared_decode a prompt's per-loop planes are gone once
+        it is done, so the cache holds only final planes handed over by prefill cores,
+        which serve imports alone."""
+        return self.kv.enable_caching and self.table_planes == 1
+
     def _reserve_decode_blocks(self) -> None:
         """Every decoding request gets the block of the position it may write next (one
         ahead: the device may be a token ahead of this view), preempting the lowest-ranked
@@ -313,7 +321,7 @@ class Scheduler:
         if request.chunk_loop == request.chunk_depth:
             request.num_prefilled = request.chunk_start + request.chunk_len
             request.chunk_len = 0
-            if self.kv.enable_caching:
+            if self.caches_prompts:
                 self._register_prompt_blocks(request)
             if request.num_prefilled >= request.prompt_len:
                 # Its last loop reads and writes the final plane only, so the per-loop
@@ -375,6 +383,9 @@ class Scheduler:
         for request in queue[: self.config.admission_scan]:
             if not self.free_slots:
                 break
+            imported = request.kv_import
+            if imported is not None and imported.landed is not None and not imported.landed():
+                continue  # its prompt blocks read early are still on their way
             hits = self._hits(request)
             first = self._first_chunk_blocks(request, hits)
             fits = promised + first + self._watermark() <= self.kv.num_free_blocks
@@ -432,9 +443,9 @@ class Scheduler:
 
     def _import_hits(self, request: Request) -> int:
         """Leading whole prompt blocks of an imported request this core's prefix cache
-        holds: they are not copied. Only in layouts with one table per request (not
-        shared_decode), where a cached prompt block holds every plane an import brings."""
-        if not self.kv.enable_caching or self.table_planes != 1:
+        holds (every plane an import brings: all of them, or under shared_decode the final
+        one): they are not copied."""
+        if not self.kv.enable_caching:
             return 0
         if request.block_hashes is None:
             request.block_hashes = block_hashes(
@@ -446,14 +457,14 @@ class Scheduler:
         """An admitted import's copy is queued, in stream order before any pass: its whole
         prompt blocks enter the prefix cache (not before: an import preempted in the round
         that admitted it, or whose admission failed, never copied them)."""
-        if self.kv.enable_caching and self.table_planes == 1:
+        if self.kv.enable_caching:
             self._register_prompt_blocks(request)
 
     def _usable_hits(self, request: Request) -> int:
         """Leading prompt blocks the prefix cache holds, as many as may be skipped: a
         request with no token yet must still compute its last prompt position (it samples
         the first token there)."""
-        if not self.kv.enable_caching:
+        if not self.caches_prompts:
             return 0
         if request.block_hashes is None:
             request.block_hashes = block_hashes(
@@ -481,12 +492,13 @@ class Scheduler:
         request.plan_prefill(self.num_loops)
         self.running[slot] = request
         imported, blocks = request.kv_import, ()
-        if self.kv.enable_caching and (imported is None or self.table_planes == 1):
+        if self.caches_prompts or (imported is not None and self.kv.enable_caching):
             assert request.block_hashes is not None
+            row = (slot + 1) * self.table_planes - 1  # the final plane's table
             for index, block in self.kv.match_prefix(
                 request.request_id, request.block_hashes[:hits]
             ):
-                self.block_updates.append((slot, index, block))
+                self.block_updates.append((row, index, block))
             request.num_registered = hits
             request.num_prefilled = hits * self.kv.block_size
             self.prefix_queries += request.prompt_len

@@ -225,7 +225,7 @@ def build_engine_core(
     kv = KVCacheManager(
         memory_plan.num_blocks,
         cache_config.block_size,
-        enable_caching=cache_config.enable_prefix_caching and layout.caches_prefixes,
+        enable_caching=cache_config.enable_prefix_caching,
     )
     # A cached block's K/V depends on the weights, the layout and the dtype too.
     salt = repr((vars(cfg), cache_config.layout, str(model.dtype)))

@@ -104,8 +104,8 @@ class CoreLoop:
         engine = self.engine
         try:
             while not self.stopping:
-                if engine.has_unfinished:  # held back: only a release can free blocks
-                    wait = 10 if engine.held_back else 0
+                if engine.has_unfinished:  # held back: by a release, or by early reads
+                    wait = (1 if engine.ledger.prefetching else 10) if engine.held_back else 0
                 else:  # idle with copies still running: look at them again soon
                     wait = 1 if engine.ledger.importing or engine.ledger.prefetching else None
                 self._take_commands(wait)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
@@ -13,7 +14,12 @@ from vllm_rlt.core.memory import MemoryPlan
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.kv_handover import HandoverLedger, KVHandover, continue_completions
-from vllm_rlt.engine.kv_prefetch import PromptBlocks, PromptPrefetcher, prefetch_into
+from vllm_rlt.engine.kv_prefetch import (
+    PromptBlocks,
+    PromptPrefetcher,
+    early_reads_landed,
+    prefetch_into,
+)
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.pass_pipeline import PassPipeline
 from vllm_rlt.engine.request_checks import RequestChecker
@@ -130,6 +136,10 @@ class EngineCore:
         except Exception:
             self.ledger.unread.append(request_id)
             raise
+        landed = early_reads_landed(self.ledger.prefetching, request_id)
+        if landed is not None:
+            for child in live:
+                child.kv_import = dataclasses.replace(child.kv_import, landed=landed)
         self._queue(group, live)
         self.ledger.importing[request_id] = live
 
@@ -211,8 +221,10 @@ class EngineCore:
         if self.scheduler.has_unfinished:
             scheduled = self.scheduler.schedule()
             failed = self._admit(scheduled.new_slots)
-        done, pass_failed = self.passes.advance(scheduled, bool(self.ledger.lent))
-        # Only blocks lent to decode cores hold back a pass: wait for their release.
+        transfers = bool(self.ledger.lent or self.ledger.prefetching)
+        done, pass_failed = self.passes.advance(scheduled, transfers)
+        # Only blocks lent to decode cores (wait for their release) or early reads an
+        # import waits for hold back a pass.
         self.held_back = bool(scheduled and scheduled.is_empty) and self.passes.in_flight is None
         progressed: dict[str, RequestGroup] = {}
         for request, error in failed + pass_failed:

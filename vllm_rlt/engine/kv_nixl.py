@@ -11,7 +11,8 @@ READ: one descriptor per tensor (each layer's K and V), plane and run of blocks 
 consecutive on both sides. NIXL moves the bytes outside this process's CUDA stream, so the
 read starts only once the pass in flight is done (its rows of a request that has just ended
 may still write into blocks handed to the import) and the admission waits for the read to
-finish before any pass can read those blocks.
+finish before any pass can read those blocks. Prompt blocks lent early
+(engine/kv_prefetch.py) are read without waiting: `NixlPeer.start_read`.
 """
 
 from __future__ import annotations
@@ -106,6 +107,14 @@ class NixlPeer:
         are there."""
         self.reader.read(self, blocks, targets, start)
 
+    def start_read(
+        self, blocks: KVBlocks, targets: list[int], start: int, after: Any
+    ) -> NixlRead | None:
+        """As `read_into`, but returns at once: the read starts once `after` (a CUDA event
+        recorded behind the pass in flight, None: at once) has fired, and `NixlRead.done`
+        says when it has ended (None: nothing to read)."""
+        return self.reader.start(self, blocks, targets, start, after)
+
 
 class NixlReader:
     """A decode core's NIXL agent with its own pool registered (once, at the first nixl
@@ -160,46 +169,84 @@ class NixlReader:
         first = self.local.k[0]
         if first.is_cuda:  # a pass in flight may still write into `targets`
             torch.cuda.synchronize(first.device)
+        pending = self.start(peer, blocks, targets, start, None)
+        while pending is not None and not pending.done():
+            pass
+
+    def start(
+        self, peer: NixlPeer, blocks: KVBlocks, targets: list[int], start: int, after: Any
+    ) -> NixlRead | None:
         runs = block_runs(blocks.blocks, targets, start, blocks.num_positions, peer.block_size)
         if not len(runs):
-            return
+            return None
         planes, size = peer.planes, self.local.entry_bytes
         local = _descriptors(self.regions, runs[:, 1], runs[:, 2], planes, self.per_plane, size)
         remote = _descriptors(peer.regions, runs[:, 0], runs[:, 2], planes, peer.per_plane, size)
-        nbytes = int(local[:, 1].sum())
+        return NixlRead(self.agent, peer, local, remote, after)
+
+
+class NixlRead:
+    """One READ of a decode core's agent from a prefill core's pool: it starts once `after`
+    has fired (NIXL moves the bytes outside this process's CUDA stream, so a pass in flight
+    that may still write into the targets must be done) and `done` polls it."""
+
+    def __init__(
+        self, agent: Any, peer: NixlPeer, local: np.ndarray, remote: np.ndarray, after: Any
+    ) -> None:
+        self.agent, self.peer, self.after = agent, peer, after
+        self.local, self.remote = local, remote
+        self.nbytes = int(local[:, 1].sum())
+        self.transfer: Any = None
+        self.deadline = 0.0
+        self.ended = False
+
+    def done(self) -> bool:
+        """True once the read has ended (without blocking); raises if it failed or ran past
+        its deadline (the peer is then connected afresh: the failure stays this read's)."""
+        if self.ended:
+            return True
+        if self.after is not None and not self.after.query():
+            return False
         try:
-            self._transfer(peer, local, remote, nbytes)
+            if self.transfer is None:
+                self._begin()
+                state = self.agent.transfer(self.transfer)
+            else:
+                state = self.agent.check_xfer_state(self.transfer)
+            if state == "PROC":
+                if time.monotonic() > self.deadline:
+                    raise TimeoutError(
+                        f"the nixl read of {self.nbytes} K/V bytes from the prefill core did "
+                        f"not finish in {self.deadline - self.started:.0f} s"
+                    )
+                return False
+            if state != "DONE":
+                raise RuntimeError(f"the nixl K/V read ended in state {state}")
         except Exception:
-            # NIXL marks a peer disconnected after a failed transfer: connect afresh, so
-            # that this failure stays this import's alone.
+            self._end()
+            peer = self.peer
             self.agent.remove_remote_agent(peer.agent_name)
             peer.agent_name = self.agent.add_remote_agent(peer.metadata)
             raise
+        self._end()
+        return True
 
-    def _transfer(self, peer: NixlPeer, local: np.ndarray, remote: np.ndarray, nbytes: int) -> None:
-        agent = self.agent
-        transfer = agent.initialize_xfer(
+    def _begin(self) -> None:
+        agent, peer = self.agent, self.peer
+        self.transfer = agent.initialize_xfer(
             "READ",
-            agent.get_xfer_descs(local, self.memory),
-            agent.get_xfer_descs(remote, peer.memory),
+            agent.get_xfer_descs(self.local, peer.reader.memory),
+            agent.get_xfer_descs(self.remote, peer.memory),
             peer.agent_name,
         )
-        limit = READ_DEADLINE_S + nbytes / READ_DEADLINE_BYTES_PER_S
-        deadline = time.monotonic() + limit
-        try:
-            state = agent.transfer(transfer)
-            while state == "PROC":
-                if time.monotonic() > deadline:
-                    raise TimeoutError(
-                        f"the nixl read of {nbytes} K/V bytes from the prefill core did not "
-                        f"finish in {limit:.0f} s"
-                    )
-                state = agent.check_xfer_state(transfer)
-            if state != "DONE":
-                raise RuntimeError(f"the nixl K/V read ended in state {state}")
-        finally:
+        self.started = time.monotonic()
+        self.deadline = self.started + READ_DEADLINE_S + self.nbytes / READ_DEADLINE_BYTES_PER_S
+
+    def _end(self) -> None:
+        self.ended = True
+        if self.transfer is not None:
             try:
-                agent.release_xfer_handle(transfer)
+                self.agent.release_xfer_handle(self.transfer)
             except Exception:  # noqa: BLE001, S110 - the read's own outcome is what counts
                 pass
 

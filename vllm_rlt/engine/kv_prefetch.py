@@ -7,14 +7,17 @@ chosen for the request, which copies it into its prefix cache at once (`prefetch
 the handover that core finds those blocks cached and copies only the rest, so the copy
 that delays the request's next token shrinks to the last chunk's blocks.
 
-Only layouts with one block table per request (last_exited, shared) take part: the decode
-core's prefix cache serves an import there (shared_decode keeps per-loop tables and no
-prefix cache). A block is lent once its writes are done: its chunk's pass has been
-collected, which is why `settled` is read before each step schedules its pass.
+Every layout takes part: a block holds every plane an import brings (all of them under
+last_exited, the final one under shared_decode, whose prefix cache holds only such
+blocks). A block is lent once its writes are done: its chunk's pass has been collected,
+which is why `settled` is read before each step schedules its pass.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,8 +25,11 @@ from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.kv_handover import HandoverLedger
 from vllm_rlt.engine.request_group import RequestGroup
-from vllm_rlt.worker.kv_pool import KVPool, copy_kv
+from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, copy_kv
 from vllm_rlt.worker.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+_OWNER_KEYS = itertools.count()  # a request id may come back while its old reads run
 
 
 @dataclass
@@ -45,12 +51,10 @@ class PromptPrefetcher:
     def __init__(self, scheduler: Scheduler, ledger: HandoverLedger) -> None:
         self.scheduler = scheduler
         self.ledger = ledger
-        self.enabled = scheduler.table_planes == 1
         self.watched: dict[str, tuple[RequestGroup, int]] = {}  # id -> (group, blocks lent)
 
     def watch(self, group: RequestGroup) -> None:
-        if self.enabled:
-            self.watched[group.request_id] = (group, 0)
+        self.watched[group.request_id] = (group, 0)
 
     def forget(self, request_id: str) -> None:
         self.watched.pop(request_id, None)
@@ -89,16 +93,16 @@ def prefetch_into(
     scheduler: Scheduler, runner: ModelRunner, source: Any, blocks: PromptBlocks
 ) -> Any:
     """Decode side: copy the prompt blocks of `blocks` this core's prefix cache lacks from
-    `source` (a prefill core's pool mapped here) into fresh blocks, registered in the cache
-    and released at once (cached, evictable: an import that finds them skips their copy).
-    Returns what says the copy is done (None: done, or nothing was copied: a layout or pool
-    that cannot take it, or too few free blocks)."""
+    `source` (a prefill core's pool mapped here, or read through a connector) into fresh
+    blocks, registered in the cache and released (cached, evictable: an import that finds
+    them skips their copy). Returns what says the copy is done, with a `query` method
+    (None: done, or nothing was copied: a pool that cannot take it, or too few free
+    blocks)."""
     kv: KVCacheManager = scheduler.kv
     ours = runner.kv_pool
     usable = (
         kv.enable_caching
-        and scheduler.table_planes == 1
-        and isinstance(source, KVPool)
+        and source is not None
         and source.geometry == ours.geometry
         and source.block_size == kv.block_size
     )
@@ -110,27 +114,82 @@ def prefetch_into(
     missing = [index for index in lent if not kv.count_hits([hashes[index]])]
     if not missing or len(missing) > kv.num_free_blocks // 2:  # leave room for passes
         return None
-    owner = ("prefetch", blocks.request_id, first)
+    owner = ("prefetch", blocks.request_id, next(_OWNER_KEYS))
     taken = [block for _, block in kv.grow(owner, len(missing) * size)]
-    try:
-        for run in _consecutive(missing):
-            sources = [blocks.blocks[i - first] for i in run]
-            targets = taken[: len(run)]
-            taken_before = [0] * run[0]  # indices below the run are not read
-            copy_kv(
-                source,
-                taken_before + sources,
-                ours,
-                taken_before + targets,
-                run[0] * size,
-                (run[-1] + 1) * size,
-            )
-            taken = taken[len(run) :]
-        for index, block_index in enumerate(missing):
-            kv.register(owner, index, hashes[block_index])
-    finally:
-        kv.free(owner)
-    return runner.copies_done()
+    sources = [0] * first + blocks.blocks  # tables from position 0; below `first` unread
+    targets = [0] * (first + len(blocks.blocks))
+    for index, block in zip(missing, taken, strict=True):
+        targets[index] = block
+    cached = [hashes[index] for index in missing]
+    runs = [(run[0] * size, (run[-1] + 1) * size) for run in _consecutive(missing)]
+    if isinstance(source, KVPool):
+        try:
+            for start, end in runs:
+                copy_kv(source, sources, ours, targets, start, end)
+            for index, block_hash in enumerate(cached):
+                kv.register(owner, index, block_hash)
+        finally:
+            kv.free(owner)
+        return runner.copies_done()
+    prefetch = ConnectorPrefetch(kv, owner, cached)
+    after = runner.copies_done()  # behind the pass in flight
+    for start, end in runs:
+        try:
+            read = source.start_read(KVBlocks(sources, end, 0), targets, start, after)
+        except Exception:  # noqa: BLE001 - the import copies these blocks itself
+            logger.warning("early K/V read of %s failed", blocks.request_id, exc_info=True)
+            prefetch.failed = True
+            break
+        if read is not None:
+            prefetch.reads.append(read)
+    return prefetch
+
+
+def early_reads_landed(prefetching: Iterable[tuple[str, Any, Any]], request_id: str) -> Any:
+    """What says whether the connector reads of `request_id`'s early-lent blocks among
+    `prefetching` (`HandoverLedger.prefetching`) have ended (polling them: reads start
+    without waiting their turn), or None if there are none."""
+    reads = [
+        done
+        for prefetch_id, done, _ in prefetching
+        if prefetch_id == request_id and isinstance(done, ConnectorPrefetch) and not done.ended
+    ]
+    if not reads:
+        return None
+    return lambda: all([read.query() for read in reads])
+
+
+class ConnectorPrefetch:
+    """Blocks a connector reads into outside this core's stream (engine/kv_nixl.py): held
+    until every read has ended, then registered in the prefix cache (not before: an import
+    that found them would read them before the bytes are there) and released. `query`
+    polls; a failed read leaves the blocks out of the cache (the import copies them)."""
+
+    def __init__(self, kv: KVCacheManager, owner: tuple, cached: list[bytes]) -> None:
+        self.kv, self.owner, self.cached = kv, owner, cached
+        self.reads: list[Any] = []
+        self.failed = self.ended = False
+
+    def query(self) -> bool:
+        if self.ended:
+            return True
+        pending = []
+        for read in self.reads:
+            try:
+                if not read.done():
+                    pending.append(read)
+            except Exception:  # noqa: BLE001 - the import copies these blocks itself
+                logger.warning("early K/V read of %s failed", self.owner[1], exc_info=True)
+                self.failed = True
+        self.reads = pending
+        if pending:
+            return False
+        if not self.failed:
+            for index, block_hash in enumerate(self.cached):
+                self.kv.register(self.owner, index, block_hash)
+        self.kv.free(self.owner)
+        self.ended = True
+        return True
 
 
 def _consecutive(indices: list[int]) -> list[list[int]]:

@@ -29,12 +29,13 @@ class PassPipeline:
         self.num_rows_total = 0  # rows over all passes, for the rows-per-pass metric
 
     def advance(
-        self, scheduled: SchedulerOutput | None, blocks_lent: bool = False
+        self, scheduled: SchedulerOutput | None, transfers: bool = False
     ) -> tuple[tuple[SchedulerOutput, ModelRunnerOutput] | None, Failed]:
         """Launch `scheduled` (None: nothing was scheduled) and collect the pass that is due:
         returns that pass's schedule and results (None: none due, or it failed) and the
-        requests a failed pass fails. With `blocks_lent` (a prefill core's blocks wait for
-        decode cores, engine/kv_handover.py) an empty pass may just mean waiting for them."""
+        requests a failed pass fails. With `transfers` (a prefill core's blocks lent to decode
+        cores, or a decode core's early reads, engine/kv_handover.py) an empty pass may just
+        mean waiting for them."""
         launched, failed = None, []
         if scheduled is not None:
             if not scheduled.is_empty:
@@ -50,7 +51,7 @@ class PassPipeline:
                 # waiting on the pass in flight), but the blocks taken, such as an admitted
                 # request's cached prefix, must reach its table before any later pass.
                 self.runner.apply_block_updates(scheduled.block_updates)
-            if scheduled.is_empty and self.in_flight is None and not blocks_lent:
+            if scheduled.is_empty and self.in_flight is None and not transfers:
                 # Admission validated every reservation against the pool, so an idle pass
                 # with work queued means a scheduler invariant broke: fail, do not spin.
                 raise RuntimeError("scheduler produced an empty pass while requests wait")

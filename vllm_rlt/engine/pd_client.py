@@ -228,7 +228,7 @@ class DisaggregatedClient(DataParallelClient):
         request_id = prefetch.request_id
         target = self._prefetch_target.get(request_id)
         if target is None or target in self.lost:
-            if not self.decode_ranks or self.kv_connector == "nixl":  # its read blocks
+            if not self.decode_ranks:
                 self.cores[source].send(ReleaseHandover(request_id))
                 return
             owner = self._owner.get(request_id)

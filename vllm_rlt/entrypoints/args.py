@@ -110,7 +110,7 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
         "prefill included (a quarter of the memory, different numerics); shared_decode: "
         "one plane per loop while a prompt prefills, then one plane per position (the "
         "prompt computes as under last_exited; decode shares, as the Ouro report "
-        "validates; no prefix caching)",
+        "validates; its prefix cache serves only K/V handed over from prefill cores)",
     )
     cache.add_argument("--block-size", type=int, default=16, help="positions per KV block")
     cache.add_argument(
@@ -118,7 +118,8 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         default=True,
         help="share the K/V of full prompt blocks between requests whose prompts start "
-        "alike (exact: prompt positions run every loop; not under shared_decode)",
+        "alike (exact: prompt positions run every loop; under shared_decode only K/V handed "
+        "over from prefill cores)",
     )
     sizing = cache.add_mutually_exclusive_group()
     sizing.add_argument(

@@ -4,9 +4,9 @@ copy of that K/V between two pools mapped in one process."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 import numpy as np
@@ -61,20 +61,30 @@ class RemoteKVPool(Protocol):
     into this process: its `geometry` as `KVPool.geometry` gives it."""
 
     geometry: tuple[int, int, int, int, str]
+    block_size: int
 
     def read_into(self, blocks: KVBlocks, targets: list[int], start: int) -> None:
         """Copy positions [start, blocks.num_positions) into `targets` of this engine's
         pool (both tables count from position 0), done on return."""
         ...
 
+    def start_read(self, blocks: KVBlocks, targets: list[int], start: int, after: Any) -> Any:
+        """As `read_into`, started once `after` (a CUDA event, or None) has fired; returns
+        at once what says the read has ended (a `done()` that raises if it failed), or
+        None if there is nothing to read."""
+        ...
+
 
 @dataclass(frozen=True)
 class KVSource:
     """Where an imported completion's K/V is read from at its admission: a pool mapped
-    here, or one a connector reads."""
+    here, or one a connector reads. `landed` (if set) says whether the blocks a connector
+    reads early for the same request have ended (engine/kv_prefetch.py): admission waits
+    for them rather than read them again."""
 
     pool: KVPool | RemoteKVPool
     blocks: KVBlocks
+    landed: Callable[[], bool] | None = None
 
 
 def block_runs(
