@@ -153,3 +153,29 @@ def test_the_nixl_connector_serves_what_the_offline_engine_does(layout):
         assert re.search(r"^vllm_rlt:kv_transfer_handovers_total 2\.0$", scrape, re.M)
         process.send_signal(signal.SIGTERM)
         assert process.wait(timeout=60) == 0
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
+def test_tensor_parallel_cores_hand_over_as_one_process_would(layout):
+    """`--disaggregate 1:1 --tensor-parallel-size 2`: each core splits the model over two
+    processes, and rank r of the decode core reads rank r of the prefill core's pool (the
+    same heads). A prompt run in chunks of 8 moves blocks early; greedy and seeded n = 2
+    completions equal the one-process offline engine's, both cores end with nothing held,
+    and SIGTERM ends every process."""
+    flags = ("--disaggregate", "1:1", "--tensor-parallel-size", "2", "--kv-layout", layout)
+    flags += ("--prefill-chunk-size", "8", "--shutdown-timeout", "5")
+    with serve_process(*flags) as (process, url):
+        llm = LLM(model="toy", cache_config=CacheConfig(layout=layout))
+        prompt = "a long enough prompt to fill more than one block of sixteen positions " * 2
+        for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
+            body = {"model": "toy", "prompt": prompt, "max_tokens": 9, "n": 2, **sampling}
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+            offline = llm.generate([prompt], SamplingParams(max_tokens=9, n=2, **sampling))[0]
+            assert [c["text"] for c in reply["choices"]] == [c.text for c in offline.outputs]
+        _idle(url)
+        scrape = httpx.get(f"{url}/metrics").text
+        assert re.search(r"^vllm_rlt:kv_transfer_handovers_total 2\.0$", scrape, re.M)
+        early = re.search(r"^vllm_rlt:kv_transfer_prefetched_blocks_total (\S+)$", scrape, re.M)
+        assert early and float(early.group(1)) > 0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=120) == 0

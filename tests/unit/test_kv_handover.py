@@ -46,9 +46,8 @@ def _colocated(engine, requests) -> dict:
 
 
 def _release_copied(prefill, decode) -> None:
-    for request_id in decode.ledger.prefetched():  # lent first, released first
-        assert prefill.ledger.release(request_id)
-    for request_id in decode.ledger.copied():
+    prefetched, copied = decode.collect_transfers()
+    for request_id in prefetched + copied:  # lent first, released first
         assert prefill.ledger.release(request_id)
 
 
@@ -251,7 +250,7 @@ def test_an_abort_while_blocks_are_lent_early_frees_both_cores(make_engine, asyn
     assert not prefill.take_prefetches() and not prefill.all_blocks_free()
     for blocks in lent:
         decode.prefetch_kv(blocks, prefill.runner.kv_pool)
-    assert decode.ledger.prefetched() == ["long"] * len(lent)
+    assert decode.collect_transfers()[0] == ["long"] * len(lent)
     assert prefill.ledger.release("long") and prefill.all_blocks_free()
     assert decode.kv.num_cached_blocks == sum(len(blocks.blocks) for blocks in lent)
 
@@ -300,8 +299,8 @@ def test_blocks_a_connector_reads_early_enter_the_cache_once_read(make_engine, f
     source = _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, fail)
     decode.prefetch_kv(lent[0], source)
     assert decode.kv.num_cached_blocks == 0 and not decode.kv.all_free()
-    assert decode.ledger.prefetched() == [] and decode.ledger.prefetched() == []
-    assert decode.ledger.prefetched() == ["long"]
+    assert decode.collect_transfers()[0] == [] and decode.collect_transfers()[0] == []
+    assert decode.collect_transfers()[0] == ["long"]
     assert decode.kv.all_free()  # released: cached and evictable, or free
     assert decode.kv.num_cached_blocks == (0 if fail else len(lent[0].blocks))
     assert prefill.abort_request("long").finished
@@ -328,15 +327,43 @@ def test_aborts_around_the_handover_free_everything(make_engine):
     for handover in handovers:
         decode.import_request(handover)
     assert decode.abort_request("queued").finished  # never admitted: its source is unread
-    assert decode.ledger.copied() == ["queued"]
+    assert decode.collect_transfers()[1] == ["queued"]
     assert prefill.ledger.release("queued") and not prefill.ledger.release("queued")
     decode.step()
     decode.step()
-    assert decode.ledger.copied() == ["running"]  # admitted, copied
+    assert decode.collect_transfers()[1] == ["running"]  # admitted, copied
     assert decode.abort_request("running").finished
     while decode.has_unfinished:
         decode.step()
     assert prefill.ledger.release("running") and prefill.all_blocks_free()
+
+
+def test_copies_are_reported_once_every_tensor_parallel_rank_has_made_them(make_engine):
+    """Under tensor parallelism each rank copies its own heads: a prefetch or an import is
+    reported (and its source blocks freed) only once every rank says its copy is done."""
+    settings = dict(max_num_batched_tokens=8)
+    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prompt = [(3 * i) % 70 + 5 for i in range(30)]
+    prefill.add_request("long", prompt, SamplingParams(max_tokens=3), handover=True)
+    lent, handovers = [], []
+    while not handovers:
+        prefill.step()
+        lent += prefill.take_prefetches()
+        handovers += prefill.take_handovers()
+    assert lent
+    other = ([], [])  # what the other rank has seen end
+    decode._gathered = lambda view: [view, other]
+    for blocks in lent:
+        decode.prefetch_kv(blocks, prefill.runner.kv_pool)
+    decode.import_request(handovers[0])
+    while decode.has_unfinished:
+        decode.step()
+    assert decode.collect_transfers() == ([], [])  # the other rank's copies still run
+    other = decode.ledger.ended()
+    assert decode.collect_transfers() == (["long"] * len(lent), ["long"])
+    for _ in range(len(lent) + 1):
+        assert prefill.ledger.release("long")
+    assert prefill.all_blocks_free() and decode.all_blocks_free()
 
 
 def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine):
@@ -350,7 +377,7 @@ def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine)
     decode.add_request("r", PROMPTS[0], params)
     with pytest.raises(ValueError, match="already in use"):
         decode.import_request(handovers[0])
-    assert decode.ledger.copied() == ["r"]  # refused: the prefill core may free its blocks
+    assert decode.collect_transfers()[1] == ["r"]  # refused: the prefill core may free its blocks
     decode.abort_request("r")
     # Four planes of K/V into a one-plane pool: the request fails alone, nothing leaks.
     decode.import_request(handovers[0])
@@ -358,7 +385,7 @@ def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine)
     while decode.has_unfinished:
         errors += [d.error for d in decode.step() if d.error]
     assert errors and "expected" in errors[0]
-    assert decode.ledger.copied() == ["r"]
+    assert decode.collect_transfers()[1] == ["r"]
     assert prefill.ledger.release("r") and prefill.all_blocks_free()
 
 

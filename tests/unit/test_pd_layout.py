@@ -27,5 +27,15 @@ def test_cpu_cores_need_no_gpu_and_bad_settings_name_the_flag(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
     with pytest.raises(ValueError, match="disaggregate on CUDA needs a visible GPU"):
         pool_layout({"device": "cuda"}, 2)
-    with pytest.raises(ValueError, match="tensor_parallel_size must be 1"):
-        pool_layout({"device": "cpu", "tensor_parallel_size": 2}, 2)
+    assert pool_layout({"device": "cpu", "tensor_parallel_size": 2}, 2)[0] == [{}, {}]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    with pytest.raises(ValueError, match="2 engine cores x tensor_parallel_size 2 need 4 GPUs"):
+        pool_layout({"device": "cuda", "tensor_parallel_size": 2}, 2)
+
+
+def test_tensor_parallel_cores_take_gpus_of_their_own(monkeypatch):
+    """Rank r of a core runs on its cuda:r; the pool's other GPUs follow, for CUDA IPC."""
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    envs, kwargs = pool_layout({"device": "cuda", "tensor_parallel_size": 2}, 2)
+    assert envs == [{"CUDA_VISIBLE_DEVICES": "4,5,6,7"}, {"CUDA_VISIBLE_DEVICES": "6,7,4,5"}]
+    assert "cache_config" not in kwargs

@@ -66,10 +66,9 @@ def _outputs(offers=(), imported=(), prefetches=(), prefetched=()):
     )
 
 
-def _offer(request_id: str, params: SamplingParams, pool_file: str = "") -> KVOffer:
-    pool = KVPoolHandle("p", "shm" if pool_file else "cuda_ipc", [1], "torch.float32", 1, 1, 1)
-    pool.name = pool_file
-    return KVOffer(request_id, [1], params, [], pool)
+def _offer(request_id: str, params: SamplingParams) -> KVOffer:
+    pool = KVPoolHandle("p", "cuda_ipc", [1], "torch.float32", 1, 1, 1)
+    return KVOffer(request_id, [1], params, [], [pool])
 
 
 def test_aborts_sent_before_an_offer_arrives_follow_it():
@@ -95,7 +94,7 @@ def test_aborts_sent_before_an_offer_arrives_follow_it():
 
 def _prefetch(request_id: str, first: int) -> KVPrefetch:
     pool = KVPoolHandle("p", "cuda_ipc", [1], "torch.float32", 1, 1, 1)
-    return KVPrefetch(request_id, [1] * 4 * (first + 1), first, [first], pool)
+    return KVPrefetch(request_id, [1] * 4 * (first + 1), first, [first], [pool])
 
 
 def _releases(core) -> list[str]:
@@ -145,35 +144,36 @@ def test_early_lent_blocks_are_freed_when_their_decode_core_is_lost_or_absent():
 
 def test_a_lost_core_frees_what_its_handovers_held(tmp_path):
     """A lost decode core: the blocks lent for its imports are freed at their prefill core.
-    A lost prefill core: its pool's file is removed."""
+    A lost prefill core: its pool's files (one per tensor-parallel rank) are removed."""
     client = _client()
     params = SamplingParams(max_tokens=5)
-    pool_file = tmp_path / "vllm-rlt-kv-pool"
-    pool_file.write_bytes(b"\0" * 8)
+    pool_files = [tmp_path / f"vllm-rlt-kv-pool-{rank}" for rank in range(2)]
+    for pool_file in pool_files:
+        pool_file.write_bytes(b"\0" * 8)
+    client._pool_files[0] = [str(pool_file) for pool_file in pool_files]  # start-up check
     for request_id in ("a", "b"):
         client.send(AddRequest(request_id, [1, 2, 3], params))
-        client._outputs(
-            0, lambda outputs: None, _outputs([_offer(request_id, params, str(pool_file))])
-        )
+        client._outputs(0, lambda outputs: None, _outputs([_offer(request_id, params)]))
     client._outputs(1, lambda outputs: None, _outputs(imported=["a"]))
     client._owner.pop("b")  # it finished on the decode core before its copy was reported
     client.lost[1] = "killed"
     assert client.forget_core(1) == ["a"]  # "b" already ended there
     releases = [c.request_id for c in client.cores[0].sent if isinstance(c, ReleaseHandover)]
     assert releases == ["a", "b"] and not client._lent_by
-    assert pool_file.exists()  # its prefill core still runs
+    assert all(pool_file.exists() for pool_file in pool_files)  # its prefill core runs
     client.lost[0] = "killed"
     client.forget_core(0)
-    assert not pool_file.exists()
+    assert not any(pool_file.exists() for pool_file in pool_files)
 
 
 def test_a_lost_prefill_core_pool_is_let_go_by_the_decode_cores():
     client = _client()
-    client._pool_ids[0] = "pool-0"
+    client._pool_ids[0] = ["pool-0", "pool-0-rank-1"]
     client.lost[0] = "killed"
     client.forget_core(0)
     assert [c for c in client.cores[1].sent if isinstance(c, ForgetKVPool)] == [
-        ForgetKVPool("pool-0")
+        ForgetKVPool("pool-0"),
+        ForgetKVPool("pool-0-rank-1"),
     ]
     assert not client._pool_ids
 
@@ -181,7 +181,7 @@ def test_a_lost_prefill_core_pool_is_let_go_by_the_decode_cores():
 def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():
     client = _client()
     handle = KVPoolHandle("p", "cuda_ipc", [1], "torch.float32", 1, 1, 1)
-    encoded = base64.b64encode(msgspec.msgpack.encode(handle)).decode()
+    encoded = base64.b64encode(msgspec.msgpack.encode([handle])).decode()
     client.cores[0].call = lambda name, timeout: {"kv_share:torch": {"pool": encoded}}[name]
     client.cores[1].call = lambda name, timeout: (
         {"error": "RuntimeError: peer access is not available"}

@@ -156,6 +156,7 @@ def run_tensor_parallel_rank(
     assert built.tensor_parallel is not None
     settle_engine_process(built.engine.model.device)
     follow(built.engine, built.tensor_parallel)
+    built.engine.links.close()  # its share of a disaggregated core's pool
 
 
 def build_engine_core(

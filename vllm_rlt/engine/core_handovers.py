@@ -1,7 +1,7 @@
 """An engine-core process's side of prefill/decode disaggregation (engine/pd_client.py):
 its offers and early-lent prompt blocks, the imports and prefetches whose source blocks may
-go, its pool as the host sees it and the prefill pools it has mapped, and the start-up
-check of the transport."""
+go, and the start-up check of the transport. The pools themselves are the engine's, on
+every tensor-parallel rank (engine/kv_links.py)."""
 
 from __future__ import annotations
 
@@ -15,9 +15,8 @@ import msgspec
 
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.kv_handover import HandedCompletion, KVHandover
-from vllm_rlt.engine.kv_nixl import NixlSharedPool
 from vllm_rlt.engine.kv_prefetch import PromptBlocks
-from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool, share_pool
+from vllm_rlt.engine.kv_transport import KVPoolHandle
 from vllm_rlt.engine.messages import HandedCompletionMessage, KVOffer, KVPrefetch
 
 
@@ -45,8 +44,7 @@ class CoreHandovers:
         self.news = [HandoverNews() for _ in range(clients)]
         self.import_client: dict[str, int] = {}
         self.prefetch_clients: deque[int] = deque()  # per prefetch in `ledger.prefetching`
-        self.shared_pool: SharedPool | NixlSharedPool | None = None
-        self.opened_pools = OpenedPools(lambda: engine.runner.kv_pool)
+        self.pools: list[KVPoolHandle] | None = None  # this core's, a handle per rank
 
     def offer(self, handovers: list[KVHandover], client_of: Callable[[str], int]) -> None:
         """Offer each handed-over request to the client that sent it."""
@@ -58,7 +56,7 @@ class CoreHandovers:
                     handover.prompt_token_ids,
                     handover.params,
                     completions,
-                    self.share().handle,
+                    self.share(),
                 )
             )
 
@@ -71,30 +69,25 @@ class CoreHandovers:
                     blocks.prompt_token_ids,
                     blocks.first,
                     blocks.blocks,
-                    self.share().handle,
+                    self.share(),
                 )
             )
 
     def prefetch(self, prefetch: KVPrefetch, client: int) -> None:
         """Copy a prefill core's early-lent prompt blocks here (`EngineCore.prefetch_kv`);
-        its client hears once the copy is done (`collect_copied`). A pool that cannot be
-        opened skips the copy."""
-        try:
-            source = self.opened_pools.open(prefetch.pool)
-        except Exception:  # noqa: BLE001 - the import then fails or copies them itself
-            source = None
+        its client hears once the copy is done (`collect_copied`)."""
         blocks = PromptBlocks(
             prefetch.request_id, prefetch.prompt_token_ids, prefetch.first_block, prefetch.blocks
         )
-        self.engine.prefetch_kv(blocks, source)
+        self.engine.prefetch_kv(blocks, prefetch.pools)
         self.prefetch_clients.append(client)
 
-    def share(self, connector: str = "torch") -> SharedPool | NixlSharedPool:
-        """This core's pool as decode cores read it: shared through `connector` by the
-        start-up check, before any handover."""
-        if self.shared_pool is None:
-            self.shared_pool = share_pool(self.engine.runner.kv_pool, connector)
-        return self.shared_pool
+    def share(self, connector: str = "torch") -> list[KVPoolHandle]:
+        """This core's pool as decode cores read it, a handle per tensor-parallel rank:
+        shared through `connector` by the start-up check, before any handover."""
+        if self.pools is None:
+            self.pools = self.engine.share_kv(connector)
+        return self.pools
 
     def importer(self, offer: KVOffer, client: int) -> Callable[[], None]:
         """What queues `offer` here: its K/V is copied from the prefill core's pool at
@@ -112,10 +105,9 @@ class CoreHandovers:
                 )
                 for c in offer.completions
             ]
-            pool = self.opened_pools.open(offer.pool)
             self.engine.import_request(
                 KVHandover(
-                    offer.request_id, offer.prompt_token_ids, offer.params, completions, pool
+                    offer.request_id, offer.prompt_token_ids, offer.params, completions, offer.pools
                 )
             )
 
@@ -124,13 +116,16 @@ class CoreHandovers:
     def after_import(self, request_id: str) -> None:
         ledger = self.engine.ledger
         if request_id not in ledger.importing and request_id not in ledger.unread:
-            ledger.unread.append(request_id)  # refused before the engine saw it
+            self.engine.refuse_import(request_id)  # refused before the engine saw it
 
     def collect_copied(self) -> None:
         ledger = self.engine.ledger
-        for request_id in ledger.prefetched():  # before the imports they precede
+        if not (ledger.prefetching or ledger.importing or ledger.unread):
+            return
+        prefetched, copied = self.engine.collect_transfers()
+        for request_id in prefetched:  # before the imports they precede
             self.news[self.prefetch_clients.popleft()].prefetched.append(request_id)
-        for request_id in ledger.copied():
+        for request_id in copied:
             self.news[self.import_client.pop(request_id, 0)].imported.append(request_id)
 
     def control(self, name: str) -> dict[str, bool | str]:
@@ -139,19 +134,19 @@ class CoreHandovers:
         (msgpack, base64); "kv_open:HANDLE" opens that pool here and reads from it."""
         try:
             if name.startswith("kv_share:"):
-                handle = msgspec.msgpack.encode(self.share(name.removeprefix("kv_share:")).handle)
-                return {"pool": base64.b64encode(handle).decode()}
+                pools = msgspec.msgpack.encode(self.share(name.removeprefix("kv_share:")))
+                return {"pool": base64.b64encode(pools).decode()}
             if name.startswith("kv_open:"):
                 encoded = base64.b64decode(name.removeprefix("kv_open:"))
-                pool = self.opened_pools.open(msgspec.msgpack.decode(encoded, type=KVPoolHandle))
-                return {"opened": self.opened_pools.probe(pool, self.engine.model.device)}
+                pools = msgspec.msgpack.decode(encoded, type=list[KVPoolHandle])
+                error = self.engine.open_kv(pools)
+                return {"opened": True} if error is None else {"error": error}
         except Exception as exc:  # noqa: BLE001 - answered; the frontend refuses to start
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"error": f"unknown control call {name!r}"}
 
     def close(self) -> None:
-        if self.shared_pool is not None:
-            self.shared_pool.close()
+        self.engine.links.close()  # the other ranks close theirs as they stop
 
 
 def _fields(value) -> dict[str, Any]:

@@ -188,9 +188,9 @@ class CoreLoop:
             elif isinstance(command, PrefetchKV):
                 self.handovers.prefetch(command.prefetch, command.client if self.routed else 0)
             elif isinstance(command, ReleaseHandover):
-                self.engine.ledger.release(command.request_id)
+                self.engine.release_handover(command.request_id)
             elif isinstance(command, ForgetKVPool):
-                self.handovers.opened_pools.forget(command.pool_id)
+                self.engine.forget_kv(command.pool_id)
         while self.control.poll(0):
             call = self.decode_call(self.control.recv(copy=False))
             reply = ControlReply(call.call_id, self._control(call.name))
@@ -276,12 +276,12 @@ class CoreLoop:
         try:
             if name in ("sleep_1", "sleep_2"):
                 require(
-                    self.handovers.shared_pool is None,
+                    self.engine.links.shared is None,
                     "sleep is not available once decode cores read this core's KV pool",
                     "level",
                 )
                 require(  # its pool is registered with NIXL at its present address
-                    self.handovers.opened_pools.reader is None,
+                    self.engine.links.opened.reader is None,
                     "sleep is not available once this core reads K/V through nixl",
                     "level",
                 )

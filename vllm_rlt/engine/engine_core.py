@@ -14,12 +14,14 @@ from vllm_rlt.core.memory import MemoryPlan
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.kv_handover import HandoverLedger, KVHandover, continue_completions
+from vllm_rlt.engine.kv_links import KVLinks
 from vllm_rlt.engine.kv_prefetch import (
     PromptBlocks,
     PromptPrefetcher,
     early_reads_landed,
     prefetch_into,
 )
+from vllm_rlt.engine.kv_transport import KVPoolHandle
 from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.pass_pipeline import PassPipeline
 from vllm_rlt.engine.request_checks import RequestChecker
@@ -75,6 +77,8 @@ class EngineCore:
         self.groups = RequestGroups()
         self.handovers: list[KVHandover] = []  # prefill side: offered, not yet taken
         self.ledger = HandoverLedger(self.kv, runner.kv_pool, runner.kv_position_bytes)
+        group = getattr(model, "tensor_parallel", None)
+        self.links = KVLinks(lambda: runner.kv_pool, 0 if group is None else group.rank)
         self.prefetcher = PromptPrefetcher(scheduler, self.ledger)
         self.prefetches: list[PromptBlocks] = []  # prefill side: lent early, not yet sent
         self.held_back = False  # the last step ran nothing: lent blocks fill the pool
@@ -123,14 +127,16 @@ class EngineCore:
         for child in children:
             self.scheduler.add_request(child)
 
+    @mirrored
     def import_request(self, handover: KVHandover) -> None:
         """Continue a request a prefill core ran (engine/kv_handover.py): every live
         completion decodes from its first token with its K/V written at admission; the
         first tokens and prompt logprobs are not reported again. Checked like a new
-        request; any error leaves the engine untouched."""
+        request; any error leaves the engine untouched. Its pool is one at hand, or a
+        handle per tensor-parallel rank (engine/kv_links.py)."""
         request_id = str(handover.request_id)
         try:
-            require(self.mirror is None, "handovers need tensor_parallel_size 1", "handover")
+            handover = dataclasses.replace(handover, pool=self.links.source(handover.pool))
             group = self._new_group(request_id, handover.prompt_token_ids, handover.params)
             live = continue_completions(group, handover)
         except Exception:
@@ -143,16 +149,71 @@ class EngineCore:
         self._queue(group, live)
         self.ledger.importing[request_id] = live
 
+    @mirrored
     def prefetch_kv(self, blocks: PromptBlocks, source: object) -> None:
-        """Copy prompt blocks a prefill core lent early from its pool `source` into this
-        core's prefix cache (engine/kv_prefetch.py); `ledger.prefetched` says when that
-        copy is done. A copy that cannot be made is skipped: the import copies them."""
+        """Copy prompt blocks a prefill core lent early from its pool `source` (as for
+        `import_request`) into this core's prefix cache (engine/kv_prefetch.py);
+        `collect_transfers` says when that copy is done. A copy that cannot be made is
+        skipped: the import copies them."""
         try:
+            source = self.links.source(source)
             done = prefetch_into(self.scheduler, self.runner, source, blocks)
         except Exception:  # noqa: BLE001 - the import then copies these blocks itself
             logger.warning("prefetch of %s skipped", blocks.request_id, exc_info=True)
             done = None
-        self.ledger.prefetching.append((blocks.request_id, done, source))
+        self.ledger.add_prefetch(blocks.request_id, done, source)
+
+    # ------------------------------------------------- the transport, on every rank
+    @mirrored
+    def share_kv(self, connector: str) -> list[KVPoolHandle]:
+        """This core's pool as decode cores read it through `connector`: a handle per
+        tensor-parallel rank."""
+        return self._gathered(self.links.share(connector))
+
+    @mirrored
+    def open_kv(self, pools: list[KVPoolHandle]) -> str | None:
+        """Open a prefill core's pool (a handle per rank) and read from it: the first
+        rank's error, or None."""
+        try:
+            source = self.links.source(pools)
+            self.links.opened.probe(source, self.model.device)
+            error = None
+        except Exception as exc:  # noqa: BLE001 - answered: the start-up stops
+            error = f"{type(exc).__name__}: {exc}"
+        return next((e for e in self._gathered(error) if e is not None), None)
+
+    @mirrored
+    def forget_kv(self, pool_id: str) -> None:
+        """A prefill core is gone: let go of its pool (engine/kv_transport.py)."""
+        self.links.opened.forget(pool_id)
+
+    @mirrored
+    def release_handover(self, request_id: str) -> bool:
+        """Free what the oldest handover of `request_id` lent (`HandoverLedger.release`)."""
+        return self.ledger.release(request_id)
+
+    @mirrored
+    def refuse_import(self, request_id: str) -> None:
+        """An import refused before it reached `import_request`: reported as copied."""
+        ledger = self.ledger
+        if request_id not in ledger.importing and request_id not in ledger.unread:
+            ledger.unread.append(request_id)
+
+    @mirrored
+    def collect_transfers(self) -> tuple[list[str], list[str]]:
+        """The prefetches and imports whose source blocks the prefill core may free now, as
+        every tensor-parallel rank sees them (`HandoverLedger.settle`)."""
+        prefetches, imports = self.ledger.ended()
+        views = self._gathered((prefetches, imports))
+        if len(views) > 1:
+            prefetches = sorted(set.intersection(*(set(p) for p, _ in views)))
+            imports = [i for i in imports if all(i in view for _, view in views)]
+        return self.ledger.settle(prefetches, imports)
+
+    def _gathered(self, value):
+        """Every tensor-parallel rank's `value` (this one's alone without them)."""
+        group = getattr(self.model, "tensor_parallel", None)
+        return [value] if group is None else group.gather(value)
 
     def take_handovers(self) -> list[KVHandover]:
         """The requests this core handed over since the last call (see `add_request`)."""
@@ -172,7 +233,8 @@ class EngineCore:
         self.prefetcher.forget(group.request_id)
         group.end(self.scheduler, "handover")
         self.groups.remove(group)
-        self.handovers.append(handover)
+        if self.links.rank == 0:  # the others lend alike; rank 0 offers for all
+            self.handovers.append(handover)
 
     def check_request(
         self, request_id: str, prompt: list[int], params: SamplingParams
@@ -209,7 +271,9 @@ class EngineCore:
                 except Exception as error:  # noqa: BLE001 - fails this request only
                     deltas.append(self._delta(self._fail(group.children[0], error)))
         if settled is not None:
-            self.prefetches += self.prefetcher.plan(settled)
+            planned = self.prefetcher.plan(settled)
+            if self.links.rank == 0:
+                self.prefetches += planned
         return deltas
 
     def _step(self) -> list[RequestGroup]:

@@ -11,8 +11,8 @@ prefilling. A decode core takes it with `EngineCore.import_request`: each live c
 enters a slot already decoding, its K/V copied from the prefill core's pool into fresh
 blocks before the pass that first reads them (`ModelRunner.import_kv`), and continues as it
 would have on the prefill core (sampling noise depends only on the seed and the token's
-number, so seeded and greedy outputs equal a colocated run). `HandoverLedger.copied`
-says when the prefill core's blocks may go.
+number, so seeded and greedy outputs equal a colocated run). `HandoverLedger.ended` and
+`settle` say when the prefill core's blocks may go.
 """
 
 from __future__ import annotations
@@ -150,9 +150,7 @@ class HandoverLedger:
         self.lent: dict[str, deque[list[tuple[str, int]]]] = {}
         self.importing: dict[str, list[Request]] = {}
         self.unread: list[str] = []  # imports refused before anything was queued
-        # decode side, per prefetch in stream order: (request id, what says its copy is
-        # done, the pool it reads: kept mapped until then)
-        self.prefetching: deque[tuple[str, Any, Any]] = deque()
+        self.prefetching: deque[Prefetching] = deque()  # decode side, in stream order
         self._keys = itertools.count()
 
     def hand_over(self, group: RequestGroup) -> KVHandover:
@@ -198,26 +196,56 @@ class HandoverLedger:
             del self.lent[request_id]
         return True
 
-    def copied(self) -> list[str]:
-        """Imports whose source nobody here reads any more: each live completion's copy
-        is done (in stream order) or it ended before its admission. Each import is
-        reported once, also one refused at once."""
-        pending = {entry[0] for entry in self.prefetching}
-        done = [request_id for request_id in self.unread if request_id not in pending]
-        self.unread = [request_id for request_id in self.unread if request_id in pending]
-        for request_id, children in list(self.importing.items()):
-            # After its prefetches: the prefill core frees the oldest of its lends first.
-            if request_id not in pending and all(_source_unread(child) for child in children):
-                done.append(request_id)
-                del self.importing[request_id]
-        return done
+    def add_prefetch(self, request_id: str, done: Any, source: Any) -> None:
+        self.prefetching.append(Prefetching(next(self._keys), request_id, done, source))
 
-    def prefetched(self) -> list[str]:
-        """The request id of each prefetch whose copy is done, in the order they came."""
-        done = []
-        while self.prefetching and _event_done(self.prefetching[0][1]):
-            done.append(self.prefetching.popleft()[0])
-        return done
+    def ended(self) -> tuple[list[int], list[str]]:
+        """What has ended as this rank sees it, changing nothing the ranks share: the
+        prefetches whose copy is done (their serials) and the imports whose source nobody
+        here reads any more (each live completion's copy is done, or it ended before its
+        admission; also one refused at once)."""
+        prefetches = [entry.serial for entry in self.prefetching if _event_done(entry.done)]
+        imports = list(self.unread)
+        for request_id, children in self.importing.items():
+            if all(_source_unread(child) for child in children):
+                imports.append(request_id)
+        return prefetches, imports
+
+    def settle(self, prefetches: list[int], imports: list[str]) -> tuple[list[str], list[str]]:
+        """Act on what every rank saw end (`ended`): connector reads enter the prefix cache;
+        prefetches are reported in stream order (a request id each, up to the first still
+        running), and an import after every prefetch of its request (the prefill core frees
+        the oldest of its lends first), each once. Returns (prefetched, copied)."""
+        agreed = set(prefetches)
+        for entry in self.prefetching:
+            if entry.serial in agreed and hasattr(entry.done, "finish"):
+                entry.done.finish()
+        prefetched = []
+        while self.prefetching and self.prefetching[0].serial in agreed:
+            prefetched.append(self.prefetching.popleft().request_id)
+        waiting = {entry.request_id for entry in self.prefetching}
+        copied = []
+        for request_id in imports:
+            if request_id in waiting:
+                continue
+            if request_id in self.unread:
+                self.unread.remove(request_id)
+            elif self.importing.pop(request_id, None) is None:
+                continue
+            copied.append(request_id)
+        return prefetched, copied
+
+
+@dataclass
+class Prefetching:
+    """A decode core's copy of prompt blocks lent early (engine/kv_prefetch.py): `done` is
+    None (done at once), a CUDA event, or a connector's reads (`query` polls them, `finish`
+    caches their blocks); `source`, the pool it reads, stays open until then."""
+
+    serial: int
+    request_id: str
+    done: Any
+    source: Any
 
 
 def _event_done(event: Any) -> bool:

@@ -23,7 +23,7 @@ from typing import Any
 
 from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
 from vllm_rlt.core.scheduler import Scheduler
-from vllm_rlt.engine.kv_handover import HandoverLedger
+from vllm_rlt.engine.kv_handover import HandoverLedger, Prefetching
 from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, copy_kv
 from vllm_rlt.worker.model_runner import ModelRunner
@@ -145,34 +145,35 @@ def prefetch_into(
     return prefetch
 
 
-def early_reads_landed(prefetching: Iterable[tuple[str, Any, Any]], request_id: str) -> Any:
+def early_reads_landed(prefetching: Iterable[Prefetching], request_id: str) -> Any:
     """What says whether the connector reads of `request_id`'s early-lent blocks among
-    `prefetching` (`HandoverLedger.prefetching`) have ended (polling them: reads start
-    without waiting their turn), or None if there are none."""
+    `prefetching` have been settled (`HandoverLedger.settle`: on every tensor-parallel rank
+    alike), or None if none is outstanding."""
     reads = [
-        done
-        for prefetch_id, done, _ in prefetching
-        if prefetch_id == request_id and isinstance(done, ConnectorPrefetch) and not done.ended
+        entry.done
+        for entry in prefetching
+        if entry.request_id == request_id
+        and isinstance(entry.done, ConnectorPrefetch)
+        and not entry.done.finished
     ]
     if not reads:
         return None
-    return lambda: all([read.query() for read in reads])
+    return lambda: all(read.finished for read in reads)
 
 
 class ConnectorPrefetch:
     """Blocks a connector reads into outside this core's stream (engine/kv_nixl.py): held
-    until every read has ended, then registered in the prefix cache (not before: an import
-    that found them would read them before the bytes are there) and released. `query`
-    polls; a failed read leaves the blocks out of the cache (the import copies them)."""
+    until every read has ended (`query` polls), then registered in the prefix cache (not
+    before: an import that found them would read them before the bytes are there) and
+    released (`finish`). A failed read leaves the blocks out of the cache (the import
+    copies them)."""
 
     def __init__(self, kv: KVCacheManager, owner: tuple, cached: list[bytes]) -> None:
         self.kv, self.owner, self.cached = kv, owner, cached
         self.reads: list[Any] = []
-        self.failed = self.ended = False
+        self.failed = self.finished = False
 
     def query(self) -> bool:
-        if self.ended:
-            return True
         pending = []
         for read in self.reads:
             try:
@@ -182,14 +183,16 @@ class ConnectorPrefetch:
                 logger.warning("early K/V read of %s failed", self.owner[1], exc_info=True)
                 self.failed = True
         self.reads = pending
-        if pending:
-            return False
+        return not pending
+
+    def finish(self) -> None:
+        if self.finished:
+            return
         if not self.failed:
             for index, block_hash in enumerate(self.cached):
                 self.kv.register(self.owner, index, block_hash)
         self.kv.free(self.owner)
-        self.ended = True
-        return True
+        self.finished = True
 
 
 def _consecutive(indices: list[int]) -> list[list[int]]:

@@ -42,25 +42,26 @@ class HandedCompletionMessage(msgspec.Struct, array_like=True):
 
 class KVOffer(msgspec.Struct, array_like=True):
     """A request a prefill core ran to its first tokens (engine/kv_handover.KVHandover),
-    its K/V in blocks of the pool `pool` opens."""
+    its K/V in blocks of the pool `pools` opens (a handle per tensor-parallel rank)."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[HandedCompletionMessage]
-    pool: KVPoolHandle
+    pools: list[KVPoolHandle]
 
 
 class KVPrefetch(msgspec.Struct, array_like=True):
     """Whole prompt blocks a prefill core finished while later chunks of the same prompt
     still run: blocks [first_block, first_block + len(blocks)) of its table, in the pool
-    `pool` opens, holding positions of `prompt_token_ids` (the prompt up to their end)."""
+    `pools` opens (as for `KVOffer`), holding positions of `prompt_token_ids` (the prompt
+    up to their end)."""
 
     request_id: str
     prompt_token_ids: list[int]
     first_block: int
     blocks: list[int]
-    pool: KVPoolHandle
+    pools: list[KVPoolHandle]
 
 
 class PrefetchKV(msgspec.Struct, tag="prefetch", array_like=True):

@@ -47,14 +47,10 @@ from vllm_rlt.engine.messages import (
 
 def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, str]], dict]:
     """Each core's environment and the engine arguments they share. On CUDA every core
-    gets a GPU of its own while there are enough; with fewer, the cores take the visible
-    GPUs in turn and split each GPU's memory: each plans its KV cache within
-    gpu_memory_utilization / (cores on that GPU) of it."""
-    require(
-        int(llm_kwargs.get("tensor_parallel_size") or 1) == 1,
-        "disaggregate runs cores of one GPU each: tensor_parallel_size must be 1",
-        "disaggregate",
-    )
+    gets GPUs of its own (one per tensor-parallel rank) while there are enough; with fewer,
+    cores of one GPU each take the visible GPUs in turn and split each GPU's memory: each
+    plans its KV cache within gpu_memory_utilization / (cores on that GPU) of it."""
+    ranks = int(llm_kwargs.get("tensor_parallel_size") or 1)
     device = str(llm_kwargs.get("device", "cpu"))
     if not device.startswith("cuda"):
         return [{} for _ in range(size)], llm_kwargs
@@ -66,14 +62,25 @@ def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, s
     )
     if device != "cuda":
         return core_environments(device, size), llm_kwargs  # names the wrong device
-    pool = visible[:size]
-    # Its own GPU first (its "cuda"), then the pool's others: a decode core opens the K/V
-    # a prefill core holds on its GPU through CUDA IPC (engine/kv_transport.py).
-    envs = [
-        {"CUDA_VISIBLE_DEVICES": ",".join([own] + [gpu for gpu in pool if gpu != own])}
-        for own in (pool[rank % len(pool)] for rank in range(size))
+    require(
+        ranks == 1 or size * ranks <= len(visible),
+        f"disaggregate: {size} engine cores x tensor_parallel_size {ranks} need "
+        f"{size * ranks} GPUs, but {len(visible)} {'is' if len(visible) == 1 else 'are'} "
+        "visible",
+        "disaggregate",
+    )
+    pool = visible[: size * ranks]
+    # Its own GPUs first (rank r on its "cuda:r"), then the pool's others: a decode core
+    # opens the K/V a prefill core holds on its GPUs through CUDA IPC
+    # (engine/kv_transport.py).
+    owned = [
+        [pool[(core * ranks + rank) % len(pool)] for rank in range(ranks)] for core in range(size)
     ]
-    if len(visible) >= size:
+    envs = [
+        {"CUDA_VISIBLE_DEVICES": ",".join(own + [gpu for gpu in pool if gpu not in own])}
+        for own in owned
+    ]
+    if len(visible) >= size * ranks:
         return envs, llm_kwargs
     cache = llm_kwargs.get("cache_config") or CacheConfig()
     utilization = cache.gpu_memory_utilization / -(-size // len(pool))
@@ -110,10 +117,10 @@ class DisaggregatedClient(DataParallelClient):
         # [prefill rank, that decode rank, early lends not yet copied]
         self._prefetch_target: dict[str, int] = {}
         self._prefetch_lent: dict[str, list[int]] = {}
-        # prefill rank -> its pool's named file (CPU without /proc), to remove should that
-        # core die
-        self._pool_files: dict[int, str] = {}
-        self._pool_ids: dict[int, str] = {}  # prefill rank -> its pool's id
+        # prefill rank -> its pool's named files (CPU without /proc; one per tensor-parallel
+        # rank), to remove should that core die
+        self._pool_files: dict[int, list[str]] = {}
+        self._pool_ids: dict[int, list[str]] = {}  # prefill rank -> its pool's ids
         # request id -> aborts sent to its prefill core, sent on with the import
         self._early_aborts: dict[str, list[AbortRequest]] = {}
         envs, llm_kwargs = pool_layout(llm_kwargs, prefill + decode)
@@ -144,10 +151,10 @@ class DisaggregatedClient(DataParallelClient):
                     f"--disaggregate: prefill engine core {source} cannot share its KV pool: "
                     f"{shared['error']}"
                 )
-            handle = msgspec.msgpack.decode(base64.b64decode(shared["pool"]), type=KVPoolHandle)
-            self._pool_ids[source] = handle.pool_id
-            if handle.named_file:
-                self._pool_files[source] = handle.named_file
+            encoded = base64.b64decode(shared["pool"])
+            pools = msgspec.msgpack.decode(encoded, type=list[KVPoolHandle])
+            self._pool_ids[source] = [pool.pool_id for pool in pools]
+            self._pool_files[source] = [pool.named_file for pool in pools if pool.named_file]
             for target in range(self.num_prefill, len(self.cores)):
                 pair = f"decode engine core {target} and prefill engine core {source}"
                 opened = self._ask(target, f"kv_open:{shared['pool']}", pair)
@@ -249,8 +256,6 @@ class DisaggregatedClient(DataParallelClient):
             target = self.choose(sequences, self.decode_ranks)
         self._assign(request_id, target, sequences)
         self._lent_by[request_id] = (source, target)
-        if offer.pool.named_file:
-            self._pool_files[source] = offer.pool.named_file
         self.cores[target].send(ImportRequest(offer, self.client))
         for abort in self._early_aborts.pop(request_id, []):
             self.cores[target].send(abort)
@@ -271,9 +276,8 @@ class DisaggregatedClient(DataParallelClient):
             if target == rank and source not in self.lost:
                 for _ in range(count):
                     self.cores[source].send(ReleaseHandover(request_id))
-        remove_files([self._pool_files.pop(rank)] if rank in self._pool_files else [])
-        pool_id = self._pool_ids.pop(rank, None)
-        if pool_id is not None:
+        remove_files(self._pool_files.pop(rank, []))
+        for pool_id in self._pool_ids.pop(rank, []):
             for target in self.decode_ranks:
                 if target != rank:
                     self.cores[target].send(ForgetKVPool(pool_id))

@@ -163,7 +163,8 @@ def _add_process_args(group: argparse._ArgumentGroup) -> None:
         default=None,
         metavar="P:D",
         help="P prefill engine cores run prompts and hand each request's K/V to one of D "
-        "decode cores (each on its own GPU on CUDA; one API server) (default: off)",
+        "decode cores (each on its own GPUs on CUDA, one per --tensor-parallel-size rank; "
+        "one API server) (default: off)",
     )
     group.add_argument(
         "--kv-connector",

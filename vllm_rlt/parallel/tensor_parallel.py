@@ -68,6 +68,13 @@ class TensorParallel:
         dist.all_reduce(held, op=dist.ReduceOp.MIN, group=self.control_group)
         return int(held.item())
 
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's `value`, in rank order (each rank calls this in the same mirrored
+        call: disaggregation's transfers, whose outcome one rank alone cannot know)."""
+        values: list[Any] = [None] * self.world
+        dist.all_gather_object(values, value, group=self.control_group)
+        return values
+
     def mirror(self, name: str, args: tuple, kwargs: dict) -> None:
         """Rank 0: send an engine call to the other ranks, which make it too."""
         for rank, process in enumerate(self.followers, start=1):
