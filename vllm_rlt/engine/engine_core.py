@@ -31,6 +31,7 @@ from vllm_rlt.engine.trainer_hooks import TrainerHooks
 from vllm_rlt.parallel.tensor_parallel import mirrored
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.worker.kv_pool import KVPool
 from vllm_rlt.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -142,6 +143,7 @@ class EngineCore:
         except Exception:
             self.ledger.unread.append(request_id)
             raise
+        self._read_ahead(handover, live)
         landed = early_reads_landed(self.ledger.prefetching, request_id)
         if landed is not None:
             for child in live:
@@ -161,7 +163,26 @@ class EngineCore:
         except Exception:  # noqa: BLE001 - the import then copies these blocks itself
             logger.warning("prefetch of %s skipped", blocks.request_id, exc_info=True)
             done = None
-        self.ledger.add_prefetch(blocks.request_id, done, source)
+        self.ledger.add_prefetch(blocks.request_id, done, source, blocks.end)
+
+    def _read_ahead(self, handover: KVHandover, live: list[Request]) -> None:
+        """An import read through a connector (outside this core's stream): read its whole
+        prompt blocks that no prefetch covers now, like blocks lent early, so that the read
+        that pauses this core's passes at admission shrinks to what follows them."""
+        first = self.ledger.prefetched_up_to(handover.request_id)
+        whole = len(handover.prompt_token_ids) // self.kv.block_size
+        if isinstance(handover.pool, KVPool) or not live or whole <= first:
+            return
+        kv = live[0].kv_import.blocks
+        prompt = handover.prompt_token_ids[: whole * self.kv.block_size]
+        blocks = PromptBlocks(handover.request_id, prompt, first, kv.blocks[first:whole])
+        try:
+            done = prefetch_into(self.scheduler, self.runner, handover.pool, blocks)
+        except Exception:  # noqa: BLE001 - the admission reads them itself
+            logger.warning("read-ahead of %s skipped", blocks.request_id, exc_info=True)
+            return
+        if done is not None:
+            self.ledger.add_prefetch(blocks.request_id, done, handover.pool, whole, lent=False)
 
     # ------------------------------------------------- the transport, on every rank
     @mirrored

@@ -196,8 +196,16 @@ class HandoverLedger:
             del self.lent[request_id]
         return True
 
-    def add_prefetch(self, request_id: str, done: Any, source: Any) -> None:
-        self.prefetching.append(Prefetching(next(self._keys), request_id, done, source))
+    def add_prefetch(
+        self, request_id: str, done: Any, source: Any, end: int, lent: bool = True
+    ) -> None:
+        entry = Prefetching(next(self._keys), request_id, done, source, end, lent)
+        self.prefetching.append(entry)
+
+    def prefetched_up_to(self, request_id: str) -> int:
+        """The end of the prompt blocks of `request_id` whose copy is still under way."""
+        ends = [entry.end for entry in self.prefetching if entry.request_id == request_id]
+        return max(ends, default=0)
 
     def ended(self) -> tuple[list[int], list[str]]:
         """What has ended as this rank sees it, changing nothing the ranks share: the
@@ -222,7 +230,9 @@ class HandoverLedger:
                 entry.done.finish()
         prefetched = []
         while self.prefetching and self.prefetching[0].serial in agreed:
-            prefetched.append(self.prefetching.popleft().request_id)
+            entry = self.prefetching.popleft()
+            if entry.lent:
+                prefetched.append(entry.request_id)
         waiting = {entry.request_id for entry in self.prefetching}
         copied = []
         for request_id in imports:
@@ -238,14 +248,18 @@ class HandoverLedger:
 
 @dataclass
 class Prefetching:
-    """A decode core's copy of prompt blocks lent early (engine/kv_prefetch.py): `done` is
-    None (done at once), a CUDA event, or a connector's reads (`query` polls them, `finish`
-    caches their blocks); `source`, the pool it reads, stays open until then."""
+    """A decode core's copy of prompt blocks lent early, or read ahead of an import
+    (engine/kv_prefetch.py): `done` is None (done at once), a CUDA event, or a connector's
+    reads (`query` polls them, `finish` caches their blocks); `source`, the pool it reads,
+    stays open until then. Its blocks end at table index `end`; a `lent` one is reported
+    (the prefill core then frees that lend)."""
 
     serial: int
     request_id: str
     done: Any
     source: Any
+    end: int
+    lent: bool = True
 
 
 def _event_done(event: Any) -> bool:

@@ -11,8 +11,9 @@ READ: one descriptor per tensor (each layer's K and V), plane and run of blocks 
 consecutive on both sides. NIXL moves the bytes outside this process's CUDA stream, so the
 read starts only once the pass in flight is done (its rows of a request that has just ended
 may still write into blocks handed to the import) and the admission waits for the read to
-finish before any pass can read those blocks. Prompt blocks lent early
-(engine/kv_prefetch.py) are read without waiting: `NixlPeer.start_read`.
+finish before any pass can read those blocks. Prompt blocks lent early, and an import's
+whole prompt blocks read ahead of its admission (engine/kv_prefetch.py), are read without
+waiting: `NixlPeer.start_read`.
 """
 
 from __future__ import annotations

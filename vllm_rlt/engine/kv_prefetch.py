@@ -43,6 +43,10 @@ class PromptBlocks:
     first: int
     blocks: list[int]
 
+    @property
+    def end(self) -> int:
+        return self.first + len(self.blocks)
+
 
 class PromptPrefetcher:
     """Prefill side: the handed-over requests still prefilling, and how many of their
