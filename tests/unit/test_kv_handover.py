@@ -11,6 +11,7 @@ import pytest
 
 from vllm_rlt import ExitConfig, SamplingParams
 from vllm_rlt.config import SpeculativeConfig
+from vllm_rlt.core.kv_cache_manager import block_hashes
 from vllm_rlt.engine.kv_transport import OpenedPools, share_pool
 from vllm_rlt.worker.kv_pool import copy_kv
 
@@ -573,3 +574,18 @@ def test_a_failed_import_copy_leaves_no_unwritten_block_in_the_prefix_cache(make
     _release_copied(prefill, decode)
     assert errors and "copy failed" in errors[0]
     assert _colocated(decode, later) == expected
+
+
+def test_a_prompt_arriving_in_pieces_is_hashed_once_and_a_reused_id_afresh(make_engine):
+    """A decode core keeps the block hashes of a prompt's earlier pieces (each later piece
+    hashes only its own blocks), but a request id that comes back with another prompt is
+    hashed afresh: its blocks must never be taken for the old prompt's."""
+    ledger, salt = make_engine().ledger, b"salt"
+    prompt = list(range(40))
+    whole = block_hashes(salt, prompt, 4)
+    assert block_hashes(salt, prompt, 4, whole[:3]) == whole
+    assert ledger.prompt_hashes("r", salt, prompt[:12], 4) == whole[:3]
+    assert ledger.prompt_hashes("r", salt, prompt[:28], 4) == whole[:7]
+    other = [7] + prompt[1:28]
+    assert ledger.prompt_hashes("r", salt, other, 4) == block_hashes(salt, other, 4)
+    assert ledger.prompt_hashes("r", salt, other, 4)[0] != whole[0]

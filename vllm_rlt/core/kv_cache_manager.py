@@ -18,14 +18,18 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 
 
-def block_hashes(salt: bytes, token_ids: list[int], block_size: int) -> list[bytes]:
+def block_hashes(
+    salt: bytes, token_ids: list[int], block_size: int, known: Sequence[bytes] = ()
+) -> list[bytes]:
     """The chained hash of each full block of `token_ids`: sha256 of the previous block's
-    hash and this block's ids (the first block chains from `salt`: model, layout, dtype)."""
-    hashes, previous = [], salt
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+    hash and this block's ids (the first block chains from `salt`: model, layout, dtype).
+    `known` are those of its first blocks, already computed."""
+    hashes = list(known)
+    previous = hashes[-1] if hashes else salt
+    for start in range(len(hashes) * block_size, len(token_ids) - block_size + 1, block_size):
         block = array("q", token_ids[start : start + block_size]).tobytes()
         previous = hashlib.sha256(previous + block).digest()
         hashes.append(previous)

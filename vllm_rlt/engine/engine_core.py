@@ -144,6 +144,7 @@ class EngineCore:
             self.ledger.unread.append(request_id)
             raise
         self._read_ahead(handover, live)
+        self.ledger.forget_hashes(request_id)  # its prompt arrives whole: no more pieces
         landed = early_reads_landed(self.ledger.prefetching, request_id)
         if landed is not None:
             for child in live:
@@ -159,11 +160,15 @@ class EngineCore:
         skipped: the import copies them."""
         try:
             source = self.links.source(source)
-            done = prefetch_into(self.scheduler, self.runner, source, blocks)
+            done = prefetch_into(self.scheduler, self.runner, source, blocks, self._hashes(blocks))
         except Exception:  # noqa: BLE001 - the import then copies these blocks itself
             logger.warning("prefetch of %s skipped", blocks.request_id, exc_info=True)
             done = None
         self.ledger.add_prefetch(blocks.request_id, done, source, blocks.end)
+
+    def _hashes(self, blocks: PromptBlocks) -> list[bytes]:
+        salt, size = self.scheduler.cache_salt, self.kv.block_size
+        return self.ledger.prompt_hashes(blocks.request_id, salt, blocks.prompt_token_ids, size)
 
     def _read_ahead(self, handover: KVHandover, live: list[Request]) -> None:
         """An import read through a connector (outside this core's stream): read its whole
@@ -177,7 +182,8 @@ class EngineCore:
         prompt = handover.prompt_token_ids[: whole * self.kv.block_size]
         blocks = PromptBlocks(handover.request_id, prompt, first, kv.blocks[first:whole])
         try:
-            done = prefetch_into(self.scheduler, self.runner, handover.pool, blocks)
+            hashes = self._hashes(blocks)
+            done = prefetch_into(self.scheduler, self.runner, handover.pool, blocks, hashes)
         except Exception:  # noqa: BLE001 - the admission reads them itself
             logger.warning("read-ahead of %s skipped", blocks.request_id, exc_info=True)
             return

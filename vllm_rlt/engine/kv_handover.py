@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_rlt.config import require
-from vllm_rlt.core.kv_cache_manager import KVCacheManager
+from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
 from vllm_rlt.core.request import Request, RequestStatus
 from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.sampling_params import SamplingParams
@@ -137,6 +137,9 @@ def continue_completions(group: RequestGroup, handover: KVHandover) -> list[Requ
     return live
 
 
+PROMPTS_HASHED = 256  # prompts whose block hashes a decode core keeps between pieces
+
+
 class HandoverLedger:
     """One core's handovers in progress: on a prefill core the blocks it lent to decode
     cores, by request; on a decode core the imports whose source a copy may still read."""
@@ -151,6 +154,9 @@ class HandoverLedger:
         self.importing: dict[str, list[Request]] = {}
         self.unread: list[str] = []  # imports refused before anything was queued
         self.prefetching: deque[Prefetching] = deque()  # decode side, in stream order
+        # decode side: request id -> (prompt tokens, their block hashes) of its blocks
+        # moved so far, so that the next piece hashes only its own blocks
+        self._hashed: OrderedDict[str, tuple[list[int], list[bytes]]] = OrderedDict()
         self._keys = itertools.count()
 
     def hand_over(self, group: RequestGroup) -> KVHandover:
@@ -201,6 +207,23 @@ class HandoverLedger:
     ) -> None:
         entry = Prefetching(next(self._keys), request_id, done, source, end, lent)
         self.prefetching.append(entry)
+
+    def prompt_hashes(
+        self, request_id: str, salt: bytes, tokens: list[int], block_size: int
+    ) -> list[bytes]:
+        """Block hashes of `tokens`, the first blocks of a prompt whose blocks arrive in
+        pieces: those of an earlier piece of the same prompt (its tokens checked) are kept
+        for the last PROMPTS_HASHED requests, not computed again."""
+        kept = self._hashed.pop(request_id, None)
+        known = kept[1] if kept is not None and tokens[: len(kept[0])] == kept[0] else []
+        hashes = block_hashes(salt, tokens, block_size, known)
+        self._hashed[request_id] = (tokens, hashes)
+        while len(self._hashed) > PROMPTS_HASHED:
+            self._hashed.popitem(last=False)
+        return hashes
+
+    def forget_hashes(self, request_id: str) -> None:
+        self._hashed.pop(request_id, None)
 
     def prefetched_up_to(self, request_id: str) -> int:
         """The end of the prompt blocks of `request_id` whose copy is still under way."""

@@ -21,7 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.kv_handover import HandoverLedger, Prefetching
 from vllm_rlt.engine.request_group import RequestGroup
@@ -94,14 +94,18 @@ class PromptPrefetcher:
 
 
 def prefetch_into(
-    scheduler: Scheduler, runner: ModelRunner, source: Any, blocks: PromptBlocks
+    scheduler: Scheduler,
+    runner: ModelRunner,
+    source: Any,
+    blocks: PromptBlocks,
+    hashes: list[bytes],
 ) -> Any:
     """Decode side: copy the prompt blocks of `blocks` this core's prefix cache lacks from
     `source` (a prefill core's pool mapped here, or read through a connector) into fresh
     blocks, registered in the cache and released (cached, evictable: an import that finds
     them skips their copy). Returns what says the copy is done, with a `query` method
     (None: done, or nothing was copied: a pool that cannot take it, or too few free
-    blocks)."""
+    blocks). `hashes` are those of `blocks.prompt_token_ids`' blocks."""
     kv: KVCacheManager = scheduler.kv
     ours = runner.kv_pool
     usable = (
@@ -113,7 +117,6 @@ def prefetch_into(
     if not usable:
         return None
     size, first = kv.block_size, blocks.first
-    hashes = block_hashes(scheduler.cache_salt, blocks.prompt_token_ids, size)
     lent = range(first, first + len(blocks.blocks))
     missing = [index for index in lent if not kv.count_hits([hashes[index]])]
     if not missing or len(missing) > kv.num_free_blocks // 2:  # leave room for passes
