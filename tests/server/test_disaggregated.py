@@ -155,15 +155,20 @@ def test_the_nixl_connector_serves_what_the_offline_engine_does(layout):
         assert process.wait(timeout=60) == 0
 
 
-@pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
-def test_tensor_parallel_cores_hand_over_as_one_process_would(layout):
+@pytest.mark.parametrize(
+    ("layout", "connector"),
+    [("last_exited", "torch"), ("shared_decode", "torch"), ("shared_decode", "nixl")],
+)
+def test_tensor_parallel_cores_hand_over_as_one_process_would(layout, connector):
     """`--disaggregate 1:1 --tensor-parallel-size 2`: each core splits the model over two
     processes, and rank r of the decode core reads rank r of the prefill core's pool (the
-    same heads). A prompt run in chunks of 8 moves blocks early; greedy and seeded n = 2
-    completions equal the one-process offline engine's, both cores end with nothing held,
-    and SIGTERM ends every process."""
+    same heads; through nixl where installed). A prompt run in chunks of 8 moves blocks
+    early; greedy and seeded n = 2 completions equal the one-process offline engine's, both
+    cores end with nothing held, and SIGTERM ends every process."""
+    if connector == "nixl":
+        pytest.importorskip("nixl._api")
     flags = ("--disaggregate", "1:1", "--tensor-parallel-size", "2", "--kv-layout", layout)
-    flags += ("--prefill-chunk-size", "8", "--shutdown-timeout", "5")
+    flags += ("--kv-connector", connector, "--prefill-chunk-size", "8", "--shutdown-timeout", "5")
     with serve_process(*flags) as (process, url):
         llm = LLM(model="toy", cache_config=CacheConfig(layout=layout))
         prompt = "a long enough prompt to fill more than one block of sixteen positions " * 2
