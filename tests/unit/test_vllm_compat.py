@@ -258,15 +258,18 @@ def test_sleep_thaws_a_frozen_heap_and_wake_up_freezes_it_again():
     froze stays unfrozen."""
     import gc
 
+    gc.unfreeze()
+    gc.collect()
+    nobody = gc.get_freeze_count()  # frozen by the interpreter itself (0 before 3.12)
     llm = LLM(model="toy", enable_sleep_mode=True)
     try:
         gc.freeze()
         llm.sleep(level=1)
-        assert gc.get_freeze_count() == 0
+        assert gc.get_freeze_count() == nobody
         llm.wake_up()
-        assert gc.get_freeze_count() > 0
+        assert gc.get_freeze_count() > nobody
     finally:
         gc.unfreeze()
     llm.sleep(level=1)
     llm.wake_up()
-    assert gc.get_freeze_count() == 0
+    assert gc.get_freeze_count() == nobody

@@ -88,10 +88,13 @@ class EngineSleep:
         self.asleep = set(WAKE_TAGS)
         runner.graphs = runner.mixed = None  # they read the memory about to go
         # A served process froze its start-up heap (process_setup), and a collection
-        # reaches only unfrozen objects: thawed here, frozen again once awake.
-        self.frozen = gc.get_freeze_count() > 0
+        # reaches only unfrozen objects: thawed here, frozen again once awake. (Some
+        # interpreters keep objects of their own frozen from the start: the count left
+        # after a thaw and a collection is what nobody froze.)
+        frozen = gc.get_freeze_count()
         gc.unfreeze()
         gc.collect()
+        self.frozen = frozen > gc.get_freeze_count()
         for tensor in every:
             tensor.untyped_storage().resize_(0)
         if runner.model.device.type == "cuda":

@@ -40,24 +40,27 @@ _TOKEN_ID_KEY = re.compile(r"[0-9]+")  # JSON keys are strings; str.isdigit take
 
 def first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
     """(field path, index, character) of the first string holding a lone surrogate: JSON
-    can spell one ("\\ud800"), but no valid text contains it and nothing can encode it."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            return path, exc.start, value[exc.start]
-        return None
-    if isinstance(value, dict):
-        items = value.items()
-    elif isinstance(value, list):
-        items = enumerate(value)
-    else:
-        return None
-    for key, item in items:
-        if isinstance(item, (str, dict, list)):  # token ids and numbers hold no text
-            found = first_lone_surrogate(item, f"{path}.{key}" if path else str(key))
-            if found is not None:
-                return found
+    can spell one ("\\ud800"), but no valid text contains it and nothing can encode it.
+    Walked with a stack of its own: a body nested thousands deep is a clear error later,
+    not a recursion error here."""
+    pending = [(path, value)]
+    while pending:
+        path, value = pending.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as exc:
+                return path, exc.start, value[exc.start]
+            continue
+        if isinstance(value, dict):
+            items = list(value.items())
+        elif isinstance(value, list):
+            items = list(enumerate(value))
+        else:
+            continue
+        for key, item in reversed(items):  # popped in document order
+            if isinstance(item, (str, dict, list)):  # token ids and numbers hold no text
+                pending.append((f"{path}.{key}" if path else str(key), item))
     return None
 
 
