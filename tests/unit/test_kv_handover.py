@@ -355,8 +355,12 @@ def test_copies_are_reported_once_every_tensor_parallel_rank_has_made_them(make_
         lent += prefill.take_prefetches()
         handovers += prefill.take_handovers()
     assert lent
-    other = ([], [])  # what the other rank has seen end
-    decode._gathered = lambda view: [view, other]
+    other = ([], [])  # what the other rank has seen end; in other calls it agrees
+
+    def gathered(view):
+        return [view, other] if isinstance(view, tuple) else [view, view]
+
+    decode._gathered = gathered
     for blocks in lent:
         decode.prefetch_kv(blocks, prefill.runner.kv_pool)
     decode.import_request(handovers[0])
@@ -589,3 +593,57 @@ def test_a_prompt_arriving_in_pieces_is_hashed_once_and_a_reused_id_afresh(make_
     other = [7] + prompt[1:28]
     assert ledger.prompt_hashes("r", salt, other, 4) == block_hashes(salt, other, 4)
     assert ledger.prompt_hashes("r", salt, other, 4)[0] != whole[0]
+
+
+def test_an_early_read_that_failed_on_another_rank_is_cached_on_none(make_engine):
+    """Each rank reads its own heads: blocks whose read worked here but failed on another
+    rank are freed, not cached, on every rank (their prefix caches must stay equal)."""
+    settings = dict(max_num_batched_tokens=8)
+    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prompt = [(5 * i) % 80 + 3 for i in range(40)]
+    prefill.add_request("long", prompt, SamplingParams(max_tokens=2), handover=True)
+    lent = []
+    while not lent:
+        prefill.step()
+        lent += prefill.take_prefetches()
+    decode.prefetch_kv(lent[0], _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool))
+
+    def gathered(view):  # the other rank saw every read end, and fail
+        if isinstance(view, tuple):
+            return [view, ([(serial, False) for serial, _ in view[0]], view[1])]
+        return [view, view]
+
+    decode._gathered = gathered
+    while not (reported := decode.collect_transfers())[0]:
+        pass
+    assert reported == (["long"], [])
+    assert decode.kv.all_free() and decode.kv.num_cached_blocks == 0
+    assert prefill.abort_request("long").finished
+    while prefill.has_unfinished:
+        prefill.step()
+    assert prefill.ledger.release("long") and prefill.all_blocks_free()
+
+
+def test_imports_of_a_reused_id_are_reported_oldest_first_one_each(make_engine):
+    """An id may come back before an aborted import of it is reported: each import is
+    reported once, the oldest first (the prefill core frees its lends in that order)."""
+    decode = make_engine()
+    decode.refuse_import("r")
+    decode.refuse_import("r")
+    assert decode.collect_transfers() == ([], ["r"])
+    assert decode.collect_transfers() == ([], ["r"])
+    assert decode.collect_transfers() == ([], []) and not decode.ledger.importing
+
+
+def test_a_pool_another_rank_cannot_open_refuses_the_import_on_every_rank(make_engine):
+    prefill, decode = make_engine(), make_engine()
+    prefill.add_request("r", PROMPTS[1], SamplingParams(max_tokens=4), handover=True)
+    handovers = []
+    while not handovers:
+        prefill.step()
+        handovers = prefill.take_handovers()
+    decode._gathered = lambda view: [view, "RuntimeError: cannot map"] if view is None else [view]
+    with pytest.raises(RuntimeError, match="another tensor-parallel rank cannot open the pool"):
+        decode.import_request(handovers[0])
+    assert not decode.has_unfinished and decode.collect_transfers() == ([], ["r"])
+    assert prefill.ledger.release("r") and prefill.all_blocks_free()

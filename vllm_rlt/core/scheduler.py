@@ -383,8 +383,7 @@ class Scheduler:
         for request in queue[: self.config.admission_scan]:
             if not self.free_slots:
                 break
-            imported = request.kv_import
-            if imported is not None and imported.landed is not None and not imported.landed():
+            if _awaits_reads(request):
                 continue  # its prompt blocks read early are still on their way
             hits = self._hits(request)
             first = self._first_chunk_blocks(request, hits)
@@ -411,7 +410,7 @@ class Scheduler:
     def _make_room(self, request: Request) -> None:
         """Priority policy: preempt running requests ranked below `request`, lowest first,
         until it has a slot and its first chunk's blocks (its cached prompt blocks need none)."""
-        if request.preempted_in == self.round:
+        if request.preempted_in == self.round or _awaits_reads(request):
             return
         first = self._first_chunk_blocks(request, self._hits(request))
         while not self.free_slots or first + self._watermark() > self.kv.num_free_blocks:
@@ -596,3 +595,10 @@ class Scheduler:
         if request is None or request.slot != own_slot or request.admission != admission:
             return None
         return request
+
+
+def _awaits_reads(request: Request) -> bool:
+    """An import whose prompt blocks read early are still on their way: not admitted, and
+    nobody is preempted for it, until they have landed."""
+    imported = request.kv_import
+    return imported is not None and imported.landed is not None and not imported.landed()

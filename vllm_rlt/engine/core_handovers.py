@@ -45,6 +45,7 @@ class CoreHandovers:
         self.import_client: dict[str, int] = {}
         self.prefetch_clients: deque[int] = deque()  # per prefetch in `ledger.prefetching`
         self.pools: list[KVPoolHandle] | None = None  # this core's, a handle per rank
+        self.reached = False  # the import being queued reached the engine
 
     def offer(self, handovers: list[KVHandover], client_of: Callable[[str], int]) -> None:
         """Offer each handed-over request to the client that sent it."""
@@ -94,6 +95,7 @@ class CoreHandovers:
         admission. Its client hears once that copy is done (`collect_copied`), also when
         the import fails (`after_import`)."""
         self.import_client[offer.request_id] = client
+        self.reached = False
 
         def queue() -> None:
             completions = [
@@ -105,6 +107,7 @@ class CoreHandovers:
                 )
                 for c in offer.completions
             ]
+            self.reached = True
             self.engine.import_request(
                 KVHandover(
                     offer.request_id, offer.prompt_token_ids, offer.params, completions, offer.pools
@@ -114,13 +117,12 @@ class CoreHandovers:
         return queue
 
     def after_import(self, request_id: str) -> None:
-        ledger = self.engine.ledger
-        if request_id not in ledger.importing and request_id not in ledger.unread:
-            self.engine.refuse_import(request_id)  # refused before the engine saw it
+        if not self.reached:  # refused before the engine saw it (which reports its own)
+            self.engine.refuse_import(request_id)
 
     def collect_copied(self) -> None:
         ledger = self.engine.ledger
-        if not (ledger.prefetching or ledger.importing or ledger.unread):
+        if not (ledger.prefetching or ledger.importing):
             return
         prefetched, copied = self.engine.collect_transfers()
         for request_id in prefetched:  # before the imports they precede

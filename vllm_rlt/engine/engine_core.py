@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 import torch
 
@@ -137,11 +138,11 @@ class EngineCore:
         handle per tensor-parallel rank (engine/kv_links.py)."""
         request_id = str(handover.request_id)
         try:
-            handover = dataclasses.replace(handover, pool=self.links.source(handover.pool))
+            handover = dataclasses.replace(handover, pool=self._source(handover.pool))
             group = self._new_group(request_id, handover.prompt_token_ids, handover.params)
             live = continue_completions(group, handover)
         except Exception:
-            self.ledger.unread.append(request_id)
+            self.ledger.add_import(request_id, None)
             raise
         self._read_ahead(handover, live)
         self.ledger.forget_hashes(request_id)  # its prompt arrives whole: no more pieces
@@ -150,7 +151,7 @@ class EngineCore:
             for child in live:
                 child.kv_import = dataclasses.replace(child.kv_import, landed=landed)
         self._queue(group, live)
-        self.ledger.importing[request_id] = live
+        self.ledger.add_import(request_id, live)
 
     @mirrored
     def prefetch_kv(self, blocks: PromptBlocks, source: object) -> None:
@@ -159,7 +160,7 @@ class EngineCore:
         `collect_transfers` says when that copy is done. A copy that cannot be made is
         skipped: the import copies them."""
         try:
-            source = self.links.source(source)
+            source = self._source(source)
             done = prefetch_into(self.scheduler, self.runner, source, blocks, self._hashes(blocks))
         except Exception:  # noqa: BLE001 - the import then copies these blocks itself
             logger.warning("prefetch of %s skipped", blocks.request_id, exc_info=True)
@@ -194,8 +195,31 @@ class EngineCore:
     @mirrored
     def share_kv(self, connector: str) -> list[KVPoolHandle]:
         """This core's pool as decode cores read it through `connector`: a handle per
-        tensor-parallel rank."""
-        return self._gathered(self.links.share(connector))
+        tensor-parallel rank (any rank's failure raised on all)."""
+        try:
+            handle, error = self.links.share(connector), None
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            handle, error = None, f"{type(exc).__name__}: {exc}"
+        views = self._gathered((handle, error))
+        errors = [error for _, error in views if error is not None]
+        if errors:
+            raise RuntimeError(errors[0])
+        return [handle for handle, _ in views]
+
+    def _source(self, pools: Any) -> Any:
+        """The pool `pools` names (`KVLinks.source`), opened on every tensor-parallel rank
+        or on none: one rank's failure fails the call on all, so their engines stay equal."""
+        try:
+            source, error = self.links.source(pools), None
+        except Exception as exc:  # noqa: BLE001 - raised below, on every rank
+            source, error = None, exc
+        failures = self._gathered(None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise error
+        failure = next((failure for failure in failures if failure is not None), None)
+        if failure is not None:
+            raise RuntimeError(f"another tensor-parallel rank cannot open the pool: {failure}")
+        return source
 
     @mirrored
     def open_kv(self, pools: list[KVPoolHandle]) -> str | None:
@@ -222,9 +246,7 @@ class EngineCore:
     @mirrored
     def refuse_import(self, request_id: str) -> None:
         """An import refused before it reached `import_request`: reported as copied."""
-        ledger = self.ledger
-        if request_id not in ledger.importing and request_id not in ledger.unread:
-            ledger.unread.append(request_id)
+        self.ledger.add_import(request_id, None)
 
     @mirrored
     def collect_transfers(self) -> tuple[list[str], list[str]]:
@@ -232,8 +254,13 @@ class EngineCore:
         every tensor-parallel rank sees them (`HandoverLedger.settle`)."""
         prefetches, imports = self.ledger.ended()
         views = self._gathered((prefetches, imports))
-        if len(views) > 1:
-            prefetches = sorted(set.intersection(*(set(p) for p, _ in views)))
+        if len(views) > 1:  # ended on every rank; worked if it worked on every rank
+            seen = [dict(ended) for ended, _ in views]
+            prefetches = [
+                (serial, all(view[serial] for view in seen))
+                for serial, _ in prefetches
+                if all(serial in view for view in seen)
+            ]
             imports = [i for i in imports if all(i in view for _, view in views)]
         return self.ledger.settle(prefetches, imports)
 
@@ -343,6 +370,14 @@ class EngineCore:
         """Write each newly admitted request's slot; the requests whose admission failed."""
         failed = self.runner.admit(new_slots)
         imports = [new for new in new_slots if new.imported_kv is not None]
+        if imports:  # a copy that failed on one tensor-parallel rank fails on all
+            here = {new.slot for new, _ in failed}
+            elsewhere = set().union(*map(set, self._gathered(sorted(here)))) - here
+            failed += [
+                (new, RuntimeError("the K/V copy failed on another tensor-parallel rank"))
+                for new in new_slots
+                if new.slot in elsewhere
+            ]
         if imports:  # their source may go once the copies queued here are done
             done = self.runner.copies_done()
             failed_slots = {new.slot for new, _ in failed}

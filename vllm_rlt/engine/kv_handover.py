@@ -151,8 +151,10 @@ class HandoverLedger:
         # request id -> per handover of that id (oldest first: an id may come back once
         # its request has ended), the tables it lent
         self.lent: dict[str, deque[list[tuple[str, int]]]] = {}
-        self.importing: dict[str, list[Request]] = {}
-        self.unread: list[str] = []  # imports refused before anything was queued
+        # request id -> its imports in the order they came (an id may come back before an
+        # aborted import of it is reported): the live completions each queued, or None
+        # for one refused before anything was queued
+        self.importing: dict[str, deque[list[Request] | None]] = {}
         self.prefetching: deque[Prefetching] = deque()  # decode side, in stream order
         # decode side: request id -> (prompt tokens, their block hashes) of its blocks
         # moved so far, so that the next piece hashes only its own blocks
@@ -230,27 +232,39 @@ class HandoverLedger:
         ends = [entry.end for entry in self.prefetching if entry.request_id == request_id]
         return max(ends, default=0)
 
-    def ended(self) -> tuple[list[int], list[str]]:
+    def add_import(self, request_id: str, live: list[Request] | None) -> None:
+        """An import queued with its `live` completions, or refused (None)."""
+        self.importing.setdefault(request_id, deque()).append(live)
+
+    def ended(self) -> tuple[list[tuple[int, bool]], list[str]]:
         """What has ended as this rank sees it, changing nothing the ranks share: the
-        prefetches whose copy is done (their serials) and the imports whose source nobody
-        here reads any more (each live completion's copy is done, or it ended before its
-        admission; also one refused at once)."""
-        prefetches = [entry.serial for entry in self.prefetching if _event_done(entry.done)]
-        imports = list(self.unread)
-        for request_id, children in self.importing.items():
-            if all(_source_unread(child) for child in children):
-                imports.append(request_id)
+        prefetches whose copy is done (serial, whether it worked) and the imports whose
+        source nobody here reads any more (the oldest of each id: each live completion's
+        copy is done, or it ended before its admission; also one refused at once)."""
+        prefetches = [
+            (entry.serial, not getattr(entry.done, "failed", False))
+            for entry in self.prefetching
+            if _event_done(entry.done)
+        ]
+        imports = [
+            request_id
+            for request_id, queued in self.importing.items()
+            if queued[0] is None or all(_source_unread(child) for child in queued[0])
+        ]
         return prefetches, imports
 
-    def settle(self, prefetches: list[int], imports: list[str]) -> tuple[list[str], list[str]]:
-        """Act on what every rank saw end (`ended`): connector reads enter the prefix cache;
-        prefetches are reported in stream order (a request id each, up to the first still
-        running), and an import after every prefetch of its request (the prefill core frees
-        the oldest of its lends first), each once. Returns (prefetched, copied)."""
-        agreed = set(prefetches)
+    def settle(
+        self, prefetches: list[tuple[int, bool]], imports: list[str]
+    ) -> tuple[list[str], list[str]]:
+        """Act on what every rank saw end (`ended`): connector reads enter the prefix cache
+        where they worked on every rank (else their blocks are only freed); prefetches are
+        reported in stream order (a request id each, up to the first still running), and
+        an import after every prefetch of its request (the prefill core frees the oldest of
+        its lends first), each once. Returns (prefetched, copied)."""
+        agreed = dict(prefetches)
         for entry in self.prefetching:
             if entry.serial in agreed and hasattr(entry.done, "finish"):
-                entry.done.finish()
+                entry.done.finish(agreed[entry.serial])
         prefetched = []
         while self.prefetching and self.prefetching[0].serial in agreed:
             entry = self.prefetching.popleft()
@@ -259,12 +273,12 @@ class HandoverLedger:
         waiting = {entry.request_id for entry in self.prefetching}
         copied = []
         for request_id in imports:
-            if request_id in waiting:
+            queued = self.importing.get(request_id)
+            if request_id in waiting or not queued:
                 continue
-            if request_id in self.unread:
-                self.unread.remove(request_id)
-            elif self.importing.pop(request_id, None) is None:
-                continue
+            queued.popleft()
+            if not queued:
+                del self.importing[request_id]
             copied.append(request_id)
         return prefetched, copied
 

@@ -101,6 +101,7 @@ class NixlPeer:
         self.block_size = handle.block_size
         self.geometry = _geometry(handle)
         self.per_plane = handle.shape[0] // handle.planes  # entries
+        self.forgotten = False  # its prefill core is gone: never connect to it again
 
     def read_into(self, blocks: KVBlocks, targets: list[int], start: int) -> None:
         """Copy positions [start, blocks.num_positions) from `blocks` here into `targets`
@@ -226,8 +227,9 @@ class NixlRead:
         except Exception:
             self._end()
             peer = self.peer
-            self.agent.remove_remote_agent(peer.agent_name)
-            peer.agent_name = self.agent.add_remote_agent(peer.metadata)
+            if not peer.forgotten:
+                self.agent.remove_remote_agent(peer.agent_name)
+                peer.agent_name = self.agent.add_remote_agent(peer.metadata)
             raise
         self._end()
         return True

@@ -121,6 +121,8 @@ def prefetch_into(
     missing = [index for index in lent if not kv.count_hits([hashes[index]])]
     if not missing or len(missing) > kv.num_free_blocks // 2:  # leave room for passes
         return None
+    # A connector's read starts behind the pass in flight (taken before any block is).
+    after = None if isinstance(source, KVPool) else runner.copies_done()
     owner = ("prefetch", blocks.request_id, next(_OWNER_KEYS))
     taken = [block for _, block in kv.grow(owner, len(missing) * size)]
     sources = [0] * first + blocks.blocks  # tables from position 0; below `first` unread
@@ -139,7 +141,6 @@ def prefetch_into(
             kv.free(owner)
         return runner.copies_done()
     prefetch = ConnectorPrefetch(kv, owner, cached)
-    after = runner.copies_done()  # behind the pass in flight
     for start, end in runs:
         try:
             read = source.start_read(KVBlocks(sources, end, 0), targets, start, after)
@@ -192,10 +193,11 @@ class ConnectorPrefetch:
         self.reads = pending
         return not pending
 
-    def finish(self) -> None:
+    def finish(self, cache: bool = True) -> None:
+        """Release the blocks, cached if `cache` (every rank's reads worked)."""
         if self.finished:
             return
-        if not self.failed:
+        if cache and not self.failed:
             for index, block_hash in enumerate(self.cached):
                 self.kv.register(self.owner, index, block_hash)
         self.kv.free(self.owner)

@@ -200,6 +200,7 @@ class OpenedPools:
         request alone)."""
         pool = self.pools.pop(pool_id, None)
         if isinstance(pool, NixlPeer):
+            pool.forgotten = True
             pool.reader.agent.remove_remote_agent(pool.agent_name)
 
     def probe(self, pool: KVPool | NixlPeer, device: torch.device) -> bool:
