@@ -127,6 +127,19 @@ def test_a_dead_decode_core_is_named_and_the_prefill_core_serves_on():
         assert reply.json()["choices"][0]["finish_reason"] == "length"
 
 
+def _long_prompt_equals_offline(url: str, layout: str) -> None:
+    """Greedy and seeded n = 2 completions of a prompt of several blocks equal the offline
+    engine's; then both cores hold nothing."""
+    llm = LLM(model="toy", cache_config=CacheConfig(layout=layout))
+    prompt = "a long enough prompt to fill more than one block of sixteen positions " * 2
+    for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
+        body = {"model": "toy", "prompt": prompt, "max_tokens": 9, "n": 2, **sampling}
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
+        offline = llm.generate([prompt], SamplingParams(max_tokens=9, n=2, **sampling))[0]
+        assert [c["text"] for c in reply["choices"]] == [c.text for c in offline.outputs]
+    _idle(url)
+
+
 @pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
 def test_the_nixl_connector_serves_what_the_offline_engine_does(layout):
     """`--kv-connector nixl` (where the nixl package is installed): the decode core reads
@@ -141,14 +154,7 @@ def test_the_nixl_connector_serves_what_the_offline_engine_does(layout):
             assert line, f"the server's log ended early:\n{log}"
             log += line
         assert "K/V through nixl; ready" in log
-        llm = LLM(model="toy", cache_config=CacheConfig(layout=layout))
-        prompt = "a long enough prompt to fill more than one block of sixteen positions " * 2
-        for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
-            body = {"model": "toy", "prompt": prompt, "max_tokens": 9, "n": 2, **sampling}
-            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()
-            offline = llm.generate([prompt], SamplingParams(max_tokens=9, n=2, **sampling))[0]
-            assert [c["text"] for c in reply["choices"]] == [c.text for c in offline.outputs]
-        _idle(url)
+        _long_prompt_equals_offline(url, layout)
         scrape = httpx.get(f"{url}/metrics").text
         assert re.search(r"^vllm_rlt:kv_transfer_handovers_total 2\.0$", scrape, re.M)
         process.send_signal(signal.SIGTERM)
@@ -170,14 +176,7 @@ def test_tensor_parallel_cores_hand_over_as_one_process_would(layout, connector)
     flags = ("--disaggregate", "1:1", "--tensor-parallel-size", "2", "--kv-layout", layout)
     flags += ("--kv-connector", connector, "--prefill-chunk-size", "8", "--shutdown-timeout", "5")
     with serve_process(*flags) as (process, url):
-        llm = LLM(model="toy", cache_config=CacheConfig(layout=layout))
-        prompt = "a long enough prompt to fill more than one block of sixteen positions " * 2
-        for sampling in ({"temperature": 0}, {"temperature": 0.9, "seed": 5}):
-            body = {"model": "toy", "prompt": prompt, "max_tokens": 9, "n": 2, **sampling}
-            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()
-            offline = llm.generate([prompt], SamplingParams(max_tokens=9, n=2, **sampling))[0]
-            assert [c["text"] for c in reply["choices"]] == [c.text for c in offline.outputs]
-        _idle(url)
+        _long_prompt_equals_offline(url, layout)
         scrape = httpx.get(f"{url}/metrics").text
         assert re.search(r"^vllm_rlt:kv_transfer_handovers_total 2\.0$", scrape, re.M)
         early = re.search(r"^vllm_rlt:kv_transfer_prefetched_blocks_total (\S+)$", scrape, re.M)

@@ -87,6 +87,19 @@ def _disaggregated(prefill, decode, requests, source=None) -> tuple[dict, list]:
     return outputs, handed
 
 
+def _connector(name: str, prefill, decode):
+    """(what the decode core reads the prefill pool through, the shared pool to close):
+    the pool itself (torch), a CPU stand-in that reads outside the stream ("reads"), or
+    NIXL where installed."""
+    if name == "reads":
+        return _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, polls=12), None
+    if name == "nixl":
+        pytest.importorskip("nixl._api")
+        shared = share_pool(prefill.runner.kv_pool, "nixl")
+        return OpenedPools(lambda: decode.runner.kv_pool).open(shared.handle), shared
+    return None, None
+
+
 def _requests():
     return [
         ("greedy", PROMPTS[0], SamplingParams(max_tokens=9, temperature=0.0)),
@@ -209,13 +222,7 @@ def test_a_long_prompt_moves_its_finished_blocks_while_later_chunks_run(
     decode.runner.import_kv = lambda source, blocks, start=0: (
         copied_from.append(start) or import_kv(source, blocks, start)
     )
-    source, shared = None, None
-    if connector == "reads":
-        source = _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, polls=12)
-    if connector == "nixl":
-        pytest.importorskip("nixl._api")
-        shared = share_pool(prefill.runner.kv_pool, "nixl")
-        source = OpenedPools(lambda: decode.runner.kv_pool).open(shared.handle)
+    source, shared = _connector(connector, prefill, decode)
     try:
         got, _ = _disaggregated(prefill, decode, requests, source)
     finally:
@@ -288,10 +295,9 @@ class _ReadLater:
         return Read()
 
 
-@pytest.mark.parametrize("fail", [False, True])
-def test_blocks_a_connector_reads_early_enter_the_cache_once_read(make_engine, fail):
-    """Until the read has ended its blocks are held and uncached (an import must not find
-    them); then they are cached and released, or, if the read failed, only released."""
+def _first_lend(make_engine):
+    """A prefill and a decode core (chunks of 8), and the prompt blocks the prefill core
+    lent first for a long prompt ("long") it still runs."""
     settings = dict(max_num_batched_tokens=8)
     prefill, decode = make_engine(**settings), make_engine(**settings)
     prompt = [(5 * i) % 80 + 3 for i in range(40)]
@@ -300,6 +306,14 @@ def test_blocks_a_connector_reads_early_enter_the_cache_once_read(make_engine, f
     while not lent:
         prefill.step()
         lent += prefill.take_prefetches()
+    return prefill, decode, lent
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_blocks_a_connector_reads_early_enter_the_cache_once_read(make_engine, fail):
+    """Until the read has ended its blocks are held and uncached (an import must not find
+    them); then they are cached and released, or, if the read failed, only released."""
+    prefill, decode, lent = _first_lend(make_engine)
     source = _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, fail)
     decode.prefetch_kv(lent[0], source)
     assert decode.kv.num_cached_blocks == 0 and not decode.kv.all_free()
@@ -485,13 +499,7 @@ def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layo
         copy(source, blocks, start)
 
     decode.runner.import_kv = counted
-    source, shared = None, None
-    if connector == "reads":
-        source = _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, polls=12)
-    if connector == "nixl":
-        pytest.importorskip("nixl._api")
-        shared = share_pool(prefill.runner.kv_pool, "nixl")
-        source = OpenedPools(lambda: decode.runner.kv_pool).open(shared.handle)
+    source, shared = _connector(connector, prefill, decode)
     # The first request alone, then the others: imports admitted in one round copy
     # whole (their blocks enter the cache once their copies are queued).
     try:
@@ -598,14 +606,7 @@ def test_a_prompt_arriving_in_pieces_is_hashed_once_and_a_reused_id_afresh(make_
 def test_an_early_read_that_failed_on_another_rank_is_cached_on_none(make_engine):
     """Each rank reads its own heads: blocks whose read worked here but failed on another
     rank are freed, not cached, on every rank (their prefix caches must stay equal)."""
-    settings = dict(max_num_batched_tokens=8)
-    prefill, decode = make_engine(**settings), make_engine(**settings)
-    prompt = [(5 * i) % 80 + 3 for i in range(40)]
-    prefill.add_request("long", prompt, SamplingParams(max_tokens=2), handover=True)
-    lent = []
-    while not lent:
-        prefill.step()
-        lent += prefill.take_prefetches()
+    prefill, decode, lent = _first_lend(make_engine)
     decode.prefetch_kv(lent[0], _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool))
 
     def gathered(view):  # the other rank saw every read end, and fail
