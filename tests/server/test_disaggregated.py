@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import check_concurrent_streams, serve_process
-from tests.server.test_data_parallel import _health_until, samples
+from tests.server.test_data_parallel import _descendants, _health_until, samples
 from vllm_rlt import LLM, CacheConfig, SamplingParams
 
 _CORE_PIDS = re.compile(r"1 prefill and 1 decode engine cores \(pid (\d+), (\d+)\)")
@@ -110,15 +110,31 @@ def test_disaggregated_serving_equals_offline_and_frees_both_cores(layout):
     assert _pool_files() <= before, "pool files were left behind"
 
 
-def test_a_dead_decode_core_is_named_and_the_prefill_core_serves_on():
-    with serve_process("--disaggregate", "1:1", "--shutdown-timeout", "5") as (process, url):
+def _tensor_parallel_rank(core_pid: int) -> int:
+    """The process of a core's second tensor-parallel rank (not a helper such as
+    multiprocessing's resource tracker)."""
+    for pid in _descendants(core_pid):
+        with open(f"/proc/{pid}/cmdline", "rb") as cmdline:
+            if b"resource_tracker" not in cmdline.read():
+                return pid
+    raise AssertionError(f"engine core {core_pid} has no other rank")
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_a_dead_decode_core_is_named_and_the_prefill_core_serves_on(ranks):
+    """The decode core's process, or with two tensor-parallel ranks its other rank while
+    the core idles, is killed: /health names the core at once (not at the next request),
+    and the prefill core serves on alone."""
+    flags = ("--disaggregate", "1:1", "--tensor-parallel-size", str(ranks))
+    with serve_process(*flags, "--shutdown-timeout", "5") as (process, url):
         log = ""
         while not _CORE_PIDS.search(log):
             line = process.stderr.readline()
             assert line, f"the server's log ended early:\n{log}"
             log += line
         _, decode_pid = (int(pid) for pid in _CORE_PIDS.search(log).groups())
-        os.kill(decode_pid, signal.SIGKILL)
+        victim = decode_pid if ranks == 1 else _tensor_parallel_rank(decode_pid)
+        os.kill(victim, signal.SIGKILL)
         health = _health_until(url, 503)
         assert "engine core 1" in health.text
         body = {"model": "toy", "prompt": "go on", "max_tokens": 5, "temperature": 0}

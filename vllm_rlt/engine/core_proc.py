@@ -64,6 +64,7 @@ LINGER_MS = 5000
 
 
 HEARTBEAT_S = 0.1  # while busy without new tokens, counters still go out this often
+RANKS_CHECK_MS = 500  # while idle, how often rank 0 looks at its tensor-parallel ranks
 
 
 class CoreLoop:
@@ -102,12 +103,17 @@ class CoreLoop:
     def run(self) -> None:
         """Serve until a shutdown call; any error is sent as the last message, then raised."""
         engine = self.engine
+        group = getattr(engine.model, "tensor_parallel", None)
+        ranks = group if group is not None and group.followers else None
         try:
             while not self.stopping:
                 if engine.has_unfinished:  # held back: by a release, or by early reads
                     wait = (1 if engine.ledger.prefetching else 10) if engine.held_back else 0
                 else:  # idle with copies still running: look at them again soon
                     wait = 1 if engine.ledger.importing or engine.ledger.prefetching else None
+                if ranks is not None and wait != 0:  # a rank lost while idle: say so now
+                    ranks.check_followers()
+                    wait = min(wait or RANKS_CHECK_MS, RANKS_CHECK_MS)
                 self._take_commands(wait)
                 if engine.has_unfinished and not self.stopping:
                     self._route(engine.step())

@@ -75,13 +75,17 @@ class TensorParallel:
         dist.all_gather_object(values, value, group=self.control_group)
         return values
 
-    def mirror(self, name: str, args: tuple, kwargs: dict) -> None:
-        """Rank 0: send an engine call to the other ranks, which make it too."""
+    def check_followers(self) -> None:
+        """Rank 0: raise TensorParallelLost if another rank has exited."""
         for rank, process in enumerate(self.followers, start=1):
             if process.exitcode is not None:
                 raise TensorParallelLost(
                     f"tensor-parallel rank {rank} exited with code {process.exitcode}"
                 )
+
+    def mirror(self, name: str, args: tuple, kwargs: dict) -> None:
+        """Rank 0: send an engine call to the other ranks, which make it too."""
+        self.check_followers()
         try:
             dist.broadcast_object_list([(name, args, kwargs)], src=0, group=self.control_group)
         except RuntimeError as exc:
