@@ -58,7 +58,12 @@ class HandoverCalls:
             self.ledger.add_import(request_id, None)
             raise
         self._read_ahead(handover, live)
-        self.ledger.forget_hashes(request_id)  # its prompt arrives whole: no more pieces
+        if self.kv.enable_caching:  # the hashes of its pieces moved early serve admission
+            salt, size = self.scheduler.cache_salt, self.kv.block_size
+            prompt = handover.prompt_token_ids
+            hashes = self.ledger.prompt_hashes(request_id, salt, prompt, size, keep=False)
+            for child in live:
+                child.block_hashes = hashes
         landed = early_reads_landed(self.ledger.prefetching, request_id)
         if landed is not None:
             for child in live:
@@ -74,15 +79,11 @@ class HandoverCalls:
         skipped: the import copies them."""
         try:
             source = self._source(source)
-            done = prefetch_into(self.scheduler, self.runner, source, blocks, self._hashes(blocks))
+            done = prefetch_into(self.scheduler, self.runner, self.ledger, source, blocks)
         except Exception:  # noqa: BLE001 - the import then copies these blocks itself
             logger.warning("prefetch of %s skipped", blocks.request_id, exc_info=True)
             done = None
         self.ledger.add_prefetch(blocks.request_id, done, source, blocks.end)
-
-    def _hashes(self, blocks: PromptBlocks) -> list[bytes]:
-        salt, size = self.scheduler.cache_salt, self.kv.block_size
-        return self.ledger.prompt_hashes(blocks.request_id, salt, blocks.prompt_token_ids, size)
 
     def _read_ahead(self, handover: KVHandover, live: list[Request]) -> None:
         """An import read through a connector (outside this core's stream): read its whole
@@ -96,8 +97,7 @@ class HandoverCalls:
         prompt = handover.prompt_token_ids[: whole * self.kv.block_size]
         blocks = PromptBlocks(handover.request_id, prompt, first, kv.blocks[first:whole])
         try:
-            hashes = self._hashes(blocks)
-            done = prefetch_into(self.scheduler, self.runner, handover.pool, blocks, hashes)
+            done = prefetch_into(self.scheduler, self.runner, self.ledger, handover.pool, blocks)
         except Exception:  # noqa: BLE001 - the admission reads them itself
             logger.warning("read-ahead of %s skipped", blocks.request_id, exc_info=True)
             return

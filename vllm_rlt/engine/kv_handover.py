@@ -211,21 +211,20 @@ class HandoverLedger:
         self.prefetching.append(entry)
 
     def prompt_hashes(
-        self, request_id: str, salt: bytes, tokens: list[int], block_size: int
+        self, request_id: str, salt: bytes, tokens: list[int], block_size: int, keep: bool = True
     ) -> list[bytes]:
         """Block hashes of `tokens`, the first blocks of a prompt whose blocks arrive in
         pieces: those of an earlier piece of the same prompt (its tokens checked) are kept
-        for the last PROMPTS_HASHED requests, not computed again."""
+        for the last PROMPTS_HASHED requests, not computed again (`keep` False: the last
+        piece, its request's import)."""
         kept = self._hashed.pop(request_id, None)
         known = kept[1] if kept is not None and tokens[: len(kept[0])] == kept[0] else []
         hashes = block_hashes(salt, tokens, block_size, known)
-        self._hashed[request_id] = (tokens, hashes)
-        while len(self._hashed) > PROMPTS_HASHED:
-            self._hashed.popitem(last=False)
+        if keep:
+            self._hashed[request_id] = (tokens, hashes)
+            while len(self._hashed) > PROMPTS_HASHED:
+                self._hashed.popitem(last=False)
         return hashes
-
-    def forget_hashes(self, request_id: str) -> None:
-        self._hashed.pop(request_id, None)
 
     def prefetched_up_to(self, request_id: str) -> int:
         """The end of the prompt blocks of `request_id` whose copy is still under way."""

@@ -96,16 +96,16 @@ class PromptPrefetcher:
 def prefetch_into(
     scheduler: Scheduler,
     runner: ModelRunner,
+    ledger: HandoverLedger,
     source: Any,
     blocks: PromptBlocks,
-    hashes: list[bytes],
 ) -> Any:
     """Decode side: copy the prompt blocks of `blocks` this core's prefix cache lacks from
     `source` (a prefill core's pool mapped here, or read through a connector) into fresh
     blocks, registered in the cache and released (cached, evictable: an import that finds
     them skips their copy). Returns what says the copy is done, with a `query` method
     (None: done, or nothing was copied: a pool that cannot take it, or too few free
-    blocks). `hashes` are those of `blocks.prompt_token_ids`' blocks."""
+    blocks). `ledger` keeps the block hashes of a prompt arriving in pieces."""
     kv: KVCacheManager = scheduler.kv
     ours = runner.kv_pool
     usable = (
@@ -117,6 +117,8 @@ def prefetch_into(
     if not usable:
         return None
     size, first = kv.block_size, blocks.first
+    salt, tokens = scheduler.cache_salt, blocks.prompt_token_ids
+    hashes = ledger.prompt_hashes(blocks.request_id, salt, tokens, size)
     lent = range(first, first + len(blocks.blocks))
     missing = [index for index in lent if not kv.count_hits([hashes[index]])]
     if not missing or len(missing) > kv.num_free_blocks // 2:  # leave room for passes
