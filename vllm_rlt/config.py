@@ -55,6 +55,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 # How `--disaggregate` moves K/V (engine/kv_transport.py, engine/kv_nixl.py); auto is torch.
 KV_CONNECTORS = ("auto", "torch", "nixl")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
+QUANTIZATIONS = ("fp8",)  # weight quantization at load (vllm_rlt/layers/fp8.py)
 # KV blocks on the CPU when no size is given; here, free of torch, for the help screens.
 CPU_DEFAULT_BLOCKS = 256
 
@@ -71,6 +72,16 @@ def require(condition: bool, message: str, param: str | None = None) -> None:
     """Raise a ParamError (a ValueError) with `message` when a user-facing setting is invalid."""
     if not condition:
         raise ParamError(message, param)
+
+
+def check_quantization(quantization: str | None) -> None:
+    """ParamError naming the field and the values it may take."""
+    require(
+        quantization is None or quantization in QUANTIZATIONS,
+        f"quantization must be one of {', '.join(QUANTIZATIONS)} or None (unquantized), "
+        f"got {quantization!r}",
+        "quantization",
+    )
 
 
 def require_int(

@@ -1,6 +1,6 @@
 """Tensor parallelism over gloo on the CPU: the toy model split over two processes gives the
 float32 tokens and exit depths of one process, and logprobs equal up to the order of the
-all-reduce's sums, in every exit mode, KV layout and scheduling mode."""
+all-reduce's sums, in every exit mode, KV layout and scheduling mode, and with fp8 weights."""
 
 from __future__ import annotations
 
@@ -32,17 +32,21 @@ def _generate(tensor_parallel_size: int, **engine) -> list:
 
 
 @pytest.mark.parametrize(
-    ("exit_mode", "layout", "scheduling"),
-    [  # every exit mode, both layouts, both scheduling modes
-        ("ouro", "last_exited", "refill"),
-        ("ouro", "shared", "no_refill"),
-        ("ouro_delayed", "shared", "refill"),
-        ("random_lookahead", "last_exited", "refill"),
-        ("trace", "shared", "refill"),
+    ("exit_mode", "layout", "scheduling", "quantization"),
+    [  # every exit mode, both layouts, both scheduling modes, fp8 weights
+        ("ouro", "last_exited", "refill", None),
+        ("ouro", "shared", "no_refill", None),
+        ("ouro_delayed", "shared", "refill", None),
+        ("random_lookahead", "last_exited", "refill", None),
+        ("trace", "shared", "refill", None),
+        ("ouro", "last_exited", "refill", "fp8"),
     ],
 )
-def test_two_ranks_equal_one_process(exit_mode, layout, scheduling):
+def test_two_ranks_equal_one_process(exit_mode, layout, scheduling, quantization):
+    """Under fp8 every rank quantizes the whole model before taking its share, so a rank's
+    columns of o and down keep the scales of whole rows."""
     engine = {
+        "quantization": quantization,
         "cache_config": CacheConfig(num_blocks=64, layout=layout),
         "scheduler_config": SchedulerConfig(mode=scheduling),
         "exit_config": ExitConfig(

@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.layers.fp8 import Fp8Weight, fp8_linear_reference
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
 
@@ -45,11 +46,13 @@ class TorchOps:
         self, x: torch.Tensor, weight: torch.Tensor, live: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x @ weight.T; `live` (rows whose output is used) lets a backend skip idle rows."""
+        if isinstance(weight, Fp8Weight):
+            return fp8_linear_reference(x, weight)
         return F.linear(x, weight)
 
     def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """silu_mul(x @ gate_up.T) for the interleaved gate/up weight."""
-        return self.silu_mul(F.linear(x, gate_up))
+        return self.silu_mul(self.linear(x, gate_up))
 
     def attention(
         self,

@@ -21,6 +21,7 @@ from vllm_rlt.kernels.triton_kernels import (
     _rope_write_rows_kernel,
     _silu_mul_kernel,
 )
+from vllm_rlt.layers.fp8 import Fp8Weight, fp8_linear_reference, fp8_linear_tensor_cores
 from vllm_rlt.layers.rotary import RotaryEmbedding
 
 # Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
@@ -78,19 +79,33 @@ def layer_class(n: int, k: int) -> str:
     return "wide" if n <= 16384 else "head"
 
 
-def linear_plan(rows: int, weight: torch.Tensor, split_ok: bool = False) -> SkinnyConfig | None:
-    """The skinny launch shape for this many rows, or None for cuBLAS. Without split_ok
-    (the consumer needs the finished product), a split-K plan runs with one slice. Wider
-    elements take proportionally shorter K chunks, so a stage holds the same bytes."""
+def linear_plan(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, split_ok: bool = False
+) -> SkinnyConfig | None:
+    """The skinny launch shape for x's rows, or None for cuBLAS. Without split_ok (the
+    consumer needs the finished product), a split-K plan runs with one slice. Wider
+    activations take proportionally shorter K chunks, so a tile holds the same registers
+    (an fp8 weight keeps the chunk of its activations' dtype: its tile is widened to it)."""
     n, k = weight.shape
     for most_rows, config in LINEAR_PLANS[layer_class(n, k)]:
-        if rows <= most_rows:
+        if x.shape[0] <= most_rows:
             return replace(
                 config,
-                block_k=config.block_k * 2 // weight.element_size(),
+                block_k=config.block_k * 2 // x.element_size(),
                 split_k=config.split_k if split_ok else 1,
             )
     return None
+
+
+def _dense_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+    """x @ weight.T for many rows: cuBLAS, or for an fp8 weight FP8 tensor cores (bf16
+    activations, whose rowwise-scaled product cuBLAS gives only in bf16) or else the
+    widened weight."""
+    if not isinstance(weight, Fp8Weight):
+        return F.linear(x, weight)
+    if x.dtype == torch.bfloat16 and all(d % 16 == 0 for d in weight.shape):
+        return fp8_linear_tensor_cores(x, weight)
+    return fp8_linear_reference(x, weight)
 
 
 class TritonOps:
@@ -135,7 +150,7 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
         partial sums and the norm kernel adds them up, so no reduction kernel runs."""
-        config = linear_plan(inp.shape[0], weight, split_ok=True)
+        config = linear_plan(inp, weight, split_ok=True)
         if config is None or config.split_k == 1:
             return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
         parts = skinny_linear_partials(inp, weight, config, pdl=self.pdl)
@@ -188,16 +203,16 @@ class TritonOps:
     ) -> torch.Tensor:
         """x @ weight.T; few rows stream the weight once, and with `live` a row tile none of
         whose rows is live skips the weight (those rows' outputs are zero)."""
-        config = linear_plan(x.shape[0], weight)
+        config = linear_plan(x, weight)
         if config is None:
-            return F.linear(x, weight)
+            return _dense_linear(x, weight)
         return skinny_linear(x, weight, config, live=live, pdl=self.pdl)
 
     def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
-        config = linear_plan(x.shape[0], gate_up)
+        config = linear_plan(x, gate_up)
         if config is None:
-            return self.silu_mul(F.linear(x, gate_up))
+            return self.silu_mul(_dense_linear(x, gate_up))
         return skinny_linear(x, gate_up, config, silu_mul=True, pdl=self.pdl)
 
     def attention(

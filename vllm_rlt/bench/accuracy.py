@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from vllm_rlt.bench.report import emit_report
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.config import KV_LAYOUTS, CacheConfig
+from vllm_rlt.config import KV_LAYOUTS, QUANTIZATIONS, CacheConfig
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.training.data import TASKS, held_out, training_set
@@ -131,6 +131,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         dtype=args.dtype,
         cache_config=CacheConfig(layout=args.kv_layout),
         speculative_config=speculative_config(args),
+        quantization=args.quantization,
     )
     record = model_folder(args.model) / "training_record.json"
     train_size = args.train_size
@@ -151,6 +152,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "accuracy",
         "model": llm.model_name,
         "kv_layout": args.kv_layout,
+        "quantization": args.quantization,
         "speculative_tokens": args.speculative_tokens,
         "draft_loops": args.draft_loops if args.speculative_tokens is not None else None,
         "device": str(llm.engine.model.device),
@@ -173,6 +175,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument(
         "--kv-layout", choices=KV_LAYOUTS, default="last_exited", help="KV cache layout"
+    )
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: the layer projections in float8 with a scale per output channel (default: none)",
     )
     parser.add_argument("--per-task", type=int, default=200, help="held-out problems per task")
     parser.add_argument(

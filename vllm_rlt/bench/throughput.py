@@ -33,6 +33,7 @@ from vllm_rlt.bench.shapes import SHAPES
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import (
     KV_LAYOUTS,
+    QUANTIZATIONS,
     CacheConfig,
     ExecutionConfig,
     ExitConfig,
@@ -204,7 +205,11 @@ def runs_per_concurrency(args: argparse.Namespace) -> int:
     return (args.warmup + args.repeats) * (1 if args.no_baseline else 2)
 
 
-def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str, Any]:
+def bench_concurrency(
+    model, args, concurrency: int, progress: tqdm, engine_model=None
+) -> dict[str, Any]:
+    """One concurrency's runs: the engine runs `engine_model` (the model, or its quantized
+    copy under --quantization), the naive baseline the unquantized model."""
     import torch
 
     from vllm_rlt.bench.naive import NaiveOuro
@@ -243,12 +248,13 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
         )
     stop_after = args.output_len if max_tokens_of(args) > args.output_len else None
     kv_pool = "every request at once"
+    engine_model = model if engine_model is None else engine_model
     try:
-        engine = build_engine(model, args, concurrency, exit_config)
+        engine = build_engine(engine_model, args, concurrency, exit_config)
     except ValueError as exc:
         if not str(exc).startswith("num_blocks:"):
             raise
-        engine = build_engine(model, args, concurrency, exit_config, whole_pool=False)
+        engine = build_engine(engine_model, args, concurrency, exit_config, whole_pool=False)
         kv_pool = f"sized to the device ({engine.kv.num_blocks} blocks): {exc}"
     progress.set_description(f"concurrency {concurrency}: engine")
     engine_runs = []
@@ -314,7 +320,7 @@ def bench_concurrency(model, args, concurrency: int, progress: tqdm) -> dict[str
         torch.cuda.reset_peak_memory_stats()
         at_once = min(concurrency, best["max_running"])  # the KV pool may hold fewer
         bound = roofline(
-            model, args, at_once, best["mean_loops"] or 1.0, copy_bandwidth(model.device)
+            engine_model, args, at_once, best["mean_loops"] or 1.0, copy_bandwidth(model.device)
         )
         bound["fraction_achieved"] = (
             best["decode_tokens_per_s"] / bound["decode_tokens_per_s_bound"]
@@ -343,10 +349,12 @@ def copy_bandwidth(device: torch.device) -> float:
 def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float) -> dict:
     """Decode tokens/s if every pass only streamed the layer weights once plus each row's
     keys and values (one plane) at the mean context, at the measured bandwidth."""
+    from vllm_rlt.layers.fp8 import weight_nbytes
+
     cfg = model.config
     element = model.dtype.itemsize
     layer_bytes = sum(
-        t.numel() * t.element_size()
+        weight_nbytes(t)
         for layer in model.layers
         for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
     )
@@ -405,6 +413,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--mode", default="refill", choices=["refill", "no_refill"], help="scheduling mode"
     )
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    parser.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: the engine's layer projections in float8 with a scale per output channel "
+        "(the naive baseline keeps --dtype) (default: none)",
+    )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (CPU never uses them)"
     )
@@ -506,6 +521,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from vllm_rlt.bench.shapes import random_model
+    from vllm_rlt.layers.fp8 import quantize_model
     from vllm_rlt.models.load import resolve_device, resolve_dtype
 
     if args.device is None:
@@ -514,6 +530,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
     model = random_model(args.shape, dtype, device, args.seed)
+    engine_model = model
+    if args.quantization is not None:
+        engine_model = random_model(args.shape, dtype, device, args.seed)
+        quantize_model(engine_model, args.quantization)
     if args.depth is None and args.depth_trace_mean is None:
         args.depth = model.config.num_loops
     if args.depth is not None and not 1 <= args.depth <= model.config.num_loops:
@@ -521,7 +541,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     command = command_line(args)
     total = runs_per_concurrency(args) * len(args.concurrency)
     with tqdm(total=total, desc="throughput", unit="run", file=sys.stderr) as progress:
-        results = [bench_concurrency(model, args, c, progress) for c in args.concurrency]
+        results = [
+            bench_concurrency(model, args, c, progress, engine_model) for c in args.concurrency
+        ]
     # Every engine is built from the same settings on the same device, so the first one's
     # execution settings are every result's (each result also carries its own).
     report = {
@@ -540,6 +562,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "depth": None if args.depth_trace_mean is not None else args.depth,
             "depth_trace_mean": args.depth_trace_mean,
             "kv_layout": args.kv_layout,
+            "quantization": args.quantization,
             "mode": args.mode,
             "speculative_tokens": args.speculative_tokens,
             "draft_loops": args.draft_loops if args.speculative_tokens is not None else None,

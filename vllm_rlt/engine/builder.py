@@ -23,6 +23,7 @@ from vllm_rlt.config import (
     ExitConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    check_quantization,
     require_int,
 )
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
@@ -34,6 +35,7 @@ from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.process_setup import settle_engine_process
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.exit import make_exit_policy
+from vllm_rlt.layers.fp8 import quantize_model
 from vllm_rlt.models.load import (
     load_model_and_tokenizer,
     model_eos_token_ids,
@@ -81,15 +83,20 @@ def build_engine(
     skip_tokenizer_init: bool = False,
     max_model_len: int | None = None,
     tensor_parallel_rank: tuple[int, int] | None = None,
+    quantization: str | None = None,
 ) -> BuiltEngine:
     """The arguments are `LLM`'s (see there). `tensor_parallel_rank` (rank, port) is given
     only to ranks other than 0, which rank 0 starts itself."""
+    check_quantization(quantization)
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
     rank, port = tensor_parallel_rank or (0, 0)
     loaded, loaded_tokenizer, name = load_model_and_tokenizer(
         model, resolved_dtype, rank_device(resolved_device, rank), tokenizer, skip_tokenizer_init
     )
+    # Before sharding, so that every rank holds the single-process model's values and
+    # scales (a rank's share of o and down keeps the whole rows' scales).
+    quantize_model(loaded, quantization)
     followers: list[Any] = []
     if tensor_parallel_size != 1:
         check_tensor_parallel(tensor_parallel_size, loaded.config, resolved_device)
@@ -109,6 +116,7 @@ def build_engine(
                 "tokenizer": tokenizer,
                 "skip_tokenizer_init": skip_tokenizer_init,
                 "max_model_len": max_model_len,
+                "quantization": quantization,
             }
             followers = start_followers(
                 tensor_parallel_size, port, run_tensor_parallel_rank, same_arguments

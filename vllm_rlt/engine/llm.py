@@ -52,7 +52,9 @@ class LLM:
     the engine's defaults; or a folder), `seed`, `enforce_eager`, `gpu_memory_utilization`,
     `kv_cache_memory_bytes`, `enable_prefix_caching`, `block_size`, `max_num_seqs`,
     `max_num_batched_tokens`, `scheduling_policy`, `enable_sleep_mode` (then `sleep` and
-    `wake_up` give the device memory back and take it again); `trust_remote_code` is
+    `wake_up` give the device memory back and take it again), `quantization` ("fp8": the
+    layer projections in float8 with a scale per output channel, quantized at load);
+    `trust_remote_code` is
     accepted and changes nothing, since this engine never runs code shipped with a
     checkpoint. They take
     precedence over the same fields of the config objects. Any other vLLM argument is a
@@ -80,6 +82,7 @@ class LLM:
         max_model_len: int | None = None,
         generation_config: str = "auto",
         enable_sleep_mode: bool = False,
+        quantization: str | None = None,
         **vllm_args: Any,
     ) -> None:
         cache_config, scheduler_config, execution_config = apply_vllm_args(
@@ -104,6 +107,7 @@ class LLM:
             tokenizer,
             skip_tokenizer_init,
             max_model_len,
+            quantization=quantization,
         )
         self.engine = built.engine
         self.tokenizer = built.tokenizer

@@ -19,6 +19,7 @@ import torch
 from vllm_rlt.config import require
 from vllm_rlt.engine.device_setup import prepare_device
 from vllm_rlt.engine.messages import WAKE_TAGS
+from vllm_rlt.layers.fp8 import Fp8Weight
 from vllm_rlt.worker.model_runner import ModelRunner
 
 SLEEP_LEVELS = (1, 2)
@@ -28,8 +29,9 @@ def weight_tensors(model) -> list[torch.Tensor]:
     """One tensor per storage holding a checkpoint weight (views and ties collapsed)."""
     seen: dict[int, torch.Tensor] = {}
     for view in model.checkpoint_views().values():
-        base = view if view._base is None else view._base
-        seen.setdefault(base.untyped_storage().data_ptr(), base)
+        for tensor in view.tensors() if isinstance(view, Fp8Weight) else (view,):
+            base = tensor if tensor._base is None else tensor._base
+            seen.setdefault(base.untyped_storage().data_ptr(), base)
     return list(seen.values())
 
 
@@ -42,7 +44,7 @@ def copy_weights_in_place(
     CUDA graphs and kernels stay valid; every pair is checked first (ParamError naming a
     wrong name or shape; nothing is copied then). `every_tensor`: the model holds no
     weights (after sleep level 2), so all of them must come. A tied model ignores
-    lm_head.weight, as vLLM does."""
+    lm_head.weight, as vLLM does; an fp8 projection quantizes what it is given."""
     views = model.checkpoint_views()
     tied = model.config.tie_word_embeddings
     if isinstance(weights, Mapping):

@@ -14,6 +14,7 @@ from vllm_rlt.config import (
     EXIT_MODES,
     KV_LAYOUTS,
     MAX_SPECULATIVE_TOKENS,
+    QUANTIZATIONS,
     SCHEDULING_MODES,
     SCHEDULING_POLICIES,
     CacheConfig,
@@ -90,6 +91,14 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--attention-backend", default="auto", help="auto (triton on CUDA), triton or torch"
+    )
+    model.add_argument(
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="fp8: every layer's projections held in float8 e4m3 with one scale per output "
+        "channel, quantized at load (half their bytes; the embedding, LM head, exit gate "
+        "and norms keep --dtype) (default: none)",
     )
     model.add_argument(
         "--seed",
@@ -309,6 +318,7 @@ class EngineArgs:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     max_model_len: int | None = None
+    quantization: str | None = None
 
     def llm_kwargs(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -374,4 +384,5 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
         ),
         speculative_config=speculative_config(ns),
         tensor_parallel_size=ns.tensor_parallel_size,
+        quantization=ns.quantization,
     )

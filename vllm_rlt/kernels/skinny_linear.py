@@ -8,7 +8,10 @@ Three things ride along:
   head's weights (its logits are then zero and unused);
 - split-K for narrow, deep layers (o and down feed a residual add and norm): the K range is
   cut into slices whose float32 partial sums the norm kernel adds up in a fixed order, so
-  more SMs stream the weight and no separate reduction kernel runs.
+  more SMs stream the weight and no separate reduction kernel runs;
+- FP8 weights (layers/fp8.py): the tile is widened to the activations' dtype in registers
+  (float8 e4m3 values are exact there) and the accumulator is scaled per output column, so
+  the weight crosses memory at one byte per element.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.kernels.pdl import launch_options, pdl_enter
+from vllm_rlt.layers.fp8 import Fp8Weight
 
 
 @dataclass(frozen=True)
@@ -42,6 +46,7 @@ def _skinny_linear_kernel(
     w_ptr,
     out_ptr,
     live_ptr,
+    scale_ptr,
     M,
     N,
     x_stride,
@@ -52,6 +57,7 @@ def _skinny_linear_kernel(
     SILU_MUL: tl.constexpr,
     PARTIAL: tl.constexpr,
     SKIP_IDLE: tl.constexpr,
+    W_SCALED: tl.constexpr,
     IEEE: tl.constexpr,
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -64,7 +70,7 @@ def _skinny_linear_kernel(
     PARTIAL stores the float32 slice sum at slice program_id(2); otherwise, with SILU_MUL,
     out[m, j] = silu(y[m, 2j]) * y[m, 2j + 1] (rounded like the unfused torch ops), else
     out = y. With SKIP_IDLE, a row tile none of whose rows is live reads no weights and
-    writes zeros."""
+    writes zeros. With W_SCALED the weight is float8 and y[m, n] is scaled by scale[n]."""
     pdl_enter(USE_PDL)
     pid_n = tl.program_id(0)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -89,10 +95,14 @@ def _skinny_linear_kernel(
             k_ok = (ks < K)[None, :]
             x = tl.load(x_ptr + x_offsets, mask=row_ok[:, None] & k_ok, other=0.0)
             w = tl.load(w_ptr + w_offsets, mask=col_ok[:, None] & k_ok, other=0.0)
+        if W_SCALED:
+            w = w.to(x.dtype)
         if IEEE:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
+    if W_SCALED:
+        acc = acc * tl.load(scale_ptr + cols, mask=col_ok, other=0.0)[None, :]
     if PARTIAL:
         out_offsets = tl.program_id(2) * split_stride + rows[:, None] * out_stride + cols[None, :]
         tl.store(out_ptr + out_offsets, acc, mask=row_ok[:, None] & col_ok[None, :])
@@ -108,7 +118,9 @@ def _skinny_linear_kernel(
         tl.store(out_ptr + out_offsets, acc.to(dtype), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> None:
+    if isinstance(weight, Fp8Weight):
+        weight = weight.data
     k = weight.shape[1]
     if x.stride(-1) != 1 or weight.stride(-1) != 1 or weight.stride(0) != k:
         raise ValueError("skinny_linear needs row-major x and a contiguous weight")
@@ -119,6 +131,7 @@ def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
 def _launch(x, weight, out, config: SkinnyConfig, silu_mul: bool, live, pdl: bool) -> None:
     rows = x.shape[0]
     n, k = weight.shape
+    weight, scale = weight.tensors() if isinstance(weight, Fp8Weight) else (weight, None)
     partial = config.split_k > 1
     k_iters = triton.cdiv(triton.cdiv(k, config.block_k), config.split_k)
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(rows, config.block_m), config.split_k)
@@ -127,6 +140,7 @@ def _launch(x, weight, out, config: SkinnyConfig, silu_mul: bool, live, pdl: boo
         weight,
         out,
         x if live is None else live,
+        x if scale is None else scale,
         rows,
         n,
         x.stride(0),
@@ -137,6 +151,7 @@ def _launch(x, weight, out, config: SkinnyConfig, silu_mul: bool, live, pdl: boo
         SILU_MUL=silu_mul,
         PARTIAL=partial,
         SKIP_IDLE=live is not None,
+        W_SCALED=scale is not None,
         IEEE=x.dtype == torch.float32,
         EVEN_K=k % (config.block_k * config.split_k) == 0,
         BLOCK_M=config.block_m,
@@ -150,7 +165,7 @@ def _launch(x, weight, out, config: SkinnyConfig, silu_mul: bool, live, pdl: boo
 
 def skinny_linear(
     x: torch.Tensor,  # [rows, K]
-    weight: torch.Tensor,  # [N, K], contiguous; with silu_mul rows interleave gate and up
+    weight: torch.Tensor | Fp8Weight,  # [N, K], contiguous; with silu_mul rows interleave gate, up
     config: SkinnyConfig,
     silu_mul: bool = False,
     live: torch.Tensor | None = None,  # [rows] bool: rows whose output is used
@@ -170,7 +185,7 @@ def skinny_linear(
 
 
 def skinny_linear_partials(
-    x: torch.Tensor, weight: torch.Tensor, config: SkinnyConfig, pdl: bool = False
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, config: SkinnyConfig, pdl: bool = False
 ) -> torch.Tensor:
     """x @ weight.T as config.split_k float32 partial sums over K slices ([split_k, rows, N]);
     their sum is the product. Graph-safe."""

@@ -181,6 +181,8 @@ class OuroModel:
     branch_norms = True
     # Set by parallel.tensor_parallel.shard_model on a model split over ranks.
     tensor_parallel: Any = None
+    # Set by layers.fp8.quantize_model: the layer projections are Fp8Weight.
+    quantization: str | None = None
 
     def _load_layer(self, take, prefix: str) -> OuroLayerWeights:
         def branch_norm(name: str) -> torch.Tensor | None:
@@ -205,7 +207,8 @@ class OuroModel:
         """Every checkpoint tensor name and the view of this model's tensors that holds it
         (q/k/v are row ranges of qkv, gate/up the even and odd rows of gate_up), so that new
         weights can be copied in place: the KV cache, CUDA graphs and kernels keep reading
-        the same storage."""
+        the same storage. Under fp8 a projection's views are Fp8Weight row views, whose
+        copy_ quantizes into them."""
         cfg = self.config
         views = {"model.embed_tokens.weight": self.embed, "model.norm.weight": self.final_norm}
         if not cfg.tie_word_embeddings:
@@ -217,15 +220,14 @@ class OuroModel:
         kv = cfg.num_key_value_heads * cfg.head_dim
         for index, layer in enumerate(self.layers):
             prefix = f"model.layers.{index}."
-            gate_up = layer.gate_up.view(-1, 2, layer.gate_up.shape[1])
             views.update(
                 {
                     prefix + "self_attn.q_proj.weight": layer.qkv[:q],
                     prefix + "self_attn.k_proj.weight": layer.qkv[q : q + kv],
                     prefix + "self_attn.v_proj.weight": layer.qkv[q + kv :],
                     prefix + "self_attn.o_proj.weight": layer.o,
-                    prefix + "mlp.gate_proj.weight": gate_up[:, 0],
-                    prefix + "mlp.up_proj.weight": gate_up[:, 1],
+                    prefix + "mlp.gate_proj.weight": layer.gate_up[0::2],
+                    prefix + "mlp.up_proj.weight": layer.gate_up[1::2],
                     prefix + "mlp.down_proj.weight": layer.down,
                     prefix + "input_layernorm.weight": layer.attn_norm,
                     prefix + "post_attention_layernorm.weight": layer.mlp_norm,

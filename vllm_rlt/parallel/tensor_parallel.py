@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from vllm_rlt.config import require, require_int
+from vllm_rlt.layers.fp8 import Fp8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -198,33 +199,39 @@ def shard_model(model: Any, tp: TensorParallel) -> Any:
     heads, kv_heads = cfg.num_attention_heads // world, cfg.num_key_value_heads // world
     dim, inter = cfg.head_dim, cfg.intermediate_size // world
 
-    def rows(tensor: torch.Tensor, start: int, count: int) -> torch.Tensor:
-        return tensor[start : start + count]
-
+    q_rows, kv_rows = cfg.num_attention_heads * dim, cfg.num_key_value_heads * dim
+    # this rank's rows of q, k and v within the fused qkv weight
+    starts = (
+        rank * heads * dim,
+        q_rows + rank * kv_heads * dim,
+        q_rows + kv_rows + rank * kv_heads * dim,
+    )
+    counts = (heads * dim, kv_heads * dim, kv_heads * dim)
     for layer in model.layers:
-        q, k, v = layer.qkv.split(
-            [
-                cfg.num_attention_heads * dim,
-                cfg.num_key_value_heads * dim,
-                cfg.num_key_value_heads * dim,
-            ]
-        )
-        layer.qkv = torch.cat(
-            [
-                rows(q, rank * heads * dim, heads * dim),
-                rows(k, rank * kv_heads * dim, kv_heads * dim),
-                rows(v, rank * kv_heads * dim, kv_heads * dim),
-            ]
-        ).contiguous()
-        layer.o = layer.o[:, rank * heads * dim : (rank + 1) * heads * dim].contiguous()
+        layer.qkv = _cat_rows([layer.qkv[s : s + n] for s, n in zip(starts, counts, strict=True)])
+        layer.o = _columns(layer.o, rank * heads * dim, (rank + 1) * heads * dim)
         # gate/up rows interleave gate_j, up_j: a rank's features are one block of rows
-        layer.gate_up = rows(layer.gate_up, 2 * rank * inter, 2 * inter).contiguous()
-        layer.down = layer.down[:, rank * inter : (rank + 1) * inter].contiguous()
+        layer.gate_up = _cat_rows([layer.gate_up[2 * rank * inter : 2 * (rank + 1) * inter]])
+        layer.down = _columns(layer.down, rank * inter, (rank + 1) * inter)
     model.config = dataclasses.replace(
         cfg, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter
     )
     model.tensor_parallel = tp
     return model
+
+
+def _cat_rows(parts: list) -> Any:
+    """Row blocks of a weight (a tensor or an Fp8Weight) as one contiguous weight."""
+    if isinstance(parts[0], Fp8Weight):
+        return Fp8Weight.cat_rows(parts)
+    return torch.cat(parts).contiguous()
+
+
+def _columns(weight: Any, start: int, end: int) -> Any:
+    """Input columns [start, end) of a weight (a tensor or an Fp8Weight), contiguous."""
+    if isinstance(weight, Fp8Weight):
+        return weight.columns(start, end)
+    return weight[:, start:end].contiguous()
 
 
 def free_port() -> int:

@@ -1,0 +1,129 @@
+"""FP8 weights on CUDA: the skinny kernels (float8 tiles widened in registers, scaled
+accumulators) and the FP8 tensor-core path against the torch reference, and the engine with
+fp8 weights against the CPU engine with the same weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.conftest import drain
+from tests.e2e.test_engine_vs_oracle import MAX_TOKENS, _prompts
+from vllm_rlt import LLM, CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
+from vllm_rlt.attention.torch_backend import TorchOps
+from vllm_rlt.engine.builder import build_engine_core
+from vllm_rlt.layers.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, quantize_model
+from vllm_rlt.models.ouro import OuroConfig, OuroModel
+from vllm_rlt.tokenizer import Tokenizer
+
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def triton_ops():
+    from vllm_rlt.attention.triton_backend import TritonOps
+
+    return TritonOps()
+
+
+def _expected(x: torch.Tensor, q: Fp8Weight, skinny: bool) -> torch.Tensor:
+    """The reference product; the tensor-core path (many bf16 rows) also rounds each row
+    of x to float8 with its own scale, so the reference does the same there."""
+    if not skinny and x.dtype == torch.bfloat16:
+        scale = x.float().abs().amax(dim=1, keepdim=True) / FP8_MAX
+        x = ((x.float() / scale).to(FP8_DTYPE).float() * scale).to(x.dtype)
+    return TorchOps().linear(x.float(), Fp8Weight(q.data, q.scale)).to(x.dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 40, 64, 65, 300])
+@pytest.mark.parametrize("n,k", [(2048, 2048), (6144, 2048), (11264, 2048), (2048, 5632)])
+def test_fp8_linear_ops_equal_the_reference(triton_ops, dtype, rows, n, k):
+    from vllm_rlt.attention.triton_backend import linear_plan
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+    q = Fp8Weight.quantize(torch.randn(n, k, device="cuda", generator=gen) / k**0.5)
+    skinny = linear_plan(x, q) is not None
+    tol = TOL[dtype] if skinny or dtype == torch.float32 else 3e-2
+    want = _expected(x, q, skinny)
+    torch.testing.assert_close(triton_ops.linear(x, q), want, atol=tol, rtol=tol)
+    silu = TorchOps().silu_mul(want.float()).to(dtype)
+    torch.testing.assert_close(triton_ops.linear_silu_mul(x, q), silu, atol=tol, rtol=tol)
+    if n == 2048:  # o and down: the split-K partials summed by the norm kernel
+        res = torch.randn(rows, n, device="cuda", generator=gen).to(dtype)
+        w1 = torch.ones(n, device="cuda", dtype=dtype)
+        got = triton_ops.linear_add_rms_norm2(res, x, q, w1, w1, 1e-6)
+        ref = TorchOps().add_rms_norm2(res.float(), want.float(), w1.float(), w1.float(), 1e-6)
+        for a, b in zip(got, ref, strict=True):
+            torch.testing.assert_close(a, b.to(dtype), atol=2 * tol, rtol=2 * tol)
+    if skinny:  # no live row: the weight is not read, the product is zero
+        idle = torch.zeros(rows, dtype=torch.bool, device="cuda")
+        assert not triton_ops.linear(x, q, idle).any()
+
+
+def _engine(toy_config, toy_state, device, backend, layout, graphs):
+    model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, device)
+    quantize_model(model, "fp8")
+    return build_engine_core(
+        model,
+        Tokenizer.byte_level(),
+        CacheConfig(layout=layout, num_blocks=128, block_size=4),
+        SchedulerConfig(prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64),
+        ExitConfig(),
+        ExecutionConfig(cuda_graphs=graphs, async_scheduling=graphs),
+        backend,
+    )
+
+
+def _run(engine):
+    arrivals = {
+        step: [
+            (
+                f"r{i}",
+                prompt,
+                SamplingParams(max_tokens=MAX_TOKENS[i], temperature=0.0, exit_threshold=0.7),
+            )
+        ]
+        for i, (step, prompt) in enumerate(zip((0, 1, 3, 17), _prompts(), strict=True))
+    }
+    outputs = drain(engine, arrivals)
+    assert engine.all_blocks_free()
+    return {rid: (o.outputs[0].token_ids, o.outputs[0].exit_depths) for rid, o in outputs.items()}
+
+
+@pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_cuda_fp8_engine_equals_the_cpu_engine(toy_config, toy_state, layout, graphs):
+    """float32 activations with fp8 weights: the Triton kernels give the CPU engine's
+    tokens and exit depths, in graphs and out."""
+    cpu = _run(_engine(toy_config, toy_state, "cpu", "torch", layout, False))
+    cuda = _run(_engine(toy_config, toy_state, "cuda", "triton", layout, graphs))
+    assert cuda == cpu
+
+
+def test_cuda_fp8_built_in_model_answers():
+    """bf16 activations, fp8 weights, graphs: the built-in model still does its sums."""
+    llm = LLM(device="cuda", quantization="fp8")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = llm.generate(["347+589=", "123+456=", "812-345="], params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outputs] == ["936", "579", "467"]
+    del llm
+
+
+def test_tensor_core_path_scales_rows_and_columns():
+    """A direct check of the many-row path: rows of very different size keep their
+    relative precision (each row has its own activation scale)."""
+    from vllm_rlt.layers.fp8 import fp8_linear_tensor_cores
+
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(128, 256, device="cuda", generator=gen)
+    x = (x * torch.logspace(-4, 4, 128, device="cuda")[:, None]).to(torch.bfloat16)
+    q = Fp8Weight.quantize(torch.randn(512, 256, device="cuda", generator=gen))
+    got = fp8_linear_tensor_cores(x, q).float()
+    want = F.linear(x.float(), q.dequantize(torch.float32))
+    relative = (got - want).norm(dim=1) / want.norm(dim=1)
+    assert relative.max() < 0.08

@@ -1,0 +1,144 @@
+"""FP8 weights on the CPU: the quantization's error bound, in-place row views, the engine's
+fp8 path against the same model holding the dequantized weights, `load_weights` into an
+fp8 model, and the bad values of the setting."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from tests.conftest import drain
+from vllm_rlt import LLM, SamplingParams
+from vllm_rlt.engine.trainer_hooks import weight_tensors
+from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
+from vllm_rlt.layers.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    QUANTIZED_PROJECTIONS,
+    Fp8Weight,
+    fp8_linear_reference,
+    quantize_model,
+    weight_nbytes,
+)
+from vllm_rlt.models.ouro import OuroConfig, OuroModel
+from vllm_rlt.models.toy import toy_weights
+
+
+def test_each_value_is_within_half_a_float8_step():
+    """e4m3 keeps 3 mantissa bits: a normal value is off by at most 2^-4 of itself, a
+    subnormal one (below 2^-6 of the row scale's range) by half of 2^-9 scale units."""
+    gen = torch.Generator().manual_seed(0)
+    w = torch.randn(64, 96, generator=gen) * torch.logspace(-3, 1, 64)[:, None]
+    w[5] = 0.0
+    q = Fp8Weight.quantize(w)
+    assert q.data.dtype == FP8_DTYPE and q.scale.dtype == torch.float32
+    assert q.shape == w.shape and q.scale.shape == (64,)
+    error = (q.dequantize(torch.float32) - w).abs()
+    bound = torch.maximum(w.abs() * 2**-4, q.scale[:, None] * 2**-10)
+    assert (error <= bound * (1 + 1e-6)).all()
+    nonzero = torch.ones(64, dtype=torch.bool)
+    nonzero[5] = False
+    assert (q.data.float().abs().amax(dim=1)[nonzero] == FP8_MAX).all()  # the range is used
+    assert (q.data[5].float() == 0).all() and q.scale[5] == 1.0
+
+
+def test_row_views_quantize_into_the_same_storage():
+    """A checkpoint tensor that is every other row of a fused weight (gate or up) takes new
+    values in place: its rows get new scales, the other rows keep theirs."""
+    gen = torch.Generator().manual_seed(1)
+    q = Fp8Weight.quantize(torch.randn(8, 32, generator=gen))
+    data, scale, even = q.data.data_ptr(), q.scale.clone(), q.data[0::2].clone()
+    new = 10 * torch.randn(4, 32, generator=gen)
+    q[1::2].copy_(new)
+    assert q.data.data_ptr() == data
+    torch.testing.assert_close(q[1::2].dequantize(torch.float32), new, rtol=2**-4, atol=0.0)
+    assert torch.equal(q.data[0::2].float(), even.float())
+    assert torch.equal(q.scale[0::2], scale[0::2])
+
+
+@pytest.fixture(scope="module")
+def fp8_toy(toy_config, toy_state) -> OuroModel:
+    model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cpu")
+    quantize_model(model, "fp8")
+    return model
+
+
+def test_quantized_layers_hold_half_the_bytes_or_less(fp8_toy, toy_model):
+    for quantized, plain in zip(fp8_toy.layers, toy_model.layers, strict=True):
+        for name in QUANTIZED_PROJECTIONS:
+            weight = getattr(quantized, name)
+            assert isinstance(weight, Fp8Weight)
+            # one byte per value instead of four (float32 here), plus a scale per row
+            assert weight_nbytes(weight) * 4 < weight_nbytes(getattr(plain, name)) * 1.1
+    assert fp8_toy.lm_head.dtype == torch.float32 and fp8_toy.gate_weight.dtype == torch.float32
+    dtypes = {t.dtype for t in weight_tensors(fp8_toy)}
+    assert dtypes == {FP8_DTYPE, torch.float32}  # sleep mode moves the fp8 storages too
+
+
+def test_the_engine_computes_with_the_dequantized_weights(
+    make_engine, fp8_toy, toy_config, toy_state
+):
+    """The fp8 path (products scaled per output column) gives the tokens and exit depths
+    of an unquantized model that holds the dequantized weights, and logprobs equal up to
+    float32 rounding: every projection takes its fp8 weight and scale, nothing else."""
+    twin = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cpu")
+    for layer, quantized in zip(twin.layers, fp8_toy.layers, strict=True):
+        for name in QUANTIZED_PROJECTIONS:
+            setattr(layer, name, getattr(quantized, name).dequantize(torch.float32))
+    prompts = [list(b"347+589="), list(b"hello loops"), list(b"x")]
+    params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, exit_threshold=0.5)
+    outputs = []
+    for model in (fp8_toy, twin):
+        engine = make_engine(model=model)
+        arrivals = {0: [(str(i), ids, params) for i, ids in enumerate(prompts)]}
+        outputs.append(drain(engine, arrivals))
+    for request_id, got in outputs[0].items():
+        want = outputs[1][request_id].outputs[0]
+        assert got.outputs[0].token_ids == want.token_ids
+        assert got.outputs[0].exit_depths == want.exit_depths
+        for a, b in zip(got.outputs[0].logprobs, want.logprobs, strict=True):
+            assert a.keys() == b.keys()
+            assert all(abs(a[t] - b[t]) < 1e-4 for t in a)
+
+
+def test_the_built_in_model_still_answers_and_takes_new_weights():
+    """LLM(quantization="fp8") on the built-in model answers its arithmetic; load_weights
+    quantizes what it is given, so loading the original weights back restores the outputs
+    exactly (same values and scales)."""
+    llm = LLM(quantization="fp8")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = ["347+589=", "12*34=", "sort 9 3 7 1 ="]
+    first = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert llm.generate(["347+589="], params, use_tqdm=False)[0].outputs[0].text == "936"
+    views = llm.engine.model.checkpoint_views()
+    original = {
+        name: view.dequantize(torch.float32) if isinstance(view, Fp8Weight) else view.clone()
+        for name, view in views.items()
+    }
+    llm.load_weights(
+        (name, torch.zeros_like(t) if "mlp.up_proj" in name else t) for name, t in original.items()
+    )
+    changed = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert changed != first
+    llm.load_weights(original.items())
+    again = [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    assert again == first
+
+
+def test_bad_values_name_the_field():
+    with pytest.raises(ValueError, match=r"quantization must be one of fp8 or None.*'int4'"):
+        LLM(model="toy", quantization="int4")
+    parser = argparse.ArgumentParser()
+    add_engine_args(parser)
+    ns = parser.parse_args(["--model", "toy", "--quantization", "fp8"])
+    assert engine_args_from(ns).llm_kwargs()["quantization"] == "fp8"
+    assert parser.parse_args(["--model", "toy"]).quantization is None
+
+
+def test_the_reference_product_scales_each_output_column():
+    q = Fp8Weight.quantize(toy_weights()["model.layers.0.mlp.down_proj.weight"])
+    x = torch.randn(3, q.shape[1], generator=torch.Generator().manual_seed(2))
+    expected = x @ q.dequantize(torch.float32).T
+    torch.testing.assert_close(fp8_linear_reference(x, q), expected, rtol=1e-5, atol=1e-5)

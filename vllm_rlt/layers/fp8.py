@@ -1,0 +1,133 @@
+"""FP8 weights (`quantization="fp8"`): the projections of every layer are stored as float8
+e4m3 with one float32 scale per output row, computed at load time from the row's largest
+magnitude. Decode streams these weights once per loop, so half the bytes is nearly half the
+time of a weight-bound pass. The embedding, the LM head, the exit gate and the norms stay
+in the model's dtype: they are a small share of the bytes, and the head and the gate decide
+tokens and exits directly.
+
+A backend computes x @ W.T as (x @ data.T) * scale, with the scale applied to the float32
+accumulator, so the product is the same whichever kernel runs it, up to summation order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vllm_rlt.config import check_quantization
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# Layer projections quantized under fp8, by their attribute names on a layer.
+QUANTIZED_PROJECTIONS = ("qkv", "o", "gate_up", "down")
+
+
+def _row_scales(weight: torch.Tensor) -> torch.Tensor:
+    """One float32 scale per row, so that the row's largest magnitude maps to FP8_MAX (an
+    all-zero row gets scale 1)."""
+    amax = weight.abs().amax(dim=1).float()
+    return torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+
+
+def _to_fp8(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    return (weight.float() / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+
+
+@dataclass
+class Fp8Weight:
+    """A weight W [N, K] as data [N, K] in float8 e4m3 and scale [N] in float32, with
+    W ~= data * scale[:, None]. Row indexing gives the matching rows of both (views), so a
+    checkpoint tensor that is a row range of a fused weight stays addressable in place."""
+
+    data: torch.Tensor
+    scale: torch.Tensor
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> Fp8Weight:
+        if weight.dim() != 2:
+            raise ValueError(f"fp8 quantization needs a 2-D weight, got {tuple(weight.shape)}")
+        scale = _row_scales(weight)
+        return cls(_to_fp8(weight, scale).contiguous(), scale.contiguous())
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def __getitem__(self, rows) -> Fp8Weight:
+        return Fp8Weight(self.data[rows], self.scale[rows])
+
+    def columns(self, start: int, end: int) -> Fp8Weight:
+        """Input columns [start, end) as a weight of their own (a copy): the row scales
+        stay, so the products of column ranges add up to the whole product."""
+        return Fp8Weight(self.data[:, start:end].contiguous(), self.scale)
+
+    @classmethod
+    def cat_rows(cls, parts: list[Fp8Weight]) -> Fp8Weight:
+        return cls(
+            torch.cat([p.data for p in parts]).contiguous(),
+            torch.cat([p.scale for p in parts]).contiguous(),
+        )
+
+    def nbytes(self) -> int:
+        return self.data.numel() * self.data.element_size() + self.scale.numel() * 4
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.data, self.scale
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
+        return (self.data.float() * self.scale[:, None]).to(dtype)
+
+    def copy_(self, weight: torch.Tensor) -> Fp8Weight:
+        """Quantize `weight` (the same shape, any float dtype) into this storage in place."""
+        scale = _row_scales(weight.to(self.data.device))
+        self.scale.copy_(scale)
+        self.data.copy_(_to_fp8(weight.to(self.data.device), scale))
+        return self
+
+
+def weight_nbytes(weight: torch.Tensor | Fp8Weight) -> int:
+    if isinstance(weight, Fp8Weight):
+        return weight.nbytes()
+    return weight.numel() * weight.element_size()
+
+
+def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x @ W.T for an fp8 weight in plain torch: the float8 values are exact in every wider
+    float, so the product is computed in x's dtype and scaled per output column."""
+    return F.linear(x, weight.data.to(x.dtype)) * weight.scale.to(x.dtype)
+
+
+def fp8_linear_tensor_cores(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x @ W.T on FP8 tensor cores (CUDA, bf16 x): each row of x is scaled to the float8
+    range by its own largest magnitude (a per-token scale), and cuBLAS applies both scales
+    to the float32 accumulator. Graph-safe."""
+    xf = x.float()
+    x_scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
+    x_scale = x_scale / FP8_MAX
+    x_fp8 = (xf / x_scale).to(FP8_DTYPE)
+    return torch._scaled_mm(
+        x_fp8,
+        weight.data.t(),
+        scale_a=x_scale,
+        scale_b=weight.scale[None, :],
+        out_dtype=x.dtype,
+    )
+
+
+def quantize_model(model, quantization: str | None) -> None:
+    """Quantize the model's layer projections in place (None: leave them)."""
+    check_quantization(quantization)
+    if quantization is None:
+        return
+    for layer in model.layers:
+        for name in QUANTIZED_PROJECTIONS:
+            weight = getattr(layer, name)
+            if not isinstance(weight, Fp8Weight):
+                setattr(layer, name, Fp8Weight.quantize(weight))
+    model.quantization = quantization
