@@ -67,6 +67,7 @@ def make_engine(toy_model):
         enable_prefix_caching: bool = True,
         speculative_config=None,
         model: OuroModel | None = None,
+        kv_cache_dtype: str = "auto",
         **scheduler_kwargs,
     ) -> EngineCore:
         engine = build_engine_core(
@@ -77,6 +78,7 @@ def make_engine(toy_model):
                 num_blocks=num_blocks,
                 block_size=block_size,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             SchedulerConfig(**scheduler_kwargs),
             exit_config or ExitConfig(),

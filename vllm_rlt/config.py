@@ -56,6 +56,8 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_CONNECTORS = ("auto", "torch", "nixl")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 QUANTIZATIONS = ("fp8",)  # weight quantization at load (vllm_rlt/layers/fp8.py)
+# K/V storage: auto (the model's dtype) or float8 (fp8 and fp8_e4m3: e4m3, vLLM's names).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 # KV blocks on the CPU when no size is given; here, free of torch, for the help screens.
 CPU_DEFAULT_BLOCKS = 256
 
@@ -112,6 +114,9 @@ class CacheConfig:
     share one plane). A block holds `block_size` positions of every plane under
     last_exited, of one plane otherwise. `num_blocks=None` sizes the
     pool automatically; `kv_cache_memory_bytes` sizes it from a byte budget instead.
+    `kv_cache_dtype` "fp8" (or "fp8_e4m3") stores K and V as float8 e4m3, "fp8_e5m2" as
+    e5m2, with scale 1 as vLLM uses without calibrated scales: half the bytes of bf16 per
+    position; attention widens them as it reads. "auto" keeps the model's dtype.
     `enable_prefix_caching` shares the K/V of full prompt blocks between requests whose
     prompts start alike (prompt positions run every loop, so this is exact in every exit
     mode). Under shared_decode, which frees a prompt's per-loop planes once the prompt is
@@ -125,11 +130,18 @@ class CacheConfig:
     kv_cache_memory_bytes: int | None = None
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool = True
+    kv_cache_dtype: str = "auto"
 
     def __post_init__(self) -> None:
         require(
             self.layout in KV_LAYOUTS,
             f"layout must be one of {', '.join(KV_LAYOUTS)}, got {self.layout!r}",
+        )
+        require(
+            self.kv_cache_dtype in KV_CACHE_DTYPES,
+            f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, "
+            f"got {self.kv_cache_dtype!r}",
+            "kv_cache_dtype",
         )
         object.__setattr__(self, "layout", KVLayout(self.layout))
         require_int(self.block_size, "block_size", 1, 1024)

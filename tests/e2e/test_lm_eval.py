@@ -37,6 +37,8 @@ def _bench_report() -> dict:
         write_lm_eval_data=None,
         speculative_tokens=None,
         draft_loops=2,
+        quantization=None,
+        kv_cache_dtype="auto",
     )
     return run(args)
 

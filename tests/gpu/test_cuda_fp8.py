@@ -1,6 +1,7 @@
-"""FP8 weights on CUDA: the skinny kernels (float8 tiles widened in registers, scaled
-accumulators) and the FP8 tensor-core path against the torch reference, and the engine with
-fp8 weights against the CPU engine with the same weights."""
+"""FP8 on CUDA: the skinny kernels (float8 tiles widened in registers, scaled accumulators)
+and the FP8 tensor-core path against the torch reference, the engine with fp8 weights
+against the CPU engine with the same weights, and the built-in model under fp8 weights and
+K/V (the attention kernels over an fp8 cache are checked in test_triton_ops.py)."""
 
 from __future__ import annotations
 
@@ -105,9 +106,13 @@ def test_cuda_fp8_engine_equals_the_cpu_engine(toy_config, toy_state, layout, gr
     assert cuda == cpu
 
 
-def test_cuda_fp8_built_in_model_answers():
-    """bf16 activations, fp8 weights, graphs: the built-in model still does its sums."""
-    llm = LLM(device="cuda", quantization="fp8")
+@pytest.mark.parametrize(
+    ("quantization", "kv_cache_dtype"), [("fp8", "auto"), (None, "fp8"), ("fp8", "fp8")]
+)
+def test_cuda_fp8_built_in_model_answers(quantization, kv_cache_dtype):
+    """bf16 activations, fp8 weights or K/V or both, graphs: the built-in model still does
+    its sums."""
+    llm = LLM(device="cuda", quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     params = SamplingParams(max_tokens=8, temperature=0.0)
     outputs = llm.generate(["347+589=", "123+456=", "812-345="], params, use_tqdm=False)
     assert [o.outputs[0].text for o in outputs] == ["936", "579", "467"]

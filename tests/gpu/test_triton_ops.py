@@ -116,6 +116,36 @@ def test_rope_write_and_paged_attention(
     last. Each launch shape of the row kernel: as an eager pass runs it, as a captured
     prompt pass runs it (counts read on the device, fewer programs than rows and tiles, so
     each takes several), and with the key tile and the RoPE kernel of passes of many rows."""
+    _check_attention(
+        triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("planes", "table_planes"), [(4, 1), (1, 4)], ids=["last_exited", "sd"])
+@pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows"])
+def test_rope_write_and_paged_attention_over_an_fp8_cache(
+    triton_ops, monkeypatch, dtype, planes, table_planes, launch
+):
+    """The same with float8 K/V (--kv-cache-dtype fp8): the kernels round what they write
+    as torch does and widen what they read. A key the two paths rotate one ulp apart may
+    round to neighbouring float8 values, so keys and outputs match to a float8 step."""
+    _check_attention(
+        triton_ops, monkeypatch, dtype, planes, table_planes, 4, True, launch, torch.float8_e4m3fn
+    )
+
+
+def _check_attention(
+    triton_ops,
+    monkeypatch,
+    dtype,
+    planes,
+    table_planes,
+    kv_heads,
+    with_prompts,
+    launch,
+    kv_dtype=None,
+):
     from vllm_rlt.attention import triton_backend
     from vllm_rlt.attention.metadata import DeviceCounts
     from vllm_rlt.core.contract import PrefillChunk
@@ -171,8 +201,8 @@ def test_rope_write_and_paged_attention(
     ).to(dtype)
     rotary = RotaryEmbedding(dim, 1e6, 4096, dtype, "cuda")
     cache_shape = (planes * geo.slots_per_plane, kv_heads, dim)
-    k_init = torch.randn(cache_shape, device="cuda", generator=gen).to(dtype)
-    v_init = torch.randn(cache_shape, device="cuda", generator=gen).to(dtype)
+    k_init = torch.randn(cache_shape, device="cuda", generator=gen).to(kv_dtype or dtype)
+    v_init = torch.randn(cache_shape, device="cuda", generator=gen).to(kv_dtype or dtype)
     k_ref, v_ref, k_tri, v_tri = k_init.clone(), v_init.clone(), k_init.clone(), v_init.clone()
     want = TorchOps().attention(qkv, heads, kv_heads, k_ref, v_ref, meta, rotary, dim**-0.5)
     got = triton_ops.attention(qkv, heads, kv_heads, k_tri, v_tri, tiled, rotary, dim**-0.5)
@@ -180,8 +210,8 @@ def test_rope_write_and_paged_attention(
     for plane in range(planes):  # the torch path also scribbles on the dummy block
         base = plane * geo.slots_per_plane
         for cache in (k_ref, v_ref, k_tri, v_tri):
-            cache[base + dummy.start : base + dummy.stop] = 0
-    tol = TOL[dtype]
-    torch.testing.assert_close(k_tri, k_ref, atol=tol, rtol=tol)
-    torch.testing.assert_close(v_tri, v_ref, atol=0, rtol=0)
+            cache.view(torch.uint8)[base + dummy.start : base + dummy.stop] = 0
+    tol = TOL[dtype] if kv_dtype is None else 0.07  # e4m3: 3 mantissa bits
+    torch.testing.assert_close(k_tri.float(), k_ref.float(), atol=tol, rtol=tol)
+    torch.testing.assert_close(v_tri.float(), v_ref.float(), atol=0, rtol=0)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)

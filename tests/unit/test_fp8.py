@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import drain
-from vllm_rlt import LLM, SamplingParams
+from vllm_rlt import LLM, CacheConfig, SamplingParams
 from vllm_rlt.engine.trainer_hooks import weight_tensors
 from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.layers.fp8 import (
@@ -142,3 +142,49 @@ def test_the_reference_product_scales_each_output_column():
     x = torch.randn(3, q.shape[1], generator=torch.Generator().manual_seed(2))
     expected = x @ q.dequantize(torch.float32).T
     torch.testing.assert_close(fp8_linear_reference(x, q), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_fp8_kv_cache_holds_more_positions_in_the_same_bytes():
+    budget = 1 << 20
+    pools = {}
+    for kv_dtype in ("auto", "fp8", "fp8_e5m2"):
+        llm = LLM(
+            model="toy",
+            cache_config=CacheConfig(kv_cache_memory_bytes=budget, kv_cache_dtype=kv_dtype),
+        )
+        runner = llm.engine.runner
+        pools[kv_dtype] = (runner.k_caches[0].dtype, llm.engine.kv.num_blocks)
+    assert pools["fp8"][0] == torch.float8_e4m3fn and pools["fp8_e5m2"][0] == torch.float8_e5m2
+    # one byte per value instead of four (the toy runs in float32)
+    assert pools["fp8"][1] == pools["fp8_e5m2"][1] >= 3.9 * pools["auto"][1]
+
+
+def test_fp8_kv_cache_stores_the_rounded_keys_and_values(make_engine):
+    """Loop 0 of layer 0 writes K and V computed from the embeddings alone, so plane 0 of
+    the fp8 pool holds exactly the unquantized pool's plane 0 rounded to float8 (entries
+    never written are zero in both; the dummy block after the pool's blocks, which padding
+    rows write, is left out)."""
+    prompt = list(b"347+589=")
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    pools = []
+    for kv_dtype in ("auto", "fp8"):
+        engine = make_engine(num_blocks=16, kv_cache_dtype=kv_dtype)
+        drain(engine, {0: [("a", prompt, params)]})
+        pools.append(engine.runner.kv_pool)
+    plain, fp8 = pools
+    plane = plain.slots_per_plane - plain.block_size
+    for ours, theirs in ((fp8.k[0], plain.k[0]), (fp8.v[0], plain.v[0])):
+        assert ours.dtype == torch.float8_e4m3fn
+        assert theirs[:plane].any()
+        rounded = theirs[:plane].to(torch.float8_e4m3fn)
+        assert torch.equal(ours[:plane].view(torch.uint8), rounded.view(torch.uint8))
+        assert not torch.equal(ours[:plane].float(), theirs[:plane])  # it did round
+
+
+def test_the_built_in_model_answers_with_every_fp8_setting():
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    prompts = ["347+589=", "123+456=", "812-345="]
+    for quantization, kv_dtype in ((None, "fp8"), ("fp8", "fp8"), ("fp8", "fp8_e5m2")):
+        llm = LLM(quantization=quantization, kv_cache_dtype=kv_dtype)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert [o.outputs[0].text for o in outputs] == ["936", "579", "467"]

@@ -58,3 +58,21 @@ def test_copy_moves_every_entry_of_the_positions_and_nothing_else(
     ):
         assert torch.equal(ours[moved_to], theirs[moved_from])
         assert torch.equal(ours[untouched], old[untouched])
+
+
+@pytest.mark.parametrize("slice_bytes", [1, 10**9], ids=["slices", "gather"])
+def test_float8_pools_copy_bit_for_bit(monkeypatch, slice_bytes):
+    """An fp8 KV cache moves through the same copies (gathers run on its bytes)."""
+    monkeypatch.setattr(kv_pool, "SLICE_COPY_BYTES", slice_bytes)
+
+    def fp8(pool: KVPool) -> KVPool:
+        k, v = ([t.to(torch.float8_e4m3fn) for t in ts] for ts in (pool.k, pool.v))
+        return KVPool(k, v, pool.planes, pool.block_size)
+
+    source, target = fp8(_pool(8, 0)), fp8(_pool(20, 1))
+    copy_kv(source, [3, 4, 0, 6], target, [7, 8, 1, 2], 0, 14)
+    moved_to = pool_entries(target, [7, 8, 1, 2], 14)
+    moved_from = pool_entries(source, [3, 4, 0, 6], 14)
+    for ours, theirs in zip((*target.k, *target.v), (*source.k, *source.v), strict=True):
+        assert ours.dtype == torch.float8_e4m3fn
+        assert torch.equal(ours.view(torch.uint8)[moved_to], theirs.view(torch.uint8)[moved_from])

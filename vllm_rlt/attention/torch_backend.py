@@ -74,10 +74,19 @@ class TorchOps:
         q = rotary.apply(q.reshape(rows, num_heads, head_dim), meta.positions)
         k = rotary.apply(k.reshape(rows, num_kv_heads, head_dim), meta.positions)
         v = v.reshape(rows, num_kv_heads, head_dim)
-        write = meta.write_index()  # [planes, rows], plane-major like the repeat below
-        k_cache.index_copy_(0, write.reshape(-1), k.repeat(meta.planes, 1, 1))
-        v_cache.index_copy_(0, write.reshape(-1), v.repeat(meta.planes, 1, 1))
+        write = meta.write_index().reshape(-1)  # [planes, rows], plane-major like the repeat
+        _write(k_cache, write, k.repeat(meta.planes, 1, 1))
+        _write(v_cache, write, v.repeat(meta.planes, 1, 1))
         return _segment_attention(q, k_cache, v_cache, meta, scale).reshape(rows, -1)
+
+
+def _write(cache: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
+    """cache[index] = values, rounded to the cache's dtype (a float8 cache is written
+    through its bytes: torch has no float8 index_copy_ on every device)."""
+    values = values.to(cache.dtype)
+    if cache.element_size() == 1:
+        cache, values = cache.view(torch.uint8), values.view(torch.uint8)
+    cache.index_copy_(0, index, values)
 
 
 def _segment_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
@@ -88,8 +97,9 @@ def _segment_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: floa
     kv_heads = k_cache.shape[1]
     q_padded = torch.cat([q, q.new_zeros(1, heads, head_dim)])  # [rows + 1, heads, dim]
     seg_q = q_padded[seg.rows].transpose(1, 2)  # [segs, heads, max_q, dim]
-    seg_k = k_cache[seg.kv_index].transpose(1, 2)  # [segs, kv_heads, max_kv, dim]
-    seg_v = v_cache[seg.kv_index].transpose(1, 2)
+    # [segs, kv_heads, max_kv, dim], widened from a float8 cache
+    seg_k = k_cache[seg.kv_index].to(q.dtype).transpose(1, 2)
+    seg_v = v_cache[seg.kv_index].to(q.dtype).transpose(1, 2)
     if kv_heads != heads:
         seg_k = seg_k.repeat_interleave(heads // kv_heads, dim=1)
         seg_v = seg_v.repeat_interleave(heads // kv_heads, dim=1)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 
 from vllm_rlt.bench.report import emit_report
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.config import KV_LAYOUTS, QUANTIZATIONS, CacheConfig
+from vllm_rlt.config import KV_CACHE_DTYPES, KV_LAYOUTS, QUANTIZATIONS, CacheConfig
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.training.data import TASKS, held_out, training_set
@@ -129,7 +129,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         model=args.model,
         device=args.device,
         dtype=args.dtype,
-        cache_config=CacheConfig(layout=args.kv_layout),
+        cache_config=CacheConfig(layout=args.kv_layout, kv_cache_dtype=args.kv_cache_dtype),
         speculative_config=speculative_config(args),
         quantization=args.quantization,
     )
@@ -153,6 +153,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "model": llm.model_name,
         "kv_layout": args.kv_layout,
         "quantization": args.quantization,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "speculative_tokens": args.speculative_tokens,
         "draft_loops": args.draft_loops if args.speculative_tokens is not None else None,
         "device": str(llm.engine.model.device),
@@ -181,6 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         choices=QUANTIZATIONS,
         default=None,
         help="fp8: the layer projections in float8 with a scale per output channel (default: none)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="K/V storage: auto (the model's dtype) or float8 (fp8 = fp8_e4m3, fp8_e5m2)",
     )
     parser.add_argument("--per-task", type=int, default=200, help="held-out problems per task")
     parser.add_argument(

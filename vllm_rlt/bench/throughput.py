@@ -32,6 +32,7 @@ from vllm_rlt.bench.report import check_minimums, percentile, run_and_emit
 from vllm_rlt.bench.shapes import SHAPES
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import (
+    KV_CACHE_DTYPES,
     KV_LAYOUTS,
     QUANTIZATIONS,
     CacheConfig,
@@ -173,6 +174,7 @@ def build_engine(
         CacheConfig(
             layout=args.kv_layout,
             block_size=args.block_size,
+            kv_cache_dtype=args.kv_cache_dtype,
             num_blocks=blocks,
             enable_prefix_caching=args.enable_prefix_caching,
         ),
@@ -349,10 +351,11 @@ def copy_bandwidth(device: torch.device) -> float:
 def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float) -> dict:
     """Decode tokens/s if every pass only streamed the layer weights once plus each row's
     keys and values (one plane) at the mean context, at the measured bandwidth."""
-    from vllm_rlt.layers.fp8 import weight_nbytes
+    from vllm_rlt.layers.fp8 import kv_cache_torch_dtype, weight_nbytes
 
     cfg = model.config
     element = model.dtype.itemsize
+    kv_element = kv_cache_torch_dtype(args.kv_cache_dtype, model.dtype).itemsize
     layer_bytes = sum(
         weight_nbytes(t)
         for layer in model.layers
@@ -367,7 +370,7 @@ def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float)
         * 2
         * cfg.num_key_value_heads
         * cfg.head_dim
-        * element
+        * kv_element
     )
     pass_bytes = layer_bytes + kv_bytes + head_bytes
     seconds_per_token = mean_loops * pass_bytes / bandwidth
@@ -419,6 +422,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fp8: the engine's layer projections in float8 with a scale per output channel "
         "(the naive baseline keeps --dtype) (default: none)",
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="the engine's K/V storage: auto (the model's dtype), fp8 = fp8_e4m3, fp8_e5m2",
     )
     parser.add_argument(
         "--enforce-eager", action="store_true", help="no CUDA graphs (CPU never uses them)"
@@ -563,6 +572,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "depth_trace_mean": args.depth_trace_mean,
             "kv_layout": args.kv_layout,
             "quantization": args.quantization,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "mode": args.mode,
             "speculative_tokens": args.speculative_tokens,
             "draft_loops": args.draft_loops if args.speculative_tokens is not None else None,

@@ -35,7 +35,7 @@ from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.process_setup import settle_engine_process
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.exit import make_exit_policy
-from vllm_rlt.layers.fp8 import quantize_model
+from vllm_rlt.layers.fp8 import kv_cache_torch_dtype, quantize_model
 from vllm_rlt.models.load import (
     load_model_and_tokenizer,
     model_eos_token_ids,
@@ -236,8 +236,16 @@ def build_engine_core(
         cache_config.block_size,
         enable_caching=cache_config.enable_prefix_caching,
     )
-    # A cached block's K/V depends on the weights, the layout and the dtype too.
-    salt = repr((vars(cfg), cache_config.layout, str(model.dtype)))
+    # A cached block's K/V depends on the weights, the layout and the dtypes too.
+    salt = repr(
+        (
+            vars(cfg),
+            cache_config.layout,
+            str(model.dtype),
+            model.quantization,
+            cache_config.kv_cache_dtype,
+        )
+    )
     scheduler = Scheduler(
         scheduler_config,
         kv,
@@ -257,6 +265,7 @@ def build_engine_core(
         ops,
         max_model_len if exit_config.mode == "trace" else 1,
         lanes,
+        kv_cache_torch_dtype(cache_config.kv_cache_dtype, model.dtype),
     )
     prepare_device(
         runner, ops, execution_config.cuda_graphs, scheduler_config.max_num_batched_tokens

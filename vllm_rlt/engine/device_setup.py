@@ -23,6 +23,7 @@ from vllm_rlt.core.memory import (
     plan_from_profile,
     plan_kv_cache,
 )
+from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
 from vllm_rlt.worker.model_runner import ModelRunner
 
 
@@ -43,10 +44,11 @@ def plan_memory(
     blocks hold what one block of every plane holds, so defaults and caps count that many
     per position block under SHARED_DECODE."""
     cfg, device = model.config, model.device
+    kv_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, model.dtype)
     explicit = cache_config.num_blocks is not None or cache_config.kv_cache_memory_bytes
     if device.type != "cuda":
         default = CPU_DEFAULT_BLOCKS * table_planes
-        return plan_kv_cache(cache_config, cfg, planes, model.dtype, default)
+        return plan_kv_cache(cache_config, cfg, planes, kv_dtype, default)
     from vllm_rlt.worker.memory_profile import peak_pass_bytes
     from vllm_rlt.worker.mixed_graphs import buffer_bytes, mixed_sizes, sampler_sizes
 
@@ -54,7 +56,7 @@ def plan_memory(
     rows = scheduler_config.max_num_batched_tokens
     samplers = seqs * num_lanes  # every speculation lane may need the LM head
     block_size = cache_config.block_size
-    pass_peak = peak_pass_bytes(model, ops, rows, samplers, planes, block_size)
+    pass_peak = peak_pass_bytes(model, ops, rows, samplers, planes, block_size, kv_dtype)
     graph_pool = 0
     if execution_config.cuda_graphs and not ops.needs_segments:
         # Counted as a sum, though the graphs share one pool: the decode graphs (and the
@@ -63,12 +65,12 @@ def plan_memory(
         stack = mixed_sizes(rows)[-1]
         head_rows = samplers + sampler_sizes(seqs)[-1]
         graph_pool = (
-            peak_pass_bytes(model, ops, head_rows, head_rows, planes, block_size)
-            + peak_pass_bytes(model, ops, stack, 1, planes, block_size)
+            peak_pass_bytes(model, ops, head_rows, head_rows, planes, block_size, kv_dtype)
+            + peak_pass_bytes(model, ops, stack, 1, planes, block_size, kv_dtype)
             + buffer_bytes(cfg, model.dtype, stack)
         )
     if explicit:
-        plan = plan_kv_cache(cache_config, cfg, planes, model.dtype)
+        plan = plan_kv_cache(cache_config, cfg, planes, kv_dtype)
         free, _ = torch.cuda.mem_get_info(device)
         # Memory the allocator holds but nothing uses (the profiled pass's) is free too.
         free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
@@ -80,7 +82,7 @@ def plan_memory(
         cache_config,
         cfg,
         planes,
-        model.dtype,
+        kv_dtype,
         total,
         torch.cuda.memory_allocated(device),
         pass_peak,

@@ -33,8 +33,16 @@ from vllm_rlt.engine.kv_nixl import NixlPeer, NixlReader, NixlSharedPool
 from vllm_rlt.worker.kv_pool import KVPool
 
 PREFIX = "vllm-rlt-kv-"  # of every shared pool file's name
-DTYPES = {
-    str(dtype): dtype for dtype in (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+DTYPES = {  # a pool's element types, by name (float8: --kv-cache-dtype fp8)
+    str(dtype): dtype
+    for dtype in (
+        torch.float32,
+        torch.float16,
+        torch.bfloat16,
+        torch.float64,
+        torch.float8_e4m3fn,
+        torch.float8_e5m2,
+    )
 }
 
 

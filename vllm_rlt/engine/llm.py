@@ -50,7 +50,8 @@ class LLM:
     `max_model_len` (caps prompt + output below the model's context), `generation_config`
     ("auto": the model's generation_config.json supplies unset sampling fields; "vllm":
     the engine's defaults; or a folder), `seed`, `enforce_eager`, `gpu_memory_utilization`,
-    `kv_cache_memory_bytes`, `enable_prefix_caching`, `block_size`, `max_num_seqs`,
+    `kv_cache_memory_bytes`, `enable_prefix_caching`, `block_size`, `kv_cache_dtype`
+    ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), `max_num_seqs`,
     `max_num_batched_tokens`, `scheduling_policy`, `enable_sleep_mode` (then `sleep` and
     `wake_up` give the device memory back and take it again), `quantization` ("fp8": the
     layer projections in float8 with a scale per output channel, quantized at load);

@@ -21,6 +21,7 @@ CONFIG_FIELDS = {
     "kv_cache_memory_bytes": ("cache_config", "kv_cache_memory_bytes"),
     "enable_prefix_caching": ("cache_config", "enable_prefix_caching"),
     "block_size": ("cache_config", "block_size"),
+    "kv_cache_dtype": ("cache_config", "kv_cache_dtype"),
     "max_num_seqs": ("scheduler_config", "max_num_seqs"),
     "max_num_batched_tokens": ("scheduler_config", "max_num_batched_tokens"),
     "scheduling_policy": ("scheduler_config", "scheduling_policy"),

@@ -12,6 +12,7 @@ from vllm_rlt.config import (
     AUTO_DISABLE_BY_BATCH_SIZE,
     CPU_DEFAULT_BLOCKS,
     EXIT_MODES,
+    KV_CACHE_DTYPES,
     KV_LAYOUTS,
     MAX_SPECULATIVE_TOKENS,
     QUANTIZATIONS,
@@ -122,6 +123,14 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
         "validates; its prefix cache serves only K/V handed over from prefill cores)",
     )
     cache.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    cache.add_argument(
+        "--kv-cache-dtype",
+        choices=KV_CACHE_DTYPES,
+        default="auto",
+        help="K/V storage: auto (the model's dtype), fp8 or fp8_e4m3 (float8 e4m3), fp8_e5m2; "
+        "float8 holds twice the positions of bf16 in the same memory, at scale 1 (as vLLM "
+        "without calibrated scales)",
+    )
     cache.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
@@ -360,6 +369,7 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
             layout=ns.kv_layout,
             enable_prefix_caching=ns.enable_prefix_caching,
             block_size=ns.block_size,
+            kv_cache_dtype=ns.kv_cache_dtype,
             num_blocks=ns.num_blocks,
             kv_cache_memory_bytes=ns.kv_cache_memory_bytes,
             gpu_memory_utilization=ns.gpu_memory_utilization,

@@ -125,6 +125,7 @@ def _rope_write_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
     dtype = q_out_ptr.dtype.element_ty
+    kv_dtype = k_cache_ptr.dtype.element_ty  # the model's, or float8 (rounded here)
     pos = tl.load(positions_ptr + row)
     cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
@@ -148,9 +149,9 @@ def _rope_write_kernel(
         for plane in tl.static_range(PLANES):
             owned = (plane >= lo) & (plane < hi)
             dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_cache_ptr + dst + d, out1, mask=owned & (d < HALF))
-            tl.store(k_cache_ptr + dst + HALF + d, out2, mask=owned & (d < HALF))
-            tl.store(v_cache_ptr + dst + full, v, mask=owned & (full < HEAD_DIM))
+            tl.store(k_cache_ptr + dst + d, out1.to(kv_dtype), mask=owned & (d < HALF))
+            tl.store(k_cache_ptr + dst + HALF + d, out2.to(kv_dtype), mask=owned & (d < HALF))
+            tl.store(v_cache_ptr + dst + full, v.to(kv_dtype), mask=owned & (full < HEAD_DIM))
 
 
 @triton.jit
@@ -186,6 +187,7 @@ def _rope_write_rows_kernel(
     h = tl.arange(0, HEADS_P2)[:, None]
     kh = tl.arange(0, KV_HEADS_P2)[:, None]
     dtype = q_out_ptr.dtype.element_ty
+    kv_dtype = k_cache_ptr.dtype.element_ty  # the model's, or float8 (rounded here)
     pos = tl.load(positions_ptr + row)
     cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
@@ -209,9 +211,9 @@ def _rope_write_rows_kernel(
     for plane in tl.static_range(PLANES):
         if (plane >= lo) & (plane < hi):
             dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kh) * HEAD_DIM
-            tl.store(k_cache_ptr + dst + d, out1, mask=kv_mask)
-            tl.store(k_cache_ptr + dst + HALF + d, out2, mask=kv_mask)
-            tl.store(v_cache_ptr + dst + full, v, mask=kv_mask)
+            tl.store(k_cache_ptr + dst + d, out1.to(kv_dtype), mask=kv_mask)
+            tl.store(k_cache_ptr + dst + HALF + d, out2.to(kv_dtype), mask=kv_mask)
+            tl.store(v_cache_ptr + dst + full, v.to(kv_dtype), mask=kv_mask)
 
 
 @triton.jit
@@ -470,7 +472,8 @@ def _attend_tile(
         )
         entry = (plane * slots_per_plane + block * block_size + j % block_size) * NUM_KV_HEADS
         offsets = (entry + kv_head)[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=keys_valid[:, None], other=0.0)
+        # a float8 cache is widened to q's dtype here, as it is read
+        k = tl.load(k_cache_ptr + offsets, mask=keys_valid[:, None], other=0.0).to(q.dtype)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -483,7 +486,7 @@ def _attend_tile(
         p = tl.exp(scores - new_max[:, None])
         alpha = tl.exp(row_max - new_max)
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offsets, mask=keys_valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=keys_valid[:, None], other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:

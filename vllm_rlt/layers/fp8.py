@@ -1,4 +1,6 @@
-"""FP8 weights (`quantization="fp8"`): the projections of every layer are stored as float8
+"""FP8 weights (`quantization="fp8"`) and the element type of an FP8 KV cache.
+
+FP8 weights: the projections of every layer are stored as float8
 e4m3 with one float32 scale per output row, computed at load time from the row's largest
 magnitude. Decode streams these weights once per loop, so half the bytes is nearly half the
 time of a weight-bound pass. The embedding, the LM head, the exit gate and the norms stay
@@ -118,6 +120,13 @@ def fp8_linear_tensor_cores(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
         scale_b=weight.scale[None, :],
         out_dtype=x.dtype,
     )
+
+
+def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The element type of the K/V pool for CacheConfig.kv_cache_dtype."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    return torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else FP8_DTYPE
 
 
 def quantize_model(model, quantization: str | None) -> None:

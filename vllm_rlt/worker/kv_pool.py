@@ -135,7 +135,10 @@ def copy_kv(
         source_blocks, target_blocks, start, end, source.block_size, target.block_size
     )
     long = runs[:, 2] * target.entry_bytes >= SLICE_COPY_BYTES
-    pairs = list(zip([*target.k, *target.v], [*source.k, *source.v], strict=True))
+    pairs = [
+        (_as_bytes(ours), _as_bytes(theirs))
+        for ours, theirs in zip([*target.k, *target.v], [*source.k, *source.v], strict=True)
+    ]
     theirs_per_plane, ours_per_plane = source.slots_per_plane, target.slots_per_plane
     for plane in range(target.planes):
         for first, into, rows in runs[long].tolist():
@@ -155,6 +158,11 @@ def copy_kv(
         piece = ours_index[lo : lo + GATHER_PIECE]
         for ours, theirs in pairs:
             ours[piece] = theirs[theirs_piece].to(ours.device)
+
+
+def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A float8 cache as its bytes, for the indexed copies torch lacks in float8."""
+    return tensor.view(torch.uint8) if tensor.element_size() == 1 else tensor
 
 
 def _plane_rows(firsts: np.ndarray, counts: np.ndarray, planes: int, per_plane: int) -> np.ndarray:

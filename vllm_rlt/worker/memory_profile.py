@@ -34,15 +34,18 @@ def _profile_metadata(rows: int, planes: int, block_size: int, device) -> Attent
 
 
 @torch.inference_mode()
-def peak_pass_bytes(model, ops, rows: int, samplers: int, planes: int, block_size: int) -> int:
-    """Extra bytes allocated at peak by a pass of `rows` rows sampling `samplers` of them."""
+def peak_pass_bytes(
+    model, ops, rows: int, samplers: int, planes: int, block_size: int, kv_dtype: torch.dtype
+) -> int:
+    """Extra bytes allocated at peak by a pass of `rows` rows sampling `samplers` of them,
+    over a K/V cache of `kv_dtype`."""
     cfg, device = model.config, model.device
     caches = [
         torch.zeros(
             planes * block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
-            dtype=model.dtype,
+            dtype=kv_dtype,
             device=device,
         )
         for _ in range(2 * cfg.num_hidden_layers)

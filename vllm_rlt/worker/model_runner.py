@@ -134,6 +134,7 @@ class ModelRunner:
         ops: Any,
         trace_len: int,
         lanes: SpecLanes | None = None,
+        kv_dtype: torch.dtype | None = None,  # the K/V pool's (None: the model's dtype)
     ) -> None:
         cfg = model.config
         self.model = model
@@ -146,7 +147,7 @@ class ModelRunner:
         shape = (entries, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed, not empty: masked keys must still hold finite values.
         self.k_caches = [
-            torch.zeros(shape, dtype=model.dtype, device=model.device)
+            torch.zeros(shape, dtype=kv_dtype or model.dtype, device=model.device)
             for _ in range(cfg.num_hidden_layers)
         ]  # per layer [planes * slots_per_plane, kv_heads, head_dim]
         self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
