@@ -122,13 +122,13 @@ def test_cuda_fp8_built_in_model_answers(quantization, kv_cache_dtype):
 def test_tensor_core_path_scales_rows_and_columns():
     """A direct check of the many-row path: rows of very different size keep their
     relative precision (each row has its own activation scale)."""
-    from vllm_rlt.layers.fp8 import fp8_linear_tensor_cores
+    from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
 
     gen = torch.Generator(device="cuda").manual_seed(3)
     x = torch.randn(128, 256, device="cuda", generator=gen)
     x = (x * torch.logspace(-4, 4, 128, device="cuda")[:, None]).to(torch.bfloat16)
     q = Fp8Weight.quantize(torch.randn(512, 256, device="cuda", generator=gen))
-    got = fp8_linear_tensor_cores(x, q).float()
+    got = fp8_linear_rows(x, q).float()
     want = F.linear(x.float(), q.dequantize(torch.float32))
     relative = (got - want).norm(dim=1) / want.norm(dim=1)
     assert relative.max() < 0.08

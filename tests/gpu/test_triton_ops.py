@@ -128,8 +128,9 @@ def test_rope_write_and_paged_attention_over_an_fp8_cache(
     triton_ops, monkeypatch, dtype, planes, table_planes, launch
 ):
     """The same with float8 K/V (--kv-cache-dtype fp8): the kernels round what they write
-    as torch does and widen what they read. A key the two paths rotate one ulp apart may
-    round to neighbouring float8 values, so keys and outputs match to a float8 step."""
+    as torch does and widen what they read. A key the two paths rotate one bf16 ulp apart
+    may round to neighbouring float8 values (1/8 apart at most), so keys match to a float8
+    step and outputs closely."""
     _check_attention(
         triton_ops, monkeypatch, dtype, planes, table_planes, 4, True, launch, torch.float8_e4m3fn
     )
@@ -211,7 +212,9 @@ def _check_attention(
         base = plane * geo.slots_per_plane
         for cache in (k_ref, v_ref, k_tri, v_tri):
             cache.view(torch.uint8)[base + dummy.start : base + dummy.stop] = 0
-    tol = TOL[dtype] if kv_dtype is None else 0.07  # e4m3: 3 mantissa bits
-    torch.testing.assert_close(k_tri.float(), k_ref.float(), atol=tol, rtol=tol)
+    tol = TOL[dtype] if kv_dtype is None else 0.07
+    # e4m3 has 3 mantissa bits: neighbouring values are up to 1/8 apart
+    key_tol = tol if kv_dtype is None else 0.13
+    torch.testing.assert_close(k_tri.float(), k_ref.float(), atol=key_tol, rtol=key_tol)
     torch.testing.assert_close(v_tri.float(), v_ref.float(), atol=0, rtol=0)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)

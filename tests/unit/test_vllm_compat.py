@@ -56,9 +56,12 @@ def test_vllm_arguments_land_in_the_configs_and_unknown_ones_are_named():
     scheduler = llm.engine.scheduler.config
     assert (scheduler.max_num_seqs, scheduler.max_num_batched_tokens) == (8, 64)
     assert not llm.engine.kv.enable_caching and llm.engine.cache_config.block_size == 8
-    cache, _, execution = apply_vllm_args({"enforce_eager": True, "seed": 3}, None, None, None)
+    cache, _, execution = apply_vllm_args(
+        {"enforce_eager": True, "seed": 3, "kv_cache_dtype": "fp8"}, None, None, None
+    )
     assert (execution.cuda_graphs, execution.seed, cache.block_size) == (False, 3, 16)
-    for name, value in (("quantization", "fp8"), ("swap_space", 4)):
+    assert cache.kv_cache_dtype == "fp8"
+    for name, value in (("cpu_offload_gb", 4), ("swap_space", 4)):
         with pytest.raises(ValueError, match=f"argument '{name}', which this engine") as caught:
             LLM(model="toy", **{name: value})
         assert caught.value.param == name

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 import triton
 
 from vllm_rlt.attention.metadata import AttentionMetadata
+from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
 from vllm_rlt.kernels.triton_kernels import (
@@ -21,7 +22,7 @@ from vllm_rlt.kernels.triton_kernels import (
     _rope_write_rows_kernel,
     _silu_mul_kernel,
 )
-from vllm_rlt.layers.fp8 import Fp8Weight, fp8_linear_reference, fp8_linear_tensor_cores
+from vllm_rlt.layers.fp8 import Fp8Weight, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
 
 # Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
@@ -68,6 +69,16 @@ LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
 }
 
 
+# FP8 weights stream through the skinny kernel up to 64 rows in every class: for qkv and
+# down, where bf16 goes to cuBLAS from 17 rows on, o's plans serve (not tuned for fp8; the
+# alternative, per-token scaling and FP8 tensor cores, pays a kernel per projection).
+FP8_PLANS = {
+    **LINEAR_PLANS,
+    "medium": LINEAR_PLANS["medium"] + LINEAR_PLANS["narrow"][1:],
+    "deep": LINEAR_PLANS["deep"] + LINEAR_PLANS["narrow"][1:],
+}
+
+
 def layer_class(n: int, k: int) -> str:
     """Which LINEAR_PLANS row a weight of N outputs and K inputs takes."""
     if n < k:
@@ -87,7 +98,8 @@ def linear_plan(
     activations take proportionally shorter K chunks, so a tile holds the same registers
     (an fp8 weight keeps the chunk of its activations' dtype: its tile is widened to it)."""
     n, k = weight.shape
-    for most_rows, config in LINEAR_PLANS[layer_class(n, k)]:
+    plans = FP8_PLANS if isinstance(weight, Fp8Weight) else LINEAR_PLANS
+    for most_rows, config in plans[layer_class(n, k)]:
         if x.shape[0] <= most_rows:
             return replace(
                 config,
@@ -97,14 +109,16 @@ def linear_plan(
     return None
 
 
-def _dense_linear(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> torch.Tensor:
+def _dense_linear(
+    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, pdl: bool = False
+) -> torch.Tensor:
     """x @ weight.T for many rows: cuBLAS, or for an fp8 weight FP8 tensor cores (bf16
     activations, whose rowwise-scaled product cuBLAS gives only in bf16) or else the
     widened weight."""
     if not isinstance(weight, Fp8Weight):
         return F.linear(x, weight)
     if x.dtype == torch.bfloat16 and all(d % 16 == 0 for d in weight.shape):
-        return fp8_linear_tensor_cores(x, weight)
+        return fp8_linear_rows(x, weight, pdl)
     return fp8_linear_reference(x, weight)
 
 
@@ -205,14 +219,14 @@ class TritonOps:
         whose rows is live skips the weight (those rows' outputs are zero)."""
         config = linear_plan(x, weight)
         if config is None:
-            return _dense_linear(x, weight)
+            return _dense_linear(x, weight, self.pdl)
         return skinny_linear(x, weight, config, live=live, pdl=self.pdl)
 
     def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
         config = linear_plan(x, gate_up)
         if config is None:
-            return self.silu_mul(_dense_linear(x, gate_up))
+            return self.silu_mul(_dense_linear(x, gate_up, self.pdl))
         return skinny_linear(x, gate_up, config, silu_mul=True, pdl=self.pdl)
 
     def attention(

@@ -105,23 +105,6 @@ def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return F.linear(x, weight.data.to(x.dtype)) * weight.scale.to(x.dtype)
 
 
-def fp8_linear_tensor_cores(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """x @ W.T on FP8 tensor cores (CUDA, bf16 x): each row of x is scaled to the float8
-    range by its own largest magnitude (a per-token scale), and cuBLAS applies both scales
-    to the float32 accumulator. Graph-safe."""
-    xf = x.float()
-    x_scale = xf.abs().amax(dim=1, keepdim=True).clamp(min=torch.finfo(torch.float32).tiny)
-    x_scale = x_scale / FP8_MAX
-    x_fp8 = (xf / x_scale).to(FP8_DTYPE)
-    return torch._scaled_mm(
-        x_fp8,
-        weight.data.t(),
-        scale_a=x_scale,
-        scale_b=weight.scale[None, :],
-        out_dtype=x.dtype,
-    )
-
-
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type of the K/V pool for CacheConfig.kv_cache_dtype."""
     if kv_cache_dtype == "auto":
