@@ -1,0 +1,150 @@
+"""What FP8 weights and an FP8 KV cache change in a model's outputs, against the unquantized
+model: the mean KL divergence and the top-1 agreement of the next-token distribution at
+full depth, and how many exit decisions of the `ouro` rule at threshold q change per 1,000
+tokens. Random prompts run teacher-forced through a dense forward (every position at every
+loop, as prompts run), with the projections through the engine's reference ops, so fp8
+weights compute as the engine's kernels do for few rows (weight-only, scaled per output
+channel); fp8 K/V are rounded to float8 where they are written.
+
+python -m benchmarks.fp8_quality --shape ouro-1.4b --dtype bfloat16 --prompts 4 --prompt-len 128
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from vllm_rlt.attention.torch_backend import TorchOps
+from vllm_rlt.bench.shapes import SHAPES, random_model
+from vllm_rlt.cli_parser import CLIParser
+from vllm_rlt.layers.fp8 import FP8_DTYPE, quantize_model
+from vllm_rlt.layers.norm import rms_norm
+
+VARIANTS = {  # name -> (quantization, fp8 K/V)
+    "fp8 weights": ("fp8", False),
+    "fp8 KV": (None, True),
+    "fp8 weights + fp8 KV": ("fp8", True),
+}
+
+
+def _branch(output: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return output if weight is None else rms_norm(output, weight, eps)
+
+
+@torch.inference_mode()
+def loop_states(model, tokens: torch.Tensor, fp8_kv: bool) -> list[torch.Tensor]:
+    """The end-of-loop (normalised) state of every position after each loop, [B * T, hidden]."""
+    cfg, ops = model.config, TorchOps()
+    batch, length = tokens.shape
+    heads, kv_heads, dim, eps = (
+        cfg.num_attention_heads,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+        cfg.rms_norm_eps,
+    )
+    positions = torch.arange(length, device=tokens.device).repeat(batch)
+    hidden = model.prelude(tokens.flatten())
+    states = []
+    for _ in range(cfg.num_loops):
+        x = hidden
+        for layer in model.layers:
+            qkv = ops.linear(rms_norm(x, layer.attn_norm, eps), layer.qkv)
+            q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
+            q = model.rotary.apply(q.reshape(-1, heads, dim), positions)
+            k = model.rotary.apply(k.reshape(-1, kv_heads, dim), positions)
+            v = v.reshape(-1, kv_heads, dim)
+            if fp8_kv:  # what attention reads back from a float8 cache
+                k, v = (t.to(FP8_DTYPE).to(t.dtype) for t in (k, v))
+            q, k, v = (t.view(batch, length, -1, dim).transpose(1, 2) for t in (q, k, v))
+            if kv_heads != heads:
+                k = k.repeat_interleave(heads // kv_heads, 1)
+                v = v.repeat_interleave(heads // kv_heads, 1)
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            attn = attn.transpose(1, 2).reshape(batch * length, heads * dim)
+            x = x + _branch(ops.linear(attn, layer.o), layer.attn_out_norm, eps)
+            mlp = ops.linear_silu_mul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up)
+            x = x + _branch(ops.linear(mlp, layer.down), layer.mlp_out_norm, eps)
+        hidden = rms_norm(x, model.final_norm, eps)
+        states.append(hidden)
+    return states
+
+
+def exit_depths(model, states: list[torch.Tensor], threshold: float) -> torch.Tensor:
+    """The `ouro` rule's depth per position: the first loop whose exit CDF reaches q."""
+    survival = torch.ones(states[0].shape[0])
+    depth = torch.full((states[0].shape[0],), len(states), dtype=torch.int64)
+    for loop, state in enumerate(states[:-1], start=1):
+        survival = survival * (1.0 - torch.sigmoid(model.gate(state).float().cpu()))
+        leave = (1.0 - survival >= threshold) & (depth == len(states))
+        depth[leave] = loop
+    return depth
+
+
+def summary(model, tokens, fp8_kv: bool, threshold: float):
+    states = loop_states(model, tokens, fp8_kv)
+    logprobs = F.log_softmax(model.coda(states[-1]).float(), dim=-1).cpu()
+    return logprobs, exit_depths(model, states, threshold)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = CLIParser(prog="python -m benchmarks.fp8_quality", description=__doc__)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="ouro-1.4b")
+    parser.add_argument("--dtype", default="bfloat16", help="the unquantized model's dtype")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    parser.add_argument("--prompts", type=int, default=4, help="random prompts")
+    parser.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
+    parser.add_argument("--threshold", type=float, default=0.5, help="the ouro rule's q")
+    parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
+    args = parser.parse_args(argv)
+    dtype = getattr(torch, args.dtype)
+    model = random_model(args.shape, dtype, torch.device(args.device), args.seed)
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = model.config.vocab_size
+    tokens = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=generator)
+    tokens = tokens.to(args.device)
+    with tqdm(total=1 + len(VARIANTS), desc="fp8 quality", unit="model", file=sys.stderr) as bar:
+        reference, reference_depths = summary(model, tokens, False, args.threshold)
+        # how flat the distributions are: random weights give nearly uniform ones, whose
+        # top-1 token is decided by small margins
+        entropy = -(reference.exp() * reference).sum(-1).mean().item()
+        bar.update(1)
+        quantized = None
+        for name, (quantization, fp8_kv) in VARIANTS.items():
+            if quantization is not None and quantized is None:
+                quantized = random_model(args.shape, dtype, torch.device(args.device), args.seed)
+                quantize_model(quantized, quantization)
+            logprobs, depths = summary(
+                model if quantization is None else quantized, tokens, fp8_kv, args.threshold
+            )
+            kl = (reference.exp() * (reference - logprobs)).sum(-1)
+            same_top1 = reference.argmax(-1) == logprobs.argmax(-1)
+            changed = (depths != reference_depths).float().mean().item()
+            print(
+                json.dumps(
+                    {
+                        "variant": name,
+                        "shape": args.shape,
+                        "dtype": args.dtype,
+                        "tokens": int(tokens.numel()),
+                        "reference_mean_entropy": entropy,
+                        "mean_kl": kl.mean().item(),
+                        "max_kl": kl.max().item(),
+                        "top1_agreement": same_top1.float().mean().item(),
+                        "threshold": args.threshold,
+                        "exit_changes_per_1000": 1000 * changed,
+                        "mean_depth": depths.float().mean().item(),
+                        "reference_mean_depth": reference_depths.float().mean().item(),
+                    }
+                ),
+                flush=True,
+            )
+            bar.update(1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
