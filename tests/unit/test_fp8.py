@@ -5,9 +5,11 @@ fp8 model, and the bad values of the setting."""
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 import torch
+from safetensors.torch import save_file
 
 from tests.conftest import drain
 from vllm_rlt import LLM, CacheConfig, SamplingParams
@@ -22,8 +24,10 @@ from vllm_rlt.layers.fp8 import (
     quantize_model,
     weight_nbytes,
 )
+from vllm_rlt.models.fp8_checkpoint import PROJECTION_WEIGHTS
+from vllm_rlt.models.loader import SINGLE_FILE, load_model
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
-from vllm_rlt.models.toy import toy_weights
+from vllm_rlt.models.toy import toy_config_dict, toy_weights
 
 
 def test_each_value_is_within_half_a_float8_step():
@@ -188,3 +192,109 @@ def test_the_built_in_model_answers_with_every_fp8_setting():
         llm = LLM(quantization=quantization, kv_cache_dtype=kv_dtype)
         outputs = llm.generate(prompts, params, use_tqdm=False)
         assert [o.outputs[0].text for o in outputs] == ["936", "579", "467"]
+
+
+def _fp8_checkpoint(folder, per_channel: bool, quantization_config=None) -> dict:
+    """The toy as an FP8 checkpoint in vLLM's layout: float8 projections beside their
+    weight_scale (one per tensor, or one per output channel); returns its tensors."""
+    folder.mkdir(parents=True, exist_ok=True)
+    config = {
+        **toy_config_dict(),
+        "quantization_config": quantization_config
+        or {"quant_method": "fp8", "activation_scheme": "dynamic"},
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    for name, weight in toy_weights().items():
+        if not name.endswith(PROJECTION_WEIGHTS):
+            tensors[name] = weight
+            continue
+        amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax()
+        scale = (amax / FP8_MAX).float()
+        tensors[name] = (weight / scale).to(FP8_DTYPE)
+        tensors[name + "_scale"] = scale if per_channel else scale.reshape(())
+    save_file(tensors, str(folder / SINGLE_FILE))
+    return tensors
+
+
+@pytest.mark.parametrize("per_channel", [False, True], ids=["per_tensor", "per_channel"])
+def test_an_fp8_checkpoint_keeps_its_values_and_scales(tmp_path, per_channel):
+    """Every projection holds the checkpoint's float8 bytes and its scales (a tensor's one
+    scale on each of its rows), fused as the model fuses them; the model then computes
+    as one holding the dequantized weights."""
+    tensors = _fp8_checkpoint(tmp_path / "ckpt", per_channel)
+    model = load_model(tmp_path / "ckpt", torch.float32, "cpu")
+    assert model.quantization == "fp8"
+    layer, prefix = model.layers[1], "model.layers.1."
+
+    def rows(name: str) -> torch.Tensor:
+        scale = tensors[prefix + name + "_scale"].float().reshape(-1)
+        return scale.expand(tensors[prefix + name].shape[0])
+
+    q, k, v = (f"self_attn.{p}_proj.weight" for p in "qkv")
+    assert torch.equal(
+        layer.qkv.data.view(torch.uint8),
+        torch.cat([tensors[prefix + n].view(torch.uint8) for n in (q, k, v)]),
+    )
+    assert torch.equal(layer.qkv.scale, torch.cat([rows(n) for n in (q, k, v)]))
+    gate, up = "mlp.gate_proj.weight", "mlp.up_proj.weight"
+    assert torch.equal(
+        layer.gate_up.data[0::2].view(torch.uint8), tensors[prefix + gate].view(torch.uint8)
+    )
+    assert torch.equal(layer.gate_up.scale[1::2], rows(up))
+    down = "mlp.down_proj.weight"
+    assert torch.equal(layer.down.data.view(torch.uint8), tensors[prefix + down].view(torch.uint8))
+    assert torch.equal(layer.down.scale, rows(down))
+    # Generation: the same as the toy with the dequantized weights.
+    plain = {n: t for n, t in tensors.items() if not n.endswith("_scale")}
+    for name in plain:
+        if name.endswith(PROJECTION_WEIGHTS):
+            scale = tensors[name + "_scale"].float()
+            plain[name] = plain[name].float() * (scale if per_channel else scale.reshape(1, 1))
+    (tmp_path / "plain").mkdir()
+    (tmp_path / "plain" / "config.json").write_text(json.dumps(toy_config_dict()))
+    save_file(plain, str(tmp_path / "plain" / SINGLE_FILE))
+    params = SamplingParams(max_tokens=8, temperature=0.0, exit_threshold=0.5)
+    prompts = [list(b"hello"), list(b"ab")]
+    got, want = (
+        [
+            (o.outputs[0].token_ids, o.outputs[0].exit_depths)
+            for o in LLM(model=str(tmp_path / f)).generate(prompts, params, use_tqdm=False)
+        ]
+        for f in ("ckpt", "plain")
+    )
+    assert got == want
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ({"quant_method": "awq"}, r"quant_method must be 'fp8'.*'awq'"),
+        (
+            {"quant_method": "fp8", "activation_scheme": "static"},
+            r"activation_scheme must be 'dynamic'.*'static'",
+        ),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128]},
+            r"weight_block_size is not supported",
+        ),
+        ({"quant_method": "fp8", "kv_cache_scheme": {}}, r"unsupported quantization_config keys"),
+    ],
+)
+def test_fp8_checkpoints_this_engine_cannot_read_are_named(tmp_path, spec, message):
+    _fp8_checkpoint(tmp_path, False, spec)
+    with pytest.raises(ValueError, match=message):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_an_fp8_checkpoint_with_a_wrong_scale_is_named(tmp_path):
+    tensors = _fp8_checkpoint(tmp_path, False)
+    name = "model.layers.0.self_attn.o_proj.weight_scale"
+    tensors[name] = torch.ones(3)
+    save_file(tensors, str(tmp_path / SINGLE_FILE))
+    with pytest.raises(ValueError, match=rf"{name} holds 3 scales for \d+ output channels"):
+        load_model(tmp_path, torch.float32, "cpu")
+    del tensors[name]
+    save_file(tensors, str(tmp_path / SINGLE_FILE))
+    with pytest.raises(ValueError, match=rf"missing tensors: {name}"):
+        load_model(tmp_path, torch.float32, "cpu")

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from vllm_rlt.models import fp8_checkpoint
 from vllm_rlt.models.registry import resolve_family
 
 SINGLE_FILE = "model.safetensors"
@@ -29,7 +30,9 @@ def read_config(folder: Path) -> tuple[dict[str, Any], Any]:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
     config_class, _ = resolve_family(raw)
-    return raw, config_class.from_dict(raw)
+    # the weights' format, not the model's shape: read by load_model
+    shape_keys = {key: value for key, value in raw.items() if key != "quantization_config"}
+    return raw, config_class.from_dict(shape_keys)
 
 
 def _weight_files(folder: Path) -> list[Path]:
@@ -58,8 +61,11 @@ def _weight_files(folder: Path) -> list[Path]:
     raise FileNotFoundError(f"{folder}: no {SINGLE_FILE} or {INDEX_FILE}")
 
 
-def read_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
-    """Load every tensor and check names and shapes against `expected` exactly."""
+def read_weights(
+    folder: Path, expected: dict[str, tuple[int, ...] | None]
+) -> dict[str, torch.Tensor]:
+    """Load every tensor and check names and shapes against `expected` exactly (a shape of
+    None is checked by the caller)."""
     weights: dict[str, torch.Tensor] = {}
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as handle:
@@ -76,7 +82,7 @@ def read_weights(folder: Path, expected: dict[str, tuple[int, ...]]) -> dict[str
     if unexpected:
         raise ValueError(f"{folder}: unexpected tensors in checkpoint: {', '.join(unexpected[:8])}")
     for name, shape in expected.items():
-        if tuple(weights[name].shape) != shape:
+        if shape is not None and tuple(weights[name].shape) != shape:
             raise ValueError(
                 f"{folder}: tensor {name} has shape {tuple(weights[name].shape)}, expected {shape}"
             )
@@ -90,5 +96,11 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
     raw, config = read_config(folder)
     _, model_class = resolve_family(raw)
-    weights = read_weights(folder, config.checkpoint_shapes())
-    return model_class(config, weights, dtype, device)
+    shapes = config.checkpoint_shapes()
+    if not fp8_checkpoint.is_fp8_checkpoint(raw):
+        return model_class(config, read_weights(folder, shapes), dtype, device)
+    weights = read_weights(folder, {**shapes, **fp8_checkpoint.scale_names(shapes)})
+    float8, scales = fp8_checkpoint.split_scales(weights, shapes)
+    model = model_class(config, weights, dtype, device)
+    fp8_checkpoint.install(model, float8, scales)
+    return model
