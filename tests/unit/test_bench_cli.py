@@ -76,6 +76,20 @@ def test_throughput_reports_the_settings_that_ran_on_cpu(capsys):
     assert "concurrency 1: engine" in captured.err and "1/1" in captured.err  # the bar
 
 
+def test_throughput_runs_fp8_weights_and_kv_against_an_unquantized_baseline(capsys):
+    argv = ["--shape", "toy", "--device", "cpu", "--concurrency", "2", "--output-len", "3"]
+    argv += ["--prompt-len", "4", "--repeats", "1", "--warmup", "0"]
+    argv += ["--quantization", "fp8", "--kv-cache-dtype", "fp8"]
+    assert throughput.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"]["quantization"] == "fp8"
+    assert report["workload"]["kv_cache_dtype"] == "fp8"
+    (result,) = report["results"]
+    assert result["kv_bytes_per_position"] == 2 * 4 * 2 * 2 * 16 * 1  # one byte per value
+    assert result["engine"]["decode_tokens_per_s"] > 0
+    assert result["baseline"]["decode_tokens_per_s"] > 0  # the naive model, unquantized
+
+
 def test_throughput_reports_async_scheduling_off_in_no_refill_mode(capsys):
     argv = ["--device", "cpu", "--concurrency", "1", "--output-len", "2", "--prompt-len", "2"]
     argv += ["--repeats", "1", "--warmup", "0", "--no-baseline", "--mode", "no_refill"]

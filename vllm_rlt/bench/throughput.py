@@ -540,7 +540,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     torch.manual_seed(args.seed)
     model = random_model(args.shape, dtype, device, args.seed)
     engine_model = model
-    if args.quantization is not None:
+    if args.quantization is not None and args.no_baseline:
+        quantize_model(model, args.quantization)  # nothing needs the unquantized one
+    elif args.quantization is not None:  # the baseline keeps the unquantized weights
         engine_model = random_model(args.shape, dtype, device, args.seed)
         quantize_model(engine_model, args.quantization)
     if args.depth is None and args.depth_trace_mean is None:

@@ -99,7 +99,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="fp8: every layer's projections held in float8 e4m3 with one scale per output "
         "channel, quantized at load (half their bytes; the embedding, LM head, exit gate "
-        "and norms keep --dtype) (default: none)",
+        "and norms keep --dtype); an FP8 checkpoint loads as such without it (default: none)",
     )
     model.add_argument(
         "--seed",
