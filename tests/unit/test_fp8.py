@@ -298,3 +298,24 @@ def test_an_fp8_checkpoint_with_a_wrong_scale_is_named(tmp_path):
     save_file(tensors, str(tmp_path / SINGLE_FILE))
     with pytest.raises(ValueError, match=rf"missing tensors: {name}"):
         load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_sleep_mode_gives_back_the_float8_storages_and_keeps_outputs():
+    llm = LLM(model="toy", quantization="fp8", kv_cache_dtype="fp8", enable_sleep_mode=True)
+    greedy = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
+    prompts = [[5, 6, 7, 8] * 5, [9, 10]]
+
+    def tokens():
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+
+    want = tokens()
+    qkv, kv = llm.engine.model.layers[0].qkv, llm.engine.runner.k_caches[0]
+    llm.sleep(level=1)
+    assert qkv.data.untyped_storage().nbytes() == 0 and kv.untyped_storage().nbytes() == 0
+    llm.wake_up()
+    assert tokens() == want
+    llm.sleep(level=2)
+    llm.wake_up()
+    llm.load_weights(toy_weights().items())  # quantized again into the same storage
+    assert llm.engine.model.layers[0].qkv.data is qkv.data
+    assert tokens() == want
