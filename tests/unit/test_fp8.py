@@ -222,8 +222,14 @@ def test_an_fp8_checkpoint_keeps_its_values_and_scales(tmp_path, per_channel):
     """Every projection holds the checkpoint's float8 bytes and its scales (a tensor's one
     scale on each of its rows), fused as the model fuses them; the model then computes
     as one holding the dequantized weights."""
-    tensors = _fp8_checkpoint(tmp_path / "ckpt", per_channel)
+    tensors = _fp8_checkpoint(
+        tmp_path / "ckpt",
+        per_channel,
+        {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]},
+    )
     model = load_model(tmp_path / "ckpt", torch.float32, "cpu")
+    # its own storage, not the file's, so that sleep mode can release it
+    assert all(weight.untyped_storage().resizable() for weight in weight_tensors(model))
     assert model.quantization == "fp8"
     layer, prefix = model.layers[1], "model.layers.1."
 
@@ -279,6 +285,10 @@ def test_an_fp8_checkpoint_keeps_its_values_and_scales(tmp_path, per_channel):
             r"weight_block_size is not supported",
         ),
         ({"quant_method": "fp8", "kv_cache_scheme": {}}, r"unsupported quantization_config keys"),
+        (
+            {"quant_method": "fp8", "ignored_layers": ["lm_head", "model.layers.0.mlp.down_proj"]},
+            r"ignored_layers may name only lm_head and embed_tokens.*down_proj",
+        ),
     ],
 )
 def test_fp8_checkpoints_this_engine_cannot_read_are_named(tmp_path, spec, message):
@@ -319,3 +329,19 @@ def test_sleep_mode_gives_back_the_float8_storages_and_keeps_outputs():
     llm.load_weights(toy_weights().items())  # quantized again into the same storage
     assert llm.engine.model.layers[0].qkv.data is qkv.data
     assert tokens() == want
+
+
+def test_the_reference_product_does_not_overflow_in_float16():
+    """The float8 values reach 448 before their scale: summed in float16 they overflow,
+    where the scaled product is small."""
+    weight = torch.zeros(8, 64)
+    weight[:, 0] = 1.0
+    weight[:, 1:] = 1e-3
+    q = Fp8Weight.quantize(weight)
+    x = torch.zeros(2, 64, dtype=torch.float16)
+    x[:, 0] = 200.0
+    got = fp8_linear_reference(x, q)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(
+        got.float(), x.float() @ q.dequantize(torch.float32).T, rtol=1e-3, atol=1e-2
+    )

@@ -26,13 +26,14 @@ def _quantize_rows_kernel(
     USE_PDL: tl.constexpr,
 ):
     """out[row] = x[row] / scale[row] in float8, scale[row] = max |x[row]| / FP8_RANGE
-    (the smallest normal float32 for an all-zero row)."""
+    (at least 1e-30, a normal float32: an all-zero row, such as a padding row, gives zeros,
+    never 0 / 0)."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < n
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0), 1.1754943508222875e-38) / FP8_RANGE
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_RANGE, 1e-30)
     tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * n + cols, (x / scale).to(out_ptr.dtype.element_ty), mask=mask)
 

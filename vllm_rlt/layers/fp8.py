@@ -100,9 +100,11 @@ def weight_nbytes(weight: torch.Tensor | Fp8Weight) -> int:
 
 
 def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
-    """x @ W.T for an fp8 weight in plain torch: the float8 values are exact in every wider
-    float, so the product is computed in x's dtype and scaled per output column."""
-    return F.linear(x, weight.data.to(x.dtype)) * weight.scale.to(x.dtype)
+    """x @ W.T for an fp8 weight in plain torch, as the kernels compute it: the float8
+    values (exact in float32) summed in float32 and scaled per output column there, then
+    rounded once. In x's dtype, float16 would overflow before the scale (float8 reaches
+    448) and bf16 would round the scale."""
+    return (F.linear(x.float(), weight.data.float()) * weight.scale).to(x.dtype)
 
 
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:

@@ -55,6 +55,18 @@ def is_fp8_checkpoint(raw: dict[str, Any]) -> bool:
     unknown = sorted(set(spec) - _KNOWN_KEYS)
     if unknown:
         raise ValueError(f"config.json: unsupported quantization_config keys: {unknown}")
+    # The LM head (and embedding) stay unquantized here anyway; a layer projection left in
+    # the model's dtype would split a fused weight between two formats.
+    projections = [
+        layer
+        for layer in spec.get("ignored_layers") or ()
+        if not str(layer).endswith(("lm_head", "embed_tokens"))
+    ]
+    if projections:
+        raise ValueError(
+            "config.json: quantization_config.ignored_layers may name only lm_head and "
+            f"embed_tokens (every layer projection is read in float8), got {projections}"
+        )
     return True
 
 
@@ -105,7 +117,8 @@ def install(model, float8: dict[str, torch.Tensor], scales: dict[str, torch.Tens
     def taker(source: dict[str, torch.Tensor]):
         def take(name: str) -> torch.Tensor:
             # a norm is no projection: it is built and dropped
-            return source[name].to(device) if name in source else torch.empty(0)
+            # a copy: the model owns its storage (a file-backed one cannot be released)
+            return source[name].to(device, copy=True) if name in source else torch.empty(0)
 
         return take
 
