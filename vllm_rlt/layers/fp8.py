@@ -57,10 +57,6 @@ class Fp8Weight:
     def shape(self) -> torch.Size:
         return self.data.shape
 
-    @property
-    def device(self) -> torch.device:
-        return self.data.device
-
     def __getitem__(self, rows) -> Fp8Weight:
         return Fp8Weight(self.data[rows], self.scale[rows])
 
@@ -87,9 +83,10 @@ class Fp8Weight:
 
     def copy_(self, weight: torch.Tensor) -> Fp8Weight:
         """Quantize `weight` (the same shape, any float dtype) into this storage in place."""
-        scale = _row_scales(weight.to(self.data.device))
+        weight = weight.to(self.data.device)
+        scale = _row_scales(weight)
         self.scale.copy_(scale)
-        self.data.copy_(_to_fp8(weight.to(self.data.device), scale))
+        self.data.copy_(_to_fp8(weight, scale))
         return self
 
 

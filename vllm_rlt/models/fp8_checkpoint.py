@@ -122,16 +122,11 @@ def install(model, float8: dict[str, torch.Tensor], scales: dict[str, torch.Tens
 
         return take
 
-    # float8 values through their bytes: torch lacks float8 cat on some devices
-    values = {name: tensor.view(torch.uint8) for name, tensor in float8.items()}
     for index, layer in enumerate(model.layers):
         prefix = f"model.layers.{index}."
-        data = model._load_layer(taker(values), prefix)
+        data = model._load_layer(taker(float8), prefix)
         row = model._load_layer(taker(scales), prefix)
         for attr in QUANTIZED_PROJECTIONS:
-            weight = Fp8Weight(
-                getattr(data, attr).view(FP8_DTYPE).contiguous(),
-                getattr(row, attr).contiguous(),
-            )
+            weight = Fp8Weight(getattr(data, attr).contiguous(), getattr(row, attr).contiguous())
             setattr(layer, attr, weight)
     model.quantization = "fp8"
