@@ -51,6 +51,8 @@ def attention_us(
             q,
             k,
             v,
+            positions,  # K/V scales: not read
+            positions,
             out,
             positions,
             tables,
@@ -64,6 +66,7 @@ def attention_us(
             NUM_HEADS=HEADS,
             NUM_KV_HEADS=HEADS,
             HEAD_DIM=DIM,
+            KV_SCALED=False,
             BLOCK_N=block_n,
             STAGES=1,
             PERSISTENT=bounded,
@@ -85,8 +88,9 @@ def rope_us(rows: int, by_row: bool, pdl: bool) -> float:
     sin = torch.randn_like(cos)
     entry = torch.arange(rows, device="cuda")
     lo = torch.zeros(rows, dtype=torch.int64, device="cuda")
-    args = (qkv, q, k_cache, v_cache, positions, cos, sin, entry, lo, lo + 1, qkv.stride(0), slots)
-    shape = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=HEADS, HEAD_DIM=DIM, PLANES=PLANES)
+    args = (qkv, q, k_cache, v_cache, positions, positions, positions, cos, sin, entry)
+    args += (lo, lo + 1, qkv.stride(0), slots)  # the K/V scales (positions) are not read
+    shape = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=HEADS, HEAD_DIM=DIM, PLANES=PLANES, KV_SCALED=False)
 
     def launch(_: int) -> None:
         if by_row:

@@ -6,6 +6,7 @@ python -m benchmarks.profile_pass --shape ouro-1.4b --concurrency 1 64
 python -m benchmarks.profile_pass --concurrency 1 8 --speculative-tokens 1 --draft-loops 2 \
     --spec-acceptance-rate 0.8
 python -m benchmarks.profile_pass --concurrency --rows 1 8 64 256 512 [--kernels]
+python -m benchmarks.profile_pass --concurrency 1 8 --quantization fp8 --kv-cache-dtype fp8
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ import torch
 from vllm_rlt.bench.shapes import random_model
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import (
+    KV_CACHE_DTYPES,
+    QUANTIZATIONS,
     CacheConfig,
     ExecutionConfig,
     ExitConfig,
@@ -27,16 +30,17 @@ from vllm_rlt.config import (
 from vllm_rlt.core.contract import PrefillChunk, SchedulerOutput
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
+from vllm_rlt.layers.fp8 import quantize_model
 from vllm_rlt.sampling_params import SamplingParams
 
 
-def _engine(model, seqs: int, blocks: int, spec: SpeculativeConfig | None):
+def _engine(model, seqs: int, blocks: int, spec: SpeculativeConfig | None, kv_dtype: str):
     """An engine core for `seqs` requests of 64-token prompts whose prompts all fit in one
-    pass, with `blocks` KV blocks (plus a few spare)."""
+    pass, with `blocks` KV blocks (plus a few spare) of K/V stored as `kv_dtype`."""
     return build_engine_core(
         model,
         None,
-        CacheConfig(num_blocks=blocks + 8),
+        CacheConfig(num_blocks=blocks + 8, kv_cache_dtype=kv_dtype),
         SchedulerConfig(
             max_num_seqs=seqs,
             max_num_batched_tokens=max(2048, 64 * seqs),
@@ -49,11 +53,16 @@ def _engine(model, seqs: int, blocks: int, spec: SpeculativeConfig | None):
     )
 
 
-def profile(model, concurrency: int, steps: int, spec: SpeculativeConfig | None) -> None:
+def profile(
+    model, concurrency: int, steps: int, spec: SpeculativeConfig | None, kv_dtype: str
+) -> None:
     # 64 prompt tokens plus at most one token per step (16 warm-up steps and the timed ones),
     # in blocks of 16: large concurrencies fit beside the weights
-    engine = _engine(model, concurrency, concurrency * (-(-(64 + 16 + steps) // 16) + 1), spec)
-    params = SamplingParams(max_tokens=600, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
+    blocks = concurrency * (-(-(64 + 16 + steps) // 16) + 1)
+    engine = _engine(model, concurrency, blocks, spec, kv_dtype)
+    params = SamplingParams(
+        max_tokens=16 + steps, temperature=0.0, ignore_eos=True, exit_threshold=1.0
+    )
     for i in range(concurrency):
         engine.add_request(str(i), list(range(3, 67)), params)
     for _ in range(16):
@@ -94,7 +103,7 @@ def profile(model, concurrency: int, steps: int, spec: SpeculativeConfig | None)
             graph.replay()
         torch.cuda.synchronize()
     print(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=14, max_name_column_width=60)
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60)
     )
     for request_id in list(engine.groups):
         engine.abort_request(request_id)
@@ -140,13 +149,13 @@ def _kernel_times(runner, out: SchedulerOutput, passes: int = 5) -> dict[str, fl
     return {"total": round(sum(times.values()), 1)} | {k: round(v, 1) for k, v in ranked}
 
 
-def pass_rows(model, rows: list[int], repeats: int, kernels: bool) -> None:
+def pass_rows(model, rows: list[int], repeats: int, kernels: bool, kv_dtype: str) -> None:
     """Host launch time against device time per pass, decode-only and mixed (half the rows a
     prompt chunk at loop 0 on the runner's padding slot, which reads and writes only the
     padding block), with the captured prompt-pass graphs and without them (eager); with
     `kernels`, each graphed pass's device time per kernel."""
     seqs = max(rows)
-    engine = _engine(model, seqs, seqs * 8, None)
+    engine = _engine(model, seqs, seqs * 8, None, kv_dtype)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
     for i in range(seqs):
         engine.add_request(str(i), list(range(3, 67)), params)
@@ -206,13 +215,21 @@ def main() -> None:
         action="store_true",
         help="with --rows: also list each graphed pass's device time per kernel",
     )
+    parser.add_argument(
+        "--quantization", choices=QUANTIZATIONS, default=None, help="weights (default: bf16)"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="K/V storage"
+    )
     add_speculation_args(parser, replay=True)
     args = parser.parse_args()
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
+    if args.quantization is not None:
+        quantize_model(model, args.quantization)
     for concurrency in args.concurrency:
-        profile(model, concurrency, args.steps, speculative_config(args))
+        profile(model, concurrency, args.steps, speculative_config(args), args.kv_cache_dtype)
     if args.rows:
-        pass_rows(model, args.rows, args.steps, args.kernels)
+        pass_rows(model, args.rows, args.steps, args.kernels, args.kv_cache_dtype)
 
 
 if __name__ == "__main__":

@@ -124,15 +124,26 @@ def test_rope_write_and_paged_attention(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("planes", "table_planes"), [(4, 1), (1, 4)], ids=["last_exited", "sd"])
 @pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows"])
+@pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 def test_rope_write_and_paged_attention_over_an_fp8_cache(
-    triton_ops, monkeypatch, dtype, planes, table_planes, launch
+    triton_ops, monkeypatch, dtype, planes, table_planes, launch, scaled
 ):
     """The same with float8 K/V (--kv-cache-dtype fp8): the kernels round what they write
     as torch does and widen what they read. A key the two paths rotate one bf16 ulp apart
     may round to neighbouring float8 values (1/8 apart at most), so keys match to a float8
-    step and outputs closely."""
+    step and outputs closely. Scaled: per-head K and V scales (an FP8 checkpoint's
+    k_scale, v_scale) divide what is written and multiply what is read."""
     _check_attention(
-        triton_ops, monkeypatch, dtype, planes, table_planes, 4, True, launch, torch.float8_e4m3fn
+        triton_ops,
+        monkeypatch,
+        dtype,
+        planes,
+        table_planes,
+        4,
+        True,
+        launch,
+        torch.float8_e4m3fn,
+        scaled,
     )
 
 
@@ -146,6 +157,7 @@ def _check_attention(
     with_prompts,
     launch,
     kv_dtype=None,
+    scaled=False,
 ):
     from vllm_rlt.attention import triton_backend
     from vllm_rlt.attention.metadata import DeviceCounts
@@ -205,8 +217,13 @@ def _check_attention(
     k_init = torch.randn(cache_shape, device="cuda", generator=gen).to(kv_dtype or dtype)
     v_init = torch.randn(cache_shape, device="cuda", generator=gen).to(kv_dtype or dtype)
     k_ref, v_ref, k_tri, v_tri = k_init.clone(), v_init.clone(), k_init.clone(), v_init.clone()
-    want = TorchOps().attention(qkv, heads, kv_heads, k_ref, v_ref, meta, rotary, dim**-0.5)
-    got = triton_ops.attention(qkv, heads, kv_heads, k_tri, v_tri, tiled, rotary, dim**-0.5)
+    # scales far from 1 both ways, so that a scale applied twice, or not at all, shows
+    scales = None
+    if scaled:
+        scales = tuple(0.05 + 4 * torch.rand(kv_heads, device="cuda", generator=gen) for _ in "kv")
+    args = (heads, kv_heads)
+    want = TorchOps().attention(qkv, *args, k_ref, v_ref, meta, rotary, dim**-0.5, scales)
+    got = triton_ops.attention(qkv, *args, k_tri, v_tri, tiled, rotary, dim**-0.5, scales)
     dummy = slice(geo.dummy_index, geo.dummy_index + bs)
     for plane in range(planes):  # the torch path also scribbles on the dummy block
         base = plane * geo.slots_per_plane

@@ -277,8 +277,8 @@ def test_an_fp8_checkpoint_keeps_its_values_and_scales(tmp_path, per_channel):
     [
         ({"quant_method": "awq"}, r"quant_method must be 'fp8'.*'awq'"),
         (
-            {"quant_method": "fp8", "activation_scheme": "static"},
-            r"activation_scheme must be 'dynamic'.*'static'",
+            {"quant_method": "fp8", "activation_scheme": "per_block"},
+            r"activation_scheme must be 'dynamic' or 'static'.*'per_block'",
         ),
         (
             {"quant_method": "fp8", "weight_block_size": [128, 128]},

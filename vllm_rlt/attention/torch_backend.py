@@ -64,8 +64,11 @@ class TorchOps:
         meta: AttentionMetadata,
         rotary: RotaryEmbedding,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """RoPE, write K/V into the planes each row owns, attend; returns [rows, heads * dim]."""
+        """RoPE, write K/V into the planes each row owns, attend; returns [rows, heads * dim].
+        kv_scales ([kv_heads] each) apply to a float8 cache only: it holds K / k_scale and
+        V / v_scale, and reads multiply them back."""
         rows = qkv.shape[0]
         head_dim = k_cache.shape[-1]
         q, k, v = qkv.split(
@@ -75,21 +78,37 @@ class TorchOps:
         k = rotary.apply(k.reshape(rows, num_kv_heads, head_dim), meta.positions)
         v = v.reshape(rows, num_kv_heads, head_dim)
         write = meta.write_index().reshape(-1)  # [planes, rows], plane-major like the repeat
-        _write(k_cache, write, k.repeat(meta.planes, 1, 1))
-        _write(v_cache, write, v.repeat(meta.planes, 1, 1))
-        return _segment_attention(q, k_cache, v_cache, meta, scale).reshape(rows, -1)
+        if k_cache.element_size() != 1:
+            kv_scales = None
+        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+        _write(k_cache, write, k.repeat(meta.planes, 1, 1), k_scale)
+        _write(v_cache, write, v.repeat(meta.planes, 1, 1), v_scale)
+        return _segment_attention(q, k_cache, v_cache, meta, scale, kv_scales).reshape(rows, -1)
 
 
-def _write(cache: torch.Tensor, index: torch.Tensor, values: torch.Tensor) -> None:
-    """cache[index] = values, rounded to the cache's dtype (a float8 cache is written
-    through its bytes: torch has no float8 index_copy_ on every device)."""
+def _write(
+    cache: torch.Tensor, index: torch.Tensor, values: torch.Tensor, scale: torch.Tensor | None
+) -> None:
+    """cache[index] = values (divided by the per-head `scale` in float32), rounded to the
+    cache's dtype (a float8 cache is written through its bytes: torch has no float8
+    index_copy_ on every device)."""
+    if scale is not None:
+        values = values.float() / scale[:, None]
     values = values.to(cache.dtype)
     if cache.element_size() == 1:
         cache, values = cache.view(torch.uint8), values.view(torch.uint8)
     cache.index_copy_(0, index, values)
 
 
-def _segment_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float):
+def _widen(cache: torch.Tensor, index: torch.Tensor, dtype, scale: torch.Tensor | None):
+    """cache[index] in `dtype`, multiplied back by the per-head `scale` in float32."""
+    values = cache[index]
+    if scale is None:
+        return values.to(dtype)
+    return (values.float() * scale[:, None]).to(dtype)
+
+
+def _segment_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales):
     """Causal attention of every row over its segment's cached keys; [rows, heads, dim]."""
     seg = meta.segments
     assert seg is not None
@@ -98,8 +117,9 @@ def _segment_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: floa
     q_padded = torch.cat([q, q.new_zeros(1, heads, head_dim)])  # [rows + 1, heads, dim]
     seg_q = q_padded[seg.rows].transpose(1, 2)  # [segs, heads, max_q, dim]
     # [segs, kv_heads, max_kv, dim], widened from a float8 cache
-    seg_k = k_cache[seg.kv_index].to(q.dtype).transpose(1, 2)
-    seg_v = v_cache[seg.kv_index].to(q.dtype).transpose(1, 2)
+    k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+    seg_k = _widen(k_cache, seg.kv_index, q.dtype, k_scale).transpose(1, 2)
+    seg_v = _widen(v_cache, seg.kv_index, q.dtype, v_scale).transpose(1, 2)
     if kv_heads != heads:
         seg_k = seg_k.repeat_interleave(heads // kv_heads, dim=1)
         seg_v = seg_v.repeat_interleave(heads // kv_heads, dim=1)

@@ -239,7 +239,9 @@ class TritonOps:
         meta: AttentionMetadata,
         rotary: RotaryEmbedding,
         scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        """As TorchOps.attention: kv_scales apply to a float8 cache only."""
         rows = qkv.shape[0]
         head_dim = k_cache.shape[-1]
         q = qkv.new_empty(rows, num_heads, head_dim)
@@ -249,9 +251,14 @@ class TritonOps:
         out = torch.zeros_like(q) if padded else torch.empty_like(q)
         if rows == 0:
             return out.reshape(rows, -1)
-        args = (qkv, q, k_cache, v_cache, meta.positions, rotary.cos, rotary.sin)
+        scaled = kv_scales is not None and k_cache.element_size() == 1
+        k_scale, v_scale = kv_scales if scaled else (meta.positions, meta.positions)  # not read
+        caches = (k_cache, v_cache, k_scale, v_scale)
+        args = (qkv, q, *caches, meta.positions, rotary.cos, rotary.sin)
         args += (meta.row_entry, meta.write_lo, meta.write_hi, qkv.stride(0), meta.slots_per_plane)
-        shape = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim)
+        shape = dict(
+            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, KV_SCALED=scaled
+        )
         if rows >= ROPE_BY_ROW:
             _rope_write_rows_kernel[(rows,)](
                 *args,
@@ -282,8 +289,7 @@ class TritonOps:
             exact = q.dtype == torch.float32
             _prefill_attention_kernel[(tile_grid, num_heads)](
                 q,
-                k_cache,
-                v_cache,
+                *caches,
                 out,
                 tiles.fields,
                 tiles.fields.stride(0),
@@ -293,9 +299,7 @@ class TritonOps:
                 meta.slots_per_plane,
                 meta.block_size,
                 scale,
-                NUM_HEADS=num_heads,
-                NUM_KV_HEADS=num_kv_heads,
-                HEAD_DIM=head_dim,
+                **shape,
                 BLOCK_M=self.prefill_tile_rows(q.dtype),
                 BLOCK_N=16 if exact else 32,
                 IEEE=exact,
@@ -307,8 +311,7 @@ class TritonOps:
             return out.reshape(rows, -1)
         _paged_attention_kernel[(row_grid, num_heads)](
             q,
-            k_cache,
-            v_cache,
+            *caches,
             out,
             meta.positions,
             meta.row_tables,
@@ -319,9 +322,7 @@ class TritonOps:
             meta.slots_per_plane,
             meta.block_size,
             scale,
-            NUM_HEADS=num_heads,
-            NUM_KV_HEADS=num_kv_heads,
-            HEAD_DIM=head_dim,
+            **shape,
             BLOCK_N=(
                 MANY_ROWS_BLOCK_N if counts is None and row_grid >= MANY_ROWS else DECODE_BLOCK_N
             ),

@@ -99,11 +99,26 @@ def _rotate(x1, x2, cos, sin, dtype):
 
 
 @triton.jit
+def _kv_scaled(k1, k2, v, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED: tl.constexpr):
+    """The halves of k and v as a float8 cache holds them: divided by their head's scales in
+    float32 (round to nearest, as torch divides), or unchanged."""
+    if KV_SCALED:
+        k_scale = tl.load(k_scale_ptr + kv_head)
+        v_scale = tl.load(v_scale_ptr + kv_head)
+        k1 = tl.math.div_rn(k1.to(tl.float32), k_scale)
+        k2 = tl.math.div_rn(k2.to(tl.float32), k_scale)
+        v = tl.math.div_rn(v.to(tl.float32), v_scale)
+    return k1, k2, v
+
+
+@triton.jit
 def _rope_write_kernel(
     qkv_ptr,
     q_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     positions_ptr,
     cos_ptr,
     sin_ptr,
@@ -116,9 +131,11 @@ def _rope_write_kernel(
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PLANES: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """Rotate q into q_out; rotate k and write k, v into planes lo..hi-1 of the cache."""
+    """Rotate q into q_out; rotate k and write k, v into planes lo..hi-1 of the cache
+    (KV_SCALED: divided by the head's k_scale and v_scale in float32 first)."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     head = tl.program_id(1)
@@ -143,14 +160,15 @@ def _rope_write_kernel(
         v = tl.load(
             qkv_ptr + row * qkv_stride + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + full
         )
+        k1, k2, v = _kv_scaled(out1, out2, v, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED)
         entry = tl.load(entry_ptr + row)
         lo = tl.load(lo_ptr + row)
         hi = tl.load(hi_ptr + row)
         for plane in tl.static_range(PLANES):
             owned = (plane >= lo) & (plane < hi)
             dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_cache_ptr + dst + d, out1.to(kv_dtype), mask=owned & (d < HALF))
-            tl.store(k_cache_ptr + dst + HALF + d, out2.to(kv_dtype), mask=owned & (d < HALF))
+            tl.store(k_cache_ptr + dst + d, k1.to(kv_dtype), mask=owned & (d < HALF))
+            tl.store(k_cache_ptr + dst + HALF + d, k2.to(kv_dtype), mask=owned & (d < HALF))
             tl.store(v_cache_ptr + dst + full, v.to(kv_dtype), mask=owned & (full < HEAD_DIM))
 
 
@@ -160,6 +178,8 @@ def _rope_write_rows_kernel(
     q_out_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     positions_ptr,
     cos_ptr,
     sin_ptr,
@@ -174,6 +194,7 @@ def _rope_write_rows_kernel(
     KV_HEADS_P2: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PLANES: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """As `_rope_write_kernel`, one program per row for every head: from 64 rows on, a
@@ -205,6 +226,8 @@ def _rope_write_rows_kernel(
     x2 = tl.load(k_base + HALF + d, mask=kv_mask).to(tl.float32)
     out1, out2 = _rotate(x1, x2, cos, sin, dtype)
     v = tl.load(base + (NUM_HEADS + NUM_KV_HEADS + kh) * HEAD_DIM + full, mask=kv_mask)
+    head = tl.minimum(kh, NUM_KV_HEADS - 1)  # padding heads are masked at the store
+    out1, out2, v = _kv_scaled(out1, out2, v, k_scale_ptr, v_scale_ptr, head, KV_SCALED)
     entry = tl.load(entry_ptr + row)
     lo = tl.load(lo_ptr + row)
     hi = tl.load(hi_ptr + row)
@@ -221,6 +244,8 @@ def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     positions_ptr,
     table_rows_ptr,
@@ -234,6 +259,7 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     PERSISTENT: tl.constexpr,
@@ -252,6 +278,8 @@ def _paged_attention_kernel(
                 q_ptr,
                 k_cache_ptr,
                 v_cache_ptr,
+                k_scale_ptr,
+                v_scale_ptr,
                 out_ptr,
                 positions_ptr,
                 table_rows_ptr,
@@ -264,6 +292,7 @@ def _paged_attention_kernel(
                 NUM_HEADS,
                 NUM_KV_HEADS,
                 HEAD_DIM,
+                KV_SCALED,
                 BLOCK_N,
                 STAGES,
             )
@@ -274,6 +303,8 @@ def _paged_attention_kernel(
             q_ptr,
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             out_ptr,
             positions_ptr,
             table_rows_ptr,
@@ -286,6 +317,7 @@ def _paged_attention_kernel(
             NUM_HEADS,
             NUM_KV_HEADS,
             HEAD_DIM,
+            KV_SCALED,
             BLOCK_N,
             STAGES,
         )
@@ -298,6 +330,8 @@ def _attend_row(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     positions_ptr,
     table_rows_ptr,
@@ -310,6 +344,7 @@ def _attend_row(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
 ):
@@ -319,6 +354,8 @@ def _attend_row(
     table_row = tl.load(table_rows_ptr + row)
     plane = tl.load(planes_ptr + row)
     q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d).to(tl.float32)
+    if KV_SCALED:  # a float8 cache holds K / k_scale and V / v_scale
+        scale = scale * tl.load(k_scale_ptr + kv_head)
     m = tl.full((), float("-inf"), tl.float32)
     total = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
@@ -344,6 +381,8 @@ def _attend_row(
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m = m_new
     out = acc / total
+    if KV_SCALED:
+        out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
@@ -352,6 +391,8 @@ def _prefill_attention_kernel(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     tiles_ptr,
     tile_stride,
@@ -364,6 +405,7 @@ def _prefill_attention_kernel(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
@@ -385,6 +427,8 @@ def _prefill_attention_kernel(
                 q_ptr,
                 k_cache_ptr,
                 v_cache_ptr,
+                k_scale_ptr,
+                v_scale_ptr,
                 out_ptr,
                 tiles_ptr,
                 tile_stride,
@@ -396,6 +440,7 @@ def _prefill_attention_kernel(
                 NUM_HEADS,
                 NUM_KV_HEADS,
                 HEAD_DIM,
+                KV_SCALED,
                 BLOCK_M,
                 BLOCK_N,
                 IEEE,
@@ -407,6 +452,8 @@ def _prefill_attention_kernel(
             q_ptr,
             k_cache_ptr,
             v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
             out_ptr,
             tiles_ptr,
             tile_stride,
@@ -418,6 +465,7 @@ def _prefill_attention_kernel(
             NUM_HEADS,
             NUM_KV_HEADS,
             HEAD_DIM,
+            KV_SCALED,
             BLOCK_M,
             BLOCK_N,
             IEEE,
@@ -431,6 +479,8 @@ def _attend_tile(
     q_ptr,
     k_cache_ptr,
     v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
     out_ptr,
     tiles_ptr,
     tile_stride,
@@ -442,6 +492,7 @@ def _attend_tile(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     IEEE: tl.constexpr,
@@ -458,6 +509,8 @@ def _attend_tile(
     q_offsets = ((row0 + m)[:, None] * NUM_HEADS + head) * HEAD_DIM + d[None, :]
     q = tl.load(q_ptr + q_offsets, mask=rows_valid[:, None], other=0.0)
     q_pos = pos0 + m
+    if KV_SCALED:  # a float8 cache holds K / k_scale and V / v_scale
+        scale = scale * tl.load(k_scale_ptr + kv_head)
     row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_M,), tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
@@ -493,4 +546,6 @@ def _attend_tile(
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         row_max = new_max
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
+    if KV_SCALED:
+        out = out * tl.load(v_scale_ptr + kv_head)
     tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=rows_valid[:, None])

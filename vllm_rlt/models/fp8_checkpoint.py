@@ -1,8 +1,16 @@
 """FP8 checkpoints as vLLM reads them: config.json's `quantization_config` with
-`quant_method: "fp8"` and dynamic activation scaling, each layer projection's `weight` in
-float8 e4m3 beside its `weight_scale` (one per tensor, or one per output channel). The
-values and scales are kept as they are, as the engine's Fp8Weight (a tensor's one scale
-becomes the scale of each of its rows), so nothing is rounded twice."""
+`quant_method: "fp8"`, each layer projection's `weight` in float8 e4m3 beside its
+`weight_scale` (one per tensor, or one per output channel). The values and scales are kept
+as they are, as the engine's Fp8Weight (a tensor's one scale becomes the scale of each of
+its rows), so nothing is rounded twice.
+
+Optional, as vLLM reads them:
+- K/V cache scales, `self_attn.k_scale` and `self_attn.v_scale` (or `k_proj.output_scale`
+  and `v_proj.output_scale`), one per tensor or one per KV head: a float8 KV cache then
+  holds K / k_scale and V / v_scale. They are unused under a KV cache in the model's dtype.
+- Static activation scales (`activation_scheme: "static"`, each projection's
+  `input_scale`): checked and left unused, since activations are scaled per token as they
+  run, which rounds no coarser than one scale per tensor."""
 
 from __future__ import annotations
 
@@ -26,6 +34,12 @@ PROJECTION_WEIGHTS = tuple(
     )
 )
 _KNOWN_KEYS = {"quant_method", "activation_scheme", "weight_block_size", "ignored_layers"}
+ACTIVATION_SCHEMES = ("dynamic", "static")
+# A layer's K/V cache scales under the names vLLM reads: (K, V) pairs, newest first.
+KV_SCALE_NAMES = (
+    ("self_attn.k_scale", "self_attn.v_scale"),
+    ("self_attn.k_proj.output_scale", "self_attn.v_proj.output_scale"),
+)
 
 
 def is_fp8_checkpoint(raw: dict[str, Any]) -> bool:
@@ -42,9 +56,9 @@ def is_fp8_checkpoint(raw: dict[str, Any]) -> bool:
             "config.json: quantization_config.quant_method must be 'fp8' (the only "
             f"checkpoint quantization read), got {method!r}"
         )
-    if spec.get("activation_scheme", "dynamic") != "dynamic":
+    if spec.get("activation_scheme", "dynamic") not in ACTIVATION_SCHEMES:
         raise ValueError(
-            "config.json: quantization_config.activation_scheme must be 'dynamic' "
+            "config.json: quantization_config.activation_scheme must be 'dynamic' or 'static' "
             f"(activations are scaled per token as they run), got {spec['activation_scheme']!r}"
         )
     if spec.get("weight_block_size") is not None:
@@ -79,6 +93,70 @@ def scale_names(shapes: dict[str, tuple[int, ...]]) -> dict[str, None]:
     return {name + "_scale": None for name in _projection_names(shapes)}
 
 
+def optional_names(shapes: dict[str, tuple[int, ...]], num_layers: int) -> set[str]:
+    """Tensors an FP8 checkpoint may hold beside its weights: every projection's static
+    input_scale and every layer's K/V cache scales."""
+    names = {name.removesuffix("weight") + "input_scale" for name in _projection_names(shapes)}
+    for layer in range(num_layers):
+        names.update(f"model.layers.{layer}.{n}" for pair in KV_SCALE_NAMES for n in pair)
+    return names
+
+
+def _positive(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    values = tensor.float().reshape(-1)
+    if not bool(torch.isfinite(values).all()) or not bool((values > 0).all()):
+        raise ValueError(f"checkpoint tensor {name} must hold finite scales > 0")
+    return values
+
+
+def pop_activation_scales(weights: dict[str, torch.Tensor]) -> None:
+    """Check and drop static input scales (activations are scaled per token instead)."""
+    for name in [n for n in weights if n.endswith(".input_scale")]:
+        values = _positive(weights.pop(name), name)
+        if values.numel() != 1:
+            raise ValueError(f"checkpoint tensor {name} must hold one scale, got {values.numel()}")
+
+
+def pop_kv_scales(
+    weights: dict[str, torch.Tensor], num_layers: int, kv_heads: int
+) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """Every layer's (K, V) cache scales as [kv_heads] float32 (a tensor's one scale for
+    each head), taken out of `weights`; None when the checkpoint has none. A layer may not
+    hold one without the other, nor some layers without the rest."""
+    found = []
+    for layer in range(num_layers):
+        prefix = f"model.layers.{layer}."
+        pairs = [(prefix + k, prefix + v) for k, v in KV_SCALE_NAMES]
+        present = [pair for pair in pairs if pair[0] in weights or pair[1] in weights]
+        if len(present) > 1:
+            raise ValueError(f"checkpoint holds K/V scales of layer {layer} under two names")
+        if not present:
+            found.append(None)
+            continue
+        k_name, v_name = present[0]
+        if k_name not in weights or v_name not in weights:
+            raise ValueError(f"checkpoint holds only one of {k_name} and {v_name}")
+        found.append(tuple(_head_scales(weights.pop(n), kv_heads, n) for n in (k_name, v_name)))
+    if all(pair is None for pair in found):
+        return None
+    if any(pair is None for pair in found):
+        missing = [layer for layer, pair in enumerate(found) if pair is None]
+        raise ValueError(f"checkpoint lacks K/V scales of layers {missing[:8]} (others have them)")
+    return found
+
+
+def _head_scales(tensor: torch.Tensor, kv_heads: int, name: str) -> torch.Tensor:
+    values = _positive(tensor, name)
+    if values.numel() == 1:
+        return values.expand(kv_heads).clone()
+    if values.numel() != kv_heads:
+        raise ValueError(
+            f"checkpoint tensor {name} holds {values.numel()} scales for {kv_heads} KV heads "
+            "(one per tensor or one per head)"
+        )
+    return values.clone()
+
+
 def row_scales(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     """[rows] float32 from a tensor's one scale or its per-channel scales."""
     flat = scale.float().reshape(-1)
@@ -109,9 +187,15 @@ def split_scales(
     return float8, scales
 
 
-def install(model, float8: dict[str, torch.Tensor], scales: dict[str, torch.Tensor]) -> None:
+def install(
+    model,
+    float8: dict[str, torch.Tensor],
+    scales: dict[str, torch.Tensor],
+    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None,
+) -> None:
     """Replace the model's projections by the checkpoint's float8 values and scales, fused as
-    the model fuses its weights (q/k/v stacked, gate/up interleaved)."""
+    the model fuses its weights (q/k/v stacked, gate/up interleaved), and give its layers
+    their K/V cache scales."""
     device = model.device
 
     def taker(source: dict[str, torch.Tensor]):
@@ -129,4 +213,6 @@ def install(model, float8: dict[str, torch.Tensor], scales: dict[str, torch.Tens
         for attr in QUANTIZED_PROJECTIONS:
             weight = Fp8Weight(getattr(data, attr).contiguous(), getattr(row, attr).contiguous())
             setattr(layer, attr, weight)
+        if kv_scales is not None:
+            layer.kv_scales = tuple(scale.to(device) for scale in kv_scales[index])
     model.quantization = "fp8"

@@ -62,10 +62,11 @@ def _weight_files(folder: Path) -> list[Path]:
 
 
 def read_weights(
-    folder: Path, expected: dict[str, tuple[int, ...] | None]
+    folder: Path, expected: dict[str, tuple[int, ...] | None], optional: set[str] = frozenset()
 ) -> dict[str, torch.Tensor]:
     """Load every tensor and check names and shapes against `expected` exactly (a shape of
-    None is checked by the caller)."""
+    None is checked by the caller); `optional` names may be there too (checked by the
+    caller)."""
     weights: dict[str, torch.Tensor] = {}
     for file in _weight_files(folder):
         with safe_open(str(file), framework="pt") as handle:
@@ -78,7 +79,7 @@ def read_weights(
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise ValueError(f"{folder}: checkpoint is missing tensors: {', '.join(missing[:8])}")
-    unexpected = sorted(set(weights) - set(expected))
+    unexpected = sorted(set(weights) - set(expected) - optional)
     if unexpected:
         raise ValueError(f"{folder}: unexpected tensors in checkpoint: {', '.join(unexpected[:8])}")
     for name, shape in expected.items():
@@ -99,8 +100,15 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     shapes = config.checkpoint_shapes()
     if not fp8_checkpoint.is_fp8_checkpoint(raw):
         return model_class(config, read_weights(folder, shapes), dtype, device)
-    weights = read_weights(folder, {**shapes, **fp8_checkpoint.scale_names(shapes)})
+    layers = config.num_hidden_layers
+    weights = read_weights(
+        folder,
+        {**shapes, **fp8_checkpoint.scale_names(shapes)},
+        fp8_checkpoint.optional_names(shapes, layers),
+    )
+    fp8_checkpoint.pop_activation_scales(weights)
+    kv_scales = fp8_checkpoint.pop_kv_scales(weights, layers, config.num_key_value_heads)
     float8, scales = fp8_checkpoint.split_scales(weights, shapes)
     model = model_class(config, weights, dtype, device)
-    fp8_checkpoint.install(model, float8, scales)
+    fp8_checkpoint.install(model, float8, scales, kv_scales)
     return model

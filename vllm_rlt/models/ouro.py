@@ -139,6 +139,9 @@ class OuroLayerWeights:
     attn_out_norm: torch.Tensor | None  # [hidden] input_layernorm_2 (on the attention branch)
     mlp_norm: torch.Tensor  # [hidden] post_attention_layernorm (pre-MLP)
     mlp_out_norm: torch.Tensor | None  # [hidden] post_attention_layernorm_2 (on the MLP branch)
+    # K and V scales [kv_heads] float32 of a float8 KV cache (an FP8 checkpoint's k_scale,
+    # v_scale): the cache holds K / k_scale; None: scale 1
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 class OuroModel:
@@ -272,6 +275,7 @@ class OuroModel:
                 meta,
                 self.rotary,
                 self.scale,
+                layer.kv_scales,
             )
             x, b = self._add_branch(ops, x, attn, layer.o, layer.attn_out_norm, layer.mlp_norm)
             mlp = ops.linear_silu_mul(b, layer.gate_up)

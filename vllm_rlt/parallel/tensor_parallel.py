@@ -213,6 +213,9 @@ def shard_model(model: Any, tp: TensorParallel) -> Any:
         # gate/up rows interleave gate_j, up_j: a rank's features are one block of rows
         layer.gate_up = _cat_rows([layer.gate_up[2 * rank * inter : 2 * (rank + 1) * inter]])
         layer.down = _columns(layer.down, rank * inter, (rank + 1) * inter)
+        if layer.kv_scales is not None:  # per KV head: this rank's heads
+            heads_here = slice(rank * kv_heads, (rank + 1) * kv_heads)
+            layer.kv_scales = tuple(scale[heads_here].contiguous() for scale in layer.kv_scales)
     model.config = dataclasses.replace(
         cfg, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter
     )
