@@ -119,6 +119,19 @@ def test_cuda_fp8_built_in_model_answers(quantization, kv_cache_dtype):
     del llm
 
 
+def test_cuda_fp8_checkpoint_with_kv_scales_answers(tmp_path):
+    """An FP8 checkpoint with K/V scales far from 1, on a float8 cache, graphs: the
+    kernels divide and multiply by them consistently, so the sums still come out."""
+    from tests.unit.test_fp8_kv_scales import fp8_copy_of_the_built_in_model
+
+    fp8_copy_of_the_built_in_model(tmp_path, 0.25, 4.0)
+    llm = LLM(model=str(tmp_path), device="cuda", kv_cache_dtype="fp8")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = llm.generate(["347+589=", "123+456=", "812-345="], params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outputs] == ["936", "579", "467"]
+    del llm
+
+
 def test_tensor_core_path_scales_rows_and_columns():
     """A direct check of the many-row path: rows of very different size keep their
     relative precision (each row has its own activation scale)."""

@@ -9,6 +9,7 @@ import json
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.conftest import drain
@@ -117,6 +118,43 @@ def test_scales_keep_small_keys_and_values_out_of_float8s_coarse_range(tmp_path)
     unit_error = (logprobs("unit", "fp8") - exact).abs().mean()
     scaled_error = (logprobs("scaled", "fp8") - exact).abs().mean()
     assert scaled_error * 10 < unit_error, (scaled_error, unit_error)
+
+
+def fp8_copy_of_the_built_in_model(folder, k_scale: float, v_scale: float) -> None:
+    """The built-in model as an FP8 checkpoint (per-tensor weight scales) with one K and
+    one V scale per layer, for runs on any device."""
+    from vllm_rlt.models.load import DEFAULT_MODEL_DIR as assets
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for name in assets.iterdir():
+        if name.suffix == ".json" and name.name != "config.json":
+            (folder / name.name).write_bytes(name.read_bytes())
+    config = json.loads((assets / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic"}
+    (folder / "config.json").write_text(json.dumps(config))
+    tensors = {}
+    with safe_open(str(assets / SINGLE_FILE), framework="pt") as handle:
+        for name in handle.keys():
+            weight = handle.get_tensor(name)
+            if name.endswith(PROJECTION_WEIGHTS):
+                scale = (weight.abs().amax().float() / FP8_MAX).reshape(())
+                tensors[name + "_scale"] = scale
+                weight = (weight.float() / scale).to(FP8_DTYPE)
+            tensors[name] = weight
+    for layer in range(config["num_hidden_layers"]):
+        tensors[f"model.layers.{layer}.self_attn.k_scale"] = torch.tensor(k_scale)
+        tensors[f"model.layers.{layer}.self_attn.v_scale"] = torch.tensor(v_scale)
+    save_file(tensors, str(folder / SINGLE_FILE))
+
+
+def test_the_built_in_model_answers_from_an_fp8_checkpoint_with_kv_scales(tmp_path):
+    fp8_copy_of_the_built_in_model(tmp_path, 0.25, 4.0)
+    scales = load_model(tmp_path, torch.float32, "cpu").layers[0].kv_scales
+    assert {t.unique().item() for t in scales} == {0.25, 4.0}
+    llm = LLM(model=str(tmp_path), kv_cache_dtype="fp8")
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = llm.generate(["347+589=", "123+456=", "812-345="], params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outputs] == ["936", "579", "467"]
 
 
 def test_kv_scales_are_dropped_under_a_cache_in_the_model_dtype(tmp_path):
