@@ -128,8 +128,8 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
         choices=KV_CACHE_DTYPES,
         default="auto",
         help="K/V storage: auto (the model's dtype), fp8 or fp8_e4m3 (float8 e4m3), fp8_e5m2; "
-        "float8 holds twice the positions of bf16 in the same memory, at scale 1 (as vLLM "
-        "without calibrated scales)",
+        "float8 holds twice the positions of bf16 in the same memory, divided by an FP8 "
+        "checkpoint's K/V scales where it has them, else at scale 1 (as vLLM)",
     )
     cache.add_argument(
         "--enable-prefix-caching",
