@@ -217,12 +217,38 @@ def test_static_activation_scales_are_checked_and_left_unused(tmp_path):
             r"o_proj.input_scale must hold finite scales > 0",
         ),
         ({"model.layers.0.self_attn.q_scale": torch.tensor(1.0)}, r"unexpected tensors"),
+        (
+            {"model.norm.weight": torch.ones(64, dtype=FP8_DTYPE)},
+            r"\['model.norm.weight'\] are float8 \(only projections may be\)",
+        ),
     ],
-    ids=["one_of_two", "some_layers", "head_count", "zero", "nan", "two_names", "input", "q"],
+    ids=[
+        "one_of_two",
+        "some_layers",
+        "head_count",
+        "zero",
+        "nan",
+        "two_names",
+        "input",
+        "q",
+        "float8_norm",
+    ],
 )
 def test_bad_kv_and_activation_scales_are_named(tmp_path, extra, message):
     _checkpoint(tmp_path, extra)
     with pytest.raises(ValueError, match=message):
+        load_model(tmp_path, torch.float32, "cpu")
+
+
+def test_float8_tensors_without_a_quantization_config_are_named(tmp_path):
+    from vllm_rlt.models.toy import toy_config_dict
+
+    tensors = _checkpoint(tmp_path, {})
+    (tmp_path / "config.json").write_text(json.dumps(toy_config_dict()))
+    save_file(
+        {n: t for n, t in tensors.items() if not n.endswith("_scale")}, str(tmp_path / SINGLE_FILE)
+    )
+    with pytest.raises(ValueError, match=r"are float8, but config.json has no quantization_config"):
         load_model(tmp_path, torch.float32, "cpu")
 
 

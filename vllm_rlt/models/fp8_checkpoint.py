@@ -84,6 +84,10 @@ def is_fp8_checkpoint(raw: dict[str, Any]) -> bool:
     return True
 
 
+def is_float8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _projection_names(shapes: dict[str, tuple[int, ...]]) -> list[str]:
     return [name for name in shapes if name.endswith(PROJECTION_WEIGHTS)]
 
@@ -172,46 +176,41 @@ def row_scales(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
 
 def split_scales(
     weights: dict[str, torch.Tensor], shapes: dict[str, tuple[int, ...]]
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """Take the float8 projections and their scales out of `weights` and put the
-    dequantized projections in (the model is built from those); returns the float8 values
-    and the [rows] scales, by projection weight name."""
-    float8, scales = {}, {}
-    for name in _projection_names(shapes):
+) -> dict[str, torch.Tensor]:
+    """Check the float8 projections and take their scales out of `weights`, as [rows]
+    float32 by projection weight name. The projections stay float8: the model fuses them
+    as they are."""
+    projections = set(_projection_names(shapes))
+    stray = sorted(n for n, t in weights.items() if is_float8(t) and n not in projections)
+    if stray:
+        raise ValueError(f"checkpoint tensors {stray[:4]} are float8 (only projections may be)")
+    scales = {}
+    for name in projections:
         data = weights[name]
         if data.dtype != FP8_DTYPE:
             raise ValueError(f"checkpoint tensor {name} must be float8_e4m3fn, got {data.dtype}")
-        float8[name] = data
         scales[name] = row_scales(weights.pop(name + "_scale"), data.shape[0], name + "_scale")
-        weights[name] = data.float() * scales[name][:, None]
-    return float8, scales
+    return scales
 
 
 def install(
     model,
-    float8: dict[str, torch.Tensor],
     scales: dict[str, torch.Tensor],
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None,
 ) -> None:
-    """Replace the model's projections by the checkpoint's float8 values and scales, fused as
-    the model fuses its weights (q/k/v stacked, gate/up interleaved), and give its layers
-    their K/V cache scales."""
+    """Pair the model's fused float8 projections with the checkpoint's scales, fused the
+    same way (q/k/v stacked, gate/up interleaved), and give its layers their K/V cache
+    scales."""
     device = model.device
 
-    def taker(source: dict[str, torch.Tensor]):
-        def take(name: str) -> torch.Tensor:
-            # a norm is no projection: it is built and dropped
-            # a copy: the model owns its storage (a file-backed one cannot be released)
-            return source[name].to(device, copy=True) if name in source else torch.empty(0)
-
-        return take
+    def take(name: str) -> torch.Tensor:
+        # a norm has no scale: it is built and dropped
+        return scales[name].to(device) if name in scales else torch.empty(0)
 
     for index, layer in enumerate(model.layers):
-        prefix = f"model.layers.{index}."
-        data = model._load_layer(taker(float8), prefix)
-        row = model._load_layer(taker(scales), prefix)
+        row = model._load_layer(take, f"model.layers.{index}.")
         for attr in QUANTIZED_PROJECTIONS:
-            weight = Fp8Weight(getattr(data, attr).contiguous(), getattr(row, attr).contiguous())
+            weight = Fp8Weight(getattr(layer, attr), getattr(row, attr).contiguous())
             setattr(layer, attr, weight)
         if kv_scales is not None:
             layer.kv_scales = tuple(scale.to(device) for scale in kv_scales[index])

@@ -99,7 +99,14 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     _, model_class = resolve_family(raw)
     shapes = config.checkpoint_shapes()
     if not fp8_checkpoint.is_fp8_checkpoint(raw):
-        return model_class(config, read_weights(folder, shapes), dtype, device)
+        weights = read_weights(folder, shapes)
+        float8 = sorted(n for n, t in weights.items() if fp8_checkpoint.is_float8(t))
+        if float8:
+            raise ValueError(
+                f"{folder}: tensors {float8[:4]} are float8, but config.json has no "
+                "quantization_config to give their scales"
+            )
+        return model_class(config, weights, dtype, device)
     layers = config.num_hidden_layers
     weights = read_weights(
         folder,
@@ -108,7 +115,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     )
     fp8_checkpoint.pop_activation_scales(weights)
     kv_scales = fp8_checkpoint.pop_kv_scales(weights, layers, config.num_key_value_heads)
-    float8, scales = fp8_checkpoint.split_scales(weights, shapes)
+    scales = fp8_checkpoint.split_scales(weights, shapes)
     model = model_class(config, weights, dtype, device)
-    fp8_checkpoint.install(model, float8, scales, kv_scales)
+    fp8_checkpoint.install(model, scales, kv_scales)
     return model

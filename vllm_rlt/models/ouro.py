@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 from vllm_rlt.attention import AttentionMetadata
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.models.fp8_checkpoint import is_float8
 from vllm_rlt.models.hf_config import COMMON_HARMLESS_KEYS, eos_token_ids, llama_layer_shapes
 
 _HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
@@ -160,8 +161,11 @@ class OuroModel:
         self.device = torch.device(device)
 
         def take(name: str) -> torch.Tensor:
-            # a copy: the model owns its storage (a file-backed one cannot be released)
-            return weights[name].to(device=self.device, dtype=dtype, copy=True).contiguous()
+            # a copy: the model owns its storage (a file-backed one cannot be released);
+            # float8 values (an FP8 checkpoint's projections) stay float8 for their scales
+            tensor = weights[name]
+            kept = tensor.dtype if is_float8(tensor) else dtype
+            return tensor.to(device=self.device, dtype=kept, copy=True).contiguous()
 
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
