@@ -198,9 +198,9 @@ def install(
     scales: dict[str, torch.Tensor],
     kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None,
 ) -> None:
-    """Pair the model's fused float8 projections with the checkpoint's scales, fused the
-    same way (q/k/v stacked, gate/up interleaved), and give its layers their K/V cache
-    scales."""
+    """Pair the model's fused float8 projections (held as their bytes) with the
+    checkpoint's scales, fused the same way (q/k/v stacked, gate/up interleaved), and give
+    its layers their K/V cache scales."""
     device = model.device
 
     def take(name: str) -> torch.Tensor:
@@ -210,7 +210,8 @@ def install(
     for index, layer in enumerate(model.layers):
         row = model._load_layer(take, f"model.layers.{index}.")
         for attr in QUANTIZED_PROJECTIONS:
-            weight = Fp8Weight(getattr(layer, attr), getattr(row, attr).contiguous())
+            data = getattr(layer, attr).view(FP8_DTYPE)  # the bytes the model fused
+            weight = Fp8Weight(data, getattr(row, attr).contiguous())
             setattr(layer, attr, weight)
         if kv_scales is not None:
             layer.kv_scales = tuple(scale.to(device) for scale in kv_scales[index])

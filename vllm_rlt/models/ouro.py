@@ -162,10 +162,12 @@ class OuroModel:
 
         def take(name: str) -> torch.Tensor:
             # a copy: the model owns its storage (a file-backed one cannot be released);
-            # float8 values (an FP8 checkpoint's projections) stay float8 for their scales
+            # float8 values (an FP8 checkpoint's projections) keep their bytes, as uint8
+            # (fused like any weight on every device), for fp8_checkpoint.install
             tensor = weights[name]
-            kept = tensor.dtype if is_float8(tensor) else dtype
-            return tensor.to(device=self.device, dtype=kept, copy=True).contiguous()
+            if is_float8(tensor):
+                return tensor.view(torch.uint8).to(self.device, copy=True).contiguous()
+            return tensor.to(device=self.device, dtype=dtype, copy=True).contiguous()
 
         self.embed = take("model.embed_tokens.weight")  # [vocab, hidden]
         self.lm_head = self.embed if config.tie_word_embeddings else take("lm_head.weight")
