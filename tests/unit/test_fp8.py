@@ -194,9 +194,18 @@ def test_the_built_in_model_answers_with_every_fp8_setting():
         assert [o.outputs[0].text for o in outputs] == ["936", "579", "467"]
 
 
-def _fp8_checkpoint(folder, per_channel: bool, quantization_config=None) -> dict:
+def fp8_toy_checkpoint(
+    folder,
+    per_channel: bool,
+    quantization_config=None,
+    extra: dict | None = None,
+    shrink: tuple[str, ...] = (),
+    input_scales: bool = False,
+) -> dict:
     """The toy as an FP8 checkpoint in vLLM's layout: float8 projections beside their
-    weight_scale (one per tensor, or one per output channel); returns its tensors."""
+    weight_scale (one per tensor, or one per output channel), with `extra` tensors, the
+    weights named by a suffix in `shrink` divided by 1000 and, with `input_scales`, a
+    static input_scale per projection; returns its tensors."""
     folder.mkdir(parents=True, exist_ok=True)
     config = {
         **toy_config_dict(),
@@ -209,10 +218,15 @@ def _fp8_checkpoint(folder, per_channel: bool, quantization_config=None) -> dict
         if not name.endswith(PROJECTION_WEIGHTS):
             tensors[name] = weight
             continue
+        if name.endswith(shrink):
+            weight = weight / 1000
         amax = weight.abs().amax(dim=1, keepdim=True) if per_channel else weight.abs().amax()
         scale = (amax / FP8_MAX).float()
         tensors[name] = (weight / scale).to(FP8_DTYPE)
         tensors[name + "_scale"] = scale if per_channel else scale.reshape(())
+        if input_scales:
+            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.02)
+    tensors.update(extra or {})
     save_file(tensors, str(folder / SINGLE_FILE))
     return tensors
 
@@ -222,7 +236,7 @@ def test_an_fp8_checkpoint_keeps_its_values_and_scales(tmp_path, per_channel):
     """Every projection holds the checkpoint's float8 bytes and its scales (a tensor's one
     scale on each of its rows), fused as the model fuses them; the model then computes
     as one holding the dequantized weights."""
-    tensors = _fp8_checkpoint(
+    tensors = fp8_toy_checkpoint(
         tmp_path / "ckpt",
         per_channel,
         {"quant_method": "fp8", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]},
@@ -292,13 +306,13 @@ def test_an_fp8_checkpoint_keeps_its_values_and_scales(tmp_path, per_channel):
     ],
 )
 def test_fp8_checkpoints_this_engine_cannot_read_are_named(tmp_path, spec, message):
-    _fp8_checkpoint(tmp_path, False, spec)
+    fp8_toy_checkpoint(tmp_path, False, spec)
     with pytest.raises(ValueError, match=message):
         load_model(tmp_path, torch.float32, "cpu")
 
 
 def test_an_fp8_checkpoint_with_a_wrong_scale_is_named(tmp_path):
-    tensors = _fp8_checkpoint(tmp_path, False)
+    tensors = fp8_toy_checkpoint(tmp_path, False)
     name = "model.layers.0.self_attn.o_proj.weight_scale"
     tensors[name] = torch.ones(3)
     save_file(tensors, str(tmp_path / SINGLE_FILE))

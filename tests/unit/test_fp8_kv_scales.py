@@ -13,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from tests.conftest import drain
+from tests.unit.test_fp8 import fp8_toy_checkpoint
 from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.layers.fp8 import FP8_DTYPE, FP8_MAX
 from vllm_rlt.models.fp8_checkpoint import PROJECTION_WEIGHTS
@@ -25,31 +26,9 @@ LAYERS, KV_HEADS = 2, 2  # the toy's
 def _checkpoint(
     folder, extra: dict, scheme: str = "dynamic", static: bool = False, shrink: tuple = ()
 ) -> dict:
-    """The toy as a per-tensor FP8 checkpoint plus `extra` tensors, its weights named by
-    a suffix in `shrink` divided by 1000; returns its tensors."""
-    from vllm_rlt.models.toy import toy_config_dict, toy_weights
-
-    folder.mkdir(parents=True, exist_ok=True)
-    config = {
-        **toy_config_dict(),
-        "quantization_config": {"quant_method": "fp8", "activation_scheme": scheme},
-    }
-    (folder / "config.json").write_text(json.dumps(config))
-    tensors = {}
-    for name, weight in toy_weights().items():
-        if not name.endswith(PROJECTION_WEIGHTS):
-            tensors[name] = weight
-            continue
-        if name.endswith(shrink):
-            weight = weight / 1000
-        scale = (weight.abs().amax() / FP8_MAX).float()
-        tensors[name] = (weight / scale).to(FP8_DTYPE)
-        tensors[name + "_scale"] = scale.reshape(())
-        if static:
-            tensors[name.removesuffix("weight") + "input_scale"] = torch.tensor(0.02)
-    tensors.update(extra)
-    save_file(tensors, str(folder / SINGLE_FILE))
-    return tensors
+    """The toy as a per-tensor FP8 checkpoint plus `extra` tensors; returns its tensors."""
+    spec = {"quant_method": "fp8", "activation_scheme": scheme}
+    return fp8_toy_checkpoint(folder, False, spec, extra, shrink, input_scales=static)
 
 
 def _kv_scales(k_values, v_values, names=("self_attn.k_scale", "self_attn.v_scale")) -> dict:

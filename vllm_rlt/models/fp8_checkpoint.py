@@ -150,28 +150,24 @@ def pop_kv_scales(
 
 
 def _head_scales(tensor: torch.Tensor, kv_heads: int, name: str) -> torch.Tensor:
-    values = _positive(tensor, name)
-    if values.numel() == 1:
-        return values.expand(kv_heads).clone()
-    if values.numel() != kv_heads:
-        raise ValueError(
-            f"checkpoint tensor {name} holds {values.numel()} scales for {kv_heads} KV heads "
-            "(one per tensor or one per head)"
-        )
-    return values.clone()
+    return _one_or_each(_positive(tensor, name), kv_heads, name, "KV head")
 
 
 def row_scales(scale: torch.Tensor, rows: int, name: str) -> torch.Tensor:
     """[rows] float32 from a tensor's one scale or its per-channel scales."""
-    flat = scale.float().reshape(-1)
-    if flat.numel() == 1:
-        return flat.expand(rows).clone()
-    if flat.numel() != rows:
+    return _one_or_each(scale.float().reshape(-1), rows, name, "output channel")
+
+
+def _one_or_each(values: torch.Tensor, count: int, name: str, part: str) -> torch.Tensor:
+    """[count] scales from one scale for all parts or one scale for each."""
+    if values.numel() == 1:
+        return values.expand(count).clone()
+    if values.numel() != count:
         raise ValueError(
-            f"checkpoint tensor {name} holds {flat.numel()} scales for {rows} output channels "
-            "(one per tensor or one per channel)"
+            f"checkpoint tensor {name} holds {values.numel()} scales for {count} {part}s "
+            f"(one per tensor or one per {part})"
         )
-    return flat.clone()
+    return values.clone()
 
 
 def split_scales(
