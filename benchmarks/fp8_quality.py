@@ -4,7 +4,9 @@ full depth, and how many exit decisions of the `ouro` rule at threshold q change
 tokens. Random prompts run teacher-forced through a dense forward (every position at every
 loop, as prompts run), with the projections through the engine's reference ops, so fp8
 weights compute as the engine's kernels do for few rows (weight-only, scaled per output
-channel); fp8 K/V are rounded to float8 where they are written.
+channel); fp8 K/V are rounded to float8 where they are written, at scale 1 or divided by
+per-head scales calibrated on other random prompts as vLLM's calculate_kv_scales sets them
+(amax / 200 for K, amax / 100 for V).
 
 python -m benchmarks.fp8_quality --shape ouro-1.4b --dtype bfloat16 --prompts 4 --prompt-len 128
 """
@@ -24,20 +26,36 @@ from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.layers.fp8 import FP8_DTYPE, quantize_model
 from vllm_rlt.layers.norm import rms_norm
 
-VARIANTS = {  # name -> (quantization, fp8 K/V)
-    "fp8 weights": ("fp8", False),
-    "fp8 KV": (None, True),
-    "fp8 weights + fp8 KV": ("fp8", True),
+VARIANTS = {  # name -> (quantization, fp8 K/V, per-head K/V scales)
+    "fp8 weights": ("fp8", False, False),
+    "fp8 KV": (None, True, False),
+    "fp8 KV, per-head scales": (None, True, True),
+    "fp8 weights + fp8 KV": ("fp8", True, False),
 }
+# vLLM's calculate_kv_scales: the calibration's largest |K| maps to 200, |V| to 100, so
+# that larger values met later still fit float8 e4m3's 448.
+K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
 
 
 def _branch(output: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     return output if weight is None else rms_norm(output, weight, eps)
 
 
+def _through_fp8(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    """What attention reads back of `t` [rows, kv_heads, dim] from a float8 cache that holds
+    t / scale (per head)."""
+    if scale is None:
+        return t.to(FP8_DTYPE).to(t.dtype)
+    return ((t.float() / scale[:, None]).to(FP8_DTYPE).float() * scale[:, None]).to(t.dtype)
+
+
 @torch.inference_mode()
-def loop_states(model, tokens: torch.Tensor, fp8_kv: bool) -> list[torch.Tensor]:
-    """The end-of-loop (normalised) state of every position after each loop, [B * T, hidden]."""
+def loop_states(
+    model, tokens: torch.Tensor, fp8_kv: bool, kv_scales=None, amax=None
+) -> list[torch.Tensor]:
+    """The end-of-loop (normalised) state of every position after each loop, [B * T, hidden].
+    kv_scales: per layer (K, V) scales of the float8 cache; amax: a list that collects each
+    layer's largest |K| and |V| per head over every loop."""
     cfg, ops = model.config, TorchOps()
     batch, length = tokens.shape
     heads, kv_heads, dim, eps = (
@@ -51,14 +69,23 @@ def loop_states(model, tokens: torch.Tensor, fp8_kv: bool) -> list[torch.Tensor]
     states = []
     for _ in range(cfg.num_loops):
         x = hidden
-        for layer in model.layers:
+        for index, layer in enumerate(model.layers):
             qkv = ops.linear(rms_norm(x, layer.attn_norm, eps), layer.qkv)
             q, k, v = qkv.split([heads * dim, kv_heads * dim, kv_heads * dim], -1)
             q = model.rotary.apply(q.reshape(-1, heads, dim), positions)
             k = model.rotary.apply(k.reshape(-1, kv_heads, dim), positions)
             v = v.reshape(-1, kv_heads, dim)
+            if amax is not None:
+                heads_max = [t.abs().amax(dim=(0, 2)).float() for t in (k, v)]
+                if len(amax) <= index:
+                    amax.append(heads_max)
+                else:
+                    amax[index] = [
+                        torch.maximum(a, b) for a, b in zip(amax[index], heads_max, strict=True)
+                    ]
             if fp8_kv:  # what attention reads back from a float8 cache
-                k, v = (t.to(FP8_DTYPE).to(t.dtype) for t in (k, v))
+                k_scale, v_scale = kv_scales[index] if kv_scales else (None, None)
+                k, v = _through_fp8(k, k_scale), _through_fp8(v, v_scale)
             q, k, v = (t.view(batch, length, -1, dim).transpose(1, 2) for t in (q, k, v))
             if kv_heads != heads:
                 k = k.repeat_interleave(heads // kv_heads, 1)
@@ -84,8 +111,16 @@ def exit_depths(model, states: list[torch.Tensor], threshold: float) -> torch.Te
     return depth
 
 
-def summary(model, tokens, fp8_kv: bool, threshold: float):
-    states = loop_states(model, tokens, fp8_kv)
+def calibrated_scales(model, tokens: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per layer and KV head, vLLM's calculate_kv_scales from the unquantized model's K and
+    V over `tokens`."""
+    amax: list = []
+    loop_states(model, tokens, False, amax=amax)
+    return [(k / K_SCALE_RANGE, v / V_SCALE_RANGE) for k, v in amax]
+
+
+def summary(model, tokens, fp8_kv: bool, threshold: float, kv_scales=None):
+    states = loop_states(model, tokens, fp8_kv, kv_scales)
     logprobs = F.log_softmax(model.coda(states[-1]).float(), dim=-1).cpu()
     return logprobs, exit_depths(model, states, threshold)
 
@@ -106,6 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     vocab = model.config.vocab_size
     tokens = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=generator)
     tokens = tokens.to(args.device)
+    calibration = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=generator)
     with tqdm(total=1 + len(VARIANTS), desc="fp8 quality", unit="model", file=sys.stderr) as bar:
         reference, reference_depths = summary(model, tokens, False, args.threshold)
         # how flat the distributions are: random weights give nearly uniform ones, whose
@@ -113,12 +149,17 @@ def main(argv: list[str] | None = None) -> int:
         entropy = -(reference.exp() * reference).sum(-1).mean().item()
         bar.update(1)
         quantized = None
-        for name, (quantization, fp8_kv) in VARIANTS.items():
+        scales = calibrated_scales(model, calibration.to(args.device))
+        for name, (quantization, fp8_kv, scaled) in VARIANTS.items():
             if quantization is not None and quantized is None:
                 quantized = random_model(args.shape, dtype, torch.device(args.device), args.seed)
                 quantize_model(quantized, quantization)
             logprobs, depths = summary(
-                model if quantization is None else quantized, tokens, fp8_kv, args.threshold
+                model if quantization is None else quantized,
+                tokens,
+                fp8_kv,
+                args.threshold,
+                scales if scaled else None,
             )
             kl = (reference.exp() * (reference - logprobs)).sum(-1)
             same_top1 = reference.argmax(-1) == logprobs.argmax(-1)
