@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.layers.fp8 import Fp8Weight, fp8_linear_reference
+from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference, is_float8
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
 
@@ -78,12 +78,12 @@ class TorchOps:
         k = rotary.apply(k.reshape(rows, num_kv_heads, head_dim), meta.positions)
         v = v.reshape(rows, num_kv_heads, head_dim)
         write = meta.write_index().reshape(-1)  # [planes, rows], plane-major like the repeat
-        if k_cache.element_size() != 1:
-            kv_scales = None
-        k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
+        k_scale, v_scale = applied_kv_scales(kv_scales, k_cache) or (None, None)
         _write(k_cache, write, k.repeat(meta.planes, 1, 1), k_scale)
         _write(v_cache, write, v.repeat(meta.planes, 1, 1), v_scale)
-        return _segment_attention(q, k_cache, v_cache, meta, scale, kv_scales).reshape(rows, -1)
+        seg_k = _widen(k_cache, meta.segments.kv_index, q.dtype, k_scale)
+        seg_v = _widen(v_cache, meta.segments.kv_index, q.dtype, v_scale)
+        return _segment_attention(q, seg_k, seg_v, meta, scale).reshape(rows, -1)
 
 
 def _write(
@@ -95,7 +95,7 @@ def _write(
     if scale is not None:
         values = values.float() / scale[:, None]
     values = values.to(cache.dtype)
-    if cache.element_size() == 1:
+    if is_float8(cache):
         cache, values = cache.view(torch.uint8), values.view(torch.uint8)
     cache.index_copy_(0, index, values)
 
@@ -108,18 +108,16 @@ def _widen(cache: torch.Tensor, index: torch.Tensor, dtype, scale: torch.Tensor 
     return (values.float() * scale[:, None]).to(dtype)
 
 
-def _segment_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale: float, kv_scales):
-    """Causal attention of every row over its segment's cached keys; [rows, heads, dim]."""
+def _segment_attention(q, seg_k, seg_v, meta: AttentionMetadata, scale: float):
+    """Causal attention of every row over its segment's keys and values (seg_k, seg_v:
+    [segs, max_kv, kv_heads, dim], as `_widen` gives them); [rows, heads, dim]."""
     seg = meta.segments
     assert seg is not None
     rows, heads, head_dim = q.shape
-    kv_heads = k_cache.shape[1]
+    kv_heads = seg_k.shape[2]
     q_padded = torch.cat([q, q.new_zeros(1, heads, head_dim)])  # [rows + 1, heads, dim]
     seg_q = q_padded[seg.rows].transpose(1, 2)  # [segs, heads, max_q, dim]
-    # [segs, kv_heads, max_kv, dim], widened from a float8 cache
-    k_scale, v_scale = kv_scales if kv_scales is not None else (None, None)
-    seg_k = _widen(k_cache, seg.kv_index, q.dtype, k_scale).transpose(1, 2)
-    seg_v = _widen(v_cache, seg.kv_index, q.dtype, v_scale).transpose(1, 2)
+    seg_k, seg_v = seg_k.transpose(1, 2), seg_v.transpose(1, 2)  # [segs, kv_heads, max_kv, dim]
     if kv_heads != heads:
         seg_k = seg_k.repeat_interleave(heads // kv_heads, dim=1)
         seg_v = seg_v.repeat_interleave(heads // kv_heads, dim=1)

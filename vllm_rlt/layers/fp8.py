@@ -104,6 +104,18 @@ def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     return (F.linear(x.float(), weight.data.float()) * weight.scale).to(x.dtype)
 
 
+def is_float8(tensor: torch.Tensor) -> bool:
+    return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def applied_kv_scales(
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None, cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (K, V) scales a layer's cache applies: a float8 cache's, none for a cache in the
+    model's dtype (as vLLM, which ignores a checkpoint's scales there)."""
+    return kv_scales if is_float8(cache) else None
+
+
 def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The element type of the K/V pool for CacheConfig.kv_cache_dtype."""
     if kv_cache_dtype == "auto":

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.layers.fp8 import FP8_DTYPE, QUANTIZED_PROJECTIONS, Fp8Weight
+from vllm_rlt.layers.fp8 import FP8_DTYPE, QUANTIZED_PROJECTIONS, Fp8Weight, is_float8
 
 # The checkpoint tensors of one layer that an FP8 checkpoint stores in float8.
 PROJECTION_WEIGHTS = tuple(
@@ -82,10 +82,6 @@ def is_fp8_checkpoint(raw: dict[str, Any]) -> bool:
             f"embed_tokens (every layer projection is read in float8), got {projections}"
         )
     return True
-
-
-def is_float8(tensor: torch.Tensor) -> bool:
-    return tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def _projection_names(shapes: dict[str, tuple[int, ...]]) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from vllm_rlt.layers.fp8 import is_float8
 from vllm_rlt.models import fp8_checkpoint
 from vllm_rlt.models.registry import resolve_family
 
@@ -100,7 +101,7 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     shapes = config.checkpoint_shapes()
     if not fp8_checkpoint.is_fp8_checkpoint(raw):
         weights = read_weights(folder, shapes)
-        float8 = sorted(n for n, t in weights.items() if fp8_checkpoint.is_float8(t))
+        float8 = sorted(n for n, t in weights.items() if is_float8(t))
         if float8:
             raise ValueError(
                 f"{folder}: tensors {float8[:4]} are float8, but config.json has no "

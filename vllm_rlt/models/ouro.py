@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 
 from vllm_rlt.attention import AttentionMetadata
+from vllm_rlt.layers.fp8 import is_float8
 from vllm_rlt.layers.rotary import RotaryEmbedding
-from vllm_rlt.models.fp8_checkpoint import is_float8
 from vllm_rlt.models.hf_config import COMMON_HARMLESS_KEYS, eos_token_ids, llama_layer_shapes
 
 _HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
