@@ -32,6 +32,11 @@ from vllm_rlt.layers.rotary import RotaryEmbedding
 # want 4 warps, many rows 2. The bounded grid of a captured prompt pass keeps 128-key tiles:
 # with 64-key tiles and 4 warps there, steady load with adaptive depth lost 5-17%.
 DECODE_BLOCK_N, DECODE_STAGES = 128, 1
+# Decode attention on tensor cores: the query as row 0 of a 16-row tl.dot tile. The
+# CUDA-core form (a broadcast product and a sum per key) compiles to ~650 warp shuffles
+# and adds per 128-key tile, so at one byte per K/V value (float8) it runs out of issue
+# slots before it runs out of bandwidth.
+DECODE_DOT = True
 MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
 
@@ -327,6 +332,8 @@ class TritonOps:
                 MANY_ROWS_BLOCK_N if counts is None and row_grid >= MANY_ROWS else DECODE_BLOCK_N
             ),
             STAGES=DECODE_STAGES,
+            DOT=DECODE_DOT,
+            IEEE=q.dtype == torch.float32,
             PERSISTENT=counts is not None,
             num_warps=FEW_ROWS_WARPS if row_grid <= FEW_ROWS else MANY_ROWS_WARPS,
             **launch_options(self.pdl),
