@@ -106,7 +106,7 @@ class _State:
 )
 @pytest.mark.parametrize("kv_heads", [16, 4])
 @pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
-@pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows"])
+@pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows", "two_kernels"])
 def test_rope_write_and_paged_attention(
     triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
 ):
@@ -115,7 +115,9 @@ def test_rope_write_and_paged_attention(
     through its slot's first row, one at the last loop and every decode row through the
     last. Each launch shape of the row kernel: as an eager pass runs it, as a captured
     prompt pass runs it (counts read on the device, fewer programs than rows and tiles, so
-    each takes several), and with the key tile and the RoPE kernel of passes of many rows."""
+    each takes several), and with the key tile and the RoPE kernel of passes of many rows.
+    A decode-only pass writes and attends in one kernel; "two_kernels" runs it as a pass
+    with speculation lanes does, the RoPE write first."""
     _check_attention(
         triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
     )
@@ -125,8 +127,9 @@ def test_rope_write_and_paged_attention(
 @pytest.mark.parametrize(("planes", "table_planes"), [(4, 1), (1, 4)], ids=["last_exited", "sd"])
 @pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
+@pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
 def test_rope_write_and_paged_attention_over_an_fp8_cache(
-    triton_ops, monkeypatch, dtype, planes, table_planes, launch, scaled
+    triton_ops, monkeypatch, dtype, planes, table_planes, launch, scaled, with_prompts
 ):
     """The same with float8 K/V (--kv-cache-dtype fp8): the kernels round what they write
     as torch does and widen what they read. A key the two paths rotate one bf16 ulp apart
@@ -140,7 +143,7 @@ def test_rope_write_and_paged_attention_over_an_fp8_cache(
         planes,
         table_planes,
         4,
-        True,
+        with_prompts,
         launch,
         torch.float8_e4m3fn,
         scaled,
@@ -209,6 +212,9 @@ def _check_attention(
     elif launch == "many_rows":
         monkeypatch.setattr(triton_backend, "MANY_ROWS", 1)
         monkeypatch.setattr(triton_backend, "ROPE_BY_ROW", 1)
+    elif launch == "two_kernels":
+        tiled.rows_independent = False
+    assert tiled.rows_independent == (not with_prompts and launch != "two_kernels")
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen
     ).to(dtype)

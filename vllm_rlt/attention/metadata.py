@@ -78,6 +78,9 @@ class AttentionMetadata:
     num_decode: int = 0  # rows before the prefill rows
     prefill_tiles: PrefillTiles | None = None  # only for backends with a tiled prefill kernel
     device_counts: DeviceCounts | None = None  # set: the counts are read on the device
+    # no row reads K/V that another row of the pass writes (decode rows without speculation
+    # lanes): a backend may write and attend in one kernel
+    rows_independent: bool = False
 
     @property
     def num_rows(self) -> int:

@@ -18,6 +18,7 @@ from vllm_rlt.kernels.triton_kernels import (
     _paged_attention_kernel,
     _prefill_attention_kernel,
     _rms_norm_kernel,
+    _rope_attend_kernel,
     _rope_write_kernel,
     _rope_write_rows_kernel,
     _silu_mul_kernel,
@@ -37,6 +38,9 @@ DECODE_BLOCK_N, DECODE_STAGES = 128, 1
 # and adds per 128-key tile, so at one byte per K/V value (float8) it runs out of issue
 # slots before it runs out of bandwidth.
 DECODE_DOT = True
+# Decode passes without speculation lanes write K/V and attend in one kernel
+# (`_rope_attend_kernel`): a kernel fewer per layer.
+FUSED_DECODE = True
 MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
 
@@ -262,11 +266,38 @@ class TritonOps:
         scaled = kv_scales is not None and k_cache.element_size() == 1
         k_scale, v_scale = kv_scales if scaled else (meta.positions, meta.positions)  # not read
         caches = (k_cache, v_cache, k_scale, v_scale)
-        args = (qkv, q, *caches, meta.positions, rotary.cos, rotary.sin)
-        args += (meta.row_entry, meta.write_lo, meta.write_hi, qkv.stride(0), meta.slots_per_plane)
         shape = dict(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, KV_SCALED=scaled
         )
+        tiles, counts = meta.prefill_tiles, meta.device_counts
+        if FUSED_DECODE and meta.rows_independent and tiles is None and counts is None:
+            _rope_attend_kernel[(rows, num_heads)](
+                qkv,
+                q,
+                *caches,
+                out,
+                meta.positions,
+                rotary.cos,
+                rotary.sin,
+                meta.row_entry,
+                meta.write_lo,
+                meta.write_hi,
+                meta.row_tables,
+                meta.read_plane,
+                meta.block_table,
+                qkv.stride(0),
+                meta.block_table.stride(0),
+                meta.slots_per_plane,
+                meta.block_size,
+                scale,
+                **shape,
+                PLANES=meta.planes,
+                **self._decode_launch(rows, q.dtype),
+                **launch_options(self.pdl),
+            )
+            return out.reshape(rows, -1)
+        args = (qkv, q, *caches, meta.positions, rotary.cos, rotary.sin)
+        args += (meta.row_entry, meta.write_lo, meta.write_hi, qkv.stride(0), meta.slots_per_plane)
         if rows >= ROPE_BY_ROW:
             _rope_write_rows_kernel[(rows,)](
                 *args,
@@ -284,7 +315,6 @@ class TritonOps:
                 PLANES=meta.planes,
                 **launch_options(self.pdl),
             )
-        tiles, counts = meta.prefill_tiles, meta.device_counts
         if counts is None:
             row_grid, tile_grid = (rows if tiles is None else meta.num_decode), 0
             count_ptr = meta.positions  # not read
@@ -331,14 +361,28 @@ class TritonOps:
             meta.block_size,
             scale,
             **shape,
-            BLOCK_N=(
-                MANY_ROWS_BLOCK_N if counts is None and row_grid >= MANY_ROWS else DECODE_BLOCK_N
+            **(
+                self._decode_launch(row_grid, q.dtype)
+                if counts is None
+                else dict(
+                    BLOCK_N=DECODE_BLOCK_N,
+                    STAGES=DECODE_STAGES,
+                    DOT=DECODE_DOT,
+                    IEEE=q.dtype == torch.float32,
+                    num_warps=FEW_ROWS_WARPS if row_grid <= FEW_ROWS else MANY_ROWS_WARPS,
+                )
             ),
-            STAGES=DECODE_STAGES,
-            DOT=DECODE_DOT,
-            IEEE=q.dtype == torch.float32,
             PERSISTENT=counts is not None,
-            num_warps=FEW_ROWS_WARPS if row_grid <= FEW_ROWS else MANY_ROWS_WARPS,
             **launch_options(self.pdl),
         )
         return out.reshape(rows, -1)
+
+    def _decode_launch(self, rows: int, dtype: torch.dtype) -> dict:
+        """The launch shape of a program per decode row and head."""
+        return dict(
+            BLOCK_N=MANY_ROWS_BLOCK_N if rows >= MANY_ROWS else DECODE_BLOCK_N,
+            STAGES=DECODE_STAGES,
+            DOT=DECODE_DOT,
+            IEEE=dtype == torch.float32,
+            num_warps=FEW_ROWS_WARPS if rows <= FEW_ROWS else MANY_ROWS_WARPS,
+        )

@@ -240,6 +240,109 @@ def _rope_write_rows_kernel(
 
 
 @triton.jit
+def _rope_attend_kernel(
+    qkv_ptr,
+    q_out_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    out_ptr,
+    positions_ptr,
+    cos_ptr,
+    sin_ptr,
+    entry_ptr,
+    lo_ptr,
+    hi_ptr,
+    table_rows_ptr,
+    planes_ptr,
+    block_table_ptr,
+    qkv_stride,
+    block_table_stride,
+    slots_per_plane,
+    block_size,
+    scale,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    PLANES: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    STAGES: tl.constexpr,
+    DOT: tl.constexpr,
+    IEEE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """RoPE + KV write and paged attention of one decode row and head in one program, for
+    passes whose rows read nothing another row writes (decode without speculation lanes):
+    the program rotates its q head into q_out and its KV head's k, writes k and v into
+    planes lo..hi-1 (under GQA every head of a group writes the same bytes), waits for its
+    own threads' writes, then attends as `_paged_attention_kernel` does. One kernel fewer
+    per layer, with the same values as the two."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
+    head = tl.program_id(1)
+    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    full = tl.arange(0, HEAD_DIM)
+    dtype = q_out_ptr.dtype.element_ty
+    kv_dtype = k_cache_ptr.dtype.element_ty
+    pos = tl.load(positions_ptr + row)
+    cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
+    sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
+    base = qkv_ptr + row * qkv_stride
+    q1 = tl.load(base + head * HEAD_DIM + d).to(tl.float32)
+    q2 = tl.load(base + head * HEAD_DIM + HALF + d).to(tl.float32)
+    q1, q2 = _rotate(q1, q2, cos, sin, dtype)
+    q_base = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
+    tl.store(q_base + d, q1)
+    tl.store(q_base + HALF + d, q2)
+    k_base = base + (NUM_HEADS + kv_head) * HEAD_DIM
+    k1 = tl.load(k_base + d).to(tl.float32)
+    k2 = tl.load(k_base + HALF + d).to(tl.float32)
+    k1, k2 = _rotate(k1, k2, cos, sin, dtype)
+    v = tl.load(base + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + full)
+    k1, k2, v = _kv_scaled(k1, k2, v, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED)
+    entry = tl.load(entry_ptr + row)
+    lo = tl.load(lo_ptr + row)
+    hi = tl.load(hi_ptr + row)
+    for plane in tl.static_range(PLANES):
+        if (plane >= lo) & (plane < hi):
+            dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + dst + d, k1.to(kv_dtype))
+            tl.store(k_cache_ptr + dst + HALF + d, k2.to(kv_dtype))
+            tl.store(v_cache_ptr + dst + full, v.to(kv_dtype))
+    tl.debug_barrier()  # this program's stores are visible to all its threads
+    _attend_row(
+        row,
+        head,
+        q_out_ptr,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        out_ptr,
+        positions_ptr,
+        table_rows_ptr,
+        planes_ptr,
+        block_table_ptr,
+        block_table_stride,
+        slots_per_plane,
+        block_size,
+        scale,
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        KV_SCALED,
+        BLOCK_N,
+        STAGES,
+        DOT,
+        IEEE,
+    )
+
+
+@triton.jit
 def _paged_attention_kernel(
     q_ptr,
     k_cache_ptr,

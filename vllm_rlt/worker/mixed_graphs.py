@@ -231,6 +231,7 @@ class MixedGraphs:
         carried = torch.where(is_decode.unsqueeze(1), st.hidden[slots], self.out[f["carry"]])
         hidden = torch.where((rows.loops == 0).unsqueeze(1), model.prelude(tokens), carried)
         meta = build_metadata(rows, (), st, geo, 0, with_segments=False)
+        meta.rows_independent = False  # its prompt rows read what other rows write
         meta.prefill_tiles = PrefillTiles(f["tiles"])
         meta.device_counts = DeviceCounts(
             f["counts"],

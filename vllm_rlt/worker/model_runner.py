@@ -399,6 +399,7 @@ class ModelRunner:
             self.ops.needs_segments,
             self.ops.prefill_tile_rows(model.dtype),
             self.uploads.upload,
+            lanes,
         )
         hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
         prompt = self._prompt_rows(hidden, chunks, num_decode)

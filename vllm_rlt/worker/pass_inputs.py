@@ -139,9 +139,11 @@ def build_metadata(
     with_segments: bool,
     tile_rows: int = 0,
     upload: Upload | None = None,
+    lanes: SpecLanes | None = None,
 ) -> AttentionMetadata:
     """Flat cache indices: plane * slots_per_plane + block * block_size + offset. `upload`
-    sends the prefill tiles (see `gather_rows`)."""
+    sends the prefill tiles (see `gather_rows`); `lanes`: the pass has speculation lanes,
+    whose rows read what their request's other lanes write."""
     bs, spp = geo.block_size, geo.slots_per_plane
     shared = geo.planes == 1
     meta = AttentionMetadata(
@@ -156,6 +158,7 @@ def build_metadata(
         slots_per_plane=spp,
         block_size=bs,
         dummy_entry=geo.dummy_index,
+        rows_independent=not chunks and lanes is None,
     )
     if with_segments:
         meta.segments = _segments(rows, chunks, state, geo, max_context)
