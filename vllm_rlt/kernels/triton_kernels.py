@@ -112,6 +112,46 @@ def _kv_scaled(k1, k2, v, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED: tl.const
 
 
 @triton.jit
+def _write_kv(
+    qkv_row_ptr,
+    k1,
+    k2,
+    k_cache_ptr,
+    v_cache_ptr,
+    k_scale_ptr,
+    v_scale_ptr,
+    entry_ptr,
+    lo_ptr,
+    hi_ptr,
+    row,
+    kv_head,
+    slots_per_plane,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    PLANES: tl.constexpr,
+):
+    """Write one row's rotated k halves and its v (read from the row's qkv) of one KV head
+    into planes lo..hi-1, as the cache holds them."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    d = tl.arange(0, HALF)
+    full = tl.arange(0, HEAD_DIM)
+    kv_dtype = k_cache_ptr.dtype.element_ty  # the model's, or float8 (rounded here)
+    v = tl.load(qkv_row_ptr + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + full)
+    k1, k2, v = _kv_scaled(k1, k2, v, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED)
+    entry = tl.load(entry_ptr + row)
+    lo = tl.load(lo_ptr + row)
+    hi = tl.load(hi_ptr + row)
+    for plane in tl.static_range(PLANES):
+        if (plane >= lo) & (plane < hi):
+            dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kv_head) * HEAD_DIM
+            tl.store(k_cache_ptr + dst + d, k1.to(kv_dtype))
+            tl.store(k_cache_ptr + dst + HALF + d, k2.to(kv_dtype))
+            tl.store(v_cache_ptr + dst + full, v.to(kv_dtype))
+
+
+@triton.jit
 def _rope_write_kernel(
     qkv_ptr,
     q_out_ptr,
@@ -142,34 +182,38 @@ def _rope_write_kernel(
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
     dtype = q_out_ptr.dtype.element_ty
-    kv_dtype = k_cache_ptr.dtype.element_ty  # the model's, or float8 (rounded here)
     pos = tl.load(positions_ptr + row)
     cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
-    base = qkv_ptr + row * qkv_stride + head * HEAD_DIM
-    x1 = tl.load(base + d).to(tl.float32)
-    x2 = tl.load(base + HALF + d).to(tl.float32)
+    base = qkv_ptr + row * qkv_stride
+    x1 = tl.load(base + head * HEAD_DIM + d).to(tl.float32)
+    x2 = tl.load(base + head * HEAD_DIM + HALF + d).to(tl.float32)
     out1, out2 = _rotate(x1, x2, cos, sin, dtype)
     if head < NUM_HEADS:
         q_base = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
         tl.store(q_base + d, out1)
         tl.store(q_base + HALF + d, out2)
     else:
-        kv_head = head - NUM_HEADS
-        full = tl.arange(0, HEAD_DIM)
-        v = tl.load(
-            qkv_ptr + row * qkv_stride + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + full
+        _write_kv(
+            base,
+            out1,
+            out2,
+            k_cache_ptr,
+            v_cache_ptr,
+            k_scale_ptr,
+            v_scale_ptr,
+            entry_ptr,
+            lo_ptr,
+            hi_ptr,
+            row,
+            head - NUM_HEADS,
+            slots_per_plane,
+            NUM_HEADS,
+            NUM_KV_HEADS,
+            HEAD_DIM,
+            KV_SCALED,
+            PLANES,
         )
-        k1, k2, v = _kv_scaled(out1, out2, v, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED)
-        entry = tl.load(entry_ptr + row)
-        lo = tl.load(lo_ptr + row)
-        hi = tl.load(hi_ptr + row)
-        for plane in tl.static_range(PLANES):
-            owned = (plane >= lo) & (plane < hi)
-            dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_cache_ptr + dst + d, k1.to(kv_dtype), mask=owned & (d < HALF))
-            tl.store(k_cache_ptr + dst + HALF + d, k2.to(kv_dtype), mask=owned & (d < HALF))
-            tl.store(v_cache_ptr + dst + full, v.to(kv_dtype), mask=owned & (full < HEAD_DIM))
 
 
 @triton.jit
@@ -285,9 +329,7 @@ def _rope_attend_kernel(
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
-    full = tl.arange(0, HEAD_DIM)
     dtype = q_out_ptr.dtype.element_ty
-    kv_dtype = k_cache_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + row)
     cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
@@ -302,17 +344,26 @@ def _rope_attend_kernel(
     k1 = tl.load(k_base + d).to(tl.float32)
     k2 = tl.load(k_base + HALF + d).to(tl.float32)
     k1, k2 = _rotate(k1, k2, cos, sin, dtype)
-    v = tl.load(base + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM + full)
-    k1, k2, v = _kv_scaled(k1, k2, v, k_scale_ptr, v_scale_ptr, kv_head, KV_SCALED)
-    entry = tl.load(entry_ptr + row)
-    lo = tl.load(lo_ptr + row)
-    hi = tl.load(hi_ptr + row)
-    for plane in tl.static_range(PLANES):
-        if (plane >= lo) & (plane < hi):
-            dst = ((plane * slots_per_plane + entry) * NUM_KV_HEADS + kv_head) * HEAD_DIM
-            tl.store(k_cache_ptr + dst + d, k1.to(kv_dtype))
-            tl.store(k_cache_ptr + dst + HALF + d, k2.to(kv_dtype))
-            tl.store(v_cache_ptr + dst + full, v.to(kv_dtype))
+    _write_kv(
+        base,
+        k1,
+        k2,
+        k_cache_ptr,
+        v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
+        entry_ptr,
+        lo_ptr,
+        hi_ptr,
+        row,
+        kv_head,
+        slots_per_plane,
+        NUM_HEADS,
+        NUM_KV_HEADS,
+        HEAD_DIM,
+        KV_SCALED,
+        PLANES,
+    )
     tl.debug_barrier()  # this program's stores are visible to all its threads
     _attend_row(
         row,
