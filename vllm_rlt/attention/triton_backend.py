@@ -38,9 +38,12 @@ DECODE_BLOCK_N, DECODE_STAGES = 128, 1
 # and adds per 128-key tile, so at one byte per K/V value (float8) it runs out of issue
 # slots before it runs out of bandwidth.
 DECODE_DOT = True
-# Decode passes without speculation lanes write K/V and attend in one kernel
-# (`_rope_attend_kernel`): a kernel fewer per layer.
-FUSED_DECODE = True
+# Decode passes of up to so many rows without speculation lanes write K/V and attend in
+# one kernel (`_rope_attend_kernel`): a kernel fewer per layer where launches dominate. A
+# variant that carried the new K/V in registers through the key loop lost 4% at 1 row and
+# 31% at 256 (docs/benchmarks/2026-12-01-linear-plans.md): its work ahead of the key loop
+# is not hidden once programs come in waves. 0: never.
+FUSED_DECODE_ROWS = 16
 MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
 
@@ -270,7 +273,8 @@ class TritonOps:
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, KV_SCALED=scaled
         )
         tiles, counts = meta.prefill_tiles, meta.device_counts
-        if FUSED_DECODE and meta.rows_independent and tiles is None and counts is None:
+        fused = rows <= FUSED_DECODE_ROWS and meta.rows_independent
+        if fused and tiles is None and counts is None:
             _rope_attend_kernel[(rows, num_heads)](
                 qkv,
                 q,
