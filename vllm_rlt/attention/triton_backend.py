@@ -23,7 +23,7 @@ from vllm_rlt.kernels.triton_kernels import (
     _rope_write_rows_kernel,
     _silu_mul_kernel,
 )
-from vllm_rlt.layers.fp8 import Fp8Weight, fp8_linear_reference
+from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
 
 # Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
@@ -266,8 +266,9 @@ class TritonOps:
         out = torch.zeros_like(q) if padded else torch.empty_like(q)
         if rows == 0:
             return out.reshape(rows, -1)
-        scaled = kv_scales is not None and k_cache.element_size() == 1
-        k_scale, v_scale = kv_scales if scaled else (meta.positions, meta.positions)  # not read
+        applied = applied_kv_scales(kv_scales, k_cache)
+        scaled = applied is not None
+        k_scale, v_scale = applied or (meta.positions, meta.positions)  # not read when unscaled
         caches = (k_cache, v_cache, k_scale, v_scale)
         shape = dict(
             NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, KV_SCALED=scaled
