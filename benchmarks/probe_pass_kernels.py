@@ -3,8 +3,6 @@
 
 - paged (decode) attention: one program per row ("plain") against the bounded grid of a
   captured prompt pass (programs that loop over rows), by programs, warps and key tile;
-  and its two forms of the per-key products (tensor cores, `dot`, or a broadcast product
-  and a sum) over bf16 and float8 K/V, up to 1,088 positions;
 - RoPE + KV write: a program per row and head against one per row.
 
 Every row reads its own K/V blocks (no two rows share a block, so nothing stays in L2 as it
@@ -32,21 +30,13 @@ HEADS, DIM, BLOCK, PLANES, LAYERS = 16, 128, 16, 4, 24
 
 
 def attention_us(
-    rows: int,
-    context: int,
-    programs: int,
-    bounded: bool,
-    warps: int,
-    pdl: bool,
-    block_n: int,
-    dot: bool = True,
-    kv_dtype: torch.dtype = torch.bfloat16,
+    rows: int, context: int, programs: int, bounded: bool, warps: int, pdl: bool, block_n: int
 ) -> float:
     """One launch over `rows` rows of `context` positions, each in its own blocks."""
     per_row = -(-context // BLOCK)
     slots = (rows * per_row + 1) * BLOCK
-    k = torch.randn(PLANES * slots, HEADS, DIM, device="cuda").to(kv_dtype)
-    v = torch.randn_like(k, dtype=torch.float32).to(kv_dtype)
+    k = torch.randn(PLANES * slots, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
     n = max(rows, programs)
     q = torch.randn(n, HEADS, DIM, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(q)
@@ -79,8 +69,6 @@ def attention_us(
             KV_SCALED=False,
             BLOCK_N=block_n,
             STAGES=1,
-            DOT=dot,
-            IEEE=False,
             PERSISTENT=bounded,
             num_warps=warps,
             **launch_options(pdl),
@@ -149,25 +137,6 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    for rows, context in ((1, 1088), (8, 1088), (32, 1088), (64, 67), (256, 67), (512, 300)):
-        for kv_dtype in (torch.bfloat16, torch.float8_e4m3fn):
-            for dot in (False, True):
-                us = attention_us(
-                    rows, context, rows, False, 4 if rows <= 16 else 2, args.pdl, 128, dot, kv_dtype
-                )
-                print(
-                    json.dumps(
-                        {
-                            "kernel": "paged_attention",
-                            "rows": rows,
-                            "context": context,
-                            "kv_dtype": str(kv_dtype).removeprefix("torch."),
-                            "dot": dot,
-                            "us": round(us, 2),
-                        }
-                    ),
-                    flush=True,
-                )
     for rows in (1, 8, 64, 512, 1024):
         for by_row in (False, True):
             us = rope_us(rows, by_row, args.pdl)

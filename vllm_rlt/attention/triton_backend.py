@@ -33,11 +33,6 @@ from vllm_rlt.layers.rotary import RotaryEmbedding
 # want 4 warps, many rows 2. The bounded grid of a captured prompt pass keeps 128-key tiles:
 # with 64-key tiles and 4 warps there, steady load with adaptive depth lost 5-17%.
 DECODE_BLOCK_N, DECODE_STAGES = 128, 1
-# Decode attention on tensor cores: the query as row 0 of a 16-row tl.dot tile. The
-# CUDA-core form (a broadcast product and a sum per key) compiles to ~650 warp shuffles
-# and adds per 128-key tile, so at one byte per K/V value (float8) it runs out of issue
-# slots before it runs out of bandwidth.
-DECODE_DOT = True
 # Decode passes of up to so many rows without speculation lanes write K/V and attend in
 # one kernel (`_rope_attend_kernel`): a kernel fewer per layer where launches dominate. A
 # variant that carried the new K/V in registers through the key loop lost 4% at 1 row and
@@ -297,7 +292,7 @@ class TritonOps:
                 scale,
                 **shape,
                 PLANES=meta.planes,
-                **self._decode_launch(rows, q.dtype),
+                **self._decode_launch(rows),
                 **launch_options(self.pdl),
             )
             return out.reshape(rows, -1)
@@ -367,13 +362,11 @@ class TritonOps:
             scale,
             **shape,
             **(
-                self._decode_launch(row_grid, q.dtype)
+                self._decode_launch(row_grid)
                 if counts is None
                 else dict(
                     BLOCK_N=DECODE_BLOCK_N,
                     STAGES=DECODE_STAGES,
-                    DOT=DECODE_DOT,
-                    IEEE=q.dtype == torch.float32,
                     num_warps=FEW_ROWS_WARPS if row_grid <= FEW_ROWS else MANY_ROWS_WARPS,
                 )
             ),
@@ -382,12 +375,10 @@ class TritonOps:
         )
         return out.reshape(rows, -1)
 
-    def _decode_launch(self, rows: int, dtype: torch.dtype) -> dict:
+    def _decode_launch(self, rows: int) -> dict:
         """The launch shape of a program per decode row and head."""
         return dict(
             BLOCK_N=MANY_ROWS_BLOCK_N if rows >= MANY_ROWS else DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
-            DOT=DECODE_DOT,
-            IEEE=dtype == torch.float32,
             num_warps=FEW_ROWS_WARPS if rows <= FEW_ROWS else MANY_ROWS_WARPS,
         )

@@ -313,8 +313,6 @@ def _rope_attend_kernel(
     PLANES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
-    DOT: tl.constexpr,
-    IEEE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """RoPE + KV write and paged attention of one decode row and head in one program, for
@@ -388,8 +386,6 @@ def _rope_attend_kernel(
         KV_SCALED,
         BLOCK_N,
         STAGES,
-        DOT,
-        IEEE,
     )
 
 
@@ -416,8 +412,6 @@ def _paged_attention_kernel(
     KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
-    DOT: tl.constexpr,
-    IEEE: tl.constexpr,
     PERSISTENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -451,8 +445,6 @@ def _paged_attention_kernel(
                 KV_SCALED,
                 BLOCK_N,
                 STAGES,
-                DOT,
-                IEEE,
             )
     else:
         _attend_row(
@@ -478,8 +470,6 @@ def _paged_attention_kernel(
             KV_SCALED,
             BLOCK_N,
             STAGES,
-            DOT,
-            IEEE,
         )
 
 
@@ -507,19 +497,13 @@ def _attend_row(
     KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
-    DOT: tl.constexpr,
-    IEEE: tl.constexpr,
 ):
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     d = tl.arange(0, HEAD_DIM)
     pos = tl.load(positions_ptr + row)
     table_row = tl.load(table_rows_ptr + row)
     plane = tl.load(planes_ptr + row)
-    q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d)
-    if DOT:  # the query as row 0 of a 16-row tile, the smallest tl.dot takes
-        first = (tl.arange(0, 16) == 0)[:, None]
-        q_tile = tl.where(first, q[None, :], 0.0).to(q.dtype)
-    q = q.to(tl.float32)
+    q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d).to(tl.float32)
     if KV_SCALED:  # a float8 cache holds K / k_scale and V / v_scale
         scale = scale * tl.load(k_scale_ptr + kv_head)
     m = tl.full((), float("-inf"), tl.float32)
@@ -536,30 +520,15 @@ def _attend_row(
             plane * slots_per_plane + block * block_size + j % block_size
         ) * NUM_KV_HEADS + kv_head
         offsets = entry[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-        if DOT:  # tensor cores; the tile's other rows are zeros, so the sum is row 0
-            if IEEE:
-                dots = tl.dot(q_tile, tl.trans(k.to(q_tile.dtype)), input_precision="ieee")
-            else:
-                dots = tl.dot(q_tile, tl.trans(k.to(q_tile.dtype)))
-            scores = tl.sum(dots, axis=0) * scale
-        else:
-            scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1) * scale
         scores = tl.where(valid, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
         alpha = tl.exp(m - m_new)
-        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
         total = total * alpha + tl.sum(p, axis=0)
-        if DOT:
-            p_tile = tl.where(first, p[None, :], 0.0)
-            if IEEE:
-                pv = tl.dot(p_tile, v.to(tl.float32), input_precision="ieee")
-            else:
-                pv = tl.dot(p_tile.to(q_tile.dtype), v.to(q_tile.dtype))
-            acc = acc * alpha + tl.sum(pv, axis=0)
-        else:
-            acc = acc * alpha + tl.sum(p[:, None] * v.to(tl.float32), axis=0)
+        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m = m_new
     out = acc / total
     if KV_SCALED:
