@@ -7,6 +7,7 @@ python -m benchmarks.profile_pass --concurrency 1 8 --speculative-tokens 1 --dra
     --spec-acceptance-rate 0.8
 python -m benchmarks.profile_pass --concurrency --rows 1 8 64 256 512 [--kernels]
 python -m benchmarks.profile_pass --concurrency 1 8 --quantization fp8 --kv-cache-dtype fp8
+python -m benchmarks.profile_pass --concurrency 32 --prompt-len 1024 --steps 30
 """
 
 from __future__ import annotations
@@ -34,16 +35,18 @@ from vllm_rlt.layers.fp8 import quantize_model
 from vllm_rlt.sampling_params import SamplingParams
 
 
-def _engine(model, seqs: int, blocks: int, spec: SpeculativeConfig | None, kv_dtype: str):
-    """An engine core for `seqs` requests of 64-token prompts whose prompts all fit in one
-    pass, with `blocks` KV blocks (plus a few spare) of K/V stored as `kv_dtype`."""
+def _engine(
+    model, seqs: int, blocks: int, spec: SpeculativeConfig | None, kv_dtype: str, prompt_len: int
+):
+    """An engine core for `seqs` requests of `prompt_len`-token prompts whose prompts all fit
+    in one pass, with `blocks` KV blocks (plus a few spare) of K/V stored as `kv_dtype`."""
     return build_engine_core(
         model,
         None,
         CacheConfig(num_blocks=blocks + 8, kv_cache_dtype=kv_dtype),
         SchedulerConfig(
             max_num_seqs=seqs,
-            max_num_batched_tokens=max(2048, 64 * seqs),
+            max_num_batched_tokens=max(2048, prompt_len * seqs),
             max_prefill_batches_before_decode=seqs,
         ),
         ExitConfig(),
@@ -54,17 +57,22 @@ def _engine(model, seqs: int, blocks: int, spec: SpeculativeConfig | None, kv_dt
 
 
 def profile(
-    model, concurrency: int, steps: int, spec: SpeculativeConfig | None, kv_dtype: str
+    model,
+    concurrency: int,
+    steps: int,
+    spec: SpeculativeConfig | None,
+    kv_dtype: str,
+    prompt_len: int = 64,
 ) -> None:
-    # 64 prompt tokens plus at most one token per step (16 warm-up steps and the timed ones),
-    # in blocks of 16: large concurrencies fit beside the weights
-    blocks = concurrency * (-(-(64 + 16 + steps) // 16) + 1)
-    engine = _engine(model, concurrency, blocks, spec, kv_dtype)
+    # the prompt plus at most one token per step (16 warm-up steps and the timed ones), in
+    # blocks of 16: large concurrencies fit beside the weights
+    blocks = concurrency * (-(-(prompt_len + 16 + steps) // 16) + 1)
+    engine = _engine(model, concurrency, blocks, spec, kv_dtype, prompt_len)
     params = SamplingParams(
         max_tokens=16 + steps, temperature=0.0, ignore_eos=True, exit_threshold=1.0
     )
     for i in range(concurrency):
-        engine.add_request(str(i), list(range(3, 67)), params)
+        engine.add_request(str(i), [3 + (i + j) % 64 for j in range(prompt_len)], params)
     for _ in range(16):
         engine.step()
     torch.cuda.synchronize()
@@ -155,7 +163,7 @@ def pass_rows(model, rows: list[int], repeats: int, kernels: bool, kv_dtype: str
     padding block), with the captured prompt-pass graphs and without them (eager); with
     `kernels`, each graphed pass's device time per kernel."""
     seqs = max(rows)
-    engine = _engine(model, seqs, seqs * 8, None, kv_dtype)
+    engine = _engine(model, seqs, seqs * 8, None, kv_dtype, 64)
     params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
     for i in range(seqs):
         engine.add_request(str(i), list(range(3, 67)), params)
@@ -221,13 +229,17 @@ def main() -> None:
     parser.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="K/V storage"
     )
+    parser.add_argument(
+        "--prompt-len", type=int, default=64, help="prompt tokens per request (decode profiles)"
+    )
     add_speculation_args(parser, replay=True)
     args = parser.parse_args()
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
     if args.quantization is not None:
         quantize_model(model, args.quantization)
     for concurrency in args.concurrency:
-        profile(model, concurrency, args.steps, speculative_config(args), args.kv_cache_dtype)
+        spec = speculative_config(args)
+        profile(model, concurrency, args.steps, spec, args.kv_cache_dtype, args.prompt_len)
     if args.rows:
         pass_rows(model, args.rows, args.steps, args.kernels, args.kv_cache_dtype)
 
