@@ -106,7 +106,9 @@ class _State:
 )
 @pytest.mark.parametrize("kv_heads", [16, 4])
 @pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
-@pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows", "two_kernels"])
+@pytest.mark.parametrize(
+    "launch", ["plain", "bounded_grid", "many_rows", "two_kernels", "split_kv"]
+)
 def test_rope_write_and_paged_attention(
     triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
 ):
@@ -117,7 +119,8 @@ def test_rope_write_and_paged_attention(
     prompt pass runs it (counts read on the device, fewer programs than rows and tiles, so
     each takes several), and with the key tile and the RoPE kernel of passes of many rows.
     A decode-only pass writes and attends in one kernel; "two_kernels" runs it as a pass
-    with speculation lanes does, the RoPE write first."""
+    with speculation lanes does, the RoPE write first; "split_kv" splits each row's
+    16-key tiles into 4 runs (some empty) combined by a second kernel."""
     _check_attention(
         triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
     )
@@ -125,7 +128,7 @@ def test_rope_write_and_paged_attention(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("planes", "table_planes"), [(4, 1), (1, 4)], ids=["last_exited", "sd"])
-@pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows"])
+@pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows", "split_kv"])
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
 def test_rope_write_and_paged_attention_over_an_fp8_cache(
@@ -214,6 +217,10 @@ def _check_attention(
         monkeypatch.setattr(triton_backend, "ROPE_BY_ROW", 1)
     elif launch == "two_kernels":
         tiled.rows_independent = False
+    elif launch == "split_kv":  # 6 rows x 16 heads x 4 runs; up to 7 tiles a row
+        monkeypatch.setattr(triton_backend, "SPLIT_KV_PROGRAMS", 6 * 16 * 4)
+        monkeypatch.setattr(triton_backend, "DECODE_BLOCK_N", 16)
+        assert with_prompts or triton_backend.decode_splits(6, 16) == 4
     assert tiled.rows_independent == (not with_prompts and launch != "two_kernels")
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen

@@ -15,6 +15,7 @@ from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
 from vllm_rlt.kernels.triton_kernels import (
     _add_rms_norm2_kernel,
+    _combine_splits_kernel,
     _paged_attention_kernel,
     _prefill_attention_kernel,
     _rms_norm_kernel,
@@ -39,6 +40,11 @@ DECODE_BLOCK_N, DECODE_STAGES = 128, 1
 # 31% at 256 (docs/benchmarks/2026-12-01-linear-plans.md): its work ahead of the key loop
 # is not hidden once programs come in waves. 0: never.
 FUSED_DECODE_ROWS = 16
+# Split-KV for few rows: a fused decode pass splits each row's key tiles into runs (a power
+# of two, at most MAX_SPLITS) until rows x heads x runs reaches this many programs, and a
+# second kernel combines the runs; at one row 16 programs would otherwise read a long
+# context on 16 of the GPU's SMs. 0: never.
+SPLIT_KV_PROGRAMS, MAX_SPLITS = 128, 8
 MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
 
@@ -130,6 +136,14 @@ def _dense_linear(
     if x.dtype == torch.bfloat16 and all(d % 16 == 0 for d in weight.shape):
         return fp8_linear_rows(x, weight, pdl)
     return fp8_linear_reference(x, weight)
+
+
+def decode_splits(rows: int, heads: int) -> int:
+    """Runs of key tiles per row and head in a fused decode pass (see SPLIT_KV_PROGRAMS)."""
+    splits = 1
+    while splits < MAX_SPLITS and rows * heads * splits * 2 <= SPLIT_KV_PROGRAMS:
+        splits *= 2
+    return splits
 
 
 class TritonOps:
@@ -271,7 +285,11 @@ class TritonOps:
         tiles, counts = meta.prefill_tiles, meta.device_counts
         fused = rows <= FUSED_DECODE_ROWS and meta.rows_independent
         if fused and tiles is None and counts is None:
-            _rope_attend_kernel[(rows, num_heads)](
+            splits = decode_splits(rows, num_heads)
+            parts = out  # not read with one split
+            if splits > 1:
+                parts = qkv.new_empty(rows, num_heads, splits, head_dim + 2, dtype=torch.float32)
+            _rope_attend_kernel[(rows, num_heads, splits)](
                 qkv,
                 q,
                 *caches,
@@ -285,6 +303,7 @@ class TritonOps:
                 meta.row_tables,
                 meta.read_plane,
                 meta.block_table,
+                parts,
                 qkv.stride(0),
                 meta.block_table.stride(0),
                 meta.slots_per_plane,
@@ -292,9 +311,19 @@ class TritonOps:
                 scale,
                 **shape,
                 PLANES=meta.planes,
+                SPLITS=splits,
                 **self._decode_launch(rows),
                 **launch_options(self.pdl),
             )
+            if splits > 1:
+                _combine_splits_kernel[(rows, num_heads)](
+                    parts,
+                    v_scale,
+                    out,
+                    **shape,
+                    SPLITS=splits,
+                    **launch_options(self.pdl),
+                )
             return out.reshape(rows, -1)
         args = (qkv, q, *caches, meta.positions, rotary.cos, rotary.sin)
         args += (meta.row_entry, meta.write_lo, meta.write_hi, qkv.stride(0), meta.slots_per_plane)

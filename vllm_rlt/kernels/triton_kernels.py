@@ -301,6 +301,7 @@ def _rope_attend_kernel(
     table_rows_ptr,
     planes_ptr,
     block_table_ptr,
+    part_ptr,
     qkv_stride,
     block_table_stride,
     slots_per_plane,
@@ -313,6 +314,7 @@ def _rope_attend_kernel(
     PLANES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """RoPE + KV write and paged attention of one decode row and head in one program, for
@@ -320,7 +322,9 @@ def _rope_attend_kernel(
     the program rotates its q head into q_out and its KV head's k, writes k and v into
     planes lo..hi-1 (under GQA every head of a group writes the same bytes), waits for its
     own threads' writes, then attends as `_paged_attention_kernel` does. One kernel fewer
-    per layer, with the same values as the two."""
+    per layer, with the same values as the two. With SPLITS > 1 (grid axis 2) each program
+    attends one run of key tiles (split-KV, for few rows at long contexts): every split
+    rotates and writes the same bytes, and only the split holding `pos` reads them."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     head = tl.program_id(1)
@@ -386,6 +390,9 @@ def _rope_attend_kernel(
         KV_SCALED,
         BLOCK_N,
         STAGES,
+        tl.program_id(2),
+        part_ptr,
+        SPLITS,
     )
 
 
@@ -445,6 +452,9 @@ def _paged_attention_kernel(
                 KV_SCALED,
                 BLOCK_N,
                 STAGES,
+                0,
+                out_ptr,  # not read: one split
+                1,
             )
     else:
         _attend_row(
@@ -470,6 +480,9 @@ def _paged_attention_kernel(
             KV_SCALED,
             BLOCK_N,
             STAGES,
+            0,
+            out_ptr,  # not read: one split
+            1,
         )
 
 
@@ -497,7 +510,14 @@ def _attend_row(
     KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    split,
+    part_ptr,
+    SPLITS: tl.constexpr,
 ):
+    """Online softmax of one row and head over positions 0..pos of its plane. With SPLITS >
+    1 this program takes the split-th of SPLITS equal runs of key tiles and stores its
+    unnormalised state (acc, running max, running sum) at part_ptr for
+    `_combine_splits_kernel`; an empty run stores (0, -inf, 0)."""
     kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
     d = tl.arange(0, HEAD_DIM)
     pos = tl.load(positions_ptr + row)
@@ -509,8 +529,13 @@ def _attend_row(
     m = tl.full((), float("-inf"), tl.float32)
     total = tl.full((), 0.0, tl.float32)
     acc = tl.zeros((HEAD_DIM,), tl.float32)
+    first = 0
     context = pos + 1
-    for start in tl.range(0, context, BLOCK_N, num_stages=STAGES):
+    if SPLITS > 1:
+        run = tl.cdiv(tl.cdiv(pos + 1, BLOCK_N), SPLITS) * BLOCK_N
+        first = split * run
+        context = tl.minimum(first + run, pos + 1)
+    for start in tl.range(first, context, BLOCK_N, num_stages=STAGES):
         j = start + tl.arange(0, BLOCK_N)
         valid = j < context
         block = tl.load(
@@ -530,9 +555,45 @@ def _attend_row(
         total = total * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m = m_new
+    if SPLITS > 1:
+        part = part_ptr + ((row * NUM_HEADS + head) * SPLITS + split) * (HEAD_DIM + 2)
+        tl.store(part + d, acc)
+        tl.store(part + HEAD_DIM, m)
+        tl.store(part + HEAD_DIM + 1, total)
+    else:
+        out = acc / total
+        if KV_SCALED:
+            out = out * tl.load(v_scale_ptr + kv_head)
+        out_offsets = (row * NUM_HEADS + head) * HEAD_DIM + d
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _combine_splits_kernel(
+    part_ptr,
+    v_scale_ptr,
+    out_ptr,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """One row and head of split-KV attention: the SPLITS runs' states rescaled to their
+    common maximum and summed (empty runs weigh exp(-inf) = 0), then normalised."""
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    d = tl.arange(0, HEAD_DIM)
+    part = part_ptr + ((row * NUM_HEADS + head) * SPLITS + tl.arange(0, SPLITS)) * (HEAD_DIM + 2)
+    m = tl.load(part + HEAD_DIM)
+    weight = tl.exp(m - tl.max(m, axis=0))
+    total = tl.sum(tl.load(part + HEAD_DIM + 1) * weight, axis=0)
+    acc = tl.sum(tl.load(part[:, None] + d[None, :]) * weight[:, None], axis=0)
     out = acc / total
     if KV_SCALED:
-        out = out * tl.load(v_scale_ptr + kv_head)
+        out = out * tl.load(v_scale_ptr + head // (NUM_HEADS // NUM_KV_HEADS))
     tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
 
 
