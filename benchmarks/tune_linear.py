@@ -7,7 +7,11 @@ timed together with that norm kernel, which is where split-K slices are summed; 
 figure is cuBLAS plus the same norm. Every launch shape is compiled first in parallel worker
 processes (Triton's on-disk cache keeps the binaries), then timed one at a time.
 
-python -m benchmarks.tune_linear [--rows 1 16 32 64] [--shapes o down] [--jobs 8]
+With --fp8 the weights are float8 with per-row scales (FP8_PLANS), the skinny kernel
+widens them in registers, and the baseline is the path fp8 weights take without a skinny
+plan: per-token activation scales and FP8 tensor cores (kernels/fp8_rows.py).
+
+python -m benchmarks.tune_linear [--rows 1 16 32 64] [--shapes o down] [--jobs 8] [--fp8]
 """
 
 from __future__ import annotations
@@ -16,12 +20,12 @@ import itertools
 import multiprocessing
 
 import torch
-import torch.nn.functional as F
 
 from benchmarks.graph_timing import graph_time_us
-from vllm_rlt.attention.triton_backend import TritonOps
+from vllm_rlt.attention.triton_backend import TritonOps, _dense_linear
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
+from vllm_rlt.layers.fp8 import Fp8Weight
 
 # name: (N, K, SiLU-mul epilogue, feeds the residual add and norm)
 SHAPES = {
@@ -38,14 +42,18 @@ def tile_rows(rows: int) -> int:
     return 16 if rows <= 16 else 32 if rows <= 32 else 64
 
 
-def candidates(name: str, rows: int) -> list[SkinnyConfig]:
-    """Launch shapes worth timing for this layer and row count."""
+def candidates(name: str, rows: int, fp8: bool = False) -> list[SkinnyConfig]:
+    """Launch shapes worth timing for this layer and row count (float8 weights: K chunks
+    twice as long, so a stage moves as many bytes)."""
     block_m = tile_rows(rows)
     feeds_norm = SHAPES[name][3]
+    wide = 2 if fp8 else 1
     if block_m == 16:
-        grid = itertools.product((16, 32, 64), (128, 256), (4,), (3, 4), (1, 2, 4))
+        chunks = (128 * wide, 256 * wide)
+        grid = itertools.product((16, 32, 64), chunks, (4,), (3, 4), (1, 2, 4))
     else:
-        grid = itertools.product((32, 64, 128), (64, 128), (4, 8), (3, 4), (1, 2))
+        chunks = (64 * wide, 128 * wide)
+        grid = itertools.product((32, 64, 128), chunks, (4, 8), (3, 4), (1, 2))
     return [
         SkinnyConfig(block_n, block_k, warps, stages, block_m, split)
         for block_n, block_k, warps, stages, split in grid
@@ -53,10 +61,13 @@ def candidates(name: str, rows: int) -> list[SkinnyConfig]:
     ]
 
 
-def case(name: str, rows: int, copies: int):
-    """Inputs, weights and the two callables (cuBLAS path, skinny path) of one case."""
+def case(name: str, rows: int, copies: int, fp8: bool = False):
+    """Inputs, weights and the two callables (dense path, skinny path) of one case: the
+    dense path is cuBLAS, or for fp8 weights per-token scales and FP8 tensor cores."""
     n, k, silu, feeds_norm = SHAPES[name]
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
+    if fp8:
+        weights = [Fp8Weight.quantize(w) for w in weights]
     x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
     ops = TritonOps()
     if feeds_norm:
@@ -64,7 +75,7 @@ def case(name: str, rows: int, copies: int):
         w1 = torch.ones(n, device="cuda", dtype=torch.bfloat16)
 
         def cublas(i):
-            return ops.add_rms_norm2(h, F.linear(x, weights[i]), w1, w1, 1e-6)
+            return ops.add_rms_norm2(h, _dense_linear(x, weights[i]), w1, w1, 1e-6)
 
         def skinny(i, c):
             if c.split_k == 1:
@@ -74,7 +85,7 @@ def case(name: str, rows: int, copies: int):
     elif silu:  # what the skinny epilogue replaces: cuBLAS, then the SiLU-mul kernel
 
         def cublas(i):
-            return ops.silu_mul(F.linear(x, weights[i]))
+            return ops.silu_mul(_dense_linear(x, weights[i]))
 
         def skinny(i, c):
             return skinny_linear(x, weights[i], c, silu_mul=True)
@@ -82,7 +93,7 @@ def case(name: str, rows: int, copies: int):
     else:
 
         def cublas(i):
-            return F.linear(x, weights[i])
+            return _dense_linear(x, weights[i])
 
         def skinny(i, c):
             return skinny_linear(x, weights[i], c)
@@ -90,11 +101,11 @@ def case(name: str, rows: int, copies: int):
     return cublas, skinny
 
 
-def compile_all(job: tuple[str, int]) -> int:
+def compile_all(job: tuple[str, int, bool]) -> int:
     """Worker: run every candidate once so Triton compiles and caches it."""
-    name, rows = job
-    _, skinny = case(name, rows, 1)
-    for config in candidates(name, rows):
+    name, rows, fp8 = job
+    _, skinny = case(name, rows, 1, fp8)
+    for config in candidates(name, rows, fp8):
         try:
             skinny(0, config)
         except Exception:  # shapes that exceed shared memory or registers
@@ -103,15 +114,16 @@ def compile_all(job: tuple[str, int]) -> int:
     return rows
 
 
-def tune(name: str, rows: list[int]) -> None:
+def tune(name: str, rows: list[int], fp8: bool = False) -> None:
     n, k = SHAPES[name][:2]
-    nbytes = n * k * 2
+    nbytes = n * k * (1 if fp8 else 2)
     copies = max(4, -(-L2_DEFEAT_BYTES // nbytes))
+    dense = "FP8 tensor cores" if fp8 else "cuBLAS"
     for m in rows:
-        cublas, skinny = case(name, m, copies)
+        cublas, skinny = case(name, m, copies, fp8)
         base = graph_time_us(cublas, copies)
         timed = []
-        for config in candidates(name, m):
+        for config in candidates(name, m, fp8):
             try:
                 us = graph_time_us(lambda i, c=config, s=skinny: s(i, c), copies)
             except Exception as error:  # shapes that exceed shared memory or registers
@@ -120,7 +132,7 @@ def tune(name: str, rows: list[int]) -> None:
             timed.append((us, config))
         timed.sort(key=lambda item: item[0])
         print(
-            f"{name} N={n} K={k} rows={m}: cuBLAS {base:.1f} us "
+            f"{name} N={n} K={k} rows={m}: {dense} {base:.1f} us "
             f"({nbytes / base / 1e3:.0f} GB/s); skinny best {timed[0][0]:.1f} us "
             f"({nbytes / timed[0][0] / 1e3:.0f} GB/s), x{base / timed[0][0]:.2f}",
             flush=True,
@@ -140,13 +152,15 @@ def main() -> None:
     parser.add_argument(
         "--jobs", type=int, default=8, help="processes that compile launch shapes first"
     )
+    parser.add_argument("--fp8", action="store_true", help="float8 weights (default: bf16)")
     args = parser.parse_args()
-    jobs = [(name, m) for name in args.shapes for m in sorted({tile_rows(r) for r in args.rows})]
+    tiles = sorted({tile_rows(r) for r in args.rows})
+    jobs = [(name, m, args.fp8) for name in args.shapes for m in tiles]
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:
         for _ in pool.imap_unordered(compile_all, jobs):
             pass
     for name in args.shapes:
-        tune(name, args.rows)
+        tune(name, args.rows, args.fp8)
 
 
 if __name__ == "__main__":
