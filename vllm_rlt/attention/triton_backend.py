@@ -401,25 +401,17 @@ class TritonOps:
             meta.block_size,
             scale,
             **shape,
-            **(
-                self._decode_launch(row_grid)
-                if counts is None
-                else dict(
-                    BLOCK_N=DECODE_BLOCK_N,
-                    STAGES=DECODE_STAGES,
-                    EARLY_V=DECODE_EARLY_V,
-                    num_warps=FEW_ROWS_WARPS if row_grid <= FEW_ROWS else MANY_ROWS_WARPS,
-                )
-            ),
+            **self._decode_launch(row_grid, bounded=counts is not None),
             PERSISTENT=counts is not None,
             **launch_options(self.pdl),
         )
         return out.reshape(rows, -1)
 
-    def _decode_launch(self, rows: int) -> dict:
-        """The launch shape of a program per decode row and head."""
+    def _decode_launch(self, rows: int, bounded: bool = False) -> dict:
+        """The launch shape of the decode row kernel over `rows` programs per head: one per
+        row, or the bounded grid of a captured prompt pass (which keeps 128-key tiles)."""
         return dict(
-            BLOCK_N=MANY_ROWS_BLOCK_N if rows >= MANY_ROWS else DECODE_BLOCK_N,
+            BLOCK_N=MANY_ROWS_BLOCK_N if rows >= MANY_ROWS and not bounded else DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
             EARLY_V=DECODE_EARLY_V,
             num_warps=FEW_ROWS_WARPS if rows <= FEW_ROWS else MANY_ROWS_WARPS,
