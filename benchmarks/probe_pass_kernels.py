@@ -2,9 +2,7 @@
 (16 heads of 128, 16 KV heads, 4 planes), 24 launches per CUDA graph as the 24 layers run:
 
 - paged (decode) attention: one program per row ("plain") against the bounded grid of a
-  captured prompt pass (programs that loop over rows), by programs, warps and key tile; and
-  with each tile's values loaded after the softmax update or together with its keys
-  (`early_v`), up to 1,088 positions;
+  captured prompt pass (programs that loop over rows), by programs, warps and key tile;
 - RoPE + KV write: a program per row and head against one per row.
 
 Every row reads its own K/V blocks (no two rows share a block, so nothing stays in L2 as it
@@ -32,14 +30,7 @@ HEADS, DIM, BLOCK, PLANES, LAYERS = 16, 128, 16, 4, 24
 
 
 def attention_us(
-    rows: int,
-    context: int,
-    programs: int,
-    bounded: bool,
-    warps: int,
-    pdl: bool,
-    block_n: int,
-    early_v: bool = True,
+    rows: int, context: int, programs: int, bounded: bool, warps: int, pdl: bool, block_n: int
 ) -> float:
     """One launch over `rows` rows of `context` positions, each in its own blocks."""
     per_row = -(-context // BLOCK)
@@ -78,7 +69,6 @@ def attention_us(
             KV_SCALED=False,
             BLOCK_N=block_n,
             STAGES=1,
-            EARLY_V=early_v,
             PERSISTENT=bounded,
             num_warps=warps,
             **launch_options(pdl),
@@ -147,12 +137,6 @@ def main() -> None:
                 ),
                 flush=True,
             )
-    for rows, context in ((1, 1088), (8, 1088), (32, 1088), (256, 67), (512, 300)):
-        warps, block_n = (4 if rows <= 16 else 2), (64 if rows >= 256 else 128)
-        for early_v in (False, True):  # values loaded after the softmax update, or with keys
-            us = attention_us(rows, context, rows, False, warps, args.pdl, block_n, early_v)
-            record = {"kernel": "paged_attention", "rows": rows, "context": context}
-            print(json.dumps(record | {"early_v": early_v, "us": round(us, 2)}), flush=True)
     for rows in (1, 8, 64, 512, 1024):
         for by_row in (False, True):
             us = rope_us(rows, by_row, args.pdl)

@@ -34,10 +34,6 @@ from vllm_rlt.layers.rotary import RotaryEmbedding
 # want 4 warps, many rows 2. The bounded grid of a captured prompt pass keeps 128-key tiles:
 # with 64-key tiles and 4 warps there, steady load with adaptive depth lost 5-17%.
 DECODE_BLOCK_N, DECODE_STAGES = 128, 1
-# Decode attention loads a key tile's values right after its keys, so that their latency
-# overlaps the scores' reductions (whose barriers the compiler does not move loads across);
-# False: after the softmax update, as before (not yet measured against each other).
-DECODE_EARLY_V = True
 # Decode passes of up to so many rows without speculation lanes write K/V and attend in
 # one kernel (`_rope_attend_kernel`): a kernel fewer per layer where launches dominate. A
 # variant that carried the new K/V in registers through the key loop lost 4% at 1 row and
@@ -413,6 +409,5 @@ class TritonOps:
         return dict(
             BLOCK_N=MANY_ROWS_BLOCK_N if rows >= MANY_ROWS and not bounded else DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
-            EARLY_V=DECODE_EARLY_V,
             num_warps=FEW_ROWS_WARPS if rows <= FEW_ROWS else MANY_ROWS_WARPS,
         )

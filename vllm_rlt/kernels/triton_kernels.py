@@ -314,7 +314,6 @@ def _rope_attend_kernel(
     PLANES: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
-    EARLY_V: tl.constexpr,
     SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -391,7 +390,6 @@ def _rope_attend_kernel(
         KV_SCALED,
         BLOCK_N,
         STAGES,
-        EARLY_V,
         tl.program_id(2),
         part_ptr,
         SPLITS,
@@ -421,7 +419,6 @@ def _paged_attention_kernel(
     KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
-    EARLY_V: tl.constexpr,
     PERSISTENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -455,7 +452,6 @@ def _paged_attention_kernel(
                 KV_SCALED,
                 BLOCK_N,
                 STAGES,
-                EARLY_V,
                 0,
                 out_ptr,  # not read: one split
                 1,
@@ -484,7 +480,6 @@ def _paged_attention_kernel(
             KV_SCALED,
             BLOCK_N,
             STAGES,
-            EARLY_V,
             0,
             out_ptr,  # not read: one split
             1,
@@ -515,7 +510,6 @@ def _attend_row(
     KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
-    EARLY_V: tl.constexpr,
     split,
     part_ptr,
     SPLITS: tl.constexpr,
@@ -551,17 +545,13 @@ def _attend_row(
             plane * slots_per_plane + block * block_size + j % block_size
         ) * NUM_KV_HEADS + kv_head
         offsets = entry[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-        if EARLY_V:  # in flight while the scores' reductions wait at their barriers
-            v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-        scores = tl.sum(k.to(tl.float32) * q[None, :], axis=1) * scale
+        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+        scores = tl.sum(k * q[None, :], axis=1) * scale
         scores = tl.where(valid, scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, axis=0))
         p = tl.exp(scores - m_new)
         alpha = tl.exp(m - m_new)
-        if not EARLY_V:
-            v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0)
-        v = v.to(tl.float32)
+        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
         total = total * alpha + tl.sum(p, axis=0)
         acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m = m_new
