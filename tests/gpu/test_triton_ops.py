@@ -120,7 +120,8 @@ def test_rope_write_and_paged_attention(
     each takes several), and with the key tile and the RoPE kernel of passes of many rows.
     A decode-only pass writes and attends in one kernel; "two_kernels" runs it as a pass
     with speculation lanes does, the RoPE write first; "split_kv" splits each row's
-    16-key tiles into 4 runs (some empty) combined by a second kernel."""
+    16-key tiles into 4 runs (some empty) combined by a second kernel, in the fused kernel
+    (decode only) and in the row kernel (beside prompt chunks)."""
     _check_attention(
         triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
     )
@@ -217,10 +218,11 @@ def _check_attention(
         monkeypatch.setattr(triton_backend, "ROPE_BY_ROW", 1)
     elif launch == "two_kernels":
         tiled.rows_independent = False
-    elif launch == "split_kv":  # 6 rows x 16 heads x 4 runs; up to 7 tiles a row
+    elif launch == "split_kv":  # 6 rows x 16 heads x 4 runs; up to 7 tiles a row (fused
+        # kernel for decode alone, the row kernel beside prompt tiles)
         monkeypatch.setattr(triton_backend, "SPLIT_KV_PROGRAMS", 6 * 16 * 4)
         monkeypatch.setattr(triton_backend, "DECODE_BLOCK_N", 16)
-        assert with_prompts or triton_backend.decode_splits(6, 16) == 4
+        assert triton_backend.decode_splits(6, 16) == 4
     assert tiled.rows_independent == (not with_prompts and launch != "two_kernels")
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen

@@ -40,10 +40,12 @@ DECODE_BLOCK_N, DECODE_STAGES = 128, 1
 # 31% at 256 (docs/benchmarks/2026-12-01-linear-plans.md): its work ahead of the key loop
 # is not hidden once programs come in waves. 0: never.
 FUSED_DECODE_ROWS = 16
-# Split-KV for few rows: a fused decode pass splits each row's key tiles into runs (a power
-# of two, at most MAX_SPLITS) until rows x heads x runs reaches this many programs, and a
-# second kernel combines the runs; at one row 16 programs would otherwise read a long
-# context on 16 of the GPU's SMs. 0: never.
+# Split-KV: a decode pass (outside the bounded grid of a captured prompt pass) splits each
+# row's key tiles into runs (a power of two, at most MAX_SPLITS) until rows x heads x runs
+# reaches this many programs, and a second kernel combines the runs; at one row 16
+# programs would otherwise read a long context on 16 of the GPU's SMs. On an H200 at 128
+# programs: 2.15x / 1.42x decode at prompt 2048, concurrency 1 / 4, and 0.99-1.00x at
+# prompt 64, concurrency 1-8. 0: never.
 SPLIT_KV_PROGRAMS, MAX_SPLITS = 128, 8
 MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
@@ -91,10 +93,13 @@ FP8_PLANS = {
     "deep": LINEAR_PLANS["deep"] + LINEAR_PLANS["narrow"][1:],
 }
 
-# FP8 weights take the skinny kernel (widened in registers) up to this many rows, and FP8
-# tensor cores with per-token activation scales (fp8_rows.py) above: at 64 rows the skinny
-# form ran at 0.76x bf16 on an H200, when it should move half the bytes.
-FP8_SKINNY_ROWS = 64
+# FP8 weights take the skinny kernel (widened in registers) up to so many rows, and FP8
+# tensor cores with per-token activation scales (fp8_rows.py) above. Measured on an H200
+# (benchmarks/tune_linear.py --fp8): at 32-64 rows tensor cores ran qkv and gate_up
+# 1.2-1.3x faster than the best skinny shape, while for o and down (N <= K, whose 2,048
+# outputs fill few tensor-core tiles) the skinny kernel stayed 1.3x faster.
+FP8_SKINNY_ROWS = 16
+FP8_SKINNY_ROWS_NARROW = 64  # the "narrow" and "deep" classes (o, down)
 
 
 def layer_class(n: int, k: int) -> str:
@@ -108,6 +113,11 @@ def layer_class(n: int, k: int) -> str:
     return "wide" if n <= 16384 else "head"
 
 
+def fp8_skinny_rows(kind: str) -> int:
+    """The most rows for which an fp8 weight of this layer class takes the skinny kernel."""
+    return FP8_SKINNY_ROWS_NARROW if kind in ("narrow", "deep") else FP8_SKINNY_ROWS
+
+
 def linear_plan(
     x: torch.Tensor, weight: torch.Tensor | Fp8Weight, split_ok: bool = False
 ) -> SkinnyConfig | None:
@@ -119,9 +129,10 @@ def linear_plan(
     an H200: 1.06x at 8 rows; the 64-row plans would exceed shared memory)."""
     n, k = weight.shape
     fp8 = isinstance(weight, Fp8Weight)
-    if fp8 and x.shape[0] > FP8_SKINNY_ROWS:
+    kind = layer_class(n, k)
+    if fp8 and x.shape[0] > fp8_skinny_rows(kind):
         return None
-    for most_rows, config in (FP8_PLANS if fp8 else LINEAR_PLANS)[layer_class(n, k)]:
+    for most_rows, config in (FP8_PLANS if fp8 else LINEAR_PLANS)[kind]:
         if x.shape[0] <= most_rows:
             wide = 2 if fp8 and config.block_m <= 32 else 1
             return replace(
@@ -293,9 +304,7 @@ class TritonOps:
         fused = rows <= FUSED_DECODE_ROWS and meta.rows_independent
         if fused and tiles is None and counts is None:
             splits = decode_splits(rows, num_heads)
-            parts = out  # not read with one split
-            if splits > 1:
-                parts = qkv.new_empty(rows, num_heads, splits, head_dim + 2, dtype=torch.float32)
+            parts = self._split_parts(out, splits)
             _rope_attend_kernel[(rows, num_heads, splits)](
                 qkv,
                 q,
@@ -322,15 +331,7 @@ class TritonOps:
                 **self._decode_launch(rows),
                 **launch_options(self.pdl),
             )
-            if splits > 1:
-                _combine_splits_kernel[(rows, num_heads)](
-                    parts,
-                    v_scale,
-                    out,
-                    **shape,
-                    SPLITS=splits,
-                    **launch_options(self.pdl),
-                )
+            self._combine_splits(parts, v_scale, out, rows, shape, splits)
             return out.reshape(rows, -1)
         args = (qkv, q, *caches, meta.positions, rotary.cos, rotary.sin)
         args += (meta.row_entry, meta.write_lo, meta.write_hi, qkv.stride(0), meta.slots_per_plane)
@@ -383,7 +384,9 @@ class TritonOps:
             )
         if row_grid == 0:
             return out.reshape(rows, -1)
-        _paged_attention_kernel[(row_grid, num_heads)](
+        splits = 1 if counts is not None else decode_splits(row_grid, num_heads)
+        parts = self._split_parts(out, splits)
+        _paged_attention_kernel[(row_grid, num_heads, splits)](
             q,
             *caches,
             out,
@@ -396,12 +399,33 @@ class TritonOps:
             meta.slots_per_plane,
             meta.block_size,
             scale,
+            parts,
             **shape,
             **self._decode_launch(row_grid, bounded=counts is not None),
+            SPLITS=splits,
             PERSISTENT=counts is not None,
             **launch_options(self.pdl),
         )
+        self._combine_splits(parts, v_scale, out, row_grid, shape, splits)
         return out.reshape(rows, -1)
+
+    @staticmethod
+    def _split_parts(out: torch.Tensor, splits: int) -> torch.Tensor:
+        """Each split's unnormalised state (acc, max, sum) per row and head; `out` itself
+        (not read) with one split."""
+        if splits == 1:
+            return out
+        rows, heads, head_dim = out.shape
+        return out.new_empty(rows, heads, splits, head_dim + 2, dtype=torch.float32)
+
+    def _combine_splits(
+        self, parts, v_scale, out: torch.Tensor, rows: int, shape: dict, splits: int
+    ) -> None:
+        """Split-KV's second kernel: the first `rows` rows' runs into `out`."""
+        if splits > 1:
+            _combine_splits_kernel[(rows, out.shape[1])](
+                parts, v_scale, out, **shape, SPLITS=splits, **launch_options(self.pdl)
+            )
 
     def _decode_launch(self, rows: int, bounded: bool = False) -> dict:
         """The launch shape of the decode row kernel over `rows` programs per head: one per

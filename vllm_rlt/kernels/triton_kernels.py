@@ -413,18 +413,22 @@ def _paged_attention_kernel(
     slots_per_plane,
     block_size,
     scale,
+    part_ptr,
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
+    SPLITS: tl.constexpr,
     PERSISTENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One query row and head over positions 0..pos of its plane, with online softmax.
     PERSISTENT: the row count is read from `count_ptr` on the device and each program
-    takes every grid-th row, so a captured pass bounds its grid, not its rows."""
+    takes every grid-th row, so a captured pass bounds its grid, not its rows (one split).
+    Otherwise SPLITS > 1 splits the row's key tiles into runs along grid axis 2, as in
+    `_rope_attend_kernel`."""
     pdl_enter(USE_PDL)
     head = tl.program_id(1)
     if PERSISTENT:
@@ -480,9 +484,9 @@ def _paged_attention_kernel(
             KV_SCALED,
             BLOCK_N,
             STAGES,
-            0,
-            out_ptr,  # not read: one split
-            1,
+            tl.program_id(2),
+            part_ptr,
+            SPLITS,
         )
 
 
