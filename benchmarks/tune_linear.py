@@ -7,7 +7,7 @@ timed together with that norm kernel, which is where split-K slices are summed; 
 figure is cuBLAS plus the same norm. Every launch shape is compiled first in parallel worker
 processes (Triton's on-disk cache keeps the binaries), then timed one at a time.
 
-With --fp8 the weights are float8 with per-row scales (FP8_PLANS), the skinny kernel
+With --fp8 the weights are float8 with per-row scales, the skinny kernel
 widens them in registers, and the baseline is the path fp8 weights take without a skinny
 plan: per-token activation scales and FP8 tensor cores (kernels/fp8_rows.py).
 

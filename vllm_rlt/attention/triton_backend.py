@@ -45,7 +45,9 @@ FUSED_DECODE_ROWS = 16
 # reaches this many programs, and a second kernel combines the runs; at one row 16
 # programs would otherwise read a long context on 16 of the GPU's SMs. On an H200 at 128
 # programs: 2.15x / 1.42x decode at prompt 2048, concurrency 1 / 4, and 0.99-1.00x at
-# prompt 64, concurrency 1-8. 0: never.
+# prompt 64, concurrency 1-8. More programs (512, 2048) gained up to 1.12-1.15x at prompt
+# 1024, concurrency 4-16, but lost 4-11% at prompt 64, concurrency 8-16: the split count
+# depends on the rows alone, as a captured graph needs. 0: never.
 SPLIT_KV_PROGRAMS, MAX_SPLITS = 128, 8
 MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
@@ -84,22 +86,12 @@ LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
 }
 
 
-# FP8 weights stream through the skinny kernel up to 64 rows in every class: for qkv and
-# down, where bf16 goes to cuBLAS from 17 rows on, o's plans serve (not tuned for fp8; the
-# alternative, per-token scaling and FP8 tensor cores, pays a kernel per projection).
-FP8_PLANS = {
-    **LINEAR_PLANS,
-    "medium": LINEAR_PLANS["medium"] + LINEAR_PLANS["narrow"][1:],
-    "deep": LINEAR_PLANS["deep"] + LINEAR_PLANS["narrow"][1:],
-}
-
-# FP8 weights take the skinny kernel (widened in registers) up to so many rows, and FP8
-# tensor cores with per-token activation scales (fp8_rows.py) above. Measured on an H200
-# (benchmarks/tune_linear.py --fp8): at 32-64 rows tensor cores ran qkv and gate_up
-# 1.2-1.3x faster than the best skinny shape, while for o and down (N <= K, whose 2,048
-# outputs fill few tensor-core tiles) the skinny kernel stayed 1.3x faster.
+# FP8 weights take the skinny kernel (widened in registers, with bf16's launch shapes) up to
+# this many rows, and FP8 tensor cores with per-token activation scales (fp8_rows.py) above.
+# Same-run A/B on an H200, 16 against 64: 1.20x at concurrency 32, 1.12x at 64, 1.10x at
+# prompt 1024 with fp8 K/V, equal at 8. Keeping o and down (N <= K) skinny up to 64 rows,
+# as their per-kernel times favoured, gave 0.94x / 1.03x at concurrency 32 / 64.
 FP8_SKINNY_ROWS = 16
-FP8_SKINNY_ROWS_NARROW = 64  # the "narrow" and "deep" classes (o, down)
 
 
 def layer_class(n: int, k: int) -> str:
@@ -113,28 +105,22 @@ def layer_class(n: int, k: int) -> str:
     return "wide" if n <= 16384 else "head"
 
 
-def fp8_skinny_rows(kind: str) -> int:
-    """The most rows for which an fp8 weight of this layer class takes the skinny kernel."""
-    return FP8_SKINNY_ROWS_NARROW if kind in ("narrow", "deep") else FP8_SKINNY_ROWS
-
-
 def linear_plan(
     x: torch.Tensor, weight: torch.Tensor | Fp8Weight, split_ok: bool = False
 ) -> SkinnyConfig | None:
     """The skinny launch shape for x's rows, or None for cuBLAS. Without split_ok (the
     consumer needs the finished product), a split-K plan runs with one slice. Wider
     activations take proportionally shorter K chunks, so a tile holds the same registers.
-    An fp8 weight's tile is widened to its activations' dtype; up to 32 rows its K chunk
-    doubles, so that a pipeline stage moves as many weight bytes as in bf16 (measured on
-    an H200: 1.06x at 8 rows; the 64-row plans would exceed shared memory)."""
+    An fp8 weight's tile is widened to its activations' dtype and its K chunk doubles, so
+    that a pipeline stage moves as many weight bytes as in bf16 (measured on an H200:
+    1.06x at 8 rows)."""
     n, k = weight.shape
     fp8 = isinstance(weight, Fp8Weight)
-    kind = layer_class(n, k)
-    if fp8 and x.shape[0] > fp8_skinny_rows(kind):
+    if fp8 and x.shape[0] > FP8_SKINNY_ROWS:
         return None
-    for most_rows, config in (FP8_PLANS if fp8 else LINEAR_PLANS)[kind]:
+    for most_rows, config in LINEAR_PLANS[layer_class(n, k)]:
         if x.shape[0] <= most_rows:
-            wide = 2 if fp8 and config.block_m <= 32 else 1
+            wide = 2 if fp8 else 1
             return replace(
                 config,
                 block_k=config.block_k * 2 * wide // x.element_size(),
