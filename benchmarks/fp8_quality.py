@@ -4,9 +4,11 @@ full depth, and how many exit decisions of the `ouro` rule at threshold q change
 tokens. Random prompts run teacher-forced through a dense forward (every position at every
 loop, as prompts run), with the projections through the engine's reference ops, so fp8
 weights compute as the engine's kernels do for few rows (weight-only, scaled per output
-channel); fp8 K/V are rounded to float8 where they are written, at scale 1 or divided by
-per-head scales calibrated on other random prompts as vLLM's calculate_kv_scales sets them
-(amax / 200 for K, amax / 100 for V).
+channel). The "activations per token" variant also rounds each row of a projection's input
+to float8 with its own scale, as the FP8 tensor cores of passes above 16 rows do. fp8 K/V
+are rounded to float8 where they are written, at scale 1 or divided by per-head scales
+calibrated on other random prompts as vLLM's calculate_kv_scales sets them (amax / 200 for
+K, amax / 100 for V).
 
 python -m benchmarks.fp8_quality --shape ouro-1.4b --dtype bfloat16 --prompts 4 --prompt-len 128
 """
@@ -23,14 +25,15 @@ from tqdm import tqdm
 from vllm_rlt.attention.torch_backend import TorchOps
 from vllm_rlt.bench.shapes import SHAPES, random_model
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.layers.fp8 import FP8_DTYPE, quantize_model
+from vllm_rlt.layers.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, quantize_model
 from vllm_rlt.layers.norm import rms_norm
 
-VARIANTS = {  # name -> (quantization, fp8 K/V, per-head K/V scales)
-    "fp8 weights": ("fp8", False, False),
-    "fp8 KV": (None, True, False),
-    "fp8 KV, per-head scales": (None, True, True),
-    "fp8 weights + fp8 KV": ("fp8", True, False),
+VARIANTS = {  # name -> (quantization, fp8 K/V, per-head K/V scales, fp8 activations)
+    "fp8 weights": ("fp8", False, False, False),
+    "fp8 weights, activations per token": ("fp8", False, False, True),
+    "fp8 KV": (None, True, False, False),
+    "fp8 KV, per-head scales": (None, True, True, False),
+    "fp8 weights + fp8 KV": ("fp8", True, False, False),
 }
 # vLLM's calculate_kv_scales: the calibration's largest |K| maps to 200, |V| to 100, so
 # that larger values met later still fit float8 e4m3's 448.
@@ -39,6 +42,18 @@ K_SCALE_RANGE, V_SCALE_RANGE = 200.0, 100.0
 
 def _branch(output: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     return output if weight is None else rms_norm(output, weight, eps)
+
+
+class PerTokenFp8Ops(TorchOps):
+    """The reference ops with an fp8 weight's input rounded per row to float8 (the row's
+    largest magnitude to FP8_MAX), as the FP8 tensor-core path computes."""
+
+    def linear(self, x, weight, live=None):
+        if isinstance(weight, Fp8Weight):
+            amax = x.float().abs().amax(dim=-1, keepdim=True)
+            scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+            x = ((x.float() / scale).to(FP8_DTYPE).float() * scale).to(x.dtype)
+        return super().linear(x, weight, live)
 
 
 def _through_fp8(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -51,12 +66,13 @@ def _through_fp8(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 @torch.inference_mode()
 def loop_states(
-    model, tokens: torch.Tensor, fp8_kv: bool, kv_scales=None, amax=None
+    model, tokens: torch.Tensor, fp8_kv: bool, kv_scales=None, amax=None, ops=None
 ) -> list[torch.Tensor]:
     """The end-of-loop (normalised) state of every position after each loop, [B * T, hidden].
     kv_scales: per layer (K, V) scales of the float8 cache; amax: a list that collects each
-    layer's largest |K| and |V| per head over every loop."""
-    cfg, ops = model.config, TorchOps()
+    layer's largest |K| and |V| per head over every loop; ops: the projections' ops
+    (TorchOps by default)."""
+    cfg, ops = model.config, ops or TorchOps()
     batch, length = tokens.shape
     heads, kv_heads, dim, eps = (
         cfg.num_attention_heads,
@@ -119,8 +135,8 @@ def calibrated_scales(model, tokens: torch.Tensor) -> list[tuple[torch.Tensor, t
     return [(k / K_SCALE_RANGE, v / V_SCALE_RANGE) for k, v in amax]
 
 
-def summary(model, tokens, fp8_kv: bool, threshold: float, kv_scales=None):
-    states = loop_states(model, tokens, fp8_kv, kv_scales)
+def summary(model, tokens, fp8_kv: bool, threshold: float, kv_scales=None, ops=None):
+    states = loop_states(model, tokens, fp8_kv, kv_scales, ops=ops)
     logprobs = F.log_softmax(model.coda(states[-1]).float(), dim=-1).cpu()
     return logprobs, exit_depths(model, states, threshold)
 
@@ -150,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         bar.update(1)
         quantized = None
         scales = calibrated_scales(model, calibration.to(args.device))
-        for name, (quantization, fp8_kv, scaled) in VARIANTS.items():
+        for name, (quantization, fp8_kv, scaled, per_token) in VARIANTS.items():
             if quantization is not None and quantized is None:
                 quantized = random_model(args.shape, dtype, torch.device(args.device), args.seed)
                 quantize_model(quantized, quantization)
@@ -160,6 +176,7 @@ def main(argv: list[str] | None = None) -> int:
                 fp8_kv,
                 args.threshold,
                 scales if scaled else None,
+                PerTokenFp8Ops() if per_token else None,
             )
             kl = (reference.exp() * (reference - logprobs)).sum(-1)
             same_top1 = reference.argmax(-1) == logprobs.argmax(-1)
