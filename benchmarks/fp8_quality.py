@@ -25,7 +25,13 @@ from tqdm import tqdm
 from vllm_rlt.attention.torch_backend import TorchOps
 from vllm_rlt.bench.shapes import SHAPES, random_model
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.layers.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, quantize_model
+from vllm_rlt.layers.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    Fp8Weight,
+    fp8_linear_reference,
+    quantize_model,
+)
 from vllm_rlt.layers.norm import rms_norm
 
 VARIANTS = {  # name -> (quantization, fp8 K/V, per-head K/V scales, fp8 activations)
@@ -44,15 +50,22 @@ def _branch(output: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
     return output if weight is None else rms_norm(output, weight, eps)
 
 
-class PerTokenFp8Ops(TorchOps):
-    """The reference ops with an fp8 weight's input rounded per row to float8 (the row's
+def per_token_fp8_product(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
+    """x @ W.T with each row of x first rounded to float8 at its own scale (the row's
     largest magnitude to FP8_MAX), as the FP8 tensor-core path computes."""
+    amax = x.float().abs().amax(dim=-1, keepdim=True)
+    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    return fp8_linear_reference(
+        ((x.float() / scale).to(FP8_DTYPE).float() * scale).to(x.dtype), weight
+    )
+
+
+class PerTokenFp8Ops(TorchOps):
+    """The reference ops with fp8 weights' products as `per_token_fp8_product`."""
 
     def linear(self, x, weight, live=None):
         if isinstance(weight, Fp8Weight):
-            amax = x.float().abs().amax(dim=-1, keepdim=True)
-            scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-            x = ((x.float() / scale).to(FP8_DTYPE).float() * scale).to(x.dtype)
+            return per_token_fp8_product(x, weight)
         return super().linear(x, weight, live)
 
 

@@ -35,3 +35,22 @@ def test_per_token_rounding_keeps_each_rows_largest_value():
     assert got[0, 0] == x[0, 0] and got[1, 0] == x[1, 0]
     assert got[0, 1] != x[0, 1]
     torch.testing.assert_close(TorchOps().linear(x, weight), x)
+
+
+def test_accuracy_runs_through_the_per_token_product(monkeypatch, capsys):
+    """benchmarks/fp8_activation_accuracy.py: bench accuracy's report, with every fp8
+    projection of the engine computed by the per-token product."""
+    import benchmarks.fp8_activation_accuracy as tool
+
+    calls, product = [], tool.per_token_fp8_product
+
+    def counted(x, weight):
+        calls.append(x.shape[0])
+        return product(x, weight)
+
+    monkeypatch.setattr(tool, "per_token_fp8_product", counted)
+    argv = ["--per-task", "1", "--train-size", "0", "--thresholds", "0.5", "--quantization", "fp8"]
+    assert tool.main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["quantization"] == "fp8" and report["rows"]
+    assert calls
