@@ -27,7 +27,6 @@ from vllm_rlt.bench.shapes import SHAPES, random_model
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.layers.fp8 import (
     FP8_DTYPE,
-    FP8_MAX,
     Fp8Weight,
     fp8_linear_reference,
     quantize_model,
@@ -52,12 +51,9 @@ def _branch(output: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 
 def per_token_fp8_product(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """x @ W.T with each row of x first rounded to float8 at its own scale (the row's
-    largest magnitude to FP8_MAX), as the FP8 tensor-core path computes."""
-    amax = x.float().abs().amax(dim=-1, keepdim=True)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
-    return fp8_linear_reference(
-        ((x.float() / scale).to(FP8_DTYPE).float() * scale).to(x.dtype), weight
-    )
+    largest magnitude to float8's largest value, as weight rows are quantized), as the FP8
+    tensor-core path computes."""
+    return fp8_linear_reference(Fp8Weight.quantize(x).dequantize(x.dtype), weight)
 
 
 class PerTokenFp8Ops(TorchOps):

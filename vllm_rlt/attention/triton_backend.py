@@ -143,7 +143,7 @@ def _dense_linear(
 
 
 def decode_splits(rows: int, heads: int) -> int:
-    """Runs of key tiles per row and head in a fused decode pass (see SPLIT_KV_PROGRAMS)."""
+    """Runs of key tiles per row and head in a decode pass (see SPLIT_KV_PROGRAMS)."""
     splits = 1
     while splits < MAX_SPLITS and rows * heads * splits * 2 <= SPLIT_KV_PROGRAMS:
         splits *= 2
