@@ -8,6 +8,11 @@ the weights stream from HBM as a decode pass's do) three ways:
   resident) meeting at a grid barrier (a counter in device memory) between steps;
 - "persistent+prefetch": the same, each program loading its first K chunk of the next
   step's weights before it waits at the barrier, so the weight stream overlaps the wait;
+- "+half strip" and "+whole strip" (launches and persistent): each program loads half or
+  all of its 16 x 2,048 strip of the step's weights (32 or 64 KB, in registers of 8
+  warps) before it waits, on the predecessor kernel or at the barrier, so the step's HBM
+  time can hide the wait (a whole strip takes 152 registers a thread: one program an SM,
+  so under PDL it cannot load beside its predecessor);
 
 and the barrier alone (steps with no work). Prints one JSON line per case: microseconds
 per step, against the HBM time of one step's weights.
@@ -41,14 +46,15 @@ def _gemv_slice(
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    FIRST: tl.constexpr,
 ):
-    """out[n0 : n0 + BLOCK_N] = W[n0 : n0 + BLOCK_N] @ x, with the first K chunk of W
-    already loaded (first_w)."""
+    """out[n0 : n0 + BLOCK_N] = W[n0 : n0 + BLOCK_N] @ x, with the first FIRST columns of
+    W's strip already loaded (first_w: BLOCK_K, or K for the whole strip)."""
     rows = n0 + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    x = tl.load(x_ptr + ks, cache_modifier=".cg").to(tl.float32)
-    acc = tl.sum(first_w.to(tl.float32) * x[None, :], axis=1)
-    for k0 in tl.range(BLOCK_K, K, BLOCK_K, num_stages=3):
+    x_first = tl.load(x_ptr + tl.arange(0, FIRST), cache_modifier=".cg").to(tl.float32)
+    acc = tl.sum(first_w.to(tl.float32) * x_first[None, :], axis=1)
+    for k0 in tl.range(FIRST, K, BLOCK_K, num_stages=3):
         w = tl.load(w_ptr + rows[:, None] * K + (k0 + ks)[None, :])
         x = tl.load(x_ptr + k0 + ks, cache_modifier=".cg").to(tl.float32)
         acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
@@ -56,9 +62,9 @@ def _gemv_slice(
 
 
 @triton.jit
-def _first_chunk(w_ptr, n0, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _first_chunk(w_ptr, n0, K: tl.constexpr, BLOCK_N: tl.constexpr, FIRST: tl.constexpr):
     rows = n0 + tl.arange(0, BLOCK_N)
-    return tl.load(w_ptr + rows[:, None] * K + tl.arange(0, BLOCK_K)[None, :])
+    return tl.load(w_ptr + rows[:, None] * K + tl.arange(0, FIRST)[None, :])
 
 
 @triton.jit
@@ -81,12 +87,20 @@ def _step_kernel(
     K: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    PRELOAD: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_enter(USE_PDL)
+    """One step; PRELOAD > 0: the strip's first PRELOAD columns load before the wait on the
+    predecessor."""
     n0 = tl.program_id(0) * BLOCK_N
-    first = _first_chunk(w_ptr, n0, K, BLOCK_N, BLOCK_K)
-    _gemv_slice(w_ptr, x_ptr, out_ptr, n0, first, K, BLOCK_N, BLOCK_K)
+    if PRELOAD:
+        first = _first_chunk(w_ptr, n0, K, BLOCK_N, PRELOAD)
+        pdl_enter(USE_PDL)
+        _gemv_slice(w_ptr, x_ptr, out_ptr, n0, first, K, BLOCK_N, BLOCK_K, PRELOAD)
+    else:
+        pdl_enter(USE_PDL)
+        first = _first_chunk(w_ptr, n0, K, BLOCK_N, BLOCK_K)
+        _gemv_slice(w_ptr, x_ptr, out_ptr, n0, first, K, BLOCK_N, BLOCK_K, BLOCK_K)
 
 
 @triton.jit
@@ -101,19 +115,22 @@ def _chain_kernel(
     BLOCK_K: tl.constexpr,
     WORK: tl.constexpr,
     PREFETCH: tl.constexpr,
+    FIRST: tl.constexpr,
 ):
-    """y[s + 1] = W[s] @ y[s] for s < steps, a grid barrier after each step."""
+    """y[s + 1] = W[s] @ y[s] for s < steps, a grid barrier after each step. PREFETCH: the
+    first FIRST columns of the next step's strip load before the barrier."""
     programs = tl.num_programs(0)
     n0 = tl.program_id(0) * BLOCK_N
-    first = _first_chunk(w_ptr, n0, K, BLOCK_N, BLOCK_K)
+    first = _first_chunk(w_ptr, n0, K, BLOCK_N, FIRST)
     for s in range(steps):
         if WORK:
             w_s = w_ptr + s * N * K
             if not PREFETCH:
-                first = _first_chunk(w_s, n0, K, BLOCK_N, BLOCK_K)
-            _gemv_slice(w_s, y_ptr + s * K, y_ptr + (s + 1) * K, n0, first, K, BLOCK_N, BLOCK_K)
-            if PREFETCH:  # the next step's first chunk streams while this program waits
-                first = _first_chunk(w_s + N * K, n0, K, BLOCK_N, BLOCK_K)
+                first = _first_chunk(w_s, n0, K, BLOCK_N, FIRST)
+            y_s = y_ptr + s * K
+            _gemv_slice(w_s, y_s, y_s + K, n0, first, K, BLOCK_N, BLOCK_K, FIRST)
+            if PREFETCH:  # the next step's weights stream while this program waits
+                first = _first_chunk(w_s + N * K, n0, K, BLOCK_N, FIRST)
         _grid_barrier(counter_ptr, (s + 1) * programs)
 
 
@@ -137,29 +154,42 @@ def main() -> None:
     y[0] = torch.randn(K, device="cuda")
     step_bytes = N * K * 2
 
-    def launches(_: int) -> None:
-        for s in range(steps):
-            _step_kernel[(programs,)](
-                w[s],
-                y[s],
-                y[s + 1],
-                K=K,
-                BLOCK_N=BLOCK_N,
-                BLOCK_K=BLOCK_K,
-                num_warps=4,
-                **launch_options(True),
-            )
+    want = y
+    for preload, name in (
+        (0, "launches"),
+        (K // 2, "launches+half strip"),
+        (K, "launches+whole strip"),
+    ):
 
-    _case("launches", graph_time_us(launches, 1) / steps, step_bytes)
-    want = y.clone()
-    for work, prefetch, name in (
-        (True, False, "persistent"),
-        (True, True, "persistent+prefetch"),
-        (False, False, "barrier only"),
+        def launches(_: int, preload=preload) -> None:
+            for s in range(steps):
+                _step_kernel[(programs,)](
+                    w[s],
+                    y[s],
+                    y[s + 1],
+                    K=K,
+                    BLOCK_N=BLOCK_N,
+                    BLOCK_K=BLOCK_K,
+                    PRELOAD=preload,
+                    num_warps=8 if preload else 4,
+                    **launch_options(True),
+                )
+
+        _case(name, graph_time_us(launches, 1) / steps, step_bytes)
+        if preload:  # against the plain launches' outputs
+            torch.testing.assert_close(y, want, atol=1e-2, rtol=1e-2)
+        else:
+            want = y.clone()
+    for work, prefetch, first, name in (
+        (True, False, BLOCK_K, "persistent"),
+        (True, True, BLOCK_K, "persistent+prefetch"),
+        (True, True, K // 2, "persistent+half strip"),
+        (True, True, K, "persistent+whole strip"),
+        (False, False, BLOCK_K, "barrier only"),
     ):
         counter = torch.zeros(1, dtype=torch.int32, device="cuda")
 
-        def chain(_: int, work=work, prefetch=prefetch, counter=counter) -> None:
+        def chain(_: int, work=work, prefetch=prefetch, first=first, counter=counter) -> None:
             counter.zero_()
             _chain_kernel[(programs,)](
                 w,
@@ -172,7 +202,8 @@ def main() -> None:
                 BLOCK_K=BLOCK_K,
                 WORK=work,
                 PREFETCH=prefetch,
-                num_warps=4,
+                FIRST=first,
+                num_warps=8 if first > BLOCK_K else 4,
             )
 
         _case(name, graph_time_us(chain, 1) / steps, step_bytes if work else 0)
