@@ -78,7 +78,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     shape = dict(NUM_HEADS=16, NUM_KV_HEADS=16, HEAD_DIM=128, KV_SCALED=False, STAGES=1)
     kernels = {
-        "row": (_paged_attention_kernel, dict(shape, SPLITS=1, PERSISTENT=False, USE_PDL=True)),
+        "row": (
+            _paged_attention_kernel,
+            dict(shape, SPLITS=1, GROUP_TILE=0, PERSISTENT=False, USE_PDL=True),
+        ),
         "fused": (_rope_attend_kernel, dict(shape, PLANES=1, SPLITS=1, USE_PDL=True)),
     }
     for name, (fn, constants) in kernels.items():

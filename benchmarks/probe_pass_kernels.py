@@ -71,6 +71,7 @@ def attention_us(
             BLOCK_N=block_n,
             STAGES=1,
             SPLITS=1,
+            GROUP_TILE=0,
             PERSISTENT=bounded,
             num_warps=warps,
             **launch_options(pdl),

@@ -393,6 +393,7 @@ def _rope_attend_kernel(
         tl.program_id(2),
         part_ptr,
         SPLITS,
+        0,  # a program per query head
     )
 
 
@@ -421,6 +422,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     SPLITS: tl.constexpr,
+    GROUP_TILE: tl.constexpr,
     PERSISTENT: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
@@ -428,7 +430,8 @@ def _paged_attention_kernel(
     PERSISTENT: the row count is read from `count_ptr` on the device and each program
     takes every grid-th row, so a captured pass bounds its grid, not its rows (one split).
     Otherwise SPLITS > 1 splits the row's key tiles into runs along grid axis 2, as in
-    `_rope_attend_kernel`."""
+    `_rope_attend_kernel`. GROUP_TILE > 0: grid axis 1 runs over KV heads, each program
+    attending for the KV head's whole group of query heads (see `_attend_row`)."""
     pdl_enter(USE_PDL)
     head = tl.program_id(1)
     if PERSISTENT:
@@ -459,6 +462,7 @@ def _paged_attention_kernel(
                 0,
                 out_ptr,  # not read: one split
                 1,
+                GROUP_TILE,
             )
     else:
         _attend_row(
@@ -487,6 +491,7 @@ def _paged_attention_kernel(
             tl.program_id(2),
             part_ptr,
             SPLITS,
+            GROUP_TILE,
         )
 
 
@@ -517,22 +522,36 @@ def _attend_row(
     split,
     part_ptr,
     SPLITS: tl.constexpr,
+    GROUP_TILE: tl.constexpr,
 ):
     """Online softmax of one row and head over positions 0..pos of its plane. With SPLITS >
     1 this program takes the split-th of SPLITS equal runs of key tiles and stores its
     unnormalised state (acc, running max, running sum) at part_ptr for
-    `_combine_splits_kernel`; an empty run stores (0, -inf, 0)."""
-    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    `_combine_splits_kernel`; an empty run stores (0, -inf, 0). With GROUP_TILE > 0 `head`
+    is a KV head, and its group of query heads (padded to GROUP_TILE rows, at least 16)
+    attends together with tl.dot, so each K/V tile is read once for the group."""
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     d = tl.arange(0, HEAD_DIM)
     pos = tl.load(positions_ptr + row)
     table_row = tl.load(table_rows_ptr + row)
     plane = tl.load(planes_ptr + row)
-    q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d).to(tl.float32)
+    if GROUP_TILE:
+        kv_head = head
+        g = tl.arange(0, GROUP_TILE)
+        g_ok = g < GROUP
+        heads = kv_head * GROUP + tl.minimum(g, GROUP - 1)  # padding repeats a head, unstored
+        q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :])
+        m = tl.full((GROUP_TILE,), float("-inf"), tl.float32)
+        total = tl.zeros((GROUP_TILE,), tl.float32)
+        acc = tl.zeros((GROUP_TILE, HEAD_DIM), tl.float32)
+    else:
+        kv_head = head // GROUP
+        q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d).to(tl.float32)
+        m = tl.full((), float("-inf"), tl.float32)
+        total = tl.full((), 0.0, tl.float32)
+        acc = tl.zeros((HEAD_DIM,), tl.float32)
     if KV_SCALED:  # a float8 cache holds K / k_scale and V / v_scale
         scale = scale * tl.load(k_scale_ptr + kv_head)
-    m = tl.full((), float("-inf"), tl.float32)
-    total = tl.full((), 0.0, tl.float32)
-    acc = tl.zeros((HEAD_DIM,), tl.float32)
     first = 0
     context = pos + 1
     if SPLITS > 1:
@@ -549,17 +568,46 @@ def _attend_row(
             plane * slots_per_plane + block * block_size + j % block_size
         ) * NUM_KV_HEADS + kv_head
         offsets = entry[:, None] * HEAD_DIM + d[None, :]
-        k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-        scores = tl.sum(k * q[None, :], axis=1) * scale
-        scores = tl.where(valid, scores, float("-inf"))
-        m_new = tl.maximum(m, tl.max(scores, axis=0))
-        p = tl.exp(scores - m_new)
-        alpha = tl.exp(m - m_new)
-        v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
-        total = total * alpha + tl.sum(p, axis=0)
-        acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
+        if GROUP_TILE:  # float8 K/V widen exactly to q's dtype for the dots
+            k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
+            scores = _dot_f32(q, tl.trans(k)) * scale
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=1))
+            p = tl.exp(scores - m_new[:, None])
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
+            total = total * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + _dot_f32(p.to(q.dtype), v)
+        else:
+            k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+            scores = tl.sum(k * q[None, :], axis=1) * scale
+            scores = tl.where(valid, scores, float("-inf"))
+            m_new = tl.maximum(m, tl.max(scores, axis=0))
+            p = tl.exp(scores - m_new)
+            alpha = tl.exp(m - m_new)
+            v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+            total = total * alpha + tl.sum(p, axis=0)
+            acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m = m_new
-    if SPLITS > 1:
+    if GROUP_TILE:
+        _store_group(
+            row,
+            heads,
+            g_ok,
+            acc,
+            m,
+            total,
+            v_scale_ptr,
+            kv_head,
+            out_ptr,
+            part_ptr,
+            split,
+            NUM_HEADS,
+            HEAD_DIM,
+            KV_SCALED,
+            SPLITS,
+        )
+    elif SPLITS > 1:
         part = part_ptr + ((row * NUM_HEADS + head) * SPLITS + split) * (HEAD_DIM + 2)
         tl.store(part + d, acc)
         tl.store(part + HEAD_DIM, m)
@@ -570,6 +618,48 @@ def _attend_row(
             out = out * tl.load(v_scale_ptr + kv_head)
         out_offsets = (row * NUM_HEADS + head) * HEAD_DIM + d
         tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty))
+
+
+@triton.jit
+def _dot_f32(a, b):
+    """a @ b summed in float32; float32 operands multiply exactly (no TF32)."""
+    if a.dtype == tl.float32:
+        return tl.dot(a, b, input_precision="ieee")
+    return tl.dot(a, b)
+
+
+@triton.jit
+def _store_group(
+    row,
+    heads,
+    g_ok,
+    acc,
+    m,
+    total,
+    v_scale_ptr,
+    kv_head,
+    out_ptr,
+    part_ptr,
+    split,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KV_SCALED: tl.constexpr,
+    SPLITS: tl.constexpr,
+):
+    """A head group's results, as `_attend_row` stores one head's: the split's state, or
+    the normalised output."""
+    d = tl.arange(0, HEAD_DIM)
+    if SPLITS > 1:
+        part = part_ptr + ((row * NUM_HEADS + heads) * SPLITS + split) * (HEAD_DIM + 2)
+        tl.store(part[:, None] + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(part + HEAD_DIM, m, mask=g_ok)
+        tl.store(part + HEAD_DIM + 1, total, mask=g_ok)
+    else:
+        out = acc / total[:, None]
+        if KV_SCALED:
+            out = out * tl.load(v_scale_ptr + kv_head)
+        out_offsets = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
 
 
 @triton.jit
