@@ -1,7 +1,8 @@
 """Registers, spills and programs per SM of the decode attention kernels, compiled for a GPU
 architecture without one (Triton's bundled ptxas, `ptxas -v`): what a launch shape or a
-register cap (Triton's maxnreg launch option) costs in occupancy before any GPU time is spent. Pointers are
-taken 16-byte aligned, as Triton specializes them at a real launch. One JSON line per case.
+register cap (Triton's maxnreg option) costs in occupancy before any GPU time is spent.
+Pointers are taken 16-byte aligned, as Triton specializes them at a real launch. One JSON
+line per case.
 
 python -m benchmarks.kernel_registers [--arch 90] [--block-n 64 128] [--warps 2 4] \
     [--maxnreg 0 128 96]

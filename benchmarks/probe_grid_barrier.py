@@ -134,6 +134,15 @@ def _chain_kernel(
         _grid_barrier(counter_ptr, (s + 1) * programs)
 
 
+def _check_chain(y: torch.Tensor, want: torch.Tensor) -> None:
+    """Unordered steps would read half-written vectors: far off, not rounding. Summing a
+    strip in another order moves single bf16 outputs by an ulp, which 24 dependent steps
+    carry on, so the check is on each step's relative error, not per element."""
+    error = (y.float() - want.float()).norm(dim=1) / want.float().norm(dim=1)
+    if error.max() > 2e-2:
+        raise AssertionError(f"chain outputs differ by up to {error.max():.3g} (relative)")
+
+
 def _case(name: str, us: float, steps_bytes: int) -> None:
     bound = steps_bytes / 4.27e12 * 1e6  # H200 HBM3e, about 4.27 TB/s measured
     print(json.dumps({"case": name, "us_per_step": round(us, 2), "hbm_us": round(bound, 2)}))
@@ -177,7 +186,7 @@ def main() -> None:
 
         _case(name, graph_time_us(launches, 1) / steps, step_bytes)
         if preload:  # against the plain launches' outputs
-            torch.testing.assert_close(y, want, atol=1e-2, rtol=1e-2)
+            _check_chain(y, want)
         else:
             want = y.clone()
     for work, prefetch, first, name in (
@@ -207,8 +216,8 @@ def main() -> None:
             )
 
         _case(name, graph_time_us(chain, 1) / steps, step_bytes if work else 0)
-        if work:  # unordered steps would read half-written vectors: far off, not rounding
-            torch.testing.assert_close(y, want, atol=1e-2, rtol=1e-2)
+        if work:
+            _check_chain(y, want)
 
 
 if __name__ == "__main__":
