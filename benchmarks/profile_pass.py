@@ -234,6 +234,8 @@ def main() -> None:
     )
     add_speculation_args(parser, replay=True)
     args = parser.parse_args()
+    if not torch.cuda.is_available():
+        parser.error("it profiles the CUDA path, and no CUDA device is available here")
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
     if args.quantization is not None:
         quantize_model(model, args.quantization)
