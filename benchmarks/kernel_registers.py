@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> int:
             _paged_attention_kernel,
             dict(shape, SPLITS=1, GROUP_TILE=0, PERSISTENT=False, USE_PDL=True),
         ),
-        "fused": (_rope_attend_kernel, dict(shape, PLANES=1, SPLITS=1, USE_PDL=True)),
+        "fused": (
+            _rope_attend_kernel,
+            dict(shape, PLANES=1, SPLITS=1, GROUP_TILE=0, USE_PDL=True),
+        ),
     }
     for name, (fn, constants) in kernels.items():
         for kv_type in ("*bf16", "*fp8e4nv"):

@@ -108,7 +108,7 @@ class _State:
 @pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
 @pytest.mark.parametrize(
     "launch",
-    ["plain", "bounded_grid", "many_rows", "two_kernels", "split_kv", "grouped"],
+    ["plain", "bounded_grid", "many_rows", "two_kernels", "split_kv", "grouped", "ungrouped"],
 )
 def test_rope_write_and_paged_attention(
     triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
@@ -122,8 +122,10 @@ def test_rope_write_and_paged_attention(
     A decode-only pass writes and attends in one kernel; "two_kernels" runs it as a pass
     with speculation lanes does, the RoPE write first; "split_kv" splits each row's
     16-key tiles into 4 runs (some empty) combined by a second kernel, in the fused kernel
-    (decode only) and in the row kernel (beside prompt chunks); "grouped" runs the row kernel a
-    program per KV head for its query heads (GROUPED_DECODE_HEADS), with split-KV runs."""
+    (decode only) and in the row kernel (beside prompt chunks). At 4 KV heads both kernels
+    run a program per KV head for its group of query heads (GROUPED_DECODE_HEADS):
+    "grouped" takes the row kernel even for decode alone, with split-KV runs; "ungrouped"
+    runs a program per query head instead."""
     _check_attention(
         triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
     )
@@ -131,7 +133,9 @@ def test_rope_write_and_paged_attention(
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("planes", "table_planes"), [(4, 1), (1, 4)], ids=["last_exited", "sd"])
-@pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows", "split_kv", "grouped"])
+@pytest.mark.parametrize(
+    "launch", ["plain", "bounded_grid", "many_rows", "split_kv", "grouped", "ungrouped"]
+)
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
 def test_rope_write_and_paged_attention_over_an_fp8_cache(
@@ -230,6 +234,8 @@ def _check_attention(
         monkeypatch.setattr(triton_backend, "SPLIT_KV_PROGRAMS", 6 * 4 * 4)
         monkeypatch.setattr(triton_backend, "DECODE_BLOCK_N", 16)
         tiled.rows_independent = False
+    elif launch == "ungrouped":
+        monkeypatch.setattr(triton_backend, "GROUPED_DECODE_HEADS", 0)
     assert tiled.rows_independent == (not with_prompts and launch not in ("two_kernels", "grouped"))
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen

@@ -296,10 +296,11 @@ class TritonOps:
         )
         tiles, counts = meta.prefill_tiles, meta.device_counts
         fused = rows <= FUSED_DECODE_ROWS and meta.rows_independent
+        head_grid, group_tile = self._head_grid(num_heads, num_kv_heads)
         if fused and tiles is None and counts is None:
-            splits = decode_splits(rows, num_heads)
+            splits = decode_splits(rows, head_grid)
             parts = self._split_parts(out, splits)
-            _rope_attend_kernel[(rows, num_heads, splits)](
+            _rope_attend_kernel[(rows, head_grid, splits)](
                 qkv,
                 q,
                 *caches,
@@ -322,7 +323,8 @@ class TritonOps:
                 **shape,
                 PLANES=meta.planes,
                 SPLITS=splits,
-                **self._decode_launch(rows),
+                GROUP_TILE=group_tile,
+                **self._decode_launch(rows, grouped=group_tile > 0),
                 **launch_options(self.pdl),
             )
             self._combine_splits(parts, v_scale, out, rows, shape, splits)
@@ -378,14 +380,8 @@ class TritonOps:
             )
         if row_grid == 0:
             return out.reshape(rows, -1)
-        group = num_heads // num_kv_heads
-        grouped = 0 < GROUPED_DECODE_HEADS <= group
-        head_grid = num_kv_heads if grouped else num_heads
         splits = 1 if counts is not None else decode_splits(row_grid, head_grid)
         parts = self._split_parts(out, splits)
-        launch = self._decode_launch(row_grid, bounded=counts is not None)
-        if grouped:  # a head group's tl.dot tiles: 4 warps (2 take 236+ registers on sm_90)
-            launch["num_warps"] = 4
         _paged_attention_kernel[(row_grid, head_grid, splits)](
             q,
             *caches,
@@ -401,9 +397,9 @@ class TritonOps:
             scale,
             parts,
             **shape,
-            **launch,
+            **self._decode_launch(row_grid, bounded=counts is not None, grouped=group_tile > 0),
             SPLITS=splits,
-            GROUP_TILE=max(16, triton.next_power_of_2(group)) if grouped else 0,
+            GROUP_TILE=group_tile,
             PERSISTENT=counts is not None,
             **launch_options(self.pdl),
         )
@@ -428,11 +424,24 @@ class TritonOps:
                 parts, v_scale, out, **shape, SPLITS=splits, **launch_options(self.pdl)
             )
 
-    def _decode_launch(self, rows: int, bounded: bool = False) -> dict:
-        """The launch shape of the decode row kernel over `rows` programs per head: one per
-        row, or the bounded grid of a captured prompt pass (which keeps 128-key tiles)."""
+    @staticmethod
+    def _head_grid(num_heads: int, num_kv_heads: int) -> tuple[int, int]:
+        """Decode attention's programs per row and the query-head tile each attends with:
+        one per query head (tile 0), or under grouping one per KV head, its group padded
+        to a tl.dot tile of at least 16 rows."""
+        group = num_heads // num_kv_heads
+        if 0 < GROUPED_DECODE_HEADS <= group:
+            return num_kv_heads, max(16, triton.next_power_of_2(group))
+        return num_heads, 0
+
+    @staticmethod
+    def _decode_launch(rows: int, bounded: bool = False, grouped: bool = False) -> dict:
+        """The launch shape of the decode kernels over `rows` programs per head: one per
+        row, or the bounded grid of a captured prompt pass (which keeps 128-key tiles). A
+        head group's tl.dot tiles take 4 warps (at 2, 236+ registers on sm_90)."""
+        few = rows <= FEW_ROWS or grouped
         return dict(
             BLOCK_N=MANY_ROWS_BLOCK_N if rows >= MANY_ROWS and not bounded else DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
-            num_warps=FEW_ROWS_WARPS if rows <= FEW_ROWS else MANY_ROWS_WARPS,
+            num_warps=FEW_ROWS_WARPS if few else MANY_ROWS_WARPS,
         )

@@ -315,6 +315,7 @@ def _rope_attend_kernel(
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
     SPLITS: tl.constexpr,
+    GROUP_TILE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """RoPE + KV write and paged attention of one decode row and head in one program, for
@@ -324,11 +325,13 @@ def _rope_attend_kernel(
     own threads' writes, then attends as `_paged_attention_kernel` does. One kernel fewer
     per layer, with the same values as the two. With SPLITS > 1 (grid axis 2) each program
     attends one run of key tiles (split-KV, for few rows at long contexts): every split
-    rotates and writes the same bytes, and only the split holding `pos` reads them."""
+    rotates and writes the same bytes, and only the split holding `pos` reads them. With
+    GROUP_TILE > 0 grid axis 1 runs over KV heads: a program rotates its group's query heads
+    together, writes its KV head once, and attends for the group (see `_attend_row`)."""
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
     head = tl.program_id(1)
-    kv_head = head // (NUM_HEADS // NUM_KV_HEADS)
+    GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     HALF: tl.constexpr = HEAD_DIM // 2
     d = tl.arange(0, HALF)
     dtype = q_out_ptr.dtype.element_ty
@@ -336,12 +339,26 @@ def _rope_attend_kernel(
     cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
     sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
     base = qkv_ptr + row * qkv_stride
-    q1 = tl.load(base + head * HEAD_DIM + d).to(tl.float32)
-    q2 = tl.load(base + head * HEAD_DIM + HALF + d).to(tl.float32)
-    q1, q2 = _rotate(q1, q2, cos, sin, dtype)
-    q_base = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
-    tl.store(q_base + d, q1)
-    tl.store(q_base + HALF + d, q2)
+    if GROUP_TILE:
+        kv_head = head
+        g = tl.arange(0, GROUP_TILE)
+        heads = kv_head * GROUP + g
+        g_ok = (g < GROUP)[:, None]
+        q_offsets = heads[:, None] * HEAD_DIM + d[None, :]
+        q1 = tl.load(base + q_offsets, mask=g_ok, other=0.0).to(tl.float32)
+        q2 = tl.load(base + q_offsets + HALF, mask=g_ok, other=0.0).to(tl.float32)
+        q1, q2 = _rotate(q1, q2, cos[None, :], sin[None, :], dtype)
+        q_base = q_out_ptr + row * NUM_HEADS * HEAD_DIM + q_offsets
+        tl.store(q_base, q1, mask=g_ok)
+        tl.store(q_base + HALF, q2, mask=g_ok)
+    else:
+        kv_head = head // GROUP
+        q1 = tl.load(base + head * HEAD_DIM + d).to(tl.float32)
+        q2 = tl.load(base + head * HEAD_DIM + HALF + d).to(tl.float32)
+        q1, q2 = _rotate(q1, q2, cos, sin, dtype)
+        q_base = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
+        tl.store(q_base + d, q1)
+        tl.store(q_base + HALF + d, q2)
     k_base = base + (NUM_HEADS + kv_head) * HEAD_DIM
     k1 = tl.load(k_base + d).to(tl.float32)
     k2 = tl.load(k_base + HALF + d).to(tl.float32)
@@ -393,7 +410,7 @@ def _rope_attend_kernel(
         tl.program_id(2),
         part_ptr,
         SPLITS,
-        0,  # a program per query head
+        GROUP_TILE,
     )
 
 
