@@ -10,7 +10,7 @@ weight rows, load up to `preload` bytes of them (whole columns from the left, a 
 two of them) into registers before the wait and stream the rest in 256-column chunks:
 
 - per shape, a chain of GEMVs of that shape, each over its own weight copy (enough copies
-  to defeat the L2 cache), each reading the previous one's output;
+  to defeat the L2 cache), each waiting on the one before (programmatic dependent launch);
 - a layer chain: qkv -> o -> gate_up -> down over distinct layers, each reading the leading
   part of the previous output (no norms, no attention: the projections' share of a pass).
 
@@ -87,14 +87,11 @@ def _register_gemv_kernel(
 
 
 def preload_columns(k: int, block_n: int, preload_bytes: int, element_bytes: int) -> int:
-    """The columns a program preloads: the largest power of two within the byte budget and
-    K whose remainder streams in whole chunks (0: none fits)."""
+    """The columns a program preloads: the largest power of two of chunks within the byte
+    budget and K (0: none fits); K being whole chunks, the rest streams in whole chunks."""
     columns = 0
-    width = CHUNK
-    while width <= k and block_n * width * element_bytes <= preload_bytes:
-        if (k - width) % CHUNK == 0:
-            columns = width
-        width *= 2
+    while columns * 2 <= k and block_n * max(columns * 2, CHUNK) * element_bytes <= preload_bytes:
+        columns = max(columns * 2, CHUNK)
     return columns
 
 
@@ -206,12 +203,12 @@ def layer_chain(fp8: bool, layers: int, gen: torch.Generator) -> None:
                 x = gemv(x[:k], weight)  # the leading part of the previous output
             return x
 
-        _print(f"layer x{layers}", variant, graph_time_us(layer, layers), hbm_us)
         out = layer(0)
         if want is None:
             want = out
         else:
             _check(variant, out, want)
+        _print(f"layer x{layers}", variant, graph_time_us(layer, layers), hbm_us)
 
 
 def main() -> None:

@@ -108,7 +108,16 @@ class _State:
 @pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
 @pytest.mark.parametrize(
     "launch",
-    ["plain", "bounded_grid", "many_rows", "two_kernels", "split_kv", "grouped", "ungrouped"],
+    [
+        "plain",
+        "bounded_grid",
+        "many_rows",
+        "two_kernels",
+        "split_kv",
+        "one_split",
+        "grouped",
+        "ungrouped",
+    ],
 )
 def test_rope_write_and_paged_attention(
     triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
@@ -122,7 +131,8 @@ def test_rope_write_and_paged_attention(
     A decode-only pass writes and attends in one kernel; "two_kernels" runs it as a pass
     with speculation lanes does, the RoPE write first; "split_kv" splits each row's
     16-key tiles into 4 runs (some empty) combined by a second kernel, in the fused kernel
-    (decode only) and in the row kernel (beside prompt chunks). At 4 KV heads both kernels
+    (decode only) and in the row kernel (beside prompt chunks); "one_split" never splits
+    (few rows split by default). At 4 KV heads both kernels
     run a program per KV head for its group of query heads (GROUPED_DECODE_HEADS):
     "grouped" takes the row kernel even for decode alone, with split-KV runs; "ungrouped"
     runs a program per query head instead."""
@@ -134,7 +144,8 @@ def test_rope_write_and_paged_attention(
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("planes", "table_planes"), [(4, 1), (1, 4)], ids=["last_exited", "sd"])
 @pytest.mark.parametrize(
-    "launch", ["plain", "bounded_grid", "many_rows", "split_kv", "grouped", "ungrouped"]
+    "launch",
+    ["plain", "bounded_grid", "many_rows", "split_kv", "one_split", "grouped", "ungrouped"],
 )
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
@@ -229,6 +240,8 @@ def _check_attention(
         monkeypatch.setattr(triton_backend, "SPLIT_KV_PROGRAMS", 6 * 16 * 4)
         monkeypatch.setattr(triton_backend, "DECODE_BLOCK_N", 16)
         assert triton_backend.decode_splits(6, 16) == 4
+    elif launch == "one_split":
+        monkeypatch.setattr(triton_backend, "SPLIT_KV_PROGRAMS", 0)
     elif launch == "grouped":  # the row kernel even for decode alone; 4 runs at 4 KV heads
         monkeypatch.setattr(triton_backend, "GROUPED_DECODE_HEADS", 2)
         monkeypatch.setattr(triton_backend, "SPLIT_KV_PROGRAMS", 6 * 4 * 4)

@@ -59,6 +59,8 @@ MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
 # concurrency 1 / 64 / 256. Models without grouping (Ouro) never take it. 0: never.
 GROUPED_DECODE_HEADS = 2
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
+# A head group's tl.dot tiles: at 2 warps the kernel takes 236+ registers on sm_90.
+GROUPED_WARPS = 4
 
 # RoPE + KV write: a program per row and head below this many rows, one per row from it on
 # (measured on an H200: 4-8x faster at 512-1024 rows, but decode at 8 rows lost 13%).
@@ -437,11 +439,10 @@ class TritonOps:
     @staticmethod
     def _decode_launch(rows: int, bounded: bool = False, grouped: bool = False) -> dict:
         """The launch shape of the decode kernels over `rows` programs per head: one per
-        row, or the bounded grid of a captured prompt pass (which keeps 128-key tiles). A
-        head group's tl.dot tiles take 4 warps (at 2, 236+ registers on sm_90)."""
-        few = rows <= FEW_ROWS or grouped
+        row, or the bounded grid of a captured prompt pass (which keeps 128-key tiles)."""
+        warps = FEW_ROWS_WARPS if rows <= FEW_ROWS else MANY_ROWS_WARPS
         return dict(
             BLOCK_N=MANY_ROWS_BLOCK_N if rows >= MANY_ROWS and not bounded else DECODE_BLOCK_N,
             STAGES=DECODE_STAGES,
-            num_warps=FEW_ROWS_WARPS if few else MANY_ROWS_WARPS,
+            num_warps=GROUPED_WARPS if grouped else warps,
         )

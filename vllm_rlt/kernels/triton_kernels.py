@@ -321,7 +321,7 @@ def _rope_attend_kernel(
     """RoPE + KV write and paged attention of one decode row and head in one program, for
     passes whose rows read nothing another row writes (decode without speculation lanes):
     the program rotates its q head into q_out and its KV head's k, writes k and v into
-    planes lo..hi-1 (under GQA every head of a group writes the same bytes), waits for its
+    planes lo..hi-1 (ungrouped, every head of a group writes the same bytes), waits for its
     own threads' writes, then attends as `_paged_attention_kernel` does. One kernel fewer
     per layer, with the same values as the two. With SPLITS > 1 (grid axis 2) each program
     attends one run of key tiles (split-KV, for few rows at long contexts): every split
