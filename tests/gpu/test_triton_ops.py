@@ -73,6 +73,31 @@ def test_linear_layers(triton_ops, dtype, rows, n, k):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 4, 8])
+@pytest.mark.parametrize("fp8", [False, True], ids=["weight", "fp8_weight"])
+@pytest.mark.parametrize("n,k", [(2048, 2048), (11264, 2048), (1000, 256)])
+def test_strip_gemv(dtype, rows, fp8, n, k):
+    """Weight strips held in registers (kernels/strip_gemv.py), at every row count a
+    STRIP_GEMV_ROWS setting may send them, with a strip cut short at N, against torch."""
+    from vllm_rlt.kernels.strip_gemv import strip_gemv
+    from vllm_rlt.layers.fp8 import Fp8Weight
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
+    w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(dtype)
+    weight = Fp8Weight.quantize(w) if fp8 else w
+    dense = weight.dequantize(torch.float32) if fp8 else w.float()
+    want = x.float() @ dense.T
+    tol = TOL[dtype]
+    product = strip_gemv(x, weight)
+    torch.testing.assert_close(product, want.to(dtype), atol=tol, rtol=tol)
+    # The epilogue against the torch ops on the kernel's own product: a product a rounding
+    # step off in both gate and up would compound past the tolerance.
+    silu = TorchOps().silu_mul(product)
+    torch.testing.assert_close(strip_gemv(x, weight, silu_mul=True), silu, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("rows", [1, 7, 16, 17, 40, 64, 65])
 @pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 5632), (1000, 100), (96, 700)])
 @pytest.mark.parametrize("branch_norm", [True, False])

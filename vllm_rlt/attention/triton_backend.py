@@ -13,6 +13,7 @@ from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
+from vllm_rlt.kernels.strip_gemv import strip_gemv, strip_rows
 from vllm_rlt.kernels.triton_kernels import (
     _add_rms_norm2_kernel,
     _combine_splits_kernel,
@@ -103,6 +104,15 @@ LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
 # as their per-kernel times favoured, gave 0.94x / 1.03x at concurrency 32 / 64.
 FP8_SKINNY_ROWS = 16
 
+# Passes of at most so many rows run these layer classes (per weight dtype) with each
+# program's weight strip in registers, loaded before the wait on the previous kernel
+# (kernels/strip_gemv.py), where a strip fits. Measured on an H200 at one row, Ouro-1.4B
+# shapes, against the skinny kernel's launch (o: its split-K form): bf16 qkv 7.9 / 8.8 us,
+# o 3.5 / 4.2, gate_up 12.9 / 12.9 (not taken); float8 qkv 4.9 / 10.9, o 2.6 / 4.5,
+# gate_up 7.8 / 14.3. Down (N < K) keeps the skinny kernel's split-K. 0: never.
+STRIP_GEMV_ROWS = 4
+STRIP_GEMV_CLASSES = {False: ("narrow", "medium"), True: ("narrow", "medium", "wide")}
+
 
 def layer_class(n: int, k: int) -> str:
     """Which LINEAR_PLANS row a weight of N outputs and K inputs takes."""
@@ -137,6 +147,16 @@ def linear_plan(
                 split_k=config.split_k if split_ok else 1,
             )
     return None
+
+
+def takes_strip(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
+    """Whether x @ weight.T runs strip_gemv (see STRIP_GEMV_ROWS)."""
+    classes = STRIP_GEMV_CLASSES[isinstance(weight, Fp8Weight)]
+    return (
+        x.shape[0] <= STRIP_GEMV_ROWS
+        and layer_class(*weight.shape) in classes
+        and strip_rows(weight) > 0
+    )
 
 
 def _dense_linear(
@@ -203,7 +223,7 @@ class TritonOps:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
         partial sums and the norm kernel adds them up, so no reduction kernel runs."""
         config = linear_plan(inp, weight, split_ok=True)
-        if config is None or config.split_k == 1:
+        if config is None or config.split_k == 1 or takes_strip(inp, weight):
             return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
         parts = skinny_linear_partials(inp, weight, config, pdl=self.pdl)
         return self._add_rms_norm2(x, parts, w_branch, w_next, eps)
@@ -255,6 +275,8 @@ class TritonOps:
     ) -> torch.Tensor:
         """x @ weight.T; few rows stream the weight once, and with `live` a row tile none of
         whose rows is live skips the weight (those rows' outputs are zero)."""
+        if live is None and takes_strip(x, weight):
+            return strip_gemv(x, weight, pdl=self.pdl)
         config = linear_plan(x, weight)
         if config is None:
             return _dense_linear(x, weight, self.pdl)
@@ -262,6 +284,8 @@ class TritonOps:
 
     def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
+        if takes_strip(x, gate_up):
+            return strip_gemv(x, gate_up, silu_mul=True, pdl=self.pdl)
         config = linear_plan(x, gate_up)
         if config is None:
             return self.silu_mul(_dense_linear(x, gate_up, self.pdl))
