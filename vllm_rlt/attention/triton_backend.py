@@ -104,14 +104,18 @@ LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
 # as their per-kernel times favoured, gave 0.94x / 1.03x at concurrency 32 / 64.
 FP8_SKINNY_ROWS = 16
 
-# Passes of at most so many rows run these layer classes (per weight dtype) with each
-# program's weight strip in registers, loaded before the wait on the previous kernel
-# (kernels/strip_gemv.py), where a strip fits. Measured on an H200 at one row, Ouro-1.4B
-# shapes, against the skinny kernel's launch (o: its split-K form): bf16 qkv 7.9 / 8.8 us,
-# o 3.5 / 4.2, gate_up 12.9 / 12.9 (not taken); float8 qkv 4.9 / 10.9, o 2.6 / 4.5,
-# gate_up 7.8 / 14.3. Down (N < K) keeps the skinny kernel's split-K. 0: never.
-STRIP_GEMV_ROWS = 4
-STRIP_GEMV_CLASSES = {False: ("narrow", "medium"), True: ("narrow", "medium", "wide")}
+# Passes of at most so many rows run these layer classes (per weight dtype: bf16, float8)
+# with each program's weight strip in registers, loaded before the wait on the previous
+# kernel (kernels/strip_gemv.py), where a strip fits. On an H200 at one row, Ouro-1.4B
+# shapes, against the skinny kernel (o: its split-K form), float8 qkv 4.9 / 10.9 us, o
+# 2.6 / 4.5, gate_up 7.8 / 14.3 (benchmarks/probe_register_gemv.py), and in the engine at
+# concurrency 1: 1.21x (169 -> 205 decode tok/s). bf16 gained 1.0-1.1x per projection in
+# the probe but lost in the engine (0.97x), so it keeps the skinny kernel. At 8 rows float8
+# lost (0.64x at concurrency 8: the CUDA-core products grow with the rows), and 4 rows lost
+# under steady load (0.84x, --waves 4 at concurrency 4). Down (N < K) keeps the skinny
+# kernel's split-K. 0: never.
+STRIP_GEMV_ROWS = 1
+STRIP_GEMV_CLASSES = {False: (), True: ("narrow", "medium", "wide")}
 
 
 def layer_class(n: int, k: int) -> str:
