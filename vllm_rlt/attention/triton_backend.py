@@ -51,13 +51,14 @@ FUSED_DECODE_ROWS = 16
 # depends on the rows alone, as a captured graph needs. 0: never.
 SPLIT_KV_PROGRAMS, MAX_SPLITS = 128, 8
 MANY_ROWS, MANY_ROWS_BLOCK_N = 256, 64
-# Under grouped-query attention with at least so many query heads per KV head, the decode
-# row kernel runs a program per row and KV head whose group of query heads attends in one
-# tl.dot tile (padded to 16 rows), so each K/V tile is read once for the group instead of
-# once per head (Nanbeige: 6 heads a group). Same-run A/B on an H200, Nanbeige 4.2-3B shape,
-# on against off: prompt 1024 / output 64 at concurrency 8 / 32 / 64: 1.00x / 1.65x / 2.04x
-# (1.30x at 32 with fp8 K/V, 1.25x under --waves 4); prompt 64: 1.00x / 1.17x / 1.31x at
-# concurrency 1 / 64 / 256. Models without grouping (Ouro) never take it. 0: never.
+# Under grouped-query attention with at least so many query heads per KV head, both decode
+# kernels (the row kernel and the fused one) run a program per row and KV head whose group
+# of query heads attends in one tl.dot tile (padded to 16 rows), so each K/V tile is read
+# once for the group instead of once per head (Nanbeige: 6 heads a group). Same-run A/B on
+# an H200, Nanbeige 4.2-3B shape, on against off, prompt 1024 / output 64: 1.09x / 1.20x at
+# concurrency 1 / 8 (the fused kernel), 1.65x / 2.04x at 32 / 64 (1.30x at 32 with fp8 K/V,
+# 1.28x under --waves 4); prompt 64: 1.17x / 1.31x at concurrency 64 / 256. Models without
+# grouping (Ouro) never take it. 0: never.
 GROUPED_DECODE_HEADS = 2
 FEW_ROWS, FEW_ROWS_WARPS, MANY_ROWS_WARPS = 16, 4, 2
 # A head group's tl.dot tiles: at 2 warps the kernel takes 236+ registers on sm_90.
