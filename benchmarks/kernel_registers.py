@@ -10,18 +10,13 @@ python -m benchmarks.kernel_registers [--arch 90] [--block-n 64 128] [--warps 2 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
 import subprocess
 import tempfile
 
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.backends.nvidia.compiler import get_ptxas
-from triton.compiler import ASTSource
-
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.kernels.triton_kernels import _paged_attention_kernel, _rope_attend_kernel
 
 INDEX_ARGS = {"positions_ptr", "table_rows_ptr", "planes_ptr", "block_table_ptr", "count_ptr"}
 INDEX_ARGS |= {"entry_ptr", "lo_ptr", "hi_ptr"}
@@ -49,6 +44,11 @@ def _signature(fn, constants: dict, kv_type: str) -> dict:
 
 def compile_report(fn, constants: dict, kv_type: str, warps: int, maxnreg: int, arch: int):
     """(registers, spill bytes) per thread of fn compiled with these constants."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.backends.nvidia.compiler import get_ptxas
+    from triton.compiler import ASTSource
+
     aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(fn.arg_names) if "_ptr" in n}
     source = ASTSource(
         fn=fn,
@@ -77,6 +77,10 @@ def main(argv: list[str] | None = None) -> int:
         "--maxnreg", type=int, nargs="+", default=[0, 128, 96], help="register caps (0: none)"
     )
     args = parser.parse_args(argv)
+    if importlib.util.find_spec("triton") is None:
+        parser.error("needs Triton, which compiles the kernels (no GPU needed): pip install triton")
+    from vllm_rlt.kernels.triton_kernels import _paged_attention_kernel, _rope_attend_kernel
+
     shape = dict(NUM_HEADS=16, NUM_KV_HEADS=16, HEAD_DIM=128, KV_SCALED=False, STAGES=1)
     kernels = {
         "row": (

@@ -1,7 +1,8 @@
 """Print the table of a `vllm-rlt bench accuracy` JSON in Markdown and, with --png, plot
 accuracy against mean loops per token (needs matplotlib: `pip install -e ".[plot]"`).
 
-python -m benchmarks.plot_accuracy accuracy.json --png accuracy.png
+python -m benchmarks.plot_accuracy accuracy.json --png accuracy.png   # in the repository root
+python path/to/vllm-rlt/benchmarks/plot_accuracy.py accuracy.json      # anywhere else
 """
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import statistics
+import sys
 
 from vllm_rlt.cli_parser import CLIParser
 
@@ -54,7 +56,7 @@ def plot(report: dict, path: str) -> None:
     figure.savefig(path)
 
 
-def main(argv: list[str] | None = None) -> None:
+def main(argv: list[str] | None = None) -> int:
     parser = CLIParser(prog="python -m benchmarks.plot_accuracy", description=__doc__)
     parser.add_argument("report", help="JSON written by `vllm-rlt bench accuracy --output`")
     parser.add_argument(
@@ -66,12 +68,22 @@ def main(argv: list[str] | None = None) -> None:
             '--png needs matplotlib, which the plot extra installs: pip install -e ".[plot]" '
             '(or pip install "vllm-rlt[plot]")'
         )
-    with open(args.report) as handle:
-        report = json.load(handle)
-    print(table(report))
+    try:
+        with open(args.report, encoding="utf-8") as handle:
+            report = json.load(handle)
+    except OSError as exc:
+        parser.error(f"cannot read {args.report}: {exc.strerror}")
+    except ValueError as exc:  # not JSON, or not UTF-8
+        parser.error(f"{args.report} is not JSON: {exc}")
+    try:
+        text = table(report)
+    except (KeyError, TypeError, IndexError, AttributeError):
+        parser.error(f"{args.report} is not a `vllm-rlt bench accuracy --output` report")
+    print(text)
     if args.png:
         plot(report, args.png)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
