@@ -61,3 +61,11 @@ class CLIParser(argparse.ArgumentParser):
 
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def unknown_choice(kind: str, typed: str, choices: Sequence[str]) -> str:
+    """The error for a mistyped (sub)command: the closest of `choices`, else all of them."""
+    close = difflib.get_close_matches(typed, choices, n=1)
+    if close:
+        return f"unknown {kind} {typed!r}; did you mean {close[0]!r}?"
+    return f"unknown {kind} {typed!r}; choose from {', '.join(choices)}"

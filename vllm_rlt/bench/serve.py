@@ -69,7 +69,7 @@ from vllm_rlt.bench.serve_client import (
 from vllm_rlt.bench.serve_launch import HOST, launched, server_flags_parser
 from vllm_rlt.bench.throughput import environment as device_environment
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.entrypoints.args import engine_args_from
+from vllm_rlt.entrypoints.args import engine_args_from, engine_args_or_exit
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 ERRORS_SHOWN = 5
@@ -314,18 +314,13 @@ def check(parser: CLIParser, args: argparse.Namespace, server_flags: list[str]) 
 def engine_flags(parser: CLIParser, model: str, server_flags: list[str]) -> argparse.Namespace:
     """The launched server's flags as the engine and the bench read them; flags the server
     alone knows are left to it (it rejects bad ones when it starts)."""
-    from vllm_rlt.models.load import check_model_source
-
     flags, _ = server_flags_parser().parse_known_args(server_flags)
     if flags.model is not None and flags.model != model:
         parser.error(f"the model is --launch's ({model}), not --model {flags.model} after --")
     flags.model = model
     if flags.host != HOST or flags.port != 8000:
         parser.error("--host and --port of the launched server are chosen by the bench")
-    try:
-        check_model_source(engine_args_from(flags).model)
-    except (ValueError, OSError) as exc:
-        parser.error(str(exc))
+    engine_args_or_exit(parser, flags)
     return flags
 
 

@@ -6,16 +6,16 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
-import json
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from vllm_rlt.cli_parser import CLIParser
+from vllm_rlt.cli_parser import CLIParser, unknown_choice
 from vllm_rlt.config import KV_CONNECTORS, SERVE
-from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
-from vllm_rlt.entrypoints.sampling_args import add_sampling_args, sampling_params_from
+from vllm_rlt.entrypoints.args import add_engine_args, engine_args_or_exit
+from vllm_rlt.entrypoints.generate import run_generate
+from vllm_rlt.entrypoints.sampling_args import add_sampling_args
 
 CPU_CORES_PER_API_SERVER = 4  # the rest: the engine core, tokenizer threads, the clients
 MOST_AUTO_API_SERVERS = 4
@@ -264,7 +264,6 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     from vllm_rlt.entrypoints.openai.api_servers import APIServerFailed
     from vllm_rlt.entrypoints.openai.launch import serve
     from vllm_rlt.entrypoints.openai.server import log_like_uvicorn
-    from vllm_rlt.models.load import check_model_source
 
     if ns.model_path is not None:
         if ns.model is not None and ns.model != ns.model_path:
@@ -285,9 +284,8 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     local = layout.local_cores
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
+    engine_args = engine_args_or_exit(parser, ns)
     try:
-        engine_args = engine_args_from(ns)
-        check_model_source(engine_args.model)
         if (local > 1 or ns.headless) and not settings.disaggregate:  # GPUs enough
             core_environments(ns.device, local, ns.tensor_parallel_size)
     except (ValueError, OSError) as exc:
@@ -392,98 +390,20 @@ def _data_parallel_layout(ns: argparse.Namespace) -> DataParallelLayout:
     )
 
 
-def warn_untrained_prompts(model: str | None, prompts: list[str]) -> None:
-    """The built-in model only knows its training tasks: say so when a prompt is not one."""
-    from vllm_rlt.models.load import DEFAULT_MODEL_NAME
-    from vllm_rlt.training.data import PROMPT_FORMATS, task_of
-
-    if model not in (None, DEFAULT_MODEL_NAME):
-        return
-    outside = [prompt for prompt in prompts if task_of(prompt) is None]
-    if outside:
-        formats = "; ".join(text for _, text in PROMPT_FORMATS.values())
-        print(
-            f"warning: {len(outside)} prompt(s), such as {outside[0]!r}, are not of a kind "
-            f"{DEFAULT_MODEL_NAME} was trained on ({formats}); expect wrong answers",
-            file=sys.stderr,
-        )
-
-
-def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
-    from vllm_rlt.engine.llm import LLM
-    from vllm_rlt.engine.request_checks import check_priority
-
-    try:
-        engine_args = engine_args_from(ns)
-        params = sampling_params_from(ns)
-        check_priority(params.priority, ns.scheduling_policy)
-    except ValueError as exc:
-        parser.error(str(exc))
-    try:
-        prompts = ns.prompt or [line.rstrip("\n") for line in sys.stdin if line.strip()]
-    except UnicodeDecodeError as exc:
-        parser.error(f"stdin is not valid UTF-8 text: {exc.reason} at byte {exc.start}")
-    if not prompts:
-        parser.error("no prompt: pass --prompt TEXT or pipe prompts on stdin, one per line")
-    try:
-        llm = LLM(**engine_args.llm_kwargs(), generation_config=ns.generation_config)
-        params.resolved_loops(llm.engine.num_loops)
-        warn_untrained_prompts(ns.model, prompts)
-        outputs = llm.generate(prompts, params, use_tqdm=not ns.no_progress and not ns.json)
-    except (ValueError, FileNotFoundError) as exc:
-        parser.error(str(exc))
-    for prompt, output in zip(prompts, outputs, strict=True):
-        completion = output.outputs[0]
-        if ns.json:
-            record = {
-                "prompt": prompt,
-                "text": completion.text,
-                "token_ids": completion.token_ids,
-                "exit_depths": completion.exit_depths,
-                "finish_reason": completion.finish_reason,
-            }
-            if params.logprobs is not None:
-                record["logprobs"] = completion.logprobs
-            if params.prompt_logprobs is not None:
-                record["prompt_token_ids"] = output.prompt_token_ids
-                record["prompt_logprobs"] = output.prompt_logprobs
-            print(json.dumps(record, ensure_ascii=False))
-        else:
-            print(f"{prompt}{completion.text}")
-    if ns.speculative_tokens is not None:
-        report_speculation(llm.stats(), ns.json)
-    return 0
-
-
-def report_speculation(stats: dict[str, Any], as_json: bool) -> None:
-    """Speculation's worth is its acceptance: a final JSON line with --json (so the records
-    above stay one per prompt), else one line on stderr beside the text."""
-    drafted, accepted = stats["spec_num_draft_tokens"], stats["spec_num_accepted_tokens"]
-    figures = {
-        "draft_tokens": drafted,
-        "accepted_tokens": accepted,
-        "acceptance_rate": stats["spec_acceptance_rate"],
-        "accepted_per_position": stats["spec_accepted_per_position"],
-    }
-    if as_json:
-        print(json.dumps({"speculation": figures}))
-    else:
-        print(
-            f"speculation: {accepted} of {drafted} draft tokens accepted "
-            f"({figures['acceptance_rate']:.1%}); accepted by distance ahead: "
-            f"{figures['accepted_per_position']}",
-            file=sys.stderr,
-        )
-
-
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
         module = importlib.import_module(BENCHMARKS[argv[1]][0])
         return module.main(argv[2:])
+    parser = build_parser()
+    # generate takes no positional argument: a word first can only be a mistyped command
+    if argv and argv[0] not in SUBCOMMANDS and not argv[0].startswith("-"):
+        parser.error(unknown_choice("command", argv[0], SUBCOMMANDS))
+    if argv[:1] == ["bench"] and len(argv) > 1 and not argv[1].startswith("-"):
+        bench = parser.subcommand_parser(argparse.Namespace(command="bench"))
+        bench.error(unknown_choice("benchmark", argv[1], list(BENCHMARKS)))
     if not argv or (argv[0] not in SUBCOMMANDS and argv[0] not in ("-h", "--help")):
         argv = ["generate", *argv]
-    parser = build_parser()
     ns = parser.parse_args(argv)
     sub_parser = parser.subcommand_parser(ns)
     if ns.command == "serve":
