@@ -98,6 +98,32 @@ def test_sweep_reports_every_point_and_the_best(tmp_path, capsys):
     assert set(report["auto_vs_best"]) == {"2", "3"}
 
 
+def test_the_default_sweep_compares_auto_and_runs_each_setting_once(monkeypatch, capsys):
+    """The default grid has the all-`auto` point, so `auto_vs_best` is reported; points
+    that resolve to the same settings on the device (on the CPU, auto max_num_batched_tokens
+    is 2048) run once, the others listed under `also_asked`."""
+    measured = []
+
+    def fake_measure(self, point):
+        measured.append(point)
+        figures = dict.fromkeys(sweep.METRICS, 0.5) | {"tokens_per_s": float(len(measured))}
+        return dict(point), {str(c): figures for c in self.args.concurrency}
+
+    monkeypatch.setattr(sweep.OfflinePoints, "measure", fake_measure)
+    assert sweep.main(["--device", "cpu"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    auto, *_ = report["results"]
+    assert set(auto["asked"].values()) == {None}
+    resolved = [size_scheduler(sweep.scheduler_config(point), CPU)[0] for point in measured]
+    assert len(set(resolved)) == len(measured) == 18
+    asked = [p for result in report["results"] for p in (result["asked"], *result["also_asked"])]
+    assert len(asked) == 3 * 4 * 3 and measured == [r["asked"] for r in report["results"]]
+    assert report["auto_vs_best"] == {"64": 1 / 18, "256": 1 / 18}  # the last point was best
+    # a server's auto API-server count on the CPU is 1: asking for both runs it once
+    served = [dict(auto["asked"], api_server_count=n) for n in (None, 1)]
+    assert sweep.distinct_points(served, CPU, "serve") == [served]
+
+
 def test_sweep_flags_out_of_range_are_one_line_errors(capsys):
     with pytest.raises(SystemExit) as exit_info:
         sweep.main(["--max-num-seqs", "0"])
@@ -127,9 +153,7 @@ def test_sweep_launches_a_server_per_point(tmp_path, capsys, monkeypatch):
     argv += ["--api-server-count", "1", "--num-clients", "1"]
     argv += ["--prompt-len", "4", "--output-len", "2", "--repeats", "1", "--output", str(out)]
     assert sweep.main(argv) == 0
-    assert launches == [
-        ["--max-num-seqs", "4", "--prefill-chunk-size", "512", "--api-server-count", "1"]
-    ]
+    assert launches == [["--max-num-seqs", "4", "--api-server-count", "1"]]
     report = json.loads(out.read_text())
     assert report["target"] == "vllm-rlt serve toy" and report["usage"] == "serve"
     assert report["environment"]["python"] and "torch" in report["environment"]

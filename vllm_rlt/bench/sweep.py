@@ -8,10 +8,12 @@ a list of prompts. With
 `--launch MODEL` a server is measured instead: `vllm-rlt bench serve --launch MODEL` with
 the point's flags, its requests sent at once by the load generator. Each run
 reports end-to-end output tokens/s (first request sent to last token), TTFT and TPOT at
-p50/p99. The report's `rows` are one flat record per (point, concurrency), ready to plot;
-`best` names the point with the highest geometric mean of tokens/s over the concurrencies,
-and `auto_vs_best` how the defaults compare when the grid has the all-`auto` point
-(`auto` for prefill_chunk_size is its fixed default, 512).
+p50/p99. Points that resolve to the same settings on the device (an `auto` value equal to
+an explicit one) run once: their result lists the others under `also_asked`. The report's
+`rows` are one flat record per (point run, concurrency), ready to plot; `best` names the
+point with the highest geometric mean of tokens/s over the concurrencies, and
+`auto_vs_best` how the defaults compare with it when the grid has the all-`auto` point, as
+the default grid does (`auto` for prefill_chunk_size is its fixed default, 512).
 """
 
 from __future__ import annotations
@@ -30,14 +32,21 @@ from tqdm import tqdm
 from vllm_rlt.bench.report import check_minimums, run_and_emit
 from vllm_rlt.bench.shapes import SHAPES
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.config import USAGE_CONTEXTS, CacheConfig, ExecutionConfig, ExitConfig
+from vllm_rlt.config import (
+    SERVE,
+    USAGE_CONTEXTS,
+    CacheConfig,
+    ExecutionConfig,
+    ExitConfig,
+    SchedulerConfig,
+)
 from vllm_rlt.sampling_params import SamplingParams
 
 GRID_DEFAULTS: dict[str, list[int | None]] = {
     "max_num_seqs": [None, 256, 1024],
     "max_num_batched_tokens": [None, 2048, 8192, 16384],
     "max_prefill_batches_before_decode": [None, 4, 256],
-    "prefill_chunk_size": [512],
+    "prefill_chunk_size": [None],
     "admission_scan_limit": [None],
 }
 GRID = tuple(GRID_DEFAULTS)
@@ -144,6 +153,30 @@ def grid_points(args: argparse.Namespace) -> list[dict[str, int | None]]:
     return points
 
 
+def scheduler_config(point: dict[str, int | None]) -> SchedulerConfig:
+    """The point's scheduler settings, its `auto` values left to the engine."""
+    return SchedulerConfig(**{name: point[name] for name in GRID if point[name] is not None})
+
+
+def distinct_points(
+    points: list[dict[str, int | None]], device, usage: str
+) -> list[list[dict[str, int | None]]]:
+    """The points grouped by the settings they resolve to on `device` for `usage` (an `auto`
+    api_server_count: the server's default), in grid order: each group runs once."""
+    from vllm_rlt.engine.device_defaults import size_scheduler
+    from vllm_rlt.entrypoints.cli import auto_api_server_count
+
+    groups: dict[tuple[int | None, ...], list[dict[str, int | None]]] = {}
+    for point in points:
+        config, _ = size_scheduler(scheduler_config(point), device, usage)
+        servers = point["api_server_count"]
+        if usage == SERVE and servers is None:
+            servers = auto_api_server_count(device.type, False)
+        key = (*(getattr(config, name) for name in GRID), servers)
+        groups.setdefault(key, []).append(point)
+    return list(groups.values())
+
+
 def measure(engine, args, concurrency: int, rng_seed: int) -> dict[str, Any]:
     """The median run (by tokens/s) of `args.repeats` closed batches, after the warm-up."""
     import random
@@ -192,14 +225,13 @@ class OfflinePoints:
         """(the settings the engine resolved, figures by concurrency)."""
         import torch
 
-        from vllm_rlt.config import SchedulerConfig
         from vllm_rlt.engine.builder import build_engine_core
 
         engine = build_engine_core(
             self.model,
             None,
             CacheConfig(num_blocks=self.args.num_blocks),
-            SchedulerConfig(**{name: point[name] for name in GRID if point[name] is not None}),
+            scheduler_config(point),
             ExitConfig(),
             ExecutionConfig(),
             usage_context=self.args.usage,
@@ -222,7 +254,10 @@ class ServedPoints:
     its requests at once after its warm-up."""
 
     def __init__(self, args: argparse.Namespace) -> None:
+        from vllm_rlt.models.load import resolve_device
+
         self.args = args
+        self.device = resolve_device(args.device or "cpu")  # the server's default device
 
     def measure(self, point: dict[str, int | None]) -> tuple[dict[str, Any], dict[str, Any]]:
         from vllm_rlt.bench.serve_launch import launched
@@ -273,12 +308,13 @@ class ServedPoints:
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    points = grid_points(args)
     measurer = ServedPoints(args) if args.launch else OfflinePoints(args)
+    usage = SERVE if args.launch else args.usage
+    groups = distinct_points(grid_points(args), measurer.device, usage)
     rows: list[dict[str, Any]] = []
     results = []
-    with tqdm(total=len(points), desc="sweep", unit="point", file=sys.stderr) as bar:
-        for point in points:
+    with tqdm(total=len(groups), desc="sweep", unit="point", file=sys.stderr) as bar:
+        for point, *same in groups:
             bar.set_postfix_str(str(point))
             settings, per_concurrency = measurer.measure(point)
             for concurrency, figures in per_concurrency.items():
@@ -290,7 +326,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                         **{name: figures[name] for name in METRICS},
                     }
                 )
-            results.append({"asked": point, "settings": settings, "results": per_concurrency})
+            results.append(
+                {
+                    "asked": point,
+                    "also_asked": same,
+                    "settings": settings,
+                    "results": per_concurrency,
+                }
+            )
             bar.update()
     for result in results:
         speeds = [figures["tokens_per_s"] for figures in result["results"].values()]
@@ -300,7 +343,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "benchmark": "sweep",
         "command": shlex.join(["vllm-rlt", "bench", "sweep", *args.argv]),
         "target": f"vllm-rlt serve {args.launch}" if args.launch else "offline engine",
-        "usage": "serve" if args.launch else args.usage,
+        "usage": usage,
         "workload": {
             "prompt_len": args.prompt_len,
             "output_len": args.output_len,
@@ -321,7 +364,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from vllm_rlt.bench.serve import environment as served_environment
 
         report["environment"] = served_environment(args.device or "cpu")
-    auto = [r for r in results if all(value is None for value in r["asked"].values())]
+    auto = [
+        result
+        for result in results
+        for point in (result["asked"], *result["also_asked"])
+        if all(value is None for value in point.values())
+    ]
     if auto:
         report["auto_vs_best"] = {
             concurrency: auto[0]["results"][concurrency]["tokens_per_s"] / figures["tokens_per_s"]
@@ -347,6 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     args.api_server_count = args.api_server_count or [None]
     if not grid_points(args):
         parser.error("the grid has no point where max_num_batched_tokens >= max_num_seqs")
+    if args.launch:  # as `bench serve --launch` does, before a server starts per point
+        from vllm_rlt.bench.serve_launch import server_flags_parser
+        from vllm_rlt.entrypoints.args import engine_args_or_exit
+
+        engine_args_or_exit(parser, server_flags_parser().parse_args(["--model", args.launch]))
     return run_and_emit(parser, run, args)
 
 
