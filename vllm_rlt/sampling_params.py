@@ -17,7 +17,7 @@ MAX_PENALTY = 2.0  # frequency and presence, either sign (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
 MAX_STOP_STRINGS = 64
 MAX_BAD_WORDS = 32  # words; each becomes up to two token sequences (with a leading space)
-MAX_BAD_WORD_TOKENS = 8
+MAX_BAD_WORD_TOKENS = 8  # per token sequence: each form of a word
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -50,9 +50,12 @@ class SamplingParams:
     reported logprobs are the model's, before them): `logit_bias` adds a value per token id;
     `allowed_token_ids` (vLLM's name) lets only those tokens be sampled; `bad_words`
     (vLLM's) are never generated: a word's last token is barred wherever the output so far
-    ends with the rest of it (each word is tokenized as it is and after a space; the
+    ends with the rest of it (each word is tokenized without a leading space and with one,
+    the second form kept unless it ends with the first, each form at most 8 tokens; the
     frontend fills `bad_words_token_ids` with those sequences, which may also be given
-    directly);
+    directly). A request whose allowed_token_ids, bad words and min_tokens (which bans EOS
+    and stop ids until it is reached) could leave a step with nothing to sample is refused
+    before it is queued (engine/samplable.py);
     `repetition_penalty` divides a positive logit (multiplies a negative one) of every token
     seen in the prompt or the output; `frequency_penalty` subtracts per occurrence in the
     output and `presence_penalty` once for any. `skip_special_tokens` leaves special tokens

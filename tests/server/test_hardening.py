@@ -217,6 +217,35 @@ def test_fan_out_is_bounded_before_anything_is_queued(server):
     assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "n")
 
 
+@pytest.mark.parametrize("path", sorted(BASES))
+def test_constraints_that_leave_nothing_to_sample_are_400_before_queueing(
+    server, monkeypatch, path
+):
+    """The only allowed token a bad word ("a" is token 100), a later step emptied by a
+    longer one, or only EOS allowed before min_tokens: each a 400 naming the fields, with
+    any n or filter, streamed or not, and nothing queued."""
+    url, state = server
+    queued: list[str] = []
+    monkeypatch.setattr(state.engine, "add_request", lambda *args, **_: queued.append(args[0]))
+    only_a = {"allowed_token_ids": [100], "bad_words": ["a"]}
+    cases = [
+        (only_a, "at the first token: of allowed_token_ids [100], bad_words bar [100]"),
+        ({**only_a, "n": 8, "temperature": 1.0}, "bad_words bar [100]"),
+        ({**only_a, "top_k": 3, "top_p": 0.5, "min_tokens": 2}, "bad_words bar [100]"),
+        ({**only_a, "temperature": 0, "stream": True}, "bad_words bar [100]"),
+        (
+            {"allowed_token_ids": [100], "bad_words": ["aa"], "ignore_eos": True},
+            "after 1 token, once the output ends with the tokens [100]",
+        ),
+        ({"allowed_token_ids": [0, 2], "min_tokens": 1}, "min_tokens (1) bans the EOS"),
+    ]
+    for fields, message in cases:
+        reply = httpx.post(f"{url}{path}", json={**BASES[path], **fields})
+        error = assert_error(reply, 400, "allowed_token_ids")
+        assert message in error["message"] and "nothing could be sampled" in error["message"]
+    assert queued == []
+
+
 def test_max_sequences_per_request_is_configurable():
     with running_server(max_sequences_per_request=4) as (url, state):
         body = {"model": "toy", "prompt": ["a", "b"], "n": 2, "max_tokens": 1}

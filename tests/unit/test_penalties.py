@@ -5,8 +5,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from vllm_rlt.core.contract import Penalties
 from vllm_rlt.layers.penalties import apply_penalties
+from vllm_rlt.layers.sampler import sample
 from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.worker.slot_state import PenaltyState
 
 
 def reference_adjust(
@@ -93,3 +96,35 @@ def test_bad_adjustments_name_the_field(kwargs, message):
     with pytest.raises(ValueError, match=message) as error:
         SamplingParams(**kwargs)
     assert error.value.param == next(iter(kwargs))
+
+
+def test_a_row_left_without_tokens_samples_only_allowed_ones():
+    """The request checks refuse what could empty a row; should one be empty all the same
+    (every allowed token barred, or banned until min_tokens), it draws from its allowed
+    tokens by the model's logits and bias, never NaN nor another token. Other rows keep
+    their adjusted logits."""
+    vocab = 8
+    state = PenaltyState(3, vocab, torch.device("cpu"))
+    neutral = dict(repetition=1.0, frequency=0.0, presence=0.0, prompt_token_ids=())
+    state.set(0, Penalties(logit_bias=(), allowed_token_ids=(5,), bad_words=((5,),), **neutral))
+    state.set(1, Penalties(logit_bias=((4, 9.0),), allowed_token_ids=(3, 4), **neutral))
+    state.set(2, Penalties(logit_bias=(), allowed_token_ids=(2, 3), bad_words=((3,),), **neutral))
+    model_logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(0))
+    banned = model_logits.clone()
+    banned[1, [3, 4]] = float("-inf")  # banned until min_tokens
+    slots = torch.arange(3)
+    adjusted = state.adjust(banned, slots, model_logits)
+    assert torch.isfinite(adjusted[0]).tolist() == [token == 5 for token in range(vocab)]
+    assert adjusted[1, 4] == model_logits[1, 4] + 9.0 and adjusted[1, 3] == model_logits[1, 3]
+    assert torch.isneginf(adjusted[2, 3]) and adjusted[2, 2] == model_logits[2, 2]
+    for temperature in (0.0, 1.0):
+        ids = sample(
+            adjusted,
+            torch.full((3,), temperature),
+            torch.zeros(3, dtype=torch.int64),
+            torch.ones(3),
+            torch.zeros(3),
+            torch.arange(3),
+            torch.zeros(3, dtype=torch.int64),
+        )
+        assert ids.tolist() == [5, 4, 2]

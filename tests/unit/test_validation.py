@@ -19,6 +19,7 @@ from vllm_rlt import LLM, CacheConfig, ExecutionConfig, ExitConfig, SamplingPara
 from vllm_rlt.config import KV_LAYOUTS, KVLayout
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.request_checks import params_for_core
 from vllm_rlt.tokenizer import Tokenizer
 
 T = 4  # the toy's total_ut_steps
@@ -124,6 +125,36 @@ def test_resolved_loops_checks_model_depth(kwargs: dict[str, Any], match: str) -
     params = SamplingParams(**kwargs)  # legal on its own: the depth is the model's business
     with pytest.raises(ValueError, match=match):
         params.resolved_loops(T)
+
+
+class _SpacedTokenizer:
+    """Encodes "w" as two tokens and " w" as `spaced` others, as a BPE tokenizer whose
+    space merges into the word does."""
+
+    def __init__(self, spaced: int) -> None:
+        self.spaced = spaced
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(range(50, 50 + self.spaced)) if text.startswith(" ") else [5, 6]
+
+
+def test_each_form_of_a_bad_word_is_at_most_8_tokens() -> None:
+    """A bad word is barred without a leading space and with one; the second form is kept
+    only where it does not end with the first (in the byte tokenizer it is always a space
+    token before the first, so 8 bytes is the limit), and each kept form is at most 8
+    tokens."""
+    byte_level = Tokenizer.byte_level()
+    eight = params_for_core(SamplingParams(bad_words=[" abcdefgh", "a"]), byte_level)
+    assert eight.bad_words_token_ids == [list(range(100, 108)), [100]]
+    with pytest.raises(ValueError) as error:
+        params_for_core(SamplingParams(bad_words=["abcdefghi"]), byte_level)
+    assert str(error.value) == "bad word 'abcdefghi' is 9 tokens without a leading space; at most 8"
+    assert error.value.param == "bad_words"
+    kept = params_for_core(SamplingParams(bad_words=["w"]), _SpacedTokenizer(8))  # type: ignore[arg-type]
+    assert kept.bad_words_token_ids == [[5, 6], list(range(50, 58))]
+    with pytest.raises(ValueError) as error:
+        params_for_core(SamplingParams(bad_words=["w"]), _SpacedTokenizer(9))  # type: ignore[arg-type]
+    assert str(error.value) == "bad word 'w' is 9 tokens with a leading space (' w'); at most 8"
 
 
 # ================================================================= engine configs
@@ -562,6 +593,46 @@ def test_llm_rejects_mismatched_lengths(llm: LLM) -> None:
         llm.generate(["a", "b"], [greedy()] * 3, use_tqdm=False)
     with pytest.raises(ValueError, match="request_ids has 1 entries for 2 prompts"):
         llm.generate(["a", "b"], greedy(), use_tqdm=False, request_ids=["x"])
+    assert_idle(llm)
+
+
+NOTHING_LEFT = {"allowed_token_ids": [100], "bad_words": ["a"]}  # "a" is token 100
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"temperature": 0.0},
+        {"seed": 3},
+        {"n": 8},
+        {"top_k": 5, "top_p": 0.5},
+        {"min_tokens": 4, "max_tokens": 8},
+    ],
+)
+def test_llm_refuses_constraints_that_leave_nothing_to_sample(llm: LLM, kwargs) -> None:
+    """The only allowed token is a bad word: refused before anything runs, naming both."""
+    with pytest.raises(ValueError) as error:
+        llm.generate(["1+1=", "ok"], SamplingParams(**NOTHING_LEFT, **kwargs), use_tqdm=False)
+    assert error.value.param == "allowed_token_ids"  # type: ignore[attr-defined]
+    assert str(error.value) == (
+        "nothing could be sampled at the first token: of allowed_token_ids [100], "
+        "bad_words bar [100]"
+    )
+    assert_idle(llm)
+
+
+def test_llm_refuses_a_bad_word_that_empties_a_later_step(llm: LLM) -> None:
+    """Only "a" allowed and "aa" barred: the second token would have nothing left, so two
+    tokens are refused and one runs; EOS alone is refused before min_tokens."""
+    params = {"allowed_token_ids": [100], "bad_words": ["aa"], "ignore_eos": True}
+    later = r"after 1 token, once the output ends with the tokens \[100\]: .* bad_words bar"
+    with pytest.raises(ValueError, match=later):
+        llm.generate("1+1=", SamplingParams(max_tokens=2, **params), use_tqdm=False)
+    once = llm.generate("1+1=", SamplingParams(max_tokens=1, **params), use_tqdm=False)
+    assert once[0].outputs[0].text == "a"
+    eos = sorted(llm.get_tokenizer().eos_token_ids)
+    with pytest.raises(ValueError, match=r"min_tokens \(1\) bans the EOS and stop token ids"):
+        llm.generate("1+1=", SamplingParams(allowed_token_ids=eos, min_tokens=1), use_tqdm=False)
     assert_idle(llm)
 
 

@@ -10,6 +10,7 @@ from typing import Any
 
 from vllm_rlt.config import require
 from vllm_rlt.engine.request_checks import RequestChecker, params_for_core
+from vllm_rlt.engine.samplable import check_samplable
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -50,7 +51,10 @@ class InputProcessor:
     ) -> SamplingParams:
         """`params` as the core takes them, after every check the core makes (ParamError
         naming the field). A core in this process checks on arrival itself, before anything
-        is queued: `LLM` needs only `core_params`."""
+        is queued: `LLM` needs only `core_params`. Of the EOS ids, this side knows the
+        tokenizer's; the core, which knows any the model's config adds, checks again."""
         params = self.core_params(params)
         self.checker.check(request_id, prompt_token_ids, params)
+        eos_token_ids = frozenset() if self.tokenizer is None else self.tokenizer.eos_token_ids
+        check_samplable(params, self.checker.limits.vocab_size, eos_token_ids)
         return params

@@ -151,25 +151,13 @@ class RequestChecker:
         return tuple(depths[1:])
 
 
-def check_allowed_tokens(params: SamplingParams, eos_token_ids: frozenset[int]) -> None:
-    """Before min_tokens, EOS and stop ids cannot be sampled: some allowed token must be
-    neither, or nothing could be. (The engine checks this: it knows the EOS ids.)"""
-    if not params.allowed_token_ids or params.min_tokens == 0:
-        return
-    banned = set(params.stop_token_ids) | (set() if params.ignore_eos else eos_token_ids)
-    require(
-        not set(params.allowed_token_ids) <= banned,
-        "allowed_token_ids holds only EOS and stop token ids, which min_tokens "
-        f"({params.min_tokens}) bans: nothing could be sampled",
-        "allowed_token_ids",
-    )
-
-
 def params_for_core(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:
-    """`params` in the core's terms, made by the frontend that holds the tokenizer: bad
-    words become token sequences (each word as it is and after a space, where that
-    tokenizes differently) added to bad_words_token_ids. Stop strings and bad words need a
-    tokenizer (ParamError without one)."""
+    """`params` in the core's terms, made by the frontend that holds the tokenizer: each
+    bad word becomes token sequences added to bad_words_token_ids: the word without a
+    leading space and with one, unless that form ends with the first (barring the first
+    bars it too; in a byte-level tokenizer it always does). Each form kept must be 1 to
+    MAX_BAD_WORD_TOKENS tokens. Stop strings and bad words need a tokenizer (ParamError
+    without one)."""
     if not isinstance(params, SamplingParams):
         return params  # the checks say what it should be
     if tokenizer is None:
@@ -185,11 +173,16 @@ def params_for_core(params: SamplingParams, tokenizer: Tokenizer | None) -> Samp
         return params
     sequences = [list(ids) for ids in params.bad_words_token_ids or ()]
     for word in params.bad_words:
-        for text in (word.lstrip(), " " + word.lstrip()):
-            ids = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[union-attr]
+        text = word.lstrip()
+        bare = tokenizer.encode(text, add_special_tokens=False)  # type: ignore[union-attr]
+        spaced = tokenizer.encode(" " + text, add_special_tokens=False)  # type: ignore[union-attr]
+        forms = [("without a leading space", bare)]
+        if spaced[len(spaced) - len(bare) :] != bare:
+            forms.append((f"with a leading space ({' ' + text!r})", spaced))
+        for form, ids in forms:
             require(
                 0 < len(ids) <= MAX_BAD_WORD_TOKENS,
-                f"bad word {word!r} is {len(ids)} tokens; at most {MAX_BAD_WORD_TOKENS}",
+                f"bad word {word!r} is {len(ids)} tokens {form}; at most {MAX_BAD_WORD_TOKENS}",
                 "bad_words",
             )
             if ids not in sequences:

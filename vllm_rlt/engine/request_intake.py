@@ -7,8 +7,9 @@ from __future__ import annotations
 import random
 
 from vllm_rlt.config import SpeculativeConfig
-from vllm_rlt.engine.request_checks import RequestChecker, check_allowed_tokens
+from vllm_rlt.engine.request_checks import RequestChecker
 from vllm_rlt.engine.request_group import RequestGroup
+from vllm_rlt.engine.samplable import check_samplable
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -32,12 +33,13 @@ class RequestIntake:
     ) -> tuple[int, int, tuple[int, ...] | None]:
         """Every check that depends only on configuration: returns (min_loops, max_loops,
         trace depths of the decode inputs or None)."""
-        return self.checker.check(request_id, prompt, params)
+        checked = self.checker.check(request_id, prompt, params)
+        check_samplable(params, self.checker.limits.vocab_size, self.eos_token_ids)
+        return checked
 
     def group(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestGroup:
         """The checked group of a new request (ParamError names a bad field)."""
         min_loops, max_loops, decode_depths = self.check(request_id, prompt, params)
-        check_allowed_tokens(params, self.eos_token_ids)
         threshold = params.exit_threshold
         return RequestGroup.start(
             request_id,

@@ -271,9 +271,9 @@ class PassHead:
         """(the model's logits, what sampling draws from: with the min_tokens ban and the
         logit adjustments) of the rows; the LM head may skip rows outside `head`."""
         st = self.state
-        logits = self.model.coda(hidden, self.ops, head)  # [samplers, vocab]
+        model_logits = self.model.coda(hidden, self.ops, head)  # [samplers, vocab]
         before_min = st.num_generated[slots] < st.min_tokens[slots]
-        logits = logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
+        logits = model_logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
         if not adjusted or st.penalties is None:
             return logits, logits
-        return logits, st.penalties.adjust(logits, slots)
+        return logits, st.penalties.adjust(logits, slots, model_logits)

@@ -72,8 +72,15 @@ class PenaltyState:
             last = [word[-1] for word in penalties.bad_words]
             self.bad_last_tokens[slot, : len(last)] = torch.tensor(last, device=device)
 
-    def adjust(self, logits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
-        """The logits sampling draws from: penalties and bias, then the bad words barred."""
+    def adjust(
+        self, logits: torch.Tensor, slots: torch.Tensor, model_logits: torch.Tensor
+    ) -> torch.Tensor:
+        """The logits sampling draws from: penalties and bias, then the bad words barred.
+        A row they leave without a finite logit (the request checks refuse any request
+        that could reach one: engine/samplable.py) would sample NaN, in effect an arbitrary
+        token; it draws instead from `model_logits` (before the min_tokens ban) with the
+        bias, so still from the allowed tokens alone."""
+        bias = self.bias[slots]
         adjusted = apply_penalties(
             logits,
             self.output_counts[slots],
@@ -81,11 +88,13 @@ class PenaltyState:
             self.repetition[slots],
             self.frequency[slots],
             self.presence[slots],
-            self.bias[slots],
+            bias,
         )
-        return apply_bad_words(
+        adjusted = apply_bad_words(
             adjusted, self.recent[slots], self.bad_prefixes[slots], self.bad_last_tokens[slots]
         )
+        empty = adjusted.isneginf().all(dim=-1, keepdim=True)
+        return torch.where(empty, model_logits + bias, adjusted)
 
     def count_kept(self, slots: torch.Tensor, tokens: torch.Tensor, kept: torch.Tensor) -> None:
         """Count each kept token for the penalties of later ones and append it to its slot's
