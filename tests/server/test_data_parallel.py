@@ -22,6 +22,7 @@ from tests.server.conftest import (
     _free_port,
     check_concurrent_streams,
     process_exists,
+    running_server,
     serve_process,
 )
 from vllm_rlt.engine.dp_client import DataParallelClient
@@ -405,3 +406,38 @@ def test_a_request_goes_to_the_least_loaded_core():
     assert client.choose(2) == 1  # both would queue as many: KV use decides
     client.lost = {1: "killed"}
     assert client.choose(2) == 0  # a lost core gets nothing
+
+
+def test_sleep_is_all_or_nothing_across_cores():
+    """One core busy: /sleep is refused naming it, and the idle core, which slept, is
+    awake again (/is_sleeping says so, and it serves). Idle: every core sleeps and wakes."""
+    body = {"model": "toy", "prompt": "awake", "max_tokens": 3, "ignore_eos": True}
+    with running_server(in_process=True, enable_sleep_mode=True, data_parallel_size=2) as (
+        url,
+        _,
+    ):
+        stop = threading.Event()
+        streams = _long_streams(url, 1, stop)  # on core 0: a tie goes to the first
+        deadline = time.monotonic() + 60
+        while samples(url, "vllm_rlt:num_requests_running").get("0", 0) < 1:
+            assert time.monotonic() < deadline, "the stream never ran"
+            time.sleep(0.02)
+        refused = httpx.post(f"{url}/sleep", timeout=60)
+        assert refused.status_code == 409
+        assert refused.json()["error"]["message"].startswith("engine core 0: sleep needs")
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": False}
+        for _ in range(2):  # core 1 serves: it is awake
+            reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+            assert reply.status_code == 200, reply.text
+        stop.set()
+        for thread in streams:
+            thread.join(60)
+        deadline = time.monotonic() + 60
+        while sum(samples(url, "vllm_rlt:num_requests_running").values()):
+            assert time.monotonic() < deadline, "the cores never went idle"
+            time.sleep(0.02)
+        assert httpx.post(f"{url}/sleep", timeout=60).json() == {"is_sleeping": True}
+        assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
+        assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
+        assert httpx.post(f"{url}/wake_up", timeout=60).json() == {"is_sleeping": False}
+        assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200

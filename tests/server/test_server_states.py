@@ -249,7 +249,9 @@ def test_sleep_mode_endpoints():
         assert httpx.get(f"{url}/is_sleeping").json() == {"is_sleeping": True}
         asleep = httpx.post(f"{url}/v1/completions", json=body)
         assert asleep.status_code == 400 and "sleeping" in asleep.json()["error"]["message"]
-        assert httpx.post(f"{url}/sleep").status_code == 409  # asleep already
+        # asleep already, awake already: both no-ops that answer the state, as in vLLM
+        assert httpx.post(f"{url}/sleep").json() == {"is_sleeping": True}
+        assert httpx.post(f"{url}/wake_up").json() == {"is_sleeping": False}
         assert httpx.post(f"{url}/wake_up").json() == {"is_sleeping": False}
         again = httpx.post(f"{url}/v1/completions", json=body).json()["choices"][0]["text"]
         assert again == want

@@ -178,8 +178,8 @@ def test_sleep_and_wake_up_keep_outputs_and_give_memory_back(monkeypatch):
     assert kv.untyped_storage().nbytes() == 0 and embed.untyped_storage().nbytes() == 0
     with pytest.raises(ValueError, match="the engine is sleeping"):
         llm.generate(prompts, greedy, use_tqdm=False)
-    with pytest.raises(ValueError, match="sleeping already"):
-        llm.sleep(level=1)
+    llm.sleep(level=1)  # as wake_up when awake, and as in vLLM: a no-op
+    assert llm.is_sleeping() and kv.untyped_storage().nbytes() == 0
     llm.wake_up()
     assert not llm.is_sleeping() and tokens(llm) == want
     # In two steps, as RL frameworks wake: the weights (new ones may load), then the KV pool.

@@ -176,6 +176,7 @@ class DataParallelClient:
         self.dead_reason: str | None = None  # every core is gone
         self.lost: dict[int, str] = {}  # rank -> why that core is gone
         self._death_lock = threading.Lock()
+        self._sleep_lock = threading.Lock()  # one all-or-nothing sleep at a time
         self.cores: list[EngineCoreClient] = []
 
     def _adopt(self, client: int) -> None:
@@ -292,7 +293,26 @@ class DataParallelClient:
     def call(self, name: str, timeout: float = 30.0) -> CoreStats | dict[str, bool | str]:
         """Ask every running core; "stats" answers their sum, with each core's own in
         `per_core` (a lost core's as None); any other call answers yes where every core
-        does, or every core's refusal."""
+        does, or every core's refusal. Sleep is all or nothing: when one core refuses, the
+        cores this call put to sleep are woken again before the refusal is answered."""
+        if name.startswith("sleep_"):
+            with self._sleep_lock:
+                return self._sleep_all(name, timeout)
+        return self._ask_all(name, timeout)
+
+    def _sleep_all(self, name: str, timeout: float) -> dict[str, bool | str]:
+        ranks = self.live_ranks
+        awake = [r for r in ranks if not self.cores[r].call("is_sleeping", timeout)["is_sleeping"]]
+        answer = self._ask_all(name, timeout)
+        if "error" in answer:
+            for rank in awake:
+                if self.cores[rank].call("is_sleeping", timeout)["is_sleeping"]:
+                    woken = self.cores[rank].call("wake_up", timeout)
+                    if "error" in woken:  # said, so that nobody believes the cores agree
+                        answer["error"] += f"; engine core {rank} stays asleep: {woken['error']}"
+        return answer  # type: ignore[return-value]
+
+    def _ask_all(self, name: str, timeout: float) -> CoreStats | dict[str, bool | str]:
         answers = {rank: self.cores[rank].call(name, timeout) for rank in self.live_ranks}
         if name != "stats":  # every core's yes, or each refusal with its core
             errors = [f"engine core {r}: {a['error']}" for r, a in answers.items() if "error" in a]

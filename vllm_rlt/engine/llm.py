@@ -60,6 +60,10 @@ class LLM:
     checkpoint. They take
     precedence over the same fields of the config objects. Any other vLLM argument is a
     ValueError naming it.
+
+    A sampling default in that generation_config.json that no request could send (a
+    temperature of -1, NaN) is a ValueError naming the file and the field; with
+    `generation_config_ignore_invalid` the field is left unset instead, with a warning.
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class LLM:
         skip_tokenizer_init: bool = False,
         max_model_len: int | None = None,
         generation_config: str = "auto",
+        generation_config_ignore_invalid: bool = False,
         enable_sleep_mode: bool = False,
         quantization: str | None = None,
         **vllm_args: Any,
@@ -92,7 +97,9 @@ class LLM:
         asked = model
         model = resolve_model(model, revision, download_dir)
         tokenizer = resolve_model(tokenizer, download_dir=download_dir, files=TOKENIZER_FILES)
-        sampling_defaults = model_sampling_defaults(model, generation_config)
+        sampling_defaults = model_sampling_defaults(
+            model, generation_config, strict=not generation_config_ignore_invalid
+        )
         built = build_engine(
             model,
             device,
@@ -127,7 +134,8 @@ class LLM:
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (needs `enable_sleep_mode=True`): level 1 frees the KV cache
         and moves the weights to host memory; level 2 frees both, and `load_weights` must
-        bring new ones after `wake_up`. The engine must be idle."""
+        bring new ones after `wake_up`. The engine must be idle; while it sleeps, this is a
+        no-op (as `wake_up` is when it is awake)."""
         require(self.enable_sleep_mode, "sleep needs LLM(..., enable_sleep_mode=True)", "level")
         self.engine.sleep(level)
 

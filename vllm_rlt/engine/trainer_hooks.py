@@ -163,7 +163,8 @@ class TrainerHooks:
             "not, to bring the weights back)",
             "level",
         )
-        require(self.sleeping is None, "the engine is sleeping already", "level")
+        if self.sleeping is not None:  # as vLLM: a no-op, like wake_up when awake
+            return
         self.sleeping = EngineSleep(self.runner, level)
         self.weights_unset = self.weights_unset or level == 2
 
