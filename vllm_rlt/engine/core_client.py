@@ -57,6 +57,9 @@ from vllm_rlt.engine.remote_channel import (
 
 logger = logging.getLogger(__name__)
 
+# How long a command may wait for a core whose process runs but whose connection is down.
+PEERLESS_SEND_TIMEOUT_S = 2.0
+
 
 class EngineCoreDied(RuntimeError):
     """The engine core stopped; the message says why."""
@@ -286,14 +289,41 @@ class EngineCoreClient:
         return self.input, self.control, self.output
 
     # ----------------------------------------------------------------- commands
-    def send(self, command: Command) -> None:
-        """Queue a command for the core (any thread); dropped once the core is gone."""
+    def send(self, command: Command) -> bool:
+        """Queue a command for the core (any thread); dropped once the core is gone. Never
+        blocks on a dead core: False when the command was dropped."""
         if self.dead_reason is not None:
-            return
+            return False
         data = self._encode(command)
         with self._send_lock:
-            if not self._closing:
-                self.input.send(data, copy=False)
+            if self._closing:
+                return False
+            return self._send_now(self.input, data)
+
+    def _send_now(self, socket: zmq.Socket, data: Any) -> bool:
+        """Send without blocking on a core that is gone. Our sockets are bound: once the
+        core's end of the connection closes, a send has no peer and would wait forever, so
+        it waits only while the core still runs (it may be reconnecting) and marks the core
+        dead, at once, once it does not."""
+        deadline = time.monotonic() + PEERLESS_SEND_TIMEOUT_S
+        while True:
+            try:
+                socket.send(data, zmq.NOBLOCK, copy=False)
+                return True
+            except zmq.Again:
+                pass
+            if self._stopping:
+                return False
+            if not self.core_alive():
+                self._died(f"the engine core process died ({self._exit_status()})")
+                return False
+            if time.monotonic() > deadline:
+                self._died(
+                    f"the engine core took no command for {PEERLESS_SEND_TIMEOUT_S:g} s "
+                    "although its process runs"
+                )
+                return False
+            socket.poll(10, zmq.POLLOUT)
 
     def call(self, name: str, timeout: float = 30.0) -> CoreStats | dict[str, bool | str]:
         """A control call ("stats": a CoreStats; "shutdown"), answered by the core between
@@ -302,9 +332,17 @@ class EngineCoreClient:
             raise EngineCoreDied(self.dead_reason)
         with self._call_lock:
             call_id = next(self._call_ids)
-            self.control.send(self._encode(ControlCall(call_id, name)))
-            if not self.control.poll(int(timeout * 1000)):
-                raise TimeoutError(f"the engine core did not answer {name!r} within {timeout} s")
+            if not self._send_now(self.control, self._encode(ControlCall(call_id, name))):
+                raise EngineCoreDied(self.dead_reason or "the engine core is gone")
+            deadline = time.monotonic() + timeout
+            # in slices: a core that dies while it owes the answer fails the call at once
+            while not self.control.poll(100):
+                if self.dead_reason is not None or not self.core_alive():
+                    raise EngineCoreDied(self.dead_reason or "the engine core is gone")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(
+                        f"the engine core did not answer {name!r} within {timeout} s"
+                    )
             reply = self._decode_reply(self.control.recv())
         if self.dead_reason is not None:
             raise EngineCoreDied(self.dead_reason)
