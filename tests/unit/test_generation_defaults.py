@@ -27,7 +27,7 @@ def test_the_keys_vllm_reads_are_taken_and_do_sample_false_is_greedy(tmp_path):
 
 def test_a_bad_generation_config_is_an_error_naming_the_file(tmp_path):
     (tmp_path / "generation_config.json").write_text("[1, 2]")
-    with pytest.raises(ValueError, match="generation_config.json must hold a JSON object"):
+    with pytest.raises(ValueError, match="generation_config.json: must hold a JSON object"):
         sampling_defaults(tmp_path)
 
 

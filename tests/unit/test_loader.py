@@ -269,7 +269,7 @@ def test_tied_embeddings_reject_an_lm_head(tmp_path):
 @pytest.mark.parametrize(
     ("changes", "match"),
     [
-        ({"use_sliding_window": True}, "use_sliding_window=true is not supported"),
+        ({"use_sliding_window": True}, "use_sliding_window must be false"),
         (
             {"layer_types": ["full_attention", "sliding_attention"]},
             "layer_types must all be 'full_attention'",
@@ -284,9 +284,9 @@ def test_tied_embeddings_reject_an_lm_head(tmp_path):
         ({"hidden_size": DELETE}, "missing required keys: hidden_size"),
         ({"vocab_size": DELETE, "intermediate_size": DELETE}, "vocab_size, intermediate_size"),
         ({"early_exit_step": 2}, "early_exit_step is not supported"),
-        ({"num_hidden_layers": 0}, "num_hidden_layers must be a positive integer, got 0"),
-        ({"total_ut_steps": 2.5}, "total_ut_steps must be a positive integer, got 2.5"),
-        ({"head_dim": 15}, "head_dim must be even, got 15"),
+        ({"num_hidden_layers": 0}, r"num_hidden_layers must be an integer in \[1, 1024\], got 0"),
+        ({"total_ut_steps": 2.5}, r"total_ut_steps must be an integer in \[1, 64\], got 2.5"),
+        ({"head_dim": 15}, r"head_dim must be an even integer in \[2, 1024\], got 15"),
     ],
     ids=lambda v: v if isinstance(v, str) else None,
 )
@@ -301,7 +301,8 @@ def test_zero_heads_without_head_dim_is_a_config_error(tmp_path):
     reported as a bad config value, not crash with ZeroDivisionError."""
     folder = write_model(tmp_path / "m", {"num_attention_heads": 0, "head_dim": DELETE})
     with pytest.raises(
-        ValueError, match=r"config\.json: num_attention_heads must be a positive integer, got 0"
+        ValueError,
+        match=r"config\.json: num_attention_heads must be an integer in \[1, 4096\], got 0",
     ):
         LLM(model=str(folder))
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 import math
 
 import pytest
+import torch
 
+from vllm_rlt.models.loader import model_bytes
 from vllm_rlt.models.ouro import OuroConfig
 
 
@@ -65,3 +67,14 @@ def test_head_dim_defaults_to_hidden_over_heads():
     raw = _ouro_config_json(24)
     del raw["head_dim"]
     assert OuroConfig.from_dict(raw).head_dim == 128
+
+
+@pytest.mark.parametrize(
+    ("layers", "params"), [(24, 1_434_652_673), (48, 2_667_974_657)], ids=["1.4b", "2.6b"]
+)
+def test_size_check_counts_every_weight_and_the_rotary_tables(layers, params):
+    """The bytes a config is refused on are counted from one layer's shapes: exactly the
+    published parameters, plus the cos and sin tables of every position."""
+    config = OuroConfig.from_dict(_ouro_config_json(layers))
+    rotary = 2 * 65536 * 128
+    assert model_bytes(config, torch.bfloat16, fp8=False) == 2 * (params + rotary)

@@ -84,7 +84,11 @@ def run_offline(
     after `warmup` of them untimed."""
     from vllm_rlt.engine.llm import LLM
 
-    llm = LLM(**engine_args_from(flags).llm_kwargs(), generation_config=flags.generation_config)
+    llm = LLM(
+        **engine_args_from(flags).llm_kwargs(),
+        generation_config=flags.generation_config,
+        generation_config_ignore_invalid=flags.generation_config_ignore_invalid,
+    )
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     if warmup:
         warm = [{"prompt_token_ids": ids} for ids in prompts[:warmup]]

@@ -140,7 +140,7 @@ def build_engine(
             tensor_parallel,
             usage_context,
             max_model_len,
-            model_eos_token_ids(model),
+            model_eos_token_ids(model, loaded.config.vocab_size),
         )
     except BaseException:
         if tensor_parallel is not None:

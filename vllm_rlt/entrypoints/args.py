@@ -75,6 +75,13 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "generation_config.json), vllm (the engine's) or a folder",
     )
     model.add_argument(
+        "--generation-config-ignore-invalid",
+        action="store_true",
+        help="leave unset, with a warning, a sampling default in generation_config.json "
+        "that no request could send (temperature -1, top_p 2, NaN), instead of refusing to "
+        "start (default: refuse)",
+    )
+    model.add_argument(
         "--trust-remote-code",
         action="store_true",
         help="accepted for vLLM's command lines; changes nothing (no checkpoint code runs)",
@@ -406,7 +413,13 @@ def engine_args_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace)
         engine_args = engine_args_from(ns)
         from vllm_rlt.models.load import check_model_source  # torch: once the hub has answered
 
-        check_model_source(engine_args.model)
+        check_model_source(
+            engine_args.model,
+            engine_args.device,
+            engine_args.dtype,
+            ns.generation_config,
+            ns.generation_config_ignore_invalid,
+        )
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     return engine_args

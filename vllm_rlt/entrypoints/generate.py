@@ -47,7 +47,11 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
     from vllm_rlt.engine.llm import LLM
 
     try:
-        llm = LLM(**engine_args.llm_kwargs(), generation_config=ns.generation_config)
+        llm = LLM(
+            **engine_args.llm_kwargs(),
+            generation_config=ns.generation_config,
+            generation_config_ignore_invalid=ns.generation_config_ignore_invalid,
+        )
         params.resolved_loops(llm.engine.num_loops)
         warn_untrained_prompts(ns.model, prompts)
         outputs = llm.generate(prompts, params, use_tqdm=not ns.no_progress and not ns.json)

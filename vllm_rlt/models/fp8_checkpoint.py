@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from vllm_rlt.layers.fp8 import FP8_DTYPE, QUANTIZED_PROJECTIONS, Fp8Weight, is_float8
+from vllm_rlt.models.hf_config import shown
 
 # The checkpoint tensors of one layer that an FP8 checkpoint stores in float8.
 PROJECTION_WEIGHTS = tuple(
@@ -49,17 +50,18 @@ def is_fp8_checkpoint(raw: dict[str, Any]) -> bool:
     if spec is None:
         return False
     if not isinstance(spec, dict):
-        raise ValueError(f"config.json: quantization_config must be an object, got {spec!r}")
+        raise ValueError(f"config.json: quantization_config must be an object, got {shown(spec)}")
     method = spec.get("quant_method")
     if method != "fp8":
         raise ValueError(
             "config.json: quantization_config.quant_method must be 'fp8' (the only "
-            f"checkpoint quantization read), got {method!r}"
+            f"checkpoint quantization read), got {shown(method)}"
         )
-    if spec.get("activation_scheme", "dynamic") not in ACTIVATION_SCHEMES:
+    scheme = spec.get("activation_scheme", "dynamic")
+    if scheme not in ACTIVATION_SCHEMES:
         raise ValueError(
             "config.json: quantization_config.activation_scheme must be 'dynamic' or 'static' "
-            f"(activations are scaled per token as they run), got {spec['activation_scheme']!r}"
+            f"(activations are scaled per token as they run), got {shown(scheme)}"
         )
     if spec.get("weight_block_size") is not None:
         raise ValueError(
@@ -71,15 +73,19 @@ def is_fp8_checkpoint(raw: dict[str, Any]) -> bool:
         raise ValueError(f"config.json: unsupported quantization_config keys: {unknown}")
     # The LM head (and embedding) stay unquantized here anyway; a layer projection left in
     # the model's dtype would split a fused weight between two formats.
+    ignored = spec.get("ignored_layers") or []
+    if not isinstance(ignored, list):
+        raise ValueError(
+            "config.json: quantization_config.ignored_layers must be a list of layer names, "
+            f"got {type(ignored).__name__}"
+        )
     projections = [
-        layer
-        for layer in spec.get("ignored_layers") or ()
-        if not str(layer).endswith(("lm_head", "embed_tokens"))
+        layer for layer in ignored if not str(layer).endswith(("lm_head", "embed_tokens"))
     ]
     if projections:
         raise ValueError(
             "config.json: quantization_config.ignored_layers may name only lm_head and "
-            f"embed_tokens (every layer projection is read in float8), got {projections}"
+            f"embed_tokens (every layer projection is read in float8), got {shown(projections)}"
         )
     return True
 

@@ -13,8 +13,9 @@ from typing import Any
 import torch
 
 from vllm_rlt.config import ParamError
+from vllm_rlt.models.fp8_checkpoint import is_fp8_checkpoint
 from vllm_rlt.models.generation_defaults import sampling_defaults
-from vllm_rlt.models.loader import load_model, read_config, resolve_family
+from vllm_rlt.models.loader import check_fits, load_model, read_config
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import TOY_NAME, toy_config_dict, toy_weights
 from vllm_rlt.tokenizer import Tokenizer
@@ -71,25 +72,39 @@ def model_folder(model: str | Path | None) -> Path:
     return Path(model)
 
 
-def check_model_source(model: str | Path | None) -> None:
-    """Fail fast (ValueError or FileNotFoundError) on a model argument that cannot load: a
-    missing folder, or one without a config.json of a known family. Weights are checked
-    when they load."""
-    if str(model) == TOY_NAME:
-        return
-    folder = model_folder(model)
-    if not folder.is_dir():
-        raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
-    raw, _ = read_config(folder)
-    resolve_family(raw)
+def check_model_source(
+    model: str | Path | None,
+    device: str | torch.device = "cpu",
+    dtype: str | torch.dtype = "auto",
+    generation_config: str | None = "auto",
+    generation_config_ignore_invalid: bool = False,
+) -> None:
+    """Fail fast (ValueError or FileNotFoundError), before anything loads, on a model that
+    cannot: a missing folder; one without a config.json of a known family; a config.json
+    or generation_config.json value of the wrong type or out of range (a token id outside
+    the vocabulary, a sampling default no request could send unless
+    `generation_config_ignore_invalid`); on the CPU, a model too large for its memory.
+    Weights are checked when they load, and whether they fit a GPU there."""
+    if str(model) != TOY_NAME:
+        folder = model_folder(model)
+        if not folder.is_dir():
+            raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
+        raw, config = read_config(folder)
+        model_eos_token_ids(model, config.vocab_size)
+        if str(device) == "cpu":  # a GPU may be on another host: its core checks there
+            cpu = torch.device("cpu")
+            check_fits(config, resolve_dtype(dtype, cpu), cpu, is_fp8_checkpoint(raw))
+    if not generation_config_ignore_invalid:
+        model_sampling_defaults(model, generation_config, strict=True)
 
 
 def model_sampling_defaults(
-    model: str | Path | None, generation_config: str | None = "auto"
+    model: str | Path | None, generation_config: str | None = "auto", strict: bool = False
 ) -> dict[str, Any]:
     """The sampling defaults requests take where they leave a field unset, as vLLM's
     `generation_config` says: "auto", the model folder's generation_config.json (none for
-    the toy); "vllm", none (the engine's own defaults); else a folder holding one."""
+    the toy); "vllm", none (the engine's own defaults); else a folder holding one. A value
+    no request could send is a ValueError with `strict`, else left unset with a warning."""
     if generation_config is None:  # older vLLM's default: the engine's own
         generation_config = "vllm"
     if generation_config == "vllm" or (generation_config == "auto" and str(model) == TOY_NAME):
@@ -101,16 +116,22 @@ def model_sampling_defaults(
             f"got {generation_config!r}",
             "generation_config",
         )
-    return sampling_defaults(folder)
+    return sampling_defaults(folder, strict)
 
 
-def model_eos_token_ids(model: str | Path | None) -> frozenset[int]:
+def model_eos_token_ids(model: str | Path | None, vocab_size: int) -> frozenset[int]:
     """The EOS ids the model's generation_config.json adds (vLLM stops on them whether or
-    not a tokenizer is loaded)."""
+    not a tokenizer is loaded); an id outside the model's vocabulary is a ValueError."""
     if str(model) == TOY_NAME:
         return frozenset()
-    generation = read_json_object(model_folder(model) / GENERATION_CONFIG_FILE)
-    return frozenset(generation_eos_ids(generation.get("eos_token_id")))
+    path = model_folder(model) / GENERATION_CONFIG_FILE
+    ids = generation_eos_ids(read_json_object(path).get("eos_token_id"))
+    outside = [token_id for token_id in ids if not 0 <= token_id < vocab_size]
+    if outside:
+        raise ValueError(
+            f"{path}: eos_token_id {outside[0]} is outside the vocabulary [0, {vocab_size})"
+        )
+    return frozenset(ids)
 
 
 def load_tokenizer(

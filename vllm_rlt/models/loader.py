@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,17 +22,25 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def _read_json_object(path: Path) -> dict[str, Any]:
+    """A JSON object file's contents; ValueError naming the file when it holds none."""
+    try:
+        raw = json.loads(path.read_text())
+    except RecursionError:
+        raise ValueError(f"{path}: invalid JSON: nested too deeply") from None
+    except ValueError as exc:  # not JSON, not UTF-8, or an integer of too many digits
+        raise ValueError(f"{path}: invalid JSON: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    return raw
+
+
 def read_config(folder: Path) -> tuple[dict[str, Any], Any]:
     """Parse config.json into (raw dict, family config object)."""
     path = folder / "config.json"
     if not path.is_file():
         raise FileNotFoundError(f"{folder}: no config.json (not a Hugging Face model folder)")
-    try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{path}: invalid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise ValueError(f"{path}: expected a JSON object")
+    raw = _read_json_object(path)
     config_class, _ = resolve_family(raw)
     # the weights' format, not the model's shape: read by load_model
     shape_keys = {key: value for key, value in raw.items() if key != "quantization_config"}
@@ -38,12 +49,7 @@ def read_config(folder: Path) -> tuple[dict[str, Any], Any]:
 
 def _weight_files(folder: Path) -> list[Path]:
     if (folder / INDEX_FILE).is_file():
-        try:
-            index = json.loads((folder / INDEX_FILE).read_text())
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{folder / INDEX_FILE}: invalid JSON: {exc}") from exc
-        if not isinstance(index, dict):
-            raise ValueError(f"{folder / INDEX_FILE}: expected a JSON object")
+        index = _read_json_object(folder / INDEX_FILE)
         weight_map = index.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise ValueError(f"{folder / INDEX_FILE}: missing or empty 'weight_map'")
@@ -91,6 +97,40 @@ def read_weights(
     return weights
 
 
+def model_bytes(config: Any, dtype: torch.dtype, fp8: bool) -> int:
+    """What the built model holds at least: every weight in `dtype` (an FP8 checkpoint's
+    layer projections in one byte) and the rotary cos and sin tables. Counted from one
+    layer's shapes, so a config of absurd depth costs nothing to size."""
+    one_layer = dataclasses.replace(config, num_hidden_layers=1).checkpoint_shapes()
+    total = 0
+    for name, shape in one_layer.items():
+        element = 1 if fp8 and name.endswith(fp8_checkpoint.PROJECTION_WEIGHTS) else dtype.itemsize
+        repeats = config.num_hidden_layers if name.startswith("model.layers.0.") else 1
+        total += math.prod(shape) * element * repeats
+    return total + 2 * config.max_position_embeddings * config.head_dim * dtype.itemsize
+
+
+def device_memory(device: torch.device) -> int:
+    """Bytes the device can hold: free memory on a GPU, physical memory on the CPU."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def check_fits(config: Any, dtype: torch.dtype, device: torch.device, fp8: bool) -> None:
+    """A one-line ValueError, before anything is read or allocated, for a config.json whose
+    shapes need more memory than the device has."""
+    needed, room = model_bytes(config, dtype, fp8), device_memory(device)
+    if needed > room:
+        raise ValueError(
+            f"config.json: a model of this shape (vocab_size={config.vocab_size}, "
+            f"hidden_size={config.hidden_size}, intermediate_size={config.intermediate_size}, "
+            f"num_hidden_layers={config.num_hidden_layers}, max_position_embeddings="
+            f"{config.max_position_embeddings}) needs at least {needed / 2**30:.1f} GiB in "
+            f"{str(dtype).removeprefix('torch.')}; {device} has {room / 2**30:.1f} GiB"
+        )
+
+
 def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> Any:
     """Build the registered model family from an HF folder."""
     folder = Path(folder)
@@ -98,8 +138,10 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
         raise FileNotFoundError(f"model folder {str(folder)!r} does not exist")
     raw, config = read_config(folder)
     _, model_class = resolve_family(raw)
+    fp8 = fp8_checkpoint.is_fp8_checkpoint(raw)
+    check_fits(config, dtype, torch.device(device), fp8)
     shapes = config.checkpoint_shapes()
-    if not fp8_checkpoint.is_fp8_checkpoint(raw):
+    if not fp8:
         weights = read_weights(folder, shapes)
         float8 = sorted(n for n, t in weights.items() if is_float8(t))
         if float8:

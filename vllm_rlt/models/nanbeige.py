@@ -8,7 +8,14 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.models.hf_config import COMMON_HARMLESS_KEYS, eos_token_ids, llama_layer_shapes
+from vllm_rlt.models.hf_config import (
+    COMMON_HARMLESS_KEYS,
+    MAX_LOOPS,
+    config_int,
+    llama_fields,
+    llama_layer_shapes,
+    shown,
+)
 from vllm_rlt.models.ouro import OuroModel
 
 _HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
@@ -62,7 +69,9 @@ class NanbeigeConfig:
         if enabled:
             raise ValueError(f"config.json: unsupported Nanbeige variants: {', '.join(enabled)}")
         if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act must be 'silu', got {raw['hidden_act']!r}")
+            raise ValueError(
+                f"config.json: hidden_act must be 'silu', got {shown(raw['hidden_act'])}"
+            )
         for flag in ("attention_bias", "mlp_bias", "skip_loop_final_norm"):
             if raw.get(flag):
                 raise ValueError(f"config.json: {flag}=true is not supported")
@@ -72,37 +81,10 @@ class NanbeigeConfig:
             )
         if raw.get("rope_scaling") not in (None, {}):
             raise ValueError("config.json: rope_scaling is not supported")
-        required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
-        missing = [name for name in (*required, "num_attention_heads") if name not in raw]
-        if missing:
-            raise ValueError(f"config.json: missing required keys: {', '.join(missing)}")
-        heads = raw["num_attention_heads"]
-        if not isinstance(heads, int) or heads < 1:
-            raise ValueError(f"config.json: num_attention_heads must be >= 1, got {heads!r}")
-        config = cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or raw.get("kv_channels") or raw["hidden_size"] // heads,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            max_position_embeddings=raw.get("max_position_embeddings", 4096),
-            num_loops=raw.get("num_loops", 2),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_token_ids(raw),
+        return cls(
+            **llama_fields(raw, 1e-5, 4096, ("head_dim", "kv_channels")),
+            num_loops=config_int(raw, "num_loops", 1, MAX_LOOPS, default=2),
         )
-        for name in ("num_key_value_heads", "head_dim", "num_loops", "max_position_embeddings"):
-            value = getattr(config, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
-        if heads % config.num_key_value_heads:
-            raise ValueError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
-        return config
 
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of an HF Nanbeige checkpoint: plain Llama names, nothing per loop."""

@@ -12,7 +12,15 @@ import torch.nn.functional as F
 from vllm_rlt.attention import AttentionMetadata
 from vllm_rlt.layers.fp8 import is_float8
 from vllm_rlt.layers.rotary import RotaryEmbedding
-from vllm_rlt.models.hf_config import COMMON_HARMLESS_KEYS, eos_token_ids, llama_layer_shapes
+from vllm_rlt.models.hf_config import (
+    COMMON_HARMLESS_KEYS,
+    MAX_LOOPS,
+    config_float,
+    config_int,
+    llama_fields,
+    llama_layer_shapes,
+    shown,
+)
 
 _HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
     "max_window_layers",
@@ -21,20 +29,6 @@ _HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
     "layer_types",
     "early_exit_step",
 }
-
-
-_REQUIRED_KEYS = (
-    "vocab_size",
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-)
-
-
-def _require_positive_int(name: str, value: object) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"config.json: {name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -58,62 +52,38 @@ class OuroConfig:
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> OuroConfig:
-        """Parse config.json; unknown keys and unsupported settings are errors, not surprises."""
+        """Parse config.json; unknown keys, unsupported settings and values of the wrong type
+        or out of range are errors naming the field, not surprises."""
         known = {f.name for f in fields(cls)} - {"eos_token_ids"}
         unknown = sorted(set(raw) - known - _HARMLESS_KEYS)
         if unknown:
             raise ValueError(f"config.json: unsupported Ouro config keys: {', '.join(unknown)}")
         if raw.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"config.json: hidden_act must be 'silu', got {raw['hidden_act']!r}")
-        if raw.get("use_sliding_window", False):
-            raise ValueError("config.json: use_sliding_window=true is not supported")
-        layer_types = raw.get("layer_types") or []
-        if any(kind != "full_attention" for kind in layer_types):
-            raise ValueError("config.json: layer_types must all be 'full_attention'")
+            raise ValueError(
+                f"config.json: hidden_act must be 'silu', got {shown(raw['hidden_act'])}"
+            )
+        if raw.get("use_sliding_window") not in (None, False):
+            raise ValueError(
+                "config.json: use_sliding_window must be false (sliding windows are not "
+                f"supported), got {shown(raw['use_sliding_window'])}"
+            )
+        layer_types = raw.get("layer_types")
+        if layer_types is not None and (
+            not isinstance(layer_types, list)
+            or any(kind != "full_attention" for kind in layer_types)
+        ):
+            raise ValueError(
+                f"config.json: layer_types must all be 'full_attention', got {shown(layer_types)}"
+            )
         if raw.get("rope_scaling") not in (None, {}):
             raise ValueError("config.json: rope_scaling is not supported")
         if raw.get("early_exit_step") is not None:
             raise ValueError("config.json: early_exit_step is not supported")
-        missing = [name for name in _REQUIRED_KEYS if name not in raw]
-        if missing:
-            raise ValueError(f"config.json: missing required keys: {', '.join(missing)}")
-        for name in ("hidden_size", "num_attention_heads"):
-            _require_positive_int(name, raw[name])
-        heads = raw["num_attention_heads"]
-        config = cls(
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_hidden_layers=raw["num_hidden_layers"],
-            num_attention_heads=heads,
-            num_key_value_heads=raw.get("num_key_value_heads", heads),
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
-            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
-            max_position_embeddings=raw.get("max_position_embeddings", 2048),
-            total_ut_steps=raw.get("total_ut_steps", 4),
-            early_exit_threshold=float(raw.get("early_exit_threshold", 1.0)),
-            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
-            eos_token_ids=eos_token_ids(raw),
+        return cls(
+            **llama_fields(raw, 1e-6, 2048, ("head_dim",)),
+            total_ut_steps=config_int(raw, "total_ut_steps", 1, MAX_LOOPS, default=4),
+            early_exit_threshold=config_float(raw, "early_exit_threshold", 0.0, 1.0, 1.0),
         )
-        config.validate()
-        return config
-
-    def validate(self) -> None:
-        for name in (
-            *_REQUIRED_KEYS,
-            "num_key_value_heads",
-            "head_dim",
-            "max_position_embeddings",
-            "total_ut_steps",
-        ):
-            _require_positive_int(name, getattr(self, name))
-        if self.num_attention_heads % self.num_key_value_heads:
-            raise ValueError(
-                "config.json: num_attention_heads must be a multiple of num_key_value_heads"
-            )
-        if self.head_dim % 2:
-            raise ValueError(f"config.json: head_dim must be even, got {self.head_dim}")
 
     @property
     def num_loops(self) -> int:

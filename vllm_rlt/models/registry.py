@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from vllm_rlt.models.hf_config import shown
 from vllm_rlt.models.nanbeige import NanbeigeConfig, NanbeigeModel
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 
@@ -16,9 +17,9 @@ MODEL_REGISTRY: dict[str, tuple[type, type]] = {
 def resolve_family(raw_config: dict[str, Any]) -> tuple[type, type]:
     """(config class, model class) for a parsed config.json, or a clear error."""
     model_type = raw_config.get("model_type")
-    if model_type not in MODEL_REGISTRY:
+    if not isinstance(model_type, str) or model_type not in MODEL_REGISTRY:
         raise ValueError(
-            f"config.json: unknown model_type {model_type!r}; supported: "
+            f"config.json: unknown model_type {shown(model_type)}; supported: "
             f"{', '.join(sorted(MODEL_REGISTRY))}"
         )
     return MODEL_REGISTRY[model_type]

@@ -102,11 +102,13 @@ def read_json_object(path: Path) -> dict[str, Any]:
         return {}
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
+    except RecursionError:
+        raise ValueError(f"cannot read {path}: JSON nested too deeply") from None
     except (OSError, ValueError) as exc:
         raise ValueError(f"cannot read {path}: {exc}") from exc
     require(
         isinstance(data, dict),
-        f"{path} must hold a JSON object, got {type(data).__name__}",
+        f"{path}: must hold a JSON object, got {type(data).__name__}",
     )
     return data
 
@@ -286,13 +288,14 @@ class Tokenizer:
         self._bos_id = None if bos_token is None else self._token_id(bos_token, "bos_token")
         self._eos_id = None if eos_token is None else self._token_id(eos_token, "eos_token")
         eos_ids = set(extra_eos_token_ids)
-        if self._eos_id is not None:
-            eos_ids.add(self._eos_id)
-        for token_id in eos_ids:
+        for token_id in eos_ids:  # eos_token is looked up in the vocabulary, so is in it
             if not 0 <= token_id < self.vocab_size:
                 raise ValueError(
-                    f"eos token id {token_id} is outside the vocabulary [0, {self.vocab_size})"
+                    f"{GENERATION_CONFIG_FILE}: eos_token_id {token_id} is outside the "
+                    f"vocabulary [0, {self.vocab_size})"
                 )
+        if self._eos_id is not None:
+            eos_ids.add(self._eos_id)
         self._eos_ids = frozenset(eos_ids)
 
     @classmethod
