@@ -26,7 +26,9 @@ from tests.server.conftest import (
     serve_process,
 )
 from vllm_rlt.engine.dp_client import DataParallelClient
+from vllm_rlt.engine.messages import AddRequest
 from vllm_rlt.entrypoints.cli import main
+from vllm_rlt.sampling_params import SamplingParams
 
 _CORE_PIDS = re.compile(r"2 data-parallel engine cores \(pid (\d+), (\d+)\)")
 
@@ -384,6 +386,16 @@ def test_data_parallel_flags_out_of_range_are_one_line_errors(monkeypatch, capsy
 class _Core:
     def __init__(self, slots: int) -> None:
         self.info = type("Info", (), {"max_num_seqs": slots})()
+        self.client = 0
+        self.sent: list = []
+        self.dead = None  # called on a send that finds the core gone
+
+    def send(self, command) -> bool:
+        if self.dead is not None:
+            self.dead()
+            return False
+        self.sent.append(command)
+        return True
 
 
 def test_a_request_goes_to_the_least_loaded_core():
@@ -441,3 +453,22 @@ def test_sleep_is_all_or_nothing_across_cores():
         assert httpx.post(f"{url}/v1/completions", json=body).status_code == 400
         assert httpx.post(f"{url}/wake_up", timeout=60).json() == {"is_sleeping": False}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).status_code == 200
+
+
+def test_a_request_sent_to_a_core_found_dead_goes_to_another():
+    """The core a request was placed on turns out dead as it is sent (its death not yet
+    noticed): the request goes to a live core, counted there only."""
+    client = DataParallelClient.__new__(DataParallelClient)
+    client._prepare(lambda reason: None, lambda rank, reason: None)
+    client.cores = [_Core(4), _Core(4)]
+    client._owner, client._sequences = {}, [0, 0]
+    client._kv_usage, client._heard = [0.0, 0.0], [0.0, 0.0]
+    client.cores[0].dead = lambda: client._core_died(0, "killed")
+    params = SamplingParams(n=2)
+    client.send(AddRequest("r", [1, 2], params, 0))
+    assert client.lost == {0: "killed"}
+    assert [c.request_id for c in client.cores[1].sent] == ["r"]
+    assert client._owner == {"r": (1, 2)} and client._sequences == [0, 2]
+    client.cores[1].dead = lambda: client._core_died(1, "killed")
+    client.send(AddRequest("s", [1], params, 0))  # none left: it fails with the engine
+    assert client.dead_reason is not None and client._owner["s"][0] == 1

@@ -232,16 +232,25 @@ class DataParallelClient:
         self._owner[request_id] = (rank, sequences)
         self._sequences[rank] += sequences
 
+    def _place(self, command: AddRequest) -> None:
+        """Send a new request to the least-loaded core. A core whose death this very send
+        reveals hands it on to the next; with none left, its stream fails with the rest."""
+        n = command.params.n
+        rank = self.choose(n)
+        self._assign(command.request_id, rank, n)
+        while not self.cores[rank].send(command) and rank in self.lost and self.live_ranks:
+            del self._owner[command.request_id]
+            self._sequences[rank] -= n
+            rank = self.choose(n)
+            self._assign(command.request_id, rank, n)
+
     def send(self, command: Command) -> None:
         if isinstance(command, AddRequest):
             owner = self._owner.get(command.request_id)
             if owner is not None:  # still running there: that core refuses it, as one would
                 self.cores[owner[0]].send(command)
                 return
-            n = command.params.n
-            rank = self.choose(n)
-            self._assign(command.request_id, rank, n)
-            self.cores[rank].send(command)
+            self._place(command)
         elif isinstance(command, AbortRequest):
             owner = self._owner.get(command.request_id)
             targets = self.cores if owner is None else [self.cores[owner[0]]]
