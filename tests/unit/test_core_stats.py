@@ -41,19 +41,35 @@ def test_the_stats_answer_crosses_the_wire_as_itself():
 
 def test_a_data_parallel_memory_call_answers_for_every_core():
     """Sleep-mode calls reach every core: yes only where all say yes, else each refusal
-    named with its core."""
-    from types import SimpleNamespace
-
+    named with its core; a sleep one core refuses leaves every core awake."""
     from vllm_rlt.engine.dp_client import DataParallelClient
 
-    def client(*answers):
+    class Core:
+        def __init__(self, busy: bool = False) -> None:
+            self.busy, self.sleeping = busy, False
+
+        def call(self, name: str, timeout: float) -> dict:
+            if name.startswith("sleep_"):
+                if self.busy:
+                    return {"error": "busy"}
+                self.sleeping = True
+            elif name == "wake_up":
+                self.sleeping = False
+            return {"is_sleeping": self.sleeping}
+
+    def client(*cores):
         dp = DataParallelClient.__new__(DataParallelClient)
-        dp.lost = {}
-        dp.cores = [SimpleNamespace(call=lambda name, timeout, a=a: a) for a in answers]
+        dp._prepare(lambda reason: None, None)
+        dp.cores = list(cores)
         return dp
 
-    asleep = {"is_sleeping": True}
-    assert client(asleep, asleep).call("sleep_1") == {"is_sleeping": True}
-    assert client(asleep, {"is_sleeping": False}).call("is_sleeping") == {"is_sleeping": False}
-    mixed = client(asleep, {"error": "busy"}).call("sleep_1")
-    assert mixed == {"error": "engine core 1: busy"}
+    idle = client(Core(), Core())
+    assert idle.call("sleep_1") == {"is_sleeping": True}
+    assert idle.call("sleep_1") == {"is_sleeping": True}  # asleep already: a no-op
+    assert idle.call("wake_up") == {"is_sleeping": False}
+    for busy in (0, 1):  # the idle core slept before or after the refusal
+        cores = [Core(busy=rank == busy) for rank in range(2)]
+        mixed = client(*cores).call("sleep_1")
+        assert mixed == {"error": f"engine core {busy}: busy"}
+        assert not any(core.sleeping for core in cores)
+        assert client(*cores).call("is_sleeping") == {"is_sleeping": False}
