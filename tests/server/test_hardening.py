@@ -500,3 +500,23 @@ def test_concurrent_bad_and_good_requests(server):
         thread.join()
     assert sorted(results) == [200] * 6 + [400] * 15
     wait_idle(state)
+
+
+def test_the_frontend_knows_the_cores_eos_ids_without_a_tokenizer():
+    """With skip_tokenizer_init the frontend has no tokenizer, yet a request that allows only
+    EOS while min_tokens bans it is refused before it is queued: the core's EOS ids come in
+    its handshake."""
+    from vllm_rlt import SamplingParams
+    from vllm_rlt.config import ParamError
+    from vllm_rlt.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM({"model": None, "skip_tokenizer_init": True}, in_process=True)
+    try:
+        assert engine.tokenizer is None and engine.info.eos_token_ids
+        eos = engine.info.eos_token_ids[0]
+        params = SamplingParams(allowed_token_ids=[eos], min_tokens=1, max_tokens=4)
+        with pytest.raises(ParamError, match="min_tokens"):
+            engine.check_request("r", [40, 41], params)
+        engine.check_request("r", [40, 41], SamplingParams(allowed_token_ids=[eos]))
+    finally:
+        engine.shutdown()

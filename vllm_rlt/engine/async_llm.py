@@ -82,6 +82,7 @@ class AsyncLLM:
         data_parallel_size: int = 1,
         remote_cores: RemoteCores | None = None,
         generation_config: str = "auto",
+        generation_config_ignore_invalid: bool = False,
         disaggregate: tuple[int, int] | None = None,
         kv_connector: str = "auto",
     ) -> None:
@@ -97,7 +98,9 @@ class AsyncLLM:
             model, llm_kwargs.get("tokenizer"), llm_kwargs.get("skip_tokenizer_init", False)
         )
         # what a request leaves unset (vLLM's generation_config: the model's file by default)
-        sampling_defaults = model_sampling_defaults(model, generation_config)
+        sampling_defaults = model_sampling_defaults(
+            model, generation_config, strict=not generation_config_ignore_invalid
+        )
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads outputs
         self.client: EngineCoreClient | DataParallelClient
         if attach is not None:
@@ -143,7 +146,9 @@ class AsyncLLM:
             ),
             llm_kwargs.get("exit_config") or ExitConfig(),
         )
-        self.processor = InputProcessor(self.tokenizer, checker, sampling_defaults)
+        self.processor = InputProcessor(
+            self.tokenizer, checker, sampling_defaults, frozenset(info.eos_token_ids)
+        )
 
     # ----------------------------------------------------------------- caller side
     @property

@@ -320,6 +320,7 @@ def engine_info(engine: EngineCore, model_name: str) -> EngineInfo:
         scheduling_policy=engine.scheduler.config.scheduling_policy,
         prompt_tables=engine.scheduler.table_planes,
         scheduler_note=engine.scheduler_note,
+        eos_token_ids=sorted(engine.eos_token_ids),
     )
 
 

@@ -21,9 +21,14 @@ class InputProcessor:
         tokenizer: Tokenizer | None,
         checker: RequestChecker,
         sampling_defaults: dict[str, Any],
+        eos_token_ids: frozenset[int] = frozenset(),
     ) -> None:
         self.tokenizer = tokenizer
         self.checker = checker
+        # the core's EOS ids (the tokenizer's and those the model adds), for check_samplable
+        self.eos_token_ids = eos_token_ids | (
+            frozenset() if tokenizer is None else tokenizer.eos_token_ids
+        )
         # vLLM's generation_config: what a request leaves unset (engine/llm.py says which)
         self.sampling_defaults = sampling_defaults
 
@@ -51,10 +56,8 @@ class InputProcessor:
     ) -> SamplingParams:
         """`params` as the core takes them, after every check the core makes (ParamError
         naming the field). A core in this process checks on arrival itself, before anything
-        is queued: `LLM` needs only `core_params`. Of the EOS ids, this side knows the
-        tokenizer's; the core, which knows any the model's config adds, checks again."""
+        is queued: `LLM` needs only `core_params`."""
         params = self.core_params(params)
         self.checker.check(request_id, prompt_token_ids, params)
-        eos_token_ids = frozenset() if self.tokenizer is None else self.tokenizer.eos_token_ids
-        check_samplable(params, self.checker.limits.vocab_size, eos_token_ids)
+        check_samplable(params, self.checker.limits.vocab_size, self.eos_token_ids)
         return params

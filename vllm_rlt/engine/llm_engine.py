@@ -28,7 +28,9 @@ class LLMEngine:
     ) -> None:
         self.core = core
         self.tokenizer = tokenizer
-        self.processor = InputProcessor(tokenizer, core.checker, sampling_defaults or {})
+        self.processor = InputProcessor(
+            tokenizer, core.checker, sampling_defaults or {}, core.eos_token_ids
+        )
         self.states: dict[str, RequestState] = {}
 
     def add_request(

@@ -147,6 +147,7 @@ class EngineInfo(msgspec.Struct, array_like=True):
     scheduling_policy: str = "fcfs"
     prompt_tables: int = 1  # block tables a prefilling prompt holds (RequestLimits)
     scheduler_note: str = ""  # how the scheduler was sized, for the server's start-up log
+    eos_token_ids: list[int] = []  # the core's: the tokenizer's and those the model adds
 
 
 class Ready(msgspec.Struct, tag="ready", array_like=True):

@@ -366,6 +366,7 @@ def _server_settings(ns: argparse.Namespace) -> ServerSettings:
         access_log=ns.access_log,
         enable_sleep_mode=ns.enable_sleep_mode,
         generation_config=ns.generation_config,
+        generation_config_ignore_invalid=ns.generation_config_ignore_invalid,
         api_server_count=ns.api_server_count,
         data_parallel_size=ns.data_parallel_size,
         disaggregate=None if ns.disaggregate is None else disaggregate_sizes(ns.disaggregate),

@@ -79,6 +79,7 @@ class ServerState:
                 data_parallel_size=self.settings.data_parallel_size,
                 remote_cores=self.settings.remote_cores,
                 generation_config=self.settings.generation_config,
+                generation_config_ignore_invalid=self.settings.generation_config_ignore_invalid,
                 disaggregate=self.settings.disaggregate,
                 kv_connector=self.settings.kv_connector,
             )

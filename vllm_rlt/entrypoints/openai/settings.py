@@ -33,6 +33,7 @@ class ServerSettings:
     enable_sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping, /reset_prefix_cache
     access_log: bool = False
     generation_config: str = "auto"  # vLLM's: where unset sampling fields come from
+    generation_config_ignore_invalid: bool = False  # its bad fields: unset, not an error
     engine_in_process: bool = False  # the core on a thread of this process (tests)
     api_server_count: int = 1
     data_parallel_size: int = 1
