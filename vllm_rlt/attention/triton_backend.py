@@ -25,6 +25,7 @@ from vllm_rlt.kernels.triton_kernels import (
     _rope_write_rows_kernel,
     _silu_mul_kernel,
 )
+from vllm_rlt.kernels.w8a16_gemm import takes_w8a16, w8a16_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
 
@@ -228,7 +229,12 @@ class TritonOps:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
         partial sums and the norm kernel adds them up, so no reduction kernel runs."""
         config = linear_plan(inp, weight, split_ok=True)
-        if config is None or config.split_k == 1 or takes_strip(inp, weight):
+        if (
+            config is None
+            or config.split_k == 1
+            or takes_w8a16(inp, weight)
+            or takes_strip(inp, weight)
+        ):
             return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
         parts = skinny_linear_partials(inp, weight, config, pdl=self.pdl)
         return self._add_rms_norm2(x, parts, w_branch, w_next, eps)
@@ -280,6 +286,8 @@ class TritonOps:
     ) -> torch.Tensor:
         """x @ weight.T; few rows stream the weight once, and with `live` a row tile none of
         whose rows is live skips the weight (those rows' outputs are zero)."""
+        if live is None and takes_w8a16(x, weight):
+            return w8a16_gemm(x, weight, pdl=self.pdl)
         if live is None and takes_strip(x, weight):
             return strip_gemv(x, weight, pdl=self.pdl)
         config = linear_plan(x, weight)
@@ -289,6 +297,8 @@ class TritonOps:
 
     def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
+        if takes_w8a16(x, gate_up):
+            return w8a16_gemm(x, gate_up, silu_mul=True, pdl=self.pdl)
         if takes_strip(x, gate_up):
             return strip_gemv(x, gate_up, silu_mul=True, pdl=self.pdl)
         config = linear_plan(x, gate_up)

@@ -1,0 +1,118 @@
+"""The few-row FP8-weight product (kernels/csrc/w8a16_gemm.cu) against the Triton paths it
+replaces, on the Ouro-1.4B layer shapes: each projection alone, and the four projections
+of 24 layers in a row as a pass runs them, each layer with weights of its own (so the
+weights come from HBM, not L2). Prints microseconds per projection and per layer, and each
+against its weight bytes over the copy bandwidth measured first. Needs a CUDA GPU.
+
+python -m benchmarks.probe_w8a16 --rows 1 2 4 8 16 --output probe.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from vllm_rlt.cli_parser import CLIParser
+
+# Ouro-1.4B: (name, N, K, SiLU-mul epilogue)
+SHAPES = (("qkv", 6144, 2048, False), ("o", 2048, 2048, False), ("gate_up", 11264, 2048, True))
+SHAPES += (("down", 2048, 5632, False),)
+LAYERS = 24
+
+
+def copy_bandwidth() -> float:
+    """Bytes per second of a large device-to-device copy (read plus write)."""
+    import triton.testing
+
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), rep=200, return_mode="median")
+    return 2 * src.numel() / (ms * 1e-3)
+
+
+def _variants():
+    """name -> (weight dtype, whether the CUDA kernel may serve)."""
+    return {"cuda fp8": ("fp8", True), "triton fp8": ("fp8", False), "triton bf16": ("bf16", False)}
+
+
+def _weights(kind: str, count: int):
+    from vllm_rlt.layers.fp8 import Fp8Weight
+
+    layers = []
+    for index in range(count):
+        gen = torch.Generator(device="cuda").manual_seed(index)
+        layer = {}
+        for name, n, k, _ in SHAPES:
+            w = (torch.randn(n, k, device="cuda", generator=gen) / k**0.5).to(torch.bfloat16)
+            layer[name] = Fp8Weight.quantize(w) if kind == "fp8" else w
+        layers.append(layer)
+    return layers
+
+
+def _project(ops, x, weight, silu):
+    return ops.linear_silu_mul(x, weight) if silu else ops.linear(x, weight)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = CLIParser(prog="python -m benchmarks.probe_w8a16", description=__doc__)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--output", default=None, help="JSON of every figure (default: none)")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("python -m benchmarks.probe_w8a16: error: needs a CUDA device", file=sys.stderr)
+        return 2
+    import triton.testing
+
+    from vllm_rlt.attention.triton_backend import TritonOps
+    from vllm_rlt.kernels import w8a16_gemm
+
+    default_rows = w8a16_gemm.W8A16_ROWS
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
+    ops = TritonOps()
+    report = {"bandwidth": bandwidth, "device": torch.cuda.get_device_name(), "rows": {}}
+    weights = {kind: _weights(kind, LAYERS) for kind in ("fp8", "bf16")}
+    for rows in args.rows:
+        x = {
+            name: torch.randn(rows, k, device="cuda").to(torch.bfloat16) for name, _, k, _ in SHAPES
+        }
+        figures = {}
+        for variant, (kind, cuda) in _variants().items():
+            w8a16_gemm.W8A16_ROWS = 16 if cuda else 0
+            layer_bytes = 0
+            for name, n, k, silu in SHAPES:
+                weight = weights[kind][0][name]
+                got = _project(ops, x[name], weight, silu)
+                dense = weight.dequantize(torch.float32) if kind == "fp8" else weight.float()
+                want = (x[name].float() @ dense.T).to(torch.bfloat16)
+                if silu:
+                    want = torch.nn.functional.silu(want[:, 0::2]) * want[:, 1::2]
+                error = (got.float() - want.float()).norm() / want.float().norm()
+                assert error < 2e-2, f"{variant} {name} rows {rows}: relative error {error}"
+                layer_bytes += n * k * (1 if kind == "fp8" else 2)
+
+            def chain(kind=kind, x=x):
+                for layer in weights[kind]:
+                    for name, _, _, silu in SHAPES:
+                        _project(ops, x[name], layer[name], silu)
+
+            ms = triton.testing.do_bench_cudagraph(chain, rep=100, return_mode="median")
+            per_layer = ms * 1e3 / LAYERS
+            floor = layer_bytes / bandwidth * 1e6
+            figures[variant] = {"us_per_layer": per_layer, "bytes_floor_us": floor}
+            print(
+                f"rows {rows:3d}  {variant:12s}  {per_layer:7.2f} us a layer "
+                f"(bytes floor {floor:5.2f} us, {floor / per_layer:.2f} of it)"
+            )
+        report["rows"][rows] = figures
+    w8a16_gemm.W8A16_ROWS = default_rows
+    if args.output:
+        with open(args.output, "w") as out:
+            json.dump(report, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

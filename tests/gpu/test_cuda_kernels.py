@@ -1,0 +1,103 @@
+"""The CUDA C++ kernels (kernels/csrc/) against torch, on a GPU with nvcc: the few-row
+FP8-weight product at edge row counts and shapes, with and without its SiLU-mul epilogue,
+inside a CUDA graph, and the engine's dispatch to it; and the fall-back to Triton, with
+one log line, where no compiler is found."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from vllm_rlt.attention.torch_backend import TorchOps
+from vllm_rlt.kernels import cuda_build, w8a16_gemm
+from vllm_rlt.layers.fp8 import Fp8Weight
+
+pytestmark = pytest.mark.gpu
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA device", allow_module_level=True)
+if cuda_build.find_nvcc() is None:
+    pytest.skip("needs nvcc to build the CUDA kernels", allow_module_level=True)
+
+TOL = 2e-2  # bf16 outputs of sums in another order
+
+
+def _problem(rows: int, n: int, k: int, seed: int):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
+    w[0, :64] = 0.0  # zeros and float8 subnormals widen exactly too
+    w[1, :64] = torch.linspace(-1e-3, 1e-3, 64, device="cuda")
+    weight = Fp8Weight.quantize(w.to(torch.bfloat16))
+    want = (x.float() @ weight.dequantize(torch.float32).T).to(torch.bfloat16)
+    return x, weight, want
+
+
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("n,k", [(2048, 2048), (6144, 2048), (2048, 5632), (16, 64), (48, 192)])
+def test_w8a16_gemm_against_torch(rows, n, k):
+    x, weight, want = _problem(rows, n, k, seed=rows * 7 + n + k)
+    assert w8a16_gemm.fits_w8a16(x, weight)
+    got = w8a16_gemm.w8a16_gemm(x, weight)
+    torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+    # The epilogue against the torch ops on the kernel's own product.
+    silu = TorchOps().silu_mul(got)
+    fused = w8a16_gemm.w8a16_gemm(x, weight, silu_mul=True)
+    torch.testing.assert_close(fused, silu, atol=TOL, rtol=TOL)
+
+
+def test_w8a16_gemm_reads_strided_rows_and_replays_in_a_graph():
+    """Rows of a wider buffer (as a pass's persistent inputs are), captured in a graph and
+    replayed on new values, with programmatic dependent launch."""
+    buffer = torch.empty(16, 4096, device="cuda", dtype=torch.bfloat16)
+    x, weight, _ = _problem(5, 2048, 2048, seed=3)
+    view = buffer[:5, :2048]
+    view.copy_(x)
+    from vllm_rlt.attention.triton_backend import TritonOps
+
+    pdl = TritonOps().pdl
+    w8a16_gemm.w8a16_gemm(view, weight, pdl=pdl)  # built and loaded before capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = w8a16_gemm.w8a16_gemm(view, weight, pdl=pdl)
+    for seed in (4, 5):
+        fresh, _, _ = _problem(5, 2048, 2048, seed=seed)
+        view.copy_(fresh)
+        graph.replay()
+        want = (fresh.float() @ weight.dequantize(torch.float32).T).to(torch.bfloat16)
+        torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 16, 17])
+def test_the_triton_ops_take_it_for_the_rows_it_is_set_for(rows, monkeypatch):
+    from vllm_rlt.attention.triton_backend import TritonOps
+
+    monkeypatch.setattr(w8a16_gemm, "W8A16_ROWS", 8)
+    x, weight, want = _problem(rows, 2048, 2048, seed=rows)
+    assert w8a16_gemm.takes_w8a16(x, weight) == (rows <= 8)
+    assert w8a16_gemm.fits_w8a16(x, weight) == (rows <= 16)
+    torch.testing.assert_close(TritonOps().linear(x, weight), want, atol=TOL, rtol=TOL)
+    silu = TritonOps().linear_silu_mul(x, weight)
+    torch.testing.assert_close(silu, TorchOps().silu_mul(want), atol=TOL, rtol=TOL)
+    assert not w8a16_gemm.fits_w8a16(x.float(), weight)  # bf16 activations only
+    assert not w8a16_gemm.fits_w8a16(x, weight.dequantize(torch.bfloat16))
+
+
+def test_without_nvcc_the_triton_kernels_serve_after_one_log_line(monkeypatch, caplog):
+    from vllm_rlt.attention.triton_backend import TritonOps
+
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
+    cuda_build.cuda_library.cache_clear()
+    try:
+        x, weight, want = _problem(4, 2048, 2048, seed=1)
+        monkeypatch.setattr(w8a16_gemm, "W8A16_ROWS", 16)
+        with caplog.at_level(logging.WARNING, logger=cuda_build.__name__):
+            assert not w8a16_gemm.takes_w8a16(x, weight)
+            assert not w8a16_gemm.fits_w8a16(x, weight)
+            got = TritonOps().linear(x, weight)
+        torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
+        lines = [r.getMessage() for r in caplog.records]
+        assert len(lines) == 1 and "no CUDA compiler (nvcc) found" in lines[0], lines
+    finally:
+        cuda_build.cuda_library.cache_clear()

@@ -1,0 +1,199 @@
+// Few-row products with float8 (e4m3) weights: out = (x @ (w * scale[:, None]).T), x in
+// bf16, for 1-16 rows. The weights are widened to bf16 in registers and multiplied on the
+// tensor cores (mma.sync m16n8k16) with the roles swapped: a 16-output tile of the weight
+// is the A operand and the rows of x are the 8 (or 16) columns of B, so few rows waste no
+// tensor-core work on padding weights, only on padding rows.
+//
+// A thread of an mma holds, for output g (and g + 8) of its tile, k pairs 2t, 2t+1 and
+// 2t+8, 2t+9 of each 16-wide k step. The sum over k may run in any order as long as the
+// weight and x agree, so physical k = 16 t + 4 s + j within a 64-wide chunk plays logical
+// k = 16 s + {2t, 2t+1, 2t+8, 2t+9}[j] of step s: each thread then loads 16 contiguous
+// bytes of each of its two weight rows per chunk, and 32 contiguous bytes of its x row.
+//
+// A block of WARPS warps shares one 16-output tile and splits K between its warps; each
+// warp loads its first U chunks of weights before waiting on the previous kernel
+// (programmatic dependent launch), keeps the next U chunks in flight while it multiplies,
+// and the block adds its warps' sums in shared memory. The epilogue scales by the row's
+// scale and rounds to bf16; with SILU the interleaved gate/up outputs (2j, 2j+1) become
+// silu(gate) * up, rounded like the separate torch ops.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+#include <stdint.h>
+
+namespace {
+
+constexpr int WARPS = 8;
+constexpr int U = 4;  // chunks of 64 k in flight per warp
+
+__device__ __forceinline__ uint32_t widen(uint32_t pair_bytes) {
+  // pair_bytes: two e4m3 bytes in the high byte of each 16-bit half. Moving sign,
+  // exponent and mantissa into bf16's fields gives the value times 2^-120 (subnormals and
+  // zero included); the bf16 multiply by 2^120 is exact.
+  uint32_t v = ((pair_bytes >> 4) & 0x07FF07FFu) | (pair_bytes & 0x80008000u);
+  __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&v);
+  const __nv_bfloat162 two120 = __floats2bfloat162_rn(1.329228e36f, 1.329228e36f);
+  h = __hmul2(h, two120);
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+__device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                    uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+template <int NT>
+__device__ __forceinline__ void multiply_chunk(float (&acc)[NT][4], uint4 wg, uint4 wg8,
+                                               const __nv_bfloat16* __restrict__ x,
+                                               int x_stride, int rows, int g, int t,
+                                               int k0) {
+  const uint32_t wa[4] = {wg.x, wg.y, wg.z, wg.w};
+  const uint32_t wb[4] = {wg8.x, wg8.y, wg8.z, wg8.w};
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    const int row = j * 8 + g;
+    uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
+    if (row < rows) {
+      const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)row * x_stride + k0 + 16 * t);
+      lo = __ldg(p);
+      hi = __ldg(p + 1);
+    }
+    const uint32_t xb[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      const uint32_t a0 = widen(__byte_perm(wa[s], 0, 0x1404));
+      const uint32_t a2 = widen(__byte_perm(wa[s], 0, 0x3424));
+      const uint32_t a1 = widen(__byte_perm(wb[s], 0, 0x1404));
+      const uint32_t a3 = widen(__byte_perm(wb[s], 0, 0x3424));
+      mma(acc[j], a0, a1, a2, a3, xb[2 * s], xb[2 * s + 1]);
+    }
+  }
+}
+
+template <int NT, bool SILU>
+__global__ void __launch_bounds__(WARPS * 32) w8a16_kernel(
+    const __nv_bfloat16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
+    const float* __restrict__ scale, __nv_bfloat16* __restrict__ out, int out_stride, int rows,
+    int K, int pdl) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, t = lane & 3;
+  const int n0 = blockIdx.x * 16;
+  const int chunks = K >> 6;
+  const int per_warp = (chunks + WARPS - 1) / WARPS;
+  const int first = warp * per_warp;
+  const int last = min(chunks, first + per_warp);
+  const uint8_t* row_g = w + (size_t)(n0 + g) * K + 16 * t;
+  const uint8_t* row_g8 = row_g + (size_t)8 * K;
+
+  uint4 cur_g[U], cur_g8[U];
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    if (first + u < last) {
+      cur_g[u] = __ldg(reinterpret_cast<const uint4*>(row_g + (first + u) * 64));
+      cur_g8[u] = __ldg(reinterpret_cast<const uint4*>(row_g8 + (first + u) * 64));
+    }
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (pdl) {  // weights are read above; x is written by the previous kernel
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+  }
+#endif
+  float acc[NT][4];
+#pragma unroll
+  for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
+
+  for (int c = first; c < last; c += U) {
+    uint4 next_g[U], next_g8[U];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (c + U + u < last) {
+        next_g[u] = __ldg(reinterpret_cast<const uint4*>(row_g + (c + U + u) * 64));
+        next_g8[u] = __ldg(reinterpret_cast<const uint4*>(row_g8 + (c + U + u) * 64));
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      if (c + u < last) multiply_chunk<NT>(acc, cur_g[u], cur_g8[u], x, x_stride, rows, g, t, (c + u) * 64);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      cur_g[u] = next_g[u];
+      cur_g8[u] = next_g8[u];
+    }
+  }
+
+  __shared__ float partial[WARPS][NT][4][32];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) partial[warp][j][i][lane] = acc[j][i];
+  __syncthreads();
+  if (warp != 0) return;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      float sum = 0.f;
+#pragma unroll
+      for (int v = 0; v < WARPS; ++v) sum += partial[v][j][i][lane];
+      acc[j][i] = sum;
+    }
+  // acc[j][i]: output n0 + g (i < 2) or n0 + g + 8 (i >= 2), row j * 8 + 2 t + (i & 1)
+  const float s_lo = scale[n0 + g], s_hi = scale[n0 + g + 8];
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int row = j * 8 + 2 * t + (i & 1);
+      const int n = n0 + g + (i >= 2 ? 8 : 0);
+      const float y = __bfloat162float(__float2bfloat16(acc[j][i] * (i >= 2 ? s_hi : s_lo)));
+      if (SILU) {
+        const float up = __shfl_xor_sync(0xffffffffu, y, 4);  // output n + 1 at lane + 4
+        if ((g & 1) == 0 && row < rows) {
+          const float act = __bfloat162float(__float2bfloat16(y / (1.f + __expf(-y))));
+          out[(size_t)row * out_stride + n / 2] = __float2bfloat16(act * up);
+        }
+      } else if (row < rows) {
+        out[(size_t)row * out_stride + n] = __float2bfloat16(y);
+      }
+    }
+}
+
+template <int NT, bool SILU>
+cudaError_t launch(const void* x, int x_stride, const void* w, const void* scale, void* out,
+                   int out_stride, int rows, int n, int k, int pdl, cudaStream_t stream) {
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(n / 16);
+  config.blockDim = dim3(WARPS * 32);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&config, w8a16_kernel<NT, SILU>,
+                            static_cast<const __nv_bfloat16*>(x), x_stride,
+                            static_cast<const uint8_t*>(w), static_cast<const float*>(scale),
+                            static_cast<__nv_bfloat16*>(out), out_stride, rows, k, pdl);
+}
+
+}  // namespace
+
+// x: [rows, k] bf16 with row stride x_stride; w: [n, k] float8 e4m3, contiguous; scale:
+// [n] float32; out: [rows, n] (or [rows, n / 2] with silu) bf16 with row stride out_stride.
+// Needs 1 <= rows <= 16, n % 16 == 0, k % 64 == 0, x and its rows 16-byte aligned.
+// Returns the launch's cudaError_t.
+extern "C" int w8a16_gemm(const void* x, int x_stride, const void* w, const void* scale,
+                          void* out, int out_stride, int rows, int n, int k, int silu, int pdl,
+                          void* stream) {
+  cudaStream_t s = static_cast<cudaStream_t>(stream);
+  if (rows <= 8)
+    return silu ? launch<1, true>(x, x_stride, w, scale, out, out_stride, rows, n, k, pdl, s)
+                : launch<1, false>(x, x_stride, w, scale, out, out_stride, rows, n, k, pdl, s);
+  return silu ? launch<2, true>(x, x_stride, w, scale, out, out_stride, rows, n, k, pdl, s)
+              : launch<2, false>(x, x_stride, w, scale, out, out_stride, rows, n, k, pdl, s);
+}

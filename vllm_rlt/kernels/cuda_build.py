@@ -1,0 +1,110 @@
+"""CUDA C++ kernels (kernels/csrc/*.cu) compiled on first use on a GPU machine.
+
+nvcc builds one shared library per source, device architecture and compiler, cached on
+disk (VLLM_RLT_CACHE_DIR, default ~/.cache/vllm-rlt), so later processes load it at once;
+the build shows one progress line on stderr. The libraries export plain C launch functions
+that take device pointers and the current stream, which keeps them graph-safe and free of
+torch's headers (a build takes seconds). Where no compiler is found, or a build fails, or
+VLLM_RLT_CUDA_KERNELS=0, one log line says so and the Triton kernels serve instead.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+logger = logging.getLogger(__name__)
+
+SOURCES = Path(__file__).parent / "csrc"
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+
+
+class BuildError(RuntimeError):
+    """nvcc failed; the message holds the end of its output."""
+
+
+def find_nvcc() -> str | None:
+    """CUDA_HOME's (or CUDA_PATH's) nvcc, else the first on PATH."""
+    for home in (os.environ.get("CUDA_HOME"), os.environ.get("CUDA_PATH")):
+        if home and os.access(Path(home) / "bin" / "nvcc", os.X_OK):
+            return str(Path(home) / "bin" / "nvcc")
+    return shutil.which("nvcc")
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("VLLM_RLT_CACHE_DIR") or Path.home() / ".cache" / "vllm-rlt"
+    return Path(root) / "cuda"
+
+
+def library_path(name: str, nvcc: str, arch: str) -> Path:
+    """Where the library of csrc/{name}.cu for `arch` (e.g. "sm_90") lives: keyed by the
+    source, the compiler's version and the flags, so any change builds anew."""
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    digest = hashlib.sha256()
+    for part in ((SOURCES / f"{name}.cu").read_bytes(), version.encode(), arch.encode()):
+        digest.update(part)
+    digest.update(" ".join(NVCC_FLAGS).encode())
+    return cache_dir() / f"{name}-{arch}-{digest.hexdigest()[:16]}.so"
+
+
+def build(name: str, nvcc: str, arch: str) -> Path:
+    """The cached library, built first if missing (atomically: concurrent processes each
+    build to a file of their own and the last rename wins, with equal contents)."""
+    path = library_path(name, nvcc, arch)
+    if path.exists():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(f"{path.name}.{os.getpid()}.part")
+    compute = arch.replace("sm_", "compute_")
+    command = [nvcc, *NVCC_FLAGS, f"-gencode=arch={compute},code={arch}"]
+    command += ["-o", str(partial), str(SOURCES / f"{name}.cu")]
+    description = f"building CUDA kernels {name} for {arch}"
+    with (
+        tempfile.TemporaryFile() as log,
+        tqdm(desc=description, bar_format="{desc}: {elapsed}") as bar,
+    ):
+        process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        while process.poll() is None:
+            time.sleep(0.1)
+            bar.refresh()
+        log.seek(0)
+        output = log.read().decode(errors="replace")
+    if process.returncode != 0:
+        partial.unlink(missing_ok=True)
+        raise BuildError(f"nvcc exited with {process.returncode}: {output.strip()[-2000:]}")
+    os.replace(partial, path)
+    return path
+
+
+@functools.cache
+def cuda_library(name: str) -> ctypes.CDLL | None:
+    """csrc/{name}.cu built for the current CUDA device and loaded, or None (after one log
+    line saying why) where it cannot be: the caller's Triton kernels serve then."""
+    import torch
+
+    if os.environ.get("VLLM_RLT_CUDA_KERNELS") == "0" or not torch.cuda.is_available():
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    nvcc = find_nvcc()
+    if nvcc is None:
+        logger.warning(
+            "no CUDA compiler (nvcc) found on PATH or under CUDA_HOME: the %s kernels fall "
+            "back to Triton",
+            name,
+        )
+        return None
+    try:
+        return ctypes.CDLL(str(build(name, nvcc, f"sm_{major}{minor}")))
+    except (OSError, BuildError) as exc:
+        logger.warning("building the %s kernels failed, Triton serves instead: %s", name, exc)
+        return None

@@ -1,0 +1,98 @@
+"""Few-row products with FP8 weights on the tensor cores (csrc/w8a16_gemm.cu).
+
+From 1 to W8A16_ROWS rows of bf16 activations, each float8 weight is widened to bf16 in
+registers and multiplied with mma.sync, the weight tile as the 16-row operand and the
+activation rows as the narrow one: the weights stream once at the rows' cost of a padded
+8- or 16-column tile, where the CUDA-core GEMVs (strip_gemv.py) grow with the rows and
+the skinny Triton kernel pads the rows to its tile and widens the weights per program.
+Weight loads start before the wait on the previous kernel (programmatic dependent
+launch). Built on first use (cuda_build.py); without it the Triton kernels serve.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from vllm_rlt.kernels.cuda_build import cuda_library
+from vllm_rlt.layers.fp8 import Fp8Weight
+
+# Passes of at most so many rows take the kernel (at most 16; 0: never). Off until it is
+# measured against the Triton paths on a GPU (benchmarks/probe_w8a16.py, then a same-run
+# engine A/B of this constant): the kernel and its tests have not yet run on one.
+W8A16_ROWS = 0
+
+
+def _kernel():
+    if torch.cuda.get_device_capability() < (8, 0):  # bf16 mma.sync
+        return None
+    library = cuda_library("w8a16_gemm")
+    if library is None:
+        return None
+    function = library.w8a16_gemm
+    if function.restype is not ctypes.c_int:  # first use in this process
+        pointer, integer = ctypes.c_void_p, ctypes.c_int
+        # x, x_stride, w, scale, out, out_stride, rows, n, k, silu, pdl, stream
+        function.argtypes = [pointer, integer, pointer, pointer, pointer, integer]
+        function.argtypes += [integer] * 5 + [pointer]
+        function.restype = ctypes.c_int
+    return function
+
+
+def takes_w8a16(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
+    """Whether the engine's x @ weight.T runs the kernel: at most W8A16_ROWS rows that
+    it fits."""
+    return x.shape[0] <= W8A16_ROWS and fits_w8a16(x, weight)
+
+
+def fits_w8a16(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
+    """Whether the kernel can compute x @ weight.T: float8 weights whose rows are whole and
+    contiguous, N a multiple of 16 and K of 64, 1..16 bf16 rows aligned to 16 bytes, on a
+    device the kernel was built for."""
+    if not isinstance(weight, Fp8Weight) or not 1 <= x.shape[0] <= 16:
+        return False
+    data, scale = weight.tensors()
+    n, k = data.shape
+    return (
+        x.dtype == torch.bfloat16
+        and x.is_cuda
+        and n % 16 == 0
+        and k % 64 == 0
+        and x.shape[1] == k
+        and x.stride(1) == 1
+        and x.stride(0) % 8 == 0
+        and x.data_ptr() % 16 == 0
+        and data.stride() == (k, 1)
+        and scale.is_contiguous()
+        and _kernel() is not None
+    )
+
+
+def w8a16_gemm(
+    x: torch.Tensor,  # [rows, K] bf16, 1..16 rows (see fits_w8a16)
+    weight: Fp8Weight,  # [N, K]; with silu_mul rows interleave gate, up
+    silu_mul: bool = False,
+    pdl: bool = False,  # launched as a programmatic dependent (see kernels/pdl.py)
+) -> torch.Tensor:
+    """x @ weight.T ([rows, N]), or its SiLU-mul ([rows, N / 2]); graph-safe."""
+    data, scale = weight.tensors()
+    rows, (n, k) = x.shape[0], data.shape
+    out = x.new_empty(rows, n // 2 if silu_mul else n)  # [rows, N or N / 2]
+    error = _kernel()(
+        x.data_ptr(),
+        x.stride(0),
+        data.data_ptr(),
+        scale.data_ptr(),
+        out.data_ptr(),
+        out.stride(0),
+        rows,
+        n,
+        k,
+        int(silu_mul),
+        int(pdl),
+        torch.cuda.current_stream(x.device).cuda_stream,
+    )
+    if error:
+        raise RuntimeError(f"w8a16_gemm: the launch failed with CUDA error {error}")
+    return out
