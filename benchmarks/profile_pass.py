@@ -1,6 +1,7 @@
 """Split a decode step into device time (graph replay) and host time, and list the kernels;
 with --rows, the host time of launching one pass against its device time, for decode-only
-passes and for passes that also carry a prompt chunk, at each row count.
+passes and for passes that also carry a prompt chunk, at each row count; with --budget,
+each decoder layer's ops against their bytes and FLOPs bounds at each row count.
 
 python -m benchmarks.profile_pass --shape ouro-1.4b --concurrency 1 64
 python -m benchmarks.profile_pass --concurrency 1 8 --speculative-tokens 1 --draft-loops 2 \
@@ -8,16 +9,28 @@ python -m benchmarks.profile_pass --concurrency 1 8 --speculative-tokens 1 --dra
 python -m benchmarks.profile_pass --concurrency --rows 1 8 64 256 512 [--kernels]
 python -m benchmarks.profile_pass --concurrency 1 8 --quantization fp8 --kv-cache-dtype fp8
 python -m benchmarks.profile_pass --concurrency 32 --prompt-len 1024 --steps 30
+python -m benchmarks.profile_pass --budget [--rows 1 8 64 256 512] [--quantization fp8]
+python -m benchmarks.profile_pass --budget --bounds-only   # no GPU needed
 """
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
 import torch
+from torch.autograd import DeviceType
 
-from vllm_rlt.bench.shapes import random_model
+from vllm_rlt.bench.budget_report import (
+    Measured,
+    attribute,
+    budget_record,
+    marginal_us,
+    print_budget,
+)
+from vllm_rlt.bench.layer_budget import Device, LayerShape
+from vllm_rlt.bench.shapes import SHAPES, random_model
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import (
     KV_CACHE_DTYPES,
@@ -32,6 +45,7 @@ from vllm_rlt.core.contract import PrefillChunk, SchedulerOutput
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.layers.fp8 import quantize_model
+from vllm_rlt.models.registry import resolve_family
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -141,13 +155,19 @@ def _timed_launch(runner, out: SchedulerOutput, repeats: int) -> tuple[float, fl
     return host / repeats * 1e3, begin.elapsed_time(end) / repeats
 
 
-def _kernel_times(runner, out: SchedulerOutput, passes: int = 5) -> dict[str, float]:
-    """Device microseconds per pass of each kernel a pass runs (inside its graphs too), the
-    largest first, and their sum under "total"."""
+def _profiled(runner, out: SchedulerOutput, passes: int):
+    """The CUDA profile of `passes` passes launched one after the other."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         for _ in range(passes):
             runner.collect(runner.launch(out))
         torch.cuda.synchronize()
+    return prof
+
+
+def _kernel_times(runner, out: SchedulerOutput, passes: int = 5) -> dict[str, float]:
+    """Device microseconds per pass of each kernel a pass runs (inside its graphs too), the
+    largest first, and their sum under "total"."""
+    prof = _profiled(runner, out, passes)
     times = {
         event.key: event.device_time_total / passes
         for event in prof.key_averages()
@@ -157,22 +177,28 @@ def _kernel_times(runner, out: SchedulerOutput, passes: int = 5) -> dict[str, fl
     return {"total": round(sum(times.values()), 1)} | {k: round(v, 1) for k, v in ranked}
 
 
+def _decoding_engine(model, seqs: int, kv_dtype: str, prompt_len: int):
+    """An engine whose `seqs` requests of `prompt_len`-token prompts all decode, their slots,
+    and the positions a request's blocks hold (the prompt's and 64 more)."""
+    per_request = -(-(prompt_len + 64) // 16)
+    engine = _engine(model, seqs, seqs * per_request, None, kv_dtype, prompt_len)
+    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
+    for i in range(seqs):
+        engine.add_request(str(i), [3 + j % 64 for j in range(prompt_len)], params)
+    while engine.scheduler.waiting or any(
+        r.status.value != "decode" for r in engine.scheduler.running.values()
+    ):
+        engine.step()
+    return engine, sorted(engine.scheduler.running), per_request * 16
+
+
 def pass_rows(model, rows: list[int], repeats: int, kernels: bool, kv_dtype: str) -> None:
     """Host launch time against device time per pass, decode-only and mixed (half the rows a
     prompt chunk at loop 0 on the runner's padding slot, which reads and writes only the
     padding block), with the captured prompt-pass graphs and without them (eager); with
     `kernels`, each graphed pass's device time per kernel."""
-    seqs = max(rows)
-    engine = _engine(model, seqs, seqs * 8, None, kv_dtype, 64)
-    params = SamplingParams(max_tokens=60, temperature=0.0, ignore_eos=True, exit_threshold=1.0)
-    for i in range(seqs):
-        engine.add_request(str(i), list(range(3, 67)), params)
-    while engine.scheduler.waiting or any(
-        r.status.value != "decode" for r in engine.scheduler.running.values()
-    ):
-        engine.step()
+    engine, slots, max_context = _decoding_engine(model, max(rows), kv_dtype, 64)
     runner = engine.runner
-    slots = sorted(engine.scheduler.running)
     mixed = runner.mixed
     for count in rows:
         prompt = count // 2
@@ -181,7 +207,7 @@ def pass_rows(model, rows: list[int], repeats: int, kernels: bool, kv_dtype: str
         for kind, chunks in (("decode", ()), ("mixed", (chunk,) if prompt else ())):
             if kind == "mixed" and not prompt:
                 continue
-            out = SchedulerOutput((), decode, ("",) * len(decode), chunks, 128)
+            out = SchedulerOutput((), decode, ("",) * len(decode), chunks, max_context)
             for label, graphs in (("graphs", mixed), ("eager", None)):
                 if kind == "decode" and label == "eager":
                     continue
@@ -203,9 +229,69 @@ def pass_rows(model, rows: list[int], repeats: int, kernels: bool, kv_dtype: str
         engine.abort_request(request_id)
 
 
-def main() -> None:
+# The budget times so many passes per row count and then profiles so many: few, so that the
+# rows' contexts grow by a few positions only (a pass takes a row one loop further).
+BUDGET_TIMED, BUDGET_PROFILED = 10, 5
+BUDGET_ROWS = [1, 8, 64, 256, 512]
+
+
+def measure_budget(
+    shape: str, rows: list[int], weights: str, kv_dtype: str, prompt_len: int
+) -> dict[int, Measured]:
+    """Per row count, decode passes of that many rows on the GPU, of a new model of the
+    shape: what budget_record compares the bounds with."""
+    model = random_model(shape, torch.bfloat16, torch.device("cuda"))
+    quantize_model(model, "fp8" if weights == "fp8" else None)
+    engine, slots, max_context = _decoding_engine(model, max(rows), kv_dtype, prompt_len)
+    runner = engine.runner
+    measured = {}
+    for count in rows:
+        decode = tuple(slots[:count])
+        out = SchedulerOutput((), decode, ("",) * count, (), max_context)
+        host_ms, device_ms = _timed_launch(runner, out, BUDGET_TIMED)
+        context = round(runner.state.position[list(decode)].float().mean().item() + 1)
+        prof = _profiled(runner, out, BUDGET_PROFILED)
+        kernels = [
+            (event.name, event.time_range.start, event.time_range.end)
+            for event in prof.events()
+            if event.device_type == DeviceType.CUDA
+        ]
+        spent = attribute(marginal_us(kernels), len(model.layers))
+        measured[count] = Measured(context, host_ms, device_ms, spent)
+    for request_id in list(engine.groups):
+        engine.abort_request(request_id)
+    return measured
+
+
+def budget(args) -> None:
+    """Each weight dtype's and row count's layer budget (see --budget)."""
+    device = Device(args.bandwidth, args.bf16_flops, args.fp8_flops or 2 * args.bf16_flops)
+    raw = SHAPES[args.shape]()
+    shape = LayerShape.from_config(raw, resolve_family(raw)[1].branch_norms)
+    rows = args.rows or BUDGET_ROWS
+    print(
+        f"bounds at HBM {device.bandwidth:.3g} B/s, bf16 tensor cores {device.bf16_flops:.3g} "
+        f"FLOP/s, fp8 {device.fp8_flops:.3g} FLOP/s (--bandwidth, --bf16-flops, --fp8-flops)"
+    )
+    kv_dtype, context = args.kv_cache_dtype, args.prompt_len
+    for weights in ["fp8"] if args.quantization else ["bf16", "fp8"]:
+        measured: dict[int, Measured] = {}
+        if not args.bounds_only:
+            measured = measure_budget(args.shape, rows, weights, kv_dtype, context)
+            gc.collect()  # the engine's graphs and K/V, before the next one's
+            torch.cuda.empty_cache()
+        for count in rows:
+            record = budget_record(
+                args.shape, shape, count, weights, kv_dtype, context, device, measured.get(count)
+            )
+            print_budget(record)
+
+
+def main(argv: list[str] | None = None) -> None:
     parser = CLIParser(prog="python -m benchmarks.profile_pass", description=__doc__)
-    parser.add_argument("--shape", default="ouro-1.4b", help="model shape (random weights)")
+    parser.add_argument(
+        "--shape", choices=list(SHAPES), default="ouro-1.4b", help="model shape (random weights)"
+    )
     parser.add_argument(
         "--concurrency", type=int, nargs="*", default=[1, 64], help="rows per decode pass"
     )
@@ -216,7 +302,7 @@ def main() -> None:
         nargs="*",
         default=[],
         help="row counts of single passes to time (host launch against device), decode-only "
-        "and mixed; none: skip",
+        "and mixed; none: skip (--budget: 1 8 64 256 512)",
     )
     parser.add_argument(
         "--kernels",
@@ -224,18 +310,60 @@ def main() -> None:
         help="with --rows: also list each graphed pass's device time per kernel",
     )
     parser.add_argument(
-        "--quantization", choices=QUANTIZATIONS, default=None, help="weights (default: bf16)"
+        "--quantization",
+        choices=QUANTIZATIONS,
+        default=None,
+        help="weights (default: bf16; --budget: bf16 and fp8)",
     )
     parser.add_argument(
         "--kv-cache-dtype", choices=KV_CACHE_DTYPES, default="auto", help="K/V storage"
     )
     parser.add_argument(
-        "--prompt-len", type=int, default=64, help="prompt tokens per request (decode profiles)"
+        "--prompt-len",
+        type=int,
+        default=64,
+        help="prompt tokens per request (decode profiles, --budget: the positions a row attends)",
+    )
+    parser.add_argument(
+        "--budget",
+        action="store_true",
+        help="instead of the profiles: at each of --rows, for bf16 and fp8 weights (fp8 alone "
+        "with --quantization fp8), each op of a decoder layer against its bounds (its HBM "
+        "bytes over --bandwidth, its FLOPs over the tensor cores' rate) and the time a decode "
+        "pass's kernels spend on it, per layer",
+    )
+    parser.add_argument(
+        "--bounds-only",
+        action="store_true",
+        help="--budget without profiling: the bounds alone, which need no GPU",
+    )
+    parser.add_argument(
+        "--bandwidth",
+        type=float,
+        default=Device.bandwidth,
+        help="--budget: HBM bytes/s (default: %(default).3g, an H200's copy bandwidth)",
+    )
+    parser.add_argument(
+        "--bf16-flops",
+        type=float,
+        default=Device.bf16_flops,
+        help="--budget: dense bf16 tensor-core FLOP/s (default: %(default).3g, an H200's)",
+    )
+    parser.add_argument(
+        "--fp8-flops",
+        type=float,
+        default=None,
+        help="--budget: dense FP8 tensor-core FLOP/s (default: twice --bf16-flops)",
     )
     add_speculation_args(parser, replay=True)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        parser.error("it profiles the CUDA path, and no CUDA device is available here")
+    args = parser.parse_args(argv)
+    args.budget |= args.bounds_only
+    if not (args.bounds_only or torch.cuda.is_available()):
+        hint = " (--bounds-only prints the bounds alone)" if args.budget else ""
+        parser.error(f"it profiles the CUDA path, and no CUDA device is available here{hint}")
+    if args.budget:
+        budget(args)
+        return
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
     if args.quantization is not None:
         quantize_model(model, args.quantization)
