@@ -11,6 +11,7 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from vllm_rlt.inputs import PromptType, TextPrompt, TokensPrompt
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 
@@ -25,11 +26,14 @@ __all__ = [
     "CompletionOutput",
     "ExecutionConfig",
     "ExitConfig",
+    "PromptType",
     "RequestOutput",
     "RequestOutputKind",
     "SamplingParams",
     "SchedulerConfig",
     "SpeculativeConfig",
+    "TextPrompt",
+    "TokensPrompt",
     "__version__",
 ]
 

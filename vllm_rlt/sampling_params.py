@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
-from vllm_rlt.config import require, require_int
+from vllm_rlt.config import ParamError, require, require_int
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -62,10 +63,16 @@ class SamplingParams:
     out of the text; `spaces_between_special_tokens` (when they are kept) separates them from
     the text around them with a space. `output_kind` says what each output of a streamed
     request (`AsyncLLM.generate`) holds; `LLM` returns final outputs whatever it says.
+
+    As in vLLM: `max_tokens=None` generates up to the context (max_model_len, or the KV
+    cache's capacity where smaller, minus the prompt); `top_k` 0 or -1 keeps every token;
+    `truncate_prompt_tokens=k` keeps the prompt's last k tokens (-1: the context length,
+    at most max_model_len). `best_of` (dropped by vLLM V1) must be None or n, and
+    `logits_processors` must be empty; any other name is a ValueError naming it.
     """
 
     n: int = 1
-    max_tokens: int = 16
+    max_tokens: int | None = 16
     min_tokens: int = 0
     temperature: float = 1.0
     top_k: int = 0
@@ -92,9 +99,38 @@ class SamplingParams:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    truncate_prompt_tokens: int | None = None
+    best_of: int | None = None
+    logits_processors: list[Any] | None = None
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> SamplingParams:
+        """An unknown name is a ParamError naming it, not a bare TypeError."""
+        for name in kwargs:
+            if name not in _INIT_NAMES:
+                raise ParamError(
+                    f"SamplingParams() got the argument {name!r}, which this engine does not "
+                    "support; help(vllm_rlt.SamplingParams) lists the fields it takes",
+                    name,
+                )
+        return super().__new__(cls)
 
     def __post_init__(self) -> None:
         require_int(self.n, "n", 1, MAX_N)
+        require(
+            self.best_of is None or self.best_of == self.n,
+            f"best_of is not supported (vLLM V1 dropped it): leave it None or equal to n "
+            f"({self.n}), got {self.best_of!r}",
+            "best_of",
+        )
+        self.best_of = None
+        require(
+            not self.logits_processors,
+            "logits_processors are not supported (Python callables cannot run in the "
+            "engine's sampling on the device); logit_bias, allowed_token_ids and bad_words "
+            "cover the common uses",
+            "logits_processors",
+        )
+        self.logits_processors = None
         kinds = [kind.value for kind in RequestOutputKind]
         require(
             not isinstance(self.output_kind, bool) and self.output_kind in kinds,
@@ -103,10 +139,25 @@ class SamplingParams:
         )
         self.output_kind = RequestOutputKind(self.output_kind)
         require_int(self.priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
-        require_int(self.max_tokens, "max_tokens", 1)
+        if self.max_tokens is not None:
+            require_int(self.max_tokens, "max_tokens", 1)
         require_int(self.min_tokens, "min_tokens", 0, self.max_tokens)
         _require_float(self.temperature, "temperature", 0.0, 100.0)
-        require_int(self.top_k, "top_k", 0, MAX_TOP_K)
+        if self.top_k == -1 and not isinstance(self.top_k, bool):
+            self.top_k = 0
+        require(
+            isinstance(self.top_k, int) and not isinstance(self.top_k, bool),
+            f"top_k must be an integer: 0 or -1 (every token) or in [1, {MAX_TOP_K}], "
+            f"got {self.top_k!r}",
+            "top_k",
+        )
+        require(
+            0 <= self.top_k <= MAX_TOP_K,
+            f"top_k must be 0 or -1 (every token) or in [1, {MAX_TOP_K}], got {self.top_k}",
+            "top_k",
+        )
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            require_int(self.truncate_prompt_tokens, "truncate_prompt_tokens", 1)
         _require_float(self.top_p, "top_p", 0.0, 1.0)
         require(self.top_p > 0.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
         _require_float(self.min_p, "min_p", 0.0, 1.0)
@@ -238,6 +289,9 @@ class SamplingParams:
         require_int(max_loops, "max_loops", 1, total_loops)
         require_int(min_loops, "min_loops", 1, max_loops)
         return min_loops, max_loops
+
+
+_INIT_NAMES = frozenset(f.name for f in fields(SamplingParams))
 
 
 def _require_float(value: object, name: str, low: float, high: float) -> None:

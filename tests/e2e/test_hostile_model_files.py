@@ -135,7 +135,7 @@ CASES = [
         GENERATION,
         "top_k",
         [-5, INF, 2.5, "x", True],
-        r"top_k must be (an integer )?in \[0, 2147483647\]",
+        r"top_k must be (an integer: )?0 or -1 \(every token\) or in \[1, 2147483647\]",
     ),
     *_cases(GENERATION, "min_p", [5, -0.1, NAN], r"min_p must be (a number )?in \[0\.0, 1\.0\]"),
     *_cases(

@@ -47,7 +47,7 @@ def greedy(max_tokens: int = 4, **kwargs: Any) -> SamplingParams:
         ({"temperature": "hot"}, r"temperature must be a number in \[0\.0, 100\.0\], got 'hot'"),
         ({"temperature": None}, r"temperature must be a number in \[0\.0, 100\.0\], got None"),
         ({"temperature": float("nan")}, r"temperature must be in \[0\.0, 100\.0\], got nan"),
-        ({"top_k": -1}, r"top_k must be in \[0, 2147483647\], got -1"),
+        ({"top_k": -2}, r"top_k must be 0 or -1 \(every token\) or in \[1, 2147483647\], got -2"),
         ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0"),
         ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0\.0"),
         ({"top_p": 1.5}, r"top_p must be in \[0\.0, 1\.0\], got 1\.5"),
@@ -572,8 +572,8 @@ PROMPTS_MSG = r"prompts must be a string, a list of strings, token ids, or \{'pr
         (None, PROMPTS_MSG),
         ([], PROMPTS_MSG),
         ((), PROMPTS_MSG),
-        ({"text": "hi"}, r"prompts\[0\] must have 'prompt_token_ids' or 'prompt'"),
-        (["ok", {"ids": [5]}], r"prompts\[1\] must have 'prompt_token_ids' or 'prompt'"),
+        ({}, r"prompts\[0\] must have 'prompt_token_ids' or 'prompt'"),
+        (["ok", {"ids": [5]}], r"prompts\[1\] has the key 'ids', which is not supported"),
         (["ok", 1.5], r"prompts\[1\] must be a string, a token-id list or a dict, got float"),
         ([[5, 6], None], r"prompts\[1\] must be a string, a token-id list or a dict, got NoneType"),
         ([[]], "prompt must contain at least one token"),
@@ -630,7 +630,7 @@ def test_llm_refuses_a_bad_word_that_empties_a_later_step(llm: LLM) -> None:
         llm.generate("1+1=", SamplingParams(max_tokens=2, **params), use_tqdm=False)
     once = llm.generate("1+1=", SamplingParams(max_tokens=1, **params), use_tqdm=False)
     assert once[0].outputs[0].text == "a"
-    eos = sorted(llm.get_tokenizer().eos_token_ids)
+    eos = sorted(llm.tokenizer.eos_token_ids)
     with pytest.raises(ValueError, match=r"min_tokens \(1\) bans the EOS and stop token ids"):
         llm.generate("1+1=", SamplingParams(allowed_token_ids=eos, min_tokens=1), use_tqdm=False)
     assert_idle(llm)

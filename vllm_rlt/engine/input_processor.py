@@ -6,6 +6,7 @@ request fails before anything is queued. The output side is `output_processor.py
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from vllm_rlt.config import require
@@ -51,13 +52,37 @@ class InputProcessor:
         """`params` as the core takes them (bad words as token ids)."""
         return params_for_core(params, self.tokenizer)
 
+    def prepare(
+        self, prompt_token_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], SamplingParams]:
+        """The prompt and `params` as the core takes them: the prompt cut to its last
+        `truncate_prompt_tokens` tokens, `max_tokens=None` made the room the context leaves
+        after it (vLLM's rules), bad words as token ids."""
+        if not isinstance(params, SamplingParams):
+            return prompt_token_ids, params  # the checks say what it should be
+        limits = self.checker.limits
+        keep = params.truncate_prompt_tokens
+        if keep is not None:
+            keep = limits.max_model_len if keep == -1 else keep
+            require(
+                keep <= limits.max_model_len,
+                f"truncate_prompt_tokens ({keep}) is greater than max_model_len "
+                f"({limits.max_model_len}); choose a smaller truncation size",
+                "truncate_prompt_tokens",
+            )
+            prompt_token_ids = list(prompt_token_ids)[-keep:]
+        if params.max_tokens is None:
+            room = limits.default_max_tokens(len(prompt_token_ids))
+            params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
+        return prompt_token_ids, self.core_params(params)
+
     def process(
         self, request_id: str, prompt_token_ids: list[int], params: SamplingParams
     ) -> SamplingParams:
-        """`params` as the core takes them, after every check the core makes (ParamError
-        naming the field). A core in this process checks on arrival itself, before anything
-        is queued: `LLM` needs only `core_params`."""
-        params = self.core_params(params)
+        """`params` as the core takes them (`prepare`), after every check the core makes
+        (ParamError naming the field). A core in this process checks on arrival itself,
+        before anything is queued: `LLM` needs only `prepare`."""
+        prompt_token_ids, params = self.prepare(prompt_token_ids, params)
         self.checker.check(request_id, prompt_token_ids, params)
         check_samplable(params, self.checker.limits.vocab_size, self.eos_token_ids)
         return params

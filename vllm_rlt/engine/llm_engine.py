@@ -42,7 +42,7 @@ class LLMEngine:
     ) -> None:
         """Validate and queue a request (ValueError names the bad field; nothing changes)."""
         request_id = str(request_id)
-        params = self.processor.core_params(params)
+        prompt_token_ids, params = self.processor.prepare(prompt_token_ids, params)
         self.core.add_request(request_id, prompt_token_ids, params)  # checks on arrival
         self.states[request_id] = RequestState(
             request_id, prompt, list(prompt_token_ids), params, self.tokenizer, time.monotonic()

@@ -21,6 +21,13 @@ class RequestLimits:
     scheduling_policy: str = "fcfs"
     prompt_tables: int = 1  # block tables a prefilling prompt holds (SHARED_DECODE: loops)
 
+    def default_max_tokens(self, prompt_len: int) -> int:
+        """max_tokens=None (vLLM's "up to the context"), for the offline API and the
+        server alike: what the context, or the KV cache where smaller, leaves after the
+        prompt (blocks are taken as tokens come, so this costs nothing up front); at least
+        1, so a prompt that fills it is refused by the length check with its message."""
+        return max(1, min(self.max_model_len, self.num_blocks * self.block_size) - prompt_len)
+
 
 def check_priority(priority: int, scheduling_policy: str) -> None:
     """A priority other than 0 means something only under the priority policy."""
@@ -91,6 +98,12 @@ class RequestChecker:
                 f"stop_token_ids entries must be in [0, {vocab - 1}], got {token}",
                 "stop_token_ids",
             )
+        require(
+            params.max_tokens is not None,
+            "max_tokens=None (up to the context) is resolved by the frontend (LLM, AsyncLLM, "
+            "the server); give the engine core a number",
+            "max_tokens",
+        )
         total = len(prompt) + params.max_tokens
         require(
             total <= limits.max_model_len,

@@ -8,15 +8,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping, Sequence
-from datetime import datetime
-from functools import cached_property
 from pathlib import Path
 from typing import Any
 
-import jinja2
 import tokenizers
-from jinja2.ext import loopcontrols
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import decoders
 
 from vllm_rlt.config import ParamError, require
@@ -27,18 +22,12 @@ from vllm_rlt.tokenizer.byte_level import (
     build_byte_tokenizer,
     byte_values,
 )
+from vllm_rlt.tokenizer.chat_template import CHATML_TEMPLATE, render_chat
 
 TOKENIZER_FILE = "tokenizer.json"
 CONFIG_FILE = "tokenizer_config.json"
 TEMPLATE_FILE = "chat_template.jinja"
 GENERATION_CONFIG_FILE = "generation_config.json"
-
-CHATML_TEMPLATE = (
-    "{% for message in messages %}"
-    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
-)
 
 
 def require_valid_text(text: str, field: str) -> None:
@@ -53,47 +42,6 @@ def require_valid_text(text: str, field: str) -> None:
             f"(U+{ord(text[exc.start]):04X})",
             field,
         ) from None
-
-
-def _raise_exception(message: str) -> None:
-    """Let a template reject a conversation (e.g. roles not alternating) as a user error."""
-    raise ValueError(f"chat template rejected the messages: {message}")
-
-
-def _tojson(
-    value: Any,
-    ensure_ascii: bool = False,
-    indent: int | None = None,
-    separators: tuple[str, str] | None = None,
-    sort_keys: bool = False,
-) -> str:
-    """transformers' `tojson`: unlike jinja's, it keeps non-ASCII text and skips HTML escaping."""
-    return json.dumps(
-        value,
-        ensure_ascii=ensure_ascii,
-        indent=indent,
-        separators=separators,
-        sort_keys=sort_keys,
-    )
-
-
-def _strftime_now(fmt: str) -> str:
-    """transformers' `strftime_now`, which templates such as Llama 3's use for today's date."""
-    return datetime.now().strftime(fmt)
-
-
-def _template_environment() -> ImmutableSandboxedEnvironment:
-    """The jinja environment transformers renders chat templates in, so templates render alike."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
-    return env
-
-
-_TEMPLATE_ENV = _template_environment()
 
 
 def read_json_object(path: Path) -> dict[str, Any]:
@@ -215,54 +163,6 @@ def _added_token_dict(token: tokenizers.AddedToken) -> dict[str, Any]:
     }
 
 
-def _message_content(content: Any, where: str) -> str:
-    """A message's text: a string, or OpenAI-style text parts joined with newlines (as vLLM)."""
-    if isinstance(content, str):
-        return content
-    require(
-        isinstance(content, list),
-        f"{where} must be a string or a list of text parts, got {type(content).__name__}",
-    )
-    texts = []
-    for j, part in enumerate(content):
-        require(
-            isinstance(part, Mapping),
-            f"{where}[{j}] must be a dict, got {type(part).__name__}",
-        )
-        if part.get("type") != "text":
-            raise ValueError(f"{where}[{j}].type must be 'text', got {part.get('type')!r}")
-        text = part.get("text")
-        require(
-            isinstance(text, str),
-            f"{where}[{j}].text must be a string, got {type(text).__name__}",
-        )
-        texts.append(text)
-    return "\n".join(texts)
-
-
-def _normalize_messages(messages: Any) -> list[dict[str, Any]]:
-    """Check a conversation and give each message plain-string content for the template."""
-    require(
-        isinstance(messages, list),
-        f"messages must be a list of dicts, got {type(messages).__name__}",
-    )
-    normalized = []
-    for i, message in enumerate(messages):
-        where = f"messages[{i}]"
-        require(
-            isinstance(message, Mapping),
-            f"{where} must be a dict, got {type(message).__name__}",
-        )
-        role = message.get("role")
-        require(
-            isinstance(role, str),
-            f"{where}.role must be a string, got {type(role).__name__}",
-        )
-        content = _message_content(message.get("content"), f"{where}.content")
-        normalized.append({**message, "content": content})
-    return normalized
-
-
 class Tokenizer:
     """Text <-> ids, end-of-sequence ids and chat rendering for one model.
 
@@ -279,12 +179,20 @@ class Tokenizer:
         eos_token: str | None = None,
         extra_eos_token_ids: Iterable[int] = (),
         add_bos_token: bool = False,
+        pad_token: str | None = None,
+        unk_token: str | None = None,
     ) -> None:
         self._tokenizer = tokenizer
         self._chat_template = chat_template
         self._bos_token = bos_token
         self._eos_token = eos_token
         self._add_bos_token = add_bos_token
+        # Used by nothing in the engine, so one outside the vocabulary is dropped rather
+        # than failing the load (transformers would add it as a new token).
+        self._pad_token, self._unk_token = (
+            token if token is not None and tokenizer.token_to_id(token) is not None else None
+            for token in (pad_token, unk_token)
+        )
         self._bos_id = None if bos_token is None else self._token_id(bos_token, "bos_token")
         self._eos_id = None if eos_token is None else self._token_id(eos_token, "eos_token")
         eos_ids = set(extra_eos_token_ids)
@@ -335,6 +243,8 @@ class Tokenizer:
                 eos_token=_token_content(config.get("eos_token"), "eos_token"),
                 extra_eos_token_ids=generation_eos_ids(generation.get("eos_token_id")),
                 add_bos_token=add_bos_token,
+                pad_token=_token_content(config.get("pad_token"), "pad_token"),
+                unk_token=_token_content(config.get("unk_token"), "unk_token"),
             )
         except ValueError as exc:
             raise ValueError(f"{folder}: {exc}") from exc
@@ -366,6 +276,7 @@ class Tokenizer:
             "add_bos_token": self._add_bos_token,
             "added_tokens_decoder": {str(i): _added_token_dict(t) for i, t in added},
         }
+        config.update(self.special_tokens_map)  # adds unk_token and pad_token where set
         if self._chat_template is not None:
             config["chat_template"] = self._chat_template
         _write_json(folder / CONFIG_FILE, config)
@@ -401,6 +312,28 @@ class Tokenizer:
     def bos_token_id(self) -> int | None:
         """The BOS id, None when the model declares no BOS token."""
         return self._bos_id
+
+    @property
+    def add_bos_token(self) -> bool:
+        """tokenizer_config.json's add_bos_token (see `encode`)."""
+        return self._add_bos_token
+
+    @property
+    def special_tokens_map(self) -> dict[str, str]:
+        """The declared special tokens by transformers' names (bos_token, eos_token,
+        unk_token, pad_token)."""
+        tokens = {
+            "bos_token": self._bos_token,
+            "eos_token": self._eos_token,
+            "unk_token": self._unk_token,
+            "pad_token": self._pad_token,
+        }
+        return {name: token for name, token in tokens.items() if token is not None}
+
+    @property
+    def backend(self) -> tokenizers.Tokenizer:
+        """The `tokenizers.Tokenizer` underneath (not to be changed: the engine uses it)."""
+        return self._tokenizer
 
     @property
     def chat_template(self) -> str:
@@ -480,35 +413,29 @@ class Tokenizer:
         self,
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
-        **kwargs: Any,
+        *,
+        chat_template: str | None = None,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        documents: list[dict[str, Any]] | None = None,
+        **variables: Any,
     ) -> str:
-        """Render a conversation to prompt text, as transformers would.
+        """Render a conversation to prompt text, as transformers would (chat_template.py),
+        with `chat_template` in place of the model's when given.
 
-        Extra keyword arguments (e.g. `tools`) become template variables. The text may already
-        hold BOS, so encode it with add_special_tokens=False.
+        Other keyword arguments become template variables, as do the special tokens; one of
+        transformers' tokenization arguments (`tokenize`, ...) is a ParamError. The text may
+        already hold BOS, so encode it with add_special_tokens=False.
         """
-        variables = {
-            name: token
-            for name, token in (
-                ("bos_token", self._bos_token),
-                ("eos_token", self._eos_token),
-            )
-            if token is not None
-        }
-        variables.update(kwargs)
-        return self._template.render(
-            messages=_normalize_messages(messages),
+        return render_chat(
+            self.chat_template if chat_template is None else chat_template,
+            messages,
             add_generation_prompt=add_generation_prompt,
-            **variables,
+            continue_final_message=continue_final_message,
+            tools=tools,
+            documents=documents,
+            variables={**self.special_tokens_map, **variables},
         )
-
-    @cached_property
-    def _template(self) -> jinja2.Template:
-        """Compiled on first use, so a model with a broken template still serves completions."""
-        try:
-            return _TEMPLATE_ENV.from_string(self.chat_template)
-        except jinja2.TemplateSyntaxError as exc:
-            raise ValueError(f"chat template does not compile: {exc}") from exc
 
     def _token_id(self, token: str, name: str) -> int:
         """The id of a configured token, which must be in the vocabulary to be of any use."""

@@ -130,12 +130,11 @@ class SamplingFields(RequestBody):
     ) -> SamplingParams:
         """The request's sampling; `defaults` replace the fields it left unset. Every field
         this body shares with SamplingParams passes under its name; the others differ in
-        form (OpenAI's top_k of -1, logit_bias keys as strings, the caller's max_tokens and
-        logprobs)."""
+        form (logit_bias keys as strings, the caller's max_tokens and logprobs); top_k -1
+        is SamplingParams' own spelling of "every token", as vLLM's."""
         fields = {name: getattr(self, name) for name in _SAME_AS_SAMPLING_PARAMS}
         fields |= dict(
             max_tokens=max_tokens,
-            top_k=max(self.top_k, 0),
             stop_token_ids=list(self.stop_token_ids or []),
             logprobs=num_logprobs,
             logit_bias=self._logit_bias(),
@@ -154,7 +153,7 @@ class SamplingFields(RequestBody):
 
 
 # Converted by `sampling_params`, or set by the endpoint (prompt logprobs, output form).
-_CONVERTED = {"max_tokens", "top_k", "stop_token_ids", "logprobs", "logit_bias"}
+_CONVERTED = {"max_tokens", "stop_token_ids", "logprobs", "logit_bias"}
 _SAME_AS_SAMPLING_PARAMS = tuple(
     f.name
     for f in dataclasses.fields(SamplingParams)

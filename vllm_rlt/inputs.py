@@ -1,0 +1,54 @@
+"""vLLM's prompt dicts (`from vllm.inputs import TokensPrompt, TextPrompt`) and the check
+`LLM.generate` makes of each: the keys a text-only engine can honour, any other named."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, TypedDict
+
+from vllm_rlt.config import ParamError, require
+
+
+class TextPrompt(TypedDict):
+    """A text prompt, tokenized with the model's tokenizer (special tokens added)."""
+
+    prompt: str
+
+
+class _TokensPromptIds(TypedDict):
+    prompt_token_ids: list[int]
+
+
+class TokensPrompt(_TokensPromptIds, total=False):
+    """Token ids, run as given; `prompt` is their text, returned in the output."""
+
+    prompt: str
+
+
+PromptType = str | TextPrompt | TokensPrompt
+
+PROMPT_KEYS = frozenset({"prompt", "prompt_token_ids"})
+# vLLM's other keys, each for what this engine lacks
+UNSUPPORTED_KEYS = {
+    "multi_modal_data": "the models are text-only",
+    "mm_processor_kwargs": "the models are text-only",
+    "multi_modal_uuids": "the models are text-only",
+    "token_type_ids": "no model here takes token types",
+    "cache_salt": "the prefix cache is not partitioned by salt",
+    "prompt_embeds": "prompts are token ids or text",
+}
+
+
+def check_prompt_dict(prompt: Mapping[str, Any], index: int) -> None:
+    """A dict prompt holds prompt_token_ids or prompt, and no key this engine would ignore
+    (ParamError naming it)."""
+    where = f"prompts[{index}]"
+    for key in prompt:
+        if key not in PROMPT_KEYS:
+            reason = UNSUPPORTED_KEYS.get(key, "it is not a key of TextPrompt or TokensPrompt")
+            raise ParamError(f"{where} has the key {key!r}, which is not supported: {reason}", key)
+    require(
+        "prompt_token_ids" in prompt or "prompt" in prompt,
+        f"{where} must have 'prompt_token_ids' or 'prompt'",
+        "prompts",
+    )
