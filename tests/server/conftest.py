@@ -6,6 +6,7 @@ the engine."""
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
 import socket
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -97,6 +99,31 @@ def serve_process(*flags: str):
         if process.poll() is None:
             process.kill()
         process.wait()
+
+
+def log_until(process: subprocess.Popen, done: Callable[[str], object]) -> str:
+    """A served subprocess's stderr, read line by line until `done(log)` holds."""
+    log = ""
+    while not done(log):
+        line = process.stderr.readline()
+        assert line, f"the server's log ended early:\n{log}"
+        log += line
+    return log
+
+
+def stream_end(body: bytes) -> str | None:
+    """How a streamed completion's events end: "error" for an error event, else the first
+    finish reason (None without one). Events split on blank lines only: generated text
+    may hold other line breaks."""
+    for event in body.split(b"\n\n"):
+        if event.startswith(b"data: {"):
+            data = json.loads(event[len(b"data: ") :])
+            if "error" in data:
+                return "error"
+            reason = data["choices"][0].get("finish_reason")
+            if reason is not None:
+                return reason
+    return None
 
 
 def check_concurrent_streams(url: str, count: int, max_tokens: int = 12) -> list:

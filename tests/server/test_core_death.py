@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import glob
-import json
 import os
 import re
 import signal
@@ -18,7 +17,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import process_exists, serve_process
+from tests.server.conftest import log_until, process_exists, serve_process, stream_end
 from tests.server.test_data_parallel import _descendants
 
 _PIDS = re.compile(r"engine cores? \(pid ([\d, ]+)\)")
@@ -55,18 +54,8 @@ async def _stream(http: httpx.AsyncClient, body: dict, ends: list[str]) -> None:
         if reply.status_code != 200:
             ends.append("error")
             return
-        text = (await reply.aread()).decode()
-    for event in text.split("\n\n"):
-        if event.startswith("data: {"):
-            data = json.loads(event[len("data: ") :])
-            if "error" in data:
-                ends.append("error")
-                return
-            reason = data["choices"][0].get("finish_reason")
-            if reason is not None:
-                ends.append(reason)
-                return
-    ends.append(f"no end: {text[-200:]!r}")
+        body = await reply.aread()
+    ends.append(stream_end(body) or f"no end: {body[-200:]!r}")
 
 
 def _kill_while_clients_stream(url: str, victim: int, moment: str, long_prompts: bool):
@@ -136,11 +125,7 @@ def test_a_killed_core_with_departing_clients_leaves_the_server_answering(flags,
     if "--disaggregate" in flags:
         flags += ("--prefill-chunk-size", "16")
     with serve_process(*flags, "--shutdown-timeout", "5") as (process, url):
-        log = ""
-        while not _PIDS.search(log):
-            line = process.stderr.readline()
-            assert line, f"the server's log ended early:\n{log}"
-            log += line
+        log = log_until(process, _PIDS.search)
         pids = [int(pid) for pid in _PIDS.search(log).group(1).split(",")]
         everything = _descendants(process.pid)
         ends, healths = _kill_while_clients_stream(

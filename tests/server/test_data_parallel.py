@@ -5,7 +5,6 @@ naming the lost core, and nothing is left hanging."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
@@ -21,9 +20,11 @@ import pytest
 from tests.server.conftest import (
     _free_port,
     check_concurrent_streams,
+    log_until,
     process_exists,
     running_server,
     serve_process,
+    stream_end,
 )
 from vllm_rlt.engine.dp_client import DataParallelClient
 from vllm_rlt.engine.messages import AddRequest
@@ -73,17 +74,9 @@ def _finite_streams(url: str, count: int, max_tokens: int, ends: list[str]):
             if r.status_code != 200:  # failed before its first event: a plain error reply
                 ends.append("error")
                 return
-            # events split on blank lines only: generated text may hold other line breaks
-            for event in r.read().split(b"\n\n"):
-                if not event.startswith(b"data: {"):
-                    continue
-                data = json.loads(event[len(b"data: ") :])
-                if "error" in data:
-                    ends.append("error")
-                    return
-                reason = data["choices"][0].get("finish_reason")
-                if reason is not None:
-                    ends.append(reason)
+            end = stream_end(r.read())
+            if end is not None:
+                ends.append(end)
 
     threads = [threading.Thread(target=stream) for _ in range(count)]
     for thread in threads:
@@ -102,11 +95,7 @@ def _health_until(url: str, status: int, timeout: float = 30.0) -> httpx.Respons
 def test_two_cores_equal_offline_label_their_metrics_and_a_dead_core_is_named():
     flags = ("--data-parallel-size", "2", "--shutdown-timeout", "5", "--stall-timeout", "2")
     with serve_process(*flags) as (process, url):
-        log = ""
-        while not _CORE_PIDS.search(log):
-            line = process.stderr.readline()
-            assert line, f"the server's log ended early:\n{log}"
-            log += line
+        log = log_until(process, _CORE_PIDS.search)
         pids = [int(pid) for pid in _CORE_PIDS.search(log).groups()]
 
         check_concurrent_streams(url, 24, max_tokens=10)
@@ -179,11 +168,9 @@ def test_two_cores_behind_two_api_servers_equal_offline_and_both_serve():
     flags = ("--data-parallel-size", "2", "--api-server-count", "2", "--shutdown-timeout", "5")
     ready = re.compile(r"API server \d+ of 2 ready \(pid (\d+)\)")
     with serve_process(*flags) as (process, url):
-        log = ""
-        while len(ready.findall(log)) < 2 or not _CORE_PIDS.search(log):
-            line = process.stderr.readline()
-            assert line, f"the server's log ended early:\n{log}"
-            log += line
+        log = log_until(
+            process, lambda log: len(ready.findall(log)) == 2 and _CORE_PIDS.search(log)
+        )
         pids = [int(pid) for pid in _CORE_PIDS.search(log).groups()]
         pids += [int(pid) for pid in ready.findall(log)]
 

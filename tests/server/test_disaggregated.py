@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.server.conftest import check_concurrent_streams, serve_process
+from tests.server.conftest import check_concurrent_streams, log_until, serve_process
 from tests.server.test_data_parallel import _descendants, _health_until, samples
 from vllm_rlt import LLM, CacheConfig, SamplingParams
 
@@ -127,11 +127,7 @@ def test_a_dead_decode_core_is_named_and_the_prefill_core_serves_on(ranks):
     and the prefill core serves on alone."""
     flags = ("--disaggregate", "1:1", "--tensor-parallel-size", str(ranks))
     with serve_process(*flags, "--shutdown-timeout", "5") as (process, url):
-        log = ""
-        while not _CORE_PIDS.search(log):
-            line = process.stderr.readline()
-            assert line, f"the server's log ended early:\n{log}"
-            log += line
+        log = log_until(process, _CORE_PIDS.search)
         _, decode_pid = (int(pid) for pid in _CORE_PIDS.search(log).groups())
         victim = decode_pid if ranks == 1 else _tensor_parallel_rank(decode_pid)
         os.kill(victim, signal.SIGKILL)
