@@ -159,7 +159,7 @@ def test_fixed_depth_logprobs_equal_dense_recompute(make_engine, toy_config, toy
     for step, entry in enumerate(completion.logprobs):
         row = dense[len(prompt) - 1 + step]
         for token_id, logprob in entry.items():
-            assert logprob == pytest.approx(float(row[token_id]), abs=1e-4)
+            assert logprob.logprob == pytest.approx(float(row[token_id]), abs=1e-4)
         top = torch.topk(row, 5).indices.tolist()
         assert set(top) <= set(entry)
 
@@ -188,7 +188,10 @@ def test_prompt_logprobs_equal_dense_recompute(
             row, entry = dense[position - 1], entries[position]
             assert prompt[position] in entry and len(entry) in (4, 5)
             for token_id, logprob in entry.items():
-                assert logprob == pytest.approx(float(row[token_id]), abs=1e-4)
+                assert logprob.logprob == pytest.approx(float(row[token_id]), abs=1e-4)
+            value = float(row[prompt[position]])  # its rank among all tokens, near ties aside
+            rank = entry[prompt[position]].rank
+            assert int((row > value + 1e-4).sum()) < rank <= int((row >= value - 1e-4).sum())
             assert set(torch.topk(row, 4).indices.tolist()) <= set(entry)
 
 

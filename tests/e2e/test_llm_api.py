@@ -116,7 +116,7 @@ def test_output_fields(llm):
     assert [c.index for c in output.outputs] == [0, 1]
     for completion in output.outputs:
         assert isinstance(completion, CompletionOutput)
-        assert completion.finished and completion.finish_reason in ("stop", "length")
+        assert completion.finished() and completion.finish_reason in ("stop", "length")
         count = len(completion.token_ids)
         assert 1 <= count <= 5
         if completion.finish_reason == "length":

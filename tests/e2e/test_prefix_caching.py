@@ -59,7 +59,7 @@ def test_prefix_cache_changes_nothing_but_the_work(make_engine, layout, policy):
         assert got.exit_depths == want.outputs[0].exit_depths, rid
         for a, b in zip(got.logprobs, want.outputs[0].logprobs, strict=True):
             assert a.keys() == b.keys()
-            assert all(a[t] == pytest.approx(b[t], abs=1e-5) for t in a)
+            assert all(a[t].logprob == pytest.approx(b[t].logprob, abs=1e-5) for t in a)
 
 
 def test_shared_decode_prompts_neither_find_nor_fill_the_prefix_cache(make_engine):
@@ -130,3 +130,20 @@ def test_llm_stats_report_the_prefix_cache():
     assert stats["prefix_cache_hits"] == 2 * 12  # three full blocks of the prefix each
     assert stats["prefix_cache_hit_rate"] == pytest.approx(24 / 42)
     assert stats["num_cached_blocks"] >= 3 and stats["num_free_blocks"] == stats["num_blocks"]
+
+
+def test_num_cached_tokens_counts_the_prompt_found_in_the_cache(make_engine):
+    """vLLM's RequestOutput.num_cached_tokens: the prompt tokens a request's first admission
+    took from the prefix cache (whole blocks), 0 without a hit, without caching, or with
+    prompt logprobs (which compute every position)."""
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
+    scored = SamplingParams(max_tokens=2, temperature=0.0, prompt_logprobs=1)
+    for caching, want in ((True, 12), (False, 0)):
+        engine = make_engine(enable_prefix_caching=caching, prefill_chunk_size=4)
+        arrivals = {  # the others come once the first has ended, its blocks in the cache
+            0: [("first", PREFIX + [40], params)],
+            40: [("again", PREFIX + [41], params), ("scored", PREFIX + [42], scored)],
+        }
+        outputs = drain(engine, arrivals)
+        counts = {rid: output.num_cached_tokens for rid, output in outputs.items()}
+        assert counts == {"first": 0, "again": want, "scored": 0}, caching

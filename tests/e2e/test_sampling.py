@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import drain, frontend
 from vllm_rlt import SamplingParams
-from vllm_rlt.layers.sampler import sample, seeded_uniform
+from vllm_rlt.layers.sampler import sample, seeded_uniform, token_logprobs
 
 PROMPT = [40, 71, 12, 200, 9]
 SEEDED = SamplingParams(
@@ -85,27 +85,65 @@ def test_degenerate_filters_equal_greedy(make_engine, filters):
 
 
 def test_logprobs_entries(make_engine):
-    """Each entry holds the top N (sorted, non-positive) plus the sampled token."""
+    """Each entry holds the sampled token first, then the top N (sorted, non-positive,
+    ranked 1 to N), as vLLM's."""
     num = 4
     params = SamplingParams(max_tokens=8, temperature=1.0, seed=3, logprobs=num, ignore_eos=True)
     completion = _one(make_engine, params).outputs[0]
     assert len(completion.logprobs) == len(completion.token_ids) == 8
     not_top = 0
     for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
-        assert token in entry
+        assert next(iter(entry)) == token
         assert len(entry) in (num, num + 1)
-        assert all(value <= 0.0 for value in entry.values())
-        assert sum(math.exp(v) for v in entry.values()) <= 1.0 + 1e-5
-        values = list(entry.values())
-        top = values[:num]
-        assert top == sorted(top, reverse=True)
+        values = [v.logprob for v in entry.values()]
+        assert all(value <= 0.0 for value in values)
+        assert sum(math.exp(v) for v in values) <= 1.0 + 1e-5
+        top = sorted(entry.values(), key=lambda v: v.rank)[:num]
+        assert [v.rank for v in top] == list(range(1, num + 1))
+        assert [v.logprob for v in top] == sorted((v.logprob for v in top), reverse=True)
         if len(entry) == num + 1:  # sampled outside the top N: it is the least likely
             not_top += 1
-            assert list(entry)[-1] == token and entry[token] <= min(top)
+            assert entry[token].rank > num and entry[token].logprob <= top[-1].logprob
     assert not_top > 0  # temperature 1 picked something outside the top 4 at least once
     assert completion.cumulative_logprob == pytest.approx(
-        sum(entry[t] for t, entry in zip(completion.token_ids, completion.logprobs, strict=True))
+        sum(
+            entry[t].logprob
+            for t, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+        )
     )
+
+
+def test_token_logprobs_rank_among_all_tokens():
+    """vLLM's rank: 1 + how many other tokens are at least as likely (ties share the worse
+    rank), for the sampled token wherever it stands."""
+    logits = torch.tensor([[0.0, 2.0, 1.0, 2.0, -1.0], [3.0, 0.0, 0.0, 0.0, 0.0]])
+    chosen, ranks, top_ids, top_values = token_logprobs(logits, torch.tensor([2, 4]), 2)
+    assert ranks.tolist() == [3, 5]
+    assert chosen.tolist() == pytest.approx(logits.log_softmax(-1)[[0, 1], [2, 4]].tolist())
+    assert top_ids[1].tolist()[0] == 0 and top_values.shape == (2, 2)
+
+
+def test_sampled_ranks_count_the_more_likely_tokens(make_engine):
+    """The sampled token's rank is its place among all tokens: inside the top N it equals
+    its place there, outside it exceeds N; prompt tokens' ranks likewise."""
+    num = 3
+    params = SamplingParams(
+        max_tokens=12, temperature=1.5, seed=5, logprobs=num, prompt_logprobs=num, ignore_eos=True
+    )
+    output = _one(make_engine, params)
+    completion = output.outputs[0]
+    entries = list(zip(completion.token_ids, completion.logprobs, strict=True))
+    entries += list(zip(output.prompt_token_ids[1:], output.prompt_logprobs[1:], strict=True))
+    outside = 0
+    for token, entry in entries:
+        top = [t for t, v in sorted(entry.items(), key=lambda item: item[1].rank)][:num]
+        if token in top:
+            assert entry[token].rank == top.index(token) + 1
+        else:
+            outside += 1
+            assert entry[token].rank > num
+            assert entry[token].logprob <= min(entry[t].logprob for t in top)
+    assert outside > 0
 
 
 def test_greedy_logprobs_put_the_sampled_token_first(make_engine):
@@ -113,7 +151,8 @@ def test_greedy_logprobs_put_the_sampled_token_first(make_engine):
     completion = _one(make_engine, params).outputs[0]
     for token, entry in zip(completion.token_ids, completion.logprobs, strict=True):
         assert len(entry) == 3 and next(iter(entry)) == token
-        assert entry[token] == max(entry.values())
+        assert entry[token].rank == 1
+        assert entry[token].logprob == max(v.logprob for v in entry.values())
 
 
 def test_zero_logprobs_gives_only_the_sampled_token(make_engine):
@@ -121,7 +160,8 @@ def test_zero_logprobs_gives_only_the_sampled_token(make_engine):
     completion = _one(make_engine, params).outputs[0]
     assert [list(entry) for entry in completion.logprobs] == [[t] for t in completion.token_ids]
     assert all(
-        entry[t] <= 0.0 for t, entry in zip(completion.token_ids, completion.logprobs, strict=True)
+        entry[t].logprob <= 0.0
+        for t, entry in zip(completion.token_ids, completion.logprobs, strict=True)
     )
 
 
@@ -146,7 +186,7 @@ def test_logprobs_counts_differ_within_one_batch(make_engine):
         # The same prompt in two rows: the same top token; its logprob may differ in the
         # last bits, since a CPU matmul need not treat every row of a batch alike.
         assert a.keys() <= b.keys()
-        assert all(value == pytest.approx(b[token], abs=1e-5) for token, value in a.items())
+        assert all(v.logprob == pytest.approx(b[t].logprob, abs=1e-5) for t, v in a.items())
 
 
 # --------------------------------------------------------------------------- sampler unit

@@ -61,7 +61,7 @@ def test_two_ranks_equal_one_process(exit_mode, layout, scheduling, quantization
             assert (a.logprobs is None) == (b.logprobs is None)
             for x, y in zip(a.logprobs or [], b.logprobs or [], strict=True):
                 assert x.keys() == y.keys()
-                assert all(abs(x[token] - y[token]) < 1e-4 for token in x)
+                assert all(abs(x[token].logprob - y[token].logprob) < 1e-4 for token in x)
 
 
 def test_unsupported_splits_are_clear_errors():

@@ -65,7 +65,7 @@ def test_disaggregated_serving_equals_offline_and_frees_both_cores(layout):
             assert texts == [prompt + c.text for c in offline.outputs], sampling
             served = reply["choices"][0]["logprobs"]["token_logprobs"]
             expected = [None] + [
-                entry[token]
+                entry[token].logprob
                 for token, entry in zip(
                     offline.prompt_token_ids[1:], offline.prompt_logprobs[1:], strict=True
                 )

@@ -78,7 +78,7 @@ def test_echo_with_logprobs_scores_the_prompt(server):
         assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
         for position in range(1, len(ids)):
             value = logprobs.token_logprobs[position]
-            assert abs(value - want[position][ids[position]]) < 1e-5
+            assert abs(value - want[position][ids[position]].logprob) < 1e-5
             assert len(logprobs.top_logprobs[position]) == 2
             assert max(logprobs.top_logprobs[position].values()) >= value - 1e-6
         assert reply.usage.completion_tokens == max_tokens

@@ -90,7 +90,10 @@ def test_scales_keep_small_keys_and_values_out_of_float8s_coarse_range(tmp_path)
         llm = LLM(model=str(tmp_path / folder), kv_cache_dtype=kv_dtype)
         out = llm.generate([prompt], params, use_tqdm=False)[0]
         return torch.tensor(
-            [entry[token] for entry, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)]
+            [
+                entry[token].logprob
+                for entry, token in zip(out.prompt_logprobs[1:], prompt[1:], strict=True)
+            ]
         )
 
     exact = logprobs("unit", "auto")

@@ -121,11 +121,14 @@ def _assert_same(got: dict, expected: dict) -> None:
         assert got[request_id].keys() == completions.keys(), request_id
         for index, want in completions.items():
             have = got[request_id][index]
-            if index == "prompt":  # per position: None, or {token id: logprob}
-                assert [e and e.keys() for e in have] == [e and e.keys() for e in want]
-                for got_entry, want_entry in zip(have[1:], want[1:], strict=True):
-                    for token, logprob in want_entry.items():
-                        assert got_entry[token] == pytest.approx(logprob, abs=1e-4)
+            if index == "prompt":  # per position from 1: (logprob, rank, top (id, logprob))
+                assert [(e[1], [t for t, _ in e[2]]) for e in have] == [
+                    (e[1], [t for t, _ in e[2]]) for e in want
+                ]
+                for got_entry, want_entry in zip(have, want, strict=True):
+                    assert got_entry[0] == pytest.approx(want_entry[0], abs=1e-4)
+                    got_top, want_top = [v for _, v in got_entry[2]], [v for _, v in want_entry[2]]
+                    assert got_top == pytest.approx(want_top, abs=1e-4)
                 continue
             assert have[0] == want[0], (request_id, index)  # tokens
             assert have[1] == want[1], (request_id, index)  # exit depths

@@ -152,5 +152,5 @@ def test_engine_matches_a_dense_recompute(tmp_path, layout):
         row = dense[len(prompt) - 1 + step]
         assert completion.token_ids[step] == int(row.argmax())
         for token, logprob in completion.logprobs[step].items():
-            assert logprob == pytest.approx(float(row[token]), abs=1e-4)
+            assert logprob.logprob == pytest.approx(float(row[token]), abs=1e-4)
     assert llm.engine.all_blocks_free()

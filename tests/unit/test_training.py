@@ -73,7 +73,7 @@ def test_smoke_training_saves_a_folder_the_engine_reproduces(tmp_path, capsys):
     expected = logits[-1, 0, len(ids) - 1 :].log_softmax(-1)
     for step, token in enumerate(completion.token_ids):
         assert token == int(expected[step].argmax())
-        assert completion.logprobs[step][token] == pytest.approx(
+        assert completion.logprobs[step][token].logprob == pytest.approx(
             float(expected[step, token]), abs=1e-4
         )
 

@@ -77,7 +77,7 @@ def loglikelihood_accuracy(llm: LLM, records: list[dict[str, Any]]) -> dict[str,
     for ids, start, output in zip(prompts, spans, outputs, strict=True):
         entries = output.prompt_logprobs
         assert entries is not None
-        scores.append(sum(entries[p][ids[p]] for p in range(start, len(ids))))  # type: ignore[index]
+        scores.append(sum(entries[p][ids[p]].logprob for p in range(start, len(ids))))  # type: ignore[index]
     correct: dict[str, list[bool]] = {task: [] for task in TASKS}
     start = 0
     for record in records:  # fewer choices when a task has fewer distinct answers

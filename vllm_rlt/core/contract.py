@@ -154,16 +154,18 @@ class SampledToken:
     drafted: bool = False
     accepted: bool = False
     ahead: int = 0
+    rank: int = 1  # among all tokens, 1-based (vLLM's Logprob.rank)
 
 
 @dataclass(frozen=True)
 class PromptLogprobs:
     """Logprobs of the prompt tokens at positions start, start + 1, ... of a slot's request,
-    each with its top alternatives (id, logprob)."""
+    each with its rank among all tokens and its top alternatives (id, logprob)."""
 
     slot: int
     start: int
     logprobs: tuple[float, ...]
+    ranks: tuple[int, ...]
     top: tuple[tuple[tuple[int, float], ...], ...]
 
 

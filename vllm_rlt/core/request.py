@@ -56,13 +56,17 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # of each output token among all tokens
     top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
     # Prompt logprobs, for the one completion of a prompt that reports them: the top count
-    # asked for, and per prompt position (from 1) the token's logprob and top alternatives.
+    # asked for, and per prompt position (from 1) the token's logprob, its rank and the top
+    # alternatives.
     prompt_logprobs: int | None = None
-    prompt_logprob_values: dict[int, tuple[float, tuple[tuple[int, float], ...]]] = field(
+    prompt_logprob_values: dict[int, tuple[float, int, tuple[tuple[int, float], ...]]] = field(
         default_factory=dict
     )
+    # Prompt tokens its first admission found in the prefix cache (vLLM's num_cached_tokens).
+    num_cached_tokens: int | None = None
     finish_reason: str | None = None
     # Why its tokens ended (core/stopping.py), set when the token that ends it arrives.
     stop_reason: str | None = None

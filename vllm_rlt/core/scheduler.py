@@ -500,6 +500,8 @@ class Scheduler:
                 self.block_updates.append((row, index, block))
             request.num_registered = hits
             request.num_prefilled = hits * self.kv.block_size
+            if request.num_cached_tokens is None:
+                request.num_cached_tokens = request.num_prefilled
             self.prefix_queries += request.prompt_len
             self.prefix_hits += request.num_prefilled
         if imported is not None:
@@ -550,7 +552,8 @@ class Scheduler:
         for values in result.prompt_logprobs:
             request = self._owner(owners, values.slot)
             if request is not None:
-                for offset, entry in enumerate(zip(values.logprobs, values.top, strict=True)):
+                entries = zip(values.logprobs, values.ranks, values.top, strict=True)
+                for offset, entry in enumerate(entries):
                     request.prompt_logprob_values[values.start + offset] = entry
         touched = []
         for sampled in result.sampled:
@@ -561,6 +564,7 @@ class Scheduler:
             request.output_token_ids.append(sampled.token_id)
             request.exit_depths.append(sampled.exit_depth)
             request.logprobs.append(sampled.logprob)
+            request.ranks.append(sampled.rank)
             request.top_logprobs.append(sampled.top_logprobs)
             request.stop_reason = token_stop(request)
             touched.append(request)

@@ -18,3 +18,12 @@ def token_stop(request: Request) -> str | None:
     if count >= params.max_tokens:
         return "length"
     return None
+
+
+def stop_token(request: Request) -> int | None:
+    """vLLM's stop_reason for a request `token_stop` ended with "stop": the stop id that
+    ended it, or None for EOS (checked first, as vLLM does)."""
+    token = request.output_token_ids[-1] if request.output_token_ids else None
+    if token is None or token in request.eos_token_ids or token not in request.stop_token_ids:
+        return None
+    return token

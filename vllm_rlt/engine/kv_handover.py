@@ -45,6 +45,7 @@ class HandedCompletion:
     output_token_ids: list[int]
     exit_depths: list[int]
     logprobs: list[float]
+    ranks: list[int]
     top_logprobs: list[tuple[tuple[int, float], ...]]
     finish_reason: str | None = None
     kv: KVBlocks | None = None
@@ -86,6 +87,7 @@ def hand_over(
             output_token_ids=list(child.output_token_ids),
             exit_depths=list(child.exit_depths),
             logprobs=list(child.logprobs),
+            ranks=list(child.ranks),
             top_logprobs=list(child.top_logprobs),
             finish_reason=group.finish_reasons.get(index),
             kv=None if child.is_finished else lend_kv(child),
@@ -113,6 +115,7 @@ def continue_completions(group: RequestGroup, handover: KVHandover) -> list[Requ
         child.output_token_ids = list(handed.output_token_ids)
         child.exit_depths = list(handed.exit_depths)
         child.logprobs = list(handed.logprobs)
+        child.ranks = list(handed.ranks)
         child.top_logprobs = list(handed.top_logprobs)
         if handed.finish_reason is not None:
             child.status = RequestStatus.FINISHED

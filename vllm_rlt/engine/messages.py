@@ -35,6 +35,7 @@ class HandedCompletionMessage(msgspec.Struct, array_like=True):
     output_token_ids: list[int]
     exit_depths: list[int]
     logprobs: list[float]
+    ranks: list[int]
     top_logprobs: list[list[tuple[int, float]]]
     finish_reason: str | None
     kv: KVBlocks | None
@@ -164,7 +165,8 @@ class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
 
 
 class CompletionDelta(msgspec.Struct, array_like=True):
-    """What one completion produced since the previous message: tokens `start` onwards."""
+    """What one completion produced since the previous message: tokens `start` onwards.
+    `stop_token`: with finish reason "stop", the stop id (not EOS) that ended it."""
 
     index: int
     start: int
@@ -173,6 +175,8 @@ class CompletionDelta(msgspec.Struct, array_like=True):
     logprobs: list[float] | None  # the sampled tokens' logprobs, when asked for
     top_logprobs: list[list[tuple[int, float]]] | None
     finish_reason: str | None
+    ranks: list[int] | None = None  # the sampled tokens' ranks, with their logprobs
+    stop_token: int | None = None
 
 
 class RequestDelta(msgspec.Struct, array_like=True):
@@ -185,8 +189,10 @@ class RequestDelta(msgspec.Struct, array_like=True):
     error: str | None = None
     error_param: str | None = None
     invalid: bool = False
-    # Sent once, in the first delta after the whole prompt was computed (RequestOutput).
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    # Sent once, in the first delta after the whole prompt was computed: per prompt position
+    # from the second, the token's logprob, its rank and the top (id, logprob) alternatives.
+    prompt_logprobs: list[tuple[float, int, list[tuple[int, float]]]] | None = None
+    num_cached_tokens: int | None = None  # the first completion's, once admitted
 
 
 class EngineStats(msgspec.Struct, array_like=True):

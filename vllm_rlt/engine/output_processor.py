@@ -2,9 +2,11 @@
 
 The engine core only sends token ids, exit depths and logprobs, and ends requests on token
 ids (EOS, stop ids, length). Here, on the caller's side, each user request's completions
-become text, stop strings end them (the caller then aborts them in the core), n
-completions merge into one output, and the output takes the form the request asked for
-(`RequestOutputKind`). `LLM` and `AsyncLLM` both run it.
+become text (without the EOS or stop id that ended them, as in vLLM V1, unless
+`include_stop_str_in_output`), logprobs become `Logprob`s, stop strings end completions
+(the caller then aborts them in the core), n completions merge into one output, and the
+output takes the form the request asked for (`RequestOutputKind`). `LLM` and `AsyncLLM`
+both run it.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass, field
 
 from vllm_rlt.config import ParamError
 from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
+from vllm_rlt.logprobs import Logprob, PromptLogprobs, SampleLogprobs
 from vllm_rlt.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 from vllm_rlt.tokenizer import IncrementalDetokenizer, Tokenizer
@@ -41,7 +44,7 @@ class TextTracker:
         self.stops = stops
         self.include_stop = include_stop
         self.text = ""
-        self.stopped = False
+        self.stopped: str | None = None  # the stop string that ended the text
         self._flushed = False
 
     def add(self, token: int, check_stops: bool) -> bool:
@@ -49,17 +52,17 @@ class TextTracker:
         previous = len(self.text)
         if self.detokenizer is not None:
             self.text += self.detokenizer.add(token)
-        if check_stops and self.stops and not self.stopped:
+        if check_stops and self.stops and self.stopped is None:
             hits = [
-                (index, -len(stop))
+                (index, -len(stop), stop)
                 for stop in self.stops
                 if (index := self.text.find(stop, max(0, previous - len(stop) + 1))) >= 0
             ]
             if hits:
-                index, negative_length = min(hits)  # the earliest, then the longest
-                self.text = self.text[: index - negative_length if self.include_stop else index]
-                self.stopped = True
-        return self.stopped
+                index, _, stop = min(hits)  # the earliest, then the longest
+                self.text = self.text[: index + len(stop) if self.include_stop else index]
+                self.stopped = stop
+        return self.stopped is not None
 
     def drop_held_back(self) -> None:
         """The text is final as it stands: bytes held back are never decoded."""
@@ -68,7 +71,7 @@ class TextTracker:
     def final_text(self) -> str:
         """The text once generation ended: held-back bytes are flushed, unless a stop
         string cut the text."""
-        if not self._flushed and not self.stopped and self.detokenizer is not None:
+        if not self._flushed and self.stopped is None and self.detokenizer is not None:
             self.text += self.detokenizer.flush()
             self._flushed = True
         return self.text
@@ -81,8 +84,9 @@ class CompletionState:
     tracker: TextTracker
     token_ids: list[int] = field(default_factory=list)
     exit_depths: list[int] = field(default_factory=list)
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: SampleLogprobs | None = None
     finish_reason: str | None = None
+    stop_reason: int | str | None = None  # vLLM's: the stop id or stop string that ended it
     sent_tokens: int = 0  # what DELTA outputs have already carried
     sent_text: int = 0
     finish_sent: bool = False
@@ -112,7 +116,11 @@ class RequestState:
         self.params = params
         self.kind = params.output_kind
         stops = params.stop or []
-        self.hold_back = max((len(stop) for stop in stops), default=1) - 1  # type: ignore[arg-type]
+        self.tokenizer = tokenizer
+        # Text that could still become a stop string waits, unless stop strings stay in the
+        # text (a match then only cuts what follows it, in the same token).
+        longest = max((len(stop) for stop in stops), default=1)  # type: ignore[arg-type]
+        self.hold_back = 0 if params.include_stop_str_in_output else longest - 1
         self.completions = [
             CompletionState(
                 TextTracker(
@@ -129,7 +137,8 @@ class RequestState:
         self.arrival_time = arrival_time
         self.first_token_time: float | None = None
         self.finished_time: float | None = None
-        self.prompt_logprobs: list[dict[int, float] | None] | None = None
+        self.prompt_logprobs: PromptLogprobs | None = None
+        self.num_cached_tokens: int | None = None
         self.error: str | None = None
         self.failure: BaseException | None = None  # the error as the caller raises it
         self.engine_done = False  # the core holds nothing of this request any more
@@ -144,7 +153,14 @@ class RequestState:
         """Take in one delta of the core; the completions a stop string has just ended (the
         caller aborts them in the core)."""
         if delta.prompt_logprobs is not None:
-            self.prompt_logprobs = delta.prompt_logprobs
+            self.prompt_logprobs = [None] + [
+                self._logprobs(token, chosen, rank, top)
+                for token, (chosen, rank, top) in zip(
+                    self.prompt_token_ids[1:], delta.prompt_logprobs, strict=True
+                )
+            ]
+        if self.num_cached_tokens is None:  # a decode core's import keeps the prefill core's
+            self.num_cached_tokens = delta.num_cached_tokens
         stopped = []
         for part in delta.completions:
             if self._absorb_completion(part):
@@ -186,6 +202,11 @@ class RequestState:
         if with_logprobs and completion.logprobs is None:
             completion.logprobs, completion.cumulative_logprob = [], 0.0
         min_tokens = self.params.min_tokens
+        # Tokens before `text_end` become text: vLLM V1 leaves the EOS or stop id that ended
+        # a completion out.
+        text_end = len(part.token_ids)
+        if part.finish_reason == "stop" and not self.params.include_stop_str_in_output:
+            text_end -= 1
         for offset, token in enumerate(part.token_ids):
             depth = part.exit_depths[offset]
             completion.token_ids.append(token)
@@ -195,17 +216,39 @@ class RequestState:
                 self.decode_depth_count += 1
             if with_logprobs:
                 chosen = part.logprobs[offset]  # type: ignore[index]
-                entry = dict(part.top_logprobs[offset])  # type: ignore[index]
-                entry[token] = chosen
+                rank = part.ranks[offset] if part.ranks is not None else None
+                top = part.top_logprobs[offset]  # type: ignore[index]
+                entry = self._logprobs(token, chosen, rank, top)  # type: ignore[arg-type]
                 completion.logprobs.append(entry)  # type: ignore[union-attr]
                 completion.cumulative_logprob += chosen  # type: ignore[operator]
+            if offset == text_end:
+                break
             check_stops = len(completion.token_ids) >= min_tokens
             if completion.tracker.add(token, check_stops):
                 completion.finish_reason = "stop"
+                completion.stop_reason = completion.tracker.stopped
                 return True
         if part.finish_reason is not None:
             completion.finish_reason = part.finish_reason
+            completion.stop_reason = part.stop_token
         return False
+
+    def _logprobs(
+        self, token: int, chosen: float, rank: int | None, top: list[tuple[int, float]]
+    ) -> dict[int, Logprob]:
+        """vLLM's entry of one position: the token's own Logprob first, then the top
+        alternatives', ranked 1, 2, ... (a token among them keeps its first place in the dict
+        with the top list's value and rank)."""
+        entry = {token: Logprob(chosen, rank, self._token_text(token))}
+        for position, (top_token, value) in enumerate(top, 1):
+            entry[top_token] = Logprob(value, position, self._token_text(top_token))
+        return entry
+
+    def _token_text(self, token: int) -> str | None:
+        """vLLM's decoded_token: the token decoded alone, special tokens included."""
+        if self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token], skip_special_tokens=False)
 
     def output(self) -> RequestOutput | None:
         """What the caller gets now, in the request's output kind; None when that kind has
@@ -249,6 +292,7 @@ class RequestState:
             ),
             error=self.error,
             prompt_logprobs=self.prompt_logprobs,
+            num_cached_tokens=self.num_cached_tokens or 0,
         )
 
     @staticmethod
@@ -266,6 +310,7 @@ class RequestState:
             logprobs=list(logprobs) if copy and logprobs is not None else logprobs,
             finish_reason=completion.finish_reason,
             cumulative_logprob=completion.cumulative_logprob,
+            stop_reason=completion.stop_reason,
         )
 
     def _deltas(self) -> list[CompletionOutput]:
@@ -297,6 +342,7 @@ class RequestState:
                     logprobs=None if logprobs is None else logprobs[start:],
                     finish_reason=completion.finish_reason,
                     cumulative_logprob=completion.cumulative_logprob if ended else None,
+                    stop_reason=completion.stop_reason,
                 )
             )
             completion.sent_text, completion.sent_tokens = end, tokens

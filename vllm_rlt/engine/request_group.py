@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 from vllm_rlt.config import require
 from vllm_rlt.core.request import Request, RequestStatus
+from vllm_rlt.core.stopping import stop_token
 from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
-from vllm_rlt.outputs import prompt_logprob_entries
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -75,12 +75,16 @@ class RequestGroup:
         ]
         return cls(request_id, list(prompt_token_ids), children)
 
-    def prompt_logprobs(self) -> list[dict[int, float] | None] | None:
-        """From the first completion, which alone computes them (see Request)."""
-        first = self.children[0]
-        if first.prompt_logprobs is None:
+    def prompt_logprobs(self) -> list[tuple[float, int, list[tuple[int, float]]]] | None:
+        """From the first completion, which alone computes them (see Request): per prompt
+        position from the second, (logprob, rank, top); None until each has its value."""
+        first, length = self.children[0], len(self.prompt_token_ids)
+        values = first.prompt_logprob_values
+        if first.prompt_logprobs is None or len(values) < length - 1:
             return None
-        return prompt_logprob_entries(self.prompt_token_ids, first.prompt_logprob_values)
+        return [
+            (chosen, rank, list(top)) for chosen, rank, top in map(values.get, range(1, length))
+        ]
 
     def end(self, scheduler, reason: str, index: int | None = None) -> None:
         """End completion `index` (None: every one) that still runs, with `reason`."""
@@ -119,6 +123,8 @@ class RequestGroup:
                     if with_logprobs
                     else None,
                     finish_reason=reason,
+                    ranks=child.ranks[start:end] if with_logprobs else None,
+                    stop_token=stop_token(child) if reason == "stop" else None,
                 )
             )
         prompt_logprobs = None
@@ -131,6 +137,7 @@ class RequestGroup:
             self.all_ended,
             error=self.error,
             prompt_logprobs=prompt_logprobs,
+            num_cached_tokens=self.children[0].num_cached_tokens,
         )
 
 

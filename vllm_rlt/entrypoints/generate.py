@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 from typing import Any
@@ -68,16 +69,26 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
                 "finish_reason": completion.finish_reason,
             }
             if params.logprobs is not None:
-                record["logprobs"] = completion.logprobs
+                record["logprobs"] = _as_json(completion.logprobs)
             if params.prompt_logprobs is not None:
                 record["prompt_token_ids"] = output.prompt_token_ids
-                record["prompt_logprobs"] = output.prompt_logprobs
+                record["prompt_logprobs"] = _as_json(output.prompt_logprobs)
             print(json.dumps(record, ensure_ascii=False))
         else:
             print(f"{prompt}{completion.text}")
     if ns.speculative_tokens is not None:
         report_speculation(llm.stats(), ns.json)
     return 0
+
+
+def _as_json(entries: list | None) -> list | None:
+    """Logprob entries as JSON: per position None or {token id: Logprob's fields}."""
+    if entries is None:
+        return None
+    return [
+        None if entry is None else {t: dataclasses.asdict(v) for t, v in entry.items()}
+        for entry in entries
+    ]
 
 
 def report_speculation(stats: dict[str, Any], as_json: bool) -> None:

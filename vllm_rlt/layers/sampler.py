@@ -112,11 +112,13 @@ def greedy_or_sample(
 
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Model logprobs (before temperature or filtering) of the sampled ids [rows] and the top
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Model logprobs (before temperature or filtering) of the sampled ids [rows], their ranks
+    among all tokens [rows] (vLLM's: 1 + how many others are at least as likely) and the top
     `num_top` alternatives ([rows, num_top] ids and values)."""
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
     top_values, top_ids = (
         logprobs.topk(num_top, dim=-1)
         if num_top
@@ -125,4 +127,4 @@ def token_logprobs(
             token_ids.new_empty(token_ids.shape[0], 0),
         )
     )
-    return chosen, top_ids, top_values
+    return chosen, ranks, top_ids, top_values

@@ -29,15 +29,16 @@ from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
 
 # Fields packed per sampling row before the top logprobs: exited, token, depth, logprob,
-# and for self-speculation: the draft's outcome (0 none, 1 accepted, 2 refused), its lead.
-PACKED_FIELDS = 6
+# for self-speculation the draft's outcome (0 none, 1 accepted, 2 refused) and its lead, and
+# the token's rank.
+PACKED_FIELDS = 7
 # Prompt rows whose logits are held at once for prompt logprobs ([rows, vocab] float32).
 PROMPT_LOGPROB_ROWS = 256
 
 
 @dataclass
 class PromptRows:
-    """Prompt logprobs of one chunk: [targets, 1 + 2 * top] (logprob, top ids, top values)."""
+    """Prompt logprobs of one chunk: [targets, 2 + 2 * top] (logprob, rank, top ids, values)."""
 
     slot: int
     start: int  # position of the first target
@@ -458,10 +459,11 @@ class ModelRunner:
                 for lo in range(0, count, PROMPT_LOGPROB_ROWS):
                     hi = min(count, lo + PROMPT_LOGPROB_ROWS)
                     logits = self.model.coda(hidden[row + lo : row + hi], self.ops)
-                    chosen, top_ids, top_lp = token_logprobs(
+                    chosen, rank, top_ids, top_lp = token_logprobs(
                         logits, targets[lo:hi], chunk.prompt_top
                     )
-                    parts.append(torch.cat([chosen.unsqueeze(1), top_ids.float(), top_lp], 1))
+                    firsts = [chosen.unsqueeze(1), rank.float().unsqueeze(1)]
+                    parts.append(torch.cat([*firsts, top_ids.float(), top_lp], 1))
                 values = torch.cat(parts)
                 results.append(PromptRows(chunk.slot, chunk.start + 1, chunk.prompt_top, values))
             row += len(chunk.token_ids)
@@ -492,6 +494,7 @@ class ModelRunner:
                     drafted=outcome > 0,
                     accepted=outcome == 1,
                     ahead=int(values[5]),
+                    rank=int(values[6]),
                 )
             )
         return ModelRunnerOutput(tuple(sampled), tuple(continuing))
@@ -504,7 +507,8 @@ def _prompt_logprobs(rows: PromptRows) -> PromptLogprobs:
         slot=rows.slot,
         start=rows.start,
         logprobs=tuple(v[0] for v in values),
-        top=tuple(tuple((int(v[1 + j]), v[1 + top + j]) for j in range(top)) for v in values),
+        ranks=tuple(int(v[1]) for v in values),
+        top=tuple(tuple((int(v[2 + j]), v[2 + top + j]) for j in range(top)) for v in values),
     )
 
 

@@ -65,6 +65,7 @@ class Sampled:
 
     tokens: torch.Tensor
     chosen_lp: torch.Tensor
+    rank: torch.Tensor  # the chosen token's among all tokens, 1-based
     top_ids: torch.Tensor
     top_lp: torch.Tensor
     outcome: torch.Tensor  # the draft's: 0 none, 1 accepted, 2 refused
@@ -124,6 +125,7 @@ class PassHead:
                 sample.chosen_lp,
                 sample.outcome,
                 sample.ahead,
+                sample.rank.float(),
             ],
             1,
         )
@@ -225,8 +227,8 @@ class PassHead:
             spec = (accepted, probs)
         if adjusted and st.penalties is not None:
             st.penalties.count_kept(slots, tokens, live)
-        chosen_lp, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
-        return Sampled(tokens, chosen_lp, top_ids, top_lp, outcome, ahead, spec)
+        chosen_lp, rank, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
+        return Sampled(tokens, chosen_lp, rank, top_ids, top_lp, outcome, ahead, spec)
 
     def _scatter(
         self,

@@ -1,0 +1,144 @@
+"""vLLM V1's outputs, offline and over HTTP alike: the EOS or stop id that ends a completion
+stays in its token ids and out of its text unless include_stop_str_in_output, stop_reason
+names what ended it, logprobs are Logprob objects ranked as the server orders its
+top_logprobs, and completions' logprobs carry text offsets. The toy's text is noise: the
+prompts are ones whose greedy run reaches EOS after a few tokens."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import httpx
+import pytest
+
+from vllm_rlt import LLM, SamplingParams
+
+EOS_AFTER_FIVE = [184, 257, 12, 130]  # greedy: 198 107 114 204 91, then <|endoftext|> (0)
+SPACE_AT_3 = [3, 134, 206, 205]  # greedy: 6 56 14, then " " (35) ...
+SPACE_AT_4 = [78, 134, 82, 197]  # greedy: 64 137 181 "m" (112) " " (35) "{" (126) ...
+
+# name: (prompt, sampling, index of the token that ends it, stop_reason by include_stop)
+CASES = {
+    "eos": (EOS_AFTER_FIVE, {}, 5, (None, None)),
+    "stop id": (SPACE_AT_3, {"stop_token_ids": [35]}, 3, (35, 35)),
+    "special stop id": (EOS_AFTER_FIVE, {"stop_token_ids": [0], "ignore_eos": True}, 5, (0, 0)),
+    "stop string": (SPACE_AT_4, {"stop": ["m {"]}, 5, ("m {", "m {")),
+    "stop id first": (SPACE_AT_4, {"stop": ["{"], "stop_token_ids": [112]}, 3, (112, 112)),
+    # The stop id completes the stop string: left out of the text, the string never shows;
+    # kept, the string ends it (vLLM then reports the string).
+    "stop string on a stop id": (
+        SPACE_AT_4,
+        {"stop": ["m "], "stop_token_ids": [35]},
+        4,
+        (35, "m "),
+    ),
+}
+COMBINATIONS = list(itertools.product(CASES, [False, True], [True, False]))
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(model="toy")
+
+
+def _sampling(name: str, include_stop: bool, skip_special: bool) -> dict:
+    return {
+        "max_tokens": 10,
+        "temperature": 0.0,
+        "include_stop_str_in_output": include_stop,
+        "skip_special_tokens": skip_special,
+        "spaces_between_special_tokens": False,  # the tokenizer's own decode, for comparison
+        **CASES[name][1],
+    }
+
+
+def _expected_text(llm, name: str, include_stop: bool, skip_special: bool) -> str:
+    """The greedy run's text up to the ending token, with that token only when kept; cut
+    after a stop string, or before it when it is left out."""
+    prompt, sampling, end, reasons = CASES[name]
+    greedy = llm.generate([prompt], SamplingParams(max_tokens=10, temperature=0.0), use_tqdm=False)
+    ids = greedy[0].outputs[0].token_ids
+    reason = reasons[include_stop]
+    kept = ids[: end + 1] if include_stop or isinstance(reason, str) else ids[:end]
+    text = llm.get_tokenizer().decode(kept, skip_special_tokens=skip_special)
+    if isinstance(reason, str):
+        text = text[: text.index(reason) + (len(reason) if include_stop else 0)]
+    return text
+
+
+def _post(url: str, body: dict) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", json={"model": "toy", **body}, timeout=60)
+
+
+def _streamed(url: str, body: dict) -> list[dict]:
+    """The choices of every event of a streamed completion."""
+    reply = _post(url, {**body, "stream": True})
+    assert reply.status_code == 200, reply.text
+    events = [e for e in reply.content.split(b"\n\n") if e.startswith(b"data: {")]
+    return [choice for e in events for choice in json.loads(e[len(b"data: ") :])["choices"]]
+
+
+def test_stop_token_and_eos_text_equal_offline_and_over_http(server, llm):
+    url, _ = server
+    params = [SamplingParams(**_sampling(*combination)) for combination in COMBINATIONS]
+    prompts = [CASES[name][0] for name, _, _ in COMBINATIONS]
+    offline = llm.generate(prompts, params, use_tqdm=False)
+    for combination, output in zip(COMBINATIONS, offline, strict=True):
+        name, include_stop, skip_special = combination
+        prompt, _, end, reasons = CASES[name]
+        completion = output.outputs[0]
+        text = _expected_text(llm, *combination)
+        assert completion.text == text, combination
+        assert completion.finish_reason == "stop" and completion.finished(), combination
+        assert completion.stop_reason == reasons[include_stop], combination
+        assert len(completion.token_ids) == end + 1, combination  # the ending token is kept
+        body = {"prompt": prompt, **_sampling(*combination)}
+        reply = _post(url, body).json()
+        assert reply["choices"][0]["text"] == text, combination
+        assert reply["choices"][0]["finish_reason"] == "stop", combination
+        assert reply["usage"]["completion_tokens"] == end + 1, combination
+        chunks = _streamed(url, body)
+        assert "".join(chunk["text"] for chunk in chunks) == text, combination
+        assert chunks[-1]["finish_reason"] == "stop", combination
+    assert _expected_text(llm, "eos", True, False).endswith("<|endoftext|>")
+
+
+def test_logprob_ranks_follow_the_servers_top_logprobs(server, llm):
+    """Offline Logprobs: the sampled token first, its rank among all tokens, then the top
+    alternatives ranked 1, 2, ... in the order and with the values the server lists them,
+    their decoded_token the token's text."""
+    url, _ = server
+    prompt = [107, 104, 111, 114, 90]
+    body = {"prompt": prompt, "max_tokens": 6, "temperature": 0.0, "logprobs": 3}
+    served = _post(url, {**body, "ignore_eos": True}).json()["choices"][0]["logprobs"]
+    params = SamplingParams(max_tokens=6, temperature=0.0, logprobs=3, ignore_eos=True)
+    completion = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    tokenizer = llm.get_tokenizer()
+    for index, (token, entry) in enumerate(
+        zip(completion.token_ids, completion.logprobs, strict=True)
+    ):
+        assert next(iter(entry)) == token and entry[token].rank == 1  # greedy
+        ranked = sorted(entry.items(), key=lambda item: item[1].rank)
+        assert [logprob.rank for _, logprob in ranked] == [1, 2, 3]
+        values = list(served["top_logprobs"][index].values())
+        assert [logprob.logprob for _, logprob in ranked] == pytest.approx(values, abs=1e-5)
+        assert served["token_logprobs"][index] == pytest.approx(entry[token].logprob, abs=1e-5)
+        for top_token, logprob in ranked:
+            assert logprob.decoded_token == tokenizer.decode([top_token], False)
+
+
+def test_completion_logprobs_carry_text_offsets(server):
+    """OpenAI's and vLLM's text_offset: where each token's text begins, counted over the
+    tokens' texts; streamed, from the length of the text sent before."""
+    url, _ = server
+    body = {"prompt": "offsets", "max_tokens": 6, "temperature": 0.0, "logprobs": 1}
+    for echo in (False, True):
+        logprobs = _post(url, {**body, "echo": echo}).json()["choices"][0]["logprobs"]
+        offsets, tokens = logprobs["text_offset"], logprobs["tokens"]
+        assert offsets == list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=0))
+    sent = 0
+    for chunk in _streamed(url, body):
+        if chunk["logprobs"] is not None and chunk["logprobs"]["tokens"]:
+            assert chunk["logprobs"]["text_offset"][0] == sent
+        sent += len(chunk["text"])
