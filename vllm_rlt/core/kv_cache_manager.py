@@ -157,11 +157,16 @@ class KVCacheManager:
         False, and nothing changed, while some request holds blocks."""
         if self._tables:
             return False
+        self.forget_cached_prefixes()
+        return True
+
+    def forget_cached_prefixes(self) -> None:
+        """Make every cached block unfindable, those requests hold included (new weights
+        while requests are frozen in flight): held ones go to the free list once freed."""
         self._free.extend(self._evictable)
         self._evictable.clear()
         self._hash_of.clear()
         self._block_of.clear()
-        return True
 
     def lend(self, owner: Hashable, borrower: Hashable) -> None:
         """Move `owner`'s table, references and all, to `borrower`: freeing `owner` then

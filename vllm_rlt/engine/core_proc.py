@@ -57,6 +57,7 @@ from vllm_rlt.engine.remote_channel import (
     secure_client,
     watch_frontend,
 )
+from vllm_rlt.engine.weight_sync import CoreRL
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +100,7 @@ class CoreLoop:
         self.handovers = CoreHandovers(engine, len(outputs))
         self.last_sent = [0.0] * len(outputs)
         self.rate = PassRate()
+        self.rl = CoreRL(engine)
 
     def run(self) -> None:
         """Serve until a shutdown call; any error is sent as the last message, then raised."""
@@ -107,7 +109,8 @@ class CoreLoop:
         ranks = group if group is not None and group.followers else None
         try:
             while not self.stopping:
-                if engine.has_unfinished:  # held back: by a release, or by early reads
+                busy = engine.has_unfinished and not self.rl.frozen  # "keep": no pass runs
+                if busy:  # held back: by a release, or by early reads
                     wait = (1 if engine.ledger.prefetching else 10) if engine.held_back else 0
                 else:  # idle with copies still running: look at them again soon
                     wait = 1 if engine.ledger.importing or engine.ledger.prefetching else None
@@ -115,7 +118,7 @@ class CoreLoop:
                     ranks.check_followers()
                     wait = min(wait or RANKS_CHECK_MS, RANKS_CHECK_MS)
                 self._take_commands(wait)
-                if engine.has_unfinished and not self.stopping:
+                if engine.has_unfinished and not (self.stopping or self.rl.frozen):
                     self._route(engine.step())
                     self.handovers.lend_early(engine.take_prefetches(), self._client_of)
                     self.handovers.offer(engine.take_handovers(), self._client_of_offer)
@@ -273,6 +276,9 @@ class CoreLoop:
             )
         if name.startswith("kv_"):
             return self.handovers.control(name)
+        answer = self.rl.control(name)
+        if answer is not None:
+            return answer
         return self._memory_control(name)
 
     def _memory_control(self, name: str) -> dict[str, bool | str]:

@@ -25,6 +25,7 @@ from vllm_rlt.engine.request_checks import RequestChecker
 from vllm_rlt.engine.request_group import RequestGroup, RequestGroups
 from vllm_rlt.engine.request_intake import RequestIntake
 from vllm_rlt.engine.trainer_hooks import TrainerHooks
+from vllm_rlt.engine.weight_sync import WeightSync
 from vllm_rlt.parallel.tensor_parallel import mirrored
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -91,6 +92,7 @@ class EngineCore(HandoverCalls):
         self.hooks = TrainerHooks(
             runner, execution_config.cuda_graphs, scheduler.config.max_num_batched_tokens
         )
+        self.weight_sync = WeightSync(self)  # a trainer's group, and the weights' version tag
 
     # ----------------------------------------------------------------- requests
     @mirrored
