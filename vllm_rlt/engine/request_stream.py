@@ -20,6 +20,8 @@ class StreamOwner(Protocol):
 
     tokenizer: Tokenizer | None
 
+    weight_version: str | None
+
     def abort(self, request_id: str, index: int | None = None) -> None: ...
 
     def observe_finished(self, output: RequestOutput) -> None: ...
@@ -54,6 +56,7 @@ class RequestStream:
         self.waiter: asyncio.Future | None = None
         self.finished = False  # the caller has seen the last output
         self.closed = False
+        self.weight_version: str | None = None  # the owner's when the last delta came
 
     @property
     def engine_done(self) -> bool:
@@ -64,6 +67,7 @@ class RequestStream:
     def absorb(self, delta: RequestDelta, now: float) -> None:
         """Take in one delta; a failure here fails this request alone."""
         state = self.state
+        self.weight_version = self.owner.weight_version
         try:
             for index in state.absorb(delta, now):  # ended by a stop string
                 self.owner.abort(self.request_id, index)
@@ -103,6 +107,7 @@ class RequestStream:
                 self.finished = True
                 self.owner.observe_finished(self.state.final_output())
             if output is not None:
+                output.weight_version = self.weight_version
                 return output
 
     def close(self) -> None:

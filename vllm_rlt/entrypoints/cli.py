@@ -90,6 +90,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "uses)",
     )
     group.add_argument(
+        "--enable-weight-updates",
+        action="store_true",
+        help="add an RL trainer's endpoints: POST /pause?mode=abort|wait|keep, /resume, "
+        "/init_weights_update_group, /update_weights_from_distributed, "
+        "/update_weights_from_disk, GET /is_paused, /get_weight_version (default: off)",
+    )
+    group.add_argument(
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
@@ -365,6 +372,7 @@ def _server_settings(ns: argparse.Namespace) -> ServerSettings:
         exit_on_load_error=ns.exit_on_load_error,
         access_log=ns.access_log,
         enable_sleep_mode=ns.enable_sleep_mode,
+        enable_weight_updates=ns.enable_weight_updates,
         generation_config=ns.generation_config,
         generation_config_ignore_invalid=ns.generation_config_ignore_invalid,
         api_server_count=ns.api_server_count,

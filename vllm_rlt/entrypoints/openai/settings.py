@@ -31,6 +31,7 @@ class ServerSettings:
     max_header_bytes: int = 16 * 1024
     exit_on_load_error: bool = True
     enable_sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping, /reset_prefix_cache
+    enable_weight_updates: bool = False  # /pause, /resume, /update_weights_* (rl_routes.py)
     access_log: bool = False
     generation_config: str = "auto"  # vLLM's: where unset sampling fields come from
     generation_config_ignore_invalid: bool = False  # its bad fields: unset, not an error
@@ -84,6 +85,14 @@ class ServerSettings:
                 if used:
                     _fail("disaggregate", f"runs alone: it cannot be combined with --{flag}")
         _check_kv_connector(self.kv_connector, self.disaggregate is not None)
+        if self.enable_weight_updates and (
+            self.api_server_count != 1 or self.data_parallel_size != 1 or self.disaggregate
+        ):
+            _fail(
+                "enable-weight-updates",
+                "needs one engine core and one API server (--data-parallel-size 1, "
+                "--api-server-count 1, no --disaggregate)",
+            )
 
 
 def _check_kv_connector(connector: str, disaggregated: bool) -> None:

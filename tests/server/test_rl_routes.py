@@ -1,0 +1,93 @@
+"""--enable-weight-updates (entrypoints/openai/rl_routes.py): a trainer process broadcasts a
+checkpoint over gloo to the served engine through SGLang's endpoints, the API key guards
+them, /pause and /resume work over HTTP, and responses carry the weights' version tag."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+
+import httpx
+import pytest
+import torch
+
+from tests.server.conftest import core_engine, running_server
+from tests.unit.test_weight_sync import free_port, run_trainer
+from vllm_rlt.engine.weight_sync import weight_specs
+from vllm_rlt.entrypoints.openai.settings import ServerSettings
+from vllm_rlt.models.toy import toy_weights
+
+KEY = {"Authorization": "Bearer rl-key"}
+BODY = {"model": "toy", "prompt": "weights", "max_tokens": 4, "temperature": 0}
+
+
+def test_a_trainer_updates_a_served_engine_over_http():
+    new = list(toy_weights(2).items())
+    names, dtypes, shapes = weight_specs(new)
+    with running_server(in_process=True, enable_weight_updates=True, api_key="rl-key") as (
+        url,
+        state,
+    ):
+        assert httpx.post(f"{url}/pause").status_code == 401
+        group = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}
+        refused = httpx.post(
+            f"{url}/init_weights_update_group", json={**group, "rank_offset": 0}, headers=KEY
+        )
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "rank_offset"
+        assert httpx.get(f"{url}/get_weight_version", headers=KEY).json() == {
+            "weight_version": None
+        }
+        assert (
+            "weight_version"
+            not in httpx.post(f"{url}/v1/completions", json=BODY, headers=KEY).json()
+        )
+        trainer = multiprocessing.get_context("spawn").Process(
+            target=run_trainer, args=(group["master_port"], [new])
+        )
+        trainer.start()
+        try:
+            joined = httpx.post(
+                f"{url}/init_weights_update_group",
+                json={**group, "rank_offset": 1, "backend": "gloo"},
+                headers=KEY,
+                timeout=60,
+            )
+            assert joined.status_code == 200 and joined.json()["success"]
+            assert (
+                httpx.post(f"{url}/pause", params={"mode": "soon"}, headers=KEY).status_code == 400
+            )
+            paused = httpx.post(f"{url}/pause", params={"mode": "keep"}, headers=KEY)
+            assert paused.json() == {"is_paused": True}
+            assert httpx.get(f"{url}/is_paused", headers=KEY).json() == {"is_paused": True}
+            updated = httpx.post(
+                f"{url}/update_weights_from_distributed",
+                json={"names": names, "dtypes": dtypes, "shapes": shapes, "weight_version": "v1"},
+                headers=KEY,
+                timeout=60,
+            )
+            assert updated.json() == {"success": True, "weight_version": "v1"}
+        finally:
+            trainer.join(60)
+            if trainer.is_alive():
+                trainer.kill()
+        assert trainer.exitcode == 0
+        model = core_engine(state).model
+        for name, tensor in new[:4]:
+            assert torch.equal(model.checkpoint_views()[name], tensor)
+        assert httpx.post(f"{url}/resume", headers=KEY).json() == {"is_paused": False}
+        answer = httpx.post(f"{url}/v1/completions", json=BODY, headers=KEY).json()
+        assert answer["weight_version"] == "v1" and answer["choices"][0]["text"] is not None
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**BODY, "stream": True}, headers=KEY
+        ) as stream:
+            chunks = [line[6:] for line in stream.iter_lines() if line.startswith("data: {")]
+        assert chunks and all(json.loads(chunk)["weight_version"] == "v1" for chunk in chunks)
+
+
+def test_the_routes_need_the_flag_and_a_single_core():
+    with running_server(in_process=True) as (url, _):
+        assert httpx.post(f"{url}/pause").status_code == 404
+        assert httpx.post(f"{url}/update_weights_from_disk", json={}).status_code == 404
+    with pytest.raises(ValueError, match="--enable-weight-updates needs one engine core") as caught:
+        ServerSettings(enable_weight_updates=True, data_parallel_size=2)
+    assert caught.value.param == "enable_weight_updates"

@@ -1,0 +1,222 @@
+"""What an RL trainer calls on a served engine between rollouts: pausing and resuming
+generation (vLLM's `pause_generation` modes), and new weights from the trainer's group or
+from disk with a version tag (SGLang's names): the frontend's side (`GenerationPause`,
+`RLCalls`, mixed into AsyncLLM); the core loop's is engine/weight_sync.CoreRL."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from typing import Any
+
+from vllm_rlt.config import ParamError, require
+from vllm_rlt.engine.core_client import EngineCoreClient
+from vllm_rlt.engine.messages import (
+    AbortAll,
+    AbortRequest,
+    AddRequest,
+    CompletionDelta,
+    RequestDelta,
+)
+from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME, GROUP_TIMEOUT
+
+PAUSE_MODES = ("abort", "wait", "keep")
+CALL_TIMEOUT_S = GROUP_TIMEOUT.total_seconds() + 60.0  # the core waits on the trainer
+DRAIN_POLL_S = 0.005  # how often a pause looks whether the requests in flight ended
+
+
+class GenerationPause:
+    """A frontend's pause. While paused, new requests are held here (not refused) and go to
+    the core, in order, on `resume`. "abort" aborts what is in flight and "wait" lets it
+    finish (both return once the core holds nothing); "keep" freezes it in the core (no
+    pass runs) until `resume`, where it carries on from where it stopped."""
+
+    def __init__(self, owner, shared: bool) -> None:
+        self.owner = owner  # the AsyncLLM
+        self.shared = shared  # other API servers feed the same cores
+        self.mode: str | None = None
+        self.held: list[AddRequest | AbortRequest] = []
+
+    @property
+    def paused(self) -> bool:
+        return self.mode is not None
+
+    def hold(self, command: AddRequest) -> bool:
+        """Keep a new request back while paused; False: send it now."""
+        if self.mode is None:
+            return False
+        self.held.append(command)
+        return True
+
+    def drop(self, request_id: str, index: int | None) -> bool:
+        """Abort a request held back here (True; False: it is not held). A whole request
+        ends at once with finish reason abort; one completion's abort follows it."""
+        if not any(isinstance(c, AddRequest) and c.request_id == request_id for c in self.held):
+            return False
+        if index is not None:
+            self.held.append(AbortRequest(request_id, index))
+            return True
+        self.held = [c for c in self.held if c.request_id != request_id]
+        stream = self.owner._streams.get(request_id)
+        if stream is not None:
+            ended = [
+                CompletionDelta(
+                    index=i,
+                    start=0,
+                    token_ids=[],
+                    exit_depths=[],
+                    logprobs=None,
+                    top_logprobs=None,
+                    finish_reason="abort",
+                )
+                for i in range(stream.params.n)
+            ]
+            stream.absorb(RequestDelta(request_id, ended, True), time.monotonic())
+        return True
+
+    def drop_all(self) -> None:
+        """Abort every request held back here."""
+        for request_id in [c.request_id for c in self.held if isinstance(c, AddRequest)]:
+            self.drop(request_id, None)
+
+    async def pause(self, mode: str) -> None:
+        require(
+            mode in PAUSE_MODES, f"mode must be one of {list(PAUSE_MODES)}, got {mode!r}", "mode"
+        )
+        require(
+            not self.shared,
+            "pause_generation needs a single API server (--api-server-count 1): the others "
+            "feed the same engine cores",
+            "mode",
+        )
+        owner = self.owner
+        if owner.dead is not None:
+            raise owner.dead
+        held = {c.request_id for c in self.held if isinstance(c, AddRequest)}
+        in_flight = [s for request_id, s in owner._streams.items() if request_id not in held]
+        if self.mode is not None:  # paused already: only "abort" has something left to do
+            require(
+                mode != "wait" or self.mode != "keep",
+                "mode 'wait' cannot finish requests frozen by mode 'keep': resume_generation "
+                "first, or pause with mode 'abort'",
+                "mode",
+            )
+            if mode != "abort":
+                return
+        else:
+            self.mode = mode
+        if mode == "keep":
+            try:
+                await self._call("pause_keep")
+            except BaseException:
+                await self.resume()
+                raise
+            return
+        if mode == "abort":  # what is in the core: those held back here wait for resume
+            owner.client.send(AbortAll(owner.client.client))
+        while not all(stream.engine_done for stream in in_flight):
+            if owner.dead is not None:
+                raise owner.dead
+            await asyncio.sleep(DRAIN_POLL_S)
+
+    async def resume(self) -> None:
+        """Unfreeze the core (after "keep") and send the requests held back, in order."""
+        if self.mode is None:
+            return
+        if self.mode == "keep":
+            await self._call("resume")
+        self.mode = None
+        held, self.held = self.held, []
+        for command in held:
+            self.owner.client.send(command)
+
+    async def _call(self, name: str) -> dict[str, Any]:
+        answer = await asyncio.to_thread(self.owner.client.call, name, 30.0)
+        if "error" in answer:
+            raise RuntimeError(f"{name}: {answer['error']}")
+        return answer
+
+
+class RLCalls:
+    """AsyncLLM's calls for RL trainers (this class is one of its bases)."""
+
+    client: Any
+    pause: GenerationPause
+    weight_version: str | None
+
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """vLLM's pause: "abort" (the default) ends what is in flight with finish reason
+        abort, "wait" lets it finish, "keep" freezes it until `resume_generation`. New
+        requests wait until then; a weight update may run in between."""
+        await self.pause.pause(mode)
+
+    async def resume_generation(self) -> None:
+        await self.pause.resume()
+
+    def is_paused(self) -> bool:
+        return self.pause.paused
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str | None = None,
+    ) -> None:
+        """The engine core joins the trainer's group as rank `rank_offset` (see
+        engine/weight_sync.py); returns once every rank has joined."""
+        await self._weight_call(
+            "init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str | None = None,
+    ) -> None:
+        """Take the tensors the trainer broadcasts; the engine must be idle or paused. A wrong
+        name, dtype or shape is a ValueError with nothing changed."""
+        args = {"names": names, "dtypes": dtypes, "shapes": shapes}
+        await self._weight_call("update_weights_from_distributed", args, weight_version)
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> None:
+        """Copy a checkpoint folder's weights in place (same names and shapes)."""
+        await self._weight_call(
+            "update_weights_from_disk", {"model_path": model_path}, weight_version
+        )
+
+    async def _weight_call(
+        self, name: str, args: dict[str, Any], weight_version: str | None = None
+    ) -> None:
+        require(
+            isinstance(self.client, EngineCoreClient),
+            f"{name} needs a single engine core (data_parallel_size 1, no disaggregation)",
+            "data_parallel_size",
+        )
+        if name != "init_weights_update_group":
+            args["weight_version"] = weight_version
+        try:
+            payload = json.dumps(args)
+        except (TypeError, ValueError) as exc:
+            raise ParamError(f"{name}: arguments must be JSON values ({exc})", "names") from None
+        answer = await asyncio.to_thread(self.client.call, f"{name}:{payload}", CALL_TIMEOUT_S)
+        if "error" in answer:
+            if answer.get("internal"):
+                raise RuntimeError(str(answer["error"]))
+            raise ParamError(str(answer["error"]), str(answer.get("param") or "") or None)
+        self.weight_version = answer.get("weight_version")  # type: ignore[assignment]
