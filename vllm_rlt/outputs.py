@@ -4,20 +4,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from vllm_rlt.logprobs import PromptLogprobs, SampleLogprobs
+
 
 @dataclass
 class CompletionOutput:
-    """One sampled continuation; `exit_depths[i]` is the loops token i ran (the first is T)."""
+    """One sampled continuation; `exit_depths[i]` is the loops token i ran (the first is T).
+    `stop_reason`: the stop id or stop string that ended it, None for EOS or another end."""
 
     index: int
     text: str
     token_ids: list[int]
     exit_depths: list[int]
-    logprobs: list[dict[int, float]] | None
+    logprobs: SampleLogprobs | None
     finish_reason: str | None
     cumulative_logprob: float | None = None
+    stop_reason: int | str | None = None
 
-    @property
     def finished(self) -> bool:
         return self.finish_reason is not None
 
@@ -65,23 +68,8 @@ class RequestOutput:
     metrics: RequestMetrics = field(default_factory=lambda: RequestMetrics(0.0))
     error: str | None = None
     # With SamplingParams.prompt_logprobs: None for the first prompt position, then per
-    # position the prompt token's logprob and the top alternatives (vLLM's shape). Set once
+    # position the prompt token's Logprob and the top alternatives' (vLLM's shape). Set once
     # the whole prompt has been computed.
-    prompt_logprobs: list[dict[int, float] | None] | None = None
-
-
-def prompt_logprob_entries(
-    prompt_token_ids: list[int],
-    values: dict[int, tuple[float, tuple[tuple[int, float], ...]]],
-) -> list[dict[int, float] | None] | None:
-    """vLLM's prompt_logprobs list from per-position values, or None until every position
-    after the first has its value."""
-    if len(values) < len(prompt_token_ids) - 1:
-        return None
-    entries: list[dict[int, float] | None] = [None]
-    for position in range(1, len(prompt_token_ids)):
-        chosen, top = values[position]
-        entry = dict(top)
-        entry[prompt_token_ids[position]] = chosen
-        entries.append(entry)
-    return entries
+    prompt_logprobs: PromptLogprobs | None = None
+    num_cached_tokens: int | None = None  # prompt tokens served from the prefix cache
+    weight_version: str | None = None  # the tag of the latest weight update that gave one

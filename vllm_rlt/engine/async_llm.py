@@ -30,6 +30,7 @@ from vllm_rlt.engine.messages import (
 from vllm_rlt.engine.pd_client import DisaggregatedClient
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.engine.request_stream import RequestStream
+from vllm_rlt.engine.rl_calls import GenerationPause, RLCalls
 from vllm_rlt.models.load import load_tokenizer, model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ class StepObserver(Protocol):
     def observe_finished(self, output: RequestOutput) -> None: ...
 
 
-class AsyncLLM:
+class AsyncLLM(RLCalls):
     """Starts the engine core and serves asyncio callers; nothing here blocks the event
     loop. `in_process=True` runs the core on a thread of this process instead (tests use it
     to reach into the engine); the messages are the same.
@@ -92,6 +93,7 @@ class AsyncLLM:
         self.last_progress = time.monotonic()
         self.num_sequences = 0  # completions of the open streams
         self.stats: EngineStats | None = None  # as of the latest engine step
+        self.weight_version: str | None = None  # of the latest update that gave one
         self._streams: dict[str, RequestStream] = {}
         model = llm_kwargs.get("model")
         self.tokenizer: Tokenizer | None = load_tokenizer(
@@ -129,6 +131,9 @@ class AsyncLLM:
             )
         else:
             self.client = EngineCoreClient(llm_kwargs, self._on_death, in_process)
+        self.pause = GenerationPause(
+            self, shared=bool(attach or getattr(self.client, "attachments", None))
+        )
         info = self.client.info
         self.info = info
         self.model_name = info.model_name
@@ -168,7 +173,9 @@ class AsyncLLM:
 
     def stalled(self, timeout: float) -> str | None:
         """Why the engine counts as stalled (work waits and no pass completed for `timeout`
-        seconds; with several cores, on any one of them), or None."""
+        seconds; with several cores, on any one of them), or None. Paused, none runs."""
+        if self.pause.paused:
+            return None
         if isinstance(self.client, DataParallelClient):
             rank = self.client.stalled_rank(timeout)
             return (
@@ -214,13 +221,13 @@ class AsyncLLM:
         self._read_outputs_here()
         require(request_id not in self._streams, f"request_id {request_id!r} is already in use")
         self.check_capacity(params.n)
-        params = self.processor.core_params(params)  # the core checks it on arrival
+        prompt_token_ids, params = self.processor.prepare(prompt_token_ids, params)
         stream = RequestStream(self, request_id, prompt, list(prompt_token_ids), params)
         self._streams[request_id] = stream
         self.num_sequences += params.n
-        self.client.send(
-            AddRequest(request_id, stream.prompt_token_ids, params, self.client.client)
-        )
+        command = AddRequest(request_id, stream.prompt_token_ids, params, self.client.client)
+        if not self.pause.hold(command):
+            self.client.send(command)
         return stream
 
     async def generate(
@@ -240,11 +247,14 @@ class AsyncLLM:
             stream.close()
 
     def abort(self, request_id: str, index: int | None = None) -> None:
-        """Abort a request, or only its completion `index`."""
-        self.client.send(AbortRequest(request_id, index))
+        """Abort a request (all its completions: any id a caller gave), or only its
+        completion `index`."""
+        if not self.pause.drop(request_id, index):
+            self.client.send(AbortRequest(request_id, index))
 
     def abort_all(self) -> None:
         """End every request now: each stream gets a final output with finish reason abort."""
+        self.pause.drop_all()
         self.client.send(AbortAll(self.client.client))
 
     def engine_stats(self, timeout: float = 30.0) -> CoreStats:

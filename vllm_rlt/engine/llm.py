@@ -23,11 +23,13 @@ from vllm_rlt.config import (
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.engine.vllm_args import apply_vllm_args
+from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME
+from vllm_rlt.inputs import check_prompt_dict
 from vllm_rlt.models.hub import TOKENIZER_FILES, resolve_model
 from vllm_rlt.models.load import model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
-from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.tokenizer.hf_compat import user_tokenizer
 
 
 class LLM:
@@ -119,6 +121,7 @@ class LLM:
         )
         self.engine = built.engine
         self.tokenizer = built.tokenizer
+        self._user_tokenizer: Any = None  # get_tokenizer's, made on first use
         self.llm_engine = LLMEngine(built.engine, built.tokenizer, sampling_defaults)
         self.model_name = asked if model != asked else built.model_name  # a hub ID as given
         self.enable_sleep_mode = enable_sleep_mode
@@ -130,6 +133,38 @@ class LLM:
         into the running model in place; the next `generate` uses them. A wrong name or
         shape is a ValueError naming it, with nothing changed; the prefix cache is reset."""
         self.engine.load_weights(weights)
+
+    def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str | None = None,
+    ) -> None:
+        """SGLang's call: join the trainer's torch.distributed group as rank `rank_offset`
+        (the trainer, rank 0, serves its store); `backend` "gloo" or "nccl" (None: NCCL on
+        CUDA, gloo on the CPU). Blocks until every rank joined (engine/weight_sync.py)."""
+        self.engine.weight_sync.init_group(
+            master_address, master_port, rank_offset, world_size, group_name, backend
+        )
+
+    def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str | None = None,
+    ) -> None:
+        """Take the tensors the trainer broadcasts over that group, in this order, into the
+        model in place; later outputs carry `weight_version`. A wrong name, dtype or shape
+        is a ValueError with nothing changed (the tensors are still received)."""
+        self.engine.weight_sync.update_from_distributed(names, dtypes, shapes, weight_version)
+
+    def update_weights_from_disk(self, model_path: str, weight_version: str | None = None) -> None:
+        """Copy a checkpoint folder's weights (same names and shapes) into the model."""
+        self.engine.weight_sync.update_from_disk(model_path, weight_version)
 
     def sleep(self, level: int = 1) -> None:
         """vLLM's sleep mode (needs `enable_sleep_mode=True`): level 1 frees the KV cache
@@ -157,10 +192,15 @@ class LLM:
         overridden by the model's generation_config.json (as vLLM does)."""
         return self.llm_engine.processor.default_params()
 
-    def get_tokenizer(self) -> Tokenizer:
-        """The model's tokenizer (ValueError for a folder without one)."""
+    def get_tokenizer(self) -> Any:
+        """The model's tokenizer as vLLM gives it: transformers' `PreTrainedTokenizerFast`
+        where transformers is installed, else the subset of it that vLLM scripts use
+        (tokenizer/hf_compat.py); both encode and decode as the engine does (ValueError for
+        a folder without tokenizer.json)."""
         require(self.tokenizer is not None, "this model folder has no tokenizer.json")
-        return self.tokenizer  # type: ignore[return-value]
+        if self._user_tokenizer is None:
+            self._user_tokenizer = user_tokenizer(self.tokenizer)  # type: ignore[arg-type]
+        return self._user_tokenizer
 
     def stats(self) -> dict[str, Any]:
         """The engine's counters since it was built (`EngineStats`: requests running and
@@ -215,17 +255,51 @@ class LLM:
         messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool | Callable[..., tqdm] = True,
+        lora_request: Any = None,
+        chat_template: str | None = None,
+        chat_template_content_format: str = "auto",
         add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        mm_processor_kwargs: dict[str, Any] | None = None,
     ) -> list[RequestOutput]:
-        """Render each conversation with the model's chat template, then generate."""
+        """Render each conversation with the model's chat template (or `chat_template`),
+        then generate. As in vLLM, `tools` and `chat_template_kwargs` reach the template as
+        variables, the latter overriding the arguments of the same names;
+        `continue_final_message` leaves the last message open for the model to go on with.
+        Message content is rendered as a string (text parts joined by newlines: vLLM's
+        "string" format); `lora_request` and `mm_processor_kwargs` are not supported."""
+        require(lora_request is None, "lora_request is not supported (no LoRA)", "lora_request")
+        require(
+            mm_processor_kwargs is None,
+            "mm_processor_kwargs is not supported: the models are text-only",
+            "mm_processor_kwargs",
+        )
+        require(
+            chat_template_content_format in ("auto", "string"),
+            "chat_template_content_format must be 'auto' or 'string' (content is rendered as "
+            f"a string), got {chat_template_content_format!r}",
+            "chat_template_content_format",
+        )
+        require(
+            chat_template_kwargs is None or isinstance(chat_template_kwargs, dict),
+            "chat_template_kwargs must be a dict of template variables",
+            "chat_template_kwargs",
+        )
+        options = {
+            "chat_template": chat_template,
+            "add_generation_prompt": add_generation_prompt,
+            "continue_final_message": continue_final_message,
+            "tools": tools,
+            **(chat_template_kwargs or {}),
+        }
         require(self.tokenizer is not None, "chat needs a tokenizer; this model folder has none")
         require(isinstance(messages, list) and messages, "messages must be a non-empty list")
         conversations = messages if isinstance(messages[0], list) else [messages]
         prompts = []
         for conversation in conversations:
-            text = self.tokenizer.apply_chat_template(  # type: ignore[union-attr]
-                conversation, add_generation_prompt=add_generation_prompt
-            )
+            text = self.tokenizer.apply_chat_template(conversation, **options)  # type: ignore[union-attr]
             # The template already places any BOS, so no special tokens are added again.
             ids = self.tokenizer.encode(text, add_special_tokens=False)  # type: ignore[union-attr]
             prompts.append({"prompt": text, "prompt_token_ids": ids})
@@ -250,6 +324,7 @@ class LLM:
                                 f"request {output.request_id!r} failed: {output.error}"
                             )
                         if output.finished and output.request_id in wanted:
+                            output.weight_version = self.engine.weight_sync.version
                             results[output.request_id] = output
                             bar.update(1)
             except BaseException:  # leave the engine idle and every block free
@@ -280,10 +355,7 @@ class LLM:
             if isinstance(prompt, str):
                 items.append((prompt, None))
             elif isinstance(prompt, dict):
-                require(
-                    "prompt_token_ids" in prompt or "prompt" in prompt,
-                    f"prompts[{index}] must have 'prompt_token_ids' or 'prompt'",
-                )
+                check_prompt_dict(prompt, index)
                 ids = prompt.get("prompt_token_ids")
                 items.append((prompt.get("prompt"), list(ids) if ids is not None else None))
             elif isinstance(prompt, (list, tuple)):

@@ -34,6 +34,7 @@ from vllm_rlt.entrypoints.openai.protocol import (
     TokenizeRequest,
     describe_validation_error,
 )
+from vllm_rlt.entrypoints.openai.rl_routes import add_rl_routes
 from vllm_rlt.entrypoints.openai.serving import (
     APIError,
     OpenAIServing,
@@ -344,6 +345,8 @@ def build_app(state: ServerState) -> FastAPI:
 
     if settings.enable_sleep_mode:
         _add_sleep_routes(app, state)
+    if settings.enable_weight_updates:
+        add_rl_routes(app, state)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:

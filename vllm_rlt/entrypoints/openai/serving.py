@@ -70,11 +70,6 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.model_name = model_name
         self.max_model_len = engine.max_model_len
-        # Chat without max_tokens runs until the context is full: the model's, or the KV
-        # pool's when that is smaller (blocks are taken as tokens come, so this costs
-        # nothing up front).
-        info = engine.info
-        self.context_room = min(engine.max_model_len, info.num_blocks * info.block_size)
         self.request_timeout = request_timeout
         self.max_sequences_per_request = max_sequences_per_request
         self.closing = False  # shutting down: new requests get 503, aborted ones too
@@ -154,8 +149,8 @@ class OpenAIServing:
         text, ids = self.chat_prompt(request.model, request.messages)  # checks the model too
         self.check_fan_out(1, request.n)
         max_tokens = request.max_completion_tokens or request.max_tokens
-        if max_tokens is None:
-            max_tokens = max(1, self.context_room - len(ids))
+        if max_tokens is None:  # up to the context, as SamplingParams(max_tokens=None)
+            max_tokens = self.engine.processor.checker.limits.default_max_tokens(len(ids))
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
         params = self._params(request, max_tokens, num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
@@ -252,7 +247,7 @@ class OpenAIServing:
                 completion = _shown(job, completion)
                 generated += len(completion.token_ids)
                 choices.append(self._choice(job, prompt_index, choice_index, completion, output))
-        return {
+        body = {
             "id": job.request_id,
             "object": "text_completion" if job.kind == "completion" else "chat.completion",
             "created": job.created,
@@ -260,6 +255,9 @@ class OpenAIServing:
             "choices": choices,
             "usage": self._usage(job, generated),
         }
+        if finals and finals[-1].weight_version is not None:  # as SGLang's meta_info has it
+            body["weight_version"] = finals[-1].weight_version
+        return body
 
     async def stream(self, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
         """Streaming: SSE events, one finish_reason per choice, optional usage, then DONE.
@@ -267,7 +265,7 @@ class OpenAIServing:
         a plain error reply)."""
         streams = self._open(job, RequestOutputKind.DELTA)
         items = _merged(streams)
-        started: set[int] = set()  # choices whose first chunk was sent
+        sent: dict[int, int] = {}  # per choice whose first chunk was sent: its text's length
         generated = 0
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         try:
@@ -286,17 +284,18 @@ class OpenAIServing:
                 if isinstance(item, BaseException):
                     yield _sse(_error_body(item))
                     return
-                if self.closing and not started and _aborted(item):
+                if self.closing and not sent and _aborted(item):
                     yield _sse(self._shutdown_error().body())  # nothing was sent yet
                     return
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
                     completion = _shown(job, completion)
                     generated += len(completion.token_ids)
-                    first = choice_index not in started
-                    chunk = self._delta(job, index, choice_index, completion, item, first)
+                    first = choice_index not in sent
+                    offset = sent.get(choice_index, 0)
+                    chunk = self._delta(job, index, choice_index, completion, item, first, offset)
                     if chunk is not None:
-                        started.add(choice_index)
+                        sent[choice_index] = offset + len(chunk.get("text", ""))
                         yield _sse(self._chunk(job, [chunk]))
             if include_usage:
                 body = self._chunk(job, [])
@@ -348,10 +347,11 @@ class OpenAIServing:
         completion: CompletionOutput,
         output: RequestOutput,
         first: bool,
+        offset: int,
     ) -> dict[str, Any] | None:
         """One choice's chunk for what its completion added (a DELTA output, whose text
         already holds back what could still become a stop string), or None when there is
-        nothing to show."""
+        nothing to show. `offset`: the length of the choice's text already sent."""
         finished = completion.finish_reason is not None
         text = completion.text
         per_token = job.num_logprobs is not None or job.exit_depths
@@ -359,7 +359,7 @@ class OpenAIServing:
             return None
         if job.echo and first:
             text = (job.prompts[prompt_index][0] or "") + text
-        logprobs = self._logprobs(job, completion, 0, len(completion.token_ids))
+        logprobs = self._logprobs(job, completion, 0, len(completion.token_ids), offset)
         if job.echo and first and logprobs is not None:
             logprobs = self._with_prompt(job, prompt_index, output, logprobs)
         chunk: dict[str, Any] = {
@@ -379,23 +379,31 @@ class OpenAIServing:
         return chunk
 
     def _chunk(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        return {
+        chunk = {
             "id": job.request_id,
             "object": "text_completion" if job.kind == "completion" else "chat.completion.chunk",
             "created": job.created,
             "model": self.model_name,
             "choices": choices,
         }
+        if self.engine.weight_version is not None:
+            chunk["weight_version"] = self.engine.weight_version
+        return chunk
 
-    def _logprobs(self, job: Job, completion: CompletionOutput, start: int, end: int):
+    def _logprobs(
+        self, job: Job, completion: CompletionOutput, start: int, end: int, offset: int = 0
+    ):
+        """The choice's logprobs in OpenAI's form; a completion's `text_offset` counts from
+        `offset`, the length of the choice's text before this token."""
         if job.num_logprobs is None or completion.logprobs is None:
             return None
         entries = []
         for token, candidates in zip(
             completion.token_ids[start:end], completion.logprobs[start:end], strict=True
         ):
-            top = sorted(candidates.items(), key=lambda item: -item[1])[: job.num_logprobs]
-            entries.append((token, candidates[token], top))
+            top = [(t, v.logprob) for t, v in candidates.items()]
+            top = sorted(top, key=lambda item: -item[1])[: job.num_logprobs]
+            entries.append((token, candidates[token].logprob, top))
         if job.kind == "chat":
             return {
                 "content": [
@@ -406,31 +414,36 @@ class OpenAIServing:
                     for token, value, top in entries
                 ]
             }
+        tokens = [self._token_text(t) for t, _, _ in entries]
         return {
-            "tokens": [self._token_text(t) for t, _, _ in entries],
+            "tokens": tokens,
             "token_logprobs": [value for _, value, _ in entries],
             "top_logprobs": [{self._token_text(t): v for t, v in top} for _, _, top in entries],
+            "text_offset": _text_offsets(tokens, offset),
         }
 
     def _with_prompt(
         self, job: Job, prompt_index: int, output: RequestOutput, logprobs: dict[str, Any]
     ) -> dict[str, Any]:
-        """Completion logprobs preceded by the prompt tokens' (None for the first one)."""
+        """Completion logprobs preceded by the prompt tokens' (None for the first one), with
+        the text offsets counted from the prompt's start."""
         ids = job.prompts[prompt_index][1]
         entries = output.prompt_logprobs or [None] * len(ids)
         tokens, values, tops = [], [], []
         for token, entry in zip(ids, entries, strict=True):
             tokens.append(self._token_text(token))
-            values.append(None if entry is None else entry.get(token))
+            values.append(None if entry is None else entry[token].logprob)
             if entry is None:
                 tops.append(None)
                 continue
-            top = sorted(entry.items(), key=lambda item: -item[1])[: job.num_logprobs]
-            tops.append({self._token_text(t): v for t, v in top})
+            top = sorted(entry.items(), key=lambda item: -item[1].logprob)[: job.num_logprobs]
+            tops.append({self._token_text(t): v.logprob for t, v in top})
+        tokens += logprobs["tokens"]
         return {
-            "tokens": tokens + logprobs["tokens"],
+            "tokens": tokens,
             "token_logprobs": values + logprobs["token_logprobs"],
             "top_logprobs": tops + logprobs["top_logprobs"],
+            "text_offset": _text_offsets(tokens, 0),
         }
 
     def _token_fields(self, token: int, logprob: float) -> dict[str, Any]:
@@ -497,6 +510,16 @@ async def _merged(
     finally:
         for task in tasks:
             task.cancel()
+
+
+def _text_offsets(tokens: list[str], start: int) -> list[int]:
+    """Where each token's text begins, as vLLM counts it: from `start`, adding up the
+    tokens' own texts."""
+    offsets = []
+    for token in tokens:
+        offsets.append(start)
+        start += len(token)
+    return offsets
 
 
 def _sse(body: dict[str, Any]) -> bytes:
