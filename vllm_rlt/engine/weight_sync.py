@@ -14,6 +14,7 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import weakref
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,9 @@ class WeightSync:
     """An engine core's member of a trainer's group, and the version tag of its weights."""
 
     def __init__(self, engine) -> None:
-        self.engine = engine
+        # A proxy: the engine owns this object, and a cycle would keep a collected engine
+        # (and its tensor-parallel group, closed when the engine goes) alive until gc runs.
+        self.engine = weakref.proxy(engine)
         self.group: WeightGroup | None = None
         self.version: str | None = None
 
