@@ -4,6 +4,7 @@ key guards them as it guards every route (engine/rl_calls.py does the work)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
@@ -13,7 +14,7 @@ from vllm_rlt.entrypoints.openai.protocol import StrictModel
 from vllm_rlt.entrypoints.openai.serving import as_api_error
 
 if TYPE_CHECKING:
-    from vllm_rlt.entrypoints.openai.server import ServerState
+    from vllm_rlt.engine.async_llm import AsyncLLM
 
 
 class InitWeightsUpdateGroupRequest(StrictModel):
@@ -37,20 +38,16 @@ class UpdateWeightsFromDiskRequest(StrictModel):
     weight_version: str | None = None
 
 
-def add_rl_routes(app: FastAPI, state: ServerState) -> None:
-    """Pause and resume need the flag too: a pause stops every client's generation (vLLM
-    keeps them behind its development mode)."""
+def add_rl_routes(app: FastAPI, engine: Callable[[], AsyncLLM]) -> None:
+    """`engine()`: the loaded engine (raising the server's 503 while there is none). Pause
+    and resume need the flag too: a pause stops every client's generation (vLLM keeps them
+    behind its development mode)."""
 
     async def run(call) -> None:
         try:
             await call
         except Exception as exc:  # noqa: BLE001 - answered as an error object
             raise as_api_error(exc) from exc
-
-    def engine():
-        state.ready()
-        assert state.engine is not None
-        return state.engine
 
     @app.post("/pause")
     async def pause(mode: str = "abort") -> dict[str, Any]:

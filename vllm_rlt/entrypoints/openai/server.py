@@ -137,6 +137,12 @@ class ServerState:
             raise APIError(503, "the model is still loading", "service_unavailable")
         return self.serving
 
+    def loaded_engine(self) -> AsyncLLM:
+        """The engine once loaded (APIError 503 before)."""
+        self.ready()
+        assert self.engine is not None
+        return self.engine
+
     def abort_all(self) -> int:
         """End every request now (shutdown); how many there were."""
         if self.serving is None or self.engine is None:
@@ -346,7 +352,7 @@ def build_app(state: ServerState) -> FastAPI:
     if settings.enable_sleep_mode:
         _add_sleep_routes(app, state)
     if settings.enable_weight_updates:
-        add_rl_routes(app, state)
+        add_rl_routes(app, state.loaded_engine)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
