@@ -137,7 +137,6 @@ def test_a_killed_core_with_departing_clients_leaves_the_server_answering(flags,
         assert set(ends) <= {"error", "length"}, ends
         if not survivors:
             assert set(ends) == {"error"}
-        started = time.monotonic()
         reply = httpx.post(
             f"{url}/v1/completions",
             json={"model": "toy", "prompt": "after", "max_tokens": 3, "ignore_eos": True},
@@ -146,8 +145,8 @@ def test_a_killed_core_with_departing_clients_leaves_the_server_answering(flags,
         if survivors:  # the core left serves it
             assert reply.status_code == 200, reply.text
             assert reply.json()["usage"]["completion_tokens"] == 3
-        else:  # refused at once
-            assert reply.status_code == 503 and time.monotonic() - started < 5
+        else:
+            assert reply.status_code == 503  # refused, not queued on a dead core
         process.send_signal(signal.SIGTERM)
         assert process.wait(60) == 0
     deadline = time.monotonic() + 30
