@@ -518,5 +518,21 @@ def test_the_frontend_knows_the_cores_eos_ids_without_a_tokenizer():
         with pytest.raises(ParamError, match="min_tokens"):
             engine.check_request("r", [40, 41], params)
         engine.check_request("r", [40, 41], SamplingParams(allowed_token_ids=[eos]))
+        with pytest.raises(ParamError, match="no tokenizer"):
+            asyncio.run(engine.get_tokenizer())
+    finally:
+        engine.shutdown()
+
+
+def test_async_llm_gives_the_tokenizer_llm_gives():
+    """vLLM's `await engine.get_tokenizer()`, the same object type as LLM.get_tokenizer."""
+    from vllm_rlt.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM({"model": None}, in_process=True)
+    try:
+        tokenizer = asyncio.run(engine.get_tokenizer())
+        assert tokenizer.eos_token_id in engine.info.eos_token_ids
+        assert tokenizer("347+589=")["input_ids"] == engine.tokenizer.encode("347+589=")
+        assert asyncio.run(engine.get_tokenizer()) is tokenizer
     finally:
         engine.shutdown()

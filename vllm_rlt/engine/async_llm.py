@@ -35,6 +35,7 @@ from vllm_rlt.models.load import load_tokenizer, model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.tokenizer.hf_compat import user_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +97,7 @@ class AsyncLLM(RLCalls):
         self.weight_version: str | None = None  # of the latest update that gave one
         self._streams: dict[str, RequestStream] = {}
         model = llm_kwargs.get("model")
+        self._user_tokenizer: Any = None  # get_tokenizer's, made on first use
         self.tokenizer: Tokenizer | None = load_tokenizer(
             model, llm_kwargs.get("tokenizer"), llm_kwargs.get("skip_tokenizer_init", False)
         )
@@ -156,6 +158,14 @@ class AsyncLLM(RLCalls):
         )
 
     # ----------------------------------------------------------------- caller side
+    async def get_tokenizer(self) -> Any:
+        """vLLM's: the model's tokenizer as `LLM.get_tokenizer` gives it (transformers'
+        `PreTrainedTokenizerFast`, or its compatible subset); ValueError without one."""
+        require(self.tokenizer is not None, "this engine has no tokenizer", "tokenizer")
+        if self._user_tokenizer is None:
+            self._user_tokenizer = user_tokenizer(self.tokenizer)  # type: ignore[arg-type]
+        return self._user_tokenizer
+
     @property
     def has_work(self) -> bool:
         return bool(self._streams)
