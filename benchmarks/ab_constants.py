@@ -3,7 +3,7 @@ process on one machine, so a kernel switch or launch plan is compared without a 
 start-up or a second machine. Prints one line per setting and writes every report.
 
 python -m benchmarks.ab_constants --output ab.json \
-    --set vllm_rlt.attention.triton_backend.FUSED_DECODE_ROWS=0,16 \
+    --set vllm_rlt.ops.triton_ops.FUSED_DECODE_ROWS=0,16 \
     -- --shape ouro-1.4b --device cuda --no-baseline --depth 4 --concurrency 1 8 64 256
 
 Each --set names MODULE.CONSTANT=VALUE[,VALUE...] (Python literals); with several --set

@@ -15,7 +15,7 @@ from vllm_rlt.bench.accuracy import main as accuracy_main
 
 
 def main(argv: list[str] | None = None) -> int:
-    with mock.patch("vllm_rlt.attention.torch_backend.fp8_linear_reference", per_token_fp8_product):
+    with mock.patch("vllm_rlt.ops.torch_ops.fp8_linear_reference", per_token_fp8_product):
         return accuracy_main(argv)
 
 

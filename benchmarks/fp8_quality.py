@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from vllm_rlt.attention.torch_backend import TorchOps
 from vllm_rlt.bench.shapes import SHAPES, random_model
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.layers.fp8 import (
@@ -32,6 +31,7 @@ from vllm_rlt.layers.fp8 import (
     quantize_model,
 )
 from vllm_rlt.layers.norm import rms_norm
+from vllm_rlt.ops.torch_ops import TorchOps
 
 VARIANTS = {  # name -> (quantization, fp8 K/V, per-head K/V scales, fp8 activations)
     "fp8 weights": ("fp8", False, False, False),

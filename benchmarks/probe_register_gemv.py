@@ -34,11 +34,11 @@ import triton
 import triton.language as tl
 
 from benchmarks.graph_timing import graph_time_us
-from vllm_rlt.attention.triton_backend import linear_plan
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.kernels.pdl import launch_options, pdl_enter
 from vllm_rlt.kernels.skinny_linear import skinny_linear, skinny_linear_partials
 from vllm_rlt.layers.fp8 import Fp8Weight
+from vllm_rlt.ops.triton_ops import linear_plan
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
 CHUNK = 256  # columns a streaming step loads past the preloaded ones

@@ -65,8 +65,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import triton.testing
 
-    from vllm_rlt.attention.triton_backend import TritonOps
     from vllm_rlt.kernels import w8a16_gemm
+    from vllm_rlt.ops.triton_ops import TritonOps
 
     default_rows = w8a16_gemm.W8A16_ROWS
     bandwidth = copy_bandwidth()

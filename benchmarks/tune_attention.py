@@ -12,10 +12,10 @@ import itertools
 import torch
 
 from benchmarks.graph_timing import graph_time_us
-from vllm_rlt.attention import triton_backend
-from vllm_rlt.attention.triton_backend import TritonOps
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.ops import triton_ops
+from vllm_rlt.ops.triton_ops import TritonOps
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
 
 
@@ -48,9 +48,9 @@ def time_case(rows: int, context: int, heads: int = 16, dim: int = 128, planes: 
     scale = dim**-0.5
     results = []
     for block_n, stages, warps in itertools.product((32, 64, 128), (1, 2, 3), (2, 4, 8)):
-        triton_backend.DECODE_BLOCK_N = triton_backend.MANY_ROWS_BLOCK_N = block_n
-        triton_backend.DECODE_STAGES = stages
-        triton_backend.FEW_ROWS_WARPS = triton_backend.MANY_ROWS_WARPS = warps
+        triton_ops.DECODE_BLOCK_N = triton_ops.MANY_ROWS_BLOCK_N = block_n
+        triton_ops.DECODE_STAGES = stages
+        triton_ops.FEW_ROWS_WARPS = triton_ops.MANY_ROWS_WARPS = warps
         us = graph_time_us(
             lambda _: ops.attention(qkv, heads, heads, k, v, meta, rotary, scale), 10
         )

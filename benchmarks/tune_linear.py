@@ -1,5 +1,5 @@
 """Time the skinny linear kernel over launch shapes against cuBLAS, at Ouro-1.4B layer shapes,
-to choose the rows of LINEAR_PLANS (vllm_rlt/attention/triton_backend.py).
+to choose the rows of LINEAR_PLANS (vllm_rlt/ops/triton_ops.py).
 
 Each case runs back to back in a CUDA graph over enough weight copies to defeat the L2 cache,
 as the layers of a real pass do. Layers that feed the residual add and norm (o, down) are
@@ -22,10 +22,10 @@ import multiprocessing
 import torch
 
 from benchmarks.graph_timing import graph_time_us
-from vllm_rlt.attention.triton_backend import TritonOps, _dense_linear
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
 from vllm_rlt.layers.fp8 import Fp8Weight
+from vllm_rlt.ops.triton_ops import TritonOps, _dense_linear
 
 # name: (N, K, SiLU-mul epilogue, feeds the residual add and norm)
 SHAPES = {

@@ -52,7 +52,8 @@ KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 USAGE_CONTEXTS = (OFFLINE, SERVE)
 SCHEDULING_MODES = ("refill", "no_refill")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# How `--disaggregate` moves K/V (engine/kv_transport.py, engine/kv_nixl.py); auto is torch.
+# How `--disaggregate` moves K/V (engine/disagg/torch_connector.py,
+# engine/disagg/nixl_connector.py); auto is torch.
 KV_CONNECTORS = ("auto", "torch", "nixl")
 EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
 QUANTIZATIONS = ("fp8",)  # weight quantization at load (vllm_rlt/layers/fp8.py)

@@ -145,7 +145,7 @@ def patch_frontend(module) -> None:
 PATCHES = {
     "vllm_rlt.engine.engine_core": patch_engine_core,
     "vllm_rlt.worker.model_runner": patch_runner,
-    "vllm_rlt.engine.core_proc": patch_core_loop,
+    "vllm_rlt.engine.process.core_proc": patch_core_loop,
     "vllm_rlt.engine.llm": patch_llm,
     "vllm_rlt.engine.async_llm": patch_frontend,
 }

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from tests.conftest import drain
 from tests.e2e.test_engine_vs_oracle import MAX_TOKENS, _prompts
 from vllm_rlt import LLM, CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
-from vllm_rlt.attention.torch_backend import TorchOps
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.layers.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, quantize_model
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
+from vllm_rlt.ops.torch_ops import TorchOps
 from vllm_rlt.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
@@ -25,7 +25,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module")
 def triton_ops():
-    from vllm_rlt.attention.triton_backend import TritonOps
+    from vllm_rlt.ops.triton_ops import TritonOps
 
     return TritonOps()
 
@@ -43,7 +43,7 @@ def _expected(x: torch.Tensor, q: Fp8Weight, skinny: bool) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 16, 40, 64, 65, 300])
 @pytest.mark.parametrize("n,k", [(2048, 2048), (6144, 2048), (11264, 2048), (2048, 5632)])
 def test_fp8_linear_ops_equal_the_reference(triton_ops, dtype, rows, n, k):
-    from vllm_rlt.attention.triton_backend import linear_plan
+    from vllm_rlt.ops.triton_ops import linear_plan
 
     gen = torch.Generator(device="cuda").manual_seed(rows + n)
     x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)

@@ -17,7 +17,7 @@ from tests.unit.test_kv_handover import _assert_same, _colocated, _disaggregated
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.bench.serve_launch import launched
 from vllm_rlt.engine.builder import build_engine_core
-from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool, share_pool
+from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle, OpenedPools, SharedPool, share_pool
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.worker.kv_pool import KVPool

@@ -10,9 +10,9 @@ import logging
 import pytest
 import torch
 
-from vllm_rlt.attention.torch_backend import TorchOps
 from vllm_rlt.kernels import cuda_build, w8a16_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight
+from vllm_rlt.ops.torch_ops import TorchOps
 
 pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
@@ -54,7 +54,7 @@ def test_w8a16_gemm_reads_strided_rows_and_replays_in_a_graph():
     x, weight, _ = _problem(5, 2048, 2048, seed=3)
     view = buffer[:5, :2048]
     view.copy_(x)
-    from vllm_rlt.attention.triton_backend import TritonOps
+    from vllm_rlt.ops.triton_ops import TritonOps
 
     pdl = TritonOps().pdl
     w8a16_gemm.w8a16_gemm(view, weight, pdl=pdl)  # built and loaded before capture
@@ -71,7 +71,7 @@ def test_w8a16_gemm_reads_strided_rows_and_replays_in_a_graph():
 
 @pytest.mark.parametrize("rows", [1, 8, 16, 17])
 def test_the_triton_ops_take_it_for_the_rows_it_is_set_for(rows, monkeypatch):
-    from vllm_rlt.attention.triton_backend import TritonOps
+    from vllm_rlt.ops.triton_ops import TritonOps
 
     monkeypatch.setattr(w8a16_gemm, "W8A16_ROWS", 8)
     x, weight, want = _problem(rows, 2048, 2048, seed=rows)
@@ -85,7 +85,7 @@ def test_the_triton_ops_take_it_for_the_rows_it_is_set_for(rows, monkeypatch):
 
 
 def test_without_nvcc_the_triton_kernels_serve_after_one_log_line(monkeypatch, caplog):
-    from vllm_rlt.attention.triton_backend import TritonOps
+    from vllm_rlt.ops.triton_ops import TritonOps
 
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
     cuda_build.cuda_library.cache_clear()

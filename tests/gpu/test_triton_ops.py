@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_rlt.attention.metadata import AttentionMetadata
-from vllm_rlt.attention.torch_backend import TorchOps
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.ops.metadata import AttentionMetadata
+from vllm_rlt.ops.torch_ops import TorchOps
 from vllm_rlt.worker.pass_inputs import KVGeometry, build_metadata, gather_rows
 
 pytestmark = pytest.mark.gpu
@@ -17,7 +17,7 @@ TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 @pytest.fixture(scope="module")
 def triton_ops():
-    from vllm_rlt.attention.triton_backend import TritonOps
+    from vllm_rlt.ops.triton_ops import TritonOps
 
     return TritonOps()
 
@@ -66,7 +66,7 @@ def test_linear_layers(triton_ops, dtype, rows, n, k):
     live[-1] = True
     got = triton_ops.linear(x, w, live)
     torch.testing.assert_close(got[-1], ref.linear(x, w)[-1], atol=tol, rtol=tol)
-    from vllm_rlt.attention.triton_backend import linear_plan  # needs triton: import here
+    from vllm_rlt.ops.triton_ops import linear_plan  # needs triton: import here
 
     if linear_plan(x, w) is not None:  # one row tile: nothing live, no weight read, zeros
         assert not triton_ops.linear(x, w, idle).any()
@@ -208,9 +208,9 @@ def _check_attention(
     kv_dtype=None,
     scaled=False,
 ):
-    from vllm_rlt.attention import triton_backend
-    from vllm_rlt.attention.metadata import DeviceCounts
     from vllm_rlt.core.contract import PrefillChunk
+    from vllm_rlt.ops import triton_ops
+    from vllm_rlt.ops.metadata import DeviceCounts
 
     gen = torch.Generator(device="cuda").manual_seed(1)
     heads, dim, bs, slots = 16, 128, 16, 8
@@ -256,24 +256,24 @@ def _check_attention(
         counts = torch.tensor([6, num_tiles], device="cuda")
         tiled.device_counts = DeviceCounts(counts, row_programs=4, tile_programs=2)
     elif launch == "many_rows":
-        monkeypatch.setattr(triton_backend, "MANY_ROWS", 1)
-        monkeypatch.setattr(triton_backend, "ROPE_BY_ROW", 1)
+        monkeypatch.setattr(triton_ops, "MANY_ROWS", 1)
+        monkeypatch.setattr(triton_ops, "ROPE_BY_ROW", 1)
     elif launch == "two_kernels":
         tiled.rows_independent = False
     elif launch == "split_kv":  # 6 rows x 16 heads x 4 runs; up to 7 tiles a row (fused
         # kernel for decode alone, the row kernel beside prompt tiles)
-        monkeypatch.setattr(triton_backend, "SPLIT_KV_PROGRAMS", 6 * 16 * 4)
-        monkeypatch.setattr(triton_backend, "DECODE_BLOCK_N", 16)
-        assert triton_backend.decode_splits(6, 16) == 4
+        monkeypatch.setattr(triton_ops, "SPLIT_KV_PROGRAMS", 6 * 16 * 4)
+        monkeypatch.setattr(triton_ops, "DECODE_BLOCK_N", 16)
+        assert triton_ops.decode_splits(6, 16) == 4
     elif launch == "one_split":
-        monkeypatch.setattr(triton_backend, "SPLIT_KV_PROGRAMS", 0)
+        monkeypatch.setattr(triton_ops, "SPLIT_KV_PROGRAMS", 0)
     elif launch == "grouped":  # the row kernel even for decode alone; 4 runs at 4 KV heads
-        monkeypatch.setattr(triton_backend, "GROUPED_DECODE_HEADS", 2)
-        monkeypatch.setattr(triton_backend, "SPLIT_KV_PROGRAMS", 6 * 4 * 4)
-        monkeypatch.setattr(triton_backend, "DECODE_BLOCK_N", 16)
+        monkeypatch.setattr(triton_ops, "GROUPED_DECODE_HEADS", 2)
+        monkeypatch.setattr(triton_ops, "SPLIT_KV_PROGRAMS", 6 * 4 * 4)
+        monkeypatch.setattr(triton_ops, "DECODE_BLOCK_N", 16)
         tiled.rows_independent = False
     elif launch == "ungrouped":
-        monkeypatch.setattr(triton_backend, "GROUPED_DECODE_HEADS", 0)
+        monkeypatch.setattr(triton_ops, "GROUPED_DECODE_HEADS", 0)
     assert tiled.rows_independent == (not with_prompts and launch not in ("two_kernels", "grouped"))
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen

@@ -26,8 +26,8 @@ from tests.server.conftest import (
     serve_process,
     stream_end,
 )
-from vllm_rlt.engine.dp_client import DataParallelClient
-from vllm_rlt.engine.messages import AddRequest
+from vllm_rlt.engine.process.dp_client import DataParallelClient
+from vllm_rlt.engine.process.messages import AddRequest
 from vllm_rlt.entrypoints.cli import main
 from vllm_rlt.sampling_params import SamplingParams
 

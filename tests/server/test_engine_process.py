@@ -23,7 +23,7 @@ from tests.server.conftest import (
     wait_healthy,
     wait_idle,
 )
-from vllm_rlt.engine.pass_rate import PassRate
+from vllm_rlt.engine.process.pass_rate import PassRate
 
 LONG = {"model": "toy", "prompt": "long", "max_tokens": 4000, "ignore_eos": True}
 
@@ -178,7 +178,7 @@ def test_an_api_server_joins_a_core_that_connects_at_once(monkeypatch):
     """A running core retries its connection to an API server's sockets and may get in as
     soon as they are bound; joining must notice a connection made before it starts to wait
     (it watches from before the bind)."""
-    from vllm_rlt.engine.core_client import EngineCoreClient
+    from vllm_rlt.engine.process.core_client import EngineCoreClient
 
     deaths = []
     core = EngineCoreClient({"model": "toy"}, deaths.append, api_servers=1)

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from vllm_rlt.engine.messages import ControlReply, CoreStats, message_codec, sum_core_stats
+from vllm_rlt.engine.core_outputs import CoreStats, sum_core_stats
+from vllm_rlt.engine.process.messages import ControlReply, message_codec
 
 
 def _core(**fields) -> CoreStats:
@@ -42,7 +43,7 @@ def test_the_stats_answer_crosses_the_wire_as_itself():
 def test_a_data_parallel_memory_call_answers_for_every_core():
     """Sleep-mode calls reach every core: yes only where all say yes, else each refusal
     named with its core; a sleep one core refuses leaves every core awake."""
-    from vllm_rlt.engine.dp_client import DataParallelClient
+    from vllm_rlt.engine.process.dp_client import DataParallelClient
 
     class Core:
         def __init__(self, busy: bool = False) -> None:

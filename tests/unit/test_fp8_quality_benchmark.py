@@ -9,8 +9,8 @@ import math
 import torch
 
 from benchmarks.fp8_quality import VARIANTS, PerTokenFp8Ops, main
-from vllm_rlt.attention.torch_backend import TorchOps
 from vllm_rlt.layers.fp8 import Fp8Weight
+from vllm_rlt.ops.torch_ops import TorchOps
 
 
 def test_each_variant_is_reported(capsys):

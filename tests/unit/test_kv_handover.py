@@ -1,4 +1,4 @@
-"""Prefill/decode disaggregation inside the engine core (engine/kv_handover.py): a request
+"""Prefill/decode disaggregation inside the engine core (engine/disagg/handover.py): a request
 that a prefill core runs up to its first tokens and a decode core continues produces what
 one core running it alone produces, in both per-plane KV layouts, and leaves no block or
 slot behind on either core."""
@@ -12,7 +12,7 @@ import pytest
 from vllm_rlt import ExitConfig, SamplingParams
 from vllm_rlt.config import SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import block_hashes
-from vllm_rlt.engine.kv_transport import OpenedPools, share_pool
+from vllm_rlt.engine.disagg.torch_connector import OpenedPools, share_pool
 from vllm_rlt.worker.kv_pool import copy_kv
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 12], list(range(20, 39)), [88, 1]]
@@ -270,7 +270,8 @@ def test_an_abort_while_blocks_are_lent_early_frees_both_cores(make_engine, asyn
 
 
 class _ReadLater:
-    """A connector that reads outside the core's stream (engine/kv_nixl.py), on the CPU:
+    """A connector that reads outside the core's stream (engine/disagg/nixl_connector.py),
+    on the CPU:
     an early read ends at its `polls`-th poll, copied or failed; a handover's read at once."""
 
     def __init__(self, pool, ours, fail: bool = False, polls: int = 3) -> None:

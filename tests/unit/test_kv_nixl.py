@@ -1,4 +1,4 @@
-"""engine/kv_nixl.py: the descriptors of the runs one READ moves, and, where the nixl
+"""engine/disagg/nixl_connector.py: the descriptors of the runs one READ moves, and, where the nixl
 package is installed, a decode pool that reads a prefill pool's blocks through NIXL bit
 for bit, every plane, nothing else touched."""
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tests.conftest import pool_entries
-from vllm_rlt.engine.kv_nixl import _descriptors
+from vllm_rlt.engine.disagg.nixl_connector import _descriptors
 from vllm_rlt.worker.kv_pool import KVBlocks, KVPool
 
 
@@ -25,7 +25,7 @@ def test_descriptors_name_every_tensor_plane_and_run():
 
 def test_a_nixl_pool_of_another_geometry_is_refused_by_name():
     pytest.importorskip("nixl._api")
-    from vllm_rlt.engine.kv_transport import OpenedPools, share_pool
+    from vllm_rlt.engine.disagg.torch_connector import OpenedPools, share_pool
 
     prefill = _pool(0, 6)
     shared = share_pool(prefill, "nixl")
@@ -55,7 +55,7 @@ def _pool(seed: int, blocks: int) -> KVPool:
 
 def test_a_decode_pool_reads_a_prefill_pools_blocks_through_nixl():
     pytest.importorskip("nixl._api")
-    from vllm_rlt.engine.kv_transport import OpenedPools, share_pool
+    from vllm_rlt.engine.disagg.torch_connector import OpenedPools, share_pool
 
     prefill, decode = _pool(0, 6), _pool(1, 8)
     untouched = [t.clone() for t in (*decode.k, *decode.v)]

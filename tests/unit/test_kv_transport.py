@@ -1,4 +1,4 @@
-"""engine/kv_transport.py on CPU: a pool shared by one process is read by another bit for
+"""engine/disagg/torch_connector.py on CPU: a pool shared by one process is read by another bit for
 bit, later writes included (it is mapped, not copied); the sharing process's tensors keep
 their values; closing removes the pool's file; bad handles are refused by name."""
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import pool_entries
-from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool
+from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle, OpenedPools, SharedPool
 from vllm_rlt.worker.kv_pool import KVPool
 
 

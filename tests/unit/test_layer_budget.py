@@ -157,7 +157,7 @@ def test_rope_and_attention_merge_where_one_kernel_runs_both():
 
 
 def test_the_engine_constants_the_bounds_follow_are_the_backends():
-    source = (PACKAGE / "attention" / "triton_backend.py").read_text()
+    source = (PACKAGE / "ops" / "triton_ops.py").read_text()
     values = {
         target.id: node.value.value
         for node in ast.parse(source).body

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
+from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
 from vllm_rlt.engine.output_processor import RequestState
 from vllm_rlt.logprobs import Logprob
 from vllm_rlt.models.load import load_tokenizer

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from vllm_rlt.config import CacheConfig
-from vllm_rlt.engine.pd_client import pool_layout
+from vllm_rlt.engine.process.pd_client import pool_layout
 
 
 def test_cores_take_gpus_in_turn_and_split_their_memory(monkeypatch):

@@ -12,9 +12,9 @@ import msgspec
 import pytest
 
 from vllm_rlt.config import ParamError
-from vllm_rlt.engine import pd_client
-from vllm_rlt.engine.kv_transport import KVPoolHandle
-from vllm_rlt.engine.messages import (
+from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle
+from vllm_rlt.engine.process import pd_client
+from vllm_rlt.engine.process.messages import (
     AbortAll,
     AbortRequest,
     AddRequest,
@@ -25,7 +25,7 @@ from vllm_rlt.engine.messages import (
     PrefetchKV,
     ReleaseHandover,
 )
-from vllm_rlt.engine.pd_client import DisaggregatedClient
+from vllm_rlt.engine.process.pd_client import DisaggregatedClient
 from vllm_rlt.sampling_params import SamplingParams
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# The engine's choices the bounds follow (attention/triton_backend.py; a test reads them
+# The engine's choices the bounds follow (ops/triton_ops.py; a test reads them
 # there): fp8 weights reach FP8 tensor cores only above FP8_SKINNY_ROWS rows (fewer rows
 # widen them to bf16 in registers, so their products count at the bf16 rate), and decode
 # passes of up to FUSED_DECODE_ROWS rows write K/V and attend in one kernel.

@@ -62,7 +62,7 @@ class NewSlot:
     # which computes a position past `last_position` (the one that samples its last token).
     speculates: bool = False
     last_position: int = 0
-    # Prefill/decode disaggregation (engine/kv_handover.py): the prompt K/V another core
+    # Prefill/decode disaggregation (engine/disagg/handover.py): the prompt K/V another core
     # computed, written into `imported_blocks` (the positions' blocks, in order) at
     # admission, from position `imported_from` on (the blocks before it came from this
     # core's prefix cache); the request then decodes from `first_token` at once.

@@ -72,7 +72,7 @@ class Request:
     stop_reason: str | None = None
     arrival_time: float = 0.0
     first_token_time: float | None = None
-    # Its prompt K/V from a prefill core (engine/kv_handover.py), until admission copies
+    # Its prompt K/V from a prefill core (engine/disagg/handover.py), until admission copies
     # it; then, on CUDA, the event that says the copy is done.
     kv_import: Any = None
     kv_copy: Any = None

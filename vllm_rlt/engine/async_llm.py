@@ -16,18 +16,12 @@ from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from vllm_rlt.config import ExitConfig, require
-from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
-from vllm_rlt.engine.dp_client import DataParallelClient, RemoteCores
+from vllm_rlt.engine.core_outputs import CoreStats, EngineStats
 from vllm_rlt.engine.input_processor import InputProcessor
-from vllm_rlt.engine.messages import (
-    AbortAll,
-    AbortRequest,
-    AddRequest,
-    CoreStats,
-    EngineOutputs,
-    EngineStats,
-)
-from vllm_rlt.engine.pd_client import DisaggregatedClient
+from vllm_rlt.engine.process.core_client import CoreAttachment, EngineCoreClient
+from vllm_rlt.engine.process.dp_client import DataParallelClient, RemoteCores
+from vllm_rlt.engine.process.messages import AbortAll, AbortRequest, AddRequest, EngineOutputs
+from vllm_rlt.engine.process.pd_client import DisaggregatedClient
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.engine.rl_calls import GenerationPause, RLCalls
@@ -67,7 +61,7 @@ class AsyncLLM(RLCalls):
     tokenizer. `data_parallel_size` N > 1
     starts N cores (one per GPU) and places each request on the least loaded one;
     `remote_cores` says which of them connect from other hosts. `disaggregate` (P, D)
-    starts P prefill and D decode cores (engine/pd_client.py).
+    starts P prefill and D decode cores (engine/process/pd_client.py).
 
     `max_waiting` bounds the sequences (completions) that wait for a slot: a request is
     refused when it would raise this frontend's sequences above `max_num_seqs +

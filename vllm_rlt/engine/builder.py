@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.attention import get_backend
 from vllm_rlt.config import (
     OFFLINE,
     CacheConfig,
@@ -31,8 +30,8 @@ from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
 from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
 from vllm_rlt.engine.engine_core import EngineCore
-from vllm_rlt.engine.parent_watch import leave_with_parent
-from vllm_rlt.engine.process_setup import settle_engine_process
+from vllm_rlt.engine.process.parent_watch import leave_with_parent
+from vllm_rlt.engine.process.process_setup import settle_engine_process
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.exit import make_exit_policy
 from vllm_rlt.layers.fp8 import kv_cache_torch_dtype, quantize_model
@@ -42,6 +41,7 @@ from vllm_rlt.models.load import (
     resolve_device,
     resolve_dtype,
 )
+from vllm_rlt.ops import get_backend
 from vllm_rlt.parallel.tensor_parallel import (
     TensorParallel,
     check_tensor_parallel,

@@ -12,14 +12,14 @@ from vllm_rlt.config import CacheConfig, ExecutionConfig, SpeculativeConfig, req
 from vllm_rlt.core.memory import MemoryPlan
 from vllm_rlt.core.request import Request
 from vllm_rlt.core.scheduler import Scheduler
-from vllm_rlt.engine.handover_calls import HandoverCalls
-from vllm_rlt.engine.kv_handover import HandoverLedger, KVHandover
-from vllm_rlt.engine.kv_links import KVLinks
-from vllm_rlt.engine.kv_prefetch import (
+from vllm_rlt.engine.core_outputs import EngineStats, RequestDelta
+from vllm_rlt.engine.disagg.handover import HandoverLedger, KVHandover
+from vllm_rlt.engine.disagg.handover_calls import HandoverCalls
+from vllm_rlt.engine.disagg.links import KVLinks
+from vllm_rlt.engine.disagg.prefetch import (
     PromptBlocks,
     PromptPrefetcher,
 )
-from vllm_rlt.engine.messages import EngineStats, RequestDelta
 from vllm_rlt.engine.pass_pipeline import PassPipeline
 from vllm_rlt.engine.request_checks import RequestChecker
 from vllm_rlt.engine.request_group import RequestGroup, RequestGroups
@@ -105,7 +105,7 @@ class EngineCore(HandoverCalls):
     ) -> None:
         """Validate and queue a request; any error leaves the engine untouched. With
         `handover`, the request stops here once its completions have their first tokens
-        and is offered to a decode core (`take_handovers`, engine/kv_handover.py)."""
+        and is offered to a decode core (`take_handovers`, engine/disagg/handover.py)."""
         group = self._new_group(str(request_id), prompt_token_ids, params)
         group.handover = handover
         self._queue(group, group.children)

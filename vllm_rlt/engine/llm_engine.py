@@ -10,9 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
+from vllm_rlt.engine.core_outputs import RequestDelta
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.input_processor import InputProcessor
-from vllm_rlt.engine.messages import RequestDelta
 from vllm_rlt.engine.output_processor import RequestState
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from vllm_rlt.config import ParamError
-from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
+from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
 from vllm_rlt.logprobs import Logprob, PromptLogprobs, SampleLogprobs
 from vllm_rlt.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams

@@ -34,7 +34,7 @@ class PassPipeline:
         """Launch `scheduled` (None: nothing was scheduled) and collect the pass that is due:
         returns that pass's schedule and results (None: none due, or it failed) and the
         requests a failed pass fails. With `transfers` (a prefill core's blocks lent to decode
-        cores, or a decode core's early reads, engine/kv_handover.py) an empty pass may just
+        cores, or a decode core's early reads, engine/disagg/handover.py) an empty pass may just
         mean waiting for them."""
         launched, failed = None, []
         if scheduled is not None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from vllm_rlt.config import require
 from vllm_rlt.core.request import Request, RequestStatus
 from vllm_rlt.core.stopping import stop_token
-from vllm_rlt.engine.messages import CompletionDelta, RequestDelta
+from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
 from vllm_rlt.sampling_params import SamplingParams
 
 

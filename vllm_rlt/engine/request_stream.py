@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import Protocol
 
-from vllm_rlt.engine.messages import RequestDelta
+from vllm_rlt.engine.core_outputs import RequestDelta
 from vllm_rlt.engine.output_processor import RequestState
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams

@@ -11,14 +11,9 @@ import time
 from typing import Any
 
 from vllm_rlt.config import ParamError, require
-from vllm_rlt.engine.core_client import EngineCoreClient
-from vllm_rlt.engine.messages import (
-    AbortAll,
-    AbortRequest,
-    AddRequest,
-    CompletionDelta,
-    RequestDelta,
-)
+from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
+from vllm_rlt.engine.process.core_client import EngineCoreClient
+from vllm_rlt.engine.process.messages import AbortAll, AbortRequest, AddRequest
 from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME, GROUP_TIMEOUT
 
 PAUSE_MODES = ("abort", "wait", "keep")

@@ -18,7 +18,6 @@ import torch
 
 from vllm_rlt.config import require
 from vllm_rlt.engine.device_setup import prepare_device
-from vllm_rlt.engine.messages import WAKE_TAGS
 from vllm_rlt.layers.fp8 import Fp8Weight
 from vllm_rlt.worker.model_runner import ModelRunner
 
@@ -67,6 +66,10 @@ def copy_weights_in_place(
     with torch.no_grad():
         for name, tensor in pairs:
             views[name].copy_(tensor)
+
+
+# What a sleeping engine gives back and `wake_up(tags)` takes back, by name.
+WAKE_TAGS = ("weights", "kv_cache")
 
 
 class EngineSleep:

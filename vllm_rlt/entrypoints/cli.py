@@ -266,7 +266,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             f"vllm-rlt serve needs the serve extra ({', '.join(missing)} not installed): "
             'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")'
         )
-    from vllm_rlt.engine.dp_client import core_environments
+    from vllm_rlt.engine.process.dp_client import core_environments
     from vllm_rlt.entrypoints.headless import run_headless
     from vllm_rlt.entrypoints.openai.api_servers import APIServerFailed
     from vllm_rlt.entrypoints.openai.launch import serve

@@ -2,7 +2,7 @@
 
 Each core is the same engine-core process as under a local frontend, with one GPU, and
 connects to the frontend's address over the encrypted channel keyed by the API key
-(`engine/remote_channel.py`). This process starts them and waits: it exits 0 when every
+(`engine/process/remote_channel.py`). This process starts them and waits: it exits 0 when every
 core has stopped (the frontend shut them down), and 1 when one failed or lost its frontend
 (its own log says why). SIGTERM or SIGINT stops them all.
 """
@@ -16,9 +16,9 @@ import os
 import signal
 from typing import Any
 
-from vllm_rlt.engine.core_proc import run_engine_core
-from vllm_rlt.engine.dp_client import engine_environments
-from vllm_rlt.engine.remote_channel import channel_keys, remote_peer
+from vllm_rlt.engine.process.core_proc import run_engine_core
+from vllm_rlt.engine.process.dp_client import engine_environments
+from vllm_rlt.engine.process.remote_channel import channel_keys, remote_peer
 
 logger = logging.getLogger("vllm_rlt.server")
 

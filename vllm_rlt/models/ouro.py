@@ -9,7 +9,6 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_rlt.attention import AttentionMetadata
 from vllm_rlt.layers.fp8 import is_float8
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.models.hf_config import (
@@ -21,6 +20,7 @@ from vllm_rlt.models.hf_config import (
     llama_layer_shapes,
     shown,
 )
+from vllm_rlt.ops import AttentionMetadata
 
 _HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
     "max_window_layers",

@@ -1,4 +1,4 @@
-"""An engine's KV pool as prefill/decode handover sees it (engine/kv_handover.py): the
+"""An engine's KV pool as prefill/decode handover sees it (engine/disagg/handover.py): the
 pool, one completion's blocks in it, where an imported completion reads its K/V, and the
 copy of that K/V between two pools mapped in one process."""
 
@@ -57,7 +57,8 @@ class KVBlocks(msgspec.Struct, array_like=True):
 
 
 class RemoteKVPool(Protocol):
-    """Another engine's pool read through a connector (engine/kv_nixl.py) instead of mapped
+    """Another engine's pool read through a connector
+    (engine/disagg/nixl_connector.py) instead of mapped
     into this process: its `geometry` as `KVPool.geometry` gives it."""
 
     geometry: tuple[int, int, int, int, str]
@@ -79,7 +80,7 @@ class RemoteKVPool(Protocol):
 class KVSource:
     """Where an imported completion's K/V is read from at its admission: a pool mapped
     here, or one a connector reads. `landed` (if set) says whether the blocks a connector
-    reads early for the same request have ended (engine/kv_prefetch.py): admission waits
+    reads early for the same request have ended (engine/disagg/prefetch.py): admission waits
     for them rather than read them again."""
 
     pool: KVPool | RemoteKVPool

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_rlt.attention.metadata import AttentionMetadata, Segments
 from vllm_rlt.layers.sampler import sample, token_logprobs
+from vllm_rlt.ops.metadata import AttentionMetadata, Segments
 from vllm_rlt.sampling_params import MAX_LOGPROBS
 
 

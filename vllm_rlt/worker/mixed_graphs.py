@@ -31,8 +31,8 @@ import sys
 import torch
 from tqdm import tqdm
 
-from vllm_rlt.attention.metadata import DeviceCounts, PrefillTiles
 from vllm_rlt.core.contract import SchedulerOutput
+from vllm_rlt.ops.metadata import DeviceCounts, PrefillTiles
 from vllm_rlt.sampling_params import MAX_LOGPROBS
 from vllm_rlt.worker.cuda_graphs import capture, graph_batch_sizes
 from vllm_rlt.worker.model_runner import PromptPassParts

@@ -6,14 +6,14 @@ from dataclasses import dataclass
 
 import torch
 
-from vllm_rlt.attention.metadata import (
+from vllm_rlt.core.contract import PrefillChunk
+from vllm_rlt.ops.metadata import (
     PAD_KEY_POSITION,
     PAD_QUERY_POSITION,
     AttentionMetadata,
     PrefillTiles,
     Segments,
 )
-from vllm_rlt.core.contract import PrefillChunk
 from vllm_rlt.worker.slot_state import SlotState, Upload
 from vllm_rlt.worker.spec_lanes import SpecLanes
 

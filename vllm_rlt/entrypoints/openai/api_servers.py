@@ -27,10 +27,10 @@ import socket
 import tempfile
 import threading
 
-from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
-from vllm_rlt.engine.dp_client import DataParallelClient
-from vllm_rlt.engine.parent_watch import leave_with_parent
-from vllm_rlt.engine.process_setup import freeze_startup_heap
+from vllm_rlt.engine.process.core_client import CoreAttachment, EngineCoreClient
+from vllm_rlt.engine.process.dp_client import DataParallelClient
+from vllm_rlt.engine.process.parent_watch import leave_with_parent
+from vllm_rlt.engine.process.process_setup import freeze_startup_heap
 from vllm_rlt.entrypoints.openai.server import (
     ServerState,
     build_server,

@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 
-from vllm_rlt.engine.messages import CoreStats, EngineOutputs
-from vllm_rlt.engine.pass_rate import RATE_WINDOW_S
+from vllm_rlt.engine.core_outputs import CoreStats
+from vllm_rlt.engine.process.messages import EngineOutputs
+from vllm_rlt.engine.process.pass_rate import RATE_WINDOW_S
 from vllm_rlt.outputs import RequestOutput
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)

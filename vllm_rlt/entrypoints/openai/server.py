@@ -23,8 +23,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm_rlt
 from vllm_rlt.engine.async_llm import AsyncLLM
-from vllm_rlt.engine.core_client import CoreAttachment
-from vllm_rlt.engine.messages import WAKE_TAGS
+from vllm_rlt.engine.process.core_client import CoreAttachment
+from vllm_rlt.engine.trainer_hooks import WAKE_TAGS
 from vllm_rlt.entrypoints.openai.connection import DrainingServer, limited_protocol
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
 from vllm_rlt.entrypoints.openai.protocol import (

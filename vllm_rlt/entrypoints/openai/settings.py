@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_rlt.config import KV_CONNECTORS, ParamError
-from vllm_rlt.engine.dp_client import MAX_DATA_PARALLEL, RemoteCores
-from vllm_rlt.engine.kv_nixl import nixl_missing
-from vllm_rlt.engine.remote_channel import channel_keys, check_address, check_ports
+from vllm_rlt.engine.disagg.nixl_connector import nixl_missing
+from vllm_rlt.engine.process.dp_client import MAX_DATA_PARALLEL, RemoteCores
+from vllm_rlt.engine.process.remote_channel import channel_keys, check_address, check_ports
 from vllm_rlt.entrypoints.openai.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 MAX_API_SERVERS = 64
@@ -39,9 +39,9 @@ class ServerSettings:
     api_server_count: int = 1
     data_parallel_size: int = 1
     remote_cores: RemoteCores | None = None  # data-parallel ranks on other hosts
-    # (prefill cores, decode cores) of `--disaggregate P:D` (engine/pd_client.py)
+    # (prefill cores, decode cores) of `--disaggregate P:D` (engine/process/pd_client.py)
     disaggregate: tuple[int, int] | None = None
-    kv_connector: str = "auto"  # how disaggregation moves K/V (engine/kv_transport.py)
+    kv_connector: str = "auto"  # how disaggregation moves K/V (engine/disagg/torch_connector.py)
     llm_kwargs: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -96,7 +96,8 @@ class ServerSettings:
 
 
 def _check_kv_connector(connector: str, disaggregated: bool) -> None:
-    """`--kv-connector`: auto and torch map the prefill core's pool (engine/kv_transport.py);
+    """`--kv-connector`: auto and torch map the prefill core's pool
+    (engine/disagg/torch_connector.py);
     nixl reads it through the nixl package, which must be installed (checked here, at
     start-up, not at the first handover)."""
     if connector not in KV_CONNECTORS:

@@ -1,5 +1,5 @@
 """One engine core's ends of the K/V transport between prefill and decode cores
-(engine/kv_transport.py): its own pool, shared with decode cores once, and the prefill
+(engine/disagg/torch_connector.py): its own pool, shared with decode cores once, and the prefill
 cores' pools it has opened. Under tensor parallelism every rank keeps its own: rank r of a
 decode core reads rank r of a prefill core, whose heads are the same (both pools split the
 model alike), so a core's pool travels as one handle per rank."""
@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from vllm_rlt.engine.kv_nixl import NixlPeer, NixlSharedPool
-from vllm_rlt.engine.kv_transport import KVPoolHandle, OpenedPools, SharedPool, share_pool
+from vllm_rlt.engine.disagg.nixl_connector import NixlPeer, NixlSharedPool
+from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle, OpenedPools, SharedPool, share_pool
 from vllm_rlt.worker.kv_pool import KVPool
 
 

@@ -9,7 +9,6 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
@@ -28,6 +27,7 @@ from vllm_rlt.kernels.triton_kernels import (
 from vllm_rlt.kernels.w8a16_gemm import takes_w8a16, w8a16_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.ops.metadata import AttentionMetadata
 
 # Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
 # benchmarks/tune_attention.py on an H200 at Ouro-1.4B head sizes: 128-key tiles without

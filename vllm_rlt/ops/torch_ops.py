@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from vllm_rlt.attention.metadata import AttentionMetadata
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference, is_float8
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.ops.metadata import AttentionMetadata
 
 
 class TorchOps:

@@ -32,14 +32,14 @@ import zmq.asyncio
 from zmq.utils.monitor import recv_monitor_message
 
 from vllm_rlt.config import require
-from vllm_rlt.engine.core_proc import run_engine_core, serve_engine
+from vllm_rlt.engine.core_outputs import CoreStats
 from vllm_rlt.engine.engine_core import EngineCore
-from vllm_rlt.engine.messages import (
+from vllm_rlt.engine.process.core_proc import run_engine_core, serve_engine
+from vllm_rlt.engine.process.messages import (
     AbortAll,
     Command,
     ControlCall,
     ControlReply,
-    CoreStats,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -48,7 +48,7 @@ from vllm_rlt.engine.messages import (
     command_codec,
     message_codec,
 )
-from vllm_rlt.engine.remote_channel import (
+from vllm_rlt.engine.process.remote_channel import (
     ChannelKeys,
     LinkWatch,
     Peer,

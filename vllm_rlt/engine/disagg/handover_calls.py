@@ -1,6 +1,6 @@
-"""The engine core's calls of prefill/decode disaggregation (engine/kv_handover.py): a
+"""The engine core's calls of prefill/decode disaggregation (engine/disagg/handover.py): a
 decode core's imports and early copies, the transport's ends on every tensor-parallel
-rank (engine/kv_links.py), and what a prefill core offers. `EngineCore` inherits them;
+rank (engine/disagg/links.py), and what a prefill core offers. `EngineCore` inherits them;
 those that change the engine are mirrored to the other ranks like its own calls, and
 outcomes one rank alone cannot know (a pool opened, a copy done) are agreed among ranks
 first, so their engines stay equal."""
@@ -12,9 +12,9 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 from vllm_rlt.core.request import Request
-from vllm_rlt.engine.kv_handover import KVHandover, continue_completions
-from vllm_rlt.engine.kv_prefetch import PromptBlocks, early_reads_landed, prefetch_into
-from vllm_rlt.engine.kv_transport import KVPoolHandle
+from vllm_rlt.engine.disagg.handover import KVHandover, continue_completions
+from vllm_rlt.engine.disagg.prefetch import PromptBlocks, early_reads_landed, prefetch_into
+from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle
 from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.parallel.tensor_parallel import mirrored
 from vllm_rlt.worker.kv_pool import KVPool
@@ -22,9 +22,9 @@ from vllm_rlt.worker.kv_pool import KVPool
 if TYPE_CHECKING:
     from vllm_rlt.core.kv_cache_manager import KVCacheManager
     from vllm_rlt.core.scheduler import Scheduler
-    from vllm_rlt.engine.kv_handover import HandoverLedger
-    from vllm_rlt.engine.kv_links import KVLinks
-    from vllm_rlt.engine.kv_prefetch import PromptPrefetcher
+    from vllm_rlt.engine.disagg.handover import HandoverLedger
+    from vllm_rlt.engine.disagg.links import KVLinks
+    from vllm_rlt.engine.disagg.prefetch import PromptPrefetcher
     from vllm_rlt.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -44,11 +44,11 @@ class HandoverCalls:
 
     @mirrored
     def import_request(self, handover: KVHandover) -> None:
-        """Continue a request a prefill core ran (engine/kv_handover.py): every live
+        """Continue a request a prefill core ran (engine/disagg/handover.py): every live
         completion decodes from its first token with its K/V written at admission; the
         first tokens and prompt logprobs are not reported again. Checked like a new
         request; any error leaves the engine untouched. Its pool is one at hand, or a
-        handle per tensor-parallel rank (engine/kv_links.py)."""
+        handle per tensor-parallel rank (engine/disagg/links.py)."""
         request_id = str(handover.request_id)
         try:
             handover = dataclasses.replace(handover, pool=self._source(handover.pool))
@@ -74,7 +74,7 @@ class HandoverCalls:
     @mirrored
     def prefetch_kv(self, blocks: PromptBlocks, source: object) -> None:
         """Copy prompt blocks a prefill core lent early from its pool `source` (as for
-        `import_request`) into this core's prefix cache (engine/kv_prefetch.py);
+        `import_request`) into this core's prefix cache (engine/disagg/prefetch.py);
         `collect_transfers` says when that copy is done. A copy that cannot be made is
         skipped: the import copies them."""
         try:
@@ -148,7 +148,7 @@ class HandoverCalls:
 
     @mirrored
     def forget_kv(self, pool_id: str) -> None:
-        """A prefill core is gone: let go of its pool (engine/kv_transport.py)."""
+        """A prefill core is gone: let go of its pool (engine/disagg/torch_connector.py)."""
         self.links.opened.forget(pool_id)
 
     @mirrored
@@ -189,7 +189,7 @@ class HandoverCalls:
 
     def take_prefetches(self) -> list[PromptBlocks]:
         """Prompt blocks of handed-over requests lent since the last call, before their
-        handover (engine/kv_prefetch.py)."""
+        handover (engine/disagg/prefetch.py)."""
         taken, self.prefetches = self.prefetches, []
         return taken
 

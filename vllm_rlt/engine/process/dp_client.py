@@ -26,17 +26,16 @@ from typing import Any
 import msgspec
 
 from vllm_rlt.config import require, require_int
-from vllm_rlt.engine.core_client import CoreAttachment, EngineCoreClient
-from vllm_rlt.engine.messages import (
+from vllm_rlt.engine.core_outputs import CoreStats, sum_core_stats
+from vllm_rlt.engine.process.core_client import CoreAttachment, EngineCoreClient
+from vllm_rlt.engine.process.messages import (
     AbortAll,
     AbortRequest,
     AddRequest,
     Command,
-    CoreStats,
     EngineOutputs,
-    sum_core_stats,
 )
-from vllm_rlt.engine.remote_channel import ChannelKeys, remote_peer
+from vllm_rlt.engine.process.remote_channel import ChannelKeys, remote_peer
 
 MAX_DATA_PARALLEL = 64
 

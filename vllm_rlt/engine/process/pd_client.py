@@ -3,7 +3,7 @@
 A new request goes to the least-loaded prefill core, which runs its prompt and samples
 its first tokens (the stream gets them from there), then offers it (`KVOffer`): the K/V
 stays in the prefill core's blocks, and only their ids and a handle to its pool travel
-(engine/kv_transport.py). The frontend passes the offer to the least-loaded decode core
+(engine/disagg/torch_connector.py). The frontend passes the offer to the least-loaded decode core
 (`ImportRequest`), which copies the blocks into its own pool, continues the request, and
 says once its copy is done; the frontend then tells the prefill core to free them
 (`ReleaseHandover`). A prompt run in several chunks has its finished blocks lent early
@@ -27,10 +27,10 @@ from typing import Any
 import msgspec
 
 from vllm_rlt.config import KV_CONNECTORS, CacheConfig, ParamError, require
-from vllm_rlt.engine.dp_client import DataParallelClient, core_environments, visible_gpus
-from vllm_rlt.engine.kv_nixl import nixl_missing
-from vllm_rlt.engine.kv_transport import KVPoolHandle, remove_files
-from vllm_rlt.engine.messages import (
+from vllm_rlt.engine.disagg.nixl_connector import nixl_missing
+from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle, remove_files
+from vllm_rlt.engine.process.dp_client import DataParallelClient, core_environments, visible_gpus
+from vllm_rlt.engine.process.messages import (
     AbortAll,
     AbortRequest,
     AddRequest,
@@ -72,7 +72,7 @@ def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, s
     pool = visible[: size * ranks]
     # Its own GPUs first (rank r on its "cuda:r"), then the pool's others: a decode core
     # opens the K/V a prefill core holds on its GPUs through CUDA IPC
-    # (engine/kv_transport.py).
+    # (engine/disagg/torch_connector.py).
     owned = [
         [pool[(core * ranks + rank) % len(pool)] for rank in range(ranks)] for core in range(size)
     ]

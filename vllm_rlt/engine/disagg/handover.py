@@ -288,7 +288,7 @@ class HandoverLedger:
 @dataclass
 class Prefetching:
     """A decode core's copy of prompt blocks lent early, or read ahead of an import
-    (engine/kv_prefetch.py): `done` is None (done at once), a CUDA event, or a connector's
+    (engine/disagg/prefetch.py): `done` is None (done at once), a CUDA event, or a connector's
     reads (`query` polls them, `finish` caches their blocks); `source`, the pool it reads,
     stays open until then. Its blocks end at table index `end`; a `lent` one is reported
     (the prefill core then frees that lend)."""

@@ -1,5 +1,5 @@
 """Moving a long prompt's K/V while its later chunks still run (prefill/decode
-disaggregation, engine/kv_handover.py).
+disaggregation, engine/disagg/handover.py).
 
 A prefill core that runs a prompt in several chunks lends each whole block a finished
 chunk completed (`PromptPrefetcher.plan`), and the frontend passes it to the decode core
@@ -23,7 +23,7 @@ from typing import Any
 
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
-from vllm_rlt.engine.kv_handover import HandoverLedger, Prefetching
+from vllm_rlt.engine.disagg.handover import HandoverLedger, Prefetching
 from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, copy_kv
 from vllm_rlt.worker.model_runner import ModelRunner
@@ -172,7 +172,8 @@ def early_reads_landed(prefetching: Iterable[Prefetching], request_id: str) -> A
 
 
 class ConnectorPrefetch:
-    """Blocks a connector reads into outside this core's stream (engine/kv_nixl.py): held
+    """Blocks a connector reads into outside this core's stream
+    (engine/disagg/nixl_connector.py): held
     until every read has ended (`query` polls), then registered in the prefix cache (not
     before: an import that found them would read them before the bytes are there) and
     released (`finish`). A failed read leaves the blocks out of the cache (the import

@@ -1,7 +1,7 @@
-"""An engine-core process's side of prefill/decode disaggregation (engine/pd_client.py):
+"""An engine-core process's side of prefill/decode disaggregation (engine/process/pd_client.py):
 its offers and early-lent prompt blocks, the imports and prefetches whose source blocks may
 go, and the start-up check of the transport. The pools themselves are the engine's, on
-every tensor-parallel rank (engine/kv_links.py)."""
+every tensor-parallel rank (engine/disagg/links.py)."""
 
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from typing import Any
 
 import msgspec
 
+from vllm_rlt.engine.disagg.handover import HandedCompletion, KVHandover
+from vllm_rlt.engine.disagg.prefetch import PromptBlocks
+from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle
 from vllm_rlt.engine.engine_core import EngineCore
-from vllm_rlt.engine.kv_handover import HandedCompletion, KVHandover
-from vllm_rlt.engine.kv_prefetch import PromptBlocks
-from vllm_rlt.engine.kv_transport import KVPoolHandle
-from vllm_rlt.engine.messages import HandedCompletionMessage, KVOffer, KVPrefetch
+from vllm_rlt.engine.process.messages import HandedCompletionMessage, KVOffer, KVPrefetch
 
 
 @dataclasses.dataclass
@@ -131,7 +131,7 @@ class CoreHandovers:
             self.news[self.import_client.pop(request_id, 0)].imported.append(request_id)
 
     def control(self, name: str) -> dict[str, bool | str]:
-        """The start-up check (engine/pd_client.py): "kv_share:CONNECTOR" makes this core's
+        """The start-up check (engine/process/pd_client.py): "kv_share:CONNECTOR" makes this core's
         pool readable by decode cores through that connector and answers its handle
         (msgpack, base64); "kv_open:HANDLE" opens that pool here and reads from it."""
         try:

@@ -26,15 +26,15 @@ import zmq
 
 from vllm_rlt.config import require
 from vllm_rlt.engine.builder import build_engine
-from vllm_rlt.engine.core_handovers import CoreHandovers, HandoverNews
+from vllm_rlt.engine.core_outputs import CoreStats, RequestDelta
 from vllm_rlt.engine.engine_core import EngineCore
-from vllm_rlt.engine.messages import (
+from vllm_rlt.engine.process.core_handovers import CoreHandovers, HandoverNews
+from vllm_rlt.engine.process.messages import (
     AbortAll,
     AbortRequest,
     AddRequest,
     ControlCall,
     ControlReply,
-    CoreStats,
     EngineDead,
     EngineInfo,
     EngineOutputs,
@@ -43,15 +43,14 @@ from vllm_rlt.engine.messages import (
     PrefetchKV,
     Ready,
     ReleaseHandover,
-    RequestDelta,
     StartupFailed,
     command_codec,
     message_codec,
 )
-from vllm_rlt.engine.parent_watch import leave_with_parent
-from vllm_rlt.engine.pass_rate import PassRate
-from vllm_rlt.engine.process_setup import settle_engine_process
-from vllm_rlt.engine.remote_channel import (
+from vllm_rlt.engine.process.parent_watch import leave_with_parent
+from vllm_rlt.engine.process.pass_rate import PassRate
+from vllm_rlt.engine.process.process_setup import settle_engine_process
+from vllm_rlt.engine.process.remote_channel import (
     ChannelKeys,
     Peer,
     secure_client,

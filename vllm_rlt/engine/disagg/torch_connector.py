@@ -12,7 +12,7 @@ between them, and the bytes move once.
   cores may share one GPU).
 
 That is the torch connector (`--kv-connector torch`, and auto). The nixl connector reads the
-same blocks through NIXL instead of mapping the pool (engine/kv_nixl.py).
+same blocks through NIXL instead of mapping the pool (engine/disagg/nixl_connector.py).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import msgspec
 import torch
 
 from vllm_rlt.config import KV_CONNECTORS
-from vllm_rlt.engine.kv_nixl import NixlPeer, NixlReader, NixlSharedPool
+from vllm_rlt.engine.disagg.nixl_connector import NixlPeer, NixlReader, NixlSharedPool
 from vllm_rlt.worker.kv_pool import KVPool
 
 PREFIX = "vllm-rlt-kv-"  # of every shared pool file's name

@@ -1,7 +1,7 @@
 """The nixl connector (`serve --disaggregate P:D --kv-connector nixl`): a decode core reads a
 prefill core's K/V through NIXL (its UCX backend: CUDA IPC or NVLink between GPUs of one
 host, RDMA between hosts, shared memory between processes on the CPU) instead of mapping
-that core's pool into its own address space (engine/kv_transport.py).
+that core's pool into its own address space (engine/disagg/torch_connector.py).
 
 The prefill core registers its pool with a NIXL agent once and puts the agent's metadata
 and each tensor's address in its `KVPoolHandle`. A decode core registers its own pool with
@@ -12,7 +12,7 @@ consecutive on both sides. NIXL moves the bytes outside this process's CUDA stre
 read starts only once the pass in flight is done (its rows of a request that has just ended
 may still write into blocks handed to the import) and the admission waits for the read to
 finish before any pass can read those blocks. Prompt blocks lent early, and an import's
-whole prompt blocks read ahead of its admission (engine/kv_prefetch.py), are read without
+whole prompt blocks read ahead of its admission (engine/disagg/prefetch.py), are read without
 waiting: `NixlPeer.start_read`.
 """
 

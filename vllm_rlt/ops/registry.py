@@ -49,13 +49,13 @@ def _triton_available(device: torch.device) -> bool:
 
 
 def _load_triton():
-    from vllm_rlt.attention.triton_backend import TritonOps
+    from vllm_rlt.ops.triton_ops import TritonOps
 
     return TritonOps()
 
 
 def _load_torch():
-    from vllm_rlt.attention.torch_backend import TorchOps
+    from vllm_rlt.ops.torch_ops import TorchOps
 
     return TorchOps()
 

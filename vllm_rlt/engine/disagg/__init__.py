@@ -1,0 +1,1 @@
+"""Prefill/decode disaggregation: K/V handed from a prefill core to a decode core."""

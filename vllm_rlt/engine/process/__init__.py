@@ -1,0 +1,1 @@
+"""The engine-core process, its clients and the wire between them."""
