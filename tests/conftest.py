@@ -68,6 +68,7 @@ def make_engine(toy_model):
         speculative_config=None,
         model: OuroModel | None = None,
         kv_cache_dtype: str = "auto",
+        disaggregated: bool = False,
         **scheduler_kwargs,
     ) -> EngineCore:
         engine = build_engine_core(
@@ -85,6 +86,7 @@ def make_engine(toy_model):
             ExecutionConfig(async_scheduling=async_scheduling),
             "torch",
             speculative_config,
+            disaggregated=disaggregated,
         )
         engines.append(engine)
         return engine

@@ -67,7 +67,7 @@ def test_shared_decode_prompts_neither_find_nor_fill_the_prefix_cache(make_engin
     its prefix would need: with the cache on, prompts run here neither look it up nor
     enter it (it serves only K/V handed over from prefill cores)."""
     engine, outputs = _run(make_engine, "shared_decode", "ouro_q0.7", caching=True)
-    assert engine.kv.enable_caching and not engine.scheduler.caches_prompts
+    assert engine.kv.enable_caching and not engine.scheduler.known.caches_prompts
     assert engine.scheduler.prefix_queries == engine.scheduler.prefix_hits == 0
     assert engine.kv.num_cached_blocks == 0
     assert all(len(out.outputs[0].token_ids) == 8 for out in outputs.values())

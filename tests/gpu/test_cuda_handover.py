@@ -17,7 +17,10 @@ from tests.unit.test_kv_handover import _assert_same, _colocated, _disaggregated
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.bench.serve_launch import launched
 from vllm_rlt.engine.builder import build_engine_core
-from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle, OpenedPools, SharedPool, share_pool
+from vllm_rlt.engine.disagg.links import OpenedPools
+from vllm_rlt.engine.disagg.nixl_connector import NixlConnector
+from vllm_rlt.engine.disagg.registry import KVPoolHandle
+from vllm_rlt.engine.disagg.torch_connector import SharedPool
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.worker.kv_pool import KVPool
@@ -25,7 +28,7 @@ from vllm_rlt.worker.kv_pool import KVPool
 pytestmark = pytest.mark.gpu
 
 
-def _engine(model, layout, batched: int = 128):
+def _engine(model, layout, batched: int = 128, disaggregated: bool = False):
     return build_engine_core(
         model,
         Tokenizer.byte_level(),
@@ -35,6 +38,7 @@ def _engine(model, layout, batched: int = 128):
         ExecutionConfig(cuda_graphs=True, async_scheduling=True),
         "triton",
         None,
+        disaggregated=disaggregated,
     )
 
 
@@ -42,7 +46,10 @@ def _engine(model, layout, batched: int = 128):
 def test_cuda_handover_equals_one_core(toy_config, toy_state, exact_float32, layout):
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cuda")
     expected = _colocated(_engine(model, layout), _requests())
-    prefill, decode = _engine(model, layout), _engine(model, layout)
+    prefill, decode = (
+        _engine(model, layout, disaggregated=True),
+        _engine(model, layout, disaggregated=True),
+    )
     got, handed = _disaggregated(prefill, decode, _requests())
     _assert_same(got, expected)
     assert handed and prefill.all_blocks_free() and decode.all_blocks_free()  # released
@@ -61,10 +68,10 @@ def test_cuda_blocks_moved_while_later_chunks_run_equal_one_core(
         ("fanout", prompt[:33], SamplingParams(max_tokens=5, temperature=0.8, seed=4, n=2)),
     ]
     expected = _colocated(_engine(model, layout, 8), requests)
-    prefill, decode = _engine(model, layout, 8), _engine(model, layout, 8)
+    prefill, decode = _engine(model, layout, 8, True), _engine(model, layout, 8, True)
     lent = []
-    take = prefill.take_prefetches
-    prefill.take_prefetches = lambda: lent.extend(taken := take()) or taken
+    take = prefill.disagg.take_prefetches
+    prefill.disagg.take_prefetches = lambda: lent.extend(taken := take()) or taken
     got, _ = _disaggregated(prefill, decode, requests)
     _assert_same(got, expected)
     assert len(lent) >= 3 and prefill.all_blocks_free() and decode.all_blocks_free()
@@ -75,8 +82,11 @@ def test_cuda_handover_through_nixl_equals_one_core(toy_config, toy_state, exact
     pytest.importorskip("nixl._api")
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cuda")
     expected = _colocated(_engine(model, layout), _requests())
-    prefill, decode = _engine(model, layout), _engine(model, layout)
-    shared = share_pool(prefill.runner.kv_pool, "nixl")
+    prefill, decode = (
+        _engine(model, layout, disaggregated=True),
+        _engine(model, layout, disaggregated=True),
+    )
+    shared = NixlConnector().share(prefill.runner.kv_pool)
     try:
         peer = OpenedPools(lambda: decode.runner.kv_pool).open(shared.handle)
         assert shared.handle.memory == "VRAM"

@@ -6,16 +6,25 @@ slot behind on either core."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import pytest
 
 from vllm_rlt import ExitConfig, SamplingParams
 from vllm_rlt.config import SpeculativeConfig
 from vllm_rlt.core.kv_cache_manager import block_hashes
-from vllm_rlt.engine.disagg.torch_connector import OpenedPools, share_pool
+from vllm_rlt.engine.disagg.links import OpenedPools
+from vllm_rlt.engine.disagg.nixl_connector import NixlConnector
+from vllm_rlt.parallel.tensor_parallel import follow
 from vllm_rlt.worker.kv_pool import copy_kv
 
 PROMPTS = [[5, 17, 33, 2, 9, 41, 7], [60, 3, 3, 12], list(range(20, 39)), [88, 1]]
+
+
+@pytest.fixture
+def make_pd_engine(make_engine):
+    """Engine cores built for disaggregation (`make_engine`'s, with `disagg`)."""
+    return functools.partial(make_engine, disaggregated=True)
 
 
 def _collect(outputs: dict, delta) -> None:
@@ -47,9 +56,9 @@ def _colocated(engine, requests) -> dict:
 
 
 def _release_copied(prefill, decode) -> None:
-    prefetched, copied = decode.collect_transfers()
+    prefetched, copied = decode.disagg.collect_transfers()
     for request_id in prefetched + copied:  # lent first, released first
-        assert prefill.ledger.release(request_id)
+        assert prefill.disagg.ledger.release(request_id)
 
 
 def _disaggregated(prefill, decode, requests, source=None) -> tuple[dict, list]:
@@ -64,26 +73,28 @@ def _disaggregated(prefill, decode, requests, source=None) -> tuple[dict, list]:
         if prefill.has_unfinished:
             for delta in prefill.step():
                 _collect(outputs, delta)
-            for blocks in prefill.take_prefetches():
-                decode.prefetch_kv(blocks, prefill.runner.kv_pool if source is None else source)
-            for handover in prefill.take_handovers():
+            for blocks in prefill.disagg.take_prefetches():
+                decode.disagg.prefetch_kv(
+                    blocks, prefill.runner.kv_pool if source is None else source
+                )
+            for handover in prefill.disagg.take_handovers():
                 handed.append(handover)
                 if any(c.kv is not None for c in handover.completions):
                     assert not prefill.all_blocks_free()  # lent until the copy is done
                 if source is not None:
                     handover.pool = source
-                decode.import_request(handover)
+                decode.disagg.import_request(handover)
         if decode.has_unfinished:
             for delta in decode.step():
                 _collect(outputs, delta)
         _release_copied(prefill, decode)
     for _ in range(1000):  # copies may still run on the device
-        if not (decode.ledger.importing or decode.ledger.prefetching):
+        if not (decode.disagg.ledger.importing or decode.disagg.ledger.prefetching):
             break
         _release_copied(prefill, decode)
     _release_copied(prefill, decode)
-    assert not prefill.ledger.lent and not decode.ledger.importing
-    assert not decode.ledger.prefetching
+    assert not prefill.disagg.ledger.lent and not decode.disagg.ledger.importing
+    assert not decode.disagg.ledger.prefetching
     return outputs, handed
 
 
@@ -95,7 +106,7 @@ def _connector(name: str, prefill, decode):
         return _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, polls=12), None
     if name == "nixl":
         pytest.importorskip("nixl._api")
-        shared = share_pool(prefill.runner.kv_pool, "nixl")
+        shared = NixlConnector().share(prefill.runner.kv_pool)
         return OpenedPools(lambda: decode.runner.kv_pool).open(shared.handle), shared
     return None, None
 
@@ -138,7 +149,9 @@ def _assert_same(got: dict, expected: dict) -> None:
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
 @pytest.mark.parametrize("exit_mode", ["ouro", "random_lookahead"])
-def test_a_handed_over_request_decodes_as_on_one_core(make_engine, layout, exit_mode):
+def test_a_handed_over_request_decodes_as_on_one_core(
+    make_engine, make_pd_engine, layout, exit_mode
+):
     """With random_lookahead at threshold 0.5 tokens exit at different depths, so the decode
     inputs handed over with a completion hold K/V of mixed depths."""
     settings = dict(
@@ -162,7 +175,7 @@ def test_a_handed_over_request_decodes_as_on_one_core(make_engine, layout, exit_
             for depth in completion[1]
         }
         assert len(depths) > 1, depths
-    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prefill, decode = make_pd_engine(**settings), make_pd_engine(**settings)
     got, handed = _disaggregated(prefill, decode, requests)
     _assert_same(got, expected)
     # Every request but the one that ended at its first token moved; only live
@@ -201,7 +214,7 @@ EARLY_MOVES = [
 
 @pytest.mark.parametrize(("layout", "async_scheduling", "connector"), EARLY_MOVES)
 def test_a_long_prompt_moves_its_finished_blocks_while_later_chunks_run(
-    make_engine, layout, async_scheduling, connector
+    make_engine, make_pd_engine, layout, async_scheduling, connector
 ):
     """A prompt run in chunks of 8 positions lends each whole block a chunk finished; the
     decode core copies them into its prefix cache at once (a connector that reads outside
@@ -216,10 +229,10 @@ def test_a_long_prompt_moves_its_finished_blocks_while_later_chunks_run(
         ("fanout", prompt[:30], SamplingParams(max_tokens=4, temperature=0.8, seed=2, n=2)),
     ]
     expected = _colocated(make_engine(**settings), requests)
-    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prefill, decode = make_pd_engine(**settings), make_pd_engine(**settings)
     lent = []
-    take = prefill.take_prefetches
-    prefill.take_prefetches = lambda: lent.extend(taken := take()) or taken
+    take = prefill.disagg.take_prefetches
+    prefill.disagg.take_prefetches = lambda: lent.extend(taken := take()) or taken
     copied_from = []
     import_kv = decode.runner.import_kv
     decode.runner.import_kv = lambda source, blocks, start=0: (
@@ -246,26 +259,26 @@ def test_a_long_prompt_moves_its_finished_blocks_while_later_chunks_run(
 
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
-def test_an_abort_while_blocks_are_lent_early_frees_both_cores(make_engine, async_scheduling):
+def test_an_abort_while_blocks_are_lent_early_frees_both_cores(make_pd_engine, async_scheduling):
     """Aborted while its later chunks run: the blocks lent early stay until the decode
     core's copy is done, then both cores hold nothing (the copy stays in its prefix cache,
     evictable)."""
     settings = dict(async_scheduling=async_scheduling, max_num_batched_tokens=8)
-    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prefill, decode = make_pd_engine(**settings), make_pd_engine(**settings)
     params = SamplingParams(max_tokens=5, temperature=0.0)
     prefill.add_request("long", [(5 * i) % 80 + 3 for i in range(40)], params, handover=True)
     lent = []
     while not lent:
         prefill.step()
-        lent += prefill.take_prefetches()
+        lent += prefill.disagg.take_prefetches()
     assert prefill.abort_request("long").finished
     while prefill.has_unfinished:
         prefill.step()
-    assert not prefill.take_prefetches() and not prefill.all_blocks_free()
+    assert not prefill.disagg.take_prefetches() and not prefill.all_blocks_free()
     for blocks in lent:
-        decode.prefetch_kv(blocks, prefill.runner.kv_pool)
-    assert decode.collect_transfers()[0] == ["long"] * len(lent)
-    assert prefill.ledger.release("long") and prefill.all_blocks_free()
+        decode.disagg.prefetch_kv(blocks, prefill.runner.kv_pool)
+    assert decode.disagg.collect_transfers()[0] == ["long"] * len(lent)
+    assert prefill.disagg.ledger.release("long") and prefill.all_blocks_free()
     assert decode.kv.num_cached_blocks == sum(len(blocks.blocks) for blocks in lent)
 
 
@@ -299,43 +312,43 @@ class _ReadLater:
         return Read()
 
 
-def _first_lend(make_engine):
+def _first_lend(make_pd_engine):
     """A prefill and a decode core (chunks of 8), and the prompt blocks the prefill core
     lent first for a long prompt ("long") it still runs."""
     settings = dict(max_num_batched_tokens=8)
-    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prefill, decode = make_pd_engine(**settings), make_pd_engine(**settings)
     prompt = [(5 * i) % 80 + 3 for i in range(40)]
     prefill.add_request("long", prompt, SamplingParams(max_tokens=2), handover=True)
     lent = []
     while not lent:
         prefill.step()
-        lent += prefill.take_prefetches()
+        lent += prefill.disagg.take_prefetches()
     return prefill, decode, lent
 
 
 @pytest.mark.parametrize("fail", [False, True])
-def test_blocks_a_connector_reads_early_enter_the_cache_once_read(make_engine, fail):
+def test_blocks_a_connector_reads_early_enter_the_cache_once_read(make_pd_engine, fail):
     """Until the read has ended its blocks are held and uncached (an import must not find
     them); then they are cached and released, or, if the read failed, only released."""
-    prefill, decode, lent = _first_lend(make_engine)
+    prefill, decode, lent = _first_lend(make_pd_engine)
     source = _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool, fail)
-    decode.prefetch_kv(lent[0], source)
+    decode.disagg.prefetch_kv(lent[0], source)
     assert decode.kv.num_cached_blocks == 0 and not decode.kv.all_free()
-    assert decode.collect_transfers()[0] == [] and decode.collect_transfers()[0] == []
-    assert decode.collect_transfers()[0] == ["long"]
+    assert decode.disagg.collect_transfers()[0] == [] and decode.disagg.collect_transfers()[0] == []
+    assert decode.disagg.collect_transfers()[0] == ["long"]
     assert decode.kv.all_free()  # released: cached and evictable, or free
     assert decode.kv.num_cached_blocks == (0 if fail else len(lent[0].blocks))
     assert prefill.abort_request("long").finished
     while prefill.has_unfinished:
         prefill.step()
-    assert prefill.ledger.release("long") and prefill.all_blocks_free()
+    assert prefill.disagg.ledger.release("long") and prefill.all_blocks_free()
 
 
-def test_aborts_around_the_handover_free_everything(make_engine):
+def test_aborts_around_the_handover_free_everything(make_pd_engine):
     """Aborted on the prefill core before the handover, or on the decode core before its
     admission and while it decodes: both cores end with every block and slot free (the
     fixture checks), and the aborted requests report their end once."""
-    prefill, decode = make_engine(), make_engine()
+    prefill, decode = make_pd_engine(), make_pd_engine()
     params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
     for request_id in ("early", "queued", "running"):
         prefill.add_request(request_id, PROMPTS[0], params, handover=True)
@@ -344,79 +357,83 @@ def test_aborts_around_the_handover_free_everything(make_engine):
     handovers = []
     while len(handovers) < 2:
         prefill.step()
-        handovers += prefill.take_handovers()
+        handovers += prefill.disagg.take_handovers()
     assert not prefill.has_unfinished and not prefill.all_blocks_free()  # lent
     for handover in handovers:
-        decode.import_request(handover)
+        decode.disagg.import_request(handover)
     assert decode.abort_request("queued").finished  # never admitted: its source is unread
-    assert decode.collect_transfers()[1] == ["queued"]
-    assert prefill.ledger.release("queued") and not prefill.ledger.release("queued")
+    assert decode.disagg.collect_transfers()[1] == ["queued"]
+    assert prefill.disagg.ledger.release("queued") and not prefill.disagg.ledger.release("queued")
     decode.step()
     decode.step()
-    assert decode.collect_transfers()[1] == ["running"]  # admitted, copied
+    assert decode.disagg.collect_transfers()[1] == ["running"]  # admitted, copied
     assert decode.abort_request("running").finished
     while decode.has_unfinished:
         decode.step()
-    assert prefill.ledger.release("running") and prefill.all_blocks_free()
+    assert prefill.disagg.ledger.release("running") and prefill.all_blocks_free()
 
 
-def test_copies_are_reported_once_every_tensor_parallel_rank_has_made_them(make_engine):
+def test_copies_are_reported_once_every_tensor_parallel_rank_has_made_them(make_pd_engine):
     """Under tensor parallelism each rank copies its own heads: a prefetch or an import is
     reported (and its source blocks freed) only once every rank says its copy is done."""
     settings = dict(max_num_batched_tokens=8)
-    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prefill, decode = make_pd_engine(**settings), make_pd_engine(**settings)
     prompt = [(3 * i) % 70 + 5 for i in range(30)]
     prefill.add_request("long", prompt, SamplingParams(max_tokens=3), handover=True)
     lent, handovers = [], []
     while not handovers:
         prefill.step()
-        lent += prefill.take_prefetches()
-        handovers += prefill.take_handovers()
+        lent += prefill.disagg.take_prefetches()
+        handovers += prefill.disagg.take_handovers()
     assert lent
     other = ([], [])  # what the other rank has seen end; in other calls it agrees
 
     def gathered(view):
         return [view, other] if isinstance(view, tuple) else [view, view]
 
-    decode._gathered = gathered
+    decode.disagg._gathered = gathered
     for blocks in lent:
-        decode.prefetch_kv(blocks, prefill.runner.kv_pool)
-    decode.import_request(handovers[0])
+        decode.disagg.prefetch_kv(blocks, prefill.runner.kv_pool)
+    decode.disagg.import_request(handovers[0])
     while decode.has_unfinished:
         decode.step()
-    assert decode.collect_transfers() == ([], [])  # the other rank's copies still run
-    other = decode.ledger.ended()
-    assert decode.collect_transfers() == (["long"] * len(lent), ["long"])
+    assert decode.disagg.collect_transfers() == ([], [])  # the other rank's copies still run
+    other = decode.disagg.ledger.ended()
+    assert decode.disagg.collect_transfers() == (["long"] * len(lent), ["long"])
     for _ in range(len(lent) + 1):
-        assert prefill.ledger.release("long")
+        assert prefill.disagg.ledger.release("long")
     assert prefill.all_blocks_free() and decode.all_blocks_free()
 
 
-def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_engine):
-    prefill, decode = make_engine(), make_engine(layout="shared_decode")
+def test_an_import_with_a_taken_id_or_a_wrong_shape_changes_nothing(make_pd_engine):
+    prefill, decode = make_pd_engine(), make_pd_engine(layout="shared_decode")
     params = SamplingParams(max_tokens=4, temperature=0.0)
     prefill.add_request("r", PROMPTS[1], params, handover=True)
     handovers = []
     while not handovers:
         prefill.step()
-        handovers = prefill.take_handovers()
+        handovers = prefill.disagg.take_handovers()
     decode.add_request("r", PROMPTS[0], params)
     with pytest.raises(ValueError, match="already in use"):
-        decode.import_request(handovers[0])
-    assert decode.collect_transfers()[1] == ["r"]  # refused: the prefill core may free its blocks
+        decode.disagg.import_request(handovers[0])
+    assert decode.disagg.collect_transfers()[1] == [
+        "r"
+    ]  # refused: the prefill core may free its blocks
     decode.abort_request("r")
     # Four planes of K/V into a one-plane pool: the request fails alone, nothing leaks.
-    decode.import_request(handovers[0])
+    decode.disagg.import_request(handovers[0])
     errors = []
     while decode.has_unfinished:
         errors += [d.error for d in decode.step() if d.error]
     assert errors and "expected" in errors[0]
-    assert decode.collect_transfers()[1] == ["r"]
-    assert prefill.ledger.release("r") and prefill.all_blocks_free()
+    assert decode.disagg.collect_transfers()[1] == ["r"]
+    assert prefill.disagg.ledger.release("r") and prefill.all_blocks_free()
 
 
 @pytest.mark.parametrize("num_blocks", [12, 13, 14, 16, 20])
-def test_completions_preempted_before_their_siblings_start_decoding(make_engine, num_blocks):
+def test_completions_preempted_before_their_siblings_start_decoding(
+    make_engine, make_pd_engine, num_blocks
+):
     """A small prefill pool preempts completions of an n > 1 request while their siblings
     already decode: the request is handed over only once every completion decodes again,
     and the outputs still equal one core's."""
@@ -431,12 +448,14 @@ def test_completions_preempted_before_their_siblings_start_decoding(make_engine,
         ("b", list(range(40, 56)), SamplingParams(seed=2, n=2, **common)),
     ]
     expected = _colocated(make_engine(**settings), requests)
-    prefill = make_engine(**settings, num_blocks=num_blocks, max_num_batched_tokens=8)
-    got, _ = _disaggregated(prefill, make_engine(**settings), requests)
+    prefill = make_pd_engine(**settings, num_blocks=num_blocks, max_num_batched_tokens=8)
+    got, _ = _disaggregated(prefill, make_pd_engine(**settings), requests)
     _assert_same(got, expected)
 
 
-def test_speculating_requests_draft_on_their_decode_core_as_on_one_core(make_engine):
+def test_speculating_requests_draft_on_their_decode_core_as_on_one_core(
+    make_engine, make_pd_engine
+):
     spec = SpeculativeConfig(num_speculative_tokens=3, draft_loops=1)
     settings = dict(
         async_scheduling=True,
@@ -450,37 +469,39 @@ def test_speculating_requests_draft_on_their_decode_core_as_on_one_core(make_eng
         if rid in ("greedy", "seeded", "fanout")
     ]
     expected = _colocated(make_engine(**settings), requests)
-    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prefill, decode = make_pd_engine(**settings), make_pd_engine(**settings)
     got, _ = _disaggregated(prefill, decode, requests)
     _assert_same(got, expected)
     assert decode.scheduler.num_drafted > 0
 
 
-def test_a_pool_full_of_lent_blocks_holds_back_new_prompts_until_released(make_engine):
+def test_a_pool_full_of_lent_blocks_holds_back_new_prompts_until_released(make_pd_engine):
     """Blocks lent to a slow decode core may fill the prefill core's pool: new prompts wait
     (no pass runs, nothing fails) and go on once the blocks come back."""
-    prefill = make_engine(num_blocks=12, enable_prefix_caching=False)
+    prefill = make_pd_engine(num_blocks=12, enable_prefix_caching=False)
     params = SamplingParams(max_tokens=4, temperature=0.0)
     handovers = []
     for request_id in ("a", "b", "c"):
         prefill.add_request(request_id, list(range(30, 44)), params, handover=True)
     while len(handovers) < 3:
         prefill.step()
-        handovers += prefill.take_handovers()
+        handovers += prefill.disagg.take_handovers()
     prefill.add_request("d", list(range(50, 64)), params, handover=True)
     for _ in range(3):
         assert prefill.step() == [] and prefill.held_back
     for handover in handovers:
-        assert prefill.ledger.release(handover.request_id)
-    while not prefill.take_handovers():
+        assert prefill.disagg.ledger.release(handover.request_id)
+    while not prefill.disagg.take_handovers():
         prefill.step()
     assert not prefill.held_back
-    assert prefill.ledger.release("d") and prefill.all_blocks_free()
+    assert prefill.disagg.ledger.release("d") and prefill.all_blocks_free()
 
 
 @pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
 @pytest.mark.parametrize("connector", ["torch", "reads", "nixl"])
-def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layout, connector):
+def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(
+    make_engine, make_pd_engine, layout, connector
+):
     """Imports of prompts that share their first blocks: the decode core copies those
     blocks once (every plane, or under shared_decode the final one) and takes them from its
     prefix cache afterwards; the outputs still equal one core's. A connector that reads
@@ -494,7 +515,7 @@ def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layo
     ]
     settings = dict(layout=layout, async_scheduling=True)
     expected = _colocated(make_engine(**settings), requests)
-    prefill, decode = make_engine(**settings), make_engine(**settings)
+    prefill, decode = make_pd_engine(**settings), make_pd_engine(**settings)
     starts = []
     copy = decode.runner.import_kv
 
@@ -519,7 +540,9 @@ def test_a_decode_core_copies_only_what_its_prefix_cache_lacks(make_engine, layo
     assert sorted(starts) == ([0, 8, 16, 16] if connector == "torch" else [8, 16, 16, 20])
 
 
-def test_an_import_preempted_in_the_round_that_admitted_it_caches_nothing(make_engine):
+def test_an_import_preempted_in_the_round_that_admitted_it_caches_nothing(
+    make_engine, make_pd_engine
+):
     """A small decode pool preempts an import in the round that admitted it (before its
     copy): its blocks must not enter the prefix cache, or its recomputation would skip
     K/V that was never written."""
@@ -530,15 +553,15 @@ def test_an_import_preempted_in_the_round_that_admitted_it_caches_nothing(make_e
         ("imp", prompt, SamplingParams(max_tokens=12, **greedy)),
     ]
     expected = _colocated(make_engine(), requests)
-    prefill = make_engine()
+    prefill = make_pd_engine()
     outputs: dict = {}
     prefill.add_request("imp", prompt, requests[1][2], handover=True)
     handovers = []
     while not handovers:
         for delta in prefill.step():
             _collect(outputs, delta)
-        handovers = prefill.take_handovers()
-    decode = make_engine(
+        handovers = prefill.disagg.take_handovers()
+    decode = make_pd_engine(
         num_blocks=12, prefill_chunk_size=8, max_num_batched_tokens=64, max_num_seqs=4
     )
     preempted = []
@@ -553,7 +576,7 @@ def test_an_import_preempted_in_the_round_that_admitted_it_caches_nothing(make_e
     for _ in range(12):
         for delta in decode.step():
             _collect(outputs, delta)
-    decode.import_request(handovers[0])
+    decode.disagg.import_request(handovers[0])
     while decode.has_unfinished:
         for delta in decode.step():
             _collect(outputs, delta)
@@ -563,17 +586,19 @@ def test_an_import_preempted_in_the_round_that_admitted_it_caches_nothing(make_e
     assert outputs["imp"][0][0] == expected["imp"][0][0]
 
 
-def test_a_failed_import_copy_leaves_no_unwritten_block_in_the_prefix_cache(make_engine):
+def test_a_failed_import_copy_leaves_no_unwritten_block_in_the_prefix_cache(
+    make_engine, make_pd_engine
+):
     prompt = list(range(100, 116)) + [7, 8]  # four whole blocks
     fanout = SamplingParams(max_tokens=6, temperature=0.8, seed=3, n=2, ignore_eos=True)
     later = [("later", prompt, SamplingParams(max_tokens=8, temperature=0.0))]
     expected = _colocated(make_engine(), later)
-    prefill, decode = make_engine(), make_engine()
+    prefill, decode = make_pd_engine(), make_pd_engine()
     prefill.add_request("imp", prompt, fanout, handover=True)
     handovers = []
     while not handovers:
         prefill.step()
-        handovers = prefill.take_handovers()
+        handovers = prefill.disagg.take_handovers()
     copy, calls = decode.runner.import_kv, []
 
     def failing_once(source, blocks, start=0):
@@ -583,7 +608,7 @@ def test_a_failed_import_copy_leaves_no_unwritten_block_in_the_prefix_cache(make
         copy(source, blocks, start)
 
     decode.runner.import_kv = failing_once
-    decode.import_request(handovers[0])
+    decode.disagg.import_request(handovers[0])
     errors = []
     while decode.has_unfinished:
         errors += [d.error for d in decode.step() if d.error]
@@ -592,11 +617,11 @@ def test_a_failed_import_copy_leaves_no_unwritten_block_in_the_prefix_cache(make
     assert _colocated(decode, later) == expected
 
 
-def test_a_prompt_arriving_in_pieces_is_hashed_once_and_a_reused_id_afresh(make_engine):
+def test_a_prompt_arriving_in_pieces_is_hashed_once_and_a_reused_id_afresh(make_pd_engine):
     """A decode core keeps the block hashes of a prompt's earlier pieces (each later piece
     hashes only its own blocks), but a request id that comes back with another prompt is
     hashed afresh: its blocks must never be taken for the old prompt's."""
-    ledger, salt = make_engine().ledger, b"salt"
+    ledger, salt = make_pd_engine().disagg.ledger, b"salt"
     prompt = list(range(40))
     whole = block_hashes(salt, prompt, 4)
     assert block_hashes(salt, prompt, 4, whole[:3]) == whole
@@ -607,48 +632,90 @@ def test_a_prompt_arriving_in_pieces_is_hashed_once_and_a_reused_id_afresh(make_
     assert ledger.prompt_hashes("r", salt, other, 4)[0] != whole[0]
 
 
-def test_an_early_read_that_failed_on_another_rank_is_cached_on_none(make_engine):
+def test_an_early_read_that_failed_on_another_rank_is_cached_on_none(make_pd_engine):
     """Each rank reads its own heads: blocks whose read worked here but failed on another
     rank are freed, not cached, on every rank (their prefix caches must stay equal)."""
-    prefill, decode, lent = _first_lend(make_engine)
-    decode.prefetch_kv(lent[0], _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool))
+    prefill, decode, lent = _first_lend(make_pd_engine)
+    decode.disagg.prefetch_kv(lent[0], _ReadLater(prefill.runner.kv_pool, decode.runner.kv_pool))
 
     def gathered(view):  # the other rank saw every read end, and fail
         if isinstance(view, tuple):
             return [view, ([(serial, False) for serial, _ in view[0]], view[1])]
         return [view, view]
 
-    decode._gathered = gathered
-    while not (reported := decode.collect_transfers())[0]:
+    decode.disagg._gathered = gathered
+    while not (reported := decode.disagg.collect_transfers())[0]:
         pass
     assert reported == (["long"], [])
     assert decode.kv.all_free() and decode.kv.num_cached_blocks == 0
     assert prefill.abort_request("long").finished
     while prefill.has_unfinished:
         prefill.step()
-    assert prefill.ledger.release("long") and prefill.all_blocks_free()
+    assert prefill.disagg.ledger.release("long") and prefill.all_blocks_free()
 
 
-def test_imports_of_a_reused_id_are_reported_oldest_first_one_each(make_engine):
+def test_imports_of_a_reused_id_are_reported_oldest_first_one_each(make_pd_engine):
     """An id may come back before an aborted import of it is reported: each import is
     reported once, the oldest first (the prefill core frees its lends in that order)."""
-    decode = make_engine()
-    decode.refuse_import("r")
-    decode.refuse_import("r")
-    assert decode.collect_transfers() == ([], ["r"])
-    assert decode.collect_transfers() == ([], ["r"])
-    assert decode.collect_transfers() == ([], []) and not decode.ledger.importing
+    decode = make_pd_engine()
+    decode.disagg.refuse_import("r")
+    decode.disagg.refuse_import("r")
+    assert decode.disagg.collect_transfers() == ([], ["r"])
+    assert decode.disagg.collect_transfers() == ([], ["r"])
+    assert decode.disagg.collect_transfers() == ([], []) and not decode.disagg.ledger.importing
 
 
-def test_a_pool_another_rank_cannot_open_refuses_the_import_on_every_rank(make_engine):
-    prefill, decode = make_engine(), make_engine()
+def test_a_pool_another_rank_cannot_open_refuses_the_import_on_every_rank(make_pd_engine):
+    prefill, decode = make_pd_engine(), make_pd_engine()
     prefill.add_request("r", PROMPTS[1], SamplingParams(max_tokens=4), handover=True)
     handovers = []
     while not handovers:
         prefill.step()
-        handovers = prefill.take_handovers()
-    decode._gathered = lambda view: [view, "RuntimeError: cannot map"] if view is None else [view]
+        handovers = prefill.disagg.take_handovers()
+    decode.disagg._gathered = lambda view: (
+        [view, "RuntimeError: cannot map"] if view is None else [view]
+    )
     with pytest.raises(RuntimeError, match="another tensor-parallel rank cannot open the pool"):
-        decode.import_request(handovers[0])
-    assert not decode.has_unfinished and decode.collect_transfers() == ([], ["r"])
-    assert prefill.ledger.release("r") and prefill.all_blocks_free()
+        decode.disagg.import_request(handovers[0])
+    assert not decode.has_unfinished and decode.disagg.collect_transfers() == ([], ["r"])
+    assert prefill.disagg.ledger.release("r") and prefill.all_blocks_free()
+
+
+def test_an_engine_built_without_disaggregation_has_none_of_it_and_runs(make_engine):
+    engine = make_engine()
+    assert engine.disagg is None
+    outputs = _colocated(engine, _requests()[:3])
+    assert all(c[3] is not None for r in outputs.values() for i, c in r.items() if i != "prompt")
+    with pytest.raises(ValueError, match="handover needs an engine built for disaggregation"):
+        engine.add_request("h", PROMPTS[0], SamplingParams(max_tokens=2), handover=True)
+    assert not engine.has_unfinished and engine.all_blocks_free()
+
+
+class _Ranks:
+    """A follower's view of its tensor-parallel group: the calls rank 0 mirrored."""
+
+    def __init__(self, calls) -> None:
+        self.calls = list(calls)
+
+    def receive(self):
+        return self.calls.pop(0)
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_calls_of_disaggregation_are_mirrored_to_the_other_ranks_by_dotted_name(
+    make_pd_engine,
+):
+    leader, follower = make_pd_engine(), make_pd_engine()
+    sent = []
+    leader.mirror = lambda name, args, kwargs: sent.append((name, args, kwargs))
+    leader.disagg.refuse_import("r")
+    leader.add_request("a", PROMPTS[0], SamplingParams(max_tokens=2))
+    assert sent[0] == ("disagg.refuse_import", ("r",), {}) and sent[1][0] == "add_request"
+    follow(follower, _Ranks([*sent, ("stop", (), {})]))
+    assert list(follower.disagg.ledger.importing) == ["r"] and "a" in follower.groups
+    for engine in (leader, follower):
+        engine.mirror = None
+        assert engine.abort_request("a").finished
+        assert engine.disagg.collect_transfers() == ([], ["r"])

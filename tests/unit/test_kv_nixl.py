@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from tests.conftest import pool_entries
-from vllm_rlt.engine.disagg.nixl_connector import _descriptors
+from vllm_rlt.engine.disagg.links import KVLinks
+from vllm_rlt.engine.disagg.nixl_connector import NixlConnector, _descriptors
 from vllm_rlt.worker.kv_pool import KVBlocks, KVPool
 
 
@@ -25,10 +26,10 @@ def test_descriptors_name_every_tensor_plane_and_run():
 
 def test_a_nixl_pool_of_another_geometry_is_refused_by_name():
     pytest.importorskip("nixl._api")
-    from vllm_rlt.engine.disagg.torch_connector import OpenedPools, share_pool
+    from vllm_rlt.engine.disagg.links import OpenedPools
 
     prefill = _pool(0, 6)
-    shared = share_pool(prefill, "nixl")
+    shared = NixlConnector().share(prefill)
     try:
         for field, change in [
             ("block_size", {"block_size": 8}),
@@ -42,7 +43,7 @@ def test_a_nixl_pool_of_another_geometry_is_refused_by_name():
     finally:
         shared.close()
     with pytest.raises(ValueError, match="kv_connector must be one of auto, torch, nixl"):
-        share_pool(prefill, "nccl")
+        KVLinks(lambda: prefill, 0).share("nccl")
 
 
 def _pool(seed: int, blocks: int) -> KVPool:
@@ -55,11 +56,11 @@ def _pool(seed: int, blocks: int) -> KVPool:
 
 def test_a_decode_pool_reads_a_prefill_pools_blocks_through_nixl():
     pytest.importorskip("nixl._api")
-    from vllm_rlt.engine.disagg.torch_connector import OpenedPools, share_pool
+    from vllm_rlt.engine.disagg.links import OpenedPools
 
     prefill, decode = _pool(0, 6), _pool(1, 8)
     untouched = [t.clone() for t in (*decode.k, *decode.v)]
-    shared = share_pool(prefill, "nixl")
+    shared = NixlConnector().share(prefill)
     try:
         pools = OpenedPools(lambda: decode)
         peer = pools.open(shared.handle)

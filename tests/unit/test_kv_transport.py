@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from tests.conftest import pool_entries
-from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle, OpenedPools, SharedPool
+from vllm_rlt.engine.disagg.links import OpenedPools
+from vllm_rlt.engine.disagg.registry import KVPoolHandle
+from vllm_rlt.engine.disagg.torch_connector import SharedPool
 from vllm_rlt.worker.kv_pool import KVPool
 
 

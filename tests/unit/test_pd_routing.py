@@ -12,8 +12,8 @@ import msgspec
 import pytest
 
 from vllm_rlt.config import ParamError
-from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle
-from vllm_rlt.engine.process import pd_client
+from vllm_rlt.engine.disagg.nixl_connector import NixlConnector
+from vllm_rlt.engine.disagg.torch_connector import TorchPoolHandle
 from vllm_rlt.engine.process.messages import (
     AbortAll,
     AbortRequest,
@@ -67,7 +67,7 @@ def _outputs(offers=(), imported=(), prefetches=(), prefetched=()):
 
 
 def _offer(request_id: str, params: SamplingParams) -> KVOffer:
-    pool = KVPoolHandle("p", "cuda_ipc", [1], "torch.float32", 1, 1, 1)
+    pool = TorchPoolHandle("p", [1], "torch.float32", 1, 1, 1, "cuda_ipc")
     return KVOffer(request_id, [1], params, [], [pool])
 
 
@@ -93,7 +93,7 @@ def test_aborts_sent_before_an_offer_arrives_follow_it():
 
 
 def _prefetch(request_id: str, first: int) -> KVPrefetch:
-    pool = KVPoolHandle("p", "cuda_ipc", [1], "torch.float32", 1, 1, 1)
+    pool = TorchPoolHandle("p", [1], "torch.float32", 1, 1, 1, "cuda_ipc")
     return KVPrefetch(request_id, [1] * 4 * (first + 1), first, [first], [pool])
 
 
@@ -180,7 +180,7 @@ def test_a_lost_prefill_core_pool_is_let_go_by_the_decode_cores():
 
 def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():
     client = _client()
-    handle = KVPoolHandle("p", "cuda_ipc", [1], "torch.float32", 1, 1, 1)
+    handle = TorchPoolHandle("p", [1], "torch.float32", 1, 1, 1, "cuda_ipc")
     encoded = base64.b64encode(msgspec.msgpack.encode([handle])).decode()
     client.cores[0].call = lambda name, timeout: {"kv_share:torch": {"pool": encoded}}[name]
     client.cores[1].call = lambda name, timeout: (
@@ -212,7 +212,9 @@ def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():
 def test_the_python_api_checks_its_kv_connector_before_starting_cores(monkeypatch):
     with pytest.raises(ParamError, match="kv_connector must be one of auto, torch, nixl"):
         DisaggregatedClient({}, lambda reason: None, 1, 1, kv_connector="nccl")
-    monkeypatch.setattr(pd_client, "nixl_missing", lambda: "the nixl package is not installed")
+    monkeypatch.setattr(
+        NixlConnector, "missing", staticmethod(lambda: "the nixl package is not installed")
+    )
     with pytest.raises(ParamError, match="nixl: the nixl package is not installed") as raised:
         DisaggregatedClient({}, lambda reason: None, 1, 1, kv_connector="nixl")
     assert raised.value.param == "kv_connector"

@@ -9,7 +9,7 @@ import re
 import pytest
 
 from vllm_rlt.config import ParamError
-from vllm_rlt.entrypoints.openai import settings
+from vllm_rlt.engine.disagg.nixl_connector import NixlConnector
 from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 BAD = [
@@ -122,9 +122,11 @@ def test_the_kv_connector_is_checked_at_start_up(fields, message):
 
 
 def test_the_nixl_connector_needs_its_package_at_start_up(monkeypatch):
-    monkeypatch.setattr(settings, "nixl_missing", lambda: "the nixl package is not installed")
+    monkeypatch.setattr(
+        NixlConnector, "missing", staticmethod(lambda: "the nixl package is not installed")
+    )
     with pytest.raises(ParamError, match="nixl: the nixl package is not installed") as raised:
         ServerSettings(kv_connector="nixl", disaggregate=(1, 1))
     assert raised.value.param == "kv_connector"
-    monkeypatch.setattr(settings, "nixl_missing", lambda: None)
+    monkeypatch.setattr(NixlConnector, "missing", staticmethod(lambda: None))
     assert ServerSettings(kv_connector="nixl", disaggregate=(1, 1)).kv_connector == "nixl"

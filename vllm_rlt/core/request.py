@@ -5,9 +5,9 @@ from __future__ import annotations
 import enum
 import functools
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
-from vllm_rlt.core.contract import Penalties, SamplingRecord
+from vllm_rlt.core.contract import Penalties, PrefillChunk, SamplingRecord
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -16,6 +16,21 @@ class RequestStatus(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     FINISHED = "finished"
+
+
+class ImportedKV(Protocol):
+    """K/V of a request that another engine core computed (prefill/decode disaggregation,
+    engine/disagg/handover.py), copied into this core's blocks when it is admitted."""
+
+    def awaits_reads(self) -> bool:
+        """Whether blocks read for it early are still on their way: admission waits."""
+        ...
+
+
+class CopyDone(Protocol):
+    """Says whether copies queued on the device are done (a CUDA event)."""
+
+    def query(self) -> bool: ...
 
 
 @dataclass
@@ -74,8 +89,8 @@ class Request:
     first_token_time: float | None = None
     # Its prompt K/V from a prefill core (engine/disagg/handover.py), until admission copies
     # it; then, on CUDA, the event that says the copy is done.
-    kv_import: Any = None
-    kv_copy: Any = None
+    kv_import: ImportedKV | None = None
+    kv_copy: CopyDone | None = None
 
     @functools.cached_property
     def sampling(self) -> SamplingRecord:
@@ -143,6 +158,38 @@ class Request:
     def prefill_segment(self, position: int) -> tuple[int, int, bool]:
         """The plan's segment that holds `position`."""
         return next(segment for segment in self.prefill_plan if position < segment[0])
+
+    def prefill_chunk(self) -> PrefillChunk:
+        """The loop of its prefill chunk in flight that the next pass runs."""
+        start, length = self.chunk_start, self.chunk_len
+        end = start + length
+        replayed = self.prefill_segment(start)[2]
+        last = (
+            end == self.prefill_len
+            and self.chunk_loop == self.chunk_depth - 1
+            and not self.output_token_ids
+        )
+        targets: tuple[int, ...] = ()
+        if (
+            self.prompt_logprobs is not None
+            and not replayed
+            and self.chunk_loop == self.chunk_depth - 1
+            and not self.output_token_ids  # a resumed request has them already
+        ):
+            targets = tuple(self.prompt_token_ids[start + 1 : min(end + 1, self.prompt_len)])
+        return PrefillChunk(
+            slot=self.slot,  # type: ignore[arg-type]
+            request_id=self.request_id,
+            start=start,
+            token_ids=self.context_token_ids(start, end),
+            loop=self.chunk_loop,
+            samples=last,
+            depth=self.chunk_depth,
+            deep_writes=replayed,
+            admission=self.admission,
+            prompt_targets=targets,
+            prompt_top=self.prompt_logprobs or 0,
+        )
 
     @property
     def reserved_positions(self) -> int:

@@ -10,10 +10,10 @@ from vllm_rlt.config import SchedulerConfig, SpeculativeConfig
 from vllm_rlt.core.contract import (
     ModelRunnerOutput,
     NewSlot,
-    PrefillChunk,
     SchedulerOutput,
 )
-from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
+from vllm_rlt.core.known_blocks import KnownBlocks
+from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.request import Request, RequestStatus
 from vllm_rlt.core.stopping import token_stop
 
@@ -70,6 +70,7 @@ class Scheduler:
         self.watermark_blocks = max(1, kv.num_blocks // 100)
         self.by_priority = config.scheduling_policy == "priority"
         self.cache_salt = cache_salt  # what else shapes a block's K/V: model, layout, dtype
+        self.known = KnownBlocks(kv, cache_salt, table_planes, self.chunk_limit)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of them, found
         self._sequence = 0
@@ -135,7 +136,7 @@ class Scheduler:
             else:
                 rows.extend((slot, request) for slot in self._row_slots(request))
         prefilling = [r for r in self.running.values() if r.status is RequestStatus.PREFILL]
-        chunks = [self._chunk(r) for r in sorted(prefilling, key=self._rank) if r.chunk_len]
+        chunks = [r.prefill_chunk() for r in sorted(prefilling, key=self._rank) if r.chunk_len]
         for chunk in chunks:
             self._advance_chunk(self.running[chunk.slot])
         for chunk in chunks:
@@ -210,14 +211,6 @@ class Scheduler:
         policy), then earlier arrival."""
         priority = request.params.priority if self.by_priority else 0
         return (priority, request.arrival_time, request.sequence)
-
-    @property
-    def caches_prompts(self) -> bool:
-        """Prompt blocks computed here serve later prompts: the prefix cache is on and a
-        request has one table. Under shared_decode a prompt's per-loop planes are gone once
-        it is done, so the cache holds only final planes handed over by prefill cores,
-        which serve imports alone."""
-        return self.kv.enable_caching and self.table_planes == 1
 
     def _reserve_decode_blocks(self) -> None:
         """Every decoding request gets the block of the position it may write next (one
@@ -321,52 +314,14 @@ class Scheduler:
         if request.chunk_loop == request.chunk_depth:
             request.num_prefilled = request.chunk_start + request.chunk_len
             request.chunk_len = 0
-            if self.caches_prompts:
-                self._register_prompt_blocks(request)
+            if self.known.caches_prompts:
+                self.known.register(request)
             if request.num_prefilled >= request.prompt_len:
                 # Its last loop reads and writes the final plane only, so the per-loop
                 # planes may go to a request scheduled after this pass (stream order).
                 self._free_prompt_planes(request)
             if request.num_prefilled == request.prefill_len:
                 request.status = RequestStatus.DECODE
-
-    def _register_prompt_blocks(self, request: Request) -> None:
-        assert request.block_hashes is not None
-        done = min(request.num_prefilled, request.prompt_len) // self.kv.block_size
-        for index in range(request.num_registered, done):
-            self.kv.register(request.request_id, index, request.block_hashes[index])
-        request.num_registered = max(request.num_registered, done)
-
-    def _chunk(self, request: Request) -> PrefillChunk:
-        start, length = request.chunk_start, request.chunk_len
-        end = start + length
-        replayed = request.prefill_segment(start)[2]
-        last = (
-            end == request.prefill_len
-            and request.chunk_loop == request.chunk_depth - 1
-            and not request.output_token_ids
-        )
-        targets: tuple[int, ...] = ()
-        if (
-            request.prompt_logprobs is not None
-            and not replayed
-            and request.chunk_loop == request.chunk_depth - 1
-            and not request.output_token_ids  # a resumed request has them already
-        ):
-            targets = tuple(request.prompt_token_ids[start + 1 : min(end + 1, request.prompt_len)])
-        return PrefillChunk(
-            slot=request.slot,  # type: ignore[arg-type]
-            request_id=request.request_id,
-            start=start,
-            token_ids=request.context_token_ids(start, end),
-            loop=request.chunk_loop,
-            samples=last,
-            depth=request.chunk_depth,
-            deep_writes=replayed,
-            admission=request.admission,
-            prompt_targets=targets,
-            prompt_top=request.prompt_logprobs or 0,
-        )
 
     def _admit(self) -> list[NewSlot]:
         """FIFO admission with a bounded scan; a blocked request is bypassed a bounded number
@@ -383,9 +338,9 @@ class Scheduler:
         for request in queue[: self.config.admission_scan]:
             if not self.free_slots:
                 break
-            if _awaits_reads(request):
+            if self.known.awaits_reads(request):
                 continue  # its prompt blocks read early are still on their way
-            hits = self._hits(request)
+            hits = self.known.hits(request)
             first = self._first_chunk_blocks(request, hits)
             fits = promised + first + self._watermark() <= self.kv.num_free_blocks
             if not fits or request.preempted_in == self.round:
@@ -410,73 +365,15 @@ class Scheduler:
     def _make_room(self, request: Request) -> None:
         """Priority policy: preempt running requests ranked below `request`, lowest first,
         until it has a slot and its first chunk's blocks (its cached prompt blocks need none)."""
-        if request.preempted_in == self.round or _awaits_reads(request):
+        if request.preempted_in == self.round or self.known.awaits_reads(request):
             return
-        first = self._first_chunk_blocks(request, self._hits(request))
+        first = self._first_chunk_blocks(request, self.known.hits(request))
         while not self.free_slots or first + self._watermark() > self.kv.num_free_blocks:
             if not self._preempt_one_below(request):
                 return
 
     def _first_chunk_blocks(self, request: Request, hits: int) -> int:
-        """Blocks admission takes from the free count for the first chunk: the new ones (it
-        starts after the `hits` cached blocks and ends with the prompt, or for a resumed
-        request whose cache covers the prompt, within its replay), plus the cached ones that
-        nobody holds (matching them takes them out of the free count); under SHARED_DECODE
-        every loop's table takes the new ones."""
-        if request.kv_import is not None:  # decodes at once: its prompt and first input
-            new = self.kv.blocks_for(self._imported_positions(request)) - hits
-        else:
-            cached = hits * self.kv.block_size
-            segment_end = request.prompt_len if cached < request.prompt_len else request.prefill_len
-            end = min(segment_end, cached + self.chunk_limit)
-            new = (self.kv.blocks_for(end) - hits) * self.table_planes
-        if hits and request.block_hashes is not None:
-            new += self.kv.free_among_hits(request.block_hashes[:hits])
-        return new
-
-    def _hits(self, request: Request) -> int:
-        """Leading prompt blocks `request` takes from the prefix cache on admission."""
-        if request.kv_import is not None:
-            return self._import_hits(request)
-        return self._usable_hits(request)
-
-    def _import_hits(self, request: Request) -> int:
-        """Leading whole prompt blocks of an imported request this core's prefix cache
-        holds (every plane an import brings: all of them, or under shared_decode the final
-        one): they are not copied."""
-        if not self.kv.enable_caching:
-            return 0
-        if request.block_hashes is None:
-            request.block_hashes = block_hashes(
-                self.cache_salt, request.prompt_token_ids, self.kv.block_size
-            )
-        return self.kv.count_hits(request.block_hashes[: request.prompt_len // self.kv.block_size])
-
-    def register_imported(self, request: Request) -> None:
-        """An admitted import's copy is queued, in stream order before any pass: its whole
-        prompt blocks enter the prefix cache (not before: an import preempted in the round
-        that admitted it, or whose admission failed, never copied them)."""
-        if self.kv.enable_caching:
-            self._register_prompt_blocks(request)
-
-    def _usable_hits(self, request: Request) -> int:
-        """Leading prompt blocks the prefix cache holds, as many as may be skipped: a
-        request with no token yet must still compute its last prompt position (it samples
-        the first token there)."""
-        if not self.caches_prompts:
-            return 0
-        if request.block_hashes is None:
-            request.block_hashes = block_hashes(
-                self.cache_salt, request.prompt_token_ids, self.kv.block_size
-            )
-        if request.prompt_logprobs is not None:
-            return 0  # they come from computing every prompt position (its blocks still
-            # enter the cache for others)
-        # At least one position is left to compute, so the request starts as a prefill that
-        # takes its blocks like any other (for a resumed request that replays nothing, the
-        # end of its prompt is recomputed).
-        usable = request.block_hashes[: (request.prefill_len - 1) // self.kv.block_size]
-        return self.kv.count_hits(usable)
+        return self.known.first_chunk_blocks(request, hits, self._decode_rows(request))
 
     def _place(self, request: Request, hits: int) -> NewSlot:
         """Give `request` a slot, starting its table with its first `hits` cached blocks."""
@@ -491,17 +388,9 @@ class Scheduler:
         request.plan_prefill(self.num_loops)
         self.running[slot] = request
         imported, blocks = request.kv_import, ()
-        if self.caches_prompts or (imported is not None and self.kv.enable_caching):
-            assert request.block_hashes is not None
-            row = (slot + 1) * self.table_planes - 1  # the final plane's table
-            for index, block in self.kv.match_prefix(
-                request.request_id, request.block_hashes[:hits]
-            ):
-                self.block_updates.append((row, index, block))
-            request.num_registered = hits
-            request.num_prefilled = hits * self.kv.block_size
-            if request.num_cached_tokens is None:
-                request.num_cached_tokens = request.num_prefilled
+        taken = self.known.take(request, hits, (slot + 1) * self.table_planes - 1)
+        if taken is not None:  # its table starts with them (the final plane's row)
+            self.block_updates += taken
             self.prefix_queries += request.prompt_len
             self.prefix_hits += request.num_prefilled
         if imported is not None:
@@ -511,7 +400,8 @@ class Scheduler:
             # It decodes from this pass on, as it would have on its prefill core: its lanes
             # draft whenever this round does.
             request.lanes_collapsed = self.last_drafting_round != self.round
-            placed = self._reserve(request, self._imported_positions(request), False)
+            rows = self._decode_rows(request)
+            placed = self._reserve(request, self.known.imported_positions(request, rows), False)
             assert placed, "admission counted these blocks"
             blocks = tuple(self.kv.block_table(request.request_id))
         params = request.params
@@ -530,12 +420,6 @@ class Scheduler:
             imported_blocks=blocks,
             imported_from=hits * self.kv.block_size if imported is not None else 0,
         )
-
-    def _imported_positions(self, request: Request) -> int:
-        """Positions an imported request holds blocks for on admission: those it brings
-        (its prompt and its decoded inputs) and those its next decode writes (one per
-        speculation lane)."""
-        return min(request.prefill_len + self._decode_rows(request), request.reserved_positions)
 
     # ----------------------------------------------------------------- results
     def update(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
@@ -599,10 +483,3 @@ class Scheduler:
         if request is None or request.slot != own_slot or request.admission != admission:
             return None
         return request
-
-
-def _awaits_reads(request: Request) -> bool:
-    """An import whose prompt blocks read early are still on their way: not admitted, and
-    nobody is preempted for it, until they have landed."""
-    imported = request.kv_import
-    return imported is not None and imported.landed is not None and not imported.landed()

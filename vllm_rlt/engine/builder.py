@@ -84,9 +84,11 @@ def build_engine(
     max_model_len: int | None = None,
     tensor_parallel_rank: tuple[int, int] | None = None,
     quantization: str | None = None,
+    disaggregated: bool = False,
 ) -> BuiltEngine:
     """The arguments are `LLM`'s (see there). `tensor_parallel_rank` (rank, port) is given
-    only to ranks other than 0, which rank 0 starts itself."""
+    only to ranks other than 0, which rank 0 starts itself; `disaggregated` only to the
+    cores of `--disaggregate` (engine/process/pd_client.py)."""
     check_quantization(quantization)
     resolved_device = resolve_device(device)
     resolved_dtype = resolve_dtype(dtype, resolved_device)
@@ -117,6 +119,7 @@ def build_engine(
                 "skip_tokenizer_init": skip_tokenizer_init,
                 "max_model_len": max_model_len,
                 "quantization": quantization,
+                "disaggregated": disaggregated,
             }
             followers = start_followers(
                 tensor_parallel_size, port, run_tensor_parallel_rank, same_arguments
@@ -141,6 +144,7 @@ def build_engine(
             usage_context,
             max_model_len,
             model_eos_token_ids(model, loaded.config.vocab_size),
+            disaggregated,
         )
     except BaseException:
         if tensor_parallel is not None:
@@ -164,7 +168,8 @@ def run_tensor_parallel_rank(
     assert built.tensor_parallel is not None
     settle_engine_process(built.engine.model.device)
     follow(built.engine, built.tensor_parallel)
-    built.engine.links.close()  # its share of a disaggregated core's pool
+    if built.engine.disagg is not None:  # its share of a disaggregated core's pool
+        built.engine.disagg.close()
 
 
 def build_engine_core(
@@ -180,10 +185,12 @@ def build_engine_core(
     usage_context: str = OFFLINE,
     max_model_len: int | None = None,
     extra_eos_token_ids: frozenset[int] = frozenset(),
+    disaggregated: bool = False,
 ) -> EngineCore:
     """The engine core of a loaded model. `usage_context` ("offline" or "serve") picks the
     scheduler defaults that `scheduler_config` leaves to the device; `max_model_len` caps
-    a request's prompt + output below the model's context length (its default)."""
+    a request's prompt + output below the model's context length (its default);
+    `disaggregated`: it hands requests to, or takes them from, other engine cores."""
     scheduler_config, scheduler_note = size_scheduler(scheduler_config, model.device, usage_context)
     cfg = model.config
     max_model_len = checked_max_model_len(max_model_len, cfg.max_position_embeddings)
@@ -299,6 +306,7 @@ def build_engine_core(
         speculative_config,
         backend,
         scheduler_note,
+        disaggregated,
     )
 
 

@@ -3,6 +3,7 @@ and each step reports what changed since the last one (`delta`)."""
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from collections.abc import Iterator
@@ -10,9 +11,12 @@ from dataclasses import dataclass, field
 
 from vllm_rlt.config import require
 from vllm_rlt.core.request import Request, RequestStatus
+from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.core.stopping import stop_token
 from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
 from vllm_rlt.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 
 def completion_ids(request_id: str, n: int) -> list[str]:
@@ -143,9 +147,11 @@ class RequestGroup:
 
 class RequestGroups:
     """The user requests one engine core runs, by id, and the group each of their engine
-    requests (one per completion) belongs to. Iterating yields the user request ids."""
+    requests (one per completion, run by `scheduler`) belongs to. Iterating yields the
+    user request ids."""
 
-    def __init__(self) -> None:
+    def __init__(self, scheduler: Scheduler) -> None:
+        self.scheduler = scheduler
         self._groups: dict[str, RequestGroup] = {}
         self._group_of: dict[str, str] = {}  # engine request id -> user request id
 
@@ -174,17 +180,50 @@ class RequestGroups:
                 + ("" if used == request_id else f" (its completion id {used!r} is taken)"),
             )
 
-    def add(self, group: RequestGroup) -> None:
+    def queue(self, group: RequestGroup, children: list[Request]) -> None:
+        """Add `group`, its `children` (its completions that run) queued to run."""
         self._groups[group.request_id] = group
         for child in group.children:
             self._group_of[child.request_id] = group.request_id
+        for child in children:
+            self.scheduler.add_request(child)
 
     def remove(self, group: RequestGroup) -> None:
         if self._groups.pop(group.request_id, None) is not None:
             for child in group.children:
                 del self._group_of[child.request_id]
 
-    def forget_if_finished(self, group: RequestGroup) -> None:
-        """Drop a group whose completions have all ended."""
+    def delta(self, group: RequestGroup) -> RequestDelta:
+        """What changed in `group` since its last delta; a group whose completions have all
+        ended is dropped."""
+        delta = group.delta()
         if group.all_ended:
             self.remove(group)
+        return delta
+
+    def fail(self, request: Request, error: BaseException) -> RequestGroup:
+        """End a request's whole group (its completions share one prompt) with the error."""
+        group = self.of(request)
+        logger.error(
+            "request %s failed; the engine keeps running",
+            group.request_id,
+            exc_info=(type(error), error, error.__traceback__),
+        )
+        group.end(self.scheduler, "abort")
+        group.error = f"{type(error).__name__}: {error}"
+        return group
+
+    def record(self, touched: list[Request], now: float) -> list[RequestGroup]:
+        """The groups of the requests a pass gave a token (`Scheduler.update`) at time
+        `now`; a completion whose token stopped it ends."""
+        progressed = []
+        for request in touched:
+            if request.is_finished:
+                continue  # a sibling's failure ended its group within this step
+            if request.first_token_time is None:
+                request.first_token_time = now
+            group = self.of(request)
+            if request.stop_reason is not None:
+                group.end(self.scheduler, request.stop_reason, group.children.index(request))
+            progressed.append(group)
+        return progressed

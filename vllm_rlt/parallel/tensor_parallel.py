@@ -104,7 +104,9 @@ class TensorParallel:
 
 def mirrored(method):
     """Marks an engine call that changes the engine: under tensor parallelism rank 0 sends
-    it to the other ranks (its `mirror`) before making it, so their engines stay equal."""
+    it to the other ranks (its `mirror`) before making it, so their engines stay equal. A
+    part of the engine held in one of its attributes mirrors its own calls through
+    `mirror_part`."""
 
     @functools.wraps(method)
     def call(self, *args, **kwargs):
@@ -113,6 +115,16 @@ def mirrored(method):
         return method(self, *args, **kwargs)
 
     return call
+
+
+def mirror_part(
+    mirror: Callable[[str, tuple, dict], None] | None, attribute: str
+) -> Callable[[str, tuple, dict], None] | None:
+    """The mirror of the engine part held in the engine's `attribute`: its calls go to the
+    other ranks as "attribute.name" (`follow` finds them there)."""
+    if mirror is None:
+        return None
+    return lambda name, args, kwargs: mirror(f"{attribute}.{name}", args, kwargs)
 
 
 def check_tensor_parallel(size: int, config: Any, device: torch.device) -> None:
@@ -277,13 +289,14 @@ def stop_followers(tp: TensorParallel, followers: list[Any], timeout: float = 30
 
 
 def follow(engine: Any, tp: TensorParallel) -> None:
-    """A rank other than 0: make every engine call rank 0 mirrors, until it says stop."""
+    """A rank other than 0: make every engine call rank 0 mirrors (a dotted name: a call
+    of an engine part), until it says stop."""
     while True:
         name, args, kwargs = tp.receive()
         if name == "stop":
             tp.close()
             return
         try:
-            getattr(engine, name)(*args, **kwargs)
+            functools.reduce(getattr, name.split("."), engine)(*args, **kwargs)
         except Exception:  # noqa: BLE001 - rank 0 got the same error and reported it
             logger.debug("mirrored %s failed as on rank 0", name, exc_info=True)

@@ -87,6 +87,11 @@ class KVSource:
     blocks: KVBlocks
     landed: Callable[[], bool] | None = None
 
+    def awaits_reads(self) -> bool:
+        """Whether the blocks read early for its request are still on their way
+        (`ImportedKV`, core/request.py)."""
+        return self.landed is not None and not self.landed()
+
 
 def block_runs(
     sources: Sequence[int],

@@ -7,7 +7,7 @@ there but keeps each live completion's blocks (`HandoverLedger.release` frees th
 and offers a `KVHandover` naming them: every plane under last_exited, only the final one
 under shared_decode, whose other planes are gone by then. The blocks hold the prompt, and
 the decode inputs of a completion that decoded on while its siblings were still
-prefilling. A decode core takes it with `EngineCore.import_request`: each live completion
+prefilling. A decode core takes it with `Disaggregation.import_request`: each live completion
 enters a slot already decoding, its K/V copied from the prefill core's pool into fresh
 blocks before the pass that first reads them (`ModelRunner.import_kv`), and continues as it
 would have on the prefill core (sampling noise depends only on the seed and the token's

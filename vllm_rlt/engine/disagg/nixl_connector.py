@@ -4,7 +4,7 @@ host, RDMA between hosts, shared memory between processes on the CPU) instead of
 that core's pool into its own address space (engine/disagg/torch_connector.py).
 
 The prefill core registers its pool with a NIXL agent once and puts the agent's metadata
-and each tensor's address in its `KVPoolHandle`. A decode core registers its own pool with
+and each tensor's address in its `NixlPoolHandle`. A decode core registers its own pool with
 its own agent once, adds the prefill core's agent when it first sees that handle, and at an
 import's admission reads the completion's blocks straight into its fresh blocks with one
 READ: one descriptor per tensor (each layer's K and V), plane and run of blocks that are
@@ -21,26 +21,19 @@ from __future__ import annotations
 import os
 import time
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 import torch
 
+from vllm_rlt.engine.disagg.connector import PoolHandle, pool_fields
 from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, block_runs
 
 INSTALL_HINT = 'pip install nixl (or "vllm-rlt[nixl]")'
 # A read's deadline: this long, plus its bytes at this rate (far below any transport's).
 READ_DEADLINE_S = 30.0
 READ_DEADLINE_BYTES_PER_S = 1e8
-
-
-def nixl_missing() -> str | None:
-    """Why the nixl connector cannot run here (None: it can)."""
-    try:
-        import nixl._api  # noqa: F401
-    except ImportError as exc:
-        return f"the nixl package is not installed ({exc}): {INSTALL_HINT}"
-    return None
 
 
 def _agent(role: str) -> Any:
@@ -65,17 +58,65 @@ def _region(tensor: torch.Tensor) -> list[int]:
     return [tensor.data_ptr(), tensor.numel() * tensor.element_size(), device or 0]
 
 
-class NixlSharedPool:
-    """A prefill core's pool registered with its NIXL agent until `close`; `handle` (a
-    `KVPoolHandle` of kind "nixl") is what decode cores need to read it."""
+class NixlPoolHandle(PoolHandle, tag="nixl"):
+    """How a decode core reads a prefill core's pool through NIXL: that core's agent
+    metadata (`agent`), each tensor's [address, bytes, device] (`regions`, K then V) and
+    their memory kind (`memory`, DRAM or VRAM)."""
 
-    def __init__(self, pool: KVPool, handle_of: Any) -> None:
+    agent: bytes
+    regions: list[list[int]]
+    memory: str
+
+
+class NixlConnector:
+    """The nixl connector (`KVConnector`, engine/disagg/connector.py): its reader, this
+    core's own pool registered with a NIXL agent, is made at the first handle it opens."""
+
+    name = "nixl"
+    handle_type = NixlPoolHandle
+
+    def __init__(self) -> None:
+        self.reader: NixlReader | None = None
+
+    @staticmethod
+    def missing() -> str | None:
+        try:
+            import nixl._api  # noqa: F401
+        except ImportError as exc:
+            return f"the nixl package is not installed ({exc}): {INSTALL_HINT}"
+        return None
+
+    def share(self, pool: KVPool) -> NixlSharedPool:
+        return NixlSharedPool(pool)
+
+    def open(self, handle: NixlPoolHandle, local: Callable[[], KVPool]) -> NixlPeer:
+        self.reader = self.reader or NixlReader(local())
+        return self.reader.open(handle)
+
+    def probe(self, peer: NixlPeer, device: torch.device) -> None:
+        peer.reader.probe(peer)
+
+    def forget(self, peer: NixlPeer) -> None:
+        """Remove the peer now: a read queued from it then fails its request alone."""
+        peer.forgotten = True
+        peer.reader.agent.remove_remote_agent(peer.agent_name)
+
+    @property
+    def holds_local_pool(self) -> bool:
+        return self.reader is not None
+
+
+class NixlSharedPool:
+    """A prefill core's pool registered with its NIXL agent until `close`; `handle` is
+    what decode cores need to read it."""
+
+    def __init__(self, pool: KVPool) -> None:
         self.agent = _agent("prefill")
         tensors = [*pool.k, *pool.v]
         self.memory = _memory_kind(tensors[0])
         self.registered = self.agent.register_memory(tensors)
-        self.handle = handle_of(
-            kind="nixl",
+        self.handle = NixlPoolHandle(
+            **pool_fields(pool),
             agent=self.agent.get_agent_metadata(),
             regions=[_region(tensor) for tensor in tensors],
             memory=self.memory,
@@ -91,7 +132,7 @@ class NixlPeer:
     """A prefill core's pool as a decode core reads it through NIXL (the `source.pool` of
     an import's `KVSource`): its geometry, and `read_into` this core's pool."""
 
-    def __init__(self, reader: NixlReader, handle: Any) -> None:
+    def __init__(self, reader: NixlReader, handle: NixlPoolHandle) -> None:
         self.reader = reader
         self.metadata = handle.agent  # to reconnect after a failed read
         self.agent_name = reader.agent.add_remote_agent(handle.agent)
@@ -131,7 +172,7 @@ class NixlReader:
         self.per_plane = local.slots_per_plane
         self.registered = self.agent.register_memory(tensors)
 
-    def open(self, handle: Any) -> NixlPeer:
+    def open(self, handle: NixlPoolHandle) -> NixlPeer:
         """The pool `handle` names, checked against this core's: the nixl connector moves
         whole rows between pools of one geometry, memory kind and block size."""
         local = self.local

@@ -1,6 +1,6 @@
 """How a decode core reads a prefill core's K/V on one host: straight from the prefill
 core's own KV pool, which that core makes visible to the host's other processes once (a
-`KVPoolHandle`). A handover then names only the blocks (`KVBlocks`); the prefill core keeps
+`TorchPoolHandle`). A handover then names only the blocks (`KVBlocks`); the prefill core keeps
 them until the decode core has copied them into its own pool and says so. No copy is
 staged outside the two pools, so a burst of long prompts cannot run a GPU out of memory
 between them, and the bytes move once.
@@ -11,8 +11,9 @@ between them, and the bytes move once.
   the decode core, which sees that GPU too, maps them and copies device to device (two
   cores may share one GPU).
 
-That is the torch connector (`--kv-connector torch`, and auto). The nixl connector reads the
-same blocks through NIXL instead of mapping the pool (engine/disagg/nixl_connector.py).
+That is the torch connector (`--kv-connector torch`, and auto; engine/disagg/connector.py
+says what a connector does). The nixl connector reads the same blocks through NIXL
+instead of mapping the pool (engine/disagg/nixl_connector.py).
 """
 
 from __future__ import annotations
@@ -25,11 +26,9 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-import msgspec
 import torch
 
-from vllm_rlt.config import KV_CONNECTORS
-from vllm_rlt.engine.disagg.nixl_connector import NixlPeer, NixlReader, NixlSharedPool
+from vllm_rlt.engine.disagg.connector import PoolHandle, pool_fields
 from vllm_rlt.worker.kv_pool import KVPool
 
 PREFIX = "vllm-rlt-kv-"  # of every shared pool file's name
@@ -46,26 +45,15 @@ DTYPES = {  # a pool's element types, by name (float8: --kv-cache-dtype fp8)
 }
 
 
-class KVPoolHandle(msgspec.Struct, array_like=True):
-    """How another process opens a prefill core's pool: kind "shm" (the file `name`, or the
-    descriptor /proc/PID/fd/N, holds every layer's K, then every layer's V), "cuda_ipc"
-    (each tensor's IPC handle in `ipc`, K then V, on GPU `gpu`) or "nixl" (the prefill
-    core's NIXL agent metadata in `agent`, each tensor's [address, bytes, device] in
-    `regions`, K then V, in `memory` DRAM or VRAM). `shape` is one tensor's."""
+class TorchPoolHandle(PoolHandle, tag="torch"):
+    """How another process maps a prefill core's pool: kind "shm" (the file `name`, or the
+    descriptor /proc/PID/fd/N, holds every layer's K, then every layer's V) or "cuda_ipc"
+    (each tensor's IPC handle in `ipc`, K then V, on GPU `gpu`)."""
 
-    pool_id: str
     kind: str
-    shape: list[int]
-    dtype: str
-    num_layers: int
-    planes: int
-    block_size: int
     name: str = ""
     ipc: list[list[Any]] = []
     gpu: str = ""  # cuda_ipc: the GPU's id in CUDA_VISIBLE_DEVICES terms (or its index)
-    agent: bytes = b""
-    regions: list[list[int]] = []
-    memory: str = ""
 
     @property
     def named_file(self) -> str | None:
@@ -74,28 +62,31 @@ class KVPoolHandle(msgspec.Struct, array_like=True):
         return self.name if self.kind == "shm" and not self.name.startswith("/proc/") else None
 
 
-def share_pool(pool: KVPool, connector: str) -> SharedPool | NixlSharedPool:
-    """Make a prefill core's pool readable by decode cores, through `connector` (auto and
-    torch: `SharedPool`; nixl: `NixlSharedPool`); its `handle` says how to read it."""
-    if connector == "nixl":
-        return NixlSharedPool(pool, lambda **fields: KVPoolHandle(**_fields(pool), **fields))
-    if connector not in KV_CONNECTORS:
-        raise ValueError(
-            f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {connector!r}"
-        )
-    return SharedPool(pool)
+class TorchConnector:
+    """The torch connector (`KVConnector`): the decode core maps the prefill core's pool
+    and copies from it on its own stream."""
 
+    name = "torch"
+    handle_type = TorchPoolHandle
+    holds_local_pool = False
 
-def _fields(pool: KVPool) -> dict[str, Any]:
-    first = pool.k[0]
-    return dict(
-        pool_id=uuid.uuid4().hex,
-        shape=list(first.shape),
-        dtype=str(first.dtype),
-        num_layers=len(pool.k),
-        planes=pool.planes,
-        block_size=pool.block_size,
-    )
+    @staticmethod
+    def missing() -> str | None:
+        return None
+
+    def share(self, pool: KVPool) -> SharedPool:
+        return SharedPool(pool)
+
+    def open(self, handle: TorchPoolHandle, local: Callable[[], KVPool]) -> KVPool:
+        return _map(handle)
+
+    def probe(self, peer: KVPool, device: torch.device) -> None:
+        peer.k[0][:1].to(device, copy=True)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    def forget(self, peer: KVPool) -> None:
+        """Nothing to let go of: a mapping goes with the last import that still holds it."""
 
 
 class SharedPool:
@@ -107,11 +98,11 @@ class SharedPool:
         first = tensors[0]
         self.path: str | None = None
         self.fd: int | None = None
-        common = _fields(pool)
+        common = pool_fields(pool)
         if first.is_cuda:
             ipc = [list(t.untyped_storage()._share_cuda_()) for t in tensors]
             gpu = _visible_gpu_ids()[first.device.index or 0]
-            self.handle = KVPoolHandle(kind="cuda_ipc", ipc=ipc, gpu=gpu, **common)
+            self.handle = TorchPoolHandle(kind="cuda_ipc", ipc=ipc, gpu=gpu, **common)
             return
         per_tensor = first.numel()
         self.path, self.fd = _pool_file(per_tensor * len(tensors) * first.element_size())
@@ -122,7 +113,7 @@ class SharedPool:
             start = index * per_tensor
             flat[start : start + per_tensor].copy_(tensor.reshape(-1))
             tensor.set_(flat.untyped_storage(), start, tensor.shape, tensor.stride())
-        self.handle = KVPoolHandle(kind="shm", name=name, **common)
+        self.handle = TorchPoolHandle(kind="shm", name=name, **common)
 
     def close(self) -> None:
         """Drop this process's hold on the pool's file (processes that mapped it keep
@@ -180,48 +171,7 @@ def _visible_gpu_ids() -> list[str]:
     return [str(index) for index in range(torch.cuda.device_count())]
 
 
-class OpenedPools:
-    """The prefill cores' pools this process has opened, by pool id (each is opened once):
-    mapped here, or read through NIXL into `local` (this core's own pool)."""
-
-    def __init__(self, local: Callable[[], KVPool] | None = None) -> None:
-        self.local = local
-        self.pools: dict[str, KVPool | NixlPeer] = {}
-        self.reader: NixlReader | None = None
-
-    def open(self, handle: KVPoolHandle) -> KVPool | NixlPeer:
-        pool = self.pools.get(handle.pool_id)
-        if pool is None:
-            if handle.kind == "nixl":
-                if self.local is None:
-                    raise ValueError("a nixl handle is read into an engine's own pool")
-                self.reader = self.reader or NixlReader(self.local())
-                pool = self.reader.open(handle)
-            else:
-                pool = _map(handle)
-            self.pools[handle.pool_id] = pool
-        return pool
-
-    def forget(self, pool_id: str) -> None:
-        """Let go of a lost prefill core's pool: a mapping goes with the last import that
-        still holds it; a NIXL peer is removed now (a read queued from it then fails its
-        request alone)."""
-        pool = self.pools.pop(pool_id, None)
-        if isinstance(pool, NixlPeer):
-            pool.forgotten = True
-            pool.reader.agent.remove_remote_agent(pool.agent_name)
-
-    def probe(self, pool: KVPool | NixlPeer, device: torch.device) -> bool:
-        """Read something of an opened pool: what fails here would fail every import."""
-        if isinstance(pool, NixlPeer):
-            return pool.reader.probe(pool)
-        probe = pool.k[0][:1].to(device, copy=True)
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        return bool(probe.numel())
-
-
-def _map(handle: KVPoolHandle) -> KVPool:
+def _map(handle: TorchPoolHandle) -> KVPool:
     dtype = DTYPES[handle.dtype]
     count = 2 * handle.num_layers
     if handle.kind == "cuda_ipc":

@@ -1,7 +1,7 @@
 """An engine-core process's side of prefill/decode disaggregation (engine/process/pd_client.py):
 its offers and early-lent prompt blocks, the imports and prefetches whose source blocks may
-go, and the start-up check of the transport. The pools themselves are the engine's, on
-every tensor-parallel rank (engine/disagg/links.py)."""
+go, and the start-up check of the transport. The pools themselves are the engine's
+(`EngineCore.disagg`), on every tensor-parallel rank (engine/disagg/links.py)."""
 
 from __future__ import annotations
 
@@ -13,10 +13,11 @@ from typing import Any
 
 import msgspec
 
+from vllm_rlt.engine.disagg.connector import PoolHandle
+from vllm_rlt.engine.disagg.engine_side import Disaggregation
 from vllm_rlt.engine.disagg.handover import HandedCompletion, KVHandover
 from vllm_rlt.engine.disagg.prefetch import PromptBlocks
-from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle
-from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.disagg.registry import DEFAULT, KVPoolHandle
 from vllm_rlt.engine.process.messages import HandedCompletionMessage, KVOffer, KVPrefetch
 
 
@@ -39,13 +40,22 @@ class HandoverNews:
 class CoreHandovers:
     """Per client (frontend), the `HandoverNews` to send."""
 
-    def __init__(self, engine: EngineCore, clients: int) -> None:
-        self.engine = engine
+    def __init__(self, disagg: Disaggregation, clients: int) -> None:
+        self.disagg = disagg
         self.news = [HandoverNews() for _ in range(clients)]
         self.import_client: dict[str, int] = {}
         self.prefetch_clients: deque[int] = deque()  # per prefetch in `ledger.prefetching`
-        self.pools: list[KVPoolHandle] | None = None  # this core's, a handle per rank
+        self.pools: list[PoolHandle] | None = None  # this core's, a handle per rank
         self.reached = False  # the import being queued reached the engine
+
+    def after_step(
+        self, client_of: Callable[[str], int], client_of_offer: Callable[[str], int]
+    ) -> None:
+        """Tell each request's client (`client_of`) of the prompt blocks lent before its
+        handover, then offer each handed-over request to the client that sent it
+        (`client_of_offer`: it leaves this core)."""
+        self.lend_early(self.disagg.take_prefetches(), client_of)
+        self.offer(self.disagg.take_handovers(), client_of_offer)
 
     def offer(self, handovers: list[KVHandover], client_of: Callable[[str], int]) -> None:
         """Offer each handed-over request to the client that sent it."""
@@ -75,19 +85,19 @@ class CoreHandovers:
             )
 
     def prefetch(self, prefetch: KVPrefetch, client: int) -> None:
-        """Copy a prefill core's early-lent prompt blocks here (`EngineCore.prefetch_kv`);
+        """Copy a prefill core's early-lent prompt blocks here (`Disaggregation.prefetch_kv`);
         its client hears once the copy is done (`collect_copied`)."""
         blocks = PromptBlocks(
             prefetch.request_id, prefetch.prompt_token_ids, prefetch.first_block, prefetch.blocks
         )
-        self.engine.prefetch_kv(blocks, prefetch.pools)
+        self.disagg.prefetch_kv(blocks, prefetch.pools)
         self.prefetch_clients.append(client)
 
-    def share(self, connector: str = "torch") -> list[KVPoolHandle]:
+    def share(self, connector: str = DEFAULT) -> list[PoolHandle]:
         """This core's pool as decode cores read it, a handle per tensor-parallel rank:
         shared through `connector` by the start-up check, before any handover."""
         if self.pools is None:
-            self.pools = self.engine.share_kv(connector)
+            self.pools = self.disagg.share_kv(connector)
         return self.pools
 
     def importer(self, offer: KVOffer, client: int) -> Callable[[], None]:
@@ -108,7 +118,7 @@ class CoreHandovers:
                 for c in offer.completions
             ]
             self.reached = True
-            self.engine.import_request(
+            self.disagg.import_request(
                 KVHandover(
                     offer.request_id, offer.prompt_token_ids, offer.params, completions, offer.pools
                 )
@@ -118,13 +128,13 @@ class CoreHandovers:
 
     def after_import(self, request_id: str) -> None:
         if not self.reached:  # refused before the engine saw it (which reports its own)
-            self.engine.refuse_import(request_id)
+            self.disagg.refuse_import(request_id)
 
     def collect_copied(self) -> None:
-        ledger = self.engine.ledger
+        ledger = self.disagg.ledger
         if not (ledger.prefetching or ledger.importing):
             return
-        prefetched, copied = self.engine.collect_transfers()
+        prefetched, copied = self.disagg.collect_transfers()
         for request_id in prefetched:  # before the imports they precede
             self.news[self.prefetch_clients.popleft()].prefetched.append(request_id)
         for request_id in copied:
@@ -141,14 +151,14 @@ class CoreHandovers:
             if name.startswith("kv_open:"):
                 encoded = base64.b64decode(name.removeprefix("kv_open:"))
                 pools = msgspec.msgpack.decode(encoded, type=list[KVPoolHandle])
-                error = self.engine.open_kv(pools)
+                error = self.disagg.open_kv(pools)
                 return {"opened": True} if error is None else {"error": error}
         except Exception as exc:  # noqa: BLE001 - answered; the frontend refuses to start
             return {"error": f"{type(exc).__name__}: {exc}"}
         return {"error": f"unknown control call {name!r}"}
 
     def close(self) -> None:
-        self.engine.links.close()  # the other ranks close theirs as they stop
+        self.disagg.close()  # the other ranks close theirs as they stop
 
 
 def _fields(value) -> dict[str, Any]:

@@ -96,7 +96,10 @@ class CoreLoop:
         self.routed = len(outputs) > 1
         self.owners: dict[str, int] = {}  # request id -> its client (routed mode only)
         self.outbox: list[list[RequestDelta]] = [[] for _ in outputs]
-        self.handovers = CoreHandovers(engine, len(outputs))
+        # Prefill/decode disaggregation: what this core offers and copies, per client.
+        self.handovers = (
+            None if engine.disagg is None else CoreHandovers(engine.disagg, len(outputs))
+        )
         self.last_sent = [0.0] * len(outputs)
         self.rate = PassRate()
         self.rl = CoreRL(engine)
@@ -109,20 +112,20 @@ class CoreLoop:
         try:
             while not self.stopping:
                 busy = engine.has_unfinished and not self.rl.frozen  # "keep": no pass runs
-                if busy:  # held back: by a release, or by early reads
-                    wait = (1 if engine.ledger.prefetching else 10) if engine.held_back else 0
-                else:  # idle with copies still running: look at them again soon
-                    wait = 1 if engine.ledger.importing or engine.ledger.prefetching else None
+                wait = 0 if busy else None
+                if engine.disagg is not None:  # K/V in transit: look at it again soon
+                    wait = engine.disagg.wait_ms(busy, engine.held_back)
                 if ranks is not None and wait != 0:  # a rank lost while idle: say so now
                     ranks.check_followers()
                     wait = min(wait or RANKS_CHECK_MS, RANKS_CHECK_MS)
                 self._take_commands(wait)
                 if engine.has_unfinished and not (self.stopping or self.rl.frozen):
                     self._route(engine.step())
-                    self.handovers.lend_early(engine.take_prefetches(), self._client_of)
-                    self.handovers.offer(engine.take_handovers(), self._client_of_offer)
+                    if self.handovers is not None:
+                        self.handovers.after_step(self._client_of, self._client_of_offer)
                     self.rate.record(engine.passes.num_passes, engine.passes.num_rows_total)
-                self.handovers.collect_copied()
+                if self.handovers is not None:
+                    self.handovers.collect_copied()
                 self._publish()
         except BaseException as exc:
             dead = self.encode(EngineDead(f"{type(exc).__name__}: {exc}", traceback.format_exc()))
@@ -130,7 +133,8 @@ class CoreLoop:
                 socket.send(dead, copy=False)
             raise
         finally:
-            self.handovers.close()
+            if self.handovers is not None:
+                self.handovers.close()
 
     def _client_of(self, request_id: str) -> int:
         return self.owners.get(request_id, 0) if self.routed else 0
@@ -156,7 +160,7 @@ class CoreLoop:
         now = time.monotonic()
         stats = None
         for client, deltas in enumerate(self.outbox):
-            news = self.handovers.news[client]
+            news = HandoverNews() if self.handovers is None else self.handovers.news[client]
             if not (deltas or news):
                 if now - self.last_sent[client] < HEARTBEAT_S or not self._busy(client):
                     continue
@@ -167,7 +171,8 @@ class CoreLoop:
             )
             self.outputs[client].send(self.encode(message), copy=False)
             self.outbox[client] = []
-            self.handovers.news[client] = HandoverNews()
+            if self.handovers is not None:
+                self.handovers.news[client] = HandoverNews()
             self.last_sent[client] = now
 
     def _busy(self, client: int) -> bool:
@@ -191,14 +196,8 @@ class CoreLoop:
                     self._route([delta])
             elif isinstance(command, AbortAll):
                 self._abort_all(command.client)
-            elif isinstance(command, ImportRequest):
-                self._import(command)
-            elif isinstance(command, PrefetchKV):
-                self.handovers.prefetch(command.prefetch, command.client if self.routed else 0)
-            elif isinstance(command, ReleaseHandover):
-                self.engine.release_handover(command.request_id)
-            elif isinstance(command, ForgetKVPool):
-                self.engine.forget_kv(command.pool_id)
+            else:
+                self._handover_command(command)
         while self.control.poll(0):
             call = self.decode_call(self.control.recv(copy=False))
             reply = ControlReply(call.call_id, self._control(call.name))
@@ -218,12 +217,24 @@ class CoreLoop:
             ),
         )
 
-    def _import(self, command: ImportRequest) -> None:
-        """Continue a request a prefill core ran (see `CoreHandovers.importer`)."""
-        offer = command.offer
-        client = command.client if self.routed else 0
-        self._queue(offer.request_id, command.client, self.handovers.importer(offer, client))
-        self.handovers.after_import(offer.request_id)
+    def _handover_command(
+        self, command: ImportRequest | PrefetchKV | ReleaseHandover | ForgetKVPool
+    ) -> None:
+        """A command of prefill/decode disaggregation: only a disaggregated core gets one."""
+        handovers = self.handovers
+        if handovers is None:
+            raise RuntimeError(f"{type(command).__name__} sent to a core not disaggregated")
+        client = getattr(command, "client", 0) if self.routed else 0
+        if isinstance(command, ImportRequest):  # continue a request a prefill core ran
+            offer = command.offer
+            self._queue(offer.request_id, command.client, handovers.importer(offer, client))
+            handovers.after_import(offer.request_id)
+        elif isinstance(command, PrefetchKV):
+            handovers.prefetch(command.prefetch, client)
+        elif isinstance(command, ReleaseHandover):
+            handovers.disagg.release_handover(command.request_id)
+        else:
+            handovers.disagg.forget_kv(command.pool_id)
 
     def _queue(self, request_id: str, client: int, add: Callable[[], None]) -> None:
         try:
@@ -274,6 +285,8 @@ class CoreLoop:
                 rows_per_pass=self.rate.rows_per_pass(),
             )
         if name.startswith("kv_"):
+            if self.handovers is None:
+                return {"error": "this engine core was built without disaggregation"}
             return self.handovers.control(name)
         answer = self.rl.control(name)
         if answer is not None:
@@ -286,16 +299,8 @@ class CoreLoop:
         engine = self.engine
         try:
             if name in ("sleep_1", "sleep_2"):
-                require(
-                    self.engine.links.shared is None,
-                    "sleep is not available once decode cores read this core's KV pool",
-                    "level",
-                )
-                require(  # its pool is registered with NIXL at its present address
-                    self.engine.links.opened.reader is None,
-                    "sleep is not available once this core reads K/V through nixl",
-                    "level",
-                )
+                refusal = None if engine.disagg is None else engine.disagg.sleep_refusal()
+                require(refusal is None, refusal or "", "level")
                 engine.sleep(int(name[-1]))
             elif name.startswith("wake_up"):  # "wake_up" or "wake_up:TAG,TAG"
                 _, _, tags = name.partition(":")

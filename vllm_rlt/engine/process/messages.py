@@ -7,7 +7,7 @@ from __future__ import annotations
 import msgspec
 
 from vllm_rlt.engine.core_outputs import CoreStats, EngineStats, RequestDelta
-from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle
+from vllm_rlt.engine.disagg.registry import KVPoolHandle
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.worker.kv_pool import KVBlocks
 

@@ -26,9 +26,9 @@ from typing import Any
 
 import msgspec
 
-from vllm_rlt.config import KV_CONNECTORS, CacheConfig, ParamError, require
-from vllm_rlt.engine.disagg.nixl_connector import nixl_missing
-from vllm_rlt.engine.disagg.torch_connector import KVPoolHandle, remove_files
+from vllm_rlt.config import CacheConfig, ParamError, require
+from vllm_rlt.engine.disagg.registry import KVPoolHandle, connector_class
+from vllm_rlt.engine.disagg.torch_connector import remove_files
 from vllm_rlt.engine.process.dp_client import DataParallelClient, core_environments, visible_gpus
 from vllm_rlt.engine.process.messages import (
     AbortAll,
@@ -103,14 +103,10 @@ class DisaggregatedClient(DataParallelClient):
         kv_connector: str = "auto",
     ) -> None:
         self.num_prefill = prefill
-        self.kv_connector = "torch" if kv_connector == "auto" else kv_connector
-        require(
-            kv_connector in KV_CONNECTORS,
-            f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {kv_connector!r}",
-            "kv_connector",
-        )
-        if self.kv_connector == "nixl" and (missing := nixl_missing()) is not None:
-            raise ParamError(f"nixl: {missing}", "kv_connector")
+        connector = connector_class(kv_connector)
+        if (missing := connector.missing()) is not None:
+            raise ParamError(f"{connector.name}: {missing}", "kv_connector")
+        self.kv_connector = connector.name
         # request id -> (prefill rank whose blocks it has not yet copied, decode rank)
         self._lent_by: dict[str, tuple[int, int]] = {}
         # request id -> the decode rank its early-lent blocks go to (until its offer), and
@@ -123,7 +119,7 @@ class DisaggregatedClient(DataParallelClient):
         self._pool_ids: dict[int, list[str]] = {}  # prefill rank -> its pool's ids
         # request id -> aborts sent to its prefill core, sent on with the import
         self._early_aborts: dict[str, list[AbortRequest]] = {}
-        envs, llm_kwargs = pool_layout(llm_kwargs, prefill + decode)
+        envs, llm_kwargs = pool_layout({**llm_kwargs, "disaggregated": True}, prefill + decode)
         super().__init__(
             llm_kwargs,
             on_death,

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from vllm_rlt.config import KV_CONNECTORS, ParamError
-from vllm_rlt.engine.disagg.nixl_connector import nixl_missing
+from vllm_rlt.engine.disagg.registry import connector_class
 from vllm_rlt.engine.process.dp_client import MAX_DATA_PARALLEL, RemoteCores
 from vllm_rlt.engine.process.remote_channel import channel_keys, check_address, check_ports
 from vllm_rlt.entrypoints.openai.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST
@@ -104,8 +104,8 @@ def _check_kv_connector(connector: str, disaggregated: bool) -> None:
         _fail("kv-connector", f"must be one of {', '.join(KV_CONNECTORS)}, got {connector!r}")
     if connector != "auto" and not disaggregated:
         _fail("kv-connector", "applies to --disaggregate only")
-    if connector == "nixl" and (missing := nixl_missing()) is not None:
-        _fail("kv-connector", f"nixl: {missing}")
+    if (missing := connector_class(connector).missing()) is not None:
+        _fail("kv-connector", f"{connector}: {missing}")
 
 
 def disaggregate_sizes(value: str) -> tuple[int, int]:
