@@ -15,6 +15,7 @@ python -m benchmarks.profile_pass --budget --bounds-only   # no GPU needed
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import time
@@ -199,7 +200,6 @@ def pass_rows(model, rows: list[int], repeats: int, kernels: bool, kv_dtype: str
     `kernels`, each graphed pass's device time per kernel."""
     engine, slots, max_context = _decoding_engine(model, max(rows), kv_dtype, 64)
     runner = engine.runner
-    mixed = runner.mixed
     for count in rows:
         prompt = count // 2
         decode = tuple(slots[: count - prompt])
@@ -208,11 +208,12 @@ def pass_rows(model, rows: list[int], repeats: int, kernels: bool, kv_dtype: str
             if kind == "mixed" and not prompt:
                 continue
             out = SchedulerOutput((), decode, ("",) * len(decode), chunks, max_context)
-            for label, graphs in (("graphs", mixed), ("eager", None)):
+            for label in ("graphs", "eager"):
                 if kind == "decode" and label == "eager":
                     continue
-                runner.mixed = graphs
-                host_ms, device_ms = _timed_launch(runner, out, repeats)
+                graphs = runner.eager_passes() if label == "eager" else contextlib.nullcontext()
+                with graphs:
+                    host_ms, device_ms = _timed_launch(runner, out, repeats)
                 record = {
                     "rows": count,
                     "pass": kind,
@@ -224,7 +225,6 @@ def pass_rows(model, rows: list[int], repeats: int, kernels: bool, kv_dtype: str
                 if kernels and label == "graphs":
                     record["kernels_us"] = _kernel_times(runner, out)
                 print(json.dumps(record))
-    runner.mixed = mixed
     for request_id in list(engine.groups):
         engine.abort_request(request_id)
 

@@ -23,7 +23,8 @@ import openai
 import pytest
 
 from vllm_rlt import LLM, CacheConfig, SamplingParams, SchedulerConfig
-from vllm_rlt.entrypoints.openai.server import ServerState, build_server
+from vllm_rlt.entrypoints.openai.server import build_server
+from vllm_rlt.entrypoints.openai.server_state import ServerState
 from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 

@@ -11,7 +11,8 @@ from fastapi.testclient import TestClient
 
 from tests.server.conftest import core_engine, running_server, wait_idle
 from vllm_rlt import LLM, SamplingParams
-from vllm_rlt.entrypoints.openai.server import ServerState, build_app
+from vllm_rlt.entrypoints.openai.server import build_app
+from vllm_rlt.entrypoints.openai.server_state import ServerState
 from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 

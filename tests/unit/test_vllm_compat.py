@@ -9,6 +9,7 @@ import pytest
 
 from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.engine.vllm_args import apply_vllm_args
+from vllm_rlt.worker.model_runner import ModelRunner
 
 ROLLOUT = """
 from vllm_rlt import LLM, SamplingParams
@@ -198,11 +199,9 @@ def test_sleep_and_wake_up_keep_outputs_and_give_memory_back(monkeypatch):
     assert not llm.is_sleeping() and tokens(llm) == want
     # A wake-up whose device set-up fails (say, out of memory) leaves the engine asleep,
     # and a retry sets it up again.
-    import vllm_rlt.engine.trainer_hooks as trainer_hooks
-
     llm.sleep(level=1)
     with monkeypatch.context() as patch:
-        patch.setattr(trainer_hooks, "prepare_device", _raise(RuntimeError("out of memory")))
+        patch.setattr(ModelRunner, "prepare_device", _raise(RuntimeError("out of memory")))
         with pytest.raises(RuntimeError, match="out of memory"):
             llm.wake_up()
     assert llm.is_sleeping()

@@ -56,6 +56,7 @@ from tqdm import tqdm
 
 import vllm_rlt
 from vllm_rlt import SamplingParams
+from vllm_rlt.bench.device_figures import environment as device_environment
 from vllm_rlt.bench.report import emit_report, percentile
 from vllm_rlt.bench.serve_client import (
     BenchFailed,
@@ -67,7 +68,6 @@ from vllm_rlt.bench.serve_client import (
     summary,
 )
 from vllm_rlt.bench.serve_launch import HOST, launched, server_flags_parser
-from vllm_rlt.bench.throughput import environment as device_environment
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.entrypoints.args import engine_args_from, engine_args_or_exit
 

@@ -181,7 +181,7 @@ def measure(engine, args, concurrency: int, rng_seed: int) -> dict[str, Any]:
     """The median run (by tokens/s) of `args.repeats` closed batches, after the warm-up."""
     import random
 
-    from vllm_rlt.bench.throughput import run_engine
+    from vllm_rlt.bench.throughput_engine import run_engine
 
     rng = random.Random(rng_seed)
     vocab = engine.model.config.vocab_size
@@ -355,7 +355,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "rows": rows,
     }
     if isinstance(measurer, OfflinePoints):
-        from vllm_rlt.bench.throughput import environment
+        from vllm_rlt.bench.device_figures import environment
 
         report["environment"] = environment(measurer.device)
         report["shape"] = args.shape

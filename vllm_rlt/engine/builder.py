@@ -28,7 +28,6 @@ from vllm_rlt.config import (
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
-from vllm_rlt.engine.device_setup import check_speculation, plan_memory, prepare_device
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.process.parent_watch import leave_with_parent
 from vllm_rlt.engine.process.process_setup import settle_engine_process
@@ -54,9 +53,10 @@ from vllm_rlt.parallel.tensor_parallel import (
     stop_followers,
 )
 from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.worker.memory_profile import plan_memory
 from vllm_rlt.worker.model_runner import ModelRunner
 from vllm_rlt.worker.pass_inputs import KVGeometry
-from vllm_rlt.worker.spec_lanes import SpecLanes, lanes_per_request
+from vllm_rlt.worker.spec_lanes import SpecLanes, check_speculation, lanes_per_request
 
 
 @dataclass
@@ -274,9 +274,7 @@ def build_engine_core(
         lanes,
         kv_cache_torch_dtype(cache_config.kv_cache_dtype, model.dtype),
     )
-    prepare_device(
-        runner, ops, execution_config.cuda_graphs, scheduler_config.max_num_batched_tokens
-    )
+    runner.prepare_device(execution_config.cuda_graphs, scheduler_config.max_num_batched_tokens)
     checker = RequestChecker(
         RequestLimits(
             vocab_size=cfg.vocab_size,

@@ -17,7 +17,6 @@ from collections.abc import Iterable, Mapping
 import torch
 
 from vllm_rlt.config import require
-from vllm_rlt.engine.device_setup import prepare_device
 from vllm_rlt.layers.fp8 import Fp8Weight
 from vllm_rlt.worker.model_runner import ModelRunner
 
@@ -91,7 +90,7 @@ class EngineSleep:
         # Level 1 keeps the weights on the host; level 2 drops them.
         self.saved = [w.to("cpu", copy=True) for w in self.parts["weights"]] if level == 1 else None
         self.asleep = set(WAKE_TAGS)
-        runner.graphs = runner.mixed = None  # they read the memory about to go
+        runner.drop_graphs()  # they read the memory about to go
         # A served process froze its start-up heap (process_setup), and a collection
         # reaches only unfrozen objects: thawed here, frozen again once awake. (Some
         # interpreters keep objects of their own frozen from the start: the count left
@@ -185,14 +184,8 @@ class TrainerHooks:
         for tag in tags:
             self.sleeping.wake(tag)
         if not self.sleeping.asleep:
-            try:
-                prepare_device(
-                    self.runner, self.runner.ops, self.cuda_graphs, self.max_num_batched_tokens
-                )
-            except BaseException:
-                # Still asleep: a retried wake_up captures the graphs again from scratch.
-                self.runner.graphs = self.runner.mixed = None
-                raise
+            # A failure leaves the engine asleep: a retried wake_up sets the device up again.
+            self.runner.prepare_device(self.cuda_graphs, self.max_num_batched_tokens)
             if self.sleeping.frozen:
                 gc.freeze()
             self.sleeping = None

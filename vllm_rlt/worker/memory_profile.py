@@ -1,12 +1,25 @@
-"""Measure the device memory one maximum-size pass needs, to size the KV cache around it."""
+"""Size the KV cache: around the device memory one maximum-size pass needs (measured) and
+what the CUDA graphs keep, or as the user asked, checked against free memory."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
+from vllm_rlt.config import CacheConfig, ExecutionConfig, SchedulerConfig
+from vllm_rlt.core.memory import (
+    CPU_DEFAULT_BLOCKS,
+    MemoryPlan,
+    check_explicit_plan,
+    plan_from_profile,
+    plan_kv_cache,
+)
+from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
 from vllm_rlt.layers.sampler import sample, token_logprobs
 from vllm_rlt.ops.metadata import AttentionMetadata, Segments
 from vllm_rlt.sampling_params import MAX_LOGPROBS
+from vllm_rlt.worker.mixed_graphs import buffer_bytes, mixed_sizes, sampler_sizes
 
 
 def _profile_metadata(rows: int, planes: int, block_size: int, device) -> AttentionMetadata:
@@ -75,3 +88,64 @@ def peak_pass_bytes(
     del caches
     torch.cuda.empty_cache()
     return peak
+
+
+def plan_memory(
+    model: Any,
+    ops: Any,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    execution_config: ExecutionConfig,
+    planes: int,
+    table_planes: int,
+    num_lanes: int,
+    max_model_len: int,
+) -> MemoryPlan:
+    """The KV pool: the CPU default, a size the user gave (checked against free memory), or
+    what the device holds beside the weights, the largest pass and the graphs, but no more
+    than every sequence at `max_model_len` positions can use. `table_planes` one-plane
+    blocks hold what one block of every plane holds, so defaults and caps count that many
+    per position block under SHARED_DECODE."""
+    cfg, device = model.config, model.device
+    kv_dtype = kv_cache_torch_dtype(cache_config.kv_cache_dtype, model.dtype)
+    explicit = cache_config.num_blocks is not None or cache_config.kv_cache_memory_bytes
+    if device.type != "cuda":
+        default = CPU_DEFAULT_BLOCKS * table_planes
+        return plan_kv_cache(cache_config, cfg, planes, kv_dtype, default)
+    seqs = scheduler_config.max_num_seqs
+    rows = scheduler_config.max_num_batched_tokens
+    samplers = seqs * num_lanes  # every speculation lane may need the LM head
+    block_size = cache_config.block_size
+    pass_peak = peak_pass_bytes(model, ops, rows, samplers, planes, block_size, kv_dtype)
+    graph_pool = 0
+    if execution_config.cuda_graphs and not ops.needs_segments:
+        # Counted as a sum, though the graphs share one pool: the decode graphs (and the
+        # prompt-pass heads, with their prompt samplers), the largest prompt-pass stack,
+        # and the stack's output buffer.
+        stack = mixed_sizes(rows)[-1]
+        head_rows = samplers + sampler_sizes(seqs)[-1]
+        graph_pool = (
+            peak_pass_bytes(model, ops, head_rows, head_rows, planes, block_size, kv_dtype)
+            + peak_pass_bytes(model, ops, stack, 1, planes, block_size, kv_dtype)
+            + buffer_bytes(cfg, model.dtype, stack)
+        )
+    if explicit:
+        plan = plan_kv_cache(cache_config, cfg, planes, kv_dtype)
+        free, _ = torch.cuda.mem_get_info(device)
+        # Memory the allocator holds but nothing uses (the profiled pass's) is free too.
+        free += torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        check_explicit_plan(plan, free, pass_peak, graph_pool, str(device))
+        return plan
+    total = torch.cuda.get_device_properties(device).total_memory
+    per_seq = -(-max_model_len // block_size)
+    return plan_from_profile(
+        cache_config,
+        cfg,
+        planes,
+        kv_dtype,
+        total,
+        torch.cuda.memory_allocated(device),
+        pass_peak,
+        graph_pool,
+        seqs * per_seq * table_planes,
+    )

@@ -27,6 +27,9 @@ between. Padding rows read and write only the dummy block, and their results are
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from tqdm import tqdm
@@ -35,14 +38,17 @@ from vllm_rlt.core.contract import SchedulerOutput
 from vllm_rlt.ops.metadata import DeviceCounts, PrefillTiles
 from vllm_rlt.sampling_params import MAX_LOGPROBS
 from vllm_rlt.worker.cuda_graphs import capture, graph_batch_sizes
-from vllm_rlt.worker.model_runner import PromptPassParts
+from vllm_rlt.worker.pass_head import PassHead
 from vllm_rlt.worker.pass_inputs import (
+    KVGeometry,
     PassRows,
     build_metadata,
     decode_row_fields,
     prefill_tile_fields,
     prompt_row_fields,
 )
+from vllm_rlt.worker.slot_state import SlotState
+from vllm_rlt.worker.spec_lanes import SpecLanes
 
 # Passes with more rows run eagerly: their launches are a small part of their device time.
 MAX_MIXED_ROWS = 4096
@@ -59,6 +65,35 @@ ROW_FIELDS = ("table", "position", "loop", "write_hi", "token", "carry")
 HOST_BUFFERS = 4
 
 HeadKey = tuple[int, int, bool, bool, bool, bool]
+
+
+@dataclass
+class Carried:
+    """A prompt chunk's state between two of its loops: `hidden` [chunk, hidden], and where
+    a captured mixed pass left it in its output buffer (None: an eager pass's tensor)."""
+
+    hidden: torch.Tensor
+    out_row: int | None = None
+
+
+@dataclass(frozen=True)
+class PromptPassParts:
+    """What the graphs of passes with prompt rows use of the runner, named one by one: the
+    model with its caches and kernels, the slot state and its geometry, the pass head, and
+    the host side of prompt chunks between their loops."""
+
+    model: Any
+    geo: KVGeometry
+    state: SlotState
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    ops: Any
+    lanes: SpecLanes | None
+    head: PassHead
+    dummy_slot: int
+    carried: dict[int, Carried]  # slot -> its prompt chunk's state, shared with the runner
+    apply_block_updates: Callable[[tuple[tuple[int, int, int], ...]], None]
+    keep_carried: Callable[..., list[tuple[int, int]]]
 
 
 def mixed_sizes(max_rows: int) -> list[int]:

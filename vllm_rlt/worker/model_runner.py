@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -12,19 +13,21 @@ from vllm_rlt.core.contract import (
     ModelRunnerOutput,
     NewSlot,
     PrefillChunk,
-    PromptLogprobs,
     SampledToken,
     SchedulerOutput,
 )
 from vllm_rlt.exit import ExitPolicy
-from vllm_rlt.layers.sampler import token_logprobs
+from vllm_rlt.worker.cuda_graphs import DecodeGraphs
+from vllm_rlt.worker.host_uploads import HostUploads
 from vllm_rlt.worker.kv_pool import KVPool, KVSource, copy_kv
+from vllm_rlt.worker.mixed_graphs import Carried, MixedGraphs, PromptPassParts, mixed_sizes
 from vllm_rlt.worker.pass_head import PassHead
 from vllm_rlt.worker.pass_inputs import (
     KVGeometry,
     build_metadata,
     gather_rows,
 )
+from vllm_rlt.worker.prompt_logprobs import PromptRows, prompt_logprobs, prompt_rows
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
 
@@ -32,47 +35,6 @@ from vllm_rlt.worker.spec_lanes import SpecLanes
 # for self-speculation the draft's outcome (0 none, 1 accepted, 2 refused) and its lead, and
 # the token's rank.
 PACKED_FIELDS = 7
-# Prompt rows whose logits are held at once for prompt logprobs ([rows, vocab] float32).
-PROMPT_LOGPROB_ROWS = 256
-
-
-@dataclass
-class PromptRows:
-    """Prompt logprobs of one chunk: [targets, 2 + 2 * top] (logprob, rank, top ids, values)."""
-
-    slot: int
-    start: int  # position of the first target
-    top: int
-    values: torch.Tensor
-
-
-@dataclass
-class Carried:
-    """A prompt chunk's state between two of its loops: `hidden` [chunk, hidden], and where
-    a captured mixed pass left it in its output buffer (None: an eager pass's tensor)."""
-
-    hidden: torch.Tensor
-    out_row: int | None = None
-
-
-@dataclass(frozen=True)
-class PromptPassParts:
-    """What the graphs of passes with prompt rows (worker/mixed_graphs.py) use of the
-    runner, named one by one: the model with its caches and kernels, the slot state and
-    its geometry, the pass head, and the host side of prompt chunks between their loops."""
-
-    model: Any
-    geo: KVGeometry
-    state: SlotState
-    k_caches: list[torch.Tensor]
-    v_caches: list[torch.Tensor]
-    ops: Any
-    lanes: SpecLanes | None
-    head: PassHead
-    dummy_slot: int
-    carried: dict[int, Carried]  # slot -> its prompt chunk's state, shared with the runner
-    apply_block_updates: Callable[[tuple[tuple[int, int, int], ...]], None]
-    keep_carried: Callable[..., list[tuple[int, int]]]
 
 
 @dataclass
@@ -83,37 +45,6 @@ class PendingPass:
     packed: torch.Tensor  # [samplers, PACKED_FIELDS + 2 * top] float32, on the host when CUDA
     done: torch.cuda.Event | None
     prompt: list[PromptRows]  # on the host when CUDA
-
-
-class HostUploads:
-    """Small int64 host-to-device uploads through a ring of pinned buffers, so they need not
-    wait for the device. A buffer is reused only after later passes were collected: at most
-    two passes are outstanding (one in flight, one being launched), and a pass uploads at
-    most a dozen times (depth / 2)."""
-
-    def __init__(self, size: int, device: torch.device, depth: int = 24) -> None:
-        self.device = device
-        pinned = device.type == "cuda"
-        self.ring = [torch.empty(size, dtype=torch.int64, pin_memory=pinned) for _ in range(depth)]
-        self.next = 0
-
-    def upload(self, values, out: torch.Tensor | None = None) -> torch.Tensor:
-        """`values` (a list of ints, or an int64 host tensor) on the device."""
-        if not isinstance(values, torch.Tensor):
-            values = torch.tensor(values, dtype=torch.int64)
-        if self.device.type != "cuda":
-            return values if out is None else out.copy_(values)
-        if len(values) > self.ring[0].numel():
-            # Grow the ring; a buffer an earlier copy still reads stays alive until it ends
-            # (the pinned allocator tracks its stream use).
-            size = 2 * len(values)
-            self.ring = [torch.empty(size, dtype=torch.int64, pin_memory=True) for _ in self.ring]
-        host = self.ring[self.next][: len(values)]
-        self.next = (self.next + 1) % len(self.ring)
-        host.copy_(values)
-        if out is None:
-            out = torch.empty(len(values), dtype=torch.int64, device=self.device)
-        return out.copy_(host, non_blocking=True)
 
 
 class ModelRunner:
@@ -170,11 +101,58 @@ class ModelRunner:
         # After the layer stack: one pipeline for eager passes and every graph. It holds the
         # state, lanes and exit policy: whatever replaces one of them must rebuild it.
         self.head = PassHead(model, ops, self.state, geometry, exit_policy, lanes, self.dummy_slot)
-        self.graphs = None  # set by the engine when CUDA graphs are enabled
-        self.mixed = None  # likewise: the graphs of passes with prompt rows
+        self.graphs: DecodeGraphs | None = None  # captured by `prepare_device`
+        self.mixed: MixedGraphs | None = None  # likewise: the passes with prompt rows
         # Passes that replayed decode graphs and prompt-pass graphs (the rest ran eagerly).
         self.num_decode_graph_passes = self.num_prompt_graph_passes = 0
         self.uploads = HostUploads(max_slots + 1, model.device)
+
+    def prepare_device(self, cuda_graphs: bool, max_num_batched_tokens: int) -> None:
+        """On CUDA: capture the decode graphs and the graphs of passes with prompt rows (when
+        `cuda_graphs` and the attention backend allow), then warm up the passes with prompt
+        rows that run eagerly. Elsewhere: nothing. A failed set-up leaves no graphs, so a
+        retry captures them again from scratch."""
+        if self.model.device.type != "cuda":
+            return
+        try:
+            if cuda_graphs and not self.ops.needs_segments:
+                self.capture_graphs(max_num_batched_tokens)
+            self.warm_up_prompt_passes(sorted({1, max_num_batched_tokens}))
+        except BaseException:
+            self.drop_graphs()
+            raise
+
+    def capture_graphs(self, max_num_batched_tokens: int) -> None:
+        """Capture the decode graphs, then, in their memory pool, the graphs of passes with
+        prompt rows of up to `max_num_batched_tokens` rows."""
+        self.graphs = DecodeGraphs(
+            self.decode_pass,
+            self.dummy_slot,
+            self.uploads.upload,
+            self.model.device,
+            with_lanes=self.lanes is not None,
+        )
+        self.graphs.capture_all()
+        self.mixed = MixedGraphs(
+            self.prompt_pass_parts(), self.graphs.pool, mixed_sizes(max_num_batched_tokens)
+        )
+        self.mixed.capture_all()
+
+    def drop_graphs(self) -> None:
+        """Forget the captured graphs: they hold device addresses, so they go before the
+        memory they read is released; passes run eagerly until `prepare_device` again."""
+        self.graphs = self.mixed = None
+
+    @contextlib.contextmanager
+    def eager_passes(self) -> Iterator[None]:
+        """Within: every pass runs eagerly, the captured graphs kept for after (to time a
+        pass against its graphed form)."""
+        graphs, mixed = self.graphs, self.mixed
+        self.drop_graphs()
+        try:
+            yield
+        finally:
+            self.graphs, self.mixed = graphs, mixed
 
     def prompt_pass_parts(self) -> PromptPassParts:
         return PromptPassParts(
@@ -351,7 +329,7 @@ class ModelRunner:
         output = self._to_output(pending.packed.tolist(), pending.samplers)
         if not pending.prompt:
             return output
-        prompt = tuple(_prompt_logprobs(rows) for rows in pending.prompt)
+        prompt = tuple(prompt_logprobs(rows) for rows in pending.prompt)
         return ModelRunnerOutput(output.sampled, output.decode_slots_continuing, prompt)
 
     def run_pass(
@@ -403,7 +381,7 @@ class ModelRunner:
             lanes,
         )
         hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
-        prompt = self._prompt_rows(hidden, chunks, num_decode)
+        prompt = prompt_rows(self.model, self.ops, hidden, chunks, num_decode)
         samplers = self.keep_carried(hidden, chunks, num_decode)
         p_slots = p_rows = decode[:0]
         if samplers:
@@ -445,30 +423,6 @@ class ModelRunner:
             row += n
         return samplers
 
-    def _prompt_rows(
-        self, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
-    ) -> list[PromptRows]:
-        """The LM head on the prompt rows whose next token's logprob was asked for (and on
-        no others), a bounded number of rows at a time."""
-        results = []
-        for chunk in chunks:
-            count = len(chunk.prompt_targets)
-            if count:
-                targets = torch.tensor(chunk.prompt_targets, device=hidden.device)
-                parts = []
-                for lo in range(0, count, PROMPT_LOGPROB_ROWS):
-                    hi = min(count, lo + PROMPT_LOGPROB_ROWS)
-                    logits = self.model.coda(hidden[row + lo : row + hi], self.ops)
-                    chosen, rank, top_ids, top_lp = token_logprobs(
-                        logits, targets[lo:hi], chunk.prompt_top
-                    )
-                    firsts = [chosen.unsqueeze(1), rank.float().unsqueeze(1)]
-                    parts.append(torch.cat([*firsts, top_ids.float(), top_lp], 1))
-                values = torch.cat(parts)
-                results.append(PromptRows(chunk.slot, chunk.start + 1, chunk.prompt_top, values))
-            row += len(chunk.token_ids)
-        return results
-
     def _to_output(self, packed: list[list[float]], slots: list[int]) -> ModelRunnerOutput:
         sampled, continuing = [], []
         for slot, values in zip(slots, packed, strict=True):
@@ -498,18 +452,6 @@ class ModelRunner:
                 )
             )
         return ModelRunnerOutput(tuple(sampled), tuple(continuing))
-
-
-def _prompt_logprobs(rows: PromptRows) -> PromptLogprobs:
-    values = rows.values.tolist()
-    top = rows.top
-    return PromptLogprobs(
-        slot=rows.slot,
-        start=rows.start,
-        logprobs=tuple(v[0] for v in values),
-        ranks=tuple(int(v[1]) for v in values),
-        top=tuple(tuple((int(v[2 + j]), v[2 + top + j]) for j in range(top)) for v in values),
-    )
 
 
 def is_device_fault(error: BaseException) -> bool:

@@ -32,6 +32,13 @@ from __future__ import annotations
 
 import torch
 
+from vllm_rlt.config import (
+    CacheConfig,
+    KVLayout,
+    SchedulerConfig,
+    SpeculativeConfig,
+    require,
+)
 from vllm_rlt.layers.sampler import filtered_probs, sample_from, seeded_uniform
 
 
@@ -39,6 +46,41 @@ def lanes_per_request(num_loops: int, draft_loops: int, max_ahead: int) -> int:
     """Positions a speculating request computes at once: a new one starts every d passes
     and each takes at most D passes, and no more than `max_ahead` of them run on drafts."""
     return min(-(-num_loops // draft_loops), max_ahead + 1)
+
+
+def check_speculation(
+    config: SpeculativeConfig,
+    num_loops: int,
+    cache_config: CacheConfig,
+    scheduler_config: SchedulerConfig,
+    num_lanes: int,
+) -> None:
+    """Every setting speculation cannot work with, as one clear error naming it."""
+    require(
+        config.draft_loops < num_loops,
+        f"draft_loops must be in [1, {num_loops - 1}] (below the model's {num_loops} loops), "
+        f"got {config.draft_loops}",
+        "draft_loops",
+    )
+    require(
+        cache_config.layout is KVLayout.LAST_EXITED,
+        "speculative decoding needs the last_exited KV layout (a drafted position reads each "
+        f"earlier position at its own loop), got {cache_config.layout.value!r}",
+        "kv_layout",
+    )
+    rows = scheduler_config.max_num_seqs * num_lanes
+    require(
+        rows <= scheduler_config.max_num_batched_tokens,
+        f"max_num_batched_tokens must be at least max_num_seqs x {num_lanes} = {rows} (a "
+        f"speculating request decodes in {num_lanes} rows per pass), got "
+        f"{scheduler_config.max_num_batched_tokens}",
+        "max_num_batched_tokens",
+    )
+    require(
+        scheduler_config.mode == "refill",
+        f"speculative decoding needs the refill scheduling mode, got {scheduler_config.mode!r}",
+        "mode",
+    )
 
 
 class SpecLanes:

@@ -31,12 +31,8 @@ from vllm_rlt.engine.process.core_client import CoreAttachment, EngineCoreClient
 from vllm_rlt.engine.process.dp_client import DataParallelClient
 from vllm_rlt.engine.process.parent_watch import leave_with_parent
 from vllm_rlt.engine.process.process_setup import freeze_startup_heap
-from vllm_rlt.entrypoints.openai.server import (
-    ServerState,
-    build_server,
-    listen,
-    log_like_uvicorn,
-)
+from vllm_rlt.entrypoints.openai.server import build_server, listen, log_like_uvicorn
+from vllm_rlt.entrypoints.openai.server_state import ServerState
 from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 logger = logging.getLogger("vllm_rlt.server")

@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 from fastapi import FastAPI
 
 from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME
+from vllm_rlt.entrypoints.openai.api_errors import as_api_error
 from vllm_rlt.entrypoints.openai.protocol import StrictModel
-from vllm_rlt.entrypoints.openai.serving import as_api_error
 
 if TYPE_CHECKING:
     from vllm_rlt.engine.async_llm import AsyncLLM

@@ -1,4 +1,5 @@
-"""Completions and chat completions: requests in, OpenAI-shaped JSON or SSE out."""
+"""Completions and chat completions: requests in as jobs, run on the engine, answered whole
+or as SSE events (shaped by response_shapes.py)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import orjson
@@ -14,50 +15,20 @@ import orjson
 from vllm_rlt.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from vllm_rlt.engine.output_processor import RequestFailedError
 from vllm_rlt.engine.request_stream import RequestStream
+from vllm_rlt.entrypoints.openai.api_errors import APIError, as_api_error
 from vllm_rlt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
-from vllm_rlt.outputs import CompletionOutput, RequestOutput
+from vllm_rlt.entrypoints.openai.response_shapes import Job, ResponseShapes, shown
+from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 
 
-class APIError(Exception):
-    """An OpenAI-style error: HTTP status plus the fields of the error object."""
-
-    def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", param=None
-    ) -> None:
-        super().__init__(message)
-        self.status, self.message, self.kind, self.param = status, message, kind, param
-
-    def body(self) -> dict[str, Any]:
-        return {
-            "error": {
-                "message": self.message,
-                "type": self.kind,
-                "param": self.param,
-                "code": self.status,
-            }
-        }
-
-
-@dataclass
-class Job:
-    """One endpoint call: its engine requests (one per prompt) and how to shape results."""
-
-    kind: str  # "completion" | "chat"
-    request_id: str
-    prompts: list[tuple[str | None, list[int]]]
-    params: SamplingParams
-    num_logprobs: int | None
-    echo: bool = False
-    exit_depths: bool = False
-    prompt_only: bool = False  # max_tokens 0 with echo: the one token generated is not shown
-    created: int = field(default_factory=lambda: int(time.time()))
-
-
 class OpenAIServing:
+    """The served model's side of the completion routes: requests checked and tokenized into
+    jobs, and jobs run on the engine."""
+
     def __init__(
         self,
         engine: AsyncLLM,
@@ -73,6 +44,7 @@ class OpenAIServing:
         self.request_timeout = request_timeout
         self.max_sequences_per_request = max_sequences_per_request
         self.closing = False  # shutting down: new requests get 503, aborted ones too
+        self.shapes = ResponseShapes(engine, tokenizer, model_name)
 
     # ----------------------------------------------------------------- request shaping
     def check_model(self, model: str) -> None:
@@ -113,7 +85,11 @@ class OpenAIServing:
             self._check(f"{request_id}-{index}", ids, params)  # ids are valid before decoding
             # Text of token-id prompts is only shown with echo.
             text = (
-                prompt if isinstance(prompt, str) else self._decode(ids) if request.echo else None
+                prompt
+                if isinstance(prompt, str)
+                else self.shapes.decode(ids)
+                if request.echo
+                else None
             )
             prompts.append((text, ids))
         return Job(
@@ -186,11 +162,6 @@ class OpenAIServing:
         except ValueError as exc:
             raise as_api_error(exc) from exc
 
-    def _decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
     # ----------------------------------------------------------------- running
     def _open(self, job: Job, kind: RequestOutputKind) -> list[RequestStream]:
         """Queue the job's requests (all or none) and return their streams, whose outputs
@@ -244,16 +215,18 @@ class OpenAIServing:
         for prompt_index, output in enumerate(finals):
             for completion in output.outputs:
                 choice_index = prompt_index * job.params.n + completion.index
-                completion = _shown(job, completion)
+                completion = shown(job, completion)
                 generated += len(completion.token_ids)
-                choices.append(self._choice(job, prompt_index, choice_index, completion, output))
+                choices.append(
+                    self.shapes.choice(job, prompt_index, choice_index, completion, output)
+                )
         body = {
             "id": job.request_id,
             "object": "text_completion" if job.kind == "completion" else "chat.completion",
             "created": job.created,
             "model": self.model_name,
             "choices": choices,
-            "usage": self._usage(job, generated),
+            "usage": self.shapes.usage(job, generated),
         }
         if finals and finals[-1].weight_version is not None:  # as SGLang's meta_info has it
             body["weight_version"] = finals[-1].weight_version
@@ -289,190 +262,25 @@ class OpenAIServing:
                     return
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
-                    completion = _shown(job, completion)
+                    completion = shown(job, completion)
                     generated += len(completion.token_ids)
                     first = choice_index not in sent
                     offset = sent.get(choice_index, 0)
-                    chunk = self._delta(job, index, choice_index, completion, item, first, offset)
+                    chunk = self.shapes.delta(
+                        job, index, choice_index, completion, item, first, offset
+                    )
                     if chunk is not None:
                         sent[choice_index] = offset + len(chunk.get("text", ""))
-                        yield _sse(self._chunk(job, [chunk]))
+                        yield _sse(self.shapes.chunk(job, [chunk]))
             if include_usage:
-                body = self._chunk(job, [])
-                body["usage"] = self._usage(job, generated)
+                body = self.shapes.chunk(job, [])
+                body["usage"] = self.shapes.usage(job, generated)
                 yield _sse(body)
             yield b"data: [DONE]\n\n"
         finally:
             await items.aclose()
             for stream in streams:
                 stream.close()
-
-    # ----------------------------------------------------------------- shaping
-    def _usage(self, job: Job, completion_tokens: int) -> dict[str, int]:
-        prompt_tokens = sum(len(ids) for _, ids in job.prompts)
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-        }
-
-    def _choice(
-        self,
-        job: Job,
-        prompt_index: int,
-        index: int,
-        completion: CompletionOutput,
-        output: RequestOutput,
-    ) -> dict[str, Any]:
-        text = completion.text
-        if job.echo:
-            text = (job.prompts[prompt_index][0] or "") + text
-        choice: dict[str, Any] = {"index": index, "finish_reason": completion.finish_reason}
-        logprobs = self._logprobs(job, completion, 0, len(completion.token_ids))
-        if job.echo and logprobs is not None:
-            logprobs = self._with_prompt(job, prompt_index, output, logprobs)
-        if job.kind == "completion":
-            choice.update(text=text, logprobs=logprobs)
-        else:
-            choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
-        if job.exit_depths:
-            choice["exit_depths"] = list(completion.exit_depths)
-        return choice
-
-    def _delta(
-        self,
-        job: Job,
-        prompt_index: int,
-        index: int,
-        completion: CompletionOutput,
-        output: RequestOutput,
-        first: bool,
-        offset: int,
-    ) -> dict[str, Any] | None:
-        """One choice's chunk for what its completion added (a DELTA output, whose text
-        already holds back what could still become a stop string), or None when there is
-        nothing to show. `offset`: the length of the choice's text already sent."""
-        finished = completion.finish_reason is not None
-        text = completion.text
-        per_token = job.num_logprobs is not None or job.exit_depths
-        if not text and not finished and not first and not (per_token and completion.token_ids):
-            return None
-        if job.echo and first:
-            text = (job.prompts[prompt_index][0] or "") + text
-        logprobs = self._logprobs(job, completion, 0, len(completion.token_ids), offset)
-        if job.echo and first and logprobs is not None:
-            logprobs = self._with_prompt(job, prompt_index, output, logprobs)
-        chunk: dict[str, Any] = {
-            "index": index,
-            "logprobs": logprobs,
-            "finish_reason": completion.finish_reason,
-        }
-        if job.kind == "completion":
-            chunk["text"] = text
-        else:
-            delta: dict[str, Any] = {"content": text}
-            if first:
-                delta["role"] = "assistant"
-            chunk["delta"] = delta
-        if job.exit_depths:
-            chunk["exit_depths"] = list(completion.exit_depths)
-        return chunk
-
-    def _chunk(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
-        chunk = {
-            "id": job.request_id,
-            "object": "text_completion" if job.kind == "completion" else "chat.completion.chunk",
-            "created": job.created,
-            "model": self.model_name,
-            "choices": choices,
-        }
-        if self.engine.weight_version is not None:
-            chunk["weight_version"] = self.engine.weight_version
-        return chunk
-
-    def _logprobs(
-        self, job: Job, completion: CompletionOutput, start: int, end: int, offset: int = 0
-    ):
-        """The choice's logprobs in OpenAI's form; a completion's `text_offset` counts from
-        `offset`, the length of the choice's text before this token."""
-        if job.num_logprobs is None or completion.logprobs is None:
-            return None
-        entries = []
-        for token, candidates in zip(
-            completion.token_ids[start:end], completion.logprobs[start:end], strict=True
-        ):
-            top = [(t, v.logprob) for t, v in candidates.items()]
-            top = sorted(top, key=lambda item: -item[1])[: job.num_logprobs]
-            entries.append((token, candidates[token].logprob, top))
-        if job.kind == "chat":
-            return {
-                "content": [
-                    {
-                        **self._token_fields(token, value),
-                        "top_logprobs": [self._token_fields(t, v) for t, v in top],
-                    }
-                    for token, value, top in entries
-                ]
-            }
-        tokens = [self._token_text(t) for t, _, _ in entries]
-        return {
-            "tokens": tokens,
-            "token_logprobs": [value for _, value, _ in entries],
-            "top_logprobs": [{self._token_text(t): v for t, v in top} for _, _, top in entries],
-            "text_offset": _text_offsets(tokens, offset),
-        }
-
-    def _with_prompt(
-        self, job: Job, prompt_index: int, output: RequestOutput, logprobs: dict[str, Any]
-    ) -> dict[str, Any]:
-        """Completion logprobs preceded by the prompt tokens' (None for the first one), with
-        the text offsets counted from the prompt's start."""
-        ids = job.prompts[prompt_index][1]
-        entries = output.prompt_logprobs or [None] * len(ids)
-        tokens, values, tops = [], [], []
-        for token, entry in zip(ids, entries, strict=True):
-            tokens.append(self._token_text(token))
-            values.append(None if entry is None else entry[token].logprob)
-            if entry is None:
-                tops.append(None)
-                continue
-            top = sorted(entry.items(), key=lambda item: -item[1].logprob)[: job.num_logprobs]
-            tops.append({self._token_text(t): v.logprob for t, v in top})
-        tokens += logprobs["tokens"]
-        return {
-            "tokens": tokens,
-            "token_logprobs": values + logprobs["token_logprobs"],
-            "top_logprobs": tops + logprobs["top_logprobs"],
-            "text_offset": _text_offsets(tokens, 0),
-        }
-
-    def _token_fields(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self._token_text(token)
-        raw = self.tokenizer.token_bytes(token) if self.tokenizer else text.encode("utf-8")
-        return {"token": text, "logprob": logprob, "bytes": list(raw)}
-
-    def _token_text(self, token: int) -> str:
-        """The token's text, or its vocabulary string where the text alone is not valid
-        UTF-8 (so distinct tokens keep distinct keys)."""
-        text = self._decode([token], False)
-        if "\ufffd" in text and self.tokenizer is not None:
-            return self.tokenizer.convert_ids_to_tokens([token])[0]
-        return text
-
-
-def _shown(job: Job, completion: CompletionOutput) -> CompletionOutput:
-    """What the client sees of a completion: nothing generated for a prompt-only job."""
-    if not job.prompt_only:
-        return completion
-    return replace(
-        completion,
-        text="",
-        token_ids=[],
-        exit_depths=[],
-        logprobs=None if completion.logprobs is None else [],
-        finish_reason=None if completion.finish_reason is None else "length",
-        cumulative_logprob=None,
-    )
 
 
 async def _merged(
@@ -512,38 +320,12 @@ async def _merged(
             task.cancel()
 
 
-def _text_offsets(tokens: list[str], start: int) -> list[int]:
-    """Where each token's text begins, as vLLM counts it: from `start`, adding up the
-    tokens' own texts."""
-    offsets = []
-    for token in tokens:
-        offsets.append(start)
-        start += len(token)
-    return offsets
-
-
 def _sse(body: dict[str, Any]) -> bytes:
     return b"data: " + orjson.dumps(body) + b"\n\n"
 
 
 def _aborted(output: RequestOutput) -> bool:
     return any(c.finish_reason == "abort" for c in output.outputs)
-
-
-def as_api_error(exc: BaseException) -> APIError:
-    """The error object a failure maps to: bad input 400, a full queue 429, a dead engine 503,
-    a request the engine failed alone 500."""
-    if isinstance(exc, APIError):
-        return exc
-    if isinstance(exc, QueueFullError):
-        return APIError(429, str(exc), "rate_limit_error")
-    if isinstance(exc, EngineDeadError):
-        return APIError(503, str(exc), "service_unavailable")
-    if isinstance(exc, RequestFailedError):
-        return APIError(500, str(exc), "internal_error")
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc), param=getattr(exc, "param", None))
-    return APIError(500, f"request failed: {exc!r}", "internal_error")
 
 
 def _error_body(exc: BaseException) -> dict[str, Any]:

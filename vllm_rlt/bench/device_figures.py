@@ -1,0 +1,77 @@
+"""What a benchmark's figures are measured against: the software and the device they ran on,
+and on CUDA the memory-bandwidth roofline of a decode pass."""
+
+from __future__ import annotations
+
+import platform
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # torch loads when a run starts, not to parse flags
+    import torch
+
+
+def copy_bandwidth(device: torch.device) -> float:
+    """Measured device memory bandwidth in bytes/s (a 1 GiB copy reads and writes it)."""
+    import torch
+
+    source = torch.empty(2**29, dtype=torch.float16, device=device)
+    target = torch.empty_like(source)
+    for _ in range(3):
+        target.copy_(source)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        target.copy_(source)
+    end.record()
+    end.synchronize()
+    return 2 * source.numel() * source.element_size() * 10 / (start.elapsed_time(end) / 1e3)
+
+
+def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float) -> dict:
+    """Decode tokens/s if every pass only streamed the layer weights once plus each row's
+    keys and values (one plane) at the mean context, at the measured bandwidth."""
+    from vllm_rlt.layers.fp8 import kv_cache_torch_dtype, weight_nbytes
+
+    cfg = model.config
+    element = model.dtype.itemsize
+    kv_element = kv_cache_torch_dtype(args.kv_cache_dtype, model.dtype).itemsize
+    layer_bytes = sum(
+        weight_nbytes(t)
+        for layer in model.layers
+        for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    )
+    head_bytes = model.lm_head.numel() * element
+    mean_context = args.shared_prefix_len + args.prompt_len + args.output_len / 2
+    kv_bytes = (
+        concurrency
+        * mean_context
+        * cfg.num_hidden_layers
+        * 2
+        * cfg.num_key_value_heads
+        * cfg.head_dim
+        * kv_element
+    )
+    pass_bytes = layer_bytes + kv_bytes + head_bytes
+    seconds_per_token = mean_loops * pass_bytes / bandwidth
+    return {
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "bytes_per_pass": pass_bytes,
+        "decode_tokens_per_s_bound": concurrency / seconds_per_token,
+    }
+
+
+def environment(device: torch.device) -> dict[str, Any]:
+    import torch
+
+    info = {"torch": torch.__version__, "python": platform.python_version()}
+    if device.type == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(device)
+        try:
+            import triton
+
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+    else:
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
