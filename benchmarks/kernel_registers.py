@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if importlib.util.find_spec("triton") is None:
         parser.error("needs Triton, which compiles the kernels (no GPU needed): pip install triton")
-    from vllm_rlt.kernels.triton_kernels import _paged_attention_kernel, _rope_attend_kernel
+    from vllm_rlt.kernels.decode_attention import _paged_attention_kernel, _rope_attend_kernel
 
     shape = dict(NUM_HEADS=16, NUM_KV_HEADS=16, HEAD_DIM=128, KV_SCALED=False, STAGES=1)
     kernels = {

@@ -19,12 +19,9 @@ import torch
 
 from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.cli_parser import CLIParser
+from vllm_rlt.kernels.decode_attention import _paged_attention_kernel
 from vllm_rlt.kernels.pdl import launch_options
-from vllm_rlt.kernels.triton_kernels import (
-    _paged_attention_kernel,
-    _rope_write_kernel,
-    _rope_write_rows_kernel,
-)
+from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
 
 HEADS, DIM, BLOCK, PLANES, LAYERS = 16, 128, 16, 4, 24
 

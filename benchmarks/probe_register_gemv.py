@@ -38,7 +38,7 @@ from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.kernels.pdl import launch_options, pdl_enter
 from vllm_rlt.kernels.skinny_linear import skinny_linear, skinny_linear_partials
 from vllm_rlt.layers.fp8 import Fp8Weight
-from vllm_rlt.ops.triton_ops import linear_plan
+from vllm_rlt.ops.linear_plans import linear_plan
 
 SHAPES = {"qkv": (6144, 2048), "o": (2048, 2048), "gate_up": (11264, 2048), "down": (2048, 5632)}
 CHUNK = 256  # columns a streaming step loads past the preloaded ones

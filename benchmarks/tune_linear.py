@@ -1,5 +1,5 @@
 """Time the skinny linear kernel over launch shapes against cuBLAS, at Ouro-1.4B layer shapes,
-to choose the rows of LINEAR_PLANS (vllm_rlt/ops/triton_ops.py).
+to choose the rows of LINEAR_PLANS (vllm_rlt/ops/linear_plans.py).
 
 Each case runs back to back in a CUDA graph over enough weight copies to defeat the L2 cache,
 as the layers of a real pass do. Layers that feed the residual add and norm (o, down) are

@@ -492,7 +492,7 @@ def _compiled_variants(kernel) -> int:
 def test_no_prompt_pass_compiles_after_start(toy_config, toy_state):
     """Start-up compiles the prompt attention kernel once; afterwards no prompt pass, of any
     tile count (odd ones once started a second variant) or size, compiles anything."""
-    from vllm_rlt.kernels.triton_kernels import _prefill_attention_kernel
+    from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
 
     engine = _fast_fixed_depth_engine(toy_config, toy_state)
     compiled = _compiled_variants(_prefill_attention_kernel)

@@ -43,7 +43,7 @@ def _expected(x: torch.Tensor, q: Fp8Weight, skinny: bool) -> torch.Tensor:
 @pytest.mark.parametrize("rows", [1, 16, 40, 64, 65, 300])
 @pytest.mark.parametrize("n,k", [(2048, 2048), (6144, 2048), (11264, 2048), (2048, 5632)])
 def test_fp8_linear_ops_equal_the_reference(triton_ops, dtype, rows, n, k):
-    from vllm_rlt.ops.triton_ops import linear_plan
+    from vllm_rlt.ops.linear_plans import linear_plan
 
     gen = torch.Generator(device="cuda").manual_seed(rows + n)
     x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)

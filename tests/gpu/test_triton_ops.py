@@ -66,7 +66,7 @@ def test_linear_layers(triton_ops, dtype, rows, n, k):
     live[-1] = True
     got = triton_ops.linear(x, w, live)
     torch.testing.assert_close(got[-1], ref.linear(x, w)[-1], atol=tol, rtol=tol)
-    from vllm_rlt.ops.triton_ops import linear_plan  # needs triton: import here
+    from vllm_rlt.ops.linear_plans import linear_plan  # needs triton: import here
 
     if linear_plan(x, w) is not None:  # one row tile: nothing live, no weight read, zeros
         assert not triton_ops.linear(x, w, idle).any()

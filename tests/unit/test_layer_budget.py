@@ -156,17 +156,23 @@ def test_rope_and_attention_merge_where_one_kernel_runs_both():
     assert many[ROPE].bytes == 17 * rope // 16 and many[ATTENTION].bytes == 17 * attention // 16
 
 
-def test_the_engine_constants_the_bounds_follow_are_the_backends():
-    source = (PACKAGE / "ops" / "triton_ops.py").read_text()
-    values = {
+def _module_constants(name: str) -> dict:
+    """The constants a module of the ops package assigns, read from its source (the module
+    needs triton to import)."""
+    source = (PACKAGE / "ops" / name).read_text()
+    return {
         target.id: node.value.value
         for node in ast.parse(source).body
         if isinstance(node, ast.Assign) and isinstance(node.value, ast.Constant)
         for target in node.targets
         if isinstance(target, ast.Name)
     }
-    assert values["FP8_SKINNY_ROWS"] == layer_budget.FP8_SKINNY_ROWS
-    assert values["FUSED_DECODE_ROWS"] == layer_budget.FUSED_DECODE_ROWS
+
+
+def test_the_engine_constants_the_bounds_follow_are_the_backends():
+    plans, launches = _module_constants("linear_plans.py"), _module_constants("triton_ops.py")
+    assert plans["FP8_SKINNY_ROWS"] == layer_budget.FP8_SKINNY_ROWS
+    assert launches["FUSED_DECODE_ROWS"] == layer_budget.FUSED_DECODE_ROWS
 
 
 def test_a_model_without_branch_norms_reads_one_norm_weight_per_add():

@@ -5,10 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-# The engine's choices the bounds follow (ops/triton_ops.py; a test reads them
-# there): fp8 weights reach FP8 tensor cores only above FP8_SKINNY_ROWS rows (fewer rows
-# widen them to bf16 in registers, so their products count at the bf16 rate), and decode
-# passes of up to FUSED_DECODE_ROWS rows write K/V and attend in one kernel.
+# The engine's choices the bounds follow (ops/linear_plans.py and ops/triton_ops.py; a
+# test reads them there): fp8 weights reach FP8 tensor cores only above FP8_SKINNY_ROWS
+# rows (fewer rows widen them to bf16 in registers, so their products count at the bf16
+# rate), and decode passes of up to FUSED_DECODE_ROWS rows write K/V and attend in one
+# kernel.
 FP8_SKINNY_ROWS = 16
 FUSED_DECODE_ROWS = 16
 ACTIVATION_BYTES = 2  # bf16 activations, norm weights and LM head

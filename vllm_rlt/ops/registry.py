@@ -4,15 +4,16 @@ RoPE + KV write + paged attention) for a kind of device."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
 import torch
 
-_BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], Any]]] = {}
+from vllm_rlt.ops.base import LoopOps
+
+_BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], LoopOps]]] = {}
 
 
 def register_backend(
-    name: str, is_available: Callable[[torch.device], bool], load: Callable[[], Any]
+    name: str, is_available: Callable[[torch.device], bool], load: Callable[[], LoopOps]
 ) -> None:
     _BACKENDS[name] = (is_available, load)
 
@@ -21,7 +22,7 @@ def available_backends(device: torch.device) -> list[str]:
     return [name for name, (ok, _) in _BACKENDS.items() if ok(device)]
 
 
-def get_backend(name: str, device: torch.device) -> tuple[str, Any]:
+def get_backend(name: str, device: torch.device) -> tuple[str, LoopOps]:
     """Resolve `name` ("auto" picks the best available) to (resolved name, ops object)."""
     if name == "auto":
         name = available_backends(device)[0]
@@ -48,13 +49,13 @@ def _triton_available(device: torch.device) -> bool:
     return True
 
 
-def _load_triton():
+def _load_triton() -> LoopOps:
     from vllm_rlt.ops.triton_ops import TritonOps
 
     return TritonOps()
 
 
-def _load_torch():
+def _load_torch() -> LoopOps:
     from vllm_rlt.ops.torch_ops import TorchOps
 
     return TorchOps()

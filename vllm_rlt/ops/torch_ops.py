@@ -8,11 +8,13 @@ import torch.nn.functional as F
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference, is_float8
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.ops.base import Weight
 from vllm_rlt.ops.metadata import AttentionMetadata
 
 
 class TorchOps:
-    """Runs anywhere; the correctness reference for every other backend."""
+    """LoopOps (ops/base.py) in plain torch: runs anywhere, the correctness reference for
+    every other backend."""
 
     needs_segments = True
 
@@ -23,7 +25,12 @@ class TorchOps:
         return rms_norm(x, weight, eps)
 
     def add_rms_norm2(
-        self, x: torch.Tensor, branch: torch.Tensor, w_branch, w_next, eps: float
+        self,
+        x: torch.Tensor,
+        branch: torch.Tensor,
+        w_branch: torch.Tensor | None,
+        w_next: torch.Tensor,
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x + RMSNorm(branch) (x + branch when w_branch is None), and RMSNorm of that sum
         with the next weight."""
@@ -31,7 +38,13 @@ class TorchOps:
         return x, rms_norm(x, w_next, eps)
 
     def linear_add_rms_norm2(
-        self, x: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, w_branch, w_next, eps
+        self,
+        x: torch.Tensor,
+        inp: torch.Tensor,
+        weight: Weight,
+        w_branch: torch.Tensor | None,
+        w_next: torch.Tensor,
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2 of x and the projected branch inp @ weight.T: one op, so that a
         backend may fuse the projection's reduction into the norm."""
@@ -43,14 +56,14 @@ class TorchOps:
         return F.silu(gate) * up
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, live: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: Weight, live: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x @ weight.T; `live` (rows whose output is used) lets a backend skip idle rows."""
         if isinstance(weight, Fp8Weight):
             return fp8_linear_reference(x, weight)
         return F.linear(x, weight)
 
-    def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    def linear_silu_mul(self, x: torch.Tensor, gate_up: Weight) -> torch.Tensor:
         """silu_mul(x @ gate_up.T) for the interleaved gate/up weight."""
         return self.silu_mul(self.linear(x, gate_up))
 

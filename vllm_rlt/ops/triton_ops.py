@@ -3,30 +3,28 @@ attention that resolves each row's plane and block table inside the kernel."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 import torch
 import torch.nn.functional as F
 import triton
 
-from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
-from vllm_rlt.kernels.pdl import launch_options, pdl_supported
-from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials
-from vllm_rlt.kernels.strip_gemv import strip_gemv, strip_rows
-from vllm_rlt.kernels.triton_kernels import (
-    _add_rms_norm2_kernel,
+from vllm_rlt.kernels.decode_attention import (
     _combine_splits_kernel,
     _paged_attention_kernel,
-    _prefill_attention_kernel,
-    _rms_norm_kernel,
     _rope_attend_kernel,
-    _rope_write_kernel,
-    _rope_write_rows_kernel,
-    _silu_mul_kernel,
 )
+from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
+from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel
+from vllm_rlt.kernels.pdl import launch_options, pdl_supported
+from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
+from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
+from vllm_rlt.kernels.silu_mul import _silu_mul_kernel
+from vllm_rlt.kernels.skinny_linear import skinny_linear, skinny_linear_partials
+from vllm_rlt.kernels.strip_gemv import strip_gemv
 from vllm_rlt.kernels.w8a16_gemm import takes_w8a16, w8a16_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.ops.base import Weight
+from vllm_rlt.ops.linear_plans import linear_plan, takes_strip
 from vllm_rlt.ops.metadata import AttentionMetadata
 
 # Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
@@ -72,102 +70,8 @@ ROPE_BY_ROW = 64
 # Programmatic dependent launch where the GPU has it (Hopper and newer).
 USE_PDL = True
 
-# Linear layers: per layer shape, the launch shape for passes of up to so many rows, in
-# increasing order; a pass with more rows than the last entry runs cuBLAS. Chosen with
-# benchmarks/tune_linear.py on an H200 in bf16 at Ouro-1.4B shapes (o 2048 x 2048, qkv
-# 6144 x 2048, gate_up 11264 x 2048, LM head 49152 x 2048, down 2048 x 5632); block_k is
-# in bf16 elements. Split-K (last field) is used only where the product feeds the residual
-# add and norm, which sums the slices.
-LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
-    "narrow": (  # N <= 4096, N >= K (o): 1.06-1.15x cuBLAS with the norm that follows
-        (16, SkinnyConfig(32, 128, 4, 4, 16, 2)),
-        (32, SkinnyConfig(32, 128, 4, 4, 32, 2)),
-        (64, SkinnyConfig(32, 128, 4, 4, 64, 2)),
-    ),
-    "medium": ((16, SkinnyConfig(64, 256, 4, 4, 16)),),  # N <= 8192 (qkv): 0.89x at 32 rows
-    "wide": (  # N <= 16384 (gate_up + SiLU-mul): 1.06-1.14x cuBLAS + SiLU-mul
-        (16, SkinnyConfig(32, 128, 4, 4, 16)),
-        (32, SkinnyConfig(32, 128, 4, 4, 32)),
-        (64, SkinnyConfig(128, 128, 8, 4, 64)),
-    ),
-    "head": (  # wider (LM head): 1.05-1.09x
-        (16, SkinnyConfig(64, 256, 4, 3, 16)),
-        (32, SkinnyConfig(128, 128, 4, 3, 32)),
-        (64, SkinnyConfig(128, 64, 8, 3, 64)),
-    ),
-    "deep": ((16, SkinnyConfig(32, 128, 4, 4, 16, 4)),),  # N < K (down): 0.96x at 32 rows
-}
 
-
-# FP8 weights take the skinny kernel (widened in registers, with bf16's launch shapes) up to
-# this many rows, and FP8 tensor cores with per-token activation scales (fp8_rows.py) above.
-# Same-run A/B on an H200, 16 against 64: 1.20x at concurrency 32, 1.12x at 64, 1.10x at
-# prompt 1024 with fp8 K/V, equal at 8. Keeping o and down (N <= K) skinny up to 64 rows,
-# as their per-kernel times favoured, gave 0.94x / 1.03x at concurrency 32 / 64.
-FP8_SKINNY_ROWS = 16
-
-# Passes of at most so many rows run these layer classes (per weight dtype: bf16, float8)
-# with each program's weight strip in registers, loaded before the wait on the previous
-# kernel (kernels/strip_gemv.py), where a strip fits. On an H200 at one row, Ouro-1.4B
-# shapes, against the skinny kernel (o: its split-K form), float8 qkv 4.9 / 10.9 us, o
-# 2.6 / 4.5, gate_up 7.8 / 14.3 (benchmarks/probe_register_gemv.py), and in the engine at
-# concurrency 1: 1.21x (169 -> 205 decode tok/s). bf16 gained 1.0-1.1x per projection in
-# the probe but lost in the engine (0.97x), so it keeps the skinny kernel. At 8 rows float8
-# lost (0.64x at concurrency 8: the CUDA-core products grow with the rows), and 4 rows lost
-# under steady load (0.84x, --waves 4 at concurrency 4). Down (N < K) keeps the skinny
-# kernel's split-K. 0: never.
-STRIP_GEMV_ROWS = 1
-STRIP_GEMV_CLASSES = {False: (), True: ("narrow", "medium", "wide")}
-
-
-def layer_class(n: int, k: int) -> str:
-    """Which LINEAR_PLANS row a weight of N outputs and K inputs takes."""
-    if n < k:
-        return "deep"
-    if n <= 4096:
-        return "narrow"
-    if n <= 8192:
-        return "medium"
-    return "wide" if n <= 16384 else "head"
-
-
-def linear_plan(
-    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, split_ok: bool = False
-) -> SkinnyConfig | None:
-    """The skinny launch shape for x's rows, or None for cuBLAS. Without split_ok (the
-    consumer needs the finished product), a split-K plan runs with one slice. Wider
-    activations take proportionally shorter K chunks, so a tile holds the same registers.
-    An fp8 weight's tile is widened to its activations' dtype and its K chunk doubles, so
-    that a pipeline stage moves as many weight bytes as in bf16 (measured on an H200:
-    1.06x at 8 rows)."""
-    n, k = weight.shape
-    fp8 = isinstance(weight, Fp8Weight)
-    if fp8 and x.shape[0] > FP8_SKINNY_ROWS:
-        return None
-    for most_rows, config in LINEAR_PLANS[layer_class(n, k)]:
-        if x.shape[0] <= most_rows:
-            wide = 2 if fp8 else 1
-            return replace(
-                config,
-                block_k=config.block_k * 2 * wide // x.element_size(),
-                split_k=config.split_k if split_ok else 1,
-            )
-    return None
-
-
-def takes_strip(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
-    """Whether x @ weight.T runs strip_gemv (see STRIP_GEMV_ROWS)."""
-    classes = STRIP_GEMV_CLASSES[isinstance(weight, Fp8Weight)]
-    return (
-        x.shape[0] <= STRIP_GEMV_ROWS
-        and layer_class(*weight.shape) in classes
-        and strip_rows(weight) > 0
-    )
-
-
-def _dense_linear(
-    x: torch.Tensor, weight: torch.Tensor | Fp8Weight, pdl: bool = False
-) -> torch.Tensor:
+def _dense_linear(x: torch.Tensor, weight: Weight, pdl: bool = False) -> torch.Tensor:
     """x @ weight.T for many rows: cuBLAS, or for an fp8 weight FP8 tensor cores (bf16
     activations, whose rowwise-scaled product cuBLAS gives only in bf16) or else the
     widened weight."""
@@ -187,7 +91,8 @@ def decode_splits(rows: int, heads: int) -> int:
 
 
 class TritonOps:
-    """Graph-safe: no host reads, shapes depend only on the number of rows."""
+    """LoopOps (ops/base.py) on Triton kernels; graph-safe: no host reads, launch shapes
+    depend only on the number of rows."""
 
     needs_segments = False
 
@@ -219,12 +124,23 @@ class TritonOps:
         return out
 
     def add_rms_norm2(
-        self, x: torch.Tensor, branch: torch.Tensor, w_branch, w_next, eps: float
+        self,
+        x: torch.Tensor,
+        branch: torch.Tensor,
+        w_branch: torch.Tensor | None,
+        w_next: torch.Tensor,
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._add_rms_norm2(x, branch.unsqueeze(0), w_branch, w_next, eps)
 
     def linear_add_rms_norm2(
-        self, x: torch.Tensor, inp: torch.Tensor, weight: torch.Tensor, w_branch, w_next, eps
+        self,
+        x: torch.Tensor,
+        inp: torch.Tensor,
+        weight: Weight,
+        w_branch: torch.Tensor | None,
+        w_next: torch.Tensor,
+        eps: float,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
         partial sums and the norm kernel adds them up, so no reduction kernel runs."""
@@ -282,7 +198,7 @@ class TritonOps:
         return out
 
     def linear(
-        self, x: torch.Tensor, weight: torch.Tensor, live: torch.Tensor | None = None
+        self, x: torch.Tensor, weight: Weight, live: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x @ weight.T; few rows stream the weight once, and with `live` a row tile none of
         whose rows is live skips the weight (those rows' outputs are zero)."""
@@ -295,7 +211,7 @@ class TritonOps:
             return _dense_linear(x, weight, self.pdl)
         return skinny_linear(x, weight, config, live=live, pdl=self.pdl)
 
-    def linear_silu_mul(self, x: torch.Tensor, gate_up: torch.Tensor) -> torch.Tensor:
+    def linear_silu_mul(self, x: torch.Tensor, gate_up: Weight) -> torch.Tensor:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
         if takes_w8a16(x, gate_up):
             return w8a16_gemm(x, gate_up, silu_mul=True, pdl=self.pdl)

@@ -1,0 +1,70 @@
+"""The ops contract (ops/base.py): every backend has each op of LoopOps with its parameters.
+The Triton backend needs triton to import, so its class is read from the source."""
+
+from __future__ import annotations
+
+import ast
+import inspect
+from pathlib import Path
+
+import torch
+
+from vllm_rlt.ops.base import LoopOps
+from vllm_rlt.ops.registry import get_backend
+from vllm_rlt.ops.torch_ops import TorchOps
+
+OPS_FOLDER = Path(inspect.getfile(LoopOps)).parent
+
+
+def _contract_methods() -> dict[str, list[str]]:
+    """Each op of the contract and its parameter names."""
+    return {
+        name: list(inspect.signature(member).parameters)
+        for name, member in vars(LoopOps).items()
+        if not name.startswith("_") and callable(member)
+    }
+
+
+def test_the_contract_names_every_op_a_loop_runs():
+    assert set(_contract_methods()) == {
+        "prefill_tile_rows",
+        "rms_norm",
+        "add_rms_norm2",
+        "linear_add_rms_norm2",
+        "linear",
+        "linear_silu_mul",
+        "attention",
+    }
+    assert "needs_segments" in LoopOps.__annotations__
+
+
+def test_the_torch_backend_keeps_the_contract():
+    ops = TorchOps()
+    assert isinstance(ops, LoopOps)
+    for name, parameters in _contract_methods().items():
+        assert list(inspect.signature(getattr(TorchOps, name)).parameters) == parameters, name
+
+
+def test_the_triton_backend_keeps_the_contract():
+    tree = ast.parse((OPS_FOLDER / "triton_ops.py").read_text())
+    (cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "TritonOps"]
+    methods = {
+        node.name: [arg.arg for arg in node.args.args]
+        for node in cls.body
+        if isinstance(node, ast.FunctionDef)
+    }
+    attributes = {
+        target.id
+        for node in cls.body
+        if isinstance(node, ast.Assign)
+        for target in node.targets
+        if isinstance(target, ast.Name)
+    }
+    assert "needs_segments" in attributes
+    for name, parameters in _contract_methods().items():
+        assert methods.get(name) == parameters, name
+
+
+def test_the_registry_gives_ops_that_keep_the_contract():
+    name, ops = get_backend("auto", torch.device("cpu"))
+    assert name == "torch" and isinstance(ops, LoopOps)

@@ -1,0 +1,26 @@
+"""SiLU(gate) * up over the interleaved gate/up columns of the MLP.
+
+Rounding follows the torch reference step by step (each bf16 product and sum is rounded
+where torch rounds it), so the Triton and torch backends differ only by reduction order.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from vllm_rlt.kernels.pdl import pdl_enter
+
+
+@triton.jit
+def _silu_mul_kernel(gu_ptr, out_ptr, gu_stride, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_enter(USE_PDL)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < inter
+    dtype = out_ptr.dtype.element_ty
+    pair = gu_ptr + row * gu_stride + 2 * cols  # interleaved gate_j, up_j
+    gate = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
+    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
+    tl.store(out_ptr + row * inter + cols, (act * up).to(dtype), mask=mask)

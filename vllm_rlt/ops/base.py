@@ -1,0 +1,110 @@
+"""The ops contract: every op a model's loop calls, which each backend implements.
+
+A model (models/ouro.py) runs one loop of its layer stack through these ops only, so a
+backend changes how a pass computes, never what: `TorchOps` (ops/torch_ops.py) is the
+reference that runs anywhere, `TritonOps` (ops/triton_ops.py) the CUDA backend of fused
+Triton kernels; both match the reference up to reduction order.
+
+Shapes: `rows` packed rows of one pass (any mix of requests, loops and planes), `hidden` the
+residual width, `heads` / `kv_heads` the query and KV heads of this rank, `head_dim` a head's
+width; a weight is [N outputs, K inputs], a tensor or an Fp8Weight (layers/fp8.py).
+
+A new backend (for example hand-written CUDA kernels) is a class with these members and
+a loader registered in ops/registry.py (`register_backend(name, is_available, load)`, in
+the order "auto" tries them: the first available wins). Its kernels belong in
+kernels/, one module a family, imported only by its ops module, which the loader imports
+on first use: the package must import on machines without the backend's toolchain. To run
+under CUDA graphs it must read nothing on the host and launch shapes that depend only on
+the row count (set `needs_segments = False`); then `meta.prefill_tiles` and
+`meta.device_counts` describe prompt rows (see ops/metadata.py).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from vllm_rlt.layers.fp8 import Fp8Weight
+from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.ops.metadata import AttentionMetadata
+
+Weight = torch.Tensor | Fp8Weight
+
+
+@runtime_checkable
+class LoopOps(Protocol):
+    """The fused ops of one loop over packed rows."""
+
+    # True: attention reads `meta.segments` (rows grouped by shared context, built on the
+    # host, so no CUDA graph); False: the kernels resolve planes and blocks themselves.
+    needs_segments: bool
+
+    def prefill_tile_rows(self, dtype: torch.dtype) -> int:
+        """Query rows per tile of prompt attention (0: prompt rows attend through segments)."""
+        ...
+
+    def rms_norm(
+        self,
+        x: torch.Tensor,  # [rows, hidden]
+        weight: torch.Tensor,  # [hidden]
+        eps: float,
+    ) -> torch.Tensor:
+        """RMSNorm(x) * weight; [rows, hidden]."""
+        ...
+
+    def add_rms_norm2(
+        self,
+        x: torch.Tensor,  # [rows, hidden] residual stream
+        branch: torch.Tensor,  # [rows, hidden]
+        w_branch: torch.Tensor | None,  # [hidden] norm of the branch; None: added as it is
+        w_next: torch.Tensor,  # [hidden]
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + RMSNorm(branch) * w_branch, RMSNorm of that sum * w_next), both [rows, hidden]."""
+        ...
+
+    def linear_add_rms_norm2(
+        self,
+        x: torch.Tensor,  # [rows, hidden]
+        inp: torch.Tensor,  # [rows, K]
+        weight: Weight,  # [hidden, K]
+        w_branch: torch.Tensor | None,
+        w_next: torch.Tensor,
+        eps: float,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """add_rms_norm2(x, inp @ weight.T, ...) as one op, so a backend may fuse the two."""
+        ...
+
+    def linear(
+        self,
+        x: torch.Tensor,  # [rows, K]
+        weight: Weight,  # [N, K]
+        live: torch.Tensor | None = None,  # [rows] bool: rows whose output is used
+    ) -> torch.Tensor:
+        """x @ weight.T, [rows, N]; rows not `live` may come back as zeros."""
+        ...
+
+    def linear_silu_mul(
+        self,
+        x: torch.Tensor,  # [rows, K]
+        gate_up: Weight,  # [2 * inter, K], rows gate_0, up_0, gate_1, up_1, ...
+    ) -> torch.Tensor:
+        """SiLU(gate) * up of x @ gate_up.T; [rows, inter]."""
+        ...
+
+    def attention(
+        self,
+        qkv: torch.Tensor,  # [rows, (heads + 2 * kv_heads) * head_dim]
+        num_heads: int,
+        num_kv_heads: int,
+        k_cache: torch.Tensor,  # [planes * slots_per_plane, kv_heads, head_dim]
+        v_cache: torch.Tensor,  # as k_cache
+        meta: AttentionMetadata,
+        rotary: RotaryEmbedding,
+        scale: float,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # [kv_heads] each
+    ) -> torch.Tensor:
+        """RoPE, write each row's K/V into the planes it owns, attend; [rows, heads * head_dim].
+        kv_scales apply to a float8 cache only (it holds K / k_scale and V / v_scale)."""
+        ...

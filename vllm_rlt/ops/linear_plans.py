@@ -1,0 +1,104 @@
+"""Which kernel a linear layer runs on the Triton backend, and its launch shape: measured per
+layer shape and row count, so that few-row (decode) passes stream each weight once and
+many-row passes take cuBLAS."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from vllm_rlt.kernels.skinny_linear import SkinnyConfig
+from vllm_rlt.kernels.strip_gemv import strip_rows
+from vllm_rlt.layers.fp8 import Fp8Weight
+from vllm_rlt.ops.base import Weight
+
+# Linear layers: per layer shape, the launch shape for passes of up to so many rows, in
+# increasing order; a pass with more rows than the last entry runs cuBLAS. Chosen with
+# benchmarks/tune_linear.py on an H200 in bf16 at Ouro-1.4B shapes (o 2048 x 2048, qkv
+# 6144 x 2048, gate_up 11264 x 2048, LM head 49152 x 2048, down 2048 x 5632); block_k is
+# in bf16 elements. Split-K (last field) is used only where the product feeds the residual
+# add and norm, which sums the slices.
+LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
+    "narrow": (  # N <= 4096, N >= K (o): 1.06-1.15x cuBLAS with the norm that follows
+        (16, SkinnyConfig(32, 128, 4, 4, 16, 2)),
+        (32, SkinnyConfig(32, 128, 4, 4, 32, 2)),
+        (64, SkinnyConfig(32, 128, 4, 4, 64, 2)),
+    ),
+    "medium": ((16, SkinnyConfig(64, 256, 4, 4, 16)),),  # N <= 8192 (qkv): 0.89x at 32 rows
+    "wide": (  # N <= 16384 (gate_up + SiLU-mul): 1.06-1.14x cuBLAS + SiLU-mul
+        (16, SkinnyConfig(32, 128, 4, 4, 16)),
+        (32, SkinnyConfig(32, 128, 4, 4, 32)),
+        (64, SkinnyConfig(128, 128, 8, 4, 64)),
+    ),
+    "head": (  # wider (LM head): 1.05-1.09x
+        (16, SkinnyConfig(64, 256, 4, 3, 16)),
+        (32, SkinnyConfig(128, 128, 4, 3, 32)),
+        (64, SkinnyConfig(128, 64, 8, 3, 64)),
+    ),
+    "deep": ((16, SkinnyConfig(32, 128, 4, 4, 16, 4)),),  # N < K (down): 0.96x at 32 rows
+}
+
+
+# FP8 weights take the skinny kernel (widened in registers, with bf16's launch shapes) up to
+# this many rows, and FP8 tensor cores with per-token activation scales (fp8_rows.py) above.
+# Same-run A/B on an H200, 16 against 64: 1.20x at concurrency 32, 1.12x at 64, 1.10x at
+# prompt 1024 with fp8 K/V, equal at 8. Keeping o and down (N <= K) skinny up to 64 rows,
+# as their per-kernel times favoured, gave 0.94x / 1.03x at concurrency 32 / 64.
+FP8_SKINNY_ROWS = 16
+
+# Passes of at most so many rows run these layer classes (per weight dtype: bf16, float8)
+# with each program's weight strip in registers, loaded before the wait on the previous
+# kernel (kernels/strip_gemv.py), where a strip fits. On an H200 at one row, Ouro-1.4B
+# shapes, against the skinny kernel (o: its split-K form), float8 qkv 4.9 / 10.9 us, o
+# 2.6 / 4.5, gate_up 7.8 / 14.3 (benchmarks/probe_register_gemv.py), and in the engine at
+# concurrency 1: 1.21x (169 -> 205 decode tok/s). bf16 gained 1.0-1.1x per projection in
+# the probe but lost in the engine (0.97x), so it keeps the skinny kernel. At 8 rows float8
+# lost (0.64x at concurrency 8: the CUDA-core products grow with the rows), and 4 rows lost
+# under steady load (0.84x, --waves 4 at concurrency 4). Down (N < K) keeps the skinny
+# kernel's split-K. 0: never.
+STRIP_GEMV_ROWS = 1
+STRIP_GEMV_CLASSES = {False: (), True: ("narrow", "medium", "wide")}
+
+
+def layer_class(n: int, k: int) -> str:
+    """Which LINEAR_PLANS row a weight of N outputs and K inputs takes."""
+    if n < k:
+        return "deep"
+    if n <= 4096:
+        return "narrow"
+    if n <= 8192:
+        return "medium"
+    return "wide" if n <= 16384 else "head"
+
+
+def linear_plan(x: torch.Tensor, weight: Weight, split_ok: bool = False) -> SkinnyConfig | None:
+    """The skinny launch shape for x's rows, or None for cuBLAS. Without split_ok (the
+    consumer needs the finished product), a split-K plan runs with one slice. Wider
+    activations take proportionally shorter K chunks, so a tile holds the same registers.
+    An fp8 weight's tile is widened to its activations' dtype and its K chunk doubles, so
+    that a pipeline stage moves as many weight bytes as in bf16 (measured on an H200:
+    1.06x at 8 rows)."""
+    n, k = weight.shape
+    fp8 = isinstance(weight, Fp8Weight)
+    if fp8 and x.shape[0] > FP8_SKINNY_ROWS:
+        return None
+    for most_rows, config in LINEAR_PLANS[layer_class(n, k)]:
+        if x.shape[0] <= most_rows:
+            wide = 2 if fp8 else 1
+            return replace(
+                config,
+                block_k=config.block_k * 2 * wide // x.element_size(),
+                split_k=config.split_k if split_ok else 1,
+            )
+    return None
+
+
+def takes_strip(x: torch.Tensor, weight: Weight) -> bool:
+    """Whether x @ weight.T runs strip_gemv (see STRIP_GEMV_ROWS)."""
+    classes = STRIP_GEMV_CLASSES[isinstance(weight, Fp8Weight)]
+    return (
+        x.shape[0] <= STRIP_GEMV_ROWS
+        and layer_class(*weight.shape) in classes
+        and strip_rows(weight) > 0
+    )
