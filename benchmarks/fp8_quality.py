@@ -24,12 +24,7 @@ from tqdm import tqdm
 
 from vllm_rlt.bench.shapes import SHAPES, random_model
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.layers.fp8 import (
-    FP8_DTYPE,
-    Fp8Weight,
-    fp8_linear_reference,
-    quantize_model,
-)
+from vllm_rlt.layers.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear_reference
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.ops.torch_ops import TorchOps
 
@@ -178,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         for name, (quantization, fp8_kv, scaled, per_token) in VARIANTS.items():
             if quantization is not None and quantized is None:
                 quantized = random_model(args.shape, dtype, torch.device(args.device), args.seed)
-                quantize_model(quantized, quantization)
+                quantized.quantize(quantization)
             logprobs, depths = summary(
                 model if quantization is None else quantized,
                 tokens,

@@ -45,7 +45,6 @@ from vllm_rlt.config import (
 from vllm_rlt.core.contract import PrefillChunk, SchedulerOutput
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
-from vllm_rlt.layers.fp8 import quantize_model
 from vllm_rlt.models.registry import resolve_family
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -241,7 +240,7 @@ def measure_budget(
     """Per row count, decode passes of that many rows on the GPU, of a new model of the
     shape: what budget_record compares the bounds with."""
     model = random_model(shape, torch.bfloat16, torch.device("cuda"))
-    quantize_model(model, "fp8" if weights == "fp8" else None)
+    model.quantize("fp8" if weights == "fp8" else None)
     engine, slots, max_context = _decoding_engine(model, max(rows), kv_dtype, prompt_len)
     runner = engine.runner
     measured = {}
@@ -366,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
         return
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))
     if args.quantization is not None:
-        quantize_model(model, args.quantization)
+        model.quantize(args.quantization)
     for concurrency in args.concurrency:
         spec = speculative_config(args)
         profile(model, concurrency, args.steps, spec, args.kv_cache_dtype, args.prompt_len)

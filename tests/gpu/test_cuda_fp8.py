@@ -13,7 +13,7 @@ from tests.conftest import drain
 from tests.e2e.test_engine_vs_oracle import MAX_TOKENS, _prompts
 from vllm_rlt import LLM, CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.engine.builder import build_engine_core
-from vllm_rlt.layers.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight, quantize_model
+from vllm_rlt.layers.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.ops.torch_ops import TorchOps
 from vllm_rlt.tokenizer import Tokenizer
@@ -68,7 +68,7 @@ def test_fp8_linear_ops_equal_the_reference(triton_ops, dtype, rows, n, k):
 
 def _engine(toy_config, toy_state, device, backend, layout, graphs):
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, device)
-    quantize_model(model, "fp8")
+    model.quantize("fp8")
     return build_engine_core(
         model,
         Tokenizer.byte_level(),

@@ -18,15 +18,14 @@ from vllm_rlt.entrypoints.args import add_engine_args, engine_args_from
 from vllm_rlt.layers.fp8 import (
     FP8_DTYPE,
     FP8_MAX,
-    QUANTIZED_PROJECTIONS,
     Fp8Weight,
     fp8_linear_reference,
-    quantize_model,
     weight_nbytes,
 )
 from vllm_rlt.models.fp8_checkpoint import PROJECTION_WEIGHTS
 from vllm_rlt.models.loader import SINGLE_FILE, load_model
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
+from vllm_rlt.models.ouro_layer import PROJECTIONS
 from vllm_rlt.models.toy import toy_config_dict, toy_weights
 
 
@@ -65,13 +64,13 @@ def test_row_views_quantize_into_the_same_storage():
 @pytest.fixture(scope="module")
 def fp8_toy(toy_config, toy_state) -> OuroModel:
     model = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cpu")
-    quantize_model(model, "fp8")
+    model.quantize("fp8")
     return model
 
 
 def test_quantized_layers_hold_half_the_bytes_or_less(fp8_toy, toy_model):
     for quantized, plain in zip(fp8_toy.layers, toy_model.layers, strict=True):
-        for name in QUANTIZED_PROJECTIONS:
+        for name in PROJECTIONS:
             weight = getattr(quantized, name)
             assert isinstance(weight, Fp8Weight)
             # one byte per value instead of four (float32 here), plus a scale per row
@@ -89,7 +88,7 @@ def test_the_engine_computes_with_the_dequantized_weights(
     float32 rounding: every projection takes its fp8 weight and scale, nothing else."""
     twin = OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cpu")
     for layer, quantized in zip(twin.layers, fp8_toy.layers, strict=True):
-        for name in QUANTIZED_PROJECTIONS:
+        for name in PROJECTIONS:
             setattr(layer, name, getattr(quantized, name).dequantize(torch.float32))
     prompts = [list(b"347+589="), list(b"hello loops"), list(b"x")]
     params = SamplingParams(max_tokens=12, temperature=0.0, logprobs=2, exit_threshold=0.5)

@@ -18,7 +18,7 @@ from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.layers.fp8 import FP8_DTYPE, FP8_MAX
 from vllm_rlt.models.fp8_checkpoint import PROJECTION_WEIGHTS
 from vllm_rlt.models.loader import SINGLE_FILE, load_model
-from vllm_rlt.parallel.tensor_parallel import TensorParallel, shard_model
+from vllm_rlt.parallel.tensor_parallel import TensorParallel
 
 LAYERS, KV_HEADS = 2, 2  # the toy's
 
@@ -237,6 +237,6 @@ def test_float8_tensors_without_a_quantization_config_are_named(tmp_path):
 def test_tensor_parallel_ranks_keep_their_heads_scales(tmp_path):
     _checkpoint(tmp_path, _kv_scales([0.5, 2.0], [0.125, 4.0]))
     model = load_model(tmp_path, torch.float32, "cpu")
-    shard_model(model, TensorParallel(rank=1, world=2, device_group=None, control_group=None))
+    model.shard(TensorParallel(rank=1, world=2, device_group=None, control_group=None))
     for layer in model.layers:
         assert layer.kv_scales[0].tolist() == [2.0] and layer.kv_scales[1].tolist() == [4.0]

@@ -174,7 +174,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from vllm_rlt.bench.shapes import random_model
-    from vllm_rlt.layers.fp8 import quantize_model
     from vllm_rlt.models.load import resolve_device, resolve_dtype
 
     if args.device is None:
@@ -185,10 +184,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model = random_model(args.shape, dtype, device, args.seed)
     engine_model = model
     if args.quantization is not None and args.no_baseline:
-        quantize_model(model, args.quantization)  # nothing needs the unquantized one
+        model.quantize(args.quantization)  # nothing needs the unquantized one
     elif args.quantization is not None:  # the baseline keeps the unquantized weights
         engine_model = random_model(args.shape, dtype, device, args.seed)
-        quantize_model(engine_model, args.quantization)
+        engine_model.quantize(args.quantization)
     if args.depth is None and args.depth_trace_mean is None:
         args.depth = model.config.num_loops
     if args.depth is not None and not 1 <= args.depth <= model.config.num_loops:

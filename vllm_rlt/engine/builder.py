@@ -33,7 +33,7 @@ from vllm_rlt.engine.process.parent_watch import leave_with_parent
 from vllm_rlt.engine.process.process_setup import settle_engine_process
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.exit import make_exit_policy
-from vllm_rlt.layers.fp8 import kv_cache_torch_dtype, quantize_model
+from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
 from vllm_rlt.models.load import (
     load_model_and_tokenizer,
     model_eos_token_ids,
@@ -48,7 +48,6 @@ from vllm_rlt.parallel.tensor_parallel import (
     free_port,
     join_group,
     rank_device,
-    shard_model,
     start_followers,
     stop_followers,
 )
@@ -98,7 +97,7 @@ def build_engine(
     )
     # Before sharding, so that every rank holds the single-process model's values and
     # scales (a rank's share of o and down keeps the whole rows' scales).
-    quantize_model(loaded, quantization)
+    loaded.quantize(quantization)
     followers: list[Any] = []
     if tensor_parallel_size != 1:
         check_tensor_parallel(tensor_parallel_size, loaded.config, resolved_device)
@@ -130,7 +129,7 @@ def build_engine(
             tensor_parallel = join_group(
                 rank, tensor_parallel_size, port, resolved_device, followers
             )
-            shard_model(loaded, tensor_parallel)
+            loaded.shard(tensor_parallel)
         engine = build_engine_core(
             loaded,
             loaded_tokenizer,

@@ -173,7 +173,7 @@ def parse_specs(names: Any, dtypes: Any, shapes: Any) -> list[tuple[str, torch.d
 def model_dtype(model, view) -> torch.dtype:
     """The dtype new weights for `view` must have: the model's own (an fp8 projection is
     given it and quantizes)."""
-    return model.embed.dtype if isinstance(view, Fp8Weight) else view.dtype
+    return model.dtype if isinstance(view, Fp8Weight) else view.dtype
 
 
 class WeightSync:

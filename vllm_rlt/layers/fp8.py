@@ -18,12 +18,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from vllm_rlt.config import check_quantization
-
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# Layer projections quantized under fp8, by their attribute names on a layer.
-QUANTIZED_PROJECTIONS = ("qkv", "o", "gate_up", "down")
 
 
 def _row_scales(weight: torch.Tensor) -> torch.Tensor:
@@ -96,6 +92,22 @@ def weight_nbytes(weight: torch.Tensor | Fp8Weight) -> int:
     return weight.numel() * weight.element_size()
 
 
+def cat_weight_rows(parts: list[torch.Tensor] | list[Fp8Weight]) -> torch.Tensor | Fp8Weight:
+    """Row blocks of a weight (tensors or Fp8Weights) as one contiguous weight."""
+    if isinstance(parts[0], Fp8Weight):
+        return Fp8Weight.cat_rows(parts)
+    return torch.cat(parts).contiguous()
+
+
+def weight_columns(
+    weight: torch.Tensor | Fp8Weight, start: int, end: int
+) -> torch.Tensor | Fp8Weight:
+    """Input columns [start, end) of a weight (a tensor or an Fp8Weight), contiguous."""
+    if isinstance(weight, Fp8Weight):
+        return weight.columns(start, end)
+    return weight[:, start:end].contiguous()
+
+
 def fp8_linear_reference(x: torch.Tensor, weight: Fp8Weight) -> torch.Tensor:
     """x @ W.T for an fp8 weight in plain torch, as the kernels compute it: the float8
     values (exact in float32) summed in float32 and scaled per output column there, then
@@ -121,16 +133,3 @@ def kv_cache_torch_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch
     if kv_cache_dtype == "auto":
         return model_dtype
     return torch.float8_e5m2 if kv_cache_dtype == "fp8_e5m2" else FP8_DTYPE
-
-
-def quantize_model(model, quantization: str | None) -> None:
-    """Quantize the model's layer projections in place (None: leave them)."""
-    check_quantization(quantization)
-    if quantization is None:
-        return
-    for layer in model.layers:
-        for name in QUANTIZED_PROJECTIONS:
-            weight = getattr(layer, name)
-            if not isinstance(weight, Fp8Weight):
-                setattr(layer, name, Fp8Weight.quantize(weight))
-    model.quantization = quantization

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.layers.fp8 import FP8_DTYPE, QUANTIZED_PROJECTIONS, Fp8Weight, is_float8
+from vllm_rlt.layers.fp8 import FP8_DTYPE, is_float8
 from vllm_rlt.models.hf_config import shown
 
 # The checkpoint tensors of one layer that an FP8 checkpoint stores in float8.
@@ -189,28 +189,3 @@ def split_scales(
             raise ValueError(f"checkpoint tensor {name} must be float8_e4m3fn, got {data.dtype}")
         scales[name] = row_scales(weights.pop(name + "_scale"), data.shape[0], name + "_scale")
     return scales
-
-
-def install(
-    model,
-    scales: dict[str, torch.Tensor],
-    kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None,
-) -> None:
-    """Pair the model's fused float8 projections (held as their bytes) with the
-    checkpoint's scales, fused the same way (q/k/v stacked, gate/up interleaved), and give
-    its layers their K/V cache scales."""
-    device = model.device
-
-    def take(name: str) -> torch.Tensor:
-        # a norm has no scale: it is built and dropped
-        return scales[name].to(device) if name in scales else torch.empty(0)
-
-    for index, layer in enumerate(model.layers):
-        row = model._load_layer(take, f"model.layers.{index}.")
-        for attr in QUANTIZED_PROJECTIONS:
-            data = getattr(layer, attr).view(FP8_DTYPE)  # the bytes the model fused
-            weight = Fp8Weight(data, getattr(row, attr).contiguous())
-            setattr(layer, attr, weight)
-        if kv_scales is not None:
-            layer.kv_scales = tuple(scale.to(device) for scale in kv_scales[index])
-    model.quantization = "fp8"

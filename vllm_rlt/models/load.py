@@ -15,6 +15,7 @@ import torch
 from vllm_rlt.config import ParamError
 from vllm_rlt.models.fp8_checkpoint import is_fp8_checkpoint
 from vllm_rlt.models.generation_defaults import sampling_defaults
+from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.models.loader import check_fits, load_model, read_config
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import TOY_NAME, toy_config_dict, toy_weights
@@ -157,7 +158,7 @@ def load_model_and_tokenizer(
     device: torch.device,
     tokenizer: str | Path | None = None,
     skip_tokenizer_init: bool = False,
-) -> tuple[OuroModel, Tokenizer | None, str]:
+) -> tuple[LoopedModel, Tokenizer | None, str]:
     """(model, tokenizer or None, display name); None is the trained built-in model."""
     loaded_tokenizer = load_tokenizer(model, tokenizer, skip_tokenizer_init)
     if str(model) == TOY_NAME:

@@ -14,6 +14,7 @@ from safetensors import safe_open
 
 from vllm_rlt.layers.fp8 import is_float8
 from vllm_rlt.models import fp8_checkpoint
+from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.models.registry import resolve_family
 
 SINGLE_FILE = "model.safetensors"
@@ -131,7 +132,7 @@ def check_fits(config: Any, dtype: torch.dtype, device: torch.device, fp8: bool)
         )
 
 
-def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> Any:
+def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | str) -> LoopedModel:
     """Build the registered model family from an HF folder."""
     folder = Path(folder)
     if not folder.is_dir():
@@ -160,5 +161,5 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     kv_scales = fp8_checkpoint.pop_kv_scales(weights, layers, config.num_key_value_heads)
     scales = fp8_checkpoint.split_scales(weights, shapes)
     model = model_class(config, weights, dtype, device)
-    fp8_checkpoint.install(model, scales, kv_scales)
+    model.install_fp8_scales(scales, kv_scales)
     return model

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, fields
 from typing import Any
@@ -9,7 +10,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from vllm_rlt.layers.fp8 import is_float8
+from vllm_rlt.config import check_quantization
+from vllm_rlt.layers.fp8 import Fp8Weight, is_float8
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.models.hf_config import (
     COMMON_HARMLESS_KEYS,
@@ -20,7 +22,10 @@ from vllm_rlt.models.hf_config import (
     llama_layer_shapes,
     shown,
 )
-from vllm_rlt.ops import AttentionMetadata
+from vllm_rlt.models.interface import RankGroup
+from vllm_rlt.models.ouro_layer import OuroLayerWeights
+from vllm_rlt.ops.base import LoopOps
+from vllm_rlt.ops.metadata import AttentionMetadata
 
 _HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
     "max_window_layers",
@@ -98,23 +103,6 @@ class OuroConfig:
         return llama_layer_shapes(self, branch_norms=True, extra=gate)
 
 
-@dataclass
-class OuroLayerWeights:
-    """One physical layer, with q/k/v and gate/up fused into single GEMMs at load time."""
-
-    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
-    o: torch.Tensor  # [hidden, heads * head_dim]
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]: rows gate_0, up_0, gate_1, up_1, ...
-    down: torch.Tensor  # [hidden, intermediate]
-    attn_norm: torch.Tensor  # [hidden] input_layernorm (pre-attention)
-    attn_out_norm: torch.Tensor | None  # [hidden] input_layernorm_2 (on the attention branch)
-    mlp_norm: torch.Tensor  # [hidden] post_attention_layernorm (pre-MLP)
-    mlp_out_norm: torch.Tensor | None  # [hidden] post_attention_layernorm_2 (on the MLP branch)
-    # K and V scales [kv_heads] float32 of a float8 KV cache (an FP8 checkpoint's k_scale,
-    # v_scale): the cache holds K / k_scale; None: scale 1
-    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None
-
-
 class OuroModel:
     """Ouro weights plus the three stages the runner composes into passes.
 
@@ -133,7 +121,7 @@ class OuroModel:
         def take(name: str) -> torch.Tensor:
             # a copy: the model owns its storage (a file-backed one cannot be released);
             # float8 values (an FP8 checkpoint's projections) keep their bytes, as uint8
-            # (fused like any weight on every device), for fp8_checkpoint.install
+            # (fused like any weight on every device), for `install_fp8_scales`
             tensor = weights[name]
             if is_float8(tensor):
                 return tensor.view(torch.uint8).to(self.device, copy=True).contiguous()
@@ -158,9 +146,9 @@ class OuroModel:
 
     # Ouro wraps each branch output in its own norm before the residual add.
     branch_norms = True
-    # Set by parallel.tensor_parallel.shard_model on a model split over ranks.
-    tensor_parallel: Any = None
-    # Set by layers.fp8.quantize_model: the layer projections are Fp8Weight.
+    # Set by `shard` on a model split over ranks.
+    tensor_parallel: RankGroup | None = None
+    # Set by `quantize` and `install_fp8_scales`: the layer projections are Fp8Weight.
     quantization: str | None = None
 
     def _load_layer(self, take, prefix: str) -> OuroLayerWeights:
@@ -182,7 +170,52 @@ class OuroModel:
             mlp_out_norm=branch_norm("post_attention_layernorm_2"),
         )
 
-    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+    def shard(self, group: RankGroup) -> None:
+        """Keep this rank's share of every layer (in place) and all-reduce the row-parallel
+        products (parallel/tensor_parallel.py); the config then describes this rank's
+        share."""
+        cfg, world = self.config, group.world
+        for layer in self.layers:
+            layer.shard(group.rank, world, cfg)
+        self.config = dataclasses.replace(
+            cfg,
+            num_attention_heads=cfg.num_attention_heads // world,
+            num_key_value_heads=cfg.num_key_value_heads // world,
+            intermediate_size=cfg.intermediate_size // world,
+        )
+        self.tensor_parallel = group
+
+    def quantize(self, kind: str | None) -> None:
+        """Quantize the layer projections in place (None: leave them); the embedding, the
+        LM head, the gate and the norms keep the model's dtype."""
+        check_quantization(kind)
+        if kind is None:
+            return
+        for layer in self.layers:
+            layer.quantize()
+        self.quantization = kind
+
+    def install_fp8_scales(
+        self,
+        scales: dict[str, torch.Tensor],
+        kv_scales: list[tuple[torch.Tensor, torch.Tensor]] | None,
+    ) -> None:
+        """Pair the fused float8 projections (built from an FP8 checkpoint's bytes) with the
+        checkpoint's row scales ([rows] float32 by projection weight name), fused the same
+        way (q/k/v stacked, gate/up interleaved), and give the layers their K/V cache
+        scales (per layer, [kv_heads] each)."""
+
+        def take(name: str) -> torch.Tensor:
+            # a norm has no scale: it is built and dropped
+            return scales[name].to(self.device) if name in scales else torch.empty(0)
+
+        for index, layer in enumerate(self.layers):
+            layer.pair_scales(self._load_layer(take, f"model.layers.{index}."))
+            if kv_scales is not None:
+                layer.kv_scales = tuple(scale.to(self.device) for scale in kv_scales[index])
+        self.quantization = "fp8"
+
+    def checkpoint_views(self) -> dict[str, torch.Tensor | Fp8Weight]:
         """Every checkpoint tensor name and the view of this model's tensors that holds it
         (q/k/v are row ranges of qkv, gate/up the even and odd rows of gate_up), so that new
         weights can be copied in place: the KV cache, CUDA graphs and kernels keep reading
@@ -227,7 +260,7 @@ class OuroModel:
         meta: AttentionMetadata,
         k_caches: list[torch.Tensor],  # per layer [planes * slots_per_plane, kv_heads, head_dim]
         v_caches: list[torch.Tensor],
-        ops: Any,
+        ops: LoopOps,
     ) -> torch.Tensor:
         """One loop of the layer stack, ending with the per-loop final norm; [rows, hidden].
 
@@ -263,7 +296,15 @@ class OuroModel:
             x, a = self._add_branch(ops, x, mlp, layer.down, layer.mlp_out_norm, following)
         return a
 
-    def _add_branch(self, ops, x, inp, weight, w_branch, w_next):
+    def _add_branch(
+        self,
+        ops: LoopOps,
+        x: torch.Tensor,
+        inp: torch.Tensor,
+        weight: torch.Tensor | Fp8Weight,
+        w_branch: torch.Tensor | None,
+        w_next: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add of a branch projected by `weight`, fused with the norms around
         it; under tensor parallelism the ranks' partial products are summed first."""
         eps = self.config.rms_norm_eps
@@ -277,7 +318,7 @@ class OuroModel:
         return F.linear(hidden, self.gate_weight, self.gate_bias).float().squeeze(-1)
 
     def coda(
-        self, hidden: torch.Tensor, ops: Any = None, live: torch.Tensor | None = None
+        self, hidden: torch.Tensor, ops: LoopOps | None = None, live: torch.Tensor | None = None
     ) -> torch.Tensor:
         """LM-head logits [rows, vocab] in float32. With `ops` and `live` (rows whose tokens
         are used), a backend may leave the logits of other rows at zero."""

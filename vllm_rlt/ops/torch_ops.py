@@ -25,12 +25,7 @@ class TorchOps:
         return rms_norm(x, weight, eps)
 
     def add_rms_norm2(
-        self,
-        x: torch.Tensor,
-        branch: torch.Tensor,
-        w_branch: torch.Tensor | None,
-        w_next: torch.Tensor,
-        eps: float,
+        self, x: torch.Tensor, branch: torch.Tensor, w_branch, w_next, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x + RMSNorm(branch) (x + branch when w_branch is None), and RMSNorm of that sum
         with the next weight."""
@@ -38,13 +33,7 @@ class TorchOps:
         return x, rms_norm(x, w_next, eps)
 
     def linear_add_rms_norm2(
-        self,
-        x: torch.Tensor,
-        inp: torch.Tensor,
-        weight: Weight,
-        w_branch: torch.Tensor | None,
-        w_next: torch.Tensor,
-        eps: float,
+        self, x: torch.Tensor, inp: torch.Tensor, weight: Weight, w_branch, w_next, eps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2 of x and the projected branch inp @ weight.T: one op, so that a
         backend may fuse the projection's reduction into the norm."""

@@ -124,23 +124,12 @@ class TritonOps:
         return out
 
     def add_rms_norm2(
-        self,
-        x: torch.Tensor,
-        branch: torch.Tensor,
-        w_branch: torch.Tensor | None,
-        w_next: torch.Tensor,
-        eps: float,
+        self, x: torch.Tensor, branch: torch.Tensor, w_branch, w_next, eps: float
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return self._add_rms_norm2(x, branch.unsqueeze(0), w_branch, w_next, eps)
 
     def linear_add_rms_norm2(
-        self,
-        x: torch.Tensor,
-        inp: torch.Tensor,
-        weight: Weight,
-        w_branch: torch.Tensor | None,
-        w_next: torch.Tensor,
-        eps: float,
+        self, x: torch.Tensor, inp: torch.Tensor, weight: Weight, w_branch, w_next, eps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
         partial sums and the norm kernel adds them up, so no reduction kernel runs."""

@@ -1,6 +1,7 @@
 """Tensor parallelism over torch.distributed: one model split over N processes.
 
-Each rank holds 1/N of every layer: its share of the attention heads (q, k and v rows of
+Each rank holds 1/N of every layer (the model splits itself: `LoopedModel.shard`,
+models/interface.py): its share of the attention heads (q, k and v rows of
 those heads: column-parallel) and of the MLP's intermediate features (gate/up rows:
 column-parallel), and the matching columns of o and down (row-parallel). After o and after
 down, one all-reduce sums the ranks' partial products, so every rank holds the whole
@@ -34,7 +35,6 @@ import torch
 import torch.distributed as dist
 
 from vllm_rlt.config import require, require_int
-from vllm_rlt.layers.fp8 import Fp8Weight
 
 logger = logging.getLogger(__name__)
 
@@ -201,52 +201,6 @@ def join_group(
     # them through their parent watch and the closed connection, not through a timeout.
     control = dist.new_group(backend="gloo", timeout=CONTROL_TIMEOUT)
     return TensorParallel(rank, world, dist.group.WORLD, control)
-
-
-def shard_model(model: Any, tp: TensorParallel) -> Any:
-    """Keep this rank's share of every layer (in place) and make the model all-reduce the
-    row-parallel products; the config then describes this rank's share."""
-    cfg = model.config
-    rank, world = tp.rank, tp.world
-    heads, kv_heads = cfg.num_attention_heads // world, cfg.num_key_value_heads // world
-    dim, inter = cfg.head_dim, cfg.intermediate_size // world
-
-    q_rows, kv_rows = cfg.num_attention_heads * dim, cfg.num_key_value_heads * dim
-    # this rank's rows of q, k and v within the fused qkv weight
-    starts = (
-        rank * heads * dim,
-        q_rows + rank * kv_heads * dim,
-        q_rows + kv_rows + rank * kv_heads * dim,
-    )
-    counts = (heads * dim, kv_heads * dim, kv_heads * dim)
-    for layer in model.layers:
-        layer.qkv = _cat_rows([layer.qkv[s : s + n] for s, n in zip(starts, counts, strict=True)])
-        layer.o = _columns(layer.o, rank * heads * dim, (rank + 1) * heads * dim)
-        # gate/up rows interleave gate_j, up_j: a rank's features are one block of rows
-        layer.gate_up = _cat_rows([layer.gate_up[2 * rank * inter : 2 * (rank + 1) * inter]])
-        layer.down = _columns(layer.down, rank * inter, (rank + 1) * inter)
-        if layer.kv_scales is not None:  # per KV head: this rank's heads
-            heads_here = slice(rank * kv_heads, (rank + 1) * kv_heads)
-            layer.kv_scales = tuple(scale[heads_here].contiguous() for scale in layer.kv_scales)
-    model.config = dataclasses.replace(
-        cfg, num_attention_heads=heads, num_key_value_heads=kv_heads, intermediate_size=inter
-    )
-    model.tensor_parallel = tp
-    return model
-
-
-def _cat_rows(parts: list) -> Any:
-    """Row blocks of a weight (a tensor or an Fp8Weight) as one contiguous weight."""
-    if isinstance(parts[0], Fp8Weight):
-        return Fp8Weight.cat_rows(parts)
-    return torch.cat(parts).contiguous()
-
-
-def _columns(weight: Any, start: int, end: int) -> Any:
-    """Input columns [start, end) of a weight (a tensor or an Fp8Weight), contiguous."""
-    if isinstance(weight, Fp8Weight):
-        return weight.columns(start, end)
-    return weight[:, start:end].contiguous()
 
 
 def free_port() -> int:

@@ -17,6 +17,8 @@ from vllm_rlt.core.memory import (
 )
 from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
 from vllm_rlt.layers.sampler import sample, token_logprobs
+from vllm_rlt.models.interface import LoopedModel
+from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import AttentionMetadata, Segments
 from vllm_rlt.sampling_params import MAX_LOGPROBS
 from vllm_rlt.worker.mixed_graphs import buffer_bytes, mixed_sizes, sampler_sizes
@@ -48,7 +50,13 @@ def _profile_metadata(rows: int, planes: int, block_size: int, device) -> Attent
 
 @torch.inference_mode()
 def peak_pass_bytes(
-    model, ops, rows: int, samplers: int, planes: int, block_size: int, kv_dtype: torch.dtype
+    model: LoopedModel,
+    ops: LoopOps,
+    rows: int,
+    samplers: int,
+    planes: int,
+    block_size: int,
+    kv_dtype: torch.dtype,
 ) -> int:
     """Extra bytes allocated at peak by a pass of `rows` rows sampling `samplers` of them,
     over a K/V cache of `kv_dtype`."""

@@ -29,12 +29,13 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from vllm_rlt.core.contract import SchedulerOutput
+from vllm_rlt.models.interface import LoopedModel
+from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import DeviceCounts, PrefillTiles
 from vllm_rlt.sampling_params import MAX_LOGPROBS
 from vllm_rlt.worker.cuda_graphs import capture, graph_batch_sizes
@@ -82,12 +83,12 @@ class PromptPassParts:
     model with its caches and kernels, the slot state and its geometry, the pass head, and
     the host side of prompt chunks between their loops."""
 
-    model: Any
+    model: LoopedModel
     geo: KVGeometry
     state: SlotState
     k_caches: list[torch.Tensor]
     v_caches: list[torch.Tensor]
-    ops: Any
+    ops: LoopOps
     lanes: SpecLanes | None
     head: PassHead
     dummy_slot: int

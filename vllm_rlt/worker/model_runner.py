@@ -17,6 +17,8 @@ from vllm_rlt.core.contract import (
     SchedulerOutput,
 )
 from vllm_rlt.exit import ExitPolicy
+from vllm_rlt.models.interface import LoopedModel
+from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.worker.cuda_graphs import DecodeGraphs
 from vllm_rlt.worker.host_uploads import HostUploads
 from vllm_rlt.worker.kv_pool import KVPool, KVSource, copy_kv
@@ -58,12 +60,12 @@ class ModelRunner:
 
     def __init__(
         self,
-        model,
+        model: LoopedModel,
         geometry: KVGeometry,
         max_slots: int,
         max_model_len: int,
         exit_policy: ExitPolicy,
-        ops: Any,
+        ops: LoopOps,
         trace_len: int,
         lanes: SpecLanes | None = None,
         kv_dtype: torch.dtype | None = None,  # the K/V pool's (None: the model's dtype)

@@ -13,6 +13,8 @@ import torch
 
 from vllm_rlt.exit import ExitInputs, ExitPolicy
 from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
+from vllm_rlt.models.interface import LoopedModel
+from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.worker.pass_inputs import KVGeometry, decode_row_fields
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
@@ -79,8 +81,8 @@ class PassHead:
 
     def __init__(
         self,
-        model: Any,
-        ops: Any,
+        model: LoopedModel,
+        ops: LoopOps,
         state: SlotState,
         geo: KVGeometry,
         exit_policy: ExitPolicy,
