@@ -18,47 +18,20 @@ from vllm_rlt.ops.metadata import AttentionMetadata
 
 @runtime_checkable
 class LoopedConfig(Protocol):
-    """The sizes of a looped model, read-only (a family's config.json dataclass)."""
+    """The sizes of a looped model (a family's config.json dataclass), read only."""
 
-    @property
-    def vocab_size(self) -> int: ...
-
-    @property
-    def hidden_size(self) -> int: ...
-
-    @property
-    def intermediate_size(self) -> int: ...
-
-    @property
-    def num_hidden_layers(self) -> int: ...
-
-    @property
-    def num_attention_heads(self) -> int: ...
-
-    @property
-    def num_key_value_heads(self) -> int: ...
-
-    @property
-    def head_dim(self) -> int: ...
-
-    @property
-    def max_position_embeddings(self) -> int: ...
-
-    @property
-    def num_loops(self) -> int:
-        """Loops of the shared layer stack at full depth."""
-        ...
-
-    @property
-    def early_exit_threshold(self) -> float:
-        """The default exit threshold (1.0: full depth)."""
-        ...
-
-    @property
-    def tie_word_embeddings(self) -> bool: ...
-
-    @property
-    def eos_token_ids(self) -> tuple[int, ...]: ...
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    num_loops: int  # loops of the shared layer stack at full depth
+    early_exit_threshold: float  # the default exit threshold (1.0: full depth)
+    tie_word_embeddings: bool
+    eos_token_ids: tuple[int, ...]
 
 
 @runtime_checkable
