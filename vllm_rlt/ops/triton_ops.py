@@ -1,5 +1,6 @@
 """CUDA ops backed by Triton kernels: fused norms, RoPE fused with the KV write, and paged
-attention that resolves each row's plane and block table inside the kernel."""
+attention that resolves each row's plane and block table inside the kernel; each linear
+layer runs the kernel and launch shape ops/linear_plans.py picks for its shape and rows."""
 
 from __future__ import annotations
 
