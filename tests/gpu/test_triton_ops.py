@@ -209,7 +209,7 @@ def _check_attention(
     scaled=False,
 ):
     from vllm_rlt.core.contract import PrefillChunk
-    from vllm_rlt.ops import triton_ops
+    from vllm_rlt.ops import triton_ops as triton_module
     from vllm_rlt.ops.metadata import DeviceCounts
 
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -256,24 +256,24 @@ def _check_attention(
         counts = torch.tensor([6, num_tiles], device="cuda")
         tiled.device_counts = DeviceCounts(counts, row_programs=4, tile_programs=2)
     elif launch == "many_rows":
-        monkeypatch.setattr(triton_ops, "MANY_ROWS", 1)
-        monkeypatch.setattr(triton_ops, "ROPE_BY_ROW", 1)
+        monkeypatch.setattr(triton_module, "MANY_ROWS", 1)
+        monkeypatch.setattr(triton_module, "ROPE_BY_ROW", 1)
     elif launch == "two_kernels":
         tiled.rows_independent = False
     elif launch == "split_kv":  # 6 rows x 16 heads x 4 runs; up to 7 tiles a row (fused
         # kernel for decode alone, the row kernel beside prompt tiles)
-        monkeypatch.setattr(triton_ops, "SPLIT_KV_PROGRAMS", 6 * 16 * 4)
-        monkeypatch.setattr(triton_ops, "DECODE_BLOCK_N", 16)
-        assert triton_ops.decode_splits(6, 16) == 4
+        monkeypatch.setattr(triton_module, "SPLIT_KV_PROGRAMS", 6 * 16 * 4)
+        monkeypatch.setattr(triton_module, "DECODE_BLOCK_N", 16)
+        assert triton_module.decode_splits(6, 16) == 4
     elif launch == "one_split":
-        monkeypatch.setattr(triton_ops, "SPLIT_KV_PROGRAMS", 0)
+        monkeypatch.setattr(triton_module, "SPLIT_KV_PROGRAMS", 0)
     elif launch == "grouped":  # the row kernel even for decode alone; 4 runs at 4 KV heads
-        monkeypatch.setattr(triton_ops, "GROUPED_DECODE_HEADS", 2)
-        monkeypatch.setattr(triton_ops, "SPLIT_KV_PROGRAMS", 6 * 4 * 4)
-        monkeypatch.setattr(triton_ops, "DECODE_BLOCK_N", 16)
+        monkeypatch.setattr(triton_module, "GROUPED_DECODE_HEADS", 2)
+        monkeypatch.setattr(triton_module, "SPLIT_KV_PROGRAMS", 6 * 4 * 4)
+        monkeypatch.setattr(triton_module, "DECODE_BLOCK_N", 16)
         tiled.rows_independent = False
     elif launch == "ungrouped":
-        monkeypatch.setattr(triton_ops, "GROUPED_DECODE_HEADS", 0)
+        monkeypatch.setattr(triton_module, "GROUPED_DECODE_HEADS", 0)
     assert tiled.rows_independent == (not with_prompts and launch not in ("two_kernels", "grouped"))
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen
