@@ -3,7 +3,7 @@
 A model (models/ouro.py) runs one loop of its layer stack through these ops only, so a
 backend changes how a pass computes, never what: `TorchOps` (ops/torch_ops.py) is the
 reference that runs anywhere, `TritonOps` (ops/triton_ops.py) the CUDA backend of fused
-Triton kernels; both match the reference up to reduction order.
+Triton kernels, which matches it up to reduction order.
 
 Shapes: `rows` packed rows of one pass (any mix of requests, loops and planes), `hidden` the
 residual width, `heads` / `kv_heads` the query and KV heads of this rank, `head_dim` a head's
@@ -13,10 +13,11 @@ A new backend (for example hand-written CUDA kernels) is a class with these memb
 a loader registered in ops/registry.py (`register_backend(name, is_available, load)`, in
 the order "auto" tries them: the first available wins). Its kernels belong in
 kernels/, one module a family, imported only by its ops module, which the loader imports
-on first use: the package must import on machines without the backend's toolchain. To run
-under CUDA graphs it must read nothing on the host and launch shapes that depend only on
-the row count (set `needs_segments = False`); then `meta.prefill_tiles` and
-`meta.device_counts` describe prompt rows (see ops/metadata.py).
+on first use: the package must import on machines without the backend's toolchain. Its
+passes run under CUDA graphs when `needs_segments` is False: it then reads nothing on the
+host, launches shapes that depend only on the row count, takes prompt rows in tiles of
+`prefill_tile_rows` (`meta.prefill_tiles`) and, in a captured pass, the row and tile counts
+from the device (`meta.device_counts`; see ops/metadata.py).
 """
 
 from __future__ import annotations
