@@ -3,8 +3,6 @@ what the CUDA graphs keep, or as the user asked, checked against free memory."""
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from vllm_rlt.config import CacheConfig, ExecutionConfig, SchedulerConfig
@@ -99,8 +97,8 @@ def peak_pass_bytes(
 
 
 def plan_memory(
-    model: Any,
-    ops: Any,
+    model: LoopedModel,
+    ops: LoopOps,
     cache_config: CacheConfig,
     scheduler_config: SchedulerConfig,
     execution_config: ExecutionConfig,

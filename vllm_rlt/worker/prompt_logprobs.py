@@ -4,12 +4,13 @@ what reaches the host of them."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from vllm_rlt.core.contract import PrefillChunk, PromptLogprobs
 from vllm_rlt.layers.sampler import token_logprobs
+from vllm_rlt.models.interface import LoopedModel
+from vllm_rlt.ops.base import LoopOps
 
 # Prompt rows whose logits are held at once for prompt logprobs ([rows, vocab] float32).
 PROMPT_LOGPROB_ROWS = 256
@@ -26,7 +27,11 @@ class PromptRows:
 
 
 def prompt_rows(
-    model: Any, ops: Any, hidden: torch.Tensor, chunks: tuple[PrefillChunk, ...], row: int
+    model: LoopedModel,
+    ops: LoopOps,
+    hidden: torch.Tensor,
+    chunks: tuple[PrefillChunk, ...],
+    row: int,
 ) -> list[PromptRows]:
     """The LM head on the prompt rows whose next token's logprob was asked for (and on
     no others), a bounded number of rows at a time."""
