@@ -37,13 +37,12 @@ from vllm_rlt.config import (
     KV_CACHE_DTYPES,
     QUANTIZATIONS,
     CacheConfig,
-    ExecutionConfig,
-    ExitConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
 from vllm_rlt.core.contract import PrefillChunk, SchedulerOutput
 from vllm_rlt.engine.builder import build_engine_core
+from vllm_rlt.engine_config import DeviceConfig, EngineConfig
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
 from vllm_rlt.models.registry import resolve_family
 from vllm_rlt.sampling_params import SamplingParams
@@ -57,16 +56,16 @@ def _engine(
     return build_engine_core(
         model,
         None,
-        CacheConfig(num_blocks=blocks + 8, kv_cache_dtype=kv_dtype),
-        SchedulerConfig(
-            max_num_seqs=seqs,
-            max_num_batched_tokens=max(2048, prompt_len * seqs),
-            max_prefill_batches_before_decode=seqs,
+        EngineConfig(
+            cache_config=CacheConfig(num_blocks=blocks + 8, kv_cache_dtype=kv_dtype),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=seqs,
+                max_num_batched_tokens=max(2048, prompt_len * seqs),
+                max_prefill_batches_before_decode=seqs,
+            ),
+            speculative_config=spec,
+            device_config=DeviceConfig(attention_backend="auto"),
         ),
-        ExitConfig(),
-        ExecutionConfig(),
-        "auto",
-        spec,
     )
 
 

@@ -19,6 +19,7 @@ from vllm_rlt.config import CacheConfig, ExecutionConfig, ExitConfig, SchedulerC
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.llm_engine import LLMEngine
+from vllm_rlt.engine_config import DeviceConfig, EngineConfig, ParallelConfig
 from vllm_rlt.models.load import DEFAULT_MODEL_DIR
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.models.toy import toy_config_dict, toy_weights
@@ -74,19 +75,21 @@ def make_engine(toy_model):
         engine = build_engine_core(
             model or toy_model,
             Tokenizer.byte_level(),
-            CacheConfig(
-                layout=layout,
-                num_blocks=num_blocks,
-                block_size=block_size,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_dtype=kv_cache_dtype,
+            EngineConfig(
+                cache_config=CacheConfig(
+                    layout=layout,
+                    num_blocks=num_blocks,
+                    block_size=block_size,
+                    enable_prefix_caching=enable_prefix_caching,
+                    kv_cache_dtype=kv_cache_dtype,
+                ),
+                scheduler_config=SchedulerConfig(**scheduler_kwargs),
+                exit_config=exit_config or ExitConfig(),
+                execution_config=ExecutionConfig(async_scheduling=async_scheduling),
+                speculative_config=speculative_config,
+                device_config=DeviceConfig(attention_backend="torch"),
+                parallel_config=ParallelConfig(disaggregate=(1, 1) if disaggregated else None),
             ),
-            SchedulerConfig(**scheduler_kwargs),
-            exit_config or ExitConfig(),
-            ExecutionConfig(async_scheduling=async_scheduling),
-            "torch",
-            speculative_config,
-            disaggregated=disaggregated,
         )
         engines.append(engine)
         return engine

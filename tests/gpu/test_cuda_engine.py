@@ -11,6 +11,7 @@ from tests.conftest import drain, frontend
 from tests.e2e.test_engine_vs_oracle import MAX_TOKENS, POLICIES, _oracle, _prompts, _traces
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.engine.builder import build_engine_core
+from vllm_rlt.engine_config import DeviceConfig, EngineConfig, ModelConfig
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -34,12 +35,18 @@ def _cuda_engine(
     return build_engine_core(
         model,
         Tokenizer.byte_level(),
-        CacheConfig(layout=layout, num_blocks=128, block_size=4),
-        SchedulerConfig(mode=mode, prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64),
-        ExitConfig(mode=exit_mode, depths_by_request=_traces() if exit_mode == "trace" else {}),
-        ExecutionConfig(cuda_graphs=graphs, async_scheduling=async_scheduling),
-        backend,
-        speculative_config,
+        EngineConfig(
+            cache_config=CacheConfig(layout=layout, num_blocks=128, block_size=4),
+            scheduler_config=SchedulerConfig(
+                mode=mode, prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64
+            ),
+            exit_config=ExitConfig(
+                mode=exit_mode, depths_by_request=_traces() if exit_mode == "trace" else {}
+            ),
+            execution_config=ExecutionConfig(cuda_graphs=graphs, async_scheduling=async_scheduling),
+            speculative_config=speculative_config,
+            device_config=DeviceConfig(attention_backend=backend),
+        ),
     )
 
 
@@ -274,11 +281,15 @@ def test_prompts_finishing_together_stay_in_graphs(toy_config, toy_state):
         engine = build_engine_core(
             model,
             Tokenizer.byte_level(),
-            CacheConfig(num_blocks=512, block_size=4),
-            SchedulerConfig(max_num_seqs=48, max_num_batched_tokens=512, prefill_chunk_size=16),
-            ExitConfig(mode="ouro"),
-            ExecutionConfig(cuda_graphs=graphs),
-            "triton",
+            EngineConfig(
+                cache_config=CacheConfig(num_blocks=512, block_size=4),
+                scheduler_config=SchedulerConfig(
+                    max_num_seqs=48, max_num_batched_tokens=512, prefill_chunk_size=16
+                ),
+                exit_config=ExitConfig(mode="ouro"),
+                execution_config=ExecutionConfig(cuda_graphs=graphs),
+                device_config=DeviceConfig(attention_backend="triton"),
+            ),
         )
         arrivals = {0: [(f"p{i}", prompt, params) for i, prompt in enumerate(prompts)]}
         outputs = drain(engine, arrivals)
@@ -316,12 +327,12 @@ def test_automatic_kv_sizing_honours_the_budget(toy_config, toy_state):
         return build_engine_core(
             model,
             Tokenizer.byte_level(),
-            CacheConfig(gpu_memory_utilization=0.5),
-            SchedulerConfig(max_num_seqs=8),
-            ExitConfig(),
-            ExecutionConfig(),
-            "triton",
-            max_model_len=max_model_len,
+            EngineConfig(
+                cache_config=CacheConfig(gpu_memory_utilization=0.5),
+                scheduler_config=SchedulerConfig(max_num_seqs=8),
+                device_config=DeviceConfig(attention_backend="triton"),
+                model_config=ModelConfig(max_model_len=max_model_len),
+            ),
         )
 
     engine = build()

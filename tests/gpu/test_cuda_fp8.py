@@ -11,8 +11,9 @@ import torch.nn.functional as F
 
 from tests.conftest import drain
 from tests.e2e.test_engine_vs_oracle import MAX_TOKENS, _prompts
-from vllm_rlt import LLM, CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
+from vllm_rlt import LLM, CacheConfig, ExecutionConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.engine.builder import build_engine_core
+from vllm_rlt.engine_config import DeviceConfig, EngineConfig
 from vllm_rlt.layers.fp8 import FP8_DTYPE, FP8_MAX, Fp8Weight
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.ops.torch_ops import TorchOps
@@ -72,11 +73,14 @@ def _engine(toy_config, toy_state, device, backend, layout, graphs):
     return build_engine_core(
         model,
         Tokenizer.byte_level(),
-        CacheConfig(layout=layout, num_blocks=128, block_size=4),
-        SchedulerConfig(prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64),
-        ExitConfig(),
-        ExecutionConfig(cuda_graphs=graphs, async_scheduling=graphs),
-        backend,
+        EngineConfig(
+            cache_config=CacheConfig(layout=layout, num_blocks=128, block_size=4),
+            scheduler_config=SchedulerConfig(
+                prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64
+            ),
+            execution_config=ExecutionConfig(cuda_graphs=graphs, async_scheduling=graphs),
+            device_config=DeviceConfig(attention_backend=backend),
+        ),
     )
 
 

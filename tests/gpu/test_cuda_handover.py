@@ -14,13 +14,14 @@ import pytest
 import torch
 
 from tests.unit.test_kv_handover import _assert_same, _colocated, _disaggregated, _requests
-from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
+from vllm_rlt import CacheConfig, ExecutionConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.bench.serve_launch import launched
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine.disagg.links import OpenedPools
 from vllm_rlt.engine.disagg.nixl_connector import NixlConnector
 from vllm_rlt.engine.disagg.registry import KVPoolHandle
 from vllm_rlt.engine.disagg.torch_connector import SharedPool
+from vllm_rlt.engine_config import DeviceConfig, EngineConfig, ParallelConfig
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.worker.kv_pool import KVPool
@@ -32,13 +33,13 @@ def _engine(model, layout, batched: int = 128, disaggregated: bool = False):
     return build_engine_core(
         model,
         Tokenizer.byte_level(),
-        CacheConfig(layout=layout, num_blocks=256, block_size=4),
-        SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched),
-        ExitConfig(),
-        ExecutionConfig(cuda_graphs=True, async_scheduling=True),
-        "triton",
-        None,
-        disaggregated=disaggregated,
+        EngineConfig(
+            cache_config=CacheConfig(layout=layout, num_blocks=256, block_size=4),
+            scheduler_config=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=batched),
+            execution_config=ExecutionConfig(cuda_graphs=True, async_scheduling=True),
+            device_config=DeviceConfig(attention_backend="triton"),
+            parallel_config=ParallelConfig(disaggregate=(1, 1) if disaggregated else None),
+        ),
     )
 
 

@@ -11,6 +11,7 @@ from tests.e2e.test_engine_vs_oracle import POLICIES
 from tests.e2e.test_preemption import MAX_TOKENS, POOL, _oracle, _prompts, _traces
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.engine.builder import build_engine_core
+from vllm_rlt.engine_config import DeviceConfig, EngineConfig
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -35,11 +36,17 @@ def test_cuda_preemption_equals_oracle(
     engine = build_engine_core(
         OuroModel(OuroConfig.from_dict(toy_config), toy_state, torch.float32, "cuda"),
         Tokenizer.byte_level(),
-        CacheConfig(layout=layout, num_blocks=POOL, block_size=4),
-        SchedulerConfig(mode=mode, prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64),
-        ExitConfig(mode=exit_mode, depths_by_request=_traces() if exit_mode == "trace" else {}),
-        ExecutionConfig(cuda_graphs=graphs, async_scheduling=async_scheduling),
-        backend,
+        EngineConfig(
+            cache_config=CacheConfig(layout=layout, num_blocks=POOL, block_size=4),
+            scheduler_config=SchedulerConfig(
+                mode=mode, prefill_chunk_size=4, max_num_seqs=4, max_num_batched_tokens=64
+            ),
+            exit_config=ExitConfig(
+                mode=exit_mode, depths_by_request=_traces() if exit_mode == "trace" else {}
+            ),
+            execution_config=ExecutionConfig(cuda_graphs=graphs, async_scheduling=async_scheduling),
+            device_config=DeviceConfig(attention_backend=backend),
+        ),
     )
     params = [
         SamplingParams(max_tokens=n, temperature=0.0, exit_threshold=threshold, ignore_eos=True)

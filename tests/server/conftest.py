@@ -6,6 +6,7 @@ the engine."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import os
 import re
@@ -23,6 +24,7 @@ import openai
 import pytest
 
 from vllm_rlt import LLM, CacheConfig, SamplingParams, SchedulerConfig
+from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.entrypoints.openai.server import build_server
 from vllm_rlt.entrypoints.openai.server_state import ServerState
 from vllm_rlt.entrypoints.openai.settings import ServerSettings
@@ -38,13 +40,21 @@ def _free_port() -> int:
 def running_server(
     num_blocks: int = 512, max_num_seqs: int = 64, in_process: bool = False, **settings
 ):
-    llm_kwargs = {
-        "model": "toy",
-        "cache_config": CacheConfig(num_blocks=num_blocks),
-        "scheduler_config": SchedulerConfig(max_num_seqs=max_num_seqs),
-    }
+    """`settings` are ServerSettings' fields, and EngineArgs' for the engine."""
+    engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
+    engine_args = EngineArgs(
+        model="toy",
+        cache_config=CacheConfig(num_blocks=num_blocks),
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs),
+        **{name: value for name, value in settings.items() if name in engine_fields},
+    )
+    server_settings = {name: value for name, value in settings.items() if name not in engine_fields}
     state = ServerState(
-        ServerSettings(llm_kwargs=llm_kwargs, engine_in_process=in_process, **settings)
+        ServerSettings(
+            engine_config=engine_args.create_engine_config(),
+            engine_in_process=in_process,
+            **server_settings,
+        )
     )
     state.load()
     assert state.load_error is None, state.load_error

@@ -23,6 +23,7 @@ from tests.server.conftest import (
     wait_healthy,
     wait_idle,
 )
+from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.engine.process.pass_rate import PassRate
 
 LONG = {"model": "toy", "prompt": "long", "max_tokens": 4000, "ignore_eos": True}
@@ -181,7 +182,9 @@ def test_an_api_server_joins_a_core_that_connects_at_once(monkeypatch):
     from vllm_rlt.engine.process.core_client import EngineCoreClient
 
     deaths = []
-    core = EngineCoreClient({"model": "toy"}, deaths.append, api_servers=1)
+    core = EngineCoreClient(
+        EngineArgs(model="toy").create_engine_config(), deaths.append, api_servers=1
+    )
     try:
         wait = EngineCoreClient._wait_connected
 

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from tests.server.conftest import core_engine, running_server, wait_idle
+from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.engine.output_processor import RequestState
 
 EXTREMES = [0, -1, 2**31, 2**63, 2**64, 1e308, float("nan")]
@@ -510,7 +511,7 @@ def test_the_frontend_knows_the_cores_eos_ids_without_a_tokenizer():
     from vllm_rlt.config import ParamError
     from vllm_rlt.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM({"model": None, "skip_tokenizer_init": True}, in_process=True)
+    engine = AsyncLLM.from_engine_args(EngineArgs(skip_tokenizer_init=True), in_process=True)
     try:
         assert engine.tokenizer is None and engine.info.eos_token_ids
         eos = engine.info.eos_token_ids[0]
@@ -528,7 +529,7 @@ def test_async_llm_gives_the_tokenizer_llm_gives():
     """vLLM's `await engine.get_tokenizer()`, the same object type as LLM.get_tokenizer."""
     from vllm_rlt.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM({"model": None}, in_process=True)
+    engine = AsyncLLM.from_engine_args(EngineArgs(), in_process=True)
     try:
         tokenizer = asyncio.run(engine.get_tokenizer())
         assert tokenizer.eos_token_id in engine.info.eos_token_ids

@@ -11,6 +11,7 @@ import pytest
 from tests.unit.test_weight_sync import toy_folder
 from vllm_rlt import SamplingParams
 from vllm_rlt.engine.async_llm import AsyncLLM
+from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.sampling_params import RequestOutputKind
 
 MAX_TOKENS = 24
@@ -73,7 +74,7 @@ def loop():
 
 @pytest.fixture(scope="module")
 def engine(loop):
-    engine = AsyncLLM({"model": "toy"}, in_process=True)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model="toy"), in_process=True)
     yield engine
     engine.shutdown()
 
@@ -183,8 +184,8 @@ def test_weights_update_while_paused_and_outputs_carry_the_version(tmp_path):
         after = await tokens(engine, "after")
         assert after.tokens[0] == want and after.versions == {"v2"}
 
-    engine = AsyncLLM({"model": first}, in_process=True)
-    other = AsyncLLM({"model": second}, in_process=True)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model=first), in_process=True)
+    other = AsyncLLM.from_engine_args(EngineArgs(model=second), in_process=True)
     try:
         asyncio.run(scenario())
     finally:

@@ -14,6 +14,7 @@ import torch
 from tests.server.conftest import core_engine, running_server
 from tests.unit.test_weight_sync import free_port, run_trainer
 from vllm_rlt.engine.weight_sync import weight_specs
+from vllm_rlt.engine_config import EngineConfig, ParallelConfig
 from vllm_rlt.entrypoints.openai.settings import ServerSettings
 from vllm_rlt.models.toy import toy_weights
 
@@ -89,5 +90,8 @@ def test_the_routes_need_the_flag_and_a_single_core():
         assert httpx.post(f"{url}/pause").status_code == 404
         assert httpx.post(f"{url}/update_weights_from_disk", json={}).status_code == 404
     with pytest.raises(ValueError, match="--enable-weight-updates needs one engine core") as caught:
-        ServerSettings(enable_weight_updates=True, data_parallel_size=2)
+        ServerSettings(
+            enable_weight_updates=True,
+            engine_config=EngineConfig(parallel_config=ParallelConfig(data_parallel_size=2)),
+        )
     assert caught.value.param == "enable_weight_updates"

@@ -136,7 +136,7 @@ def test_bad_values_name_the_field():
     parser = argparse.ArgumentParser()
     add_engine_args(parser)
     ns = parser.parse_args(["--model", "toy", "--quantization", "fp8"])
-    assert engine_args_from(ns).llm_kwargs()["quantization"] == "fp8"
+    assert engine_args_from(ns).create_engine_config().model_config.quantization == "fp8"
     assert parser.parse_args(["--model", "toy"]).quantization is None
 
 

@@ -26,6 +26,7 @@ from vllm_rlt.engine.process.messages import (
     ReleaseHandover,
 )
 from vllm_rlt.engine.process.pd_client import DisaggregatedClient
+from vllm_rlt.engine_config import EngineConfig, ParallelConfig
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -211,10 +212,11 @@ def test_a_transfer_that_cannot_work_stops_the_start_naming_both_cores():
 
 def test_the_python_api_checks_its_kv_connector_before_starting_cores(monkeypatch):
     with pytest.raises(ParamError, match="kv_connector must be one of auto, torch, nixl"):
-        DisaggregatedClient({}, lambda reason: None, 1, 1, kv_connector="nccl")
+        ParallelConfig(disaggregate=(1, 1), kv_connector="nccl")
     monkeypatch.setattr(
         NixlConnector, "missing", staticmethod(lambda: "the nixl package is not installed")
     )
+    nixl = EngineConfig(parallel_config=ParallelConfig(disaggregate=(1, 1), kv_connector="nixl"))
     with pytest.raises(ParamError, match="nixl: the nixl package is not installed") as raised:
-        DisaggregatedClient({}, lambda reason: None, 1, 1, kv_connector="nixl")
+        DisaggregatedClient(nixl, lambda reason: None)
     assert raised.value.param == "kv_connector"

@@ -10,6 +10,7 @@ import pytest
 
 from vllm_rlt.config import ParamError
 from vllm_rlt.engine.disagg.nixl_connector import NixlConnector
+from vllm_rlt.engine_config import EngineConfig, ParallelConfig
 from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
 BAD = [
@@ -24,7 +25,6 @@ BAD = [
     ({"request_timeout": 0.0}, "--request-timeout must be > 0 seconds, got 0.0"),
     ({"stall_timeout": float("nan")}, "--stall-timeout must be > 0 seconds, got nan"),
     ({"api_server_count": 0}, "--api-server-count must be in [1, 64], got 0"),
-    ({"data_parallel_size": 65}, "--data-parallel-size must be in [1, 64], got 65"),
 ]
 
 
@@ -90,10 +90,13 @@ def test_disaggregate_takes_prefill_and_decode_core_counts(value, message):
         disaggregate_sizes(value)
 
 
+def _serving(**parallel) -> EngineConfig:
+    return EngineConfig(parallel_config=ParallelConfig(**parallel))
+
+
 @pytest.mark.parametrize(
     ("fields", "flag"),
     [
-        ({"data_parallel_size": 2}, "data-parallel-size"),
         ({"api_server_count": 2}, "api-server-count"),
         ({"enable_sleep_mode": True}, "enable-sleep-mode"),
     ],
@@ -102,7 +105,9 @@ def test_disaggregate_runs_alone(fields, flag):
     from vllm_rlt.entrypoints.openai.settings import DataParallelLayout
 
     with pytest.raises(ParamError, match=f"cannot be combined with --{flag}"):
-        ServerSettings(disaggregate=(1, 1), **fields)
+        ServerSettings(engine_config=_serving(disaggregate=(1, 1)), **fields)
+    with pytest.raises(ParamError, match="cannot be combined with data_parallel_size 2"):
+        ParallelConfig(disaggregate=(1, 1), data_parallel_size=2)
     with pytest.raises(ParamError, match="cannot be combined with --headless"):
         DataParallelLayout(headless=True, disaggregate=True)
 
@@ -116,17 +121,18 @@ def test_disaggregate_runs_alone(fields, flag):
 )
 def test_the_kv_connector_is_checked_at_start_up(fields, message):
     with pytest.raises(ParamError, match=message) as raised:
-        ServerSettings(**fields)
+        ParallelConfig(**fields)
     assert raised.value.param == "kv_connector"
-    assert ServerSettings(kv_connector="torch", disaggregate=(1, 1)).kv_connector == "torch"
+    assert ParallelConfig(kv_connector="torch", disaggregate=(1, 1)).kv_connector == "torch"
 
 
 def test_the_nixl_connector_needs_its_package_at_start_up(monkeypatch):
     monkeypatch.setattr(
         NixlConnector, "missing", staticmethod(lambda: "the nixl package is not installed")
     )
+    nixl = _serving(kv_connector="nixl", disaggregate=(1, 1))
     with pytest.raises(ParamError, match="nixl: the nixl package is not installed") as raised:
-        ServerSettings(kv_connector="nixl", disaggregate=(1, 1))
+        ServerSettings(engine_config=nixl)
     assert raised.value.param == "kv_connector"
     monkeypatch.setattr(NixlConnector, "missing", staticmethod(lambda: None))
-    assert ServerSettings(kv_connector="nixl", disaggregate=(1, 1)).kv_connector == "nixl"
+    assert ServerSettings(engine_config=nixl).engine_config == nixl

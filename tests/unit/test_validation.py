@@ -20,6 +20,7 @@ from vllm_rlt.config import KV_LAYOUTS, KVLayout
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.request_checks import params_for_core
+from vllm_rlt.engine_config import DeviceConfig, EngineConfig
 from vllm_rlt.tokenizer import Tokenizer
 
 T = 4  # the toy's total_ut_steps
@@ -519,11 +520,11 @@ def _bare_engine(toy_model) -> EngineCore:
     return build_engine_core(
         toy_model,
         Tokenizer.byte_level(),
-        CacheConfig(num_blocks=128, block_size=4),
-        SchedulerConfig(),
-        ExitConfig(),
-        ExecutionConfig(),
-        "torch",
+        EngineConfig(
+            cache_config=CacheConfig(num_blocks=128, block_size=4),
+            scheduler_config=SchedulerConfig(),
+            device_config=DeviceConfig(attention_backend="torch"),
+        ),
     )
 
 

@@ -15,6 +15,7 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 import vllm_rlt
 from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.config import ParamError
+from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.inputs import TextPrompt, TokensPrompt
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.hf_compat import CompatTokenizer, user_tokenizer
@@ -120,7 +121,7 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(llm: LLM) -> None:
 def test_async_llm_resolves_max_tokens_none_too() -> None:
     from vllm_rlt.engine.async_llm import AsyncLLM
 
-    engine = AsyncLLM({"model": "toy", "max_model_len": 32}, in_process=True)
+    engine = AsyncLLM.from_engine_args(EngineArgs(model="toy", max_model_len=32), in_process=True)
 
     async def run() -> list[int]:
         params = SamplingParams(max_tokens=None, ignore_eos=True, truncate_prompt_tokens=4)

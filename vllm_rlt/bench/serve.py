@@ -69,7 +69,7 @@ from vllm_rlt.bench.serve_client import (
 )
 from vllm_rlt.bench.serve_launch import HOST, launched, server_flags_parser
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.entrypoints.args import engine_args_from, engine_args_or_exit
+from vllm_rlt.entrypoints.args import engine_args_from, engine_config_or_exit
 
 DEFAULT_URL = "http://127.0.0.1:8000"
 ERRORS_SHOWN = 5
@@ -84,11 +84,7 @@ def run_offline(
     after `warmup` of them untimed."""
     from vllm_rlt.engine.llm import LLM
 
-    llm = LLM(
-        **engine_args_from(flags).llm_kwargs(),
-        generation_config=flags.generation_config,
-        generation_config_ignore_invalid=flags.generation_config_ignore_invalid,
-    )
+    llm = LLM.from_engine_config(engine_args_from(flags).create_engine_config())
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     if warmup:
         warm = [{"prompt_token_ids": ids} for ids in prompts[:warmup]]
@@ -324,7 +320,7 @@ def engine_flags(parser: CLIParser, model: str, server_flags: list[str]) -> argp
     flags.model = model
     if flags.host != HOST or flags.port != 8000:
         parser.error("--host and --port of the launched server are chosen by the bench")
-    engine_args_or_exit(parser, flags)
+    engine_config_or_exit(parser, flags)
     return flags
 
 

@@ -36,8 +36,6 @@ from vllm_rlt.config import (
     SERVE,
     USAGE_CONTEXTS,
     CacheConfig,
-    ExecutionConfig,
-    ExitConfig,
     SchedulerConfig,
 )
 from vllm_rlt.sampling_params import SamplingParams
@@ -226,15 +224,16 @@ class OfflinePoints:
         import torch
 
         from vllm_rlt.engine.builder import build_engine_core
+        from vllm_rlt.engine_config import EngineConfig
 
         engine = build_engine_core(
             self.model,
             None,
-            CacheConfig(num_blocks=self.args.num_blocks),
-            scheduler_config(point),
-            ExitConfig(),
-            ExecutionConfig(),
-            usage_context=self.args.usage,
+            EngineConfig(
+                cache_config=CacheConfig(num_blocks=self.args.num_blocks),
+                scheduler_config=scheduler_config(point),
+                usage_context=self.args.usage,
+            ),
         )
         settings = {name: getattr(engine.scheduler.config, name) for name in GRID}
         figures = {
@@ -397,9 +396,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("the grid has no point where max_num_batched_tokens >= max_num_seqs")
     if args.launch:  # as `bench serve --launch` does, before a server starts per point
         from vllm_rlt.bench.serve_launch import server_flags_parser
-        from vllm_rlt.entrypoints.args import engine_args_or_exit
+        from vllm_rlt.entrypoints.args import engine_config_or_exit
 
-        engine_args_or_exit(parser, server_flags_parser().parse_args(["--model", args.launch]))
+        engine_config_or_exit(parser, server_flags_parser().parse_args(["--model", args.launch]))
     return run_and_emit(parser, run, args)
 
 

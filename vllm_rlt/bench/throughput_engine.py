@@ -129,6 +129,7 @@ def build_engine(
     """`whole_pool`: KV blocks for every request at once; else the pool is sized from the
     device's free memory and the scheduler queues what does not fit."""
     from vllm_rlt.engine.builder import build_engine_core
+    from vllm_rlt.engine_config import DeviceConfig, EngineConfig
 
     prompt_len = args.shared_prefix_len + args.prompt_len
     max_len = prompt_len + max_tokens_of(args)
@@ -139,24 +140,28 @@ def build_engine(
     return build_engine_core(
         model,
         None,
-        CacheConfig(
-            layout=args.kv_layout,
-            block_size=args.block_size,
-            kv_cache_dtype=args.kv_cache_dtype,
-            num_blocks=blocks,
-            enable_prefix_caching=args.enable_prefix_caching,
+        EngineConfig(
+            cache_config=CacheConfig(
+                layout=args.kv_layout,
+                block_size=args.block_size,
+                kv_cache_dtype=args.kv_cache_dtype,
+                num_blocks=blocks,
+                enable_prefix_caching=args.enable_prefix_caching,
+            ),
+            scheduler_config=SchedulerConfig(
+                mode=args.mode,
+                max_num_seqs=max(concurrency, 1),
+                max_num_batched_tokens=max(concurrency * prompt_len, 2048),
+                prefill_chunk_size=max(prompt_len, 1),
+                max_prefill_batches_before_decode=max(concurrency, 1),
+            ),
+            exit_config=exit_config,
+            execution_config=ExecutionConfig(
+                cuda_graphs=not args.enforce_eager, async_scheduling=args.async_scheduling
+            ),
+            speculative_config=speculative_config(args),
+            device_config=DeviceConfig(attention_backend=args.attention_backend),
         ),
-        SchedulerConfig(
-            mode=args.mode,
-            max_num_seqs=max(concurrency, 1),
-            max_num_batched_tokens=max(concurrency * prompt_len, 2048),
-            prefill_chunk_size=max(prompt_len, 1),
-            max_prefill_batches_before_decode=max(concurrency, 1),
-        ),
-        exit_config,
-        ExecutionConfig(cuda_graphs=not args.enforce_eager, async_scheduling=args.async_scheduling),
-        args.attention_backend,
-        speculative_config(args),
     )
 
 

@@ -15,16 +15,19 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from vllm_rlt.config import ExitConfig, require
+from vllm_rlt.config import require
 from vllm_rlt.engine.core_outputs import CoreStats, EngineStats
+from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.engine.input_processor import InputProcessor
-from vllm_rlt.engine.process.core_client import CoreAttachment, EngineCoreClient
-from vllm_rlt.engine.process.dp_client import DataParallelClient, RemoteCores
+from vllm_rlt.engine.process.clients import make_client
+from vllm_rlt.engine.process.core_client import CoreAttachment
+from vllm_rlt.engine.process.dp_client import RemoteCores
 from vllm_rlt.engine.process.messages import AbortAll, AbortRequest, AddRequest, EngineOutputs
-from vllm_rlt.engine.process.pd_client import DisaggregatedClient
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.engine.request_stream import RequestStream
-from vllm_rlt.engine.rl_calls import GenerationPause, RLCalls
+from vllm_rlt.engine.rl_calls import GenerationPause, WeightCalls
+from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME
+from vllm_rlt.engine_config import EngineConfig
 from vllm_rlt.models.load import load_tokenizer, model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
@@ -51,85 +54,65 @@ class StepObserver(Protocol):
     def observe_finished(self, output: RequestOutput) -> None: ...
 
 
-class AsyncLLM(RLCalls):
+class AsyncLLM:
     """Starts the engine core and serves asyncio callers; nothing here blocks the event
     loop. `in_process=True` runs the core on a thread of this process instead (tests use it
     to reach into the engine); the messages are the same.
 
-    `attach` joins cores that another process started (one of several API servers), one
-    attachment per data-parallel rank; `llm_kwargs` then only names the model, for its
-    tokenizer. `data_parallel_size` N > 1
-    starts N cores (one per GPU) and places each request on the least loaded one;
-    `remote_cores` says which of them connect from other hosts. `disaggregate` (P, D)
-    starts P prefill and D decode cores (engine/process/pd_client.py).
+    `config.parallel_config` says which cores serve (engine/process/clients.py): one, its
+    `data_parallel_size` N > 1 (one per GPU; each request on the least loaded one), or its
+    `disaggregate` (P, D) prefill and decode cores (engine/process/pd_client.py);
+    `remote_cores` says which data-parallel cores connect from other hosts. `attach` joins
+    cores that another process started (one of several API servers), one attachment per
+    data-parallel rank; the config then serves for the tokenizer and the request checks.
 
     `max_waiting` bounds the sequences (completions) that wait for a slot: a request is
     refused when it would raise this frontend's sequences above `max_num_seqs +
     max_waiting`, and refused for good when it alone exceeds that.
+
+    An RL trainer's calls (pause, resume, weight updates) are handed to `pause` and
+    `weights` (engine/rl_calls.py).
     """
 
     def __init__(
         self,
-        llm_kwargs: dict[str, Any],
+        config: EngineConfig,
         max_waiting: int | None = None,
         observer: StepObserver | None = None,
         in_process: bool = False,
         attach: list[CoreAttachment] | None = None,
-        data_parallel_size: int = 1,
         remote_cores: RemoteCores | None = None,
-        generation_config: str = "auto",
-        generation_config_ignore_invalid: bool = False,
-        disaggregate: tuple[int, int] | None = None,
-        kv_connector: str = "auto",
     ) -> None:
+        self.config = config
         self.max_waiting = max_waiting
         self.observer = observer
         self.dead: BaseException | None = None
-        self.last_progress = time.monotonic()
         self.num_sequences = 0  # completions of the open streams
         self.stats: EngineStats | None = None  # as of the latest engine step
-        self.weight_version: str | None = None  # of the latest update that gave one
         self._streams: dict[str, RequestStream] = {}
-        model = llm_kwargs.get("model")
+        model_config = config.model_config
         self._user_tokenizer: Any = None  # get_tokenizer's, made on first use
         self.tokenizer: Tokenizer | None = load_tokenizer(
-            model, llm_kwargs.get("tokenizer"), llm_kwargs.get("skip_tokenizer_init", False)
+            model_config.model, model_config.tokenizer, model_config.skip_tokenizer_init
         )
         # what a request leaves unset (vLLM's generation_config: the model's file by default)
         sampling_defaults = model_sampling_defaults(
-            model, generation_config, strict=not generation_config_ignore_invalid
+            model_config.model,
+            model_config.generation_config,
+            strict=not model_config.generation_config_ignore_invalid,
         )
         self._loop: asyncio.AbstractEventLoop | None = None  # the one that reads outputs
-        self.client: EngineCoreClient | DataParallelClient
-        if attach is not None:
-            require(len(attach) == data_parallel_size, "one attachment per data-parallel rank")
-            if data_parallel_size == 1:
-                self.client = EngineCoreClient.attach(attach[0], self._on_death)
-            else:
-                self.client = DataParallelClient.attach(attach, self._on_death, self._on_core_lost)
-        elif disaggregate is not None:
-            self.client = DisaggregatedClient(
-                llm_kwargs,
-                self._on_death,
-                *disaggregate,
-                in_process,
-                self._on_core_lost,
-                kv_connector,
-            )
-        elif data_parallel_size > 1 or remote_cores is not None:
-            self.client = DataParallelClient(
-                llm_kwargs,
-                self._on_death,
-                data_parallel_size,
-                in_process,
-                remote_cores,
-                on_core_lost=self._on_core_lost,
-            )
-        else:
-            self.client = EngineCoreClient(llm_kwargs, self._on_death, in_process)
-        self.pause = GenerationPause(
-            self, shared=bool(attach or getattr(self.client, "attachments", None))
+        self.client = make_client(
+            config,
+            self._on_death,
+            self._on_core_lost,
+            in_process=in_process,
+            remote_cores=remote_cores,
+            attach=attach,
         )
+        # other API servers feed the cores this one joined
+        self.pause = GenerationPause(self, shared=attach is not None)
+        self.weights = WeightCalls(self.client)
         info = self.client.info
         self.info = info
         self.model_name = info.model_name
@@ -145,11 +128,17 @@ class AsyncLLM(RLCalls):
                 scheduling_policy=info.scheduling_policy,
                 prompt_tables=info.prompt_tables,
             ),
-            llm_kwargs.get("exit_config") or ExitConfig(),
+            config.exit_config,
         )
         self.processor = InputProcessor(
             self.tokenizer, checker, sampling_defaults, frozenset(info.eos_token_ids)
         )
+
+    @classmethod
+    def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
+        """vLLM's constructor: the engine `engine_args` describe; `kwargs` as for
+        `AsyncLLM`."""
+        return cls(engine_args.create_engine_config(), **kwargs)
 
     # ----------------------------------------------------------------- caller side
     async def get_tokenizer(self) -> Any:
@@ -169,25 +158,21 @@ class AsyncLLM(RLCalls):
         """Requests whose streams are open (queued or running)."""
         return len(self._streams)
 
+    @property
+    def weight_version(self) -> str | None:
+        """The tag of the latest weight update that gave one."""
+        return self.weights.version
+
     def lost_cores(self) -> str | None:
         """Which data-parallel cores are gone while others serve on, or None."""
-        if isinstance(self.client, DataParallelClient):
-            return self.client.lost_reason()
-        return None
+        return self.client.lost_reason()
 
     def stalled(self, timeout: float) -> str | None:
         """Why the engine counts as stalled (work waits and no pass completed for `timeout`
         seconds; with several cores, on any one of them), or None. Paused, none runs."""
         if self.pause.paused:
             return None
-        if isinstance(self.client, DataParallelClient):
-            rank = self.client.stalled_rank(timeout)
-            return (
-                None if rank is None else f"engine core {rank} made no progress for {timeout:g} s"
-            )
-        if self.has_work and time.monotonic() - self.last_progress > timeout:
-            return f"no pass completed for {timeout:g} s"
-        return None
+        return self.client.stalled(timeout, self.has_work)
 
     def check_request(self, request_id: str, prompt: list[int], params: SamplingParams) -> None:
         """Every check the core makes on arrival: bad input raises ParamError here."""
@@ -293,6 +278,62 @@ class AsyncLLM(RLCalls):
         if not stream.engine_done:
             self.abort(stream.request_id)
 
+    # ----------------------------------------------------------------- RL trainer calls
+    async def pause_generation(self, mode: str = "abort") -> None:
+        """vLLM's pause: "abort" (the default) ends what is in flight with finish reason
+        abort, "wait" lets it finish, "keep" freezes it until `resume_generation`. New
+        requests wait until then; a weight update may run in between."""
+        await self.pause.pause(mode)
+
+    async def resume_generation(self) -> None:
+        await self.pause.resume()
+
+    def is_paused(self) -> bool:
+        return self.pause.paused
+
+    async def init_weights_update_group(
+        self,
+        master_address: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        group_name: str = DEFAULT_GROUP_NAME,
+        backend: str | None = None,
+    ) -> None:
+        """The engine core joins the trainer's group as rank `rank_offset` (see
+        engine/weight_sync.py); returns once every rank has joined."""
+        await self.weights.call(
+            "init_weights_update_group",
+            {
+                "master_address": master_address,
+                "master_port": master_port,
+                "rank_offset": rank_offset,
+                "world_size": world_size,
+                "group_name": group_name,
+                "backend": backend,
+            },
+        )
+
+    async def update_weights_from_distributed(
+        self,
+        names: list[str],
+        dtypes: list[str],
+        shapes: list[list[int]],
+        weight_version: str | None = None,
+    ) -> None:
+        """Take the tensors the trainer broadcasts; the engine must be idle or paused. A wrong
+        name, dtype or shape is a ValueError with nothing changed."""
+        args = {"names": names, "dtypes": dtypes, "shapes": shapes}
+        await self.weights.call("update_weights_from_distributed", args, weight_version)
+
+    async def update_weights_from_disk(
+        self, model_path: str, weight_version: str | None = None
+    ) -> None:
+        """Copy a checkpoint folder's weights in place (same names and shapes)."""
+        await self.weights.call(
+            "update_weights_from_disk", {"model_path": model_path}, weight_version
+        )
+
     # ----------------------------------------------------------------- engine outputs
     def _read_outputs_here(self) -> None:
         """Engine outputs are read on the event loop of the first request, and all requests
@@ -307,7 +348,6 @@ class AsyncLLM(RLCalls):
     def _on_outputs(self, outputs: EngineOutputs) -> None:
         """One engine step, on the event loop: metrics, then each stream's new tokens."""
         now = time.monotonic()
-        self.last_progress = now
         self.stats = outputs.stats
         if self.observer is not None:
             try:
@@ -344,7 +384,6 @@ class AsyncLLM(RLCalls):
             pass
 
     def _fail_core_streams(self, rank: int, reason: str) -> None:
-        assert isinstance(self.client, DataParallelClient)
         error = EngineDeadError(f"engine core {rank} (of {self.client.size}): {reason}")
         for request_id in self.client.forget_core(rank):
             stream = self._streams.get(request_id)

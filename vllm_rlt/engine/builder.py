@@ -1,4 +1,4 @@
-"""Builds an engine from the user's arguments: loads the model and its tokenizer, joins a
+"""Builds an engine from its `EngineConfig`: loads the model and its tokenizer, joins a
 tensor-parallel group (rank 0 starts the other ranks), and assembles the `EngineCore` from
 its parts (scheduler defaults sized to the device, the memory plan and KV geometry, the
 block pool, the scheduler, the runner with its graphs and warm-up, the request checks).
@@ -13,18 +13,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
-from vllm_rlt.config import (
-    OFFLINE,
-    CacheConfig,
-    ExecutionConfig,
-    ExitConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-    check_quantization,
-    require_int,
-)
+from vllm_rlt.config import require_int
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
@@ -32,6 +21,7 @@ from vllm_rlt.engine.engine_core import EngineCore
 from vllm_rlt.engine.process.parent_watch import leave_with_parent
 from vllm_rlt.engine.process.process_setup import settle_engine_process
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
+from vllm_rlt.engine_config import EngineConfig
 from vllm_rlt.exit import make_exit_policy
 from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
 from vllm_rlt.models.load import (
@@ -67,61 +57,32 @@ class BuiltEngine:
 
 
 def build_engine(
-    model: str | None = None,
-    device: str | torch.device = "cpu",
-    dtype: str | torch.dtype = "auto",
-    cache_config: CacheConfig | None = None,
-    scheduler_config: SchedulerConfig | None = None,
-    exit_config: ExitConfig | None = None,
-    execution_config: ExecutionConfig | None = None,
-    attention_backend: str = "auto",
-    speculative_config: SpeculativeConfig | None = None,
-    tensor_parallel_size: int = 1,
-    usage_context: str = OFFLINE,
-    tokenizer: str | None = None,
-    skip_tokenizer_init: bool = False,
-    max_model_len: int | None = None,
-    tensor_parallel_rank: tuple[int, int] | None = None,
-    quantization: str | None = None,
-    disaggregated: bool = False,
+    config: EngineConfig, tensor_parallel_rank: tuple[int, int] | None = None
 ) -> BuiltEngine:
-    """The arguments are `LLM`'s (see there). `tensor_parallel_rank` (rank, port) is given
-    only to ranks other than 0, which rank 0 starts itself; `disaggregated` only to the
-    cores of `--disaggregate` (engine/process/pd_client.py)."""
-    check_quantization(quantization)
-    resolved_device = resolve_device(device)
-    resolved_dtype = resolve_dtype(dtype, resolved_device)
+    """Load `config`'s model and build its engine. `tensor_parallel_rank` (rank, port) is
+    given only to ranks other than 0, which rank 0 starts itself."""
+    model_config, device_config = config.model_config, config.device_config
+    tensor_parallel_size = config.parallel_config.tensor_parallel_size
+    resolved_device = resolve_device(device_config.device)
+    resolved_dtype = resolve_dtype(model_config.dtype, resolved_device)
     rank, port = tensor_parallel_rank or (0, 0)
     loaded, loaded_tokenizer, name = load_model_and_tokenizer(
-        model, resolved_dtype, rank_device(resolved_device, rank), tokenizer, skip_tokenizer_init
+        model_config.model,
+        resolved_dtype,
+        rank_device(resolved_device, rank),
+        model_config.tokenizer,
+        model_config.skip_tokenizer_init,
     )
     # Before sharding, so that every rank holds the single-process model's values and
     # scales (a rank's share of o and down keeps the whole rows' scales).
-    loaded.quantize(quantization)
+    loaded.quantize(model_config.quantization)
     followers: list[Any] = []
     if tensor_parallel_size != 1:
         check_tensor_parallel(tensor_parallel_size, loaded.config, resolved_device)
         if rank == 0:
             port = free_port()
-            same_arguments = {
-                "model": model,
-                "device": device,
-                "dtype": dtype,
-                "cache_config": cache_config,
-                "scheduler_config": scheduler_config,
-                "exit_config": exit_config,
-                "execution_config": execution_config,
-                "attention_backend": attention_backend,
-                "speculative_config": speculative_config,
-                "usage_context": usage_context,
-                "tokenizer": tokenizer,
-                "skip_tokenizer_init": skip_tokenizer_init,
-                "max_model_len": max_model_len,
-                "quantization": quantization,
-                "disaggregated": disaggregated,
-            }
             followers = start_followers(
-                tensor_parallel_size, port, run_tensor_parallel_rank, same_arguments
+                tensor_parallel_size, port, run_tensor_parallel_rank, config
             )
     tensor_parallel = None
     try:
@@ -133,17 +94,9 @@ def build_engine(
         engine = build_engine_core(
             loaded,
             loaded_tokenizer,
-            cache_config or CacheConfig(),
-            scheduler_config or SchedulerConfig(),
-            exit_config or ExitConfig(),
-            execution_config or ExecutionConfig(),
-            attention_backend,
-            speculative_config,
+            config,
             tensor_parallel,
-            usage_context,
-            max_model_len,
-            model_eos_token_ids(model, loaded.config.vocab_size),
-            disaggregated,
+            model_eos_token_ids(model_config.model, loaded.config.vocab_size),
         )
     except BaseException:
         if tensor_parallel is not None:
@@ -158,12 +111,12 @@ def build_engine(
 
 
 def run_tensor_parallel_rank(
-    rank: int, world: int, port: int, arguments: dict[str, Any], parent_pid: int
+    rank: int, world: int, port: int, config: EngineConfig, parent_pid: int
 ) -> None:
     """A rank other than 0 (its own process): build the engine as rank 0 does, then make
     every call rank 0 mirrors until it says stop. It leaves with its parent."""
     leave_with_parent(parent_pid)
-    built = build_engine(**arguments, tensor_parallel_size=world, tensor_parallel_rank=(rank, port))
+    built = build_engine(config, tensor_parallel_rank=(rank, port))
     assert built.tensor_parallel is not None
     settle_engine_process(built.engine.model.device)
     follow(built.engine, built.tensor_parallel)
@@ -174,25 +127,24 @@ def run_tensor_parallel_rank(
 def build_engine_core(
     model,
     tokenizer: Tokenizer | None,
-    cache_config: CacheConfig,
-    scheduler_config: SchedulerConfig,
-    exit_config: ExitConfig,
-    execution_config: ExecutionConfig,
-    attention_backend: str = "auto",
-    speculative_config: SpeculativeConfig | None = None,
+    config: EngineConfig,
     tensor_parallel: TensorParallel | None = None,
-    usage_context: str = OFFLINE,
-    max_model_len: int | None = None,
     extra_eos_token_ids: frozenset[int] = frozenset(),
-    disaggregated: bool = False,
 ) -> EngineCore:
-    """The engine core of a loaded model. `usage_context` ("offline" or "serve") picks the
-    scheduler defaults that `scheduler_config` leaves to the device; `max_model_len` caps
-    a request's prompt + output below the model's context length (its default);
-    `disaggregated`: it hands requests to, or takes them from, other engine cores."""
-    scheduler_config, scheduler_note = size_scheduler(scheduler_config, model.device, usage_context)
+    """The engine core of a loaded model, built as `config` says (its model and tensor
+    parallelism were applied by the loading). `config.usage_context` picks the scheduler
+    defaults that its scheduler config leaves to the device; its `max_model_len` caps a
+    request's prompt + output below the model's context length (its default); a core of
+    its `disaggregate` hands requests to, or takes them from, other engine cores."""
+    cache_config, exit_config = config.cache_config, config.exit_config
+    execution_config, speculative_config = config.execution_config, config.speculative_config
+    scheduler_config, scheduler_note = size_scheduler(
+        config.scheduler_config, model.device, config.usage_context
+    )
     cfg = model.config
-    max_model_len = checked_max_model_len(max_model_len, cfg.max_position_embeddings)
+    max_model_len = checked_max_model_len(
+        config.model_config.max_model_len, cfg.max_position_embeddings
+    )
     num_lanes = 1
     if speculative_config is not None:
         num_lanes = lanes_per_request(
@@ -201,7 +153,7 @@ def build_engine_core(
         check_speculation(
             speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
         )
-    backend, ops = get_backend(attention_backend, model.device)
+    backend, ops = get_backend(config.device_config.attention_backend, model.device)
     # Made before the cache is sized, so the memory plan sees its buffers.
     lanes = None
     if speculative_config is not None:
@@ -303,7 +255,7 @@ def build_engine_core(
         speculative_config,
         backend,
         scheduler_note,
-        disaggregated,
+        config.parallel_config.disaggregate is not None,
     )
 
 

@@ -12,7 +12,6 @@ import torch
 from tqdm import tqdm
 
 from vllm_rlt.config import (
-    OFFLINE,
     CacheConfig,
     ExecutionConfig,
     ExitConfig,
@@ -21,11 +20,11 @@ from vllm_rlt.config import (
     require,
 )
 from vllm_rlt.engine.builder import build_engine
+from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.engine.llm_engine import LLMEngine
-from vllm_rlt.engine.vllm_args import apply_vllm_args
 from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME
+from vllm_rlt.engine_config import EngineConfig
 from vllm_rlt.inputs import check_prompt_dict
-from vllm_rlt.models.hub import TOKENIZER_FILES, resolve_model
 from vllm_rlt.models.load import model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
@@ -66,64 +65,83 @@ class LLM:
     A sampling default in that generation_config.json that no request could send (a
     temperature of -1, NaN) is a ValueError naming the file and the field; with
     `generation_config_ignore_invalid` the field is left unset instead, with a warning.
+
+    An argument left None takes the default of its field of the engine's configuration
+    (`self.config`, an `EngineConfig`: vllm_rlt/engine_config.py).
     """
 
     def __init__(
         self,
         model: str | None = None,
-        device: str | torch.device = "cpu",
-        dtype: str | torch.dtype = "auto",
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
         cache_config: CacheConfig | None = None,
         scheduler_config: SchedulerConfig | None = None,
         exit_config: ExitConfig | None = None,
         execution_config: ExecutionConfig | None = None,
-        attention_backend: str = "auto",
+        attention_backend: str | None = None,
         speculative_config: SpeculativeConfig | None = None,
-        tensor_parallel_size: int = 1,
-        usage_context: str = OFFLINE,
+        tensor_parallel_size: int | None = None,
+        usage_context: str | None = None,
         *,
         tokenizer: str | None = None,
         revision: str | None = None,
         download_dir: str | None = None,
-        skip_tokenizer_init: bool = False,
+        skip_tokenizer_init: bool | None = None,
         max_model_len: int | None = None,
-        generation_config: str = "auto",
-        generation_config_ignore_invalid: bool = False,
+        generation_config: str | None = None,
+        generation_config_ignore_invalid: bool | None = None,
         enable_sleep_mode: bool = False,
         quantization: str | None = None,
         **vllm_args: Any,
     ) -> None:
-        cache_config, scheduler_config, execution_config = apply_vllm_args(
-            vllm_args, cache_config, scheduler_config, execution_config
-        )
-        asked = model
-        model = resolve_model(model, revision, download_dir)
-        tokenizer = resolve_model(tokenizer, download_dir=download_dir, files=TOKENIZER_FILES)
-        sampling_defaults = model_sampling_defaults(
-            model, generation_config, strict=not generation_config_ignore_invalid
-        )
-        built = build_engine(
-            model,
-            device,
-            dtype,
-            cache_config,
-            scheduler_config,
-            exit_config,
-            execution_config,
-            attention_backend,
-            speculative_config,
-            tensor_parallel_size,
-            usage_context,
-            tokenizer,
-            skip_tokenizer_init,
-            max_model_len,
+        engine_args = EngineArgs(
+            model=model,
+            revision=revision,
+            download_dir=download_dir,
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
+            dtype=dtype,
             quantization=quantization,
+            max_model_len=max_model_len,
+            generation_config=generation_config,
+            generation_config_ignore_invalid=generation_config_ignore_invalid,
+            device=device,
+            attention_backend=attention_backend,
+            tensor_parallel_size=tensor_parallel_size,
+            usage_context=usage_context,
+            cache_config=cache_config,
+            scheduler_config=scheduler_config,
+            exit_config=exit_config,
+            execution_config=execution_config,
+            speculative_config=speculative_config,
+            vllm_args=vllm_args,
         )
+        self._start(engine_args.create_engine_config(), model, enable_sleep_mode)
+
+    @classmethod
+    def from_engine_config(cls, config: EngineConfig, enable_sleep_mode: bool = False) -> LLM:
+        """The engine of a config made already (the command line's, entrypoints/args.py)."""
+        llm = cls.__new__(cls)
+        llm._start(config, config.model_config.model, enable_sleep_mode)
+        return llm
+
+    def _start(self, config: EngineConfig, asked: str | None, enable_sleep_mode: bool) -> None:
+        """Build the engine of `config`; `asked` is the model as the caller named it (a hub
+        ID keeps that name)."""
+        model_config = config.model_config
+        sampling_defaults = model_sampling_defaults(
+            model_config.model,
+            model_config.generation_config,
+            strict=not model_config.generation_config_ignore_invalid,
+        )
+        built = build_engine(config)
+        self.config = config
         self.engine = built.engine
         self.tokenizer = built.tokenizer
         self._user_tokenizer: Any = None  # get_tokenizer's, made on first use
         self.llm_engine = LLMEngine(built.engine, built.tokenizer, sampling_defaults)
-        self.model_name = asked if model != asked else built.model_name  # a hub ID as given
+        self.model_name = asked if model_config.model != asked else built.model_name
         self.enable_sleep_mode = enable_sleep_mode
         self.tensor_parallel = built.tensor_parallel
         self._counter = 0

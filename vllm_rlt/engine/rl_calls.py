@@ -1,7 +1,8 @@
 """What an RL trainer calls on a served engine between rollouts: pausing and resuming
 generation (vLLM's `pause_generation` modes), and new weights from the trainer's group or
-from disk with a version tag (SGLang's names): the frontend's side (`GenerationPause`,
-`RLCalls`, mixed into AsyncLLM); the core loop's is engine/weight_sync.CoreRL."""
+from disk with a version tag (SGLang's names): the frontend's side (`GenerationPause` and
+`WeightCalls`, parts of AsyncLLM, whose public methods hand the calls to them); the core
+loop's is engine/weight_sync.CoreRL."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from typing import Any
 
 from vllm_rlt.config import ParamError, require
 from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
-from vllm_rlt.engine.process.core_client import EngineCoreClient
 from vllm_rlt.engine.process.messages import AbortAll, AbortRequest, AddRequest
-from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME, GROUP_TIMEOUT
+from vllm_rlt.engine.weight_sync import GROUP_TIMEOUT
 
 PAUSE_MODES = ("abort", "wait", "keep")
 CALL_TIMEOUT_S = GROUP_TIMEOUT.total_seconds() + 60.0  # the core waits on the trainer
@@ -133,73 +133,21 @@ class GenerationPause:
         return answer
 
 
-class RLCalls:
-    """AsyncLLM's calls for RL trainers (this class is one of its bases)."""
+class WeightCalls:
+    """A frontend's weight updates, sent to its single engine core, and the version tag
+    of the latest update that gave one."""
 
-    client: Any
-    pause: GenerationPause
-    weight_version: str | None
+    def __init__(self, client) -> None:
+        self.client = client  # the frontend's client over its cores
+        self.version: str | None = None
 
-    async def pause_generation(self, mode: str = "abort") -> None:
-        """vLLM's pause: "abort" (the default) ends what is in flight with finish reason
-        abort, "wait" lets it finish, "keep" freezes it until `resume_generation`. New
-        requests wait until then; a weight update may run in between."""
-        await self.pause.pause(mode)
-
-    async def resume_generation(self) -> None:
-        await self.pause.resume()
-
-    def is_paused(self) -> bool:
-        return self.pause.paused
-
-    async def init_weights_update_group(
-        self,
-        master_address: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        group_name: str = DEFAULT_GROUP_NAME,
-        backend: str | None = None,
-    ) -> None:
-        """The engine core joins the trainer's group as rank `rank_offset` (see
-        engine/weight_sync.py); returns once every rank has joined."""
-        await self._weight_call(
-            "init_weights_update_group",
-            {
-                "master_address": master_address,
-                "master_port": master_port,
-                "rank_offset": rank_offset,
-                "world_size": world_size,
-                "group_name": group_name,
-                "backend": backend,
-            },
-        )
-
-    async def update_weights_from_distributed(
-        self,
-        names: list[str],
-        dtypes: list[str],
-        shapes: list[list[int]],
-        weight_version: str | None = None,
-    ) -> None:
-        """Take the tensors the trainer broadcasts; the engine must be idle or paused. A wrong
-        name, dtype or shape is a ValueError with nothing changed."""
-        args = {"names": names, "dtypes": dtypes, "shapes": shapes}
-        await self._weight_call("update_weights_from_distributed", args, weight_version)
-
-    async def update_weights_from_disk(
-        self, model_path: str, weight_version: str | None = None
-    ) -> None:
-        """Copy a checkpoint folder's weights in place (same names and shapes)."""
-        await self._weight_call(
-            "update_weights_from_disk", {"model_path": model_path}, weight_version
-        )
-
-    async def _weight_call(
+    async def call(
         self, name: str, args: dict[str, Any], weight_version: str | None = None
     ) -> None:
+        """Make the core's call `name` with `args` (JSON values); ParamError for a refusal
+        the caller caused, RuntimeError for one inside the core."""
         require(
-            isinstance(self.client, EngineCoreClient),
+            self.client.size == 1,
             f"{name} needs a single engine core (data_parallel_size 1, no disaggregation)",
             "data_parallel_size",
         )
@@ -214,4 +162,4 @@ class RLCalls:
             if answer.get("internal"):
                 raise RuntimeError(str(answer["error"]))
             raise ParamError(str(answer["error"]), str(answer.get("param") or "") or None)
-        self.weight_version = answer.get("weight_version")  # type: ignore[assignment]
+        self.version = answer.get("weight_version")  # type: ignore[assignment]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass, fields
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +24,13 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
-from vllm_rlt.models.hub import TOKENIZER_FILES, resolve_model
+from vllm_rlt.engine.engine_args import EngineArgs
+from vllm_rlt.engine_config import DeviceConfig, EngineConfig, ModelConfig, ParallelConfig
+
+
+def config_default(config: type, name: str) -> Any:
+    """A config field's default, as its flag's default: defaults live in the configs."""
+    return next(f.default for f in fields(config) if f.name == name)
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -70,7 +76,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     )
     model.add_argument(
         "--generation-config",
-        default="auto",
+        default=config_default(ModelConfig, "generation_config"),
         help="sampling defaults for unset request fields: auto (the model's "
         "generation_config.json), vllm (the engine's) or a folder",
     )
@@ -86,19 +92,25 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         action="store_true",
         help="accepted for vLLM's command lines; changes nothing (no checkpoint code runs)",
     )
-    model.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    model.add_argument(
+        "--device", default=config_default(DeviceConfig, "device"), help="cpu or cuda[:N]"
+    )
     model.add_argument(
         "--tensor-parallel-size",
         type=int,
-        default=1,
+        default=config_default(ParallelConfig, "tensor_parallel_size"),
         help="processes (GPUs: cuda:0 .. cuda:N-1) that split every layer's heads and MLP "
         "features; N must divide the heads, the KV heads and the MLP width",
     )
     model.add_argument(
-        "--dtype", default="auto", help="auto, float32, bfloat16 or float16 (auto: bf16 on CUDA)"
+        "--dtype",
+        default=config_default(ModelConfig, "dtype"),
+        help="auto, float32, bfloat16 or float16 (auto: bf16 on CUDA)",
     )
     model.add_argument(
-        "--attention-backend", default="auto", help="auto (triton on CUDA), triton or torch"
+        "--attention-backend",
+        default=config_default(DeviceConfig, "attention_backend"),
+        help="auto (triton on CUDA), triton or torch",
     )
     model.add_argument(
         "--quantization",
@@ -111,7 +123,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
     model.add_argument(
         "--seed",
         type=int,
-        default=0,
+        default=config_default(ExecutionConfig, "seed"),
         help="engine seed: unseeded requests draw their seeds from it",
     )
 
@@ -122,18 +134,23 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
     cache.add_argument(
         "--kv-layout",
         choices=KV_LAYOUTS,
-        default="last_exited",
+        default=str(config_default(CacheConfig, "layout")),
         help="last_exited: one plane per loop (exact); shared: one plane for every loop, "
         "prefill included (a quarter of the memory, different numerics); shared_decode: "
         "one plane per loop while a prompt prefills, then one plane per position (the "
         "prompt computes as under last_exited; decode shares, as the Ouro report "
         "validates; its prefix cache serves only K/V handed over from prefill cores)",
     )
-    cache.add_argument("--block-size", type=int, default=16, help="positions per KV block")
+    cache.add_argument(
+        "--block-size",
+        type=int,
+        default=config_default(CacheConfig, "block_size"),
+        help="positions per KV block",
+    )
     cache.add_argument(
         "--kv-cache-dtype",
         choices=KV_CACHE_DTYPES,
-        default="auto",
+        default=config_default(CacheConfig, "kv_cache_dtype"),
         help="K/V storage: auto (the model's dtype), fp8 or fp8_e4m3 (float8 e4m3), fp8_e5m2; "
         "float8 holds twice the positions of bf16 in the same memory, divided by an FP8 "
         "checkpoint's K/V scales where it has them, else at scale 1 (as vLLM)",
@@ -141,7 +158,7 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
     cache.add_argument(
         "--enable-prefix-caching",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=config_default(CacheConfig, "enable_prefix_caching"),
         help="share the K/V of full prompt blocks between requests whose prompts start "
         "alike (exact: prompt positions run every loop; under shared_decode only K/V handed "
         "over from prefill cores)",
@@ -164,7 +181,7 @@ def _add_cache_args(parser: argparse.ArgumentParser) -> None:
     cache.add_argument(
         "--gpu-memory-utilization",
         type=float,
-        default=0.9,
+        default=config_default(CacheConfig, "gpu_memory_utilization"),
         help="fraction of device memory the engine may use (CUDA)",
     )
 
@@ -175,14 +192,14 @@ def _add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument(
         "--mode",
         choices=SCHEDULING_MODES,
-        default="refill",
+        default=config_default(SchedulerConfig, "mode"),
         help="refill: a row freed by an exit is refilled at once; no_refill: the decode "
         "cohort waits for its slowest token",
     )
     sched.add_argument(
         "--scheduling-policy",
         choices=SCHEDULING_POLICIES,
-        default="fcfs",
+        default=config_default(SchedulerConfig, "scheduling_policy"),
         help="fcfs: arrival order; priority: each request's priority (lower first), and "
         "running requests of a higher value are preempted for a waiting one",
     )
@@ -200,7 +217,10 @@ def _add_scheduler_args(parser: argparse.ArgumentParser) -> None:
         help=f"rows of one pass at most ({sized(2048)})",
     )
     sched.add_argument(
-        "--prefill-chunk-size", type=int, default=512, help="prompt positions per prefill chunk"
+        "--prefill-chunk-size",
+        type=int,
+        default=config_default(SchedulerConfig, "prefill_chunk_size"),
+        help="prompt positions per prefill chunk",
     )
     sched.add_argument(
         "--max-prefill-batches-before-decode",
@@ -217,7 +237,7 @@ def _add_scheduler_args(parser: argparse.ArgumentParser) -> None:
     sched.add_argument(
         "--max-admission-bypasses",
         type=int,
-        default=8,
+        default=config_default(SchedulerConfig, "max_admission_bypasses"),
         help="times a request that does not fit may be passed by later ones",
     )
 
@@ -228,7 +248,7 @@ def _add_exit_args(parser: argparse.ArgumentParser) -> None:
     exits.add_argument(
         "--exit-mode",
         choices=EXIT_MODES,
-        default="ouro",
+        default=config_default(ExitConfig, "mode"),
         help="ouro: the checkpoint's exit gate; ouro_delayed: exit one loop after it fires; "
         "random_lookahead: a seeded random head (experiments); trace: replay --exit-trace",
     )
@@ -240,7 +260,10 @@ def _add_exit_args(parser: argparse.ArgumentParser) -> None:
         "(trace mode only)",
     )
     exits.add_argument(
-        "--lookahead-seed", type=int, default=0, help="seed of the random_lookahead head"
+        "--lookahead-seed",
+        type=int,
+        default=config_default(ExitConfig, "seed"),
+        help="seed of the random_lookahead head",
     )
 
 
@@ -253,7 +276,7 @@ def _add_execution_args(parser: argparse.ArgumentParser) -> None:
     execution.add_argument(
         "--async-scheduling",
         action=argparse.BooleanOptionalAction,
-        default=True,
+        default=config_default(ExecutionConfig, "async_scheduling"),
         help="plan and launch the next pass while the device runs the current one",
     )
 
@@ -284,7 +307,7 @@ def add_speculation_args(parser: argparse.ArgumentParser, replay: bool = False) 
     spec.add_argument(
         "--draft-loops",
         type=int,
-        default=2,
+        default=config_default(SpeculativeConfig, "draft_loops"),
         help="loops a draft token runs (with --speculative-tokens)",
     )
     spec.add_argument(
@@ -317,29 +340,6 @@ def speculative_config(ns: argparse.Namespace) -> SpeculativeConfig | None:
     )
 
 
-@dataclass(frozen=True)
-class EngineArgs:
-    """Everything `LLM(...)` needs, built from parsed flags."""
-
-    model: str | None
-    device: str
-    dtype: str
-    attention_backend: str
-    cache_config: CacheConfig
-    scheduler_config: SchedulerConfig
-    exit_config: ExitConfig
-    execution_config: ExecutionConfig
-    speculative_config: SpeculativeConfig | None = None
-    tensor_parallel_size: int = 1
-    tokenizer: str | None = None
-    skip_tokenizer_init: bool = False
-    max_model_len: int | None = None
-    quantization: str | None = None
-
-    def llm_kwargs(self) -> dict[str, Any]:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
-
-
 def read_exit_trace(path: Path) -> dict[str, tuple[int, ...]]:
     """Load a trace file: a mapping request_id -> depths, or a list indexed by prompt."""
     try:
@@ -357,21 +357,29 @@ def read_exit_trace(path: Path) -> dict[str, tuple[int, ...]]:
     }
 
 
-def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
-    """Build frozen configs from flags; raises ValueError with the field named on bad input."""
+def engine_args_from(ns: argparse.Namespace, **serving: Any) -> EngineArgs:
+    """The flags as `EngineArgs` (a bad value raises ValueError naming it); `serving`:
+    fields only the server's flags give (usage context, data parallelism,
+    disaggregation)."""
     if ns.exit_trace is not None and ns.exit_mode != "trace":
         raise ValueError("--exit-trace needs --exit-mode trace")
     if ns.exit_mode == "trace" and ns.exit_trace is None:
         raise ValueError("--exit-mode trace needs --exit-trace FILE")
     depths = read_exit_trace(ns.exit_trace) if ns.exit_trace is not None else {}
     return EngineArgs(
-        model=resolve_model(ns.model, ns.revision, ns.download_dir),
-        tokenizer=resolve_model(ns.tokenizer, download_dir=ns.download_dir, files=TOKENIZER_FILES),
+        model=ns.model,
+        revision=ns.revision,
+        download_dir=ns.download_dir,
+        tokenizer=ns.tokenizer,
         skip_tokenizer_init=ns.skip_tokenizer_init,
         max_model_len=ns.max_model_len,
+        generation_config=ns.generation_config,
+        generation_config_ignore_invalid=ns.generation_config_ignore_invalid,
         device=ns.device,
         dtype=ns.dtype,
         attention_backend=ns.attention_backend,
+        quantization=ns.quantization,
+        tensor_parallel_size=ns.tensor_parallel_size,
         cache_config=CacheConfig(
             layout=ns.kv_layout,
             enable_prefix_caching=ns.enable_prefix_caching,
@@ -400,26 +408,29 @@ def engine_args_from(ns: argparse.Namespace) -> EngineArgs:
             cuda_graphs=not ns.enforce_eager, async_scheduling=ns.async_scheduling, seed=ns.seed
         ),
         speculative_config=speculative_config(ns),
-        tensor_parallel_size=ns.tensor_parallel_size,
-        quantization=ns.quantization,
+        **serving,
     )
 
 
-def engine_args_or_exit(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> EngineArgs:
-    """`engine_args_from(ns)` with the model checked to load: a bad flag, or a model that
-    cannot be had (no such folder; a hub ID offline, not cached or unreachable), is
-    `parser`'s one-line error and exit code 2, before anything loads."""
+def engine_config_or_exit(
+    parser: argparse.ArgumentParser, ns: argparse.Namespace, **serving: Any
+) -> EngineConfig:
+    """`engine_args_from(ns, **serving).create_engine_config()` with the model checked to
+    load: a bad flag, or a model that cannot be had (no such folder; a hub ID offline, not
+    cached or unreachable), is `parser`'s one-line error and exit code 2, before anything
+    loads."""
     try:
-        engine_args = engine_args_from(ns)
+        config = engine_args_from(ns, **serving).create_engine_config()
         from vllm_rlt.models.load import check_model_source  # torch: once the hub has answered
 
+        model_config = config.model_config
         check_model_source(
-            engine_args.model,
-            engine_args.device,
-            engine_args.dtype,
-            ns.generation_config,
-            ns.generation_config_ignore_invalid,
+            model_config.model,
+            config.device_config.device,
+            model_config.dtype,
+            model_config.generation_config,
+            model_config.generation_config_ignore_invalid,
         )
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
-    return engine_args
+    return config

@@ -9,11 +9,12 @@ import importlib
 import logging
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from vllm_rlt.cli_parser import CLIParser, unknown_choice
 from vllm_rlt.config import KV_CONNECTORS, SERVE
-from vllm_rlt.entrypoints.args import add_engine_args, engine_args_or_exit
+from vllm_rlt.engine_config import EngineConfig, ParallelConfig
+from vllm_rlt.entrypoints.args import add_engine_args, config_default, engine_config_or_exit
 from vllm_rlt.entrypoints.generate import run_generate
 from vllm_rlt.entrypoints.sampling_args import add_sampling_args
 
@@ -161,7 +162,7 @@ def _add_process_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--data-parallel-size",
         type=int,
-        default=1,
+        default=config_default(ParallelConfig, "data_parallel_size"),
         help="engine cores, each a whole engine on its own GPU (the first N visible), behind "
         "this server; each request goes to the least loaded one",
     )
@@ -176,7 +177,7 @@ def _add_process_args(group: argparse._ArgumentGroup) -> None:
     group.add_argument(
         "--kv-connector",
         choices=KV_CONNECTORS,
-        default="auto",
+        default=config_default(ParallelConfig, "kv_connector"),
         help="how --disaggregate moves K/V: torch maps the prefill core's pool and copies "
         "from it (CUDA IPC between GPUs of one host, shared memory on the CPU); nixl reads "
         "it through NIXL (needs: pip install nixl); auto picks torch (default: %(default)s)",
@@ -283,7 +284,9 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
         auto = auto_api_server_count(ns.device, remote or ns.headless)
         ns.api_server_count = 1 if ns.disaggregate is not None else auto
     try:
-        settings, layout = _server_settings(ns), _data_parallel_layout(ns)
+        layout = _data_parallel_layout(ns)
+        parallel = _parallel_flags(ns)
+        settings = _server_settings(ns, ParallelConfig(**parallel))
     except ValueError as exc:
         parser.error(str(exc))
     if not ns.shutdown_timeout >= 0:
@@ -291,16 +294,16 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     local = layout.local_cores
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
-    engine_args = engine_args_or_exit(parser, ns)
+    engine_config = engine_config_or_exit(parser, ns, usage_context=SERVE, **parallel)
     try:
-        if (local > 1 or ns.headless) and not settings.disaggregate:  # GPUs enough
+        if (local > 1 or ns.headless) and ns.disaggregate is None:  # GPUs enough
             core_environments(ns.device, local, ns.tensor_parallel_size)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if ns.headless:
         log_like_uvicorn()
         return run_headless(
-            {**engine_args.llm_kwargs(), "usage_context": SERVE},
+            engine_config,
             local,
             ns.data_parallel_start_rank,
             ns.data_parallel_address,
@@ -315,13 +318,11 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             ns.device,
             os.cpu_count() or 1,
         )
-    if settings.served_model_name is None and engine_args.model != ns.model:
+    if settings.served_model_name is None and engine_config.model_config.model != ns.model:
         # a hub ID resolved to its cache folder: serve it under the ID, as vLLM does
         settings = dataclasses.replace(settings, served_model_name=ns.model)
     settings = dataclasses.replace(
-        settings,
-        remote_cores=layout.remote_cores(),
-        llm_kwargs={**engine_args.llm_kwargs(), "usage_context": SERVE},
+        settings, remote_cores=layout.remote_cores(), engine_config=engine_config
     )
     try:
         load_error = serve(settings, ns.host, ns.port, ns.shutdown_timeout)
@@ -352,9 +353,22 @@ def auto_api_server_count(device: str, cores_elsewhere: bool, cpus: int | None =
     return max(1, min(MOST_AUTO_API_SERVERS, cpus // CPU_CORES_PER_API_SERVER))
 
 
-def _server_settings(ns: argparse.Namespace) -> ServerSettings:
-    """The server's settings from its flags (ParamError names a bad one)."""
-    from vllm_rlt.entrypoints.openai.settings import ServerSettings, disaggregate_sizes
+def _parallel_flags(ns: argparse.Namespace) -> dict[str, Any]:
+    """The parallel config's fields only the server's flags give (ParamError names a bad
+    one)."""
+    from vllm_rlt.entrypoints.openai.settings import disaggregate_sizes
+
+    return {
+        "data_parallel_size": ns.data_parallel_size,
+        "disaggregate": None if ns.disaggregate is None else disaggregate_sizes(ns.disaggregate),
+        "kv_connector": ns.kv_connector,
+    }
+
+
+def _server_settings(ns: argparse.Namespace, parallel: ParallelConfig) -> ServerSettings:
+    """The server's settings from its flags (ParamError names a bad one), checked against
+    the engine's `parallel` config (the whole engine config comes once the model is had)."""
+    from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
     return ServerSettings(
         served_model_name=ns.served_model_name,
@@ -373,12 +387,8 @@ def _server_settings(ns: argparse.Namespace) -> ServerSettings:
         access_log=ns.access_log,
         enable_sleep_mode=ns.enable_sleep_mode,
         enable_weight_updates=ns.enable_weight_updates,
-        generation_config=ns.generation_config,
-        generation_config_ignore_invalid=ns.generation_config_ignore_invalid,
         api_server_count=ns.api_server_count,
-        data_parallel_size=ns.data_parallel_size,
-        disaggregate=None if ns.disaggregate is None else disaggregate_sizes(ns.disaggregate),
-        kv_connector=ns.kv_connector,
+        engine_config=EngineConfig(parallel_config=parallel),
     )
 
 

@@ -8,7 +8,7 @@ import json
 import sys
 from typing import Any
 
-from vllm_rlt.entrypoints.args import engine_args_or_exit
+from vllm_rlt.entrypoints.args import engine_config_or_exit
 from vllm_rlt.entrypoints.sampling_args import sampling_params_from
 
 
@@ -44,15 +44,11 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
     if not prompts:
         parser.error("no prompt: pass --prompt TEXT or pipe prompts on stdin, one per line")
     # after the cheap checks: a hub ID may download gigabytes here
-    engine_args = engine_args_or_exit(parser, ns)
+    engine_config = engine_config_or_exit(parser, ns)
     from vllm_rlt.engine.llm import LLM
 
     try:
-        llm = LLM(
-            **engine_args.llm_kwargs(),
-            generation_config=ns.generation_config,
-            generation_config_ignore_invalid=ns.generation_config_ignore_invalid,
-        )
+        llm = LLM.from_engine_config(engine_config)
         params.resolved_loops(llm.engine.num_loops)
         warn_untrained_prompts(ns.model, prompts)
         outputs = llm.generate(prompts, params, use_tqdm=not ns.no_progress and not ns.json)

@@ -14,17 +14,17 @@ import multiprocessing
 import multiprocessing.connection
 import os
 import signal
-from typing import Any
 
 from vllm_rlt.engine.process.core_proc import run_engine_core
 from vllm_rlt.engine.process.dp_client import engine_environments
 from vllm_rlt.engine.process.remote_channel import channel_keys, remote_peer
+from vllm_rlt.engine_config import EngineConfig
 
 logger = logging.getLogger("vllm_rlt.server")
 
 
 def run_headless(
-    llm_kwargs: dict[str, Any],
+    config: EngineConfig,
     local_size: int,
     start_rank: int,
     address: str,
@@ -32,7 +32,7 @@ def run_headless(
     api_key: str,
 ) -> int:
     """Run ranks start_rank .. start_rank + local_size - 1; the process's exit code."""
-    envs = engine_environments(llm_kwargs, local_size)
+    envs = engine_environments(config, local_size)
     keys = channel_keys(api_key)
     spawn = multiprocessing.get_context("spawn")
     cores = {}
@@ -41,7 +41,7 @@ def run_headless(
         peer = remote_peer(address, rpc_port, rank)
         process = spawn.Process(
             target=run_engine_core,
-            args=(llm_kwargs, [peer], os.getpid(), None, env, keys),
+            args=(config, [peer], os.getpid(), None, env, keys),
             name=f"vllm-rlt-engine-core-{rank}",
         )
         process.start()

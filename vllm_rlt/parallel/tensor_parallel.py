@@ -209,17 +209,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_followers(
-    world: int, port: int, target: Callable[..., None], arguments: dict[str, Any]
-) -> list[Any]:
-    """Spawn ranks 1 .. world - 1, each running
-    `target(rank, world, port, arguments, parent pid)`, which builds the same engine."""
+def start_followers(world: int, port: int, target: Callable[..., None], config: Any) -> list[Any]:
+    """Spawn ranks 1 .. world - 1, each running `target(rank, world, port, config, parent
+    pid)`, which builds the same engine from rank 0's (picklable) engine config."""
     spawn = multiprocessing.get_context("spawn")
     processes = []
     for rank in range(1, world):
         process = spawn.Process(
             target=target,
-            args=(rank, world, port, arguments, os.getpid()),
+            args=(rank, world, port, config, os.getpid()),
             name=f"vllm-rlt-tp-rank-{rank}",
             daemon=True,
         )

@@ -54,6 +54,7 @@ from vllm_rlt.engine.process.remote_channel import (
     Peer,
     secure_server,
 )
+from vllm_rlt.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -79,7 +80,8 @@ class CoreAttachment:
 
 class EngineCoreClient:
     """Owns the core's process (or thread) and the three sockets: commands in, control
-    calls (request-reply), outputs back.
+    calls (request-reply), outputs back. It answers the questions `AsyncLLM` asks of every
+    client (engine/process/clients.py) as the single core it is.
 
     Construction blocks until the core has loaded its model: a startup failure raises the
     core's own error (ValueError / OSError with its one-line message, else RuntimeError).
@@ -90,7 +92,7 @@ class EngineCoreClient:
 
     def __init__(
         self,
-        llm_kwargs: dict[str, Any],
+        config: EngineConfig,
         on_death: Callable[[str], None],
         in_process: bool = False,
         api_servers: int = 0,
@@ -120,7 +122,7 @@ class EngineCoreClient:
         if in_process:
             self.thread = threading.Thread(
                 target=serve_engine,
-                args=(llm_kwargs, self.context, peers, self._built),
+                args=(config, self.context, peers, self._built),
                 name="vllm-rlt-engine-core",
                 daemon=True,
             )
@@ -132,7 +134,7 @@ class EngineCoreClient:
                 lifeline_read, lifeline_write = spawn.Pipe(duplex=False)
             self.process = spawn.Process(
                 target=run_engine_core,
-                args=(llm_kwargs, peers, os.getpid(), lifeline_write, env),
+                args=(config, peers, os.getpid(), lifeline_write, env),
                 name="vllm-rlt-engine-core",
                 daemon=False,
             )
@@ -225,6 +227,7 @@ class EngineCoreClient:
         self._lifeline: multiprocessing.connection.Connection | None = None
         self._link: LinkWatch | None = None  # a core on another host
         self.dead_reason: str | None = None
+        self._heard = time.monotonic()  # the core's latest output, for `stalled`
         self._ipc_dir = ipc_dir
         self.input = self.context.socket(zmq.PUSH)
         self.input.setsockopt(zmq.SNDHWM, 0)
@@ -287,6 +290,36 @@ class EngineCoreClient:
     @property
     def sockets(self) -> tuple[zmq.Socket, zmq.Socket, zmq.Socket]:
         return self.input, self.control, self.output
+
+    # ----------------------------------------------------------------- as one of many
+    @property
+    def size(self) -> int:
+        """Engine cores behind this client."""
+        return 1
+
+    @property
+    def processes(self) -> list[multiprocessing.process.BaseProcess]:
+        """The core processes this client started."""
+        return [] if self.process is None else [self.process]
+
+    def attachments_of(self, server: int) -> list[CoreAttachment]:
+        """What API server `server` (0-based) joins the core with."""
+        return [self.attachments[server]]
+
+    def lost_reason(self) -> str | None:
+        """Cores gone while others serve on: a single core's loss is a death instead."""
+        return None
+
+    def forget_core(self, rank: int) -> list[str]:
+        """The requests of a lost core that others outlive: none, as above."""
+        return []
+
+    def stalled(self, timeout: float, busy: bool) -> str | None:
+        """Why the core counts as stalled: the frontend has work (`busy`) and no pass
+        completed for `timeout` seconds; else None."""
+        if busy and time.monotonic() - self._heard > timeout:
+            return f"no pass completed for {timeout:g} s"
+        return None
 
     # ----------------------------------------------------------------- commands
     def send(self, command: Command) -> bool:
@@ -369,6 +402,7 @@ class EngineCoreClient:
         while True:
             message = self._decode(await socket.recv(copy=False))
             if isinstance(message, EngineOutputs):
+                self._heard = time.monotonic()
                 try:
                     on_outputs(message)
                 except Exception:  # noqa: BLE001 - a caller's bug must not stop the reader

@@ -57,6 +57,7 @@ from vllm_rlt.engine.process.remote_channel import (
     watch_frontend,
 )
 from vllm_rlt.engine.weight_sync import CoreRL
+from vllm_rlt.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 
@@ -334,10 +335,10 @@ def engine_info(engine: EngineCore, model_name: str) -> EngineInfo:
     )
 
 
-def build_core(llm_kwargs: dict[str, Any]) -> tuple[EngineCore, str]:
+def build_core(config: EngineConfig) -> tuple[EngineCore, str]:
     """Load the model and build its engine (which speaks in token ids: text is the
     frontend's)."""
-    built = build_engine(**llm_kwargs)
+    built = build_engine(config)
     return built.engine, built.model_name
 
 
@@ -350,7 +351,7 @@ def startup_failure(exc: BaseException) -> StartupFailed:
 
 
 def serve_engine(
-    llm_kwargs: dict[str, Any],
+    config: EngineConfig,
     context: zmq.Context,
     peers: list[Peer],
     on_built: Callable[[EngineCore], None] | None = None,
@@ -375,17 +376,17 @@ def serve_engine(
         output.connect(output_address)
         outputs.append(output)
     try:
-        return _serve(llm_kwargs, inputs, control, outputs, on_built)
+        return _serve(config, inputs, control, outputs, on_built)
     finally:
         # Let the last messages leave (a client that is gone never takes them).
         for socket in (inputs, control, *outputs):
             socket.close(linger=LINGER_MS)
 
 
-def _serve(llm_kwargs, inputs, control, outputs, on_built) -> int:
+def _serve(config: EngineConfig, inputs, control, outputs, on_built) -> int:
     encode = message_codec()[0].encode
     try:
-        engine, model_name = build_core(llm_kwargs)
+        engine, model_name = build_core(config)
     except BaseException as exc:  # noqa: BLE001 - reported to the frontend, one line
         outputs[0].send(encode(startup_failure(exc)))
         return 1
@@ -406,17 +407,18 @@ def _frontend_lost(message: str) -> None:
 
 
 def run_engine_core(
-    llm_kwargs: dict[str, Any],
+    config: EngineConfig,
     peers: list[Peer],
     parent_pid: int,
     lifeline: Any = None,
     env: dict[str, str] | None = None,
     keys: ChannelKeys | None = None,
 ) -> None:
-    """Entry point of the engine-core process. `lifeline` is the write end of a pipe that
-    this process holds, unused, until it ends: processes that are not its parent learn of
-    its end when their read end reports end-of-file. `env` is set before anything touches
-    the device (CUDA_VISIBLE_DEVICES of one data-parallel rank)."""
+    """Entry point of the engine-core process (`config` arrives pickled). `lifeline` is
+    the write end of a pipe that this process holds, unused, until it ends: processes that
+    are not its parent learn of its end when their read end reports end-of-file. `env` is
+    set before anything touches the device (CUDA_VISIBLE_DEVICES of one data-parallel
+    rank)."""
     os.environ.update(env or {})
     # The frontend owns the lifetime: Ctrl+C or SIGTERM reach it, it drains, then it tells
     # the core to stop. Without its parent (killed), the core leaves by itself.
@@ -425,7 +427,7 @@ def run_engine_core(
     leave_with_parent(parent_pid)
     context = zmq.Context()
     code = serve_engine(
-        llm_kwargs, context, peers, lambda engine: settle_engine_process(engine.model.device), keys
+        config, context, peers, lambda engine: settle_engine_process(engine.model.device), keys
     )
     # Let the last messages leave, then exit without tearing the interpreter down: the
     # device and the runtime's threads need no orderly teardown, and it could hang.

@@ -36,8 +36,7 @@ from vllm_rlt.engine.process.messages import (
     EngineOutputs,
 )
 from vllm_rlt.engine.process.remote_channel import ChannelKeys, remote_peer
-
-MAX_DATA_PARALLEL = 64
+from vllm_rlt.engine_config import MAX_DATA_PARALLEL, EngineConfig
 
 
 @dataclass(frozen=True)
@@ -83,11 +82,12 @@ def core_environments(device: str, size: int, gpus_per_core: int = 1) -> list[di
     ]
 
 
-def engine_environments(llm_kwargs: dict[str, Any], size: int) -> list[dict[str, str]]:
+def engine_environments(config: EngineConfig, size: int) -> list[dict[str, str]]:
     """`core_environments` for `size` cores of this engine: its device, and one GPU per
     tensor-parallel rank of each core."""
-    device = str(llm_kwargs.get("device", "cpu"))
-    return core_environments(device, size, int(llm_kwargs.get("tensor_parallel_size") or 1))
+    return core_environments(
+        config.device_config.device, size, config.parallel_config.tensor_parallel_size
+    )
 
 
 def visible_gpus() -> list[str]:
@@ -108,16 +108,17 @@ class DataParallelClient:
 
     def __init__(
         self,
-        llm_kwargs: dict[str, Any],
+        config: EngineConfig,
         on_death: Callable[[str], None],
-        size: int,
         in_process: bool = False,
         remote: RemoteCores | None = None,
         api_servers: int = 0,
         on_core_lost: Callable[[int, str], None] | None = None,
         envs: list[dict[str, str]] | None = None,
     ) -> None:
-        """`envs`: each local core's environment (default: `engine_environments`)."""
+        """One core per `config.parallel_config.engine_cores`; `envs`: each local core's
+        environment (default: `engine_environments`)."""
+        size = config.parallel_config.engine_cores
         local = size if remote is None else remote.local_size
         require(
             not (api_servers and local < size),
@@ -125,15 +126,13 @@ class DataParallelClient:
             "api_server_count",
         )
         if envs is None:
-            envs = engine_environments(llm_kwargs, local) if local else []
+            envs = engine_environments(config, local) if local else []
         self._prepare(on_death, on_core_lost)
         try:
             for rank in range(size):
                 died = partial(self._core_died, rank)
                 if rank < local:
-                    core = EngineCoreClient(
-                        llm_kwargs, died, in_process, api_servers, env=envs[rank]
-                    )
+                    core = EngineCoreClient(config, died, in_process, api_servers, env=envs[rank])
                 else:
                     assert remote is not None
                     peer = remote_peer(remote.address, remote.rpc_port, rank)
@@ -271,13 +270,14 @@ class DataParallelClient:
         self._sequences[rank] = 0
         return gone
 
-    def stalled_rank(self, timeout: float) -> int | None:
-        """A core with work that has sent nothing for `timeout` seconds (a busy core
-        reports at least every heartbeat), or None."""
+    def stalled(self, timeout: float, busy: bool) -> str | None:
+        """Names a core with work that has sent nothing for `timeout` seconds (a busy core
+        reports at least every heartbeat), or None; each core's work is counted here, so
+        the frontend's `busy` is not needed."""
         now = time.monotonic()
         for rank in self.live_ranks:
             if self._sequences[rank] > 0 and now - self._heard[rank] > timeout:
-                return rank
+                return f"engine core {rank} made no progress for {timeout:g} s"
         return None
 
     # ----------------------------------------------------------------- outputs

@@ -22,11 +22,10 @@ from __future__ import annotations
 import base64
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 import msgspec
 
-from vllm_rlt.config import CacheConfig, ParamError, require
+from vllm_rlt.config import ParamError, require
 from vllm_rlt.engine.disagg.registry import KVPoolHandle, connector_class
 from vllm_rlt.engine.disagg.torch_connector import remove_files
 from vllm_rlt.engine.process.dp_client import DataParallelClient, core_environments, visible_gpus
@@ -43,17 +42,18 @@ from vllm_rlt.engine.process.messages import (
     PrefetchKV,
     ReleaseHandover,
 )
+from vllm_rlt.engine_config import EngineConfig
 
 
-def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, str]], dict]:
-    """Each core's environment and the engine arguments they share. On CUDA every core
+def pool_layout(config: EngineConfig, size: int) -> tuple[list[dict[str, str]], EngineConfig]:
+    """Each core's environment and the engine config they share. On CUDA every core
     gets GPUs of its own (one per tensor-parallel rank) while there are enough; with fewer,
     cores of one GPU each take the visible GPUs in turn and split each GPU's memory: each
     plans its KV cache within gpu_memory_utilization / (cores on that GPU) of it."""
-    ranks = int(llm_kwargs.get("tensor_parallel_size") or 1)
-    device = str(llm_kwargs.get("device", "cpu"))
+    ranks = config.parallel_config.tensor_parallel_size
+    device = config.device_config.device
     if not device.startswith("cuda"):
-        return [{} for _ in range(size)], llm_kwargs
+        return [{} for _ in range(size)], config
     visible = visible_gpus() if device == "cuda" else []
     require(
         device != "cuda" or bool(visible),
@@ -61,7 +61,7 @@ def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, s
         "disaggregate",
     )
     if device != "cuda":
-        return core_environments(device, size), llm_kwargs  # names the wrong device
+        return core_environments(device, size), config  # names the wrong device
     require(
         ranks == 1 or size * ranks <= len(visible),
         f"disaggregate: {size} engine cores x tensor_parallel_size {ranks} need "
@@ -81,29 +81,29 @@ def pool_layout(llm_kwargs: dict[str, Any], size: int) -> tuple[list[dict[str, s
         for own in owned
     ]
     if len(visible) >= size * ranks:
-        return envs, llm_kwargs
-    cache = llm_kwargs.get("cache_config") or CacheConfig()
+        return envs, config
+    cache = config.cache_config
     utilization = cache.gpu_memory_utilization / -(-size // len(pool))
     shared = dataclasses.replace(cache, gpu_memory_utilization=utilization)
-    return envs, {**llm_kwargs, "cache_config": shared}
+    return envs, dataclasses.replace(config, cache_config=shared)
 
 
 class DisaggregatedClient(DataParallelClient):
     """The `EngineCoreClient` interface over prefill cores (ranks 0..P-1) and decode cores
-    (ranks P..P+D-1), for `AsyncLLM`."""
+    (ranks P..P+D-1) of `config.parallel_config.disaggregate`, for `AsyncLLM`."""
 
     def __init__(
         self,
-        llm_kwargs: dict[str, Any],
+        config: EngineConfig,
         on_death: Callable[[str], None],
-        prefill: int,
-        decode: int,
         in_process: bool = False,
         on_core_lost: Callable[[int, str], None] | None = None,
-        kv_connector: str = "auto",
     ) -> None:
+        parallel = config.parallel_config
+        assert parallel.disaggregate is not None, "make_client starts these cores"
+        prefill, decode = parallel.disaggregate
         self.num_prefill = prefill
-        connector = connector_class(kv_connector)
+        connector = connector_class(parallel.kv_connector)
         if (missing := connector.missing()) is not None:
             raise ParamError(f"{connector.name}: {missing}", "kv_connector")
         self.kv_connector = connector.name
@@ -119,15 +119,8 @@ class DisaggregatedClient(DataParallelClient):
         self._pool_ids: dict[int, list[str]] = {}  # prefill rank -> its pool's ids
         # request id -> aborts sent to its prefill core, sent on with the import
         self._early_aborts: dict[str, list[AbortRequest]] = {}
-        envs, llm_kwargs = pool_layout({**llm_kwargs, "disaggregated": True}, prefill + decode)
-        super().__init__(
-            llm_kwargs,
-            on_death,
-            prefill + decode,
-            in_process,
-            on_core_lost=on_core_lost,
-            envs=envs,
-        )
+        envs, config = pool_layout(config, prefill + decode)
+        super().__init__(config, on_death, in_process, on_core_lost=on_core_lost, envs=envs)
         try:
             self._check_transport()
         except BaseException:

@@ -27,8 +27,8 @@ import socket
 import tempfile
 import threading
 
-from vllm_rlt.engine.process.core_client import CoreAttachment, EngineCoreClient
-from vllm_rlt.engine.process.dp_client import DataParallelClient
+from vllm_rlt.engine.process.clients import make_client
+from vllm_rlt.engine.process.core_client import CoreAttachment
 from vllm_rlt.engine.process.parent_watch import leave_with_parent
 from vllm_rlt.engine.process.process_setup import freeze_startup_heap
 from vllm_rlt.entrypoints.openai.server import build_server, listen, log_like_uvicorn
@@ -59,25 +59,15 @@ def serve_with_api_servers(
     def core_lost(rank: int, reason: str) -> None:
         logger.error("engine core %d died (%s); the other cores serve on", rank, reason)
 
-    size = settings.data_parallel_size
-    core: EngineCoreClient | DataParallelClient
     try:
-        if size > 1:
-            core = DataParallelClient(
-                settings.llm_kwargs, core_died, size, api_servers=count, on_core_lost=core_lost
-            )
-        else:
-            core = EngineCoreClient(settings.llm_kwargs, core_died, api_servers=count)
+        core = make_client(settings.engine_config, core_died, core_lost, api_servers=count)
     except BaseException as exc:  # noqa: BLE001 - the same one-line errors as one server
         sock.close()
         return exc
     info = core.info
-    if isinstance(core, DataParallelClient):
-        attachments = [core.attachments_of(server) for server in range(count)]
-        pids = [process.pid for process in core.processes]
-    else:
-        attachments = [[attachment] for attachment in core.attachments]
-        pids = [core.process.pid]  # type: ignore[union-attr]
+    size = core.size
+    attachments = [core.attachments_of(server) for server in range(count)]
+    pids = [process.pid for process in core.processes]
     logger.info(
         "model %s loaded (%s, %d KV blocks) in %s (pid %s); starting %d API servers",
         settings.served_model_name or info.model_name,

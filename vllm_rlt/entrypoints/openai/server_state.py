@@ -19,11 +19,12 @@ logger = logging.getLogger("vllm_rlt.server")
 
 def _cores(settings: ServerSettings) -> str:
     """The engine cores behind this server, in words."""
-    if settings.disaggregate is not None:
-        prefill, decode = settings.disaggregate
+    parallel = settings.engine_config.parallel_config
+    if parallel.disaggregate is not None:
+        prefill, decode = parallel.disaggregate
         return f"{prefill} prefill and {decode} decode engine cores"
-    if settings.data_parallel_size > 1:
-        return f"{settings.data_parallel_size} data-parallel engine cores"
+    if parallel.data_parallel_size > 1:
+        return f"{parallel.data_parallel_size} data-parallel engine cores"
     return "the engine core"
 
 
@@ -46,16 +47,11 @@ class ServerState:
     def load(self) -> None:
         try:
             engine = AsyncLLM(
-                self.settings.llm_kwargs,
+                self.settings.engine_config,
                 self.settings.max_queue,
                 in_process=self.settings.engine_in_process,
                 attach=self.attach,
-                data_parallel_size=self.settings.data_parallel_size,
                 remote_cores=self.settings.remote_cores,
-                generation_config=self.settings.generation_config,
-                generation_config_ignore_invalid=self.settings.generation_config_ignore_invalid,
-                disaggregate=self.settings.disaggregate,
-                kv_connector=self.settings.kv_connector,
             )
             name = self.settings.served_model_name or engine.model_name
             index = self.attach[0].client if self.attach is not None else 1
@@ -87,7 +83,7 @@ class ServerState:
                 _cores(self.settings),
                 f" (pid {pids})" if pids else "",
                 f", K/V through {engine.client.kv_connector}"
-                if self.settings.disaggregate is not None
+                if self.settings.engine_config.parallel_config.disaggregate is not None
                 else "",
             )
             logger.info("%s", engine.info.scheduler_note)

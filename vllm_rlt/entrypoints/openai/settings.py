@@ -1,15 +1,15 @@
-"""The server's own settings (engine settings travel as LLM keyword arguments): frozen, and
-checked when made, each error naming the `vllm-rlt serve` flag and its range."""
+"""The server's own settings, with the engine's config they serve (`EngineConfig`): frozen,
+and checked when made, each error naming the `vllm-rlt serve` flag and its range."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
-from vllm_rlt.config import KV_CONNECTORS, ParamError
+from vllm_rlt.config import ParamError
 from vllm_rlt.engine.disagg.registry import connector_class
-from vllm_rlt.engine.process.dp_client import MAX_DATA_PARALLEL, RemoteCores
+from vllm_rlt.engine.process.dp_client import RemoteCores
 from vllm_rlt.engine.process.remote_channel import channel_keys, check_address, check_ports
+from vllm_rlt.engine_config import MAX_DATA_PARALLEL, EngineConfig
 from vllm_rlt.entrypoints.openai.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 MAX_API_SERVERS = 64
@@ -33,16 +33,11 @@ class ServerSettings:
     enable_sleep_mode: bool = False  # /sleep, /wake_up, /is_sleeping, /reset_prefix_cache
     enable_weight_updates: bool = False  # /pause, /resume, /update_weights_* (rl_routes.py)
     access_log: bool = False
-    generation_config: str = "auto"  # vLLM's: where unset sampling fields come from
-    generation_config_ignore_invalid: bool = False  # its bad fields: unset, not an error
     engine_in_process: bool = False  # the core on a thread of this process (tests)
     api_server_count: int = 1
-    data_parallel_size: int = 1
     remote_cores: RemoteCores | None = None  # data-parallel ranks on other hosts
-    # (prefill cores, decode cores) of `--disaggregate P:D` (engine/process/pd_client.py)
-    disaggregate: tuple[int, int] | None = None
-    kv_connector: str = "auto"  # how disaggregation moves K/V (engine/disagg/torch_connector.py)
-    llm_kwargs: dict[str, Any] = field(default_factory=dict)
+    # the engine served; its parallel config says which cores (engine/process/clients.py)
+    engine_config: EngineConfig = field(default_factory=EngineConfig)
 
     def __post_init__(self) -> None:
         at_least_one = {
@@ -72,10 +67,9 @@ class ServerSettings:
                 "api-server-count",
                 f"must be in [1, {MAX_API_SERVERS}], got {self.api_server_count}",
             )
-        _check_data_parallel_size(self.data_parallel_size)
-        if self.disaggregate is not None:
+        parallel = self.engine_config.parallel_config
+        if parallel.disaggregate is not None:
             others = {
-                "data-parallel-size": self.data_parallel_size != 1,
                 "api-server-count": self.api_server_count != 1,
                 "data-parallel-size-local": self.remote_cores is not None,
                 # a decode core may be reading a prefill core's pool at any time
@@ -84,28 +78,16 @@ class ServerSettings:
             for flag, used in others.items():
                 if used:
                     _fail("disaggregate", f"runs alone: it cannot be combined with --{flag}")
-        _check_kv_connector(self.kv_connector, self.disaggregate is not None)
+        if (missing := connector_class(parallel.kv_connector).missing()) is not None:
+            _fail("kv-connector", f"{parallel.kv_connector}: {missing}")
         if self.enable_weight_updates and (
-            self.api_server_count != 1 or self.data_parallel_size != 1 or self.disaggregate
+            self.api_server_count != 1 or parallel.engine_cores != 1
         ):
             _fail(
                 "enable-weight-updates",
                 "needs one engine core and one API server (--data-parallel-size 1, "
                 "--api-server-count 1, no --disaggregate)",
             )
-
-
-def _check_kv_connector(connector: str, disaggregated: bool) -> None:
-    """`--kv-connector`: auto and torch map the prefill core's pool
-    (engine/disagg/torch_connector.py);
-    nixl reads it through the nixl package, which must be installed (checked here, at
-    start-up, not at the first handover)."""
-    if connector not in KV_CONNECTORS:
-        _fail("kv-connector", f"must be one of {', '.join(KV_CONNECTORS)}, got {connector!r}")
-    if connector != "auto" and not disaggregated:
-        _fail("kv-connector", "applies to --disaggregate only")
-    if (missing := connector_class(connector).missing()) is not None:
-        _fail("kv-connector", f"{connector}: {missing}")
 
 
 def disaggregate_sizes(value: str) -> tuple[int, int]:
