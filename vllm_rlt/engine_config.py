@@ -26,6 +26,7 @@ from vllm_rlt.config import (
 )
 
 MAX_DATA_PARALLEL = 64  # engine cores behind one frontend
+MAX_TENSOR_PARALLEL = 64  # ranks one engine is split over
 DEVICE_NAME = re.compile(r"cpu|cuda(:\d+)?")
 
 
@@ -106,7 +107,7 @@ class ParallelConfig:
     kv_connector: str = "auto"
 
     def __post_init__(self) -> None:
-        require_int(self.tensor_parallel_size, "tensor_parallel_size", 1)
+        require_int(self.tensor_parallel_size, "tensor_parallel_size", 1, MAX_TENSOR_PARALLEL)
         require_int(self.data_parallel_size, "data_parallel_size", 1, MAX_DATA_PARALLEL)
         if self.disaggregate is not None:
             require(

@@ -65,7 +65,7 @@ def test_the_config_pickles_to_an_equal_one_and_is_frozen():
         (
             lambda: ParallelConfig(tensor_parallel_size=0),
             "tensor_parallel_size",
-            r"tensor_parallel_size must be in \[1, inf\], got 0",
+            r"tensor_parallel_size must be in \[1, 64\], got 0",
         ),
         (
             lambda: ParallelConfig(data_parallel_size=65),

@@ -267,7 +267,7 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
             f"vllm-rlt serve needs the serve extra ({', '.join(missing)} not installed): "
             'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")'
         )
-    from vllm_rlt.engine.process.dp_client import core_environments
+    from vllm_rlt.engine.process.dp_client import engine_environments
     from vllm_rlt.entrypoints.headless import run_headless
     from vllm_rlt.entrypoints.openai.api_servers import APIServerFailed
     from vllm_rlt.entrypoints.openai.launch import serve
@@ -295,9 +295,9 @@ def run_serve(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
     if not 0 < ns.port < 65536:
         parser.error(f"--port must be in [1, 65535], got {ns.port}")
     engine_config = engine_config_or_exit(parser, ns, usage_context=SERVE, **parallel)
-    try:
-        if (local > 1 or ns.headless) and ns.disaggregate is None:  # GPUs enough
-            core_environments(ns.device, local, ns.tensor_parallel_size)
+    try:  # GPUs enough
+        if (local > 1 or ns.headless) and not engine_config.parallel_config.disaggregate:
+            engine_environments(engine_config, local)
     except (ValueError, OSError) as exc:
         parser.error(str(exc))
     if ns.headless:

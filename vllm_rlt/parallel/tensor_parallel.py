@@ -35,10 +35,10 @@ import torch
 import torch.distributed as dist
 
 from vllm_rlt.config import require, require_int
+from vllm_rlt.engine_config import MAX_TENSOR_PARALLEL
 
 logger = logging.getLogger(__name__)
 
-MAX_TENSOR_PARALLEL = 64
 STARTUP_POLL_S = 0.5  # how often rank 0 looks at the other ranks while they join
 CONTROL_TIMEOUT = datetime.timedelta(days=365)
 
