@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -117,7 +118,8 @@ class LLM:
             speculative_config=speculative_config,
             vllm_args=vllm_args,
         )
-        self._start(engine_args.create_engine_config(), model, enable_sleep_mode)
+        asked = None if model is None else os.fspath(model)  # a path object as its text
+        self._start(engine_args.create_engine_config(), asked, enable_sleep_mode)
 
     @classmethod
     def from_engine_config(cls, config: EngineConfig, enable_sleep_mode: bool = False) -> LLM:

@@ -315,8 +315,7 @@ class EngineCoreClient:
         return []
 
     def stalled(self, timeout: float, busy: bool) -> str | None:
-        """Why the core counts as stalled: the frontend has work (`busy`) and no pass
-        completed for `timeout` seconds; else None."""
+        """Why the core counts as stalled (`busy`, and no pass for `timeout` s), or None."""
         if busy and time.monotonic() - self._heard > timeout:
             return f"no pass completed for {timeout:g} s"
         return None
