@@ -73,8 +73,7 @@ class ServerState:
                     os.getpid(),
                 )
                 return
-            processes = getattr(engine.client, "processes", None) or [engine.client.process]
-            pids = ", ".join(str(p.pid) for p in processes if p is not None)
+            pids = ", ".join(str(process.pid) for process in engine.client.processes)
             logger.info(
                 "model %s loaded (%s, %d KV blocks) in %s%s%s; ready",
                 name,
