@@ -8,7 +8,7 @@ import gc
 import pytest
 import torch
 
-from vllm_rlt.engine.process.process_setup import drive_with_one_host_thread, freeze_startup_heap
+from vllm_rlt.engine.process_setup import drive_with_one_host_thread, freeze_startup_heap
 
 
 @pytest.fixture

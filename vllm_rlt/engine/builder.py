@@ -18,8 +18,8 @@ from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
 from vllm_rlt.engine.engine_core import EngineCore
-from vllm_rlt.engine.process.parent_watch import leave_with_parent
-from vllm_rlt.engine.process.process_setup import settle_engine_process
+from vllm_rlt.engine.parent_watch import leave_with_parent
+from vllm_rlt.engine.process_setup import settle_engine_process
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.engine_config import EngineConfig
 from vllm_rlt.exit import make_exit_policy

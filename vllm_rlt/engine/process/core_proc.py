@@ -28,6 +28,7 @@ from vllm_rlt.config import require
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.core_outputs import CoreStats, RequestDelta
 from vllm_rlt.engine.engine_core import EngineCore
+from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.process.core_handovers import CoreHandovers, HandoverNews
 from vllm_rlt.engine.process.messages import (
     AbortAll,
@@ -47,15 +48,14 @@ from vllm_rlt.engine.process.messages import (
     command_codec,
     message_codec,
 )
-from vllm_rlt.engine.process.parent_watch import leave_with_parent
 from vllm_rlt.engine.process.pass_rate import PassRate
-from vllm_rlt.engine.process.process_setup import settle_engine_process
 from vllm_rlt.engine.process.remote_channel import (
     ChannelKeys,
     Peer,
     secure_client,
     watch_frontend,
 )
+from vllm_rlt.engine.process_setup import settle_engine_process
 from vllm_rlt.engine.weight_sync import CoreRL
 from vllm_rlt.engine_config import EngineConfig
 

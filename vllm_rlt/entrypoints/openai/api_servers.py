@@ -27,10 +27,10 @@ import socket
 import tempfile
 import threading
 
+from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.process.clients import make_client
 from vllm_rlt.engine.process.core_client import CoreAttachment
-from vllm_rlt.engine.process.parent_watch import leave_with_parent
-from vllm_rlt.engine.process.process_setup import freeze_startup_heap
+from vllm_rlt.engine.process_setup import freeze_startup_heap
 from vllm_rlt.entrypoints.openai.server import build_server, listen, log_like_uvicorn
 from vllm_rlt.entrypoints.openai.server_state import ServerState
 from vllm_rlt.entrypoints.openai.settings import ServerSettings

@@ -8,7 +8,7 @@ import os
 import sys
 import threading
 
-from vllm_rlt.engine.process.process_setup import freeze_startup_heap
+from vllm_rlt.engine.process_setup import freeze_startup_heap
 from vllm_rlt.entrypoints.openai.api_servers import serve_with_api_servers
 from vllm_rlt.entrypoints.openai.server import build_server, listen, log_like_uvicorn
 from vllm_rlt.entrypoints.openai.server_state import ServerState
