@@ -12,7 +12,7 @@ import torch
 
 from tests.conftest import drain, frontend
 from vllm_rlt import SamplingParams
-from vllm_rlt.layers.sampler import sample, seeded_uniform, token_logprobs
+from vllm_rlt.layers.sampler import SamplingTensors, sample, seeded_uniform, token_logprobs
 
 PROMPT = [40, 71, 12, 200, 9]
 SEEDED = SamplingParams(
@@ -217,14 +217,16 @@ def test_seeded_uniform_depends_only_on_seed_counter_and_token():
 
 def _sample(logits, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, seeds=None, counters=None):
     rows = logits.shape[0]
+    settings = SamplingTensors.filled(
+        rows,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+        seed=0 if seeds is None else seeds,
+    )
     return sample(
-        logits,
-        torch.full((rows,), temperature, dtype=torch.float32),
-        torch.full((rows,), top_k, dtype=torch.int64),
-        torch.full((rows,), top_p, dtype=torch.float32),
-        torch.full((rows,), min_p, dtype=torch.float32),
-        torch.zeros(rows, dtype=torch.int64) if seeds is None else seeds,
-        torch.arange(rows, dtype=torch.int64) if counters is None else counters,
+        logits, settings, torch.arange(rows, dtype=torch.int64) if counters is None else counters
     )
 
 
@@ -238,13 +240,17 @@ def test_sample_row_is_independent_of_its_batch():
     min_p = torch.tensor([0.0, 0.0, 0.0, 0.05, 0.1, 0.0])
     seeds = torch.tensor([1, 2, 3, 4, 5, 6])
     counters = torch.tensor([0, 3, 1, 4, 1, 5])
-    args = (logits, temperature, top_k, top_p, min_p, seeds, counters)
-    together = sample(*args)
+    settings = SamplingTensors.filled(
+        6, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seeds
+    )
+    together = sample(logits, settings, counters)
     order = torch.tensor([4, 0, 5, 2, 1, 3])
-    shuffled = sample(*(a[order] for a in args))
+    shuffled = sample(logits[order], settings.rows(order), counters[order])
     assert torch.equal(shuffled, together[order])
     for row in range(6):
-        assert int(sample(*(a[row : row + 1] for a in args))[0]) == int(together[row])
+        one = slice(row, row + 1)
+        alone = sample(logits[one], settings.rows(one), counters[one])
+        assert int(alone[0]) == int(together[row])
     assert int(together[0]) == int(logits[0].argmax())
 
 

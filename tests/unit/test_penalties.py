@@ -7,7 +7,7 @@ import torch
 
 from vllm_rlt.core.contract import Penalties
 from vllm_rlt.layers.penalties import apply_penalties
-from vllm_rlt.layers.sampler import sample
+from vllm_rlt.layers.sampler import SamplingTensors, sample
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.worker.slot_state import PenaltyState
 
@@ -118,13 +118,6 @@ def test_a_row_left_without_tokens_samples_only_allowed_ones():
     assert adjusted[1, 4] == model_logits[1, 4] + 9.0 and adjusted[1, 3] == model_logits[1, 3]
     assert torch.isneginf(adjusted[2, 3]) and adjusted[2, 2] == model_logits[2, 2]
     for temperature in (0.0, 1.0):
-        ids = sample(
-            adjusted,
-            torch.full((3,), temperature),
-            torch.zeros(3, dtype=torch.int64),
-            torch.ones(3),
-            torch.zeros(3),
-            torch.arange(3),
-            torch.zeros(3, dtype=torch.int64),
-        )
+        settings = SamplingTensors.filled(3, temperature=temperature, seed=torch.arange(3))
+        ids = sample(adjusted, settings, torch.zeros(3, dtype=torch.int64))
         assert ids.tolist() == [5, 4, 2]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Protocol
 
 from vllm_rlt.core.contract import Penalties, PrefillChunk, SamplingRecord
@@ -109,21 +109,23 @@ class Request:
                 allowed_token_ids=tuple(sorted(set(params.allowed_token_ids or ()))),
                 bad_words=tuple(map(tuple, params.bad_words_token_ids or ())),
             )
-        return SamplingRecord(
+        resolved = dict(
             min_loops=self.min_loops,
             max_loops=self.max_loops,
             exit_threshold=self.exit_threshold,
-            temperature=params.temperature,
-            top_k=params.top_k,
-            top_p=params.top_p,
-            min_p=params.min_p,
             seed=self.seed,
-            min_tokens=params.min_tokens,
             num_logprobs=params.logprobs or 0,
             banned_until_min_tokens=tuple(sorted(self.stop_token_ids | self.eos_token_ids)),
             decode_depths=self.decode_depths,
             penalties=penalties,
         )
+        # every other field is the SamplingParams field of its name
+        same = {
+            f.name: getattr(params, f.name)
+            for f in fields(SamplingRecord)
+            if f.name not in resolved
+        }
+        return SamplingRecord(**same, **resolved)
 
     @property
     def prompt_len(self) -> int:

@@ -16,7 +16,7 @@ class ExitInputs:
     loops_done: torch.Tensor  # [rows] int64
     min_loops: torch.Tensor  # [rows] int64
     max_loops: torch.Tensor  # [rows] int64
-    threshold: torch.Tensor  # [rows] float32
+    exit_threshold: torch.Tensor  # [rows] float32
     survival: torch.Tensor  # [rows] float32, product of (1 - hazard) so far
     pending: torch.Tensor  # [rows] bool, a delayed trigger fired on the previous loop
     target_depth: torch.Tensor  # [rows] int64, trace depth (unused by other policies)
@@ -48,7 +48,9 @@ class OuroPolicy(ExitPolicy):
         hazard = torch.sigmoid(self.score(x.hidden))
         survival = x.survival * (1.0 - hazard)
         cdf = 1.0 - survival
-        trigger = (x.threshold < 1.0) & (x.loops_done >= x.min_loops) & (cdf >= x.threshold)
+        trigger = (
+            (x.exit_threshold < 1.0) & (x.loops_done >= x.min_loops) & (cdf >= x.exit_threshold)
+        )
         at_max = x.loops_done >= x.max_loops
         if not self.delayed:
             return ExitDecision(at_max | trigger, survival, torch.zeros_like(trigger))
@@ -67,7 +69,11 @@ class RandomLookaheadPolicy(ExitPolicy):
 
     def decide(self, x: ExitInputs) -> ExitDecision:
         score = torch.sigmoid(self.score(x.hidden))
-        trigger = (x.threshold < 1.0) & (score >= x.threshold) & (x.loops_done + 1 >= x.min_loops)
+        trigger = (
+            (x.exit_threshold < 1.0)
+            & (score >= x.exit_threshold)
+            & (x.loops_done + 1 >= x.min_loops)
+        )
         leave = (x.loops_done >= x.max_loops) | x.pending
         return ExitDecision(leave, x.survival, trigger & ~leave)
 

@@ -2,9 +2,56 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
+from typing import Any
+
 import torch
 
 _MASK32 = 0xFFFFFFFF
+
+
+def _column(neutral: float | int) -> Any:
+    """A per-row column whose value `neutral` leaves sampling as it is (an int: int64 on the
+    device, a float: float32)."""
+    return field(metadata={"neutral": neutral})
+
+
+@dataclass
+class SamplingTensors:
+    """The sampling settings of rows, one device column per field, named as the request's
+    `SamplingRecord` field it comes from: the slot state holds one per slot and writes it
+    by name at admission, and a pass hands the sampler the rows it samples (`rows`)."""
+
+    temperature: torch.Tensor = _column(0.0)  # [rows] float32; 0 = greedy
+    top_k: torch.Tensor = _column(0)  # [rows] int64; 0 = every token
+    top_p: torch.Tensor = _column(1.0)  # [rows] float32; 1 = every token
+    min_p: torch.Tensor = _column(0.0)  # [rows] float32; 0 = every token
+    seed: torch.Tensor = _column(0)  # [rows] int64
+
+    @classmethod
+    def filled(
+        cls, rows: int, device: torch.device | str | None = None, **values: Any
+    ) -> SamplingTensors:
+        """`rows` rows at each column's neutral value, except the columns named in `values`
+        (a number for every row, or a tensor of one per row)."""
+        unknown = set(values) - {f.name for f in fields(cls)}
+        if unknown:
+            raise TypeError(f"SamplingTensors has no column {sorted(unknown)[0]!r}")
+        columns = {}
+        for column in fields(cls):
+            neutral = column.metadata["neutral"]
+            dtype = torch.int64 if isinstance(neutral, int) else torch.float32
+            value = torch.as_tensor(values.get(column.name, neutral), dtype=dtype, device=device)
+            columns[column.name] = value.expand(rows).clone()
+        return cls(**columns)
+
+    def rows(self, index: torch.Tensor) -> SamplingTensors:
+        """The settings of the rows `index` picks."""
+        return SamplingTensors(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
+
+    def columns(self) -> dict[str, torch.Tensor]:
+        """Each column by its field name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:
@@ -32,35 +79,28 @@ def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> t
 
 def sample(
     logits: torch.Tensor,  # [rows, vocab] float32
-    temperature: torch.Tensor,  # [rows] float32; 0 = greedy
-    top_k: torch.Tensor,  # [rows] int64; 0 = off
-    top_p: torch.Tensor,  # [rows] float32
-    min_p: torch.Tensor,  # [rows] float32
-    seeds: torch.Tensor,  # [rows] int64
+    settings: SamplingTensors,  # [rows] each
     counters: torch.Tensor,  # [rows] int64, the index of the token being sampled
 ) -> torch.Tensor:
     """Sampled token ids [rows], all rows at once with no per-row Python loop."""
     greedy_ids = logits.argmax(dim=-1)
     vocab = logits.shape[-1]
-    sorted_logits, sorted_ids = _filtered_sorted(logits, temperature, top_k, top_p, min_p)
-    noise = seeded_uniform(seeds, counters, vocab).gather(1, sorted_ids)
+    sorted_logits, sorted_ids = _filtered_sorted(logits, settings)
+    noise = seeded_uniform(settings.seed, counters, vocab).gather(1, sorted_ids)
     gumbel = -torch.log(-torch.log(noise))
     choice = (sorted_logits.double() + gumbel).argmax(dim=-1, keepdim=True)
     sampled_ids = sorted_ids.gather(1, choice).squeeze(1)
-    return torch.where(temperature == 0.0, greedy_ids, sampled_ids)
+    return torch.where(settings.temperature == 0.0, greedy_ids, sampled_ids)
 
 
 def _filtered_sorted(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
+    logits: torch.Tensor, settings: SamplingTensors
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature-scaled logits sorted in descending order, -inf where top-k, top-p or
     min-p drop them, and the ids of each sorted position."""
     vocab = logits.shape[-1]
-    scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+    top_k, top_p, min_p = settings.top_k, settings.top_p, settings.min_p
+    scaled = logits / settings.temperature.clamp_min(1e-6).unsqueeze(1)
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [rows, vocab]
     rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
@@ -74,15 +114,9 @@ def _filtered_sorted(
     return sorted_logits.masked_fill(drop, float("-inf")), sorted_ids
 
 
-def filtered_probs(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-) -> torch.Tensor:
+def filtered_probs(logits: torch.Tensor, settings: SamplingTensors) -> torch.Tensor:
     """The distribution `sample` draws from, [rows, vocab] float32 (temperature > 0)."""
-    sorted_logits, sorted_ids = _filtered_sorted(logits, temperature, top_k, top_p, min_p)
+    sorted_logits, sorted_ids = _filtered_sorted(logits, settings)
     probs = sorted_logits.softmax(dim=-1)
     return torch.zeros_like(probs).scatter_(1, sorted_ids, probs)
 
@@ -95,19 +129,12 @@ def sample_from(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
 
 
 def greedy_or_sample(
-    logits: torch.Tensor,
-    all_greedy: bool,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    min_p: torch.Tensor,
-    seeds: torch.Tensor,
-    counters: torch.Tensor,
+    logits: torch.Tensor, all_greedy: bool, settings: SamplingTensors, counters: torch.Tensor
 ) -> torch.Tensor:
     """`sample`, skipping the sort over the vocabulary when every row is greedy."""
     if all_greedy:
         return logits.argmax(dim=-1)
-    return sample(logits, temperature, top_k, top_p, min_p, seeds, counters)
+    return sample(logits, settings, counters)
 
 
 def token_logprobs(

@@ -14,7 +14,7 @@ from vllm_rlt.core.memory import (
     plan_kv_cache,
 )
 from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
-from vllm_rlt.layers.sampler import sample, token_logprobs
+from vllm_rlt.layers.sampler import SamplingTensors, sample, token_logprobs
 from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import AttentionMetadata, Segments
@@ -83,10 +83,8 @@ def peak_pass_bytes(
     )
     gate = model.gate(hidden)
     logits = model.coda(hidden[:samplers])
-    ones = torch.ones(samplers, device=device)
-    ids = sample(
-        logits, ones, tokens[:samplers], ones, 0 * ones, tokens[:samplers], tokens[:samplers]
-    )
+    settings = SamplingTensors.filled(samplers, device, temperature=1.0)
+    ids = sample(logits, settings, tokens[:samplers])
     token_logprobs(logits, ids, MAX_LOGPROBS)
     del hidden, gate, logits, ids
     torch.cuda.synchronize(device)

@@ -153,7 +153,7 @@ class PassHead:
                 loops_done=loops_done,
                 min_loops=st.min_loops[decode],
                 max_loops=st.max_loops[decode],
-                threshold=st.threshold[decode],
+                exit_threshold=st.exit_threshold[decode],
                 survival=st.survival[decode],
                 pending=st.pending[decode],
                 target_depth=st.trace[decode, trace_index],
@@ -197,14 +197,7 @@ class PassHead:
         slots, live = rows.slots, rows.live
         logits, sampled_from = self._logits(rows.hidden, slots, rows.head, adjusted)
         tokens = greedy_or_sample(
-            sampled_from,
-            greedy,
-            st.temperature[slots],
-            st.top_k[slots],
-            st.top_p[slots],
-            st.min_p[slots],
-            st.seed[slots],
-            st.num_generated[slots],
+            sampled_from, greedy, st.sampling.rows(slots), st.num_generated[slots]
         )
         outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
         spec = None

@@ -8,6 +8,7 @@ import torch
 
 from vllm_rlt.core.contract import NewSlot, Penalties
 from vllm_rlt.layers.penalties import apply_bad_words, apply_penalties
+from vllm_rlt.layers.sampler import SamplingTensors
 from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 
 Upload = Callable[[torch.Tensor], torch.Tensor]  # an int64 host tensor, sent to the device
@@ -135,15 +136,12 @@ class SlotState:
         self.num_generated = torch.zeros(n, **i64)  # [slots] tokens sampled so far
         self.survival = torch.ones(n, **f32)  # [slots] product of (1 - hazard)
         self.pending = torch.zeros(n, dtype=torch.bool, device=device)  # [slots]
+        # a request's settings, each column named as the SamplingRecord field it holds
         self.min_loops = torch.ones(n, **i64)  # [slots]
         self.max_loops = torch.ones(n, **i64)  # [slots]
-        self.threshold = torch.ones(n, **f32)  # [slots]
-        self.temperature = torch.zeros(n, **f32)  # [slots]
-        self.top_k = torch.zeros(n, **i64)  # [slots]
-        self.top_p = torch.ones(n, **f32)  # [slots]
-        self.min_p = torch.zeros(n, **f32)  # [slots]
-        self.seed = torch.zeros(n, **i64)  # [slots]
+        self.exit_threshold = torch.ones(n, **f32)  # [slots]
         self.min_tokens = torch.zeros(n, **i64)  # [slots]
+        self.sampling = SamplingTensors.filled(n, device)  # [slots] per column
         self.banned = torch.zeros(n, vocab_size, dtype=torch.bool, device=device)  # [slots, vocab]
         self.table_planes = table_planes
         self.block_table = torch.full(
@@ -169,36 +167,29 @@ class SlotState:
         device = self.hidden.device
         send = upload or (lambda values: values.to(device))
         slots = send(torch.tensor([new.slot for new in news], dtype=torch.int64))
-        records = [n.sampling for n in news]
-        ints = torch.tensor(
+        columns = self.request_columns()
+        ints = [name for name, column in columns.items() if not column.is_floating_point()]
+        floats = [name for name in columns if name not in ints]
+        records = [new.sampling for new in news]
+        int_rows = torch.tensor(
             [
-                (n.prompt_len, n.num_generated, r.min_loops, r.max_loops, r.top_k, r.seed)
-                + (r.min_tokens,)
-                for n, r in zip(news, records, strict=True)
+                [new.prompt_len, new.num_generated] + [getattr(new.sampling, n) for n in ints]
+                for new in news
             ],
             dtype=torch.int64,
         )
         # float64 bits travel as int64; float32 on the device rounds as torch.tensor would
-        floats = torch.tensor(
-            [(r.exit_threshold, r.temperature, r.top_p, r.min_p) for r in records],
+        float_rows = torch.tensor(
+            [[getattr(record, name) for name in floats] for record in records],
             dtype=torch.float64,
         ).view(torch.int64)
-        ints, floats = send(ints.flatten()).view(len(news), -1), send(floats.flatten())
-        floats = floats.view(torch.float64).float().view(len(news), -1)
-        int_fields = (
-            self.position,
-            self.num_generated,
-            self.min_loops,
-            self.max_loops,
-            self.top_k,
-            self.seed,
-            self.min_tokens,
-        )
-        for field, column in zip(int_fields, ints.unbind(1), strict=True):
-            field[slots] = column
-        float_fields = (self.threshold, self.temperature, self.top_p, self.min_p)
-        for field, column in zip(float_fields, floats.unbind(1), strict=True):
-            field[slots] = column
+        int_rows = send(int_rows.flatten()).view(len(news), -1)
+        float_rows = send(float_rows.flatten()).view(torch.float64).float().view(len(news), -1)
+        self.position[slots], self.num_generated[slots] = int_rows[:, 0], int_rows[:, 1]
+        for name, values in zip(ints, int_rows[:, 2:].unbind(1), strict=True):
+            columns[name][slots] = values
+        for name, values in zip(floats, float_rows.unbind(1), strict=True):
+            columns[name][slots] = values
         self.loop[slots] = 0
         self.survival[slots] = 1.0
         self.pending[slots] = False
@@ -227,6 +218,17 @@ class SlotState:
         for new in news:
             self.num_logprobs[new.slot] = new.sampling.num_logprobs
             self.greedy[new.slot] = new.sampling.temperature == 0.0
+
+    def request_columns(self) -> dict[str, torch.Tensor]:
+        """Every per-slot column admission writes from a request's `SamplingRecord`, under
+        the record's field name."""
+        return {
+            "min_loops": self.min_loops,
+            "max_loops": self.max_loops,
+            "exit_threshold": self.exit_threshold,
+            "min_tokens": self.min_tokens,
+            **self.sampling.columns(),
+        }
 
     def admit_extras(self, new: NewSlot) -> None:
         """The parts of a newly admitted request's row that only some requests have (after

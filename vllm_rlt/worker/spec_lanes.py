@@ -191,20 +191,16 @@ class SpecLanes:
         drafted_token = state.token[succ]
         target = plain  # greedy rows
         index = state.num_generated[slots]  # output index of the token these rows choose
-        seeds = state.seed[slots]
+        settings = state.sampling.rows(slots)
+        seeds = settings.seed
         probs = None
         if greedy:
             accepted = had_draft & (target == drafted_token)
             tokens = target
         else:
-            temperature = state.temperature[slots]
-            probs = filtered_probs(
-                logits,
-                torch.where(temperature > 0, temperature, 1.0),
-                state.top_k[slots],
-                state.top_p[slots],
-                state.min_p[slots],
-            )
+            temperature = settings.temperature
+            settings.temperature = torch.where(temperature > 0, temperature, 1.0)
+            probs = filtered_probs(logits, settings)
             rows = torch.arange(slots.shape[0], device=slots.device)
             q = self.draft_probs[succ] * had_draft.unsqueeze(1)
             uniform = seeded_uniform(seeds, index * 3 + 1, 1)[:, 0]
