@@ -78,3 +78,13 @@ def test_size_check_counts_every_weight_and_the_rotary_tables(layers, params):
     config = OuroConfig.from_dict(_ouro_config_json(layers))
     rotary = 2 * 65536 * 128
     assert model_bytes(config, torch.bfloat16, fp8=False) == 2 * (params + rotary)
+
+
+def test_exit_threshold_is_read_from_the_checkpoint_key():
+    """Checkpoints name it early_exit_threshold; the engine's name is exit_threshold, which
+    is no key of the file."""
+    raw = _ouro_config_json(24) | {"early_exit_threshold": 0.375}
+    assert OuroConfig.from_dict(raw).exit_threshold == 0.375
+    raw["exit_threshold"] = 0.5
+    with pytest.raises(ValueError, match="unsupported Ouro config keys: exit_threshold"):
+        OuroConfig.from_dict(raw)

@@ -145,9 +145,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     for depth in range(1, llm.engine.num_loops + 1):
         params = SamplingParams(max_tokens=12, temperature=0.0, max_loops=depth, exit_threshold=1.0)
         rows.append(evaluate(llm, sets, params, f"depth {depth}"))
-    for threshold in args.thresholds:
-        params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=threshold)
-        rows.append(evaluate(llm, sets, params, f"ouro q={threshold}"))
+    for exit_threshold in args.thresholds:
+        params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=exit_threshold)
+        rows.append(evaluate(llm, sets, params, f"ouro q={exit_threshold}"))
     return {
         "benchmark": "accuracy",
         "model": llm.model_name,

@@ -71,9 +71,12 @@ class EngineCore:
             execution_config.async_scheduling and scheduler.config.mode == "refill"
         )
         self.passes = PassPipeline(runner, scheduler, self.async_scheduling)
-        threshold = model.config.early_exit_threshold
         self.intake = RequestIntake(
-            checker, eos_token_ids, threshold, speculative_config, execution_config.seed
+            checker,
+            eos_token_ids,
+            model.config.exit_threshold,
+            speculative_config,
+            execution_config.seed,
         )
         self.hooks = TrainerHooks(
             runner, execution_config.cuda_graphs, scheduler.config.max_num_batched_tokens

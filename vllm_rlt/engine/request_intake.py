@@ -18,13 +18,13 @@ class RequestIntake:
         self,
         checker: RequestChecker,
         eos_token_ids: frozenset[int],
-        default_threshold: float,
+        exit_threshold: float,
         speculative_config: SpeculativeConfig | None,
         seed: int | None,
     ) -> None:
         self.checker = checker
         self.eos_token_ids = eos_token_ids
-        self.default_threshold = default_threshold  # the checkpoint's early_exit_threshold
+        self.exit_threshold = exit_threshold  # the model's, for requests that give none
         self.speculative_config = speculative_config
         self.seeds = random.Random(seed)  # of completions whose request gives none
 
@@ -40,7 +40,6 @@ class RequestIntake:
     def group(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestGroup:
         """The checked group of a new request (ParamError names a bad field)."""
         min_loops, max_loops, decode_depths = self.check(request_id, prompt, params)
-        threshold = params.exit_threshold
         return RequestGroup.start(
             request_id,
             prompt,
@@ -48,7 +47,9 @@ class RequestIntake:
             self.seeds,
             min_loops=min_loops,
             max_loops=max_loops,
-            exit_threshold=float(self.default_threshold if threshold is None else threshold),
+            exit_threshold=float(
+                self.exit_threshold if params.exit_threshold is None else params.exit_threshold
+            ),
             decode_depths=decode_depths,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             speculates=self._speculates(params, max_loops),

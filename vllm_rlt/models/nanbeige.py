@@ -57,11 +57,11 @@ class NanbeigeConfig:
     num_loops: int
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
-    early_exit_threshold: float = 1.0  # no gate: fixed depth unless a request asks otherwise
+    exit_threshold: float = 1.0  # no gate: fixed depth unless a request asks otherwise
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> NanbeigeConfig:
-        known = {f.name for f in fields(cls)} - {"eos_token_ids", "early_exit_threshold"}
+        known = {f.name for f in fields(cls)} - {"eos_token_ids", "exit_threshold"}
         unknown = sorted(set(raw) - known - _HARMLESS_KEYS - set(_UNSUPPORTED_FLAGS))
         if unknown:
             raise ValueError(f"config.json: unsupported Nanbeige config keys: {', '.join(unknown)}")

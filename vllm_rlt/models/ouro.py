@@ -51,7 +51,7 @@ class OuroConfig:
     rope_theta: float
     max_position_embeddings: int
     total_ut_steps: int
-    early_exit_threshold: float = 1.0
+    exit_threshold: float = 1.0  # config.json: early_exit_threshold
     tie_word_embeddings: bool = False
     eos_token_ids: tuple[int, ...] = ()
 
@@ -59,7 +59,9 @@ class OuroConfig:
     def from_dict(cls, raw: dict[str, Any]) -> OuroConfig:
         """Parse config.json; unknown keys, unsupported settings and values of the wrong type
         or out of range are errors naming the field, not surprises."""
-        known = {f.name for f in fields(cls)} - {"eos_token_ids"}
+        # the file's keys: the fields, but the threshold under the name checkpoints give it
+        known = {f.name for f in fields(cls)} - {"eos_token_ids", "exit_threshold"}
+        known.add("early_exit_threshold")
         unknown = sorted(set(raw) - known - _HARMLESS_KEYS)
         if unknown:
             raise ValueError(f"config.json: unsupported Ouro config keys: {', '.join(unknown)}")
@@ -87,7 +89,7 @@ class OuroConfig:
         return cls(
             **llama_fields(raw, 1e-6, 2048, ("head_dim",)),
             total_ut_steps=config_int(raw, "total_ut_steps", 1, MAX_LOOPS, default=4),
-            early_exit_threshold=config_float(raw, "early_exit_threshold", 0.0, 1.0, 1.0),
+            exit_threshold=config_float(raw, "early_exit_threshold", 0.0, 1.0, 1.0),
         )
 
     @property
