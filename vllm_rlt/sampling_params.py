@@ -21,6 +21,131 @@ MAX_BAD_WORDS = 32  # words; each becomes up to two token sequences (with a lead
 MAX_BAD_WORD_TOKENS = 8  # per token sequence: each form of a word
 
 
+@dataclass(frozen=True)
+class FieldBound:
+    """A numeric sampling field: its type, allowed range, default and what it does. The
+    checks of `SamplingParams`, the fields of the HTTP request bodies and the flags of
+    `vllm-rlt generate` are all made from these."""
+
+    kind: type[int] | type[float]
+    low: int | float
+    high: int | float | str | None  # None: unbounded above; a name: that field's value
+    default: int | float | None
+    help: str
+    low_open: bool = False  # `low` itself is refused
+    optional: bool = False  # None is allowed (as it is whenever the default is None)
+    http: bool = True  # a field of every HTTP request body (else each endpoint spells it)
+    flag: str | None = None  # `vllm-rlt generate`'s flag, where not --the-name
+    cli: bool = True  # `vllm-rlt generate` has a flag for it
+    # how the messages state the range, where the interval [low, high] says it badly
+    shown_range: str | None = None
+
+    @property
+    def nullable(self) -> bool:
+        return self.optional or self.default is None
+
+
+FIELD_BOUNDS: dict[str, FieldBound] = {
+    "n": FieldBound(int, 1, MAX_N, 1, "completions per prompt", cli=False),
+    "max_tokens": FieldBound(
+        int, 1, None, 16, "tokens to generate at most", optional=True, http=False
+    ),
+    "min_tokens": FieldBound(int, 0, "max_tokens", 0, "no EOS or stop before this"),
+    "temperature": FieldBound(float, 0.0, 100.0, 1.0, "0 = greedy"),
+    "top_k": FieldBound(
+        int,
+        -1,
+        MAX_TOP_K,
+        0,
+        "0 or -1 = every token",
+        shown_range=f"0 or -1 (every token) or in [1, {MAX_TOP_K}]",
+    ),
+    "top_p": FieldBound(float, 0, 1, 1.0, "nucleus mass", low_open=True),
+    "min_p": FieldBound(float, 0.0, 1.0, 0.0, "relative to the top token"),
+    "seed": FieldBound(
+        int, 0, MAX_SEED, None, "per-request seed (default: random)", flag="--sampling-seed"
+    ),
+    "priority": FieldBound(
+        int,
+        -MAX_PRIORITY,
+        MAX_PRIORITY,
+        0,
+        "every prompt's priority (lower runs first; needs --scheduling-policy priority)",
+    ),
+    "repetition_penalty": FieldBound(
+        float,
+        0,
+        MAX_REPETITION_PENALTY,
+        1.0,
+        "divide positive logits (multiply negative ones) of prompt and output tokens",
+        low_open=True,
+    ),
+    "frequency_penalty": FieldBound(
+        float, -MAX_PENALTY, MAX_PENALTY, 0.0, "subtract per output occurrence"
+    ),
+    "presence_penalty": FieldBound(
+        float, -MAX_PENALTY, MAX_PENALTY, 0.0, "subtract once a token was output"
+    ),
+    "logprobs": FieldBound(
+        int,
+        0,
+        MAX_LOGPROBS,
+        None,
+        "each generated token's logprob and this many top alternatives (with --json; "
+        "default: none)",
+        http=False,
+    ),
+    "prompt_logprobs": FieldBound(
+        int,
+        0,
+        MAX_LOGPROBS,
+        None,
+        "each prompt token's logprob (from the final loop) and this many top "
+        "alternatives (with --json; default: none)",
+        http=False,
+    ),
+    "min_loops": FieldBound(int, 1, None, None, "fewest loops a token runs (default: 1)"),
+    "max_loops": FieldBound(
+        int, 1, None, None, "most loops a token runs (default: the model's depth)"
+    ),
+    "exit_threshold": FieldBound(
+        float,
+        0.0,
+        1.0,
+        None,
+        "exit once the exit CDF reaches it; 1 = fixed depth (default: the model's)",
+    ),
+}
+
+
+def _default(name: str) -> Any:
+    return FIELD_BOUNDS[name].default
+
+
+def check_field(name: str, value: Any, cap: int | float | None = None) -> None:
+    """ParamError naming the field and its range unless `value` is one FIELD_BOUNDS allows;
+    `cap` is the upper bound of a field bounded by another one's value."""
+    bound = FIELD_BOUNDS[name]
+    if value is None and bound.nullable:
+        return
+    high = cap if isinstance(bound.high, str) else bound.high
+    if bound.shown_range is not None:
+        require(
+            isinstance(value, int) and not isinstance(value, bool),
+            f"{name} must be an integer: {bound.shown_range}, got {value!r}",
+            name,
+        )
+        in_range = bound.low <= value and (high is None or value <= high)
+        require(in_range, f"{name} must be {bound.shown_range}, got {value}", name)
+    elif bound.kind is int:
+        require_int(value, name, int(bound.low), None if high is None else int(high))
+    else:
+        _require_float(value, name, float(bound.low), float("inf" if high is None else high))
+    if bound.low_open:
+        shown = f"({bound.low}, {bound.high}]"
+        require(value > bound.low, f"{name} must be in {shown}, got {value}", name)
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each output of a streamed request holds (vLLM's names): everything so far, what
     is new since the previous one, or only the final output."""
@@ -71,27 +196,27 @@ class SamplingParams:
     `logits_processors` must be empty; any other name is a ValueError naming it.
     """
 
-    n: int = 1
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    min_p: float = 0.0
-    seed: int | None = None
+    n: int = _default("n")
+    max_tokens: int | None = _default("max_tokens")
+    min_tokens: int = _default("min_tokens")
+    temperature: float = _default("temperature")
+    top_k: int = _default("top_k")
+    top_p: float = _default("top_p")
+    min_p: float = _default("min_p")
+    seed: int | None = _default("seed")
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    min_loops: int | None = None
-    max_loops: int | None = None
-    exit_threshold: float | None = None
+    logprobs: int | None = _default("logprobs")
+    prompt_logprobs: int | None = _default("prompt_logprobs")
+    min_loops: int | None = _default("min_loops")
+    max_loops: int | None = _default("max_loops")
+    exit_threshold: float | None = _default("exit_threshold")
     include_stop_str_in_output: bool = False
-    priority: int = 0
-    repetition_penalty: float = 1.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    priority: int = _default("priority")
+    repetition_penalty: float = _default("repetition_penalty")
+    frequency_penalty: float = _default("frequency_penalty")
+    presence_penalty: float = _default("presence_penalty")
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
@@ -115,7 +240,6 @@ class SamplingParams:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        require_int(self.n, "n", 1, MAX_N)
         require(
             self.best_of is None or self.best_of == self.n,
             f"best_of is not supported (vLLM V1 dropped it): leave it None or equal to n "
@@ -138,39 +262,13 @@ class SamplingParams:
             "output_kind",
         )
         self.output_kind = RequestOutputKind(self.output_kind)
-        require_int(self.priority, "priority", -MAX_PRIORITY, MAX_PRIORITY)
-        if self.max_tokens is not None:
-            require_int(self.max_tokens, "max_tokens", 1)
-        require_int(self.min_tokens, "min_tokens", 0, self.max_tokens)
-        _require_float(self.temperature, "temperature", 0.0, 100.0)
-        if self.top_k == -1 and not isinstance(self.top_k, bool):
+        for name, bound in FIELD_BOUNDS.items():
+            cap = getattr(self, bound.high) if isinstance(bound.high, str) else None
+            check_field(name, getattr(self, name), cap)
+        if self.top_k == -1:
             self.top_k = 0
-        require(
-            isinstance(self.top_k, int) and not isinstance(self.top_k, bool),
-            f"top_k must be an integer: 0 or -1 (every token) or in [1, {MAX_TOP_K}], "
-            f"got {self.top_k!r}",
-            "top_k",
-        )
-        require(
-            0 <= self.top_k <= MAX_TOP_K,
-            f"top_k must be 0 or -1 (every token) or in [1, {MAX_TOP_K}], got {self.top_k}",
-            "top_k",
-        )
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             require_int(self.truncate_prompt_tokens, "truncate_prompt_tokens", 1)
-        _require_float(self.top_p, "top_p", 0.0, 1.0)
-        require(self.top_p > 0.0, f"top_p must be in (0, 1], got {self.top_p}", "top_p")
-        _require_float(self.min_p, "min_p", 0.0, 1.0)
-        if self.seed is not None:
-            require_int(self.seed, "seed", 0, MAX_SEED)
-        _require_float(self.repetition_penalty, "repetition_penalty", 0.0, MAX_REPETITION_PENALTY)
-        require(
-            self.repetition_penalty > 0.0,
-            f"repetition_penalty must be in (0, {MAX_REPETITION_PENALTY}], got 0.0",
-            "repetition_penalty",
-        )
-        for name in ("frequency_penalty", "presence_penalty"):
-            _require_float(getattr(self, name), name, -MAX_PENALTY, MAX_PENALTY)
         if self.logit_bias is not None:
             require(
                 isinstance(self.logit_bias, dict),
@@ -216,21 +314,12 @@ class SamplingParams:
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token_id in self.stop_token_ids:
             require_int(token_id, "stop_token_ids entry", 0, param="stop_token_ids")
-        for name in ("logprobs", "prompt_logprobs"):
-            if getattr(self, name) is not None:
-                require_int(getattr(self, name), name, 0, MAX_LOGPROBS)
-        if self.min_loops is not None:
-            require_int(self.min_loops, "min_loops", 1)
-        if self.max_loops is not None:
-            require_int(self.max_loops, "max_loops", 1)
         if self.min_loops is not None and self.max_loops is not None:
             require(
                 self.min_loops <= self.max_loops,
                 f"min_loops ({self.min_loops}) must be <= max_loops ({self.max_loops})",
                 "min_loops",
             )
-        if self.exit_threshold is not None:
-            _require_float(self.exit_threshold, "exit_threshold", 0.0, 1.0)
 
     def _check_bad_words(self) -> None:
         if self.bad_words is not None:

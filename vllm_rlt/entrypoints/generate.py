@@ -49,6 +49,7 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
 
     try:
         llm = LLM.from_engine_config(engine_config)
+        params = sampling_params_from(ns, llm.llm_engine.processor.sampling_defaults)
         params.resolved_loops(llm.engine.num_loops)
         warn_untrained_prompts(ns.model, prompts)
         outputs = llm.generate(prompts, params, use_tqdm=not ns.no_progress and not ns.json)

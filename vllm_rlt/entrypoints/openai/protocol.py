@@ -13,21 +13,17 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    create_model,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from vllm_rlt.config import ParamError
 from vllm_rlt.sampling_params import (
+    FIELD_BOUNDS,
     MAX_BAD_WORDS,
     MAX_LOGPROBS,
-    MAX_N,
-    MAX_PENALTY,
-    MAX_PRIORITY,
-    MAX_REPETITION_PENALTY,
-    MAX_SEED,
     MAX_STOP_STRINGS,
-    MAX_TOP_K,
     SamplingParams,
 )
 
@@ -90,40 +86,43 @@ class StreamOptions(StrictModel):
     include_usage: StrictBool = False
 
 
-class SamplingFields(RequestBody):
-    """Fields shared by completions and chat completions."""
+def _bounded_fields() -> dict[str, Any]:
+    """The body field of each bounded sampling field (FIELD_BOUNDS) that every request
+    shares: its strict JSON type, default and range."""
+    made: dict[str, Any] = {}
+    for name, bound in FIELD_BOUNDS.items():
+        if not bound.http:
+            continue
+        kind: Any = StrictInt if bound.kind is int else StrictFloat
+        low = {"gt" if bound.low_open else "ge": bound.kind(bound.low)}
+        high = {} if not isinstance(bound.high, (int, float)) else {"le": bound.kind(bound.high)}
+        made[name] = (kind | None if bound.nullable else kind, Field(bound.default, **low, **high))
+    return made
+
+
+BoundedFields = create_model("BoundedFields", __base__=RequestBody, **_bounded_fields())
+
+
+class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
+    """Fields shared by completions and chat completions: the bounded sampling fields
+    (BoundedFields, made from FIELD_BOUNDS) and these."""
 
     model: str
     max_tokens: StrictInt | None = Field(default=None, ge=1)
-    temperature: StrictFloat = Field(default=1.0, ge=0.0, le=100.0)
-    top_p: StrictFloat = Field(default=1.0, gt=0.0, le=1.0)
-    top_k: StrictInt = Field(default=0, ge=-1, le=MAX_TOP_K)
-    min_p: StrictFloat = Field(default=0.0, ge=0.0, le=1.0)
-    seed: StrictInt | None = Field(default=None, ge=0, le=MAX_SEED)
-    n: StrictInt = Field(default=1, ge=1, le=MAX_N)
     stop: str | Annotated[list[str], Field(max_length=MAX_STOP_STRINGS)] | None = None
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
-    min_tokens: StrictInt = Field(default=0, ge=0)
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
-    presence_penalty: StrictFloat = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    frequency_penalty: StrictFloat = Field(default=0.0, ge=-MAX_PENALTY, le=MAX_PENALTY)
-    repetition_penalty: StrictFloat = Field(default=1.0, gt=0.0, le=MAX_REPETITION_PENALTY)
     # token id (as a string, JSON's only key type) -> bias added to its logit
     logit_bias: dict[str, StrictFloat] | None = None  # ranges checked by SamplingParams
     allowed_token_ids: list[TokenId] | None = Field(default=None, min_length=1)
     bad_words: Annotated[list[str], Field(min_length=1, max_length=MAX_BAD_WORDS)] | None = None
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
-    # Looped-model extensions.
-    min_loops: StrictInt | None = Field(default=None, ge=1)
-    max_loops: StrictInt | None = Field(default=None, ge=1)
-    exit_threshold: StrictFloat | None = Field(default=None, ge=0.0, le=1.0)
     return_exit_depths: StrictBool = False
-    priority: StrictInt = Field(default=0, ge=-MAX_PRIORITY, le=MAX_PRIORITY)
 
     def sampling_params(
         self, max_tokens: int, num_logprobs: int | None, defaults: dict[str, Any] | None = None
