@@ -16,6 +16,7 @@ MAX_PRIORITY = 2**31 - 1
 MAX_REPETITION_PENALTY = 10.0
 MAX_PENALTY = 2.0  # frequency and presence, either sign (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
+MAX_TOP_N_SIGMA = 100.0  # either sign; <= 0 is off
 MAX_STOP_STRINGS = 64
 MAX_BAD_WORDS = 32  # words; each becomes up to two token sequences (with a leading space)
 MAX_BAD_WORD_TOKENS = 8  # per token sequence: each form of a word
@@ -62,6 +63,15 @@ FIELD_BOUNDS: dict[str, FieldBound] = {
     ),
     "top_p": FieldBound(float, 0, 1, 1.0, "nucleus mass", low_open=True),
     "min_p": FieldBound(float, 0.0, 1.0, 0.0, "relative to the top token"),
+    "top_n_sigma": FieldBound(
+        float,
+        -MAX_TOP_N_SIGMA,
+        MAX_TOP_N_SIGMA,
+        0.0,
+        "keep tokens whose logit (after temperature) is within this many standard "
+        "deviations of the top one; <= 0: off",
+        optional=True,
+    ),
     "seed": FieldBound(
         int, 0, MAX_SEED, None, "per-request seed (default: random)", flag="--sampling-seed"
     ),
@@ -191,6 +201,8 @@ class SamplingParams:
 
     As in vLLM: `max_tokens=None` generates up to the context (max_model_len, or the KV
     cache's capacity where smaller, minus the prompt); `top_k` 0 or -1 keeps every token;
+    `top_n_sigma=n` keeps the tokens whose logit, after temperature, is within n standard
+    deviations of the row's largest (None or <= 0: off);
     `truncate_prompt_tokens=k` keeps the prompt's last k tokens (-1: the context length,
     at most max_model_len). `best_of` (dropped by vLLM V1) must be None or n, and
     `logits_processors` must be empty; any other name is a ValueError naming it.
@@ -203,6 +215,7 @@ class SamplingParams:
     top_k: int = _default("top_k")
     top_p: float = _default("top_p")
     min_p: float = _default("min_p")
+    top_n_sigma: float | None = _default("top_n_sigma")
     seed: int | None = _default("seed")
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -267,6 +280,8 @@ class SamplingParams:
             check_field(name, getattr(self, name), cap)
         if self.top_k == -1:
             self.top_k = 0
+        if self.top_n_sigma is None:
+            self.top_n_sigma = 0.0
         if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
             require_int(self.truncate_prompt_tokens, "truncate_prompt_tokens", 1)
         if self.logit_bias is not None:

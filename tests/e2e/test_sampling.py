@@ -69,7 +69,9 @@ def test_n_completions_are_distinct_and_reproducible(make_engine):
 
 
 @pytest.mark.parametrize(
-    "filters", [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}], ids=["top_k", "min_p", "top_p"]
+    "filters",
+    [{"top_k": 1}, {"min_p": 1.0}, {"top_p": 1e-6}, {"top_n_sigma": 1e-6}],
+    ids=["top_k", "min_p", "top_p", "top_n_sigma"],
 )
 def test_degenerate_filters_equal_greedy(make_engine, filters):
     """A filter that keeps only the most likely token makes sampling greedy at any seed."""

@@ -22,6 +22,7 @@ def _record(offset: int) -> SamplingRecord:
         top_k=7 + offset,
         top_p=0.75 + offset / 100,
         min_p=0.125 + offset / 100,
+        top_n_sigma=1.5 + offset,
         seed=2**40 + offset,
         min_tokens=5 + offset,
         num_logprobs=0,

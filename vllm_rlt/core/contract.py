@@ -33,6 +33,7 @@ class SamplingRecord:
     top_k: int
     top_p: float
     min_p: float
+    top_n_sigma: float
     seed: int
     min_tokens: int
     num_logprobs: int

@@ -1,4 +1,5 @@
-"""Batched sampling on the device: greedy, temperature, top-k/top-p/min-p, seeded per row."""
+"""Batched sampling on the device: greedy, temperature, top-n-sigma/top-k/top-p/min-p,
+seeded per row."""
 
 from __future__ import annotations
 
@@ -26,6 +27,7 @@ class SamplingTensors:
     top_k: torch.Tensor = _column(0)  # [rows] int64; 0 = every token
     top_p: torch.Tensor = _column(1.0)  # [rows] float32; 1 = every token
     min_p: torch.Tensor = _column(0.0)  # [rows] float32; 0 = every token
+    top_n_sigma: torch.Tensor = _column(0.0)  # [rows] float32; <= 0 = every token
     seed: torch.Tensor = _column(0)  # [rows] int64
 
     @classmethod
@@ -93,14 +95,28 @@ def sample(
     return torch.where(settings.temperature == 0.0, greedy_ids, sampled_ids)
 
 
+def top_n_sigma(scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """`scaled` [rows, vocab] with -inf where a logit lies more than n [rows] standard
+    deviations below its row's largest (rows with n <= 0 unchanged). The deviation is that
+    of the row's finite logits: a token already barred is no candidate."""
+    finite = scaled.isfinite()
+    count = finite.sum(dim=-1, keepdim=True)
+    mean = torch.where(finite, scaled, 0.0).sum(dim=-1, keepdim=True) / count.clamp_min(1)
+    squares = torch.where(finite, scaled - mean, 0.0).square().sum(dim=-1, keepdim=True)
+    deviation = (squares / (count - 1).clamp_min(1)).sqrt()
+    floor = scaled.max(dim=-1, keepdim=True).values - n.unsqueeze(1) * deviation
+    return scaled.masked_fill((n > 0).unsqueeze(1) & (scaled < floor), float("-inf"))
+
+
 def _filtered_sorted(
     logits: torch.Tensor, settings: SamplingTensors
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature-scaled logits sorted in descending order, -inf where top-k, top-p or
-    min-p drop them, and the ids of each sorted position."""
+    """Temperature-scaled logits sorted in descending order, -inf where top-n-sigma, top-k,
+    top-p or min-p drop them, and the ids of each sorted position."""
     vocab = logits.shape[-1]
     top_k, top_p, min_p = settings.top_k, settings.top_p, settings.min_p
     scaled = logits / settings.temperature.clamp_min(1e-6).unsqueeze(1)
+    scaled = top_n_sigma(scaled, settings.top_n_sigma)
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [rows, vocab]
     rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
