@@ -27,7 +27,6 @@ def _record(offset: int) -> SamplingRecord:
         min_tokens=5 + offset,
         num_logprobs=0,
         banned_until_min_tokens=(),
-        decode_depths=None,
     )
 
 
@@ -38,7 +37,6 @@ def _state() -> SlotState:
         vocab_size=16,
         max_blocks_per_seq=2,
         dummy_block=0,
-        trace_len=1,
         dtype=torch.float32,
         device=torch.device("cpu"),
     )
@@ -48,7 +46,10 @@ def test_admit_writes_every_setting_into_the_column_of_its_name():
     state = _state()
     records = {1: _record(0), 3: _record(2)}
     state.admit(
-        [NewSlot(slot=slot, prompt_len=10 + slot, sampling=r) for slot, r in records.items()]
+        [
+            NewSlot(slot=slot, request_id=f"r{slot}", prompt_len=10 + slot, sampling=r)
+            for slot, r in records.items()
+        ]
     )
     columns = state.request_columns()
     assert set(columns) <= {f.name for f in fields(SamplingRecord)}

@@ -38,14 +38,13 @@ class SamplingRecord:
     min_tokens: int
     num_logprobs: int
     banned_until_min_tokens: tuple[int, ...]  # EOS / stop ids masked before min_tokens
-    decode_depths: tuple[int, ...] | None  # trace mode: the depth of each decode input
     penalties: Penalties | None = None  # None: the logits go to sampling as they are
 
 
 @dataclass(frozen=True)
 class NewSlot:
-    """A request admitted into a runner slot: its settings (`sampling`) and where it
-    starts. Its blocks arrive through `SchedulerOutput.block_updates`, as they are needed.
+    """A request admitted into a runner slot: who it is, its settings (`sampling`) and
+    where it starts. Its blocks arrive through `SchedulerOutput.block_updates`, as they are needed.
 
     A request resumed after preemption has produced `num_generated` tokens already: its
     first decode input is `first_token` at position `prompt_len` (its prompt and replayed
@@ -53,6 +52,7 @@ class NewSlot:
     its first token at the end of its prompt."""
 
     slot: int
+    request_id: str  # the engine request's id (`Request.request_id`)
     prompt_len: int
     sampling: SamplingRecord
     first_token: int = -1

@@ -44,7 +44,6 @@ class Request:
     max_loops: int
     exit_threshold: float
     seed: int
-    decode_depths: tuple[int, ...] | None = None
     eos_token_ids: frozenset[int] = frozenset()  # empty when ignore_eos
     stop_token_ids: frozenset[int] = frozenset()  # a set: a long list must not cost per token
     status: RequestStatus = RequestStatus.WAITING
@@ -116,7 +115,6 @@ class Request:
             seed=self.seed,
             num_logprobs=params.logprobs or 0,
             banned_until_min_tokens=tuple(sorted(self.stop_token_ids | self.eos_token_ids)),
-            decode_depths=self.decode_depths,
             penalties=penalties,
         )
         # every other field is the SamplingParams field of its name

@@ -409,6 +409,7 @@ class Scheduler:
         sampling = request.sampling
         return NewSlot(
             slot=slot,
+            request_id=request.request_id,
             prompt_len=request.prefill_len,
             sampling=sampling,
             first_token=request.output_token_ids[-1] if resumed else -1,

@@ -22,7 +22,7 @@ from vllm_rlt.engine.parent_watch import leave_with_parent
 from vllm_rlt.engine.process_setup import settle_engine_process
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.engine_config import EngineConfig
-from vllm_rlt.exit import make_exit_policy
+from vllm_rlt.exit.registry import make_exit_policy
 from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
 from vllm_rlt.models.load import (
     load_model_and_tokenizer,
@@ -219,9 +219,8 @@ def build_engine_core(
         geometry,
         scheduler_config.max_num_seqs * num_lanes,
         max_model_len,
-        make_exit_policy(exit_config.mode, model, exit_config.seed),
+        make_exit_policy(exit_config, model),
         ops,
-        max_model_len if exit_config.mode == "trace" else 1,
         lanes,
         kv_cache_torch_dtype(cache_config.kv_cache_dtype, model.dtype),
     )

@@ -44,15 +44,14 @@ class RequestChecker:
         self.limits = limits
         self.exit_config = exit_config
 
-    def check(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> tuple[int, int, tuple[int, ...] | None]:
-        """(min_loops, max_loops, trace depths of the decode inputs or None); raises
-        ParamError naming the field on bad input."""
+    def check(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[int, int]:
+        """(min_loops, max_loops); raises ParamError naming the field on bad input, or a
+        request the exit trace has no fitting depths for."""
         require(isinstance(params, SamplingParams), "sampling_params must be a SamplingParams")
         self._validate(prompt, params)
         min_loops, max_loops = params.resolved_loops(self.limits.num_loops)
-        return min_loops, max_loops, self._trace_for(request_id, params, min_loops, max_loops)
+        self._check_trace(request_id, params, min_loops, max_loops)
+        return min_loops, max_loops
 
     def _validate(self, prompt: list[int], params: SamplingParams) -> None:
         limits = self.limits
@@ -137,11 +136,11 @@ class RequestChecker:
                 "prompt",
             )
 
-    def _trace_for(
+    def _check_trace(
         self, request_id: str, params: SamplingParams, min_loops: int, max_loops: int
-    ) -> tuple[int, ...] | None:
+    ) -> None:
         if self.exit_config.mode != "trace":
-            return None
+            return
         num_loops = self.limits.num_loops
         depths = self.exit_config.depths_by_request.get(request_id)
         require(depths is not None, f"exit trace has no depths for request_id {request_id!r}")
@@ -161,7 +160,6 @@ class RequestChecker:
                 f"exit trace for {request_id!r}: depth {index} must be in "
                 f"[{min_loops}, {max_loops}] (min_loops, max_loops), got {depth}",
             )
-        return tuple(depths[1:])
 
 
 def params_for_core(params: SamplingParams, tokenizer: Tokenizer | None) -> SamplingParams:

@@ -1,6 +1,6 @@
 """How a request the engine core accepts becomes its `RequestGroup`: the checks that depend
 on configuration, and the settings every completion carries (loop bounds, exit threshold,
-EOS ids, trace depths, whether it decodes in speculation lanes, its seed)."""
+EOS ids, whether it decodes in speculation lanes, its seed)."""
 
 from __future__ import annotations
 
@@ -28,18 +28,15 @@ class RequestIntake:
         self.speculative_config = speculative_config
         self.seeds = random.Random(seed)  # of completions whose request gives none
 
-    def check(
-        self, request_id: str, prompt: list[int], params: SamplingParams
-    ) -> tuple[int, int, tuple[int, ...] | None]:
-        """Every check that depends only on configuration: returns (min_loops, max_loops,
-        trace depths of the decode inputs or None)."""
+    def check(self, request_id: str, prompt: list[int], params: SamplingParams) -> tuple[int, int]:
+        """Every check that depends only on configuration: returns (min_loops, max_loops)."""
         checked = self.checker.check(request_id, prompt, params)
         check_samplable(params, self.checker.limits.vocab_size, self.eos_token_ids)
         return checked
 
     def group(self, request_id: str, prompt: list[int], params: SamplingParams) -> RequestGroup:
         """The checked group of a new request (ParamError names a bad field)."""
-        min_loops, max_loops, decode_depths = self.check(request_id, prompt, params)
+        min_loops, max_loops = self.check(request_id, prompt, params)
         return RequestGroup.start(
             request_id,
             prompt,
@@ -50,7 +47,6 @@ class RequestIntake:
             exit_threshold=float(
                 self.exit_threshold if params.exit_threshold is None else params.exit_threshold
             ),
-            decode_depths=decode_depths,
             eos_token_ids=frozenset() if params.ignore_eos else self.eos_token_ids,
             speculates=self._speculates(params, max_loops),
         )

@@ -16,7 +16,7 @@ from vllm_rlt.core.contract import (
     SampledToken,
     SchedulerOutput,
 )
-from vllm_rlt.exit import ExitPolicy
+from vllm_rlt.exit.policy import ExitPolicy
 from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.worker.cuda_graphs import DecodeGraphs
@@ -66,7 +66,6 @@ class ModelRunner:
         max_model_len: int,
         exit_policy: ExitPolicy,
         ops: LoopOps,
-        trace_len: int,
         lanes: SpecLanes | None = None,
         kv_dtype: torch.dtype | None = None,  # the K/V pool's (None: the model's dtype)
     ) -> None:
@@ -91,7 +90,6 @@ class ModelRunner:
             cfg.vocab_size,
             -(-max_model_len // geometry.block_size),
             geometry.num_blocks,
-            trace_len,
             model.dtype,
             model.device,
             geometry.table_planes,
@@ -202,6 +200,7 @@ class ModelRunner:
             ]
         try:
             self.state.admit(rows, self.uploads.upload)
+            self.exit_policy.admit(rows, self.uploads.upload)
         except Exception as error:  # noqa: BLE001 - the requests of this admission fail
             for new in news:
                 self.state.clear_tables(new.slot)

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.exit import ExitInputs, ExitPolicy
+from vllm_rlt.exit.policy import ExitInputs, ExitPolicy
 from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
 from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.ops.base import LoopOps
@@ -92,6 +92,7 @@ class PassHead:
         self.model, self.ops, self.state, self.geo = model, ops, state, geo
         self.exit_policy, self.lanes, self.dummy_slot = exit_policy, lanes, dummy_slot
         self.num_loops = model.config.num_loops
+        exit_policy.bind(state.loop.shape[0], state.loop.device)  # its per-slot state
 
     def run(
         self,
@@ -146,17 +147,17 @@ class PassHead:
         if d_loops is None:
             d_loops = decode_row_fields(decode, st, self.geo, lanes).loops
         loops_done = d_loops + 1
-        trace_index = (st.num_generated[decode] - 1).clamp(0, st.trace.shape[1] - 1)
         decision = self.exit_policy.decide(
             ExitInputs(
                 hidden=d_hidden,
+                slots=decode,
+                num_generated=st.num_generated[decode],
                 loops_done=loops_done,
                 min_loops=st.min_loops[decode],
                 max_loops=st.max_loops[decode],
                 exit_threshold=st.exit_threshold[decode],
                 survival=st.survival[decode],
                 pending=st.pending[decode],
-                target_depth=st.trace[decode, trace_index],
             )
         )
         exits = Exits(

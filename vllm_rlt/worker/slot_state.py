@@ -121,7 +121,6 @@ class SlotState:
         vocab_size: int,
         max_blocks_per_seq: int,
         dummy_block: int,
-        trace_len: int,
         dtype: torch.dtype,
         device: torch.device,
         table_planes: int = 1,
@@ -147,7 +146,6 @@ class SlotState:
         self.block_table = torch.full(
             (n * table_planes, max_blocks_per_seq), dummy_block, **i64
         )  # [slots * table_planes, blocks]: row slot * table_planes + plane
-        self.trace = torch.ones(n, max(trace_len, 1), **i64)  # [slots, decode tokens]
         self.dummy_block = dummy_block
         self.num_logprobs = [0] * n  # host copy: how many top logprobs each slot wants
         self.greedy = [True] * n  # host copy: temperature == 0
@@ -198,23 +196,11 @@ class SlotState:
         self.block_table[(slots.unsqueeze(1) * self.table_planes + planes).flatten()] = (
             self.dummy_block
         )  # its blocks come as they are taken
-        # Tokens banned before min_tokens, and trace depths: (slot, column, value) triples.
+        # Tokens banned before min_tokens: (slot, token id) pairs.
         banned = [(n.slot, t) for n in news for t in n.sampling.banned_until_min_tokens]
         if banned:
             rows, ids = send(torch.tensor(banned, dtype=torch.int64).T.flatten()).view(2, -1)
             self.banned[rows, ids] = True
-        width = self.trace.shape[1]
-        traced = [
-            (n.slot, j, depth)
-            for n in news
-            if n.sampling.decode_depths is not None
-            for j, depth in enumerate(n.sampling.decode_depths[:width])
-        ]
-        if traced:
-            rows, columns, depths = send(torch.tensor(traced, dtype=torch.int64).T.flatten()).view(
-                3, -1
-            )
-            self.trace[rows, columns] = depths
         for new in news:
             self.num_logprobs[new.slot] = new.sampling.num_logprobs
             self.greedy[new.slot] = new.sampling.temperature == 0.0

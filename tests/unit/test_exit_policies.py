@@ -1,0 +1,42 @@
+"""The exit policy registry and the trace policy's own per-slot state."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm_rlt.config import EXIT_MODES, ExitConfig
+from vllm_rlt.core.contract import NewSlot
+from vllm_rlt.exit.policy import ExitInputs
+from vllm_rlt.exit.registry import EXIT_POLICIES, make_exit_policy
+
+
+def test_every_exit_mode_has_a_policy():
+    assert tuple(EXIT_POLICIES) == EXIT_MODES
+
+
+def _inputs(slots: list[int], num_generated: list[int], loops_done: list[int]) -> ExitInputs:
+    rows = len(slots)
+    return ExitInputs(
+        hidden=torch.zeros(rows, 4),
+        slots=torch.tensor(slots),
+        num_generated=torch.tensor(num_generated),
+        loops_done=torch.tensor(loops_done),
+        min_loops=torch.ones(rows, dtype=torch.int64),
+        max_loops=torch.full((rows,), 4),
+        exit_threshold=torch.ones(rows),
+        survival=torch.ones(rows),
+        pending=torch.zeros(rows, dtype=torch.bool),
+    )
+
+
+def test_trace_policy_replays_each_admitted_requests_depths():
+    config = ExitConfig(mode="trace", depths_by_request={"a": (4, 1, 3), "b": (4, 2, 2)})
+    policy = make_exit_policy(config, model=None)
+    policy.bind(4, torch.device("cpu"))
+    # slot 2 holds a completion of an n > 1 request "b": it replays b's depths
+    news = [NewSlot(slot=0, request_id="a", prompt_len=3, sampling=None)]  # type: ignore[arg-type]
+    news.append(NewSlot(slot=2, request_id="b#1", prompt_len=3, sampling=None))  # type: ignore[arg-type]
+    policy.admit(news, lambda values: values)
+    # token 1 of "a" exits at depth 1, token 2 at depth 3; "b#1" at 2 for both
+    decision = policy.decide(_inputs([0, 0, 0, 2, 2], [1, 2, 2, 1, 2], [1, 2, 3, 1, 2]))
+    assert decision.exit.tolist() == [True, False, True, False, True]
