@@ -23,8 +23,9 @@ class Penalties:
 @dataclass(frozen=True)
 class SamplingRecord:
     """Everything a request's device row needs of its settings, built once per request
-    (`Request.sampling`) and carried by each of its admissions. A new per-request setting
-    is a field here, its line in `Request.sampling`, and its write in the slot state."""
+    (`Request.sampling`) and carried by each of its admissions. A field named as a
+    SamplingParams field holds that field's value (`Request.sampling` copies it by name), and
+    the slot state writes it into the device column of its name."""
 
     min_loops: int
     max_loops: int

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from vllm_rlt.core.contract import PrefillChunk
+from vllm_rlt.exit.policy import Upload
 from vllm_rlt.ops.metadata import (
     PAD_KEY_POSITION,
     PAD_QUERY_POSITION,
@@ -14,7 +15,7 @@ from vllm_rlt.ops.metadata import (
     PrefillTiles,
     Segments,
 )
-from vllm_rlt.worker.slot_state import SlotState, Upload
+from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
 
 

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
 from vllm_rlt.core.contract import NewSlot, Penalties
+from vllm_rlt.exit.policy import Upload
 from vllm_rlt.layers.penalties import apply_bad_words, apply_penalties
 from vllm_rlt.layers.sampler import SamplingTensors
 from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
-
-Upload = Callable[[torch.Tensor], torch.Tensor]  # an int64 host tensor, sent to the device
 
 
 class PenaltyState:
@@ -156,7 +155,8 @@ class SlotState:
     def admit(self, news: Sequence[NewSlot], upload: Upload | None = None) -> None:
         """Write the rows of newly admitted requests, for all of them at once: a few
         uploads and one indexed write per field, however many requests a pass admits (a
-        write per request and field would cost each request tens of kernel launches).
+        write per request and field would cost each request tens of kernel launches). Each
+        column takes the record's field of its name (`request_columns`).
         `upload` sends an int64 host tensor to the device without waiting for it (default:
         a plain copy, which waits for the pass in flight). `admit_extras` then writes what
         only a few requests have."""
@@ -168,17 +168,16 @@ class SlotState:
         columns = self.request_columns()
         ints = [name for name, column in columns.items() if not column.is_floating_point()]
         floats = [name for name in columns if name not in ints]
-        records = [new.sampling for new in news]
         int_rows = torch.tensor(
             [
-                [new.prompt_len, new.num_generated] + [getattr(new.sampling, n) for n in ints]
+                [new.prompt_len, new.num_generated] + [getattr(new.sampling, f) for f in ints]
                 for new in news
             ],
             dtype=torch.int64,
         )
         # float64 bits travel as int64; float32 on the device rounds as torch.tensor would
         float_rows = torch.tensor(
-            [[getattr(record, name) for name in floats] for record in records],
+            [[getattr(new.sampling, name) for name in floats] for new in news],
             dtype=torch.float64,
         ).view(torch.int64)
         int_rows = send(int_rows.flatten()).view(len(news), -1)
