@@ -15,6 +15,7 @@ class OuroPolicy(ExitPolicy):
     """Exit after loop r when r = max_loops, or q < 1, r >= min_loops and F_r >= q."""
 
     delayed = False
+    fresh = {"survival": 1.0}  # product of (1 - hazard) over the token's loops so far
 
     def __init__(self, score: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.score = score  # hidden [rows, hidden] -> float32 gate logits [rows]
@@ -25,13 +26,13 @@ class OuroPolicy(ExitPolicy):
 
     def decide(self, x: ExitInputs) -> ExitDecision:
         hazard = torch.sigmoid(self.score(x.hidden))
-        survival = x.survival * (1.0 - hazard)
+        survival = x.carried["survival"] * (1.0 - hazard)
         cdf = 1.0 - survival
         trigger = (
             (x.exit_threshold < 1.0) & (x.loops_done >= x.min_loops) & (cdf >= x.exit_threshold)
         )
         at_max = x.loops_done >= x.max_loops
         if not self.delayed:
-            return ExitDecision(at_max | trigger, survival, torch.zeros_like(trigger))
-        leave = at_max | x.pending
-        return ExitDecision(leave, survival, trigger & ~leave)
+            return ExitDecision(at_max | trigger, {"survival": survival})
+        leave = at_max | x.carried["pending"]
+        return ExitDecision(leave, {"survival": survival, "pending": trigger & ~leave})

@@ -7,3 +7,4 @@ from vllm_rlt.exit.ouro import OuroPolicy
 
 class OuroDelayedPolicy(OuroPolicy):
     delayed = True
+    fresh = {"survival": 1.0, "pending": False}  # pending: a trigger fired on the last loop

@@ -24,26 +24,56 @@ class ExitInputs:
     min_loops: torch.Tensor  # [rows] int64
     max_loops: torch.Tensor  # [rows] int64
     exit_threshold: torch.Tensor  # [rows] float32
-    survival: torch.Tensor  # [rows] float32, product of (1 - hazard) so far
-    pending: torch.Tensor  # [rows] bool, a delayed trigger fired on the previous loop
+    carried: dict[str, torch.Tensor]  # [rows] each: the policy's values from earlier loops
 
 
 @dataclass
 class ExitDecision:
     exit: torch.Tensor  # [rows] bool
-    survival: torch.Tensor  # [rows] float32
-    pending: torch.Tensor  # [rows] bool
+    carried: dict[str, torch.Tensor]  # [rows] each: the values the next loop starts from
 
 
 class ExitPolicy:
-    """An exit rule. A policy that keeps something per slot allocates it in `bind` and
-    writes a newly admitted request's part in `admit`; `decide` rules on a pass's rows."""
+    """An exit rule and the per-slot state it keeps.
+
+    `fresh` names the values a policy carries from one loop of a token to the next, each
+    at its value when a token starts; `bind` allocates them per slot, and the pass head
+    gathers them (`gather`) into `decide` and writes what it decides back (`store`).
+    `admit` writes what a policy keeps of a newly admitted request; `start` sets rows
+    that begin a token (an admitted slot, a speculation lane that restarts) fresh."""
+
+    fresh: dict[str, float | bool] = {}
 
     def bind(self, num_slots: int, device: torch.device) -> None:
-        """Allocate per-slot state for `num_slots` slots (none by default)."""
+        """Allocate the per-slot state of `num_slots` slots."""
+        self.carried = {
+            name: torch.full(
+                (num_slots,),
+                value,
+                dtype=torch.bool if isinstance(value, bool) else torch.float32,
+                device=device,
+            )  # [slots]
+            for name, value in self.fresh.items()
+        }
 
-    def admit(self, news: Sequence[NewSlot], send: Upload) -> None:
-        """Write the per-slot state of newly admitted requests (none by default)."""
+    def admit(self, news: Sequence[NewSlot], slots: torch.Tensor, send: Upload) -> None:
+        """Newly admitted requests (`news`, in `slots` on the device) start their first
+        token fresh; `send` uploads what else a policy keeps of them."""
+        self.start(slots)
+
+    def start(self, slots: torch.Tensor) -> None:
+        for name, table in self.carried.items():
+            table.index_fill_(0, slots, self.fresh[name])  # no host copy inside a graph
+
+    def gather(self, slots: torch.Tensor) -> dict[str, torch.Tensor]:
+        return {name: table[slots] for name, table in self.carried.items()}
+
+    def store(
+        self, slots: torch.Tensor, carried: dict[str, torch.Tensor], exited: torch.Tensor
+    ) -> None:
+        """Write rows' carried values back; a row whose token exited starts the next fresh."""
+        for name, values in carried.items():
+            self.carried[name][slots] = torch.where(exited, self.fresh[name], values)
 
     def decide(self, x: ExitInputs) -> ExitDecision:
         raise NotImplementedError

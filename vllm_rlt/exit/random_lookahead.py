@@ -14,6 +14,8 @@ from vllm_rlt.exit.policy import ExitDecision, ExitInputs, ExitPolicy
 class RandomLookaheadPolicy(ExitPolicy):
     """sigmoid(head) >= q means "exit after one more loop"; earliest exit 2."""
 
+    fresh = {"pending": False}  # a trigger fired on the last loop
+
     def __init__(self, score: Callable[[torch.Tensor], torch.Tensor]) -> None:
         self.score = score  # hidden [rows, hidden] -> float32 logits [rows]
 
@@ -35,5 +37,5 @@ class RandomLookaheadPolicy(ExitPolicy):
             & (score >= x.exit_threshold)
             & (x.loops_done + 1 >= x.min_loops)
         )
-        leave = (x.loops_done >= x.max_loops) | x.pending
-        return ExitDecision(leave, x.survival, trigger & ~leave)
+        leave = (x.loops_done >= x.max_loops) | x.carried["pending"]
+        return ExitDecision(leave, {"pending": trigger & ~leave})

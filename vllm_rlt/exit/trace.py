@@ -28,6 +28,7 @@ class TracePolicy(ExitPolicy):
         return cls(config.depths_by_request)
 
     def bind(self, num_slots: int, device: torch.device) -> None:
+        super().bind(num_slots, device)
         self.depths = torch.ones(num_slots, self.width, dtype=torch.int64, device=device)
 
     def decode_depths(self, request_id: str) -> tuple[int, ...]:
@@ -38,7 +39,7 @@ class TracePolicy(ExitPolicy):
             depths = self.depths_by_request.get(request_id.rpartition("#")[0], ())
         return depths[1:]
 
-    def admit(self, news: Sequence[NewSlot], send: Upload) -> None:
+    def admit(self, news: Sequence[NewSlot], slots: torch.Tensor, send: Upload) -> None:
         """One upload of (slot, token index, depth) triples for every admitted request."""
         traced = [
             (new.slot, index, depth)
@@ -54,4 +55,4 @@ class TracePolicy(ExitPolicy):
         index = (x.num_generated - 1).clamp(0, self.width - 1)
         target = self.depths[x.slots, index]
         leave = (x.loops_done >= target) | (x.loops_done >= x.max_loops)
-        return ExitDecision(leave, x.survival, x.pending)
+        return ExitDecision(leave, {})

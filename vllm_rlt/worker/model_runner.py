@@ -199,8 +199,9 @@ class ModelRunner:
                 for lane in lanes.lane_slots(new.slot)[1:]
             ]
         try:
-            self.state.admit(rows, self.uploads.upload)
-            self.exit_policy.admit(rows, self.uploads.upload)
+            slots = self.state.admit(rows, self.uploads.upload)
+            if slots is not None:
+                self.exit_policy.admit(rows, slots, self.uploads.upload)
         except Exception as error:  # noqa: BLE001 - the requests of this admission fail
             for new in news:
                 self.state.clear_tables(new.slot)

@@ -26,8 +26,7 @@ class Exits:
     which exit, their state to keep, and where they are."""
 
     exited: torch.Tensor  # [decode rows] bool
-    survival: torch.Tensor
-    pending: torch.Tensor
+    carried: dict[str, torch.Tensor]  # the exit policy's values for the next loop
     loops_done: torch.Tensor  # the depth each row has reached
     hidden: torch.Tensor  # [decode rows, hidden] the state each row keeps or samples from
     positions: torch.Tensor
@@ -147,6 +146,7 @@ class PassHead:
         if d_loops is None:
             d_loops = decode_row_fields(decode, st, self.geo, lanes).loops
         loops_done = d_loops + 1
+        carried = self.exit_policy.gather(decode)
         decision = self.exit_policy.decide(
             ExitInputs(
                 hidden=d_hidden,
@@ -156,14 +156,12 @@ class PassHead:
                 min_loops=st.min_loops[decode],
                 max_loops=st.max_loops[decode],
                 exit_threshold=st.exit_threshold[decode],
-                survival=st.survival[decode],
-                pending=st.pending[decode],
+                carried=carried,
             )
         )
         exits = Exits(
             exited=decision.exit,
-            survival=decision.survival,
-            pending=decision.pending,
+            carried=decision.carried,
             loops_done=loops_done,
             hidden=d_hidden,
             positions=st.position[decode],
@@ -177,8 +175,10 @@ class PassHead:
             exits.exited = exited
             exits.hidden = torch.where(held.unsqueeze(1), st.hidden[decode], d_hidden)
             exits.loops_done = torch.where(held, st.loop[decode], loops_done)
-            exits.survival = torch.where(held, st.survival[decode], exits.survival)
-            exits.pending = torch.where(held, st.pending[decode], exits.pending)
+            exits.carried = {
+                name: torch.where(held, carried[name], values)
+                for name, values in exits.carried.items()
+            }
         return exits
 
     def _sample(
@@ -242,8 +242,7 @@ class PassHead:
         st.token[decode] = torch.where(exited, tokens[:num_decode], st.token[decode])
         st.position[decode] += exited.long()
         st.loop[decode] = torch.where(exited, 0, exits.loops_done)
-        st.survival[decode] = torch.where(exited, 1.0, exits.survival)
-        st.pending[decode] = exits.pending & ~exited
+        self.exit_policy.store(decode, exits.carried, exited)
         st.num_generated[decode] += exited.long()
         st.hidden[decode] = exits.hidden
         if lanes is not None:
@@ -251,6 +250,7 @@ class PassHead:
             accepted, probs = spec
             lanes.step(
                 st,
+                self.exit_policy,
                 decode,
                 exits.positions,
                 exited,

@@ -132,8 +132,6 @@ class SlotState:
         self.position = torch.zeros(n, **i64)  # [slots] position of the current token
         self.token = torch.zeros(n, **i64)  # [slots] current input token
         self.num_generated = torch.zeros(n, **i64)  # [slots] tokens sampled so far
-        self.survival = torch.ones(n, **f32)  # [slots] product of (1 - hazard)
-        self.pending = torch.zeros(n, dtype=torch.bool, device=device)  # [slots]
         # a request's settings, each column named as the SamplingRecord field it holds
         self.min_loops = torch.ones(n, **i64)  # [slots]
         self.max_loops = torch.ones(n, **i64)  # [slots]
@@ -152,16 +150,16 @@ class SlotState:
         self.penalties: PenaltyState | None = None
         self.vocab_size = vocab_size
 
-    def admit(self, news: Sequence[NewSlot], upload: Upload | None = None) -> None:
+    def admit(self, news: Sequence[NewSlot], upload: Upload | None = None) -> torch.Tensor | None:
         """Write the rows of newly admitted requests, for all of them at once: a few
         uploads and one indexed write per field, however many requests a pass admits (a
         write per request and field would cost each request tens of kernel launches). Each
         column takes the record's field of its name (`request_columns`).
         `upload` sends an int64 host tensor to the device without waiting for it (default:
         a plain copy, which waits for the pass in flight). `admit_extras` then writes what
-        only a few requests have."""
+        only a few requests have. Returns the admitted slots on the device (None: none)."""
         if not news:
-            return
+            return None
         device = self.hidden.device
         send = upload or (lambda values: values.to(device))
         slots = send(torch.tensor([new.slot for new in news], dtype=torch.int64))
@@ -188,8 +186,6 @@ class SlotState:
         for name, values in zip(floats, float_rows.unbind(1), strict=True):
             columns[name][slots] = values
         self.loop[slots] = 0
-        self.survival[slots] = 1.0
-        self.pending[slots] = False
         self.banned[slots] = False
         planes = torch.arange(self.table_planes, device=device)
         self.block_table[(slots.unsqueeze(1) * self.table_planes + planes).flatten()] = (
@@ -203,6 +199,7 @@ class SlotState:
         for new in news:
             self.num_logprobs[new.slot] = new.sampling.num_logprobs
             self.greedy[new.slot] = new.sampling.temperature == 0.0
+        return slots
 
     def request_columns(self) -> dict[str, torch.Tensor]:
         """Every per-slot column admission writes from a request's `SamplingRecord`, under

@@ -224,7 +224,7 @@ class SpecLanes:
         return self.ahead[self.next[slots]]
 
     def step(
-        self, state, slots, positions, exited, drafting, hold, accepted, tokens, probs
+        self, state, exit_policy, slots, positions, exited, drafting, hold, accepted, tokens, probs
     ) -> None:
         """After the pass's ordinary row update (an exiting row moved on to the next
         position with its committed token): hold, free or restart the lanes, then start
@@ -251,8 +251,7 @@ class SpecLanes:
         for field in (state.token, state.position, state.num_generated):
             field[restart] = field[slots]
         state.loop.index_fill_(0, restart, 0)
-        state.survival.index_fill_(0, restart, 1.0)
-        state.pending.index_fill_(0, restart, False)
+        exit_policy.start(restart)
         self.active.index_fill_(0, restart, True)
         self.drafted.index_fill_(0, restart, False)
         self.held.index_fill_(0, restart, False)
@@ -265,8 +264,7 @@ class SpecLanes:
         state.position[child] = positions + 1
         state.loop.index_fill_(0, child, 0)
         state.num_generated[child] = state.num_generated[slots] + 1
-        state.survival.index_fill_(0, child, 1.0)
-        state.pending.index_fill_(0, child, False)
+        exit_policy.start(child)
         self.active.index_fill_(0, child, True)
         self.drafted.index_fill_(0, child, True)
         self.held.index_fill_(0, child, False)
