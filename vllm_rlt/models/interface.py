@@ -29,7 +29,7 @@ class LoopedConfig(Protocol):
     head_dim: int
     max_position_embeddings: int
     num_loops: int  # loops of the shared layer stack at full depth
-    early_exit_threshold: float  # the default exit threshold (1.0: full depth)
+    exit_threshold: float  # the default exit threshold (1.0: full depth)
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
 
