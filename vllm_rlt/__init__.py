@@ -16,6 +16,7 @@ from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 
 if TYPE_CHECKING:
+    from vllm_rlt.engine.engine_args import EngineArgs
     from vllm_rlt.engine.llm import LLM
 
 __version__ = "0.1.0"
@@ -24,6 +25,7 @@ __all__ = [
     "LLM",
     "CacheConfig",
     "CompletionOutput",
+    "EngineArgs",
     "ExecutionConfig",
     "ExitConfig",
     "PromptType",
@@ -39,10 +41,14 @@ __all__ = [
 
 
 def __getattr__(name: str) -> Any:
-    """`LLM` is imported on first use: it loads torch, which the command line must not pay
-    for to parse its flags or print help."""
+    """`LLM` and `EngineArgs` are imported on first use: they load torch, which the command
+    line must not pay for to parse its flags or print help."""
     if name == "LLM":
         from vllm_rlt.engine.llm import LLM
 
         return LLM
+    if name == "EngineArgs":
+        from vllm_rlt.engine.engine_args import EngineArgs
+
+        return EngineArgs
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
