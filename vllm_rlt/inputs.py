@@ -52,3 +52,19 @@ def check_prompt_dict(prompt: Mapping[str, Any], index: int) -> None:
         f"{where} must have 'prompt_token_ids' or 'prompt'",
         "prompts",
     )
+
+
+def prompt_parts(prompt: Any, index: int = 0) -> tuple[str | None, list[int] | None]:
+    """One prompt in any of vLLM's forms (a text, token ids, a `TextPrompt` or a
+    `TokensPrompt`) as its text and its token ids, each None where it gives none."""
+    if isinstance(prompt, str):
+        return prompt, None
+    if isinstance(prompt, dict):
+        check_prompt_dict(prompt, index)
+        ids = prompt.get("prompt_token_ids")
+        return prompt.get("prompt"), list(ids) if ids is not None else None
+    if isinstance(prompt, (list, tuple)):
+        return None, list(prompt)
+    raise ValueError(
+        f"prompts[{index}] must be a string, a token-id list or a dict, got {type(prompt).__name__}"
+    )

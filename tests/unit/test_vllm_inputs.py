@@ -125,13 +125,57 @@ def test_async_llm_resolves_max_tokens_none_too() -> None:
 
     async def run() -> list[int]:
         params = SamplingParams(max_tokens=None, ignore_eos=True, truncate_prompt_tokens=4)
-        async for output in engine.generate("r", [5, 6, 7, 8, 9, 10], params):
+        async for output in engine.generate([5, 6, 7, 8, 9, 10], params, "r"):
             final = output
         assert final.prompt_token_ids == [7, 8, 9, 10]
         return final.outputs[0].token_ids
 
     try:
         assert len(asyncio.run(run())) == 32 - 4
+    finally:
+        engine.shutdown()
+
+
+def test_async_llm_generate_takes_vllms_arguments_and_prompt_forms() -> None:
+    """vLLM's `generate(prompt, sampling_params, request_id)`, positional or by keyword, with
+    a text, token ids, a TextPrompt or a TokensPrompt: each form of one prompt gives the same
+    tokens, and a text is tokenized as `LLM` tokenizes it."""
+    from vllm_rlt.engine.async_llm import AsyncLLM
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model="ouro-tasks"), in_process=True)
+    ids = engine.tokenizer.encode("347+589=")
+
+    async def final(**call) -> object:
+        async for output in engine.generate(**call):
+            last = output
+        return last
+
+    async def run() -> None:
+        forms = {
+            "text": "347+589=",
+            "ids": ids,
+            "text_prompt": TextPrompt(prompt="347+589="),
+            "tokens_prompt": TokensPrompt(prompt_token_ids=ids),
+        }
+        outputs = {
+            name: await final(prompt=form, sampling_params=GREEDY, request_id=name)
+            for name, form in forms.items()
+        }
+        assert {name: out.prompt_token_ids for name, out in outputs.items()} == dict.fromkeys(
+            forms, ids
+        )
+        assert len({tuple(out.outputs[0].token_ids) for out in outputs.values()}) == 1
+        assert outputs["text"].prompt == "347+589="
+        with pytest.raises(ParamError) as caught:
+            await final(
+                prompt={"prompt": "x", "cache_salt": "s"}, sampling_params=GREEDY, request_id="bad"
+            )
+        assert caught.value.param == "cache_salt"
+
+    try:
+        asyncio.run(run())
+        stats = engine.engine_stats()
+        assert not stats.has_unfinished and stats.all_blocks_free
     finally:
         engine.shutdown()
 

@@ -28,6 +28,7 @@ from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.engine.rl_calls import GenerationPause, WeightCalls
 from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME
 from vllm_rlt.engine_config import EngineConfig
+from vllm_rlt.inputs import PromptType, prompt_parts
 from vllm_rlt.models.load import load_tokenizer, model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
@@ -220,15 +221,15 @@ class AsyncLLM:
         return stream
 
     async def generate(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        prompt: str | None = None,
+        self, prompt: PromptType, sampling_params: SamplingParams, request_id: str
     ) -> AsyncIterator[RequestOutput]:
-        """Stream the outputs of one request, in `params.output_kind`; leaving early aborts
-        it."""
-        stream = self.add_request(request_id, prompt_token_ids, params, prompt)
+        """vLLM's call: stream the outputs of one request, in `sampling_params.output_kind`;
+        leaving early aborts it. `prompt` is a text, token ids, a `TextPrompt` or a
+        `TokensPrompt` (its token ids win over its text, which outputs then carry)."""
+        text, token_ids = prompt_parts(prompt)
+        if token_ids is None:
+            token_ids = self.processor.encode(text)  # type: ignore[arg-type]
+        stream = self.add_request(request_id, token_ids, sampling_params, text)
         try:
             async for output in stream:
                 yield output

@@ -25,7 +25,7 @@ from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.engine.llm_engine import LLMEngine
 from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME
 from vllm_rlt.engine_config import EngineConfig
-from vllm_rlt.inputs import check_prompt_dict
+from vllm_rlt.inputs import prompt_parts
 from vllm_rlt.models.load import model_sampling_defaults
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
@@ -370,22 +370,7 @@ class LLM:
         )
         if all(isinstance(p, int) and not isinstance(p, bool) for p in prompts):
             return [(None, list(prompts))]
-        items: list[tuple[str | None, list[int] | None]] = []
-        for index, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                items.append((prompt, None))
-            elif isinstance(prompt, dict):
-                check_prompt_dict(prompt, index)
-                ids = prompt.get("prompt_token_ids")
-                items.append((prompt.get("prompt"), list(ids) if ids is not None else None))
-            elif isinstance(prompt, (list, tuple)):
-                items.append((None, list(prompt)))
-            else:
-                raise ValueError(
-                    f"prompts[{index}] must be a string, a token-id list or a dict, "
-                    f"got {type(prompt).__name__}"
-                )
-        return items
+        return [prompt_parts(prompt, index) for index, prompt in enumerate(prompts)]
 
     def _normalize_params(
         self, params: SamplingParams | Sequence[SamplingParams] | None, count: int
