@@ -52,10 +52,21 @@ KV_LAYOUTS = tuple(layout.value for layout in KVLayout)
 USAGE_CONTEXTS = (OFFLINE, SERVE)
 SCHEDULING_MODES = ("refill", "no_refill")
 SCHEDULING_POLICIES = ("fcfs", "priority")
-# How `--disaggregate` moves K/V (engine/disagg/torch_connector.py,
-# engine/disagg/nixl_connector.py); auto is torch.
-KV_CONNECTORS = ("auto", "torch", "nixl")
-EXIT_MODES = ("ouro", "ouro_delayed", "random_lookahead", "trace")
+# The names users pick implementations by, each with its class as "module:name", imported
+# only where it runs (the command line lists the names without loading torch). A new exit
+# policy (exit/) or K/V connector (engine/disagg/) is its module and its line here.
+EXIT_POLICY_CLASSES = {
+    "ouro": "vllm_rlt.exit.ouro:OuroPolicy",
+    "ouro_delayed": "vllm_rlt.exit.ouro_delayed:OuroDelayedPolicy",
+    "random_lookahead": "vllm_rlt.exit.random_lookahead:RandomLookaheadPolicy",
+    "trace": "vllm_rlt.exit.trace:TracePolicy",
+}
+EXIT_MODES = tuple(EXIT_POLICY_CLASSES)
+KV_CONNECTOR_CLASSES = {  # how `--disaggregate` moves K/V
+    "torch": "vllm_rlt.engine.disagg.torch_connector:TorchConnector",
+    "nixl": "vllm_rlt.engine.disagg.nixl_connector:NixlConnector",
+}
+KV_CONNECTORS = ("auto", *KV_CONNECTOR_CLASSES)  # auto: torch
 QUANTIZATIONS = ("fp8",)  # weight quantization at load (vllm_rlt/layers/fp8.py)
 # K/V storage: auto (the model's dtype) or float8 (fp8 and fp8_e4m3: e4m3, vLLM's names).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")

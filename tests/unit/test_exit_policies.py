@@ -8,12 +8,16 @@ import torch
 
 from vllm_rlt.config import EXIT_MODES, ExitConfig
 from vllm_rlt.core.contract import NewSlot
-from vllm_rlt.exit.policy import ExitInputs
+from vllm_rlt.exit.policy import ExitInputs, ExitPolicy
 from vllm_rlt.exit.registry import EXIT_POLICIES, make_exit_policy
 
 
-def test_every_exit_mode_has_a_policy():
-    assert tuple(EXIT_POLICIES) == EXIT_MODES
+def test_every_exit_mode_names_an_exit_policy():
+    """Each name of `config.EXIT_POLICY_CLASSES` imports a policy class of its own."""
+    classes = {name: make.__self__ for name, make in EXIT_POLICIES.items()}
+    assert tuple(classes) == EXIT_MODES
+    assert all(issubclass(cls, ExitPolicy) for cls in classes.values())
+    assert len(set(classes.values())) == len(classes)
 
 
 def _inputs(slots: list[int], num_generated: list[int], loops_done: list[int], carried=None):

@@ -1,22 +1,17 @@
-"""Exit policies by name (ExitConfig.mode): a new policy is its module and its line here."""
+"""Exit policies by name (ExitConfig.mode), from `config.EXIT_POLICY_CLASSES`: a new policy
+is its module here and its line there."""
 
 from __future__ import annotations
 
+import pkgutil
 from collections.abc import Callable
 from typing import Any
 
-from vllm_rlt.config import ExitConfig
-from vllm_rlt.exit.ouro import OuroPolicy
-from vllm_rlt.exit.ouro_delayed import OuroDelayedPolicy
+from vllm_rlt.config import EXIT_POLICY_CLASSES, ExitConfig
 from vllm_rlt.exit.policy import ExitPolicy
-from vllm_rlt.exit.random_lookahead import RandomLookaheadPolicy
-from vllm_rlt.exit.trace import TracePolicy
 
 EXIT_POLICIES: dict[str, Callable[[ExitConfig, Any], ExitPolicy]] = {
-    "ouro": OuroPolicy.from_config,
-    "ouro_delayed": OuroDelayedPolicy.from_config,
-    "random_lookahead": RandomLookaheadPolicy.from_config,
-    "trace": TracePolicy.from_config,
+    name: pkgutil.resolve_name(path).from_config for name, path in EXIT_POLICY_CLASSES.items()
 }
 
 

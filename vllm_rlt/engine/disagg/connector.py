@@ -31,8 +31,8 @@ prefill core):
 
 A new connector is one module that defines a class implementing `KVConnector` and its
 handle, a `PoolHandle` subclass tagged with the connector's name (the wire carries any
-connector's handle: a msgspec tagged union), plus one line in `CONNECTORS`
-(engine/disagg/registry.py).
+connector's handle: a msgspec tagged union), plus one line in `KV_CONNECTOR_CLASSES`
+(vllm_rlt/config.py).
 """
 
 from __future__ import annotations

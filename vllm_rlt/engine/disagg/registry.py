@@ -1,22 +1,20 @@
 """The K/V connectors by name (`--kv-connector`, engine/disagg/connector.py says what one
-does): a new connector is one line in `CONNECTORS`."""
+does), from `config.KV_CONNECTOR_CLASSES`: a new connector is its module here and its line
+there."""
 
 from __future__ import annotations
 
 import functools
 import operator
+import pkgutil
 
-from vllm_rlt.config import ParamError
+from vllm_rlt.config import KV_CONNECTOR_CLASSES, KV_CONNECTORS, ParamError
 from vllm_rlt.engine.disagg.connector import KVConnector, PoolHandle
-from vllm_rlt.engine.disagg.nixl_connector import NixlConnector
-from vllm_rlt.engine.disagg.torch_connector import TorchConnector
 
 CONNECTORS: dict[str, type[KVConnector]] = {
-    "torch": TorchConnector,
-    "nixl": NixlConnector,
+    name: pkgutil.resolve_name(path) for name, path in KV_CONNECTOR_CLASSES.items()
 }
 DEFAULT = "torch"  # what "auto" picks
-ACCEPTED = ("auto", *CONNECTORS)
 
 # Any connector's pool handle, as the wire carries it (each is tagged with its name).
 KVPoolHandle = functools.reduce(operator.or_, (c.handle_type for c in CONNECTORS.values()))
@@ -28,7 +26,7 @@ def connector_class(name: str) -> type[KVConnector]:
     connector = CONNECTORS.get(DEFAULT if name == "auto" else name)
     if connector is None:
         raise ParamError(
-            f"kv_connector must be one of {', '.join(ACCEPTED)}, got {name!r}", "kv_connector"
+            f"kv_connector must be one of {', '.join(KV_CONNECTORS)}, got {name!r}", "kv_connector"
         )
     return connector
 
