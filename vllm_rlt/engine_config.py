@@ -61,8 +61,13 @@ class ModelConfig:
             if value is not None:
                 object.__setattr__(self, name, os.fspath(value))
         check_quantization(self.quantization)
-        if self.max_model_len is not None:
-            require_int(self.max_model_len, "max_model_len", 1)
+        require(  # its range, up to the model's context, is checked once the model is read
+            self.max_model_len is None
+            or (isinstance(self.max_model_len, int) and not isinstance(self.max_model_len, bool)),
+            "max_model_len must be an integer in [1, the model's context], "
+            f"got {self.max_model_len!r}",
+            "max_model_len",
+        )
         require(
             isinstance(self.generation_config, str) and bool(self.generation_config),
             f"generation_config must be 'auto', 'vllm' or a folder, got {self.generation_config!r}",

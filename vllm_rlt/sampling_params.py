@@ -215,7 +215,6 @@ class SamplingParams:
     top_k: int = _default("top_k")
     top_p: float = _default("top_p")
     min_p: float = _default("min_p")
-    top_n_sigma: float | None = _default("top_n_sigma")
     seed: int | None = _default("seed")
     stop: list[str] | str | None = None
     stop_token_ids: list[int] = field(default_factory=list)
@@ -240,6 +239,7 @@ class SamplingParams:
     truncate_prompt_tokens: int | None = None
     best_of: int | None = None
     logits_processors: list[Any] | None = None
+    top_n_sigma: float | None = _default("top_n_sigma")  # last: positional calls keep their fields
 
     def __new__(cls, *args: Any, **kwargs: Any) -> SamplingParams:
         """An unknown name is a ParamError naming it, not a bare TypeError."""

@@ -59,7 +59,11 @@ def test_the_config_pickles_to_an_equal_one_and_is_frozen():
 @pytest.mark.parametrize(
     ("make", "param", "message"),
     [
-        (lambda: ModelConfig(max_model_len=0), "max_model_len", r"max_model_len must be in \[1"),
+        (
+            lambda: ModelConfig(max_model_len="64"),
+            "max_model_len",
+            r"max_model_len must be an integer in \[1, the model's context\], got '64'",
+        ),
         (lambda: ModelConfig(quantization="int4"), "quantization", "one of fp8 or None"),
         (lambda: DeviceConfig(device="tpu"), "device", "device must be 'cpu' or 'cuda"),
         (

@@ -5,9 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm_rlt.config import CacheConfig
+from vllm_rlt.config import CPU_DEFAULT_BLOCKS, CacheConfig
 from vllm_rlt.core.memory import (
-    CPU_DEFAULT_BLOCKS,
     DEFAULT_RESERVE_BYTES,
     bytes_per_block,
     check_explicit_plan,

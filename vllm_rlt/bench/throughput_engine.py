@@ -160,7 +160,9 @@ def build_engine(
                 cuda_graphs=not args.enforce_eager, async_scheduling=args.async_scheduling
             ),
             speculative_config=speculative_config(args),
-            device_config=DeviceConfig(attention_backend=args.attention_backend),
+            device_config=DeviceConfig(
+                device=str(model.device), attention_backend=args.attention_backend
+            ),
         ),
     )
 

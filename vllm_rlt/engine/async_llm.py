@@ -10,12 +10,13 @@ them merged into one output.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from vllm_rlt.config import require
+from vllm_rlt.config import SERVE, require
 from vllm_rlt.engine.core_outputs import CoreStats, EngineStats
 from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.engine.input_processor import InputProcessor
@@ -137,8 +138,10 @@ class AsyncLLM:
 
     @classmethod
     def from_engine_args(cls, engine_args: EngineArgs, **kwargs: Any) -> AsyncLLM:
-        """vLLM's constructor: the engine `engine_args` describe; `kwargs` as for
-        `AsyncLLM`."""
+        """vLLM's constructor: the engine `engine_args` describe, sized for serving unless
+        they say otherwise (`usage_context`); `kwargs` as for `AsyncLLM`."""
+        if engine_args.usage_context is None:
+            engine_args = dataclasses.replace(engine_args, usage_context=SERVE)
         return cls(engine_args.create_engine_config(), **kwargs)
 
     # ----------------------------------------------------------------- caller side

@@ -30,7 +30,7 @@ from vllm_rlt.models.load import (
     resolve_device,
     resolve_dtype,
 )
-from vllm_rlt.ops import get_backend
+from vllm_rlt.ops.registry import get_backend
 from vllm_rlt.parallel.tensor_parallel import (
     TensorParallel,
     check_tensor_parallel,
@@ -110,9 +110,7 @@ def build_engine(
     return BuiltEngine(engine, loaded_tokenizer, name, tensor_parallel)
 
 
-def run_tensor_parallel_rank(
-    rank: int, world: int, port: int, config: EngineConfig, parent_pid: int
-) -> None:
+def run_tensor_parallel_rank(rank: int, port: int, config: EngineConfig, parent_pid: int) -> None:
     """A rank other than 0 (its own process): build the engine as rank 0 does, then make
     every call rank 0 mirrors until it says stop. It leaves with its parent."""
     leave_with_parent(parent_pid)

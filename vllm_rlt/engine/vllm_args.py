@@ -58,7 +58,7 @@ def apply_vllm_args(
                 changes[config][field] = value
         elif name not in HARMLESS:
             raise ParamError(
-                f"LLM() got the argument {name!r}, which this engine does not support; "
+                f"got the argument {name!r}, which this engine does not support; "
                 "help(vllm_rlt.LLM) lists the vLLM arguments it takes",
                 name,
             )

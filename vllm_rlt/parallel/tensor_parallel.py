@@ -34,8 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vllm_rlt.config import require, require_int
-from vllm_rlt.engine_config import MAX_TENSOR_PARALLEL
+from vllm_rlt.config import require
 
 logger = logging.getLogger(__name__)
 
@@ -129,7 +128,6 @@ def mirror_part(
 
 def check_tensor_parallel(size: int, config: Any, device: torch.device) -> None:
     """Every reason a model cannot be split `size` ways here, as one clear error."""
-    require_int(size, "tensor_parallel_size", 1, MAX_TENSOR_PARALLEL)
     require(
         not dist.is_initialized(),
         "tensor_parallel_size: this process already belongs to a torch.distributed group "
@@ -210,14 +208,14 @@ def free_port() -> int:
 
 
 def start_followers(world: int, port: int, target: Callable[..., None], config: Any) -> list[Any]:
-    """Spawn ranks 1 .. world - 1, each running `target(rank, world, port, config, parent
-    pid)`, which builds the same engine from rank 0's (picklable) engine config."""
+    """Spawn ranks 1 .. world - 1, each running `target(rank, port, config, parent pid)`,
+    which builds the same engine from rank 0's (picklable) engine config."""
     spawn = multiprocessing.get_context("spawn")
     processes = []
     for rank in range(1, world):
         process = spawn.Process(
             target=target,
-            args=(rank, world, port, config, os.getpid()),
+            args=(rank, port, config, os.getpid()),
             name=f"vllm-rlt-tp-rank-{rank}",
             daemon=True,
         )

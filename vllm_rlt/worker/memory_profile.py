@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from vllm_rlt.config import CacheConfig, ExecutionConfig, SchedulerConfig
+from vllm_rlt.config import CPU_DEFAULT_BLOCKS, CacheConfig, ExecutionConfig, SchedulerConfig
 from vllm_rlt.core.memory import (
-    CPU_DEFAULT_BLOCKS,
     MemoryPlan,
     check_explicit_plan,
     plan_from_profile,

@@ -113,7 +113,7 @@ class CoreLoop:
         try:
             while not self.stopping:
                 busy = engine.has_unfinished and not self.rl.frozen  # "keep": no pass runs
-                wait = 0 if busy else None
+                wait = (10 if engine.held_back else 0) if busy else None  # ms
                 if engine.disagg is not None:  # K/V in transit: look at it again soon
                     wait = engine.disagg.wait_ms(busy, engine.held_back)
                 if ranks is not None and wait != 0:  # a rank lost while idle: say so now

@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from vllm_rlt.config import require, require_int
+from vllm_rlt.config import require
 from vllm_rlt.engine.core_outputs import CoreStats, sum_core_stats
 from vllm_rlt.engine.process.core_client import CoreAttachment, EngineCoreClient
 from vllm_rlt.engine.process.messages import (
@@ -36,7 +36,7 @@ from vllm_rlt.engine.process.messages import (
     EngineOutputs,
 )
 from vllm_rlt.engine.process.remote_channel import ChannelKeys, remote_peer
-from vllm_rlt.engine_config import MAX_DATA_PARALLEL, EngineConfig
+from vllm_rlt.engine_config import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,6 @@ class RemoteCores:
 def core_environments(device: str, size: int, gpus_per_core: int = 1) -> list[dict[str, str]]:
     """The environment of each core's process: on CUDA, its own visible GPUs (one, or one
     per tensor-parallel rank), taken in order."""
-    require_int(size, "data_parallel_size", 1, MAX_DATA_PARALLEL)
     if not device.startswith("cuda"):
         return [{} for _ in range(size)]
     require(
