@@ -61,7 +61,7 @@ class Disaggregation:
         self.scheduler, self.runner, self.kv = engine.scheduler, engine.runner, engine.kv
         runner = engine.runner
         self.ledger = HandoverLedger(self.kv, runner.kv_pool, runner.kv_position_bytes)
-        group = getattr(engine.model, "tensor_parallel", None)
+        group = engine.model.tensor_parallel
         self.links = KVLinks(lambda: runner.kv_pool, 0 if group is None else group.rank)
         self.prefetcher = PromptPrefetcher(engine.scheduler, self.ledger)
         self.handovers: list[KVHandover] = []  # prefill side: offered, not yet taken
@@ -319,5 +319,5 @@ class Disaggregation:
 
     def _gathered(self, value):
         """Every tensor-parallel rank's `value` (this one's alone without them)."""
-        group = getattr(self.engine.model, "tensor_parallel", None)
+        group = self.engine.model.tensor_parallel
         return [value] if group is None else group.gather(value)

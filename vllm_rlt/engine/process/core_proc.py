@@ -108,7 +108,7 @@ class CoreLoop:
     def run(self) -> None:
         """Serve until a shutdown call; any error is sent as the last message, then raised."""
         engine = self.engine
-        group = getattr(engine.model, "tensor_parallel", None)
+        group = engine.model.tensor_parallel
         ranks = group if group is not None and group.followers else None
         try:
             while not self.stopping:
