@@ -1,0 +1,83 @@
+"""What the device sampler costs per sampled pass, and what its top-n-sigma step adds when no
+row asks for it: `layers.sampler.sample` captured in a CUDA graph over random logits of the
+Ouro vocabulary, at each row count, as written and with `top_n_sigma` replaced by the
+identity. Prints microseconds per call (median of the replays). Needs a CUDA GPU.
+
+python -m benchmarks.probe_sampler --rows 1 8 64 256 --output probe.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from unittest import mock
+
+import torch
+
+from vllm_rlt.cli_parser import CLIParser
+from vllm_rlt.layers import sampler
+
+
+def time_sample(rows: int, vocab: int, settings: sampler.SamplingTensors) -> float:
+    """Microseconds of one `sample` call over [rows, vocab] logits, replayed from a graph."""
+    import triton.testing
+
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.float32) * 4
+    counters = torch.arange(rows, device="cuda", dtype=torch.int64)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(3):
+            sampler.sample(logits, settings, counters)
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            sampler.sample(logits, settings, counters)
+        call = graph.replay
+    except RuntimeError:  # not capturable: time the eager calls, launches included
+
+        def call():
+            sampler.sample(logits, settings, counters)
+
+    ms = triton.testing.do_bench(call, rep=200, return_mode="median")
+    return ms * 1e3
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = CLIParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 8, 64, 256], help="row counts")
+    parser.add_argument("--vocab", type=int, default=49152, help="Ouro's vocabulary")
+    parser.add_argument("--output", default=None, help="also write the JSON here")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_sampler needs a CUDA GPU")
+    results = []
+    print(f"{'rows':>5} {'greedy':>9} {'T=1':>9} {'T=1 no sigma':>13} {'T=1 sigma=1':>12}")
+    for rows in args.rows:
+        greedy = sampler.SamplingTensors.filled(rows, "cuda")
+        sampled = sampler.SamplingTensors.filled(rows, "cuda", temperature=1.0, seed=7)
+        sigma = sampler.SamplingTensors.filled(
+            rows, "cuda", temperature=1.0, seed=7, top_n_sigma=1.0
+        )
+        row = {"rows": rows, "greedy_us": time_sample(rows, args.vocab, greedy)}
+        row["sampled_us"] = time_sample(rows, args.vocab, sampled)
+        with mock.patch.object(sampler, "top_n_sigma", lambda scaled, n: scaled):
+            row["sampled_without_top_n_sigma_us"] = time_sample(rows, args.vocab, sampled)
+        row["top_n_sigma_rows_us"] = time_sample(rows, args.vocab, sigma)
+        results.append(row)
+        print(
+            f"{rows:>5} {row['greedy_us']:>9.1f} {row['sampled_us']:>9.1f} "
+            f"{row['sampled_without_top_n_sigma_us']:>13.1f} {row['top_n_sigma_rows_us']:>12.1f}"
+        )
+    report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
+    report["vocab"] = args.vocab
+    report["results"] = results
+    if args.output:
+        with open(args.output, "w") as handle:
+            json.dump(report, handle, indent=2)
+    json.dump(report, sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
