@@ -376,7 +376,7 @@ def test_cuda_prompt_logprobs_equal_dense_recompute(toy_config, toy_state, backe
     for position in range(1, len(prompt)):
         row = dense[position - 1]
         for token_id, logprob in entries[position].items():
-            assert logprob == pytest.approx(float(row[token_id]), abs=1e-4)
+            assert logprob.logprob == pytest.approx(float(row[token_id]), abs=1e-4)
         assert set(torch.topk(row, 3).indices.tolist()) <= set(entries[position])
     assert engine.all_blocks_free()
 

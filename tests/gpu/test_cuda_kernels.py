@@ -12,6 +12,7 @@ import torch
 
 from vllm_rlt.kernels import cuda_build, w8a16_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight
+from vllm_rlt.ops.linear_plans import FP8_SKINNY_ROWS
 from vllm_rlt.ops.torch_ops import TorchOps
 
 pytestmark = pytest.mark.gpu
@@ -77,6 +78,9 @@ def test_the_triton_ops_take_it_for_the_rows_it_is_set_for(rows, monkeypatch):
     x, weight, want = _problem(rows, 2048, 2048, seed=rows)
     assert w8a16_gemm.takes_w8a16(x, weight) == (rows <= 8)
     assert w8a16_gemm.fits_w8a16(x, weight) == (rows <= 16)
+    if rows > FP8_SKINNY_ROWS:  # W8A8: the activations are float8 too, scaled per row
+        quantized = Fp8Weight.quantize(x).dequantize(torch.float32)
+        want = (quantized @ weight.dequantize(torch.float32).T).to(torch.bfloat16)
     torch.testing.assert_close(TritonOps().linear(x, weight), want, atol=TOL, rtol=TOL)
     silu = TritonOps().linear_silu_mul(x, weight)
     torch.testing.assert_close(silu, TorchOps().silu_mul(want), atol=TOL, rtol=TOL)

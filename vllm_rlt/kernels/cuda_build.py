@@ -26,7 +26,19 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "csrc"
-NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+# The CUDA runtime is linked shared, so the library's launches run in the runtime torch
+# loaded (with a static copy of its own, every launch on an H200 failed with
+# cudaErrorInvalidResourceHandle, 400).
+NVCC_FLAGS = (
+    "-O3",
+    "-std=c++17",
+    "-shared",
+    "-Xcompiler",
+    "-fPIC",
+    "-lineinfo",
+    "-cudart",
+    "shared",
+)
 
 
 class BuildError(RuntimeError):

@@ -197,9 +197,7 @@ class PassHead:
         num_decode = decode.shape[0]
         slots, live = rows.slots, rows.live
         logits, sampled_from = self._logits(rows.hidden, slots, rows.head, adjusted)
-        tokens = greedy_or_sample(
-            sampled_from, greedy, st.sampling.rows(slots), st.num_generated[slots]
-        )
+        tokens = greedy_or_sample(sampled_from, greedy, st.sampling, slots, st.num_generated[slots])
         outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
         spec = None
         if lanes is not None:
