@@ -12,7 +12,6 @@ import torch
 
 from vllm_rlt.kernels import cuda_build, w8a16_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight
-from vllm_rlt.ops.linear_plans import FP8_SKINNY_ROWS
 from vllm_rlt.ops.torch_ops import TorchOps
 
 pytestmark = pytest.mark.gpu
@@ -72,6 +71,7 @@ def test_w8a16_gemm_reads_strided_rows_and_replays_in_a_graph():
 
 @pytest.mark.parametrize("rows", [1, 8, 16, 17])
 def test_the_triton_ops_take_it_for_the_rows_it_is_set_for(rows, monkeypatch):
+    from vllm_rlt.ops.linear_plans import FP8_SKINNY_ROWS
     from vllm_rlt.ops.triton_ops import TritonOps
 
     monkeypatch.setattr(w8a16_gemm, "W8A16_ROWS", 8)
