@@ -60,8 +60,10 @@ EXIT_POLICY_CLASSES = {
     "ouro_delayed": "vllm_rlt.exit.ouro_delayed:OuroDelayedPolicy",
     "random_lookahead": "vllm_rlt.exit.random_lookahead:RandomLookaheadPolicy",
     "trace": "vllm_rlt.exit.trace:TracePolicy",
+    "latent_diff": "vllm_rlt.exit.latent_diff:LatentDiffPolicy",
+    "kl": "vllm_rlt.exit.kl:KLPolicy",
 }
-EXIT_MODES = tuple(EXIT_POLICY_CLASSES)
+EXIT_MODES = ("auto", *EXIT_POLICY_CLASSES)  # auto: the model family's own
 KV_CONNECTOR_CLASSES = {  # how `--disaggregate` moves K/V
     "torch": "vllm_rlt.engine.disagg.torch_connector:TorchConnector",
     "nixl": "vllm_rlt.engine.disagg.nixl_connector:NixlConnector",
@@ -256,13 +258,16 @@ class SchedulerConfig:
 class ExitConfig:
     """Exit policy for decode tokens (prefill always runs every loop).
 
-    `mode`: "ouro" (the checkpoint's gate, immediate), "ouro_delayed" (a trigger after loop r
+    `mode`: "auto" (the model family's own: "ouro" for Ouro and Nanbeige, "latent_diff" for
+    Huginn), "ouro" (the checkpoint's gate, immediate), "ouro_delayed" (a trigger after loop r
     exits after loop r+1), "random_lookahead" (a frozen head seeded with `seed`, read as "exit
-    after one more loop"), or "trace" (replay `depths_by_request`: the prefill depth T first,
-    then one depth per decode input).
+    after one more loop"), "trace" (replay `depths_by_request`: the prefill depth T first,
+    then one depth per decode input), "latent_diff" (the relative change of the state
+    between checks below the request's exit_threshold) or "kl" (the KL divergence between
+    successive checks' next-token distributions below it).
     """
 
-    mode: str = "ouro"
+    mode: str = "auto"
     seed: int = 0
     depths_by_request: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 

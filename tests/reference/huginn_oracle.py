@@ -34,12 +34,17 @@ Choices made here (every place where the public file leaves room)
 1. Initial state. The public `initialize_state` draws `randn_like` and then overwrites it
    with `trunc_normal_(std, a=-3 std, b=3 std)` from the global RNG, std =
    sqrt(2 / (5 n_embd)) * init_scale, then multiplies by sqrt(n_embd); init_scale = 0 gives
-   exact zeros. Here the distribution is the same, but each position draws from its own
-   `torch.Generator`, so a position's state does not depend on how the prompt is chunked
-   or batched. Its seed is the first 4 bytes (little-endian) of
-   sha256("huginn-state:{seed}:{position}"), as the CPU generator keeps only 32 bits of a
-   seed. The public RNG stream is not reproduced; a caller can pass `initial_state` to
-   inject states (the public `input_states`).
+   exact zeros. Here the distribution is the same, but each position's draw is a function
+   of (seed, position) alone, so it does not depend on how the prompt is chunked or
+   batched, and an engine can compute it on any device: element j of position p is
+   std * Phi^-1(Phi(-3) + u (1 - 2 Phi(-3))) with u a counter-based uniform:
+     mix(x) = murmur3's 32-bit finaliser (x ^= x >> 16; x *= 0x85EBCA6B; x ^= x >> 13;
+              x *= 0xC2B2AE35; x ^= x >> 16, all mod 2^32);
+     s = seed XOR 0x5EED57A7E0000001 (64 bits), lo / hi its 32-bit halves;
+     base = mix(mix(lo ^ mix((hi + 0x9E3779B9) mod 2^32)) ^ (p mod 2^32));
+     u = (floor(mix(base ^ mix(j + 0x632BE5AB)) / 2^8) + 0.5) / 2^24.
+   The public RNG stream is not reproduced; a caller can pass `initial_state` to inject
+   states (the public `input_states`).
 2. Reads at a cache index a position did not compute (it ran fewer recurrences than the
    reader, under per-token steps or an exit criterion). Like the public cache, when every
    position holds the index, everything is read there. Otherwise `lookup`:
@@ -54,6 +59,11 @@ Choices made here (every place where the public file leaves room)
      K/V: the Ouro oracle's SHARED, the reader's own position at its current step). As in
      the public file this applies only at an index where some position is missing; where
      all are present, all are read there.
+   - "final" (not in the public file): like "always-last", but at every block index: each
+     earlier position is read at the same block layer at its latest recurrence (its final
+     K/V, earlier positions having finished), the reader's own at its current one. This is
+     one shared K/V plane overwritten by every recurrence, computing one position at a
+     time: the engine's SHARED layout.
    The public "compress-*" strategies (a ring of block-layer slots, overwritten by each
    recurrence) are not modelled. Token by token, they read like "always-last" applied at
    every index; the public vLLM plugin (`vllm/raven_vllm.py`, one attention layer per
@@ -79,13 +89,13 @@ Choices made here (every place where the public file leaves room)
    `freqs_cis` buffer is ignored; RoPE is recomputed.
 """
 
-import hashlib
 import json
 import math
 from collections.abc import Callable
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from pathlib import Path
+from statistics import NormalDist
 
 import torch
 from safetensors.torch import load_file
@@ -94,7 +104,7 @@ SOURCE_REPO = "seal-rg/recurrent-pretraining"
 SOURCE_PATH = "recpre/raven_modeling_minimal.py"
 SOURCE_COMMIT = "59e0b69b2d96a59cbbe79c9d5034d89ecb5ab6f6"
 
-LOOKUP_STRATEGIES = ("full", "latest", "always-last")
+LOOKUP_STRATEGIES = ("full", "latest", "always-last", "final")
 EXIT_CRITERIA = ("none", "latent-diff", "kl")
 DEFAULT_EXIT_THRESHOLDS = {"latent-diff": 0.03, "kl": 1e-3}
 
@@ -318,15 +328,36 @@ class HuginnModel:
         """s_0 of one position: truncated normal (choice 1 in the module docstring)."""
         if seed < 0 or position < 0:
             raise ValueError(f"seed ({seed}) and position ({position}) must be >= 0")
-        state = torch.zeros(self.cfg.hidden_size)
         std = self.cfg.state_std * init_scale
-        if std > 0:
-            # the CPU generator keeps 32 bits of its seed: hash (seed, position) into them
-            digest = hashlib.sha256(f"huginn-state:{seed}:{position}".encode()).digest()
-            gen = torch.Generator().manual_seed(int.from_bytes(digest[:4], "little"))
-            torch.nn.init.trunc_normal_(state, 0.0, std, -3 * std, 3 * std, generator=gen)
-            state = state * self.cfg.embed_scale
-        return state
+        if std == 0:
+            return torch.zeros(self.cfg.hidden_size)
+        low = NormalDist().cdf(-3.0)
+        values = [
+            std * NormalDist().inv_cdf(low + u * (1 - 2 * low))
+            for u in _state_uniforms(seed, position, self.cfg.hidden_size)
+        ]
+        return torch.tensor(values, dtype=torch.float64).float() * self.cfg.embed_scale
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: int) -> int:
+    x ^= x >> 16
+    x = (x * 0x85EBCA6B) & _MASK32
+    x ^= x >> 13
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def _state_uniforms(seed: int, position: int, width: int) -> list[float]:
+    """The uniforms of choice 1 in the module docstring, element by element."""
+    stream = seed ^ 0x5EED57A7E0000001
+    lo, hi = stream & _MASK32, (stream >> 32) & _MASK32
+    base = _mix32(_mix32(lo ^ _mix32((hi + 0x9E3779B9) & _MASK32)) ^ (position & _MASK32))
+    return [
+        ((_mix32(base ^ _mix32(j + 0x632BE5AB)) >> 8) + 0.5) / float(1 << 24) for j in range(width)
+    ]
 
 
 def _layer_prefix(stage: str, index: int) -> str:
@@ -357,6 +388,8 @@ class HuginnCache:
     def _source_index(self, index: int, position: int, all_present: bool) -> int | None:
         """The index at which `position` is read by a query at `index` (None: skipped)."""
         present = position in self.entries[index]
+        if self.lookup == "final" and index >= self.cfg.num_prelude:
+            all_present = False  # read at the latest recurrence even where all hold it
         if all_present or self.lookup == "full" or index < self.cfg.num_prelude:
             # prelude and coda (negative) indices are held by every position
             return index if present else None

@@ -15,7 +15,7 @@ from vllm_rlt.exit.registry import EXIT_POLICIES, make_exit_policy
 def test_every_exit_mode_names_an_exit_policy():
     """Each name of `config.EXIT_POLICY_CLASSES` imports a policy class of its own."""
     classes = {name: make.__self__ for name, make in EXIT_POLICIES.items()}
-    assert tuple(classes) == EXIT_MODES
+    assert ("auto", *classes) == EXIT_MODES
     assert all(issubclass(cls, ExitPolicy) for cls in classes.values())
     assert len(set(classes.values())) == len(classes)
 

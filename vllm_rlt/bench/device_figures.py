@@ -28,19 +28,13 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float) -> dict:
-    """Decode tokens/s if every pass only streamed the layer weights once plus each row's
-    keys and values (one plane) at the mean context, at the measured bandwidth."""
-    from vllm_rlt.layers.fp8 import kv_cache_torch_dtype, weight_nbytes
+    """Decode tokens/s if every pass only streamed the weights it runs once (the model's
+    `pass_weight_bytes`) plus each row's keys and values (one plane of every attention
+    layer) at the mean context, at the measured bandwidth."""
+    from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
 
     cfg = model.config
-    element = model.dtype.itemsize
     kv_element = kv_cache_torch_dtype(args.kv_cache_dtype, model.dtype).itemsize
-    layer_bytes = sum(
-        weight_nbytes(t)
-        for layer in model.layers
-        for t in (layer.qkv, layer.o, layer.gate_up, layer.down)
-    )
-    head_bytes = model.lm_head.numel() * element
     mean_context = args.shared_prefix_len + args.prompt_len + args.output_len / 2
     kv_bytes = (
         concurrency
@@ -51,7 +45,7 @@ def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float)
         * cfg.head_dim
         * kv_element
     )
-    pass_bytes = layer_bytes + kv_bytes + head_bytes
+    pass_bytes = model.pass_weight_bytes() + kv_bytes
     seconds_per_token = mean_loops * pass_bytes / bandwidth
     return {
         "bandwidth_gb_s": bandwidth / 1e9,

@@ -51,11 +51,38 @@ def _nanbeige_shape() -> dict:
     }
 
 
+def _huginn_shape() -> dict:
+    """Huginn-0125 (3.5B), as its public config.json gives it."""
+    return {
+        "model_type": "huginn_raven",
+        "architectures": ["RavenForCausalLM"],
+        "n_embd": 5280,
+        "n_heads": 55,
+        "num_key_value_heads": 55,
+        "n_layers": 8,
+        "n_layers_in_prelude": 2,
+        "n_layers_in_recurrent_block": 4,
+        "n_layers_in_coda": 2,
+        "mean_recurrence": 32,
+        "intermediate_size": 17920,
+        "vocab_size": 65536,
+        "padded_vocab_size": 65536,
+        "block_size": 4096,
+        "norm_eps": 1e-6,
+        "rope_base": 50000,
+        "qk_bias": True,
+        "bias": False,
+        "tie_embeddings": True,
+        "eos_token_id": 65505,
+    }
+
+
 SHAPES = {
     "toy": _toy_shape,
     "ouro-1.4b": lambda: _ouro_shape(24),
     "ouro-2.6b": lambda: _ouro_shape(48),
     "nanbeige-4.2-3b": _nanbeige_shape,
+    "huginn-3.5b": _huginn_shape,
 }
 
 
@@ -76,13 +103,14 @@ def random_model(shape: str, dtype: torch.dtype, device: torch.device, seed: int
 
 
 def random_weights(config, dtype: torch.dtype, device: torch.device, seed: int) -> dict:
-    """Seeded checkpoint tensors: unit norms, a zero gate bias, the rest N(0, 1/fan_in)."""
+    """Seeded checkpoint tensors: unit norm weights, a zero gate bias, the rest
+    N(0, 1/fan_in)."""
     import torch
 
     generator = torch.Generator(device=device).manual_seed(seed)
     weights = {}
     for name, size in config.checkpoint_shapes().items():
-        if name.endswith("norm.weight"):
+        if name.endswith(("norm.weight", "ln_f.weight")) or ".norm_" in name:  # Huginn's
             tensor = torch.ones(size, device=device, dtype=dtype)
         elif name == "model.early_exit_gate.bias":
             tensor = torch.zeros(size, device=device, dtype=dtype)

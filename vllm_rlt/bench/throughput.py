@@ -182,6 +182,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
     model = random_model(args.shape, dtype, device, args.seed)
+    if model.separate_readout and not args.no_baseline:
+        raise ValueError(
+            f"--shape {args.shape}: the naive baseline runs models whose whole stack loops; "
+            "pass --no-baseline"
+        )
     engine_model = model
     if args.quantization is not None and args.no_baseline:
         model.quantize(args.quantization)  # nothing needs the unquantized one

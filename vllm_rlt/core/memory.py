@@ -31,10 +31,11 @@ class MemoryPlan:
 
 
 def bytes_per_block(model_config, planes: int, block_size: int, dtype: torch.dtype) -> int:
-    """K and V for every layer and plane of one block."""
+    """K and V for every attention layer and plane of one block (`planes` for a looped
+    layer, one for a layer that runs once per token)."""
     element = torch.empty((), dtype=dtype).element_size()
     per_token = 2 * model_config.num_key_value_heads * model_config.head_dim * element
-    return per_token * block_size * planes * model_config.num_hidden_layers
+    return per_token * block_size * sum(model_config.kv_planes(planes))
 
 
 def plan_kv_cache(

@@ -13,7 +13,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_rlt.config import require_int
+from vllm_rlt.config import KVLayout, require, require_int
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
@@ -122,6 +122,29 @@ def run_tensor_parallel_rank(rank: int, port: int, config: EngineConfig, parent_
         built.engine.disagg.close()
 
 
+def check_stages(model, cache_config, speculative_config, disaggregate) -> None:
+    """What a model with layers after its loop (`separate_readout`: Huginn's coda) cannot
+    run with yet, as one clear error naming the setting."""
+    if not model.separate_readout:
+        return
+    require(
+        cache_config.layout is not KVLayout.SHARED_DECODE,
+        "kv_layout 'shared_decode' is not implemented for models whose layers outside the "
+        "loop keep K/V of their own (Huginn): use 'last_exited' or 'shared'",
+        "kv_layout",
+    )
+    require(
+        speculative_config is None,
+        "speculative decoding is not implemented for Huginn models yet",
+        "speculative_config",
+    )
+    require(
+        not disaggregate,
+        "prefill/decode disaggregation is not implemented for Huginn models yet",
+        "disaggregate",
+    )
+
+
 def build_engine_core(
     model,
     tokenizer: Tokenizer | None,
@@ -142,6 +165,9 @@ def build_engine_core(
     cfg = model.config
     max_model_len = checked_max_model_len(
         config.model_config.max_model_len, cfg.max_position_embeddings
+    )
+    check_stages(
+        model, cache_config, speculative_config, config.parallel_config.disaggregate is not None
     )
     num_lanes = 1
     if speculative_config is not None:

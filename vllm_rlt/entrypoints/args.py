@@ -249,8 +249,11 @@ def _add_exit_args(parser: argparse.ArgumentParser) -> None:
         "--exit-mode",
         choices=EXIT_MODES,
         default=config_default(ExitConfig, "mode"),
-        help="ouro: the checkpoint's exit gate; ouro_delayed: exit one loop after it fires; "
-        "random_lookahead: a seeded random head (experiments); trace: replay --exit-trace",
+        help="auto: the model family's own (ouro; latent_diff for Huginn); ouro: the "
+        "checkpoint's exit gate; ouro_delayed: exit one loop after it fires; random_lookahead: "
+        "a seeded random head (experiments); trace: replay --exit-trace; latent_diff: the "
+        "state's relative change below exit_threshold; kl: the KL divergence between "
+        "successive loops' next-token distributions below exit_threshold",
     )
     exits.add_argument(
         "--exit-trace",

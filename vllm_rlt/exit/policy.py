@@ -24,7 +24,10 @@ class ExitInputs:
     min_loops: torch.Tensor  # [rows] int64
     max_loops: torch.Tensor  # [rows] int64
     exit_threshold: torch.Tensor  # [rows] float32
-    carried: dict[str, torch.Tensor]  # [rows] each: the policy's values from earlier loops
+    carried: dict[str, torch.Tensor]  # [rows] or [rows, width]: values from earlier loops
+    positions: torch.Tensor | None = None  # [rows] int64, the position each row computes
+    seeds: torch.Tensor | None = None  # [rows] int64, its request's seed
+    logits: torch.Tensor | None = None  # [rows, vocab] float32, for a policy `needs_logits`
 
 
 @dataclass
@@ -37,22 +40,27 @@ class ExitPolicy:
     """An exit rule and the per-slot state it keeps.
 
     `fresh` names the values a policy carries from one loop of a token to the next, each
-    at its value when a token starts; `bind` allocates them per slot, and the pass head
+    at its value when a token starts, and `widths` the width of those that are vectors
+    per slot (a state, a distribution); `bind` allocates them per slot, and the pass head
     gathers them (`gather`) into `decide` and writes what it decides back (`store`).
     `admit` writes what a policy keeps of a newly admitted request; `start` sets rows
-    that begin a token (an admitted slot, a speculation lane that restarts) fresh."""
+    that begin a token (an admitted slot, a speculation lane that restarts) fresh.
+    A policy that `needs_logits` is given the decode rows' next-token logits every loop
+    (the pass head computes them for every decode row first)."""
 
     fresh: dict[str, float | bool] = {}
+    widths: dict[str, int] = {}
+    needs_logits = False
 
     def bind(self, num_slots: int, device: torch.device) -> None:
         """Allocate the per-slot state of `num_slots` slots."""
         self.carried = {
             name: torch.full(
-                (num_slots,),
+                (num_slots, self.widths[name]) if name in self.widths else (num_slots,),
                 value,
                 dtype=torch.bool if isinstance(value, bool) else torch.float32,
                 device=device,
-            )  # [slots]
+            )  # [slots] or [slots, width]
             for name, value in self.fresh.items()
         }
 
@@ -73,7 +81,8 @@ class ExitPolicy:
     ) -> None:
         """Write rows' carried values back; a row whose token exited starts the next fresh."""
         for name, values in carried.items():
-            self.carried[name][slots] = torch.where(exited, self.fresh[name], values)
+            restart = exited.view(-1, *([1] * (values.dim() - 1)))
+            self.carried[name][slots] = torch.where(restart, self.fresh[name], values)
 
     def decide(self, x: ExitInputs) -> ExitDecision:
         raise NotImplementedError

@@ -16,5 +16,6 @@ EXIT_POLICIES: dict[str, Callable[[ExitConfig, Any], ExitPolicy]] = {
 
 
 def make_exit_policy(config: ExitConfig, model: Any) -> ExitPolicy:
-    """The policy `config.mode` names, for `model`."""
-    return EXIT_POLICIES[config.mode](config, model)
+    """The policy `config.mode` names (auto: the model's `exit_policy`), for `model`."""
+    mode = model.exit_policy if config.mode == "auto" else config.mode
+    return EXIT_POLICIES[mode](config, model)

@@ -7,6 +7,7 @@ a model's layers, so a family may lay out and fuse its weights as it likes.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -33,6 +34,12 @@ class LoopedConfig(Protocol):
     tie_word_embeddings: bool
     eos_token_ids: tuple[int, ...]
 
+    def kv_planes(self, planes: int) -> tuple[int, ...]:
+        """Planes of each attention layer's K/V cache, in the order `LoopedModel.step` takes
+        the caches, when a looped layer keeps `planes` (a layer that runs once per token
+        keeps one)."""
+        ...
+
 
 @runtime_checkable
 class RankGroup(Protocol):
@@ -46,43 +53,60 @@ class RankGroup(Protocol):
         ...
 
 
+@dataclass
+class StepInputs:
+    """What each packed row of a pass brings to one loop (its position is in the
+    attention metadata)."""
+
+    tokens: torch.Tensor  # [rows] int64, the token the row computes
+    carried: torch.Tensor  # [rows, hidden], the state its previous loop left (loop > 0)
+    loops: torch.Tensor  # [rows] int64, the 0-based loop it runs
+    seeds: torch.Tensor | None = None  # [rows] int64, its request's seed (see draws_initial_state)
+
+
 @runtime_checkable
 class LoopedModel(Protocol):
-    """A model run as prelude, `num_loops` loops of core, and gate / coda on the state a
-    loop leaves; `rows` below are a pass's packed rows."""
+    """A model run one loop per pass: `step` takes each row through the stages its loop
+    needs (the once-per-token layers before the loop, the looped layers, and those after
+    it), and `coda` turns the readout of rows that exit into logits; `rows` below are a
+    pass's packed rows, at any mix of loops."""
 
     config: LoopedConfig
     dtype: torch.dtype
     device: torch.device
     quantization: str | None  # how the layer projections are stored ("fp8"; None: dtype)
     tensor_parallel: RankGroup | None  # set by `shard`
+    # The first loop starts from a state drawn per (request seed, position), so `step`
+    # needs `StepInputs.seeds`; otherwise from the embedded token.
+    draws_initial_state: bool
+    # `step`'s readout differs from the state (layers run after the loop); otherwise it is
+    # the state itself.
+    separate_readout: bool
+    exit_policy: str  # the exit policy (config.EXIT_POLICY_CLASSES) of ExitConfig mode "auto"
 
-    def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """Embed token ids [rows] into the residual stream [rows, hidden]."""
-        ...
-
-    def core(
+    def step(
         self,
-        hidden: torch.Tensor,  # [rows, hidden]
+        rows: StepInputs,
         meta: AttentionMetadata,
-        k_caches: list[torch.Tensor],  # per layer [planes * slots_per_plane, kv_heads, head_dim]
-        v_caches: list[torch.Tensor],
+        k_caches: list[torch.Tensor],  # per cache (config.kv_planes) [planes * slots_per_plane,
+        v_caches: list[torch.Tensor],  # kv_heads, head_dim]
         ops: LoopOps,
-    ) -> torch.Tensor:
-        """One loop of the layer stack over rows at any mix of loops; [rows, hidden]."""
-        ...
-
-    def gate(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Exit-gate logits [rows] in float32 from the end-of-loop state [rows, hidden]."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One loop of every row: (the state it carries to its next loop [rows, hidden],
+        the readout `coda` reads if it exits now [rows, hidden])."""
         ...
 
     def coda(
         self,
-        hidden: torch.Tensor,  # [rows, hidden]
+        readout: torch.Tensor,  # [rows, hidden]
         ops: LoopOps | None = None,
         live: torch.Tensor | None = None,  # [rows] bool: rows whose logits are used
     ) -> torch.Tensor:
         """LM-head logits [rows, vocab] in float32 (rows not `live` may be zeros)."""
+        ...
+
+    def pass_weight_bytes(self) -> int:
+        """The weight bytes one pass streams from memory (what a roofline counts)."""
         ...
 
     def checkpoint_views(self) -> dict[str, torch.Tensor | Fp8Weight]:

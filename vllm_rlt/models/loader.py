@@ -20,7 +20,7 @@ from vllm_rlt.models.registry import resolve_family
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 # Non-persistent buffers some exporters still write; they carry no weights.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "freqs_cis")  # RoPE tables, recomputed
 
 
 def _read_json_object(path: Path) -> dict[str, Any]:
@@ -102,11 +102,17 @@ def model_bytes(config: Any, dtype: torch.dtype, fp8: bool) -> int:
     """What the built model holds at least: every weight in `dtype` (an FP8 checkpoint's
     layer projections in one byte) and the rotary cos and sin tables. Counted from one
     layer's shapes, so a config of absurd depth costs nothing to size."""
-    one_layer = dataclasses.replace(config, num_hidden_layers=1).checkpoint_shapes()
+    per_layer = "num_hidden_layers" in {f.name for f in dataclasses.fields(config)}
+    if per_layer:  # a Llama-style stack, named model.layers.N.
+        shapes = dataclasses.replace(config, num_hidden_layers=1).checkpoint_shapes()
+    else:  # a family whose layer counts are bounded at parse (Huginn)
+        shapes = config.checkpoint_shapes()
     total = 0
-    for name, shape in one_layer.items():
+    for name, shape in shapes.items():
         element = 1 if fp8 and name.endswith(fp8_checkpoint.PROJECTION_WEIGHTS) else dtype.itemsize
-        repeats = config.num_hidden_layers if name.startswith("model.layers.0.") else 1
+        repeats = (
+            config.num_hidden_layers if per_layer and name.startswith("model.layers.0.") else 1
+        )
         total += math.prod(shape) * element * repeats
     return total + 2 * config.max_position_embeddings * config.head_dim * dtype.itemsize
 
@@ -142,8 +148,11 @@ def load_model(folder: str | Path, dtype: torch.dtype, device: torch.device | st
     fp8 = fp8_checkpoint.is_fp8_checkpoint(raw)
     check_fits(config, dtype, torch.device(device), fp8)
     shapes = config.checkpoint_shapes()
+    # tensors a family's checkpoints may carry and its model ignores (Huginn's second copy
+    # of a tied head)
+    optional = getattr(config, "optional_tensors", frozenset)()
     if not fp8:
-        weights = read_weights(folder, shapes)
+        weights = read_weights(folder, shapes, optional)
         float8 = sorted(n for n, t in weights.items() if is_float8(t))
         if float8:
             raise ValueError(

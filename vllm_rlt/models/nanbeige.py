@@ -86,6 +86,10 @@ class NanbeigeConfig:
             num_loops=config_int(raw, "num_loops", 1, MAX_LOOPS, default=2),
         )
 
+    def kv_planes(self, planes: int) -> tuple[int, ...]:
+        """Every layer loops: each keeps `planes`."""
+        return (planes,) * self.num_hidden_layers
+
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor of an HF Nanbeige checkpoint: plain Llama names, nothing per loop."""
         return llama_layer_shapes(self, branch_norms=False)

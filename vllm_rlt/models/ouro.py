@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from vllm_rlt.config import check_quantization
-from vllm_rlt.layers.fp8 import Fp8Weight, is_float8
+from vllm_rlt.layers.fp8 import Fp8Weight, is_float8, weight_nbytes
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.models.hf_config import (
     COMMON_HARMLESS_KEYS,
@@ -22,8 +22,8 @@ from vllm_rlt.models.hf_config import (
     llama_layer_shapes,
     shown,
 )
-from vllm_rlt.models.interface import RankGroup
-from vllm_rlt.models.ouro_layer import OuroLayerWeights
+from vllm_rlt.models.interface import RankGroup, StepInputs
+from vllm_rlt.models.ouro_layer import PROJECTIONS, OuroLayerWeights
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import AttentionMetadata
 
@@ -96,6 +96,10 @@ class OuroConfig:
     def num_loops(self) -> int:
         return self.total_ut_steps
 
+    def kv_planes(self, planes: int) -> tuple[int, ...]:
+        """Every layer loops: each keeps `planes`."""
+        return (planes,) * self.num_hidden_layers
+
     def checkpoint_shapes(self) -> dict[str, tuple[int, ...]]:
         """Every tensor name of an HF Ouro checkpoint and its shape."""
         gate = {
@@ -106,12 +110,15 @@ class OuroConfig:
 
 
 class OuroModel:
-    """Ouro weights plus the three stages the runner composes into passes.
-
-    prelude(token_ids) embeds loop-0 rows; core(hidden, meta, kv) runs one loop of the shared
-    layer stack over packed rows at any mix of loops, ending with the per-loop final norm;
-    gate(hidden) and coda(hidden) read that normalised state.
+    """Ouro weights and one loop of a pass (`step`): loop-0 rows start from their embedded
+    token (prelude), every row runs the shared layer stack once (core), ending with the
+    per-loop final norm; gate(hidden) and coda(hidden) read that normalised state.
     """
+
+    # The whole stack loops: a row starts from its embedded token and exits with its state.
+    draws_initial_state = False
+    separate_readout = False
+    exit_policy = "ouro"  # ExitConfig mode "auto": the checkpoint's exit gate
 
     def __init__(
         self, config: OuroConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device
@@ -217,6 +224,13 @@ class OuroModel:
                 layer.kv_scales = tuple(scale.to(self.device) for scale in kv_scales[index])
         self.quantization = "fp8"
 
+    def pass_weight_bytes(self) -> int:
+        """The weight bytes a pass streams: every layer's projections and the LM head."""
+        layers = sum(
+            weight_nbytes(getattr(layer, name)) for layer in self.layers for name in PROJECTIONS
+        )
+        return layers + self.lm_head.numel() * self.lm_head.element_size()
+
     def checkpoint_views(self) -> dict[str, torch.Tensor | Fp8Weight]:
         """Every checkpoint tensor name and the view of this model's tensors that holds it
         (q/k/v are row ranges of qkv, gate/up the even and odd rows of gate_up), so that new
@@ -251,6 +265,25 @@ class OuroModel:
                 views[prefix + "input_layernorm_2.weight"] = layer.attn_out_norm
                 views[prefix + "post_attention_layernorm_2.weight"] = layer.mlp_out_norm
         return views
+
+    def step(
+        self,
+        rows: StepInputs,
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        ops: LoopOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One loop of every row: (state, readout), the same tensor (see LoopedModel)."""
+        first = (rows.loops == 0).unsqueeze(1)
+        state = self.core(
+            torch.where(first, self.prelude(rows.tokens), rows.carried),
+            meta,
+            k_caches,
+            v_caches,
+            ops,
+        )
+        return state, state
 
     def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embed token ids [rows] into the residual stream [rows, hidden]."""

@@ -5,12 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from vllm_rlt.models.hf_config import shown
+from vllm_rlt.models.huginn import HuginnModel
+from vllm_rlt.models.huginn_config import HuginnConfig
 from vllm_rlt.models.nanbeige import NanbeigeConfig, NanbeigeModel
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 
 MODEL_REGISTRY: dict[str, tuple[type, type]] = {
     "ouro": (OuroConfig, OuroModel),
     "nanbeige": (NanbeigeConfig, NanbeigeModel),
+    "huginn_raven": (HuginnConfig, HuginnModel),
 }
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -85,6 +86,29 @@ class AttentionMetadata:
     @property
     def num_rows(self) -> int:
         return self.positions.shape[0]
+
+    def single_plane(self) -> AttentionMetadata:
+        """The same rows addressing a cache of one plane (a layer that runs once per token,
+        such as a prelude or coda layer): every row reads and writes plane 0 through the
+        same block tables."""
+        zeros = torch.zeros_like(self.read_plane)
+        segments = self.segments
+        if segments is not None:  # flat indices: drop the plane part
+            segments = dataclasses.replace(
+                segments, kv_index=segments.kv_index % self.slots_per_plane
+            )
+        tiles = self.prefill_tiles
+        if tiles is not None:  # the last field is the plane a tile reads
+            tiles = PrefillTiles(torch.cat([tiles.fields[:4], torch.zeros_like(tiles.fields[4:])]))
+        return dataclasses.replace(
+            self,
+            read_plane=zeros,
+            write_lo=zeros,
+            write_hi=torch.ones_like(zeros),
+            planes=1,
+            segments=segments,
+            prefill_tiles=tiles,
+        )
 
     def write_index(self) -> torch.Tensor:
         """[planes, rows] flat index each row writes per plane (the dummy where it does not)."""

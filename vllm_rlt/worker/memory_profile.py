@@ -14,7 +14,7 @@ from vllm_rlt.core.memory import (
 )
 from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
 from vllm_rlt.layers.sampler import SamplingTensors, sample, token_logprobs
-from vllm_rlt.models.interface import LoopedModel
+from vllm_rlt.models.interface import LoopedModel, StepInputs
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import AttentionMetadata, Segments
 from vllm_rlt.sampling_params import MAX_LOGPROBS
@@ -58,34 +58,34 @@ def peak_pass_bytes(
     """Extra bytes allocated at peak by a pass of `rows` rows sampling `samplers` of them,
     over a K/V cache of `kv_dtype`."""
     cfg, device = model.config, model.device
+    plan = cfg.kv_planes(planes)
     caches = [
         torch.zeros(
-            planes * block_size,
+            layer_planes * block_size,
             cfg.num_key_value_heads,
             cfg.head_dim,
             dtype=kv_dtype,
             device=device,
         )
-        for _ in range(2 * cfg.num_hidden_layers)
+        for layer_planes in plan + plan
     ]
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     meta = _profile_metadata(rows, planes, block_size, device)
     tokens = torch.zeros(rows, dtype=torch.int64, device=device)
-    hidden = model.core(
-        model.prelude(tokens),
-        meta,
-        caches[: cfg.num_hidden_layers],
-        caches[cfg.num_hidden_layers :],
-        ops,
+    inputs = StepInputs(
+        tokens,
+        torch.zeros(rows, cfg.hidden_size, dtype=model.dtype, device=device),
+        tokens,
+        tokens if model.draws_initial_state else None,
     )
-    gate = model.gate(hidden)
-    logits = model.coda(hidden[:samplers])
+    hidden, readout = model.step(inputs, meta, caches[: len(plan)], caches[len(plan) :], ops)
+    logits = model.coda(readout[:samplers])
     settings = SamplingTensors.filled(samplers, device, temperature=1.0)
     ids = sample(logits, settings, tokens[:samplers])
     token_logprobs(logits, ids, MAX_LOGPROBS)
-    del hidden, gate, logits, ids
+    del hidden, readout, inputs, logits, ids
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_allocated(device) - base
     del caches
@@ -130,7 +130,7 @@ def plan_memory(
         graph_pool = (
             peak_pass_bytes(model, ops, head_rows, head_rows, planes, block_size, kv_dtype)
             + peak_pass_bytes(model, ops, stack, 1, planes, block_size, kv_dtype)
-            + buffer_bytes(cfg, model.dtype, stack)
+            + buffer_bytes(cfg, model.dtype, stack, model.separate_readout)
         )
     if explicit:
         plan = plan_kv_cache(cache_config, cfg, planes, kv_dtype)

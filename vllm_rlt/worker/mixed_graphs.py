@@ -34,7 +34,7 @@ import torch
 from tqdm import tqdm
 
 from vllm_rlt.core.contract import SchedulerOutput
-from vllm_rlt.models.interface import LoopedModel
+from vllm_rlt.models.interface import LoopedModel, StepInputs
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import DeviceCounts, PrefillTiles
 from vllm_rlt.sampling_params import MAX_LOGPROBS
@@ -116,12 +116,13 @@ def sampler_sizes(max_num_seqs: int) -> list[int]:
     return sorted({min(size, max_num_seqs) for size in PROMPT_SAMPLER_SIZES})
 
 
-def buffer_bytes(config, dtype: torch.dtype, rows: int) -> int:
+def buffer_bytes(config, dtype: torch.dtype, rows: int, separate_readout: bool = False) -> int:
     """Device bytes `MixedGraphs` keeps for passes of up to `rows` rows beyond what a pass
-    of that size allocates: the output rows and the int64 input buffer, and a margin of two
-    [rows, hidden] tensors the stack graph holds beside the layer stack (gathered inputs)."""
+    of that size allocates: the output rows (and the readout rows of a model that reads out
+    apart) and the int64 input buffer, and a margin of two [rows, hidden] tensors the stack
+    graph holds beside the layer stack (gathered inputs)."""
     hidden = rows * config.hidden_size * torch.empty((), dtype=dtype).element_size()
-    return 3 * hidden + 8 * (len(ROW_FIELDS) + 8) * rows
+    return (3 + separate_readout) * hidden + 8 * (len(ROW_FIELDS) + 8) * rows
 
 
 class _Layout:
@@ -196,6 +197,8 @@ class MixedGraphs:
         self.out = torch.zeros(
             largest, model.config.hidden_size, dtype=model.dtype, device=model.device
         )
+        # What exiting rows sample from: `out` itself unless the model reads out apart.
+        self.readout = torch.zeros_like(self.out) if model.separate_readout else self.out
         self.row_index = torch.arange(largest, device=model.device)
         self.tile_rows = parts.ops.prefill_tile_rows(model.dtype)
         self.stacks: dict[int, torch.cuda.CUDAGraph] = {}
@@ -265,7 +268,9 @@ class MixedGraphs:
         )
         tokens = torch.where(is_decode, st.token[slots], f["token"])
         carried = torch.where(is_decode.unsqueeze(1), st.hidden[slots], self.out[f["carry"]])
-        hidden = torch.where((rows.loops == 0).unsqueeze(1), model.prelude(tokens), carried)
+        seeds = None
+        if model.draws_initial_state:
+            seeds = st.sampling.seed[rows.tables // geo.table_planes]
         meta = build_metadata(rows, (), st, geo, 0, with_segments=False)
         meta.rows_independent = False  # its prompt rows read what other rows write
         meta.prefill_tiles = PrefillTiles(f["tiles"])
@@ -274,7 +279,16 @@ class MixedGraphs:
             row_programs=min(size, ROW_PROGRAMS),
             tile_programs=-(-size // self.tile_rows) + EXTRA_TILE_PROGRAMS,
         )
-        self.out[:size].copy_(model.core(hidden, meta, parts.k_caches, parts.v_caches, parts.ops))
+        state, readout = model.step(
+            StepInputs(tokens, carried, rows.loops, seeds),
+            meta,
+            parts.k_caches,
+            parts.v_caches,
+            parts.ops,
+        )
+        self.out[:size].copy_(state)
+        if model.separate_readout:
+            self.readout[:size].copy_(readout)
 
     def _head(
         self,
@@ -289,8 +303,9 @@ class MixedGraphs:
         f = self.layouts[self.sizes[-1]].views(self.input)  # the fixed part: any size's
         return self.parts.head.run(
             self.out[:size],
+            self.readout[:size],
             f["decode_slots"][:size],
-            self.out[f["p_rows"][:samplers]],
+            self.readout[f["p_rows"][:samplers]],
             f["p_slots"][:samplers],
             greedy,
             MAX_LOGPROBS if with_top else 0,
@@ -353,8 +368,8 @@ class MixedGraphs:
         return packed, slots
 
     def _inputs(self, chunks) -> tuple[list[int], list[int]]:
-        """Per prompt row: its input token (loop 0) and the row of `out` holding its state
-        (later loops). State an eager pass left is staged into `out` first, past the rows a
+        """Per prompt row: its input token and the row of `out` holding its state (later
+        loops). State an eager pass left is staged into `out` first, past the rows a
         captured pass left there."""
         held = self.parts.carried
         carried = {c.slot: held.pop(c.slot) for c in chunks if c.loop > 0}
@@ -366,8 +381,8 @@ class MixedGraphs:
         carry: list[int] = []
         for chunk in chunks:
             n = len(chunk.token_ids)
+            tokens += chunk.token_ids
             if chunk.loop == 0:
-                tokens += chunk.token_ids
                 carry += [0] * n
                 continue
             state = carried[chunk.slot]
@@ -375,6 +390,5 @@ class MixedGraphs:
             if row is None:
                 row, free_row = free_row, free_row + n
                 self.out[row : row + n].copy_(state.hidden)
-            tokens += [0] * n
             carry += range(row, row + n)
         return tokens, carry

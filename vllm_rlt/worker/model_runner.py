@@ -17,18 +17,14 @@ from vllm_rlt.core.contract import (
     SchedulerOutput,
 )
 from vllm_rlt.exit.policy import ExitPolicy
-from vllm_rlt.models.interface import LoopedModel
+from vllm_rlt.models.interface import LoopedModel, StepInputs
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.worker.cuda_graphs import DecodeGraphs
 from vllm_rlt.worker.host_uploads import HostUploads
 from vllm_rlt.worker.kv_pool import KVPool, KVSource, copy_kv
 from vllm_rlt.worker.mixed_graphs import Carried, MixedGraphs, PromptPassParts, mixed_sizes
 from vllm_rlt.worker.pass_head import PassHead
-from vllm_rlt.worker.pass_inputs import (
-    KVGeometry,
-    build_metadata,
-    gather_rows,
-)
+from vllm_rlt.worker.pass_inputs import KVGeometry, PassRows, build_metadata, gather_rows
 from vllm_rlt.worker.prompt_logprobs import PromptRows, prompt_logprobs, prompt_rows
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
@@ -76,13 +72,15 @@ class ModelRunner:
         self.ops = ops
         self.num_loops = cfg.num_loops
         self.max_model_len = max_model_len
-        entries = geometry.planes * geometry.slots_per_plane
-        shape = (entries, cfg.num_key_value_heads, cfg.head_dim)
         # Zeroed, not empty: masked keys must still hold finite values.
         self.k_caches = [
-            torch.zeros(shape, dtype=kv_dtype or model.dtype, device=model.device)
-            for _ in range(cfg.num_hidden_layers)
-        ]  # per layer [planes * slots_per_plane, kv_heads, head_dim]
+            torch.zeros(
+                (planes * geometry.slots_per_plane, cfg.num_key_value_heads, cfg.head_dim),
+                dtype=kv_dtype or model.dtype,
+                device=model.device,
+            )
+            for planes in cfg.kv_planes(geometry.planes)
+        ]  # per attention layer [its planes * slots_per_plane, kv_heads, head_dim]
         self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
         self.state = SlotState(
             max_slots,
@@ -230,9 +228,10 @@ class ModelRunner:
     @property
     def kv_position_bytes(self) -> int:
         """K/V bytes one position takes in this pool, over every layer and plane."""
-        first = self.k_caches[0]
-        per_plane = first[0].numel() * first.element_size() * 2 * len(self.k_caches)
-        return per_plane * self.geo.planes
+        return sum(
+            2 * cache[0].numel() * cache.element_size() * cache.shape[0] // self.geo.slots_per_plane
+            for cache in self.k_caches
+        )
 
     @torch.inference_mode()
     def import_kv(self, source: KVSource, blocks: Sequence[int], start: int = 0) -> None:
@@ -353,24 +352,6 @@ class ModelRunner:
         rows = gather_rows(decode, chunks, st, self.geo, lanes, self.uploads.upload)
         num_decode = decode.shape[0]
         d_loops = rows.loops[:num_decode]
-
-        inputs = [
-            torch.where(
-                (d_loops == 0).unsqueeze(1), model.prelude(st.token[decode]), st.hidden[decode]
-            )
-        ]
-        # Every first-loop chunk's tokens are embedded in one upload and one lookup.
-        fresh = [token for chunk in chunks if chunk.loop == 0 for token in chunk.token_ids]
-        embedded = model.prelude(self.uploads.upload(fresh)) if fresh else None
-        start = 0
-        for chunk in chunks:
-            if chunk.loop == 0:
-                end = start + len(chunk.token_ids)
-                inputs.append(embedded[start:end])
-                start = end
-            else:
-                inputs.append(self.prefill_hidden.pop(chunk.slot).hidden)
-        hidden = torch.cat(inputs) if len(inputs) > 1 else inputs[0]  # [rows, hidden]
         meta = build_metadata(
             rows,
             chunks,
@@ -382,18 +363,21 @@ class ModelRunner:
             self.uploads.upload,
             lanes,
         )
-        hidden = model.core(hidden, meta, self.k_caches, self.v_caches, self.ops)
-        prompt = prompt_rows(self.model, self.ops, hidden, chunks, num_decode)
-        samplers = self.keep_carried(hidden, chunks, num_decode)
+        state, readout = model.step(
+            self._step_inputs(decode, chunks, rows), meta, self.k_caches, self.v_caches, self.ops
+        )
+        prompt = prompt_rows(self.model, self.ops, readout, chunks, num_decode)
+        samplers = self.keep_carried(state, chunks, num_decode)
         p_slots = p_rows = decode[:0]
         if samplers:
             p_slots, p_rows = self.uploads.upload(
                 [s for s, _ in samplers] + [r for _, r in samplers]
             ).view(2, -1)
         packed = self.head.run(
-            hidden[:num_decode],
+            state[:num_decode],
+            readout[:num_decode],
             decode,
-            hidden[p_rows],
+            readout[p_rows],
             p_slots,
             greedy,
             num_top,
@@ -402,6 +386,31 @@ class ModelRunner:
             d_loops,
         )
         return packed, prompt
+
+    def _step_inputs(
+        self, decode: torch.Tensor, chunks: tuple[PrefillChunk, ...], rows: PassRows
+    ) -> StepInputs:
+        """Each row's token and carried state: a decode row's from its slot, a prompt
+        chunk's tokens in one upload and its state from its previous loop (zeros at loop
+        0, where the model does not read it)."""
+        st, model = self.state, self.model
+        tokens, carried = [st.token[decode]], [st.hidden[decode]]
+        if chunks:
+            tokens.append(self.uploads.upload([t for chunk in chunks for t in chunk.token_ids]))
+        for chunk in chunks:
+            if chunk.loop == 0:
+                carried.append(st.hidden.new_zeros(len(chunk.token_ids), st.hidden.shape[1]))
+            else:
+                carried.append(self.prefill_hidden.pop(chunk.slot).hidden)
+        seeds = None
+        if model.draws_initial_state:
+            seeds = st.sampling.seed[rows.tables // self.geo.table_planes]
+        return StepInputs(
+            torch.cat(tokens) if chunks else tokens[0],
+            torch.cat(carried) if chunks else carried[0],
+            rows.loops,
+            seeds,
+        )
 
     def keep_carried(
         self,

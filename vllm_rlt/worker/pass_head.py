@@ -28,8 +28,10 @@ class Exits:
     exited: torch.Tensor  # [decode rows] bool
     carried: dict[str, torch.Tensor]  # the exit policy's values for the next loop
     loops_done: torch.Tensor  # the depth each row has reached
-    hidden: torch.Tensor  # [decode rows, hidden] the state each row keeps or samples from
+    hidden: torch.Tensor  # [decode rows, hidden] the state each row keeps
+    readout: torch.Tensor  # [decode rows, hidden] what each row samples from if it exits
     positions: torch.Tensor
+    logits: torch.Tensor | None = None  # [decode rows, vocab] when the policy read them
     drafting: torch.Tensor | None = None  # lanes only
     hold: Any = None  # lanes only: what `SpecLanes.step` needs of the held lanes
 
@@ -47,11 +49,12 @@ class SampleRows:
 
     @classmethod
     def of(cls, exits: Exits, decode, p_hidden, p_slots, dummy_slot: int, lanes) -> SampleRows:
-        hidden, slots = exits.hidden, decode
+        """`p_hidden`: the readout of the prompt rows that sample."""
+        hidden, slots = exits.readout, decode
         live = exits.exited & (decode != dummy_slot)
         prompt_samples = p_slots.shape[0] > 0
         if prompt_samples:
-            hidden = torch.cat([exits.hidden, p_hidden])
+            hidden = torch.cat([exits.readout, p_hidden])
             slots = torch.cat([decode, p_slots])
             live = torch.cat([live, p_slots != dummy_slot])
         head = live
@@ -95,9 +98,10 @@ class PassHead:
 
     def run(
         self,
-        d_hidden: torch.Tensor,  # [decode rows, hidden]
+        d_hidden: torch.Tensor,  # [decode rows, hidden] the state after this loop
+        d_readout: torch.Tensor,  # [decode rows, hidden] what an exiting row samples from
         decode: torch.Tensor,  # [decode rows] slots
-        p_hidden: torch.Tensor,  # [prompt samplers, hidden]
+        p_hidden: torch.Tensor,  # [prompt samplers, hidden] their readout
         p_slots: torch.Tensor,  # [prompt samplers] slots (the dummy: padding)
         greedy: bool,
         num_top: int,
@@ -111,7 +115,7 @@ class PassHead:
         Speculation lanes (`SpecLanes`) and logit adjustments (`PenaltyState`) plug in where
         they act. Every shape depends only on the row counts, so it is captured as it is."""
         lanes = self.lanes if speculating else None
-        exits = self._exits(d_hidden, decode, d_loops, lanes)
+        exits = self._exits(d_hidden, d_readout, decode, d_loops, lanes)
         rows = SampleRows.of(exits, decode, p_hidden, p_slots, self.dummy_slot, lanes)
         sample = self._sample(rows, exits, decode, greedy, num_top, adjusted, lanes)
         self._scatter(exits, decode, p_slots, sample.tokens, lanes, sample.spec)
@@ -136,6 +140,7 @@ class PassHead:
     def _exits(
         self,
         d_hidden: torch.Tensor,
+        d_readout: torch.Tensor,
         decode: torch.Tensor,
         d_loops: torch.Tensor | None,
         lanes: SpecLanes | None,
@@ -146,8 +151,11 @@ class PassHead:
         if d_loops is None:
             d_loops = decode_row_fields(decode, st, self.geo, lanes).loops
         loops_done = d_loops + 1
-        carried = self.exit_policy.gather(decode)
-        decision = self.exit_policy.decide(
+        policy = self.exit_policy
+        carried = policy.gather(decode)
+        positions = st.position[decode]
+        logits = self.model.coda(d_readout, self.ops) if policy.needs_logits else None
+        decision = policy.decide(
             ExitInputs(
                 hidden=d_hidden,
                 slots=decode,
@@ -157,6 +165,9 @@ class PassHead:
                 max_loops=st.max_loops[decode],
                 exit_threshold=st.exit_threshold[decode],
                 carried=carried,
+                positions=positions,
+                seeds=st.sampling.seed[decode],
+                logits=logits,
             )
         )
         exits = Exits(
@@ -164,7 +175,9 @@ class PassHead:
             carried=decision.carried,
             loops_done=loops_done,
             hidden=d_hidden,
-            positions=st.position[decode],
+            readout=d_readout,
+            positions=positions,
+            logits=logits,
         )
         if lanes is not None:
             exited, exits.drafting, held, exits.hold = lanes.events(
@@ -174,6 +187,7 @@ class PassHead:
             # with, at the depth it exited at.
             exits.exited = exited
             exits.hidden = torch.where(held.unsqueeze(1), st.hidden[decode], d_hidden)
+            exits.readout = exits.hidden  # lanes only run models whose readout is the state
             exits.loops_done = torch.where(held, st.loop[decode], loops_done)
             exits.carried = {
                 name: torch.where(held, carried[name], values)
@@ -196,7 +210,7 @@ class PassHead:
         st = self.state
         num_decode = decode.shape[0]
         slots, live = rows.slots, rows.live
-        logits, sampled_from = self._logits(rows.hidden, slots, rows.head, adjusted)
+        logits, sampled_from = self._logits(rows, exits.logits, adjusted)
         tokens = greedy_or_sample(sampled_from, greedy, st.sampling, slots, st.num_generated[slots])
         outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
         spec = None
@@ -263,11 +277,16 @@ class PassHead:
             st.num_generated.index_fill_(0, p_slots, 1)  # no host copy inside a graph
         st.reset_dummy(self.dummy_slot)
 
-    def _logits(self, hidden, slots, head, adjusted: bool):
+    def _logits(self, rows: SampleRows, decode_logits: torch.Tensor | None, adjusted: bool):
         """(the model's logits, what sampling draws from: with the min_tokens ban and the
-        logit adjustments) of the rows; the LM head may skip rows outside `head`."""
-        st = self.state
-        model_logits = self.model.coda(hidden, self.ops, head)  # [samplers, vocab]
+        logit adjustments) of the rows; the LM head may skip rows outside `rows.head`, and
+        reuses the decode rows' logits where the exit policy had them computed."""
+        st, slots = self.state, rows.slots
+        if decode_logits is None:
+            model_logits = self.model.coda(rows.hidden, self.ops, rows.head)  # [samplers, vocab]
+        else:
+            prompt = rows.hidden[decode_logits.shape[0] :]
+            model_logits = torch.cat([decode_logits, self.model.coda(prompt, self.ops)])
         before_min = st.num_generated[slots] < st.min_tokens[slots]
         logits = model_logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
         if not adjusted or st.penalties is None:

@@ -1,0 +1,138 @@
+"""The engine on a tiny Huginn checkpoint (prelude / recurrent block / coda) against the
+serial Huginn oracle, in float32 on the CPU: greedy tokens, logprobs and exit depths at a
+fixed depth in every layout, with per-token depths, under each exit criterion, batched with
+chunked prompts, and the seeded initial state."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.reference.huginn_checkpoint import write_tiny_huginn
+from tests.reference.huginn_oracle import HuginnModel, huginn_generate
+from vllm_rlt import LLM, SamplingParams
+from vllm_rlt.config import CacheConfig, ExitConfig, SchedulerConfig
+
+PROMPTS = [[5, 17, 42, 101, 7, 250], [9, 3], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+SEEDS = [3, 11, 7]
+STEPS = 8  # the tiny checkpoint's mean_recurrence
+MAX_TOKENS = 6
+CHECKPOINT_SEED = 5  # its recurrence settles within 8 steps, so criteria exit early
+LOOKUPS = {"last_exited": "latest", "shared": "final"}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("huginn")
+    write_tiny_huginn(path, seed=CHECKPOINT_SEED)
+    return path
+
+
+@pytest.fixture(scope="module")
+def oracle_model(folder) -> HuginnModel:
+    return HuginnModel.from_folder(folder)
+
+
+def _engine(folder: Path, layout: str = "last_exited", mode: str = "auto", **scheduler) -> LLM:
+    return LLM(
+        model=str(folder),
+        dtype="float32",
+        cache_config=CacheConfig(layout=layout, num_blocks=96),
+        scheduler_config=SchedulerConfig(**scheduler) if scheduler else None,
+        exit_config=ExitConfig(mode=mode),
+    )
+
+
+def _check(llm: LLM, oracle_model: HuginnModel, lookup: str, params: dict, oracle: dict):
+    """Every prompt, batched, against the oracle run one request at a time."""
+    requests = [
+        SamplingParams(
+            max_tokens=MAX_TOKENS, temperature=0.0, seed=seed, ignore_eos=True, logprobs=3, **params
+        )
+        for seed in SEEDS
+    ]
+    outputs = llm.generate(PROMPTS, requests, use_tqdm=False)
+    for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
+        got = output.outputs[0]
+        want = huginn_generate(
+            oracle_model, prompt, max_tokens=MAX_TOKENS, seed=seed, lookup=lookup, **oracle
+        )
+        assert got.token_ids == want.token_ids
+        # token i came from position len(prompt) - 1 + i
+        assert got.exit_depths == want.steps[len(prompt) - 1 :]
+        for logprobs, logits in zip(got.logprobs, want.logits, strict=True):
+            reference = logits.log_softmax(-1)
+            for token, entry in logprobs.items():
+                assert entry.logprob == pytest.approx(float(reference[token]), abs=1e-4)
+    assert llm.engine.all_blocks_free()
+    return outputs
+
+
+@pytest.mark.parametrize("layout", list(LOOKUPS))
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
+def test_fixed_depth_equals_the_oracle(folder, oracle_model, layout, chunk):
+    scheduler = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    llm = _engine(folder, layout, **scheduler)
+    outputs = _check(llm, oracle_model, LOOKUPS[layout], {}, {})
+    assert all(d == STEPS for o in outputs for d in o.outputs[0].exit_depths)
+
+
+def test_per_request_depth_reads_earlier_tokens_at_their_exit_step(folder, oracle_model):
+    """max_loops below the model's depth: prompts still run every loop, decode tokens
+    fewer, and later tokens read them at min(step, exit step) (Huginn's latest lookup)."""
+    llm = _engine(folder)
+    depth = 3
+    _check(llm, oracle_model, "latest", {"max_loops": depth}, {"decode_steps": [depth] * 5})
+
+
+@pytest.mark.parametrize(
+    ("mode", "criterion", "threshold", "min_loops"),
+    [("latent_diff", "latent-diff", 0.5, 1), ("latent_diff", "latent-diff", 0.9, 3)]
+    + [("kl", "kl", 0.05, 1), ("kl", "kl", 0.2, 2)],
+)
+def test_exit_criteria_equal_the_oracle(
+    folder, oracle_model, mode, criterion, threshold, min_loops
+):
+    llm = _engine(folder, mode=mode)
+    outputs = _check(
+        llm,
+        oracle_model,
+        "latest",
+        {"exit_threshold": threshold, "min_loops": min_loops},
+        {"exit_criterion": criterion, "exit_threshold": threshold, "min_steps": min_loops - 1},
+    )
+    depths = {d for o in outputs for d in o.outputs[0].exit_depths[1:]}
+    assert len(depths) > 1, f"{criterion} at {threshold} never varied the depth: {depths}"
+
+
+def test_a_seed_reproduces_and_init_scale_zero_ignores_it(folder, tmp_path):
+    llm = _engine(folder)
+    params = [
+        SamplingParams(max_tokens=8, temperature=0.0, seed=s, ignore_eos=True) for s in (1, 1, 2)
+    ]
+    a, b, c = (
+        o.outputs[0].token_ids for o in llm.generate([PROMPTS[0]] * 3, params, use_tqdm=False)
+    )
+    assert a == b and a != c
+    write_tiny_huginn(tmp_path, seed=CHECKPOINT_SEED, overrides={"init_scale": 0.0})
+    zero = _engine(tmp_path)
+    a, b, c = (
+        o.outputs[0].token_ids for o in zero.generate([PROMPTS[0]] * 3, params, use_tqdm=False)
+    )
+    assert a == b == c
+    oracle = huginn_generate(
+        HuginnModel.from_folder(tmp_path), PROMPTS[0], max_tokens=8, init_scale=0.0
+    )
+    assert a == oracle.token_ids
+
+
+def test_unsupported_features_are_refused_by_name(folder):
+    with pytest.raises(ValueError, match="quantization"):
+        LLM(model=str(folder), dtype="float32", quantization="fp8")
+    with pytest.raises(ValueError, match="exit gate"):
+        _engine(folder, mode="ouro")
+    with pytest.raises(ValueError, match="kv_layout|layout"):
+        _engine(folder, layout="shared_decode")
+    assert torch.get_num_threads() >= 1

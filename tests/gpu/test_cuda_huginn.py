@@ -1,0 +1,96 @@
+"""A tiny Huginn checkpoint on CUDA in float32 against the serial CPU oracle: each attention
+backend, eagerly and with CUDA graphs and asynchronous scheduling, at a fixed depth and
+under the latent-change criterion; and a bf16 engine that runs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.reference.huginn_checkpoint import write_tiny_huginn
+from tests.reference.huginn_oracle import HuginnModel, huginn_generate
+from vllm_rlt import LLM, SamplingParams
+from vllm_rlt.config import (
+    CacheConfig,
+    ExecutionConfig,
+    ExitConfig,
+    SchedulerConfig,
+)
+
+pytestmark = pytest.mark.gpu
+
+PROMPTS = [[5, 17, 42, 101, 7, 250], [9, 3], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
+SEEDS = [3, 11, 7]
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    path = tmp_path_factory.mktemp("huginn")
+    write_tiny_huginn(path, seed=5)
+    return path
+
+
+def _llm(folder, backend: str, fast: bool, layout: str, mode: str, dtype="float32") -> LLM:
+    return LLM(
+        model=str(folder),
+        dtype=dtype,
+        device="cuda",
+        attention_backend=backend,
+        cache_config=CacheConfig(layout=layout, num_blocks=96, block_size=4),
+        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8),
+        exit_config=ExitConfig(mode=mode),
+        execution_config=ExecutionConfig(cuda_graphs=fast, async_scheduling=fast),
+    )
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize(
+    ("layout", "lookup", "threshold"),
+    [("last_exited", "latest", 0.0), ("shared", "final", 0.0), ("last_exited", "latest", 0.5)],
+)
+def test_cuda_huginn_equals_the_oracle(
+    folder, exact_float32, backend, fast, layout, lookup, threshold
+):
+    llm = _llm(folder, backend, fast, layout, "latent_diff")
+    params = [
+        SamplingParams(
+            max_tokens=6,
+            temperature=0.0,
+            seed=s,
+            ignore_eos=True,
+            logprobs=2,
+            exit_threshold=threshold,
+        )
+        for s in SEEDS
+    ]
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    model = HuginnModel.from_folder(folder)
+    for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
+        got = output.outputs[0]
+        criterion = "latent-diff" if threshold else "none"
+        want = huginn_generate(
+            model,
+            prompt,
+            max_tokens=6,
+            seed=seed,
+            lookup=lookup,
+            exit_criterion=criterion,
+            exit_threshold=threshold or None,
+        )
+        assert got.token_ids == want.token_ids
+        assert got.exit_depths == want.steps[len(prompt) - 1 :]
+        for logprobs, logits in zip(got.logprobs, want.logits, strict=True):
+            reference = logits.log_softmax(-1)
+            for token, entry in logprobs.items():
+                assert entry.logprob == pytest.approx(float(reference[token]), abs=2e-3)
+    assert llm.engine.all_blocks_free()
+
+
+def test_cuda_huginn_runs_in_bf16_with_graphs(folder):
+    llm = _llm(folder, "auto", True, "last_exited", "auto", dtype="bfloat16")
+    params = SamplingParams(max_tokens=8, temperature=0.0, seed=1, ignore_eos=True)
+    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
+    assert llm.engine.runner.num_decode_graph_passes > 0
+    assert torch.cuda.is_available()

@@ -1,0 +1,229 @@
+"""Huginn-0125 (`RavenForCausalLM`): a prelude run once per token, a recurrent block looped
+from a drawn initial state with the prelude's output injected at every loop, and a coda run
+on the state a token exits with.
+
+One loop of a pass (`step`) takes every row, at any mix of loops, through all three stages
+at once: the prelude again (it reads only earlier positions' prelude K/V and the row's own
+token, so recomputing it writes the same K/V: the input injection needs no per-slot
+storage), one loop of the block on the row's K/V plane, and the coda on the new state (its
+K/V, written at each loop, is overwritten by the loop the token exits at before any later
+position reads it). Prelude and coda layers keep one K/V plane, the block one per loop
+(`HuginnConfig.kv_planes`).
+
+The maths (the public `raven_modeling_minimal.py`): SandwichBlock layers,
+x = norm_2(x + proj(attn(norm_1(x)))), x = norm_4(x + mlp(norm_3(x))); a fused Wqkv with
+a per-head bias on q and k before RoPE on interleaved pairs; a gated SiLU MLP whose fc
+gives [gate | up]; embeddings times sqrt(n_embd); the adapter over concat(state, prelude
+output) at the start of every loop; ln_f before the coda and again before the head.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from vllm_rlt.config import ParamError
+from vllm_rlt.layers.initial_state import truncated_normal
+from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.models.huginn_config import HuginnConfig
+from vllm_rlt.models.interface import RankGroup, StepInputs
+from vllm_rlt.ops.base import LoopOps
+from vllm_rlt.ops.metadata import AttentionMetadata
+
+
+@dataclass
+class SandwichLayer:
+    """One attention layer's weights, as the checkpoint stores them (so weight updates
+    copy into them in place)."""
+
+    qkv: torch.Tensor  # [3 * hidden, hidden] Wqkv: q, k, v rows, RoPE pairs interleaved
+    qk_bias: torch.Tensor | None  # [2, 1, heads, head_dim]: added to q and k before RoPE
+    proj: torch.Tensor  # [hidden, hidden]
+    fc: torch.Tensor  # [2 * inter, hidden]: gate rows, then up rows
+    down: torch.Tensor  # [hidden, inter] mlp.proj
+    norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # norm_1 .. norm_4
+
+
+def _half_split_columns(heads: int, dim: int, device) -> torch.Tensor:
+    """Column order [3 * heads * dim] that turns each q and k head's interleaved RoPE pairs
+    (2i, 2i + 1) into the rotate-half layout (i, i + dim / 2) the attention ops rotate; v
+    keeps its order. q.k is the same in either order."""
+    within = torch.cat([torch.arange(0, dim, 2), torch.arange(1, dim, 2)])  # [dim]
+    heads_q_k = (torch.arange(2 * heads).unsqueeze(1) * dim + within).flatten()
+    v = torch.arange(2 * heads * dim, 3 * heads * dim)
+    return torch.cat([heads_q_k, v]).to(device)
+
+
+class HuginnModel:
+    """Huginn weights and one loop of a pass over packed rows (see the module docstring)."""
+
+    draws_initial_state = True
+    separate_readout = True
+    exit_policy = "latent_diff"  # ExitConfig mode "auto"; exit_threshold 0: fixed depth
+    quantization: str | None = None
+    tensor_parallel: RankGroup | None = None
+
+    def __init__(
+        self, config: HuginnConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, device
+    ) -> None:
+        self.config = config
+        self.dtype = dtype
+        self.device = torch.device(device)
+
+        def take(name: str) -> torch.Tensor:
+            return weights[name].to(device=self.device, dtype=dtype, copy=True).contiguous()
+
+        self.embed = take("transformer.wte.weight")  # [vocab, hidden]
+        self.lm_head = (
+            self.embed if config.tie_word_embeddings else take("lm_head.weight")
+        )  # [vocab, hidden]
+        self.ln_f = take("transformer.ln_f.weight")  # [hidden]
+        self.adapter = take("transformer.adapter.weight")  # [hidden, 2 * hidden]
+        self.adapter_bias = take("transformer.adapter.bias") if config.adapter_bias else None
+        self.layers = [
+            SandwichLayer(
+                qkv=take(p + "attn.Wqkv.weight"),
+                qk_bias=take(p + "attn.qk_bias") if config.qk_bias else None,
+                proj=take(p + "attn.proj.weight"),
+                fc=take(p + "mlp.fc.weight"),
+                down=take(p + "mlp.proj.weight"),
+                norms=tuple(take(f"{p}norm_{i}.weight") for i in range(1, 5)),
+            )
+            for p in config.layer_prefixes()
+        ]
+        self.rotary = RotaryEmbedding(
+            config.head_dim, config.rope_theta, config.max_position_embeddings, dtype, self.device
+        )
+        self.columns = _half_split_columns(config.num_attention_heads, config.head_dim, self.device)
+        self.scale = 1.0 / math.sqrt(config.head_dim)
+
+    # -- what the engine asks of a model (models/interface.py) --------------------------
+
+    def shard(self, group: RankGroup) -> None:
+        raise ParamError(
+            "tensor parallelism is not implemented for Huginn models yet: use "
+            "tensor_parallel_size 1",
+            "tensor_parallel_size",
+        )
+
+    def quantize(self, kind: str | None) -> None:
+        if kind is not None:
+            raise ParamError(
+                f"quantization {kind!r} is not implemented for Huginn models yet: leave "
+                "quantization unset",
+                "quantization",
+            )
+
+    def pass_weight_bytes(self) -> int:
+        """The weight bytes a pass streams: every layer (prelude, block and coda all run),
+        the adapter and the LM head."""
+        tensors = [self.adapter, self.lm_head]
+        for layer in self.layers:
+            tensors += [layer.qkv, layer.proj, layer.fc, layer.down]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    def checkpoint_views(self) -> dict[str, torch.Tensor]:
+        """Every checkpoint tensor name and the model tensor holding it (stored as the
+        checkpoint stores it)."""
+        views = {
+            "transformer.wte.weight": self.embed,
+            "transformer.ln_f.weight": self.ln_f,
+            "transformer.adapter.weight": self.adapter,
+        }
+        if self.adapter_bias is not None:
+            views["transformer.adapter.bias"] = self.adapter_bias
+        if not self.config.tie_word_embeddings:
+            views["lm_head.weight"] = self.lm_head
+        for prefix, layer in zip(self.config.layer_prefixes(), self.layers, strict=True):
+            views[prefix + "attn.Wqkv.weight"] = layer.qkv
+            if layer.qk_bias is not None:
+                views[prefix + "attn.qk_bias"] = layer.qk_bias
+            views[prefix + "attn.proj.weight"] = layer.proj
+            views[prefix + "mlp.fc.weight"] = layer.fc
+            views[prefix + "mlp.proj.weight"] = layer.down
+            for index, norm in enumerate(layer.norms, start=1):
+                views[f"{prefix}norm_{index}.weight"] = norm
+        return views
+
+    def initial_state(self, seeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The state [rows, hidden] a token at each position starts its first loop from:
+        a truncated normal drawn per (request seed, position) (layers/initial_state.py),
+        exact zeros at init_scale 0."""
+        cfg = self.config
+        shape = (positions.shape[0], cfg.hidden_size)
+        if cfg.init_scale == 0:
+            return torch.zeros(shape, dtype=self.dtype, device=positions.device)
+        draw = truncated_normal(seeds, positions, cfg.hidden_size, cfg.state_std)
+        return (draw * cfg.embed_scale).to(self.dtype)
+
+    def step(
+        self,
+        rows: StepInputs,
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        ops: LoopOps,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the state after this loop, the coda's output on it) of every row."""
+        cfg = self.config
+        once = meta.single_plane()  # prelude and coda layers keep one plane
+        prelude = range(cfg.num_prelude_layers)
+        core = range(prelude.stop, prelude.stop + cfg.num_core_layers)
+        coda = range(core.stop, core.stop + cfg.num_coda_layers)
+        injected = self.embed[rows.tokens] * cfg.embed_scale
+        for i in prelude:
+            injected = self._layer(ops, injected, i, k_caches[i], v_caches[i], once)
+        first = (rows.loops == 0).unsqueeze(1)
+        start = self.initial_state(rows.seeds, meta.positions)
+        state = torch.where(first, start, rows.carried)
+        x = ops.linear(torch.cat([state, injected], dim=1), self.adapter)
+        if self.adapter_bias is not None:
+            x = x + self.adapter_bias
+        for i in core:
+            x = self._layer(ops, x, i, k_caches[i], v_caches[i], meta)
+        out = ops.rms_norm(x, self.ln_f, cfg.rms_norm_eps)
+        for i in coda:
+            out = self._layer(ops, out, i, k_caches[i], v_caches[i], once)
+        return x, out
+
+    def coda(
+        self, readout: torch.Tensor, ops: LoopOps | None = None, live: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """LM-head logits [rows, vocab] in float32 of the coda's output: ln_f, then the
+        head (rows not `live` may be zeros with `ops`)."""
+        if ops is None:
+            scale = torch.rsqrt(readout.float().pow(2).mean(-1, keepdim=True) + self._eps)
+            normed = (readout.float() * scale).to(readout.dtype) * self.ln_f
+            return F.linear(normed, self.lm_head).float()
+        normed = ops.rms_norm(readout, self.ln_f, self._eps)
+        return ops.linear(normed, self.lm_head, live).float()
+
+    @property
+    def _eps(self) -> float:
+        return self.config.rms_norm_eps
+
+    def _layer(
+        self,
+        ops: LoopOps,
+        x: torch.Tensor,  # [rows, hidden]
+        index: int,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """One SandwichBlock over the rows; [rows, hidden]."""
+        layer, heads, eps = self.layers[index], self.config.num_attention_heads, self._eps
+        norm_1, norm_2, norm_3, norm_4 = layer.norms
+        qkv = ops.linear(ops.rms_norm(x, norm_1, eps), layer.qkv)
+        if layer.qk_bias is not None:
+            qkv[:, : 2 * x.shape[1]] += layer.qk_bias.view(-1)
+        attn = ops.attention(
+            qkv[:, self.columns], heads, heads, k_cache, v_cache, meta, self.rotary, self.scale
+        )
+        _, x = ops.linear_add_rms_norm2(x, attn, layer.proj, None, norm_2, eps)
+        gate, up = ops.linear(ops.rms_norm(x, norm_3, eps), layer.fc).chunk(2, dim=1)
+        _, x = ops.linear_add_rms_norm2(x, F.silu(gate) * up, layer.down, None, norm_4, eps)
+        return x
