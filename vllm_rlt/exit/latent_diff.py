@@ -23,6 +23,7 @@ class LatentDiffPolicy(ExitPolicy):
     the state since the previous check is below the row's threshold."""
 
     fresh = {"reference": 0.0}
+    needs_seeds = True
 
     def __init__(self, width: int, initial_state) -> None:
         self.widths = {"reference": width}

@@ -51,6 +51,7 @@ class ExitPolicy:
     fresh: dict[str, float | bool] = {}
     widths: dict[str, int] = {}
     needs_logits = False
+    needs_seeds = False  # reads ExitInputs.seeds (otherwise None: no gather in the pass)
 
     def bind(self, num_slots: int, device: torch.device) -> None:
         """Allocate the per-slot state of `num_slots` slots."""

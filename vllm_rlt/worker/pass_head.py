@@ -166,7 +166,7 @@ class PassHead:
                 exit_threshold=st.exit_threshold[decode],
                 carried=carried,
                 positions=positions,
-                seeds=st.sampling.seed[decode],
+                seeds=st.sampling.seed[decode] if policy.needs_seeds else None,
                 logits=logits,
             )
         )
