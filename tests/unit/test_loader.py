@@ -205,7 +205,9 @@ def test_config_json_not_an_object(tmp_path):
 @pytest.mark.parametrize("model_type", ["llama", DELETE])
 def test_unknown_model_type(tmp_path, model_type):
     folder = write_model(tmp_path / "m", {"model_type": model_type})
-    with pytest.raises(ValueError, match=r"unknown model_type .*; supported: nanbeige, ouro"):
+    with pytest.raises(
+        ValueError, match=r"unknown model_type .*; supported: huginn_raven, nanbeige, ouro"
+    ):
         LLM(model=str(folder))
 
 

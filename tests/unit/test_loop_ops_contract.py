@@ -7,6 +7,7 @@ import ast
 import inspect
 from pathlib import Path
 
+import pytest
 import torch
 
 from vllm_rlt.ops.base import LoopOps
@@ -68,3 +69,17 @@ def test_the_triton_backend_keeps_the_contract():
 def test_the_registry_gives_ops_that_keep_the_contract():
     name, ops = get_backend("auto", torch.device("cpu"))
     assert name == "torch" and isinstance(ops, LoopOps)
+
+
+def test_backends_say_which_head_sizes_they_take(monkeypatch):
+    """Huginn's head size 96 is no power of two, which the Triton kernels need: "auto" passes
+    over a backend that does not take it, and naming it is an error that says so."""
+    from vllm_rlt.ops import registry
+
+    pow2 = (lambda device: True, registry._BACKENDS["torch"][1], registry._power_of_two)
+    monkeypatch.setattr(registry, "_BACKENDS", {"pow2": pow2} | registry._BACKENDS)
+    cpu = torch.device("cpu")
+    assert registry.get_backend("auto", cpu, 128)[0] == "pow2"
+    assert registry.get_backend("auto", cpu, 96)[0] == "torch"
+    with pytest.raises(ValueError, match="does not take head size 96"):
+        registry.get_backend("pow2", cpu, 96)

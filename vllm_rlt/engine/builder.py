@@ -177,7 +177,7 @@ def build_engine_core(
         check_speculation(
             speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
         )
-    backend, ops = get_backend(config.device_config.attention_backend, model.device)
+    backend, ops = get_backend(config.device_config.attention_backend, model.device, cfg.head_dim)
     # Made before the cache is sized, so the memory plan sees its buffers.
     lanes = None
     if speculative_config is not None:

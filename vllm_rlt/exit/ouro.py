@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.config import ExitConfig, require
+from vllm_rlt.config import ExitConfig, ParamError
 from vllm_rlt.exit.policy import ExitDecision, ExitInputs, ExitPolicy
 
 
@@ -23,12 +23,12 @@ class OuroPolicy(ExitPolicy):
     @classmethod
     def from_config(cls, config: ExitConfig, model: Any) -> OuroPolicy:
         gate = getattr(model, "gate", None)
-        require(
-            gate is not None,
-            f"exit mode {config.mode!r} reads the checkpoint's exit gate, which this model "
-            f"has none of: use {model.exit_policy!r} (the default, mode 'auto') or 'trace'",
-            "exit_mode",
-        )
+        if gate is None:
+            raise ParamError(
+                f"exit mode {config.mode!r} reads the checkpoint's exit gate, which this "
+                f"model has none of: use {model.exit_policy!r} (mode 'auto') or 'trace'",
+                "exit_mode",
+            )
         return cls(gate)
 
     def decide(self, x: ExitInputs) -> ExitDecision:

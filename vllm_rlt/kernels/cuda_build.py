@@ -26,19 +26,7 @@ from tqdm import tqdm
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "csrc"
-# The CUDA runtime is linked shared, so the library's launches run in the runtime torch
-# loaded (with a static copy of its own, every launch on an H200 failed with
-# cudaErrorInvalidResourceHandle, 400).
-NVCC_FLAGS = (
-    "-O3",
-    "-std=c++17",
-    "-shared",
-    "-Xcompiler",
-    "-fPIC",
-    "-lineinfo",
-    "-cudart",
-    "shared",
-)
+NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
 
 
 class BuildError(RuntimeError):

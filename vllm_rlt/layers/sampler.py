@@ -164,14 +164,15 @@ def token_logprobs(
     """Model logprobs (before temperature or filtering) of the sampled ids [rows], their ranks
     among all tokens [rows] (vLLM's: 1 + how many others are at least as likely) and the top
     `num_top` alternatives ([rows, num_top] ids and values)."""
-    # From the logits and their log-sum-exp: the [rows, vocab] log-softmax is never written
-    # (it would be a second pass over the largest tensor of the pass head).
-    lse = logits.logsumexp(dim=-1, keepdim=True)  # [rows, 1]
-    chosen_logit = logits.gather(1, token_ids.unsqueeze(1))  # [rows, 1]
-    ranks = (logits >= chosen_logit).sum(dim=-1)
-    if num_top:
-        top_logits, top_ids = logits.topk(num_top, dim=-1)
-        top_values = top_logits - lse
-    else:
-        top_values, top_ids = logits[:, :0], token_ids.new_empty(token_ids.shape[0], 0)
-    return (chosen_logit - lse).squeeze(1), ranks, top_ids, top_values
+    # One log-softmax kernel: built from torch's log-sum-exp instead (not writing the
+    # [rows, vocab] result) it took more kernels, and a 256-row pass on an H200 went from
+    # 0.975x to 0.967x of f2999c1's in same-run A/Bs.
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+    ranks = (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
+    top_values, top_ids = (
+        logprobs.topk(num_top, dim=-1)
+        if num_top
+        else (logprobs[:, :0], token_ids.new_empty(token_ids.shape[0], 0))
+    )
+    return chosen, ranks, top_ids, top_values

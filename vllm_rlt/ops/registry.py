@@ -9,32 +9,51 @@ import torch
 
 from vllm_rlt.ops.base import LoopOps
 
-_BACKENDS: dict[str, tuple[Callable[[torch.device], bool], Callable[[], LoopOps]]] = {}
+_BACKENDS: dict[
+    str,
+    tuple[Callable[[torch.device], bool], Callable[[], LoopOps], Callable[[int], bool]],
+] = {}
 
 
 def register_backend(
-    name: str, is_available: Callable[[torch.device], bool], load: Callable[[], LoopOps]
+    name: str,
+    is_available: Callable[[torch.device], bool],
+    load: Callable[[], LoopOps],
+    fits: Callable[[int], bool] = lambda head_dim: True,
 ) -> None:
-    _BACKENDS[name] = (is_available, load)
+    """`fits(head_dim)`: whether the backend's kernels take a model of that head size."""
+    _BACKENDS[name] = (is_available, load, fits)
 
 
-def available_backends(device: torch.device) -> list[str]:
-    return [name for name, (ok, _) in _BACKENDS.items() if ok(device)]
+def available_backends(device: torch.device, head_dim: int | None = None) -> list[str]:
+    return [
+        name
+        for name, (ok, _, fits) in _BACKENDS.items()
+        if ok(device) and (head_dim is None or fits(head_dim))
+    ]
 
 
-def get_backend(name: str, device: torch.device) -> tuple[str, LoopOps]:
-    """Resolve `name` ("auto" picks the best available) to (resolved name, ops object)."""
+def get_backend(
+    name: str, device: torch.device, head_dim: int | None = None
+) -> tuple[str, LoopOps]:
+    """Resolve `name` ("auto" picks the best available for the device and the model's
+    `head_dim`) to (resolved name, ops object)."""
     if name == "auto":
-        name = available_backends(device)[0]
+        name = available_backends(device, head_dim)[0]
     if name not in _BACKENDS:
         raise ValueError(
             f"attention_backend must be one of auto, {', '.join(_BACKENDS)}, got {name!r}"
         )
-    is_available, load = _BACKENDS[name]
+    is_available, load, fits = _BACKENDS[name]
     if not is_available(device):
         raise ValueError(
             f"attention_backend {name!r} is not available on device {device.type!r}; "
             f"available: {', '.join(available_backends(device))}"
+        )
+    if head_dim is not None and not fits(head_dim):
+        raise ValueError(
+            f"attention_backend {name!r} does not take head size {head_dim}; available for "
+            f"it: {', '.join(available_backends(device, head_dim))}"
         )
     return name, load()
 
@@ -61,6 +80,11 @@ def _load_torch() -> LoopOps:
     return TorchOps()
 
 
+def _power_of_two(head_dim: int) -> bool:
+    """The Triton kernels lay a head out as one power-of-two range (Huginn's 96 is not)."""
+    return head_dim & (head_dim - 1) == 0
+
+
 # Order matters: "auto" takes the first available.
-register_backend("triton", _triton_available, _load_triton)
+register_backend("triton", _triton_available, _load_triton, _power_of_two)
 register_backend("torch", lambda device: True, _load_torch)
