@@ -35,11 +35,17 @@ def oracle_model(folder) -> HuginnModel:
     return HuginnModel.from_folder(folder)
 
 
-def _engine(folder: Path, layout: str = "last_exited", mode: str = "auto", **scheduler) -> LLM:
+def _engine(
+    folder: Path,
+    layout: str = "last_exited",
+    mode: str = "auto",
+    cache: dict | None = None,
+    **scheduler,
+) -> LLM:
     return LLM(
         model=str(folder),
         dtype="float32",
-        cache_config=CacheConfig(layout=layout, num_blocks=96),
+        cache_config=CacheConfig(layout=layout, **(cache or {"num_blocks": 96})),
         scheduler_config=SchedulerConfig(**scheduler) if scheduler else None,
         exit_config=ExitConfig(mode=mode),
     )
@@ -105,6 +111,37 @@ def test_exit_criteria_equal_the_oracle(
     )
     depths = {d for o in outputs for d in o.outputs[0].exit_depths[1:]}
     assert len(depths) > 1, f"{criterion} at {threshold} never varied the depth: {depths}"
+
+
+def test_prefix_caching_and_preemption_change_nothing(folder, oracle_model):
+    """Prompts sharing a prefix of full blocks read it from the cache, and a pool too small
+    for every request at once preempts and replays (each replayed token through its own
+    exit step: K/V, initial state and coda all recomputed), at per-token depths."""
+    shared = [200, 11, 12, 13, 14, 15, 16, 17]
+    prompts = [shared + [30 + i] for i in range(3)]
+    cache = {"num_blocks": 12, "block_size": 4, "enable_prefix_caching": True}
+    llm = _engine(folder, mode="latent_diff", cache=cache, max_num_seqs=3)
+    params = [
+        SamplingParams(max_tokens=10, temperature=0.0, seed=s, ignore_eos=True, exit_threshold=0.5)
+        for s in SEEDS
+    ]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0
+    assert scheduler.prefix_hits > 0
+    for prompt, seed, output in zip(prompts, SEEDS, outputs, strict=True):
+        want = huginn_generate(
+            oracle_model,
+            prompt,
+            max_tokens=10,
+            seed=seed,
+            lookup="latest",
+            exit_criterion="latent-diff",
+            exit_threshold=0.5,
+        )
+        assert output.outputs[0].token_ids == want.token_ids
+        assert output.outputs[0].exit_depths == want.steps[len(prompt) - 1 :]
+    assert llm.engine.all_blocks_free()
 
 
 def test_a_seed_reproduces_and_init_scale_zero_ignores_it(folder, tmp_path):

@@ -38,12 +38,16 @@ def _free_port() -> int:
 
 @contextmanager
 def running_server(
-    num_blocks: int = 512, max_num_seqs: int = 64, in_process: bool = False, **settings
+    num_blocks: int = 512,
+    max_num_seqs: int = 64,
+    in_process: bool = False,
+    model: str = "toy",
+    **settings,
 ):
     """`settings` are ServerSettings' fields, and EngineArgs' for the engine."""
     engine_fields = {f.name for f in dataclasses.fields(EngineArgs)}
     engine_args = EngineArgs(
-        model="toy",
+        model=model,
         cache_config=CacheConfig(num_blocks=num_blocks),
         scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs),
         **{name: value for name, value in settings.items() if name in engine_fields},

@@ -6,6 +6,8 @@ copied in at admission, once the blocks read for it early have landed."""
 
 from __future__ import annotations
 
+import hashlib
+
 from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
 from vllm_rlt.core.request import Request
 
@@ -14,10 +16,16 @@ class KnownBlocks:
     """The scheduler's prefix-cache questions, for one pool."""
 
     def __init__(
-        self, kv: KVCacheManager, cache_salt: bytes, table_planes: int, chunk_limit: int
+        self,
+        kv: KVCacheManager,
+        cache_salt: bytes,
+        table_planes: int,
+        chunk_limit: int,
+        seeded: bool = False,
     ) -> None:
         self.kv = kv
         self.cache_salt = cache_salt  # what else shapes a block's K/V: model, layout, dtype
+        self.seeded = seeded  # and the request's seed (a drawn initial state)
         self.table_planes = table_planes  # block tables per slot (see KVGeometry)
         self.chunk_limit = chunk_limit  # positions of a prefill chunk, at most
 
@@ -92,9 +100,12 @@ class KnownBlocks:
 
     def _hashes(self, request: Request) -> list[bytes]:
         if request.block_hashes is None:
-            request.block_hashes = block_hashes(
-                self.cache_salt, request.prompt_token_ids, self.kv.block_size
-            )
+            salt = self.cache_salt
+            if self.seeded:
+                salt = hashlib.sha256(
+                    salt + request.seed.to_bytes(8, "little", signed=True)
+                ).digest()
+            request.block_hashes = block_hashes(salt, request.prompt_token_ids, self.kv.block_size)
         return request.block_hashes
 
     def register(self, request: Request) -> None:

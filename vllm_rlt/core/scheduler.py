@@ -37,7 +37,10 @@ class Scheduler:
         table_planes: int = 1,
         speculation: SpeculativeConfig | None = None,
         lanes_per_request: int = 1,
+        seeded_prefixes: bool = False,
     ) -> None:
+        """`seeded_prefixes`: a prompt's K/V depends on its request's seed too (the model
+        draws its initial state from it), so only requests of one seed share cached blocks."""
         if not config.is_sized:
             raise ValueError("the scheduler needs a sized config (engine/device_defaults.py)")
         self.config = config
@@ -70,7 +73,7 @@ class Scheduler:
         self.watermark_blocks = max(1, kv.num_blocks // 100)
         self.by_priority = config.scheduling_policy == "priority"
         self.cache_salt = cache_salt  # what else shapes a block's K/V: model, layout, dtype
-        self.known = KnownBlocks(kv, cache_salt, table_planes, self.chunk_limit)
+        self.known = KnownBlocks(kv, cache_salt, table_planes, self.chunk_limit, seeded_prefixes)
         self.prefix_queries = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hits = 0  # of them, found
         self._sequence = 0

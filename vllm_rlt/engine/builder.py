@@ -237,6 +237,7 @@ def build_engine_core(
         table_planes=table_planes,
         speculation=speculative_config,
         lanes_per_request=num_lanes,
+        seeded_prefixes=model.draws_initial_state,
     )
     runner = ModelRunner(
         model,

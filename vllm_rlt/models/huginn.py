@@ -60,7 +60,6 @@ def _half_split_columns(heads: int, dim: int, device) -> torch.Tensor:
 class HuginnModel:
     """Huginn weights and one loop of a pass over packed rows (see the module docstring)."""
 
-    draws_initial_state = True
     separate_readout = True
     exit_policy = "latent_diff"  # ExitConfig mode "auto"; exit_threshold 0: fixed depth
     quantization: str | None = None
@@ -72,6 +71,8 @@ class HuginnModel:
         self.config = config
         self.dtype = dtype
         self.device = torch.device(device)
+        # Each token starts from noise drawn per (seed, position), unless init_scale is 0.
+        self.draws_initial_state = config.init_scale > 0
 
         def take(name: str) -> torch.Tensor:
             return weights[name].to(device=self.device, dtype=dtype, copy=True).contiguous()
