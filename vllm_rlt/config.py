@@ -62,6 +62,7 @@ EXIT_POLICY_CLASSES = {
     "trace": "vllm_rlt.exit.trace:TracePolicy",
     "latent_diff": "vllm_rlt.exit.latent_diff:LatentDiffPolicy",
     "kl": "vllm_rlt.exit.kl:KLPolicy",
+    "entropy_diff": "vllm_rlt.exit.entropy_diff:EntropyDiffPolicy",
 }
 EXIT_MODES = ("auto", *EXIT_POLICY_CLASSES)  # auto: the model family's own
 KV_CONNECTOR_CLASSES = {  # how `--disaggregate` moves K/V
@@ -263,8 +264,9 @@ class ExitConfig:
     exits after loop r+1), "random_lookahead" (a frozen head seeded with `seed`, read as "exit
     after one more loop"), "trace" (replay `depths_by_request`: the prefill depth T first,
     then one depth per decode input), "latent_diff" (the relative change of the state
-    between checks below the request's exit_threshold) or "kl" (the KL divergence between
-    successive checks' next-token distributions below it).
+    between checks below the request's exit_threshold), "kl" (the KL divergence between
+    successive checks' next-token distributions below it) or "entropy_diff" (the change of
+    the next-token entropy between checks below it).
     """
 
     mode: str = "auto"

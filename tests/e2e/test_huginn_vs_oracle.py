@@ -96,7 +96,8 @@ def test_per_request_depth_reads_earlier_tokens_at_their_exit_step(folder, oracl
 @pytest.mark.parametrize(
     ("mode", "criterion", "threshold", "min_loops"),
     [("latent_diff", "latent-diff", 0.5, 1), ("latent_diff", "latent-diff", 0.9, 3)]
-    + [("kl", "kl", 0.05, 1), ("kl", "kl", 0.2, 2)],
+    + [("kl", "kl", 0.05, 1), ("kl", "kl", 0.2, 2)]
+    + [("entropy_diff", "entropy-diff", 0.05, 1), ("entropy_diff", "entropy-diff", 0.02, 2)],
 )
 def test_exit_criteria_equal_the_oracle(
     folder, oracle_model, mode, criterion, threshold, min_loops

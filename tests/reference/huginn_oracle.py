@@ -80,6 +80,9 @@ Choices made here (every place where the public file leaves room)
    - "kl": KL(p_prev || p_r) of the next-token distributions from the coda applied to
      s_r, p_prev the previous check's (uniform over the vocabulary before the first);
      default threshold 1e-3.
+   - "entropy-diff" (the public `EntropyDiffExitEvaluator`): |H_r - H_prev| of the
+     next-token entropy -sum p log(p + 1e-10), H_prev the previous check's (100 before
+     the first); default threshold 1e-3.
    The coda run for a check writes the position's coda K/V, which later checks overwrite;
    the values kept are those of the exit recurrence, which is what a recomputation from
    the exit state gives, so the oracle recomputes them once at the end.
@@ -105,8 +108,8 @@ SOURCE_PATH = "recpre/raven_modeling_minimal.py"
 SOURCE_COMMIT = "59e0b69b2d96a59cbbe79c9d5034d89ecb5ab6f6"
 
 LOOKUP_STRATEGIES = ("full", "latest", "always-last", "final")
-EXIT_CRITERIA = ("none", "latent-diff", "kl")
-DEFAULT_EXIT_THRESHOLDS = {"latent-diff": 0.03, "kl": 1e-3}
+EXIT_CRITERIA = ("none", "latent-diff", "kl", "entropy-diff")
+DEFAULT_EXIT_THRESHOLDS = {"latent-diff": 0.03, "kl": 1e-3, "entropy-diff": 1e-3}
 
 # RavenConfig fields whose other values the public minimal model does not implement
 _FIXED_FIELDS = {
@@ -449,6 +452,7 @@ class _ExitCheck:
         self.min_steps = min_steps
         self.prev_state: torch.Tensor | None = None
         self.prev_log_probs = torch.full((vocab,), math.log(1 / vocab))
+        self.prev_entropy = 100.0
         self.values: list[float] = []
 
     def start(self, state: torch.Tensor) -> None:
@@ -461,6 +465,11 @@ class _ExitCheck:
         if self.criterion == "latent-diff":
             value = (state - self.prev_state).norm() / state.norm()
             self.prev_state = state.clone()
+        elif self.criterion == "entropy-diff":
+            probs = torch.softmax(coda(state), dim=-1)
+            entropy = float(-(probs * torch.log(probs + 1e-10)).sum())
+            value = abs(entropy - self.prev_entropy)
+            self.prev_entropy = entropy
         else:
             log_probs = torch.log_softmax(coda(state), dim=-1)
             prev = self.prev_log_probs

@@ -253,7 +253,8 @@ def _add_exit_args(parser: argparse.ArgumentParser) -> None:
         "checkpoint's exit gate; ouro_delayed: exit one loop after it fires; random_lookahead: "
         "a seeded random head (experiments); trace: replay --exit-trace; latent_diff: the "
         "state's relative change below exit_threshold; kl: the KL divergence between "
-        "successive loops' next-token distributions below exit_threshold",
+        "successive loops' next-token distributions below exit_threshold; entropy_diff: the "
+        "next-token entropy's change below exit_threshold",
     )
     exits.add_argument(
         "--exit-trace",
