@@ -231,7 +231,7 @@ def test_scheduler_config_rejects_mode_and_row_budget() -> None:
         (
             {"mode": "greedy"},
             r"exit mode must be one of auto, ouro, ouro_delayed, random_lookahead, trace, "
-            r"latent_diff, kl, got 'greedy'",
+            r"latent_diff, kl, entropy_diff, got 'greedy'",
         ),
         ({"seed": -1}, rf"seed must be in \[0, {INT64_MAX}\], got -1"),
         ({"seed": 1.0}, r"seed must be an integer"),
