@@ -301,3 +301,27 @@ def _check_attention(
     torch.testing.assert_close(k_tri.float(), k_ref.float(), atol=key_tol, rtol=key_tol)
     torch.testing.assert_close(v_tri.float(), v_ref.float(), atol=0, rtol=0)
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17, 256])
+@pytest.mark.parametrize("vocab", [300, 2048, 49152, 65537])
+@pytest.mark.parametrize("greedy", [True, False])
+def test_token_stats_equal_torch(rows, vocab, greedy):
+    """The one-read logprob and rank against the torch form, with ties at the top, a
+    masked prefix and a token at either end of the vocabulary."""
+    from vllm_rlt.ops.triton_ops import TritonOps
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * vocab)
+    logits = 6 * torch.randn(rows, vocab, device="cuda", generator=gen)
+    logits[0, :5] = float("-inf")
+    if rows > 2:
+        logits[2, [7, vocab - 1]] = logits[2].max() + 1  # a tie: the first is the argmax
+    tokens = None
+    if not greedy:
+        tokens = torch.randint(5, vocab, (rows,), device="cuda", generator=gen)
+        tokens[-1] = vocab - 1
+    want = TorchOps().token_stats(logits, tokens)
+    got = TritonOps().token_stats(logits, tokens)
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[2], want[2])

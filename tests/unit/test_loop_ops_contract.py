@@ -34,6 +34,7 @@ def test_the_contract_names_every_op_a_loop_runs():
         "linear_add_rms_norm2",
         "linear",
         "linear_silu_mul",
+        "token_stats",
         "attention",
     }
     assert "needs_segments" in LoopOps.__annotations__
@@ -83,3 +84,16 @@ def test_backends_say_which_head_sizes_they_take(monkeypatch):
     assert registry.get_backend("auto", cpu, 96)[0] == "torch"
     with pytest.raises(ValueError, match="does not take head size 96"):
         registry.get_backend("pow2", cpu, 96)
+
+
+def test_token_stats_give_the_logprob_and_rank_of_the_token():
+    """The greedy form takes the first maximum (as argmax); a rank counts the token and every
+    token at least as likely; masked (-inf) tokens never count."""
+    logits = torch.tensor([[1.0, 3.0, 3.0, float("-inf")], [0.5, -1.0, 2.0, 2.0]])
+    tokens, logprobs, ranks = TorchOps().token_stats(logits, None)
+    assert tokens.tolist() == [1, 2] and ranks.tolist() == [2, 2]
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1)[[0, 1], [1, 2]])
+    given = torch.tensor([0, 1])
+    tokens, logprobs, ranks = TorchOps().token_stats(logits, given)
+    assert tokens is given and ranks.tolist() == [3, 4]
+    torch.testing.assert_close(logprobs, logits.log_softmax(-1)[[0, 1], [0, 1]])

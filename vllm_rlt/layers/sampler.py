@@ -158,6 +158,16 @@ def greedy_or_sample(
     return sample(logits, settings.rows(slots), counters)
 
 
+def top_logprobs(logits: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `num_top` most likely tokens' logprobs and ids ([rows, num_top] each; empty,
+    computing nothing, when num_top is 0)."""
+    if not num_top:
+        return logits[:, :0], torch.empty(
+            logits.shape[0], 0, dtype=torch.int64, device=logits.device
+        )
+    return logits.log_softmax(dim=-1).topk(num_top, dim=-1)
+
+
 def token_logprobs(
     logits: torch.Tensor, token_ids: torch.Tensor, num_top: int
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -94,6 +94,15 @@ class LoopOps(Protocol):
         """SiLU(gate) * up of x @ gate_up.T; [rows, inter]."""
         ...
 
+    def token_stats(
+        self,
+        logits: torch.Tensor,  # [rows, vocab] float32
+        tokens: torch.Tensor | None,  # [rows] int64; None: each row's argmax (greedy)
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(the tokens, their logprobs [rows] float32, their ranks [rows] int64: 1 + how many
+        other tokens are at least as likely)."""
+        ...
+
     def attention(
         self,
         qkv: torch.Tensor,  # [rows, (heads + 2 * kv_heads) * head_dim]

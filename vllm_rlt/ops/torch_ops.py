@@ -39,6 +39,15 @@ class TorchOps:
         backend may fuse the projection's reduction into the norm."""
         return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
 
+    def token_stats(
+        self, logits: torch.Tensor, tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        if tokens is None:
+            tokens = logits.argmax(dim=-1)
+        logprobs = logits.log_softmax(dim=-1)
+        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
+        return tokens, chosen, (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
+
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up from interleaved columns gate_0, up_0, gate_1, up_1, ..."""
         gate, up = gate_up.unflatten(-1, (-1, 2)).unbind(-1)

@@ -21,6 +21,7 @@ from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
 from vllm_rlt.kernels.silu_mul import _silu_mul_kernel
 from vllm_rlt.kernels.skinny_linear import skinny_linear, skinny_linear_partials
 from vllm_rlt.kernels.strip_gemv import strip_gemv
+from vllm_rlt.kernels.token_stats import token_stats
 from vllm_rlt.kernels.w8a16_gemm import takes_w8a16, w8a16_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
@@ -106,6 +107,12 @@ class TritonOps:
         """Query rows per prefill tile; float32 tiles are smaller (exact dots need more
         registers)."""
         return 16 if dtype == torch.float32 else 32
+
+    def token_stats(
+        self, logits: torch.Tensor, tokens: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """One read of each row's logits (kernels/token_stats.py)."""
+        return token_stats(logits.contiguous(), tokens)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows, n = x.shape

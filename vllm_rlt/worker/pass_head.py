@@ -12,7 +12,7 @@ from typing import Any
 import torch
 
 from vllm_rlt.exit.policy import ExitInputs, ExitPolicy
-from vllm_rlt.layers.sampler import greedy_or_sample, token_logprobs
+from vllm_rlt.layers.sampler import greedy_or_sample, top_logprobs
 from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.worker.pass_inputs import KVGeometry, decode_row_fields
@@ -211,7 +211,15 @@ class PassHead:
         num_decode = decode.shape[0]
         slots, live = rows.slots, rows.live
         logits, sampled_from = self._logits(rows, exits.logits, adjusted)
-        tokens = greedy_or_sample(sampled_from, greedy, st.sampling, slots, st.num_generated[slots])
+        # All greedy, nothing adjusting the logits: the token and its logprob and rank in
+        # one read of the logits (the ops' token_stats).
+        fused = greedy and lanes is None and sampled_from is logits
+        chosen_lp = rank = None
+        if fused:
+            tokens, chosen_lp, rank = self.ops.token_stats(logits, None)
+        else:
+            counters = st.num_generated[slots]
+            tokens = greedy_or_sample(sampled_from, greedy, st.sampling, slots, counters)
         outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
         spec = None
         if lanes is not None:
@@ -235,7 +243,9 @@ class PassHead:
             spec = (accepted, probs)
         if adjusted and st.penalties is not None:
             st.penalties.count_kept(slots, tokens, live)
-        chosen_lp, rank, top_ids, top_lp = token_logprobs(logits, tokens, num_top)
+        if rank is None:
+            _, chosen_lp, rank = self.ops.token_stats(logits, tokens)
+        top_lp, top_ids = top_logprobs(logits, num_top)
         return Sampled(tokens, chosen_lp, rank, top_ids, top_lp, outcome, ahead, spec)
 
     def _scatter(
