@@ -167,6 +167,16 @@ def test_rope_write_and_paged_attention(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("launch", ["plain", "bounded_grid", "many_rows", "two_kernels"])
+@pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
+def test_one_plane_layers_of_a_looped_pass(triton_ops, monkeypatch, dtype, launch, with_prompts):
+    """The metadata of a pass at mixed loops turned to one plane (`single_plane`, for
+    layers that run once per token): every row reads and writes plane 0, in each launch
+    shape, as the torch ops do."""
+    _check_attention(triton_ops, monkeypatch, dtype, 4, 1, 4, with_prompts, launch, one_plane=True)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("planes", "table_planes"), [(4, 1), (1, 4)], ids=["last_exited", "sd"])
 @pytest.mark.parametrize(
     "launch",
@@ -207,6 +217,7 @@ def _check_attention(
     launch,
     kv_dtype=None,
     scaled=False,
+    one_plane=False,
 ):
     from vllm_rlt.core.contract import PrefillChunk
     from vllm_rlt.ops import triton_ops as triton_module
@@ -275,6 +286,8 @@ def _check_attention(
     elif launch == "ungrouped":
         monkeypatch.setattr(triton_module, "GROUPED_DECODE_HEADS", 0)
     assert tiled.rows_independent == (not with_prompts and launch not in ("two_kernels", "grouped"))
+    if one_plane:  # a layer outside the loop (Huginn's prelude and coda) in the same pass
+        meta, tiled, planes = meta.single_plane(), tiled.single_plane(), 1
     qkv = torch.randn(
         rows.positions.shape[0], (heads + 2 * kv_heads) * dim, device="cuda", generator=gen
     ).to(dtype)
