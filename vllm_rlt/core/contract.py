@@ -3,7 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Protocol
+
+
+class ImportedKV(Protocol):
+    """K/V of a request that another engine core computed (prefill/decode disaggregation,
+    engine/disagg/handover.py), copied into this core's blocks when it is admitted."""
+
+    def awaits_reads(self) -> bool:
+        """Whether blocks read for it early are still on their way: admission waits."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -68,7 +77,7 @@ class NewSlot:
     # computed, written into `imported_blocks` (the positions' blocks, in order) at
     # admission, from position `imported_from` on (the blocks before it came from this
     # core's prefix cache); the request then decodes from `first_token` at once.
-    imported_kv: Any = None
+    imported_kv: ImportedKV | None = None
     imported_blocks: tuple[int, ...] = ()
     imported_from: int = 0
 

@@ -7,7 +7,7 @@ import functools
 from dataclasses import dataclass, field, fields
 from typing import Protocol
 
-from vllm_rlt.core.contract import Penalties, PrefillChunk, SamplingRecord
+from vllm_rlt.core.contract import ImportedKV, Penalties, PrefillChunk, SamplingRecord
 from vllm_rlt.sampling_params import SamplingParams
 
 
@@ -16,15 +16,6 @@ class RequestStatus(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
     FINISHED = "finished"
-
-
-class ImportedKV(Protocol):
-    """K/V of a request that another engine core computed (prefill/decode disaggregation,
-    engine/disagg/handover.py), copied into this core's blocks when it is admitted."""
-
-    def awaits_reads(self) -> bool:
-        """Whether blocks read for it early are still on their way: admission waits."""
-        ...
 
 
 class CopyDone(Protocol):

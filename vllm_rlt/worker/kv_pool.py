@@ -89,7 +89,7 @@ class KVSource:
 
     def awaits_reads(self) -> bool:
         """Whether the blocks read early for its request are still on their way
-        (`ImportedKV`, core/request.py)."""
+        (`ImportedKV`, core/contract.py)."""
         return self.landed is not None and not self.landed()
 
 

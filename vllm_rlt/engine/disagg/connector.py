@@ -5,7 +5,7 @@ prefill core's pool (`KVBlocks`); the connector says how that pool is reached.
 A connector has two halves.
 
 Scheduler half (what the decode core's scheduler asks about an imported request, whose
-`Request.kv_import` is an `ImportedKV`, core/request.py): which of its blocks are already
+`Request.kv_import` is an `ImportedKV`, core/contract.py): which of its blocks are already
 here and which must still arrive. Blocks this core's prefix cache holds are not read
 again (core/known_blocks.py); a request whose early reads (prompt blocks read before its
 handover, engine/disagg/prefetch.py) have not landed waits for them (`awaits_reads`). A
