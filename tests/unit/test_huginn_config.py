@@ -100,3 +100,26 @@ def test_kl_starts_from_uniform_and_never_exits_at_threshold_zero():
     assert exits.exit.tolist() == [True]  # KL(uniform || uniform) = 0
     never = policy.decide(_inputs(torch.ones(1, 3), [1], carried, uniform, threshold=0.0))
     assert never.exit.tolist() == [False]
+
+
+def test_a_token_streams_the_block_every_loop_and_the_rest_once():
+    """The roofline's bytes: adapter and block per loop; prelude, coda and head once."""
+    from types import SimpleNamespace
+
+    from tests.reference.huginn_checkpoint import tiny_huginn_weights
+    from vllm_rlt.bench.device_figures import roofline
+    from vllm_rlt.models.huginn import HuginnModel
+
+    cfg = HuginnConfig.from_dict(TINY_CONFIG)
+    model = HuginnModel(cfg, tiny_huginn_weights(TINY_CONFIG), torch.float32, "cpu")
+    h, inter, vocab = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    layer = 4 * (3 * h * h + h * h + 2 * inter * h + h * inter)
+    looped, once, looped_layers, once_layers = model.streamed_bytes()
+    assert looped == 4 * layer + 4 * 2 * h * h  # four block layers and the adapter
+    assert once == 4 * layer + 4 * vocab * h  # two prelude, two coda layers, the head
+    assert (looped_layers, once_layers) == (4, 4)
+    args = SimpleNamespace(kv_cache_dtype="auto", shared_prefix_len=0, prompt_len=10, output_len=0)
+    bound = roofline(model, args, 1, 8.0, 1e9)
+    kv_layer = 10 * 2 * h * 4
+    per_token = 8 * (looped + 4 * kv_layer) + once + 4 * kv_layer
+    assert bound["decode_tokens_per_s_bound"] == pytest.approx(1e9 / per_token)

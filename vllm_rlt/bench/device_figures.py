@@ -28,28 +28,26 @@ def copy_bandwidth(device: torch.device) -> float:
 
 
 def roofline(model, args, concurrency: int, mean_loops: float, bandwidth: float) -> dict:
-    """Decode tokens/s if every pass only streamed the weights it runs once (the model's
-    `pass_weight_bytes`) plus each row's keys and values (one plane of every attention
-    layer) at the mean context, at the measured bandwidth."""
+    """Decode tokens/s if a token only streamed what it needs once (the model's
+    `streamed_bytes`: the looped weights and each looped layer's keys and values, one
+    plane, at the mean context, every loop; the rest once per token), shared by the
+    concurrent rows, at the measured bandwidth."""
     from vllm_rlt.layers.fp8 import kv_cache_torch_dtype
 
     cfg = model.config
     kv_element = kv_cache_torch_dtype(args.kv_cache_dtype, model.dtype).itemsize
     mean_context = args.shared_prefix_len + args.prompt_len + args.output_len / 2
-    kv_bytes = (
-        concurrency
-        * mean_context
-        * cfg.num_hidden_layers
-        * 2
-        * cfg.num_key_value_heads
-        * cfg.head_dim
-        * kv_element
+    kv_layer_bytes = (
+        concurrency * mean_context * 2 * cfg.num_key_value_heads * cfg.head_dim * kv_element
     )
-    pass_bytes = model.pass_weight_bytes() + kv_bytes
-    seconds_per_token = mean_loops * pass_bytes / bandwidth
+    looped, once, looped_layers, once_layers = model.streamed_bytes()
+    pass_bytes = looped + kv_layer_bytes * looped_layers
+    token_bytes = once + kv_layer_bytes * once_layers
+    seconds_per_token = (mean_loops * pass_bytes + token_bytes) / bandwidth
     return {
         "bandwidth_gb_s": bandwidth / 1e9,
         "bytes_per_pass": pass_bytes,
+        "bytes_once_per_token": token_bytes,
         "decode_tokens_per_s_bound": concurrency / seconds_per_token,
     }
 

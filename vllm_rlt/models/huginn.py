@@ -118,13 +118,26 @@ class HuginnModel:
                 "quantization",
             )
 
-    def pass_weight_bytes(self) -> int:
-        """The weight bytes a pass streams: every layer (prelude, block and coda all run),
-        the adapter and the LM head."""
-        tensors = [self.adapter, self.lm_head]
-        for layer in self.layers:
-            tensors += [layer.qkv, layer.proj, layer.fc, layer.down]
-        return sum(t.numel() * t.element_size() for t in tensors)
+    def streamed_bytes(self) -> tuple[int, int, int, int]:
+        """A token needs the adapter and the block every loop, the prelude, the coda and
+        the LM head once (a pass today runs all three stages for every row: see `step`)."""
+        cfg = self.config
+
+        def nbytes(layers) -> int:
+            return sum(
+                t.numel() * t.element_size()
+                for layer in layers
+                for t in (layer.qkv, layer.proj, layer.fc, layer.down)
+            )
+
+        core = range(cfg.num_prelude_layers, cfg.num_prelude_layers + cfg.num_core_layers)
+        looped = (
+            nbytes(self.layers[i] for i in core)
+            + self.adapter.numel() * self.adapter.element_size()
+        )
+        once = nbytes(self.layers) - nbytes(self.layers[i] for i in core)
+        once += self.lm_head.numel() * self.lm_head.element_size()
+        return looped, once, cfg.num_core_layers, cfg.num_prelude_layers + cfg.num_coda_layers
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
         """Every checkpoint tensor name and the model tensor holding it (stored as the

@@ -105,8 +105,10 @@ class LoopedModel(Protocol):
         """LM-head logits [rows, vocab] in float32 (rows not `live` may be zeros)."""
         ...
 
-    def pass_weight_bytes(self) -> int:
-        """The weight bytes one pass streams from memory (what a roofline counts)."""
+    def streamed_bytes(self) -> tuple[int, int, int, int]:
+        """What a token must stream from memory at the least (what a roofline counts):
+        (weight bytes per loop, weight bytes once per token, attention layers read per
+        loop, attention layers read once per token)."""
         ...
 
     def checkpoint_views(self) -> dict[str, torch.Tensor | Fp8Weight]:

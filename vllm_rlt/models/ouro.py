@@ -224,12 +224,14 @@ class OuroModel:
                 layer.kv_scales = tuple(scale.to(self.device) for scale in kv_scales[index])
         self.quantization = "fp8"
 
-    def pass_weight_bytes(self) -> int:
-        """The weight bytes a pass streams: every layer's projections and the LM head."""
+    def streamed_bytes(self) -> tuple[int, int, int, int]:
+        """Every loop streams every layer's projections and the LM head (a row may exit
+        after any loop) and reads every layer's K/V."""
         layers = sum(
             weight_nbytes(getattr(layer, name)) for layer in self.layers for name in PROJECTIONS
         )
-        return layers + self.lm_head.numel() * self.lm_head.element_size()
+        head = self.lm_head.numel() * self.lm_head.element_size()
+        return layers + head, 0, len(self.layers), 0
 
     def checkpoint_views(self) -> dict[str, torch.Tensor | Fp8Weight]:
         """Every checkpoint tensor name and the view of this model's tensors that holds it
