@@ -338,3 +338,20 @@ def test_token_stats_equal_torch(rows, vocab, greedy):
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
     assert torch.equal(got[2], want[2])
+
+
+@pytest.mark.parametrize("rows", [1, 3, 256])
+@pytest.mark.parametrize("vocab", [300, 49152, 65537])
+def test_top_n_sigma_in_place_equals_torch(rows, vocab):
+    """The in-place kernel against the torch filter: rows that filter at several n, rows
+    that do not (n 0 or below: untouched), tokens already barred (-inf, not counted)."""
+    from vllm_rlt.ops.triton_ops import TritonOps
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    scaled = 3 * torch.randn(rows, vocab, device="cuda", generator=gen)
+    scaled[0, :17] = float("-inf")
+    n = torch.tensor([1.0, 0.0, 2.5, -1.0], device="cuda").repeat(rows)[:rows]
+    want = TorchOps().top_n_sigma(scaled.clone(), n)
+    got = TritonOps().top_n_sigma(scaled.clone(), n)
+    assert torch.equal(got.isinf(), want.isinf())
+    assert torch.equal(got[got.isfinite()], want[want.isfinite()])

@@ -35,6 +35,7 @@ def test_the_contract_names_every_op_a_loop_runs():
         "linear",
         "linear_silu_mul",
         "token_stats",
+        "top_n_sigma",
         "attention",
     }
     assert "needs_segments" in LoopOps.__annotations__

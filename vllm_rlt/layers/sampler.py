@@ -3,12 +3,16 @@ seeded per row."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
 
 _MASK32 = 0xFFFFFFFF
+# (scaled [rows, vocab] float32, n [rows]) -> scaled filtered (possibly in place): how a
+# device backend runs `top_n_sigma` (LoopOps.top_n_sigma)
+SigmaFilter = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def _column(neutral: float | int) -> Any:
@@ -83,11 +87,12 @@ def sample(
     logits: torch.Tensor,  # [rows, vocab] float32
     settings: SamplingTensors,  # [rows] each
     counters: torch.Tensor,  # [rows] int64, the index of the token being sampled
+    sigma_filter: SigmaFilter | None = None,  # top-n-sigma (default: `top_n_sigma`)
 ) -> torch.Tensor:
     """Sampled token ids [rows], all rows at once with no per-row Python loop."""
     greedy_ids = logits.argmax(dim=-1)
     vocab = logits.shape[-1]
-    sorted_logits, sorted_ids = _filtered_sorted(logits, settings)
+    sorted_logits, sorted_ids = _filtered_sorted(logits, settings, sigma_filter)
     noise = seeded_uniform(settings.seed, counters, vocab).gather(1, sorted_ids)
     gumbel = -torch.log(-torch.log(noise))
     choice = (sorted_logits.double() + gumbel).argmax(dim=-1, keepdim=True)
@@ -109,14 +114,14 @@ def top_n_sigma(scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 
 def _filtered_sorted(
-    logits: torch.Tensor, settings: SamplingTensors
+    logits: torch.Tensor, settings: SamplingTensors, sigma_filter: SigmaFilter | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Temperature-scaled logits sorted in descending order, -inf where top-n-sigma, top-k,
     top-p or min-p drop them, and the ids of each sorted position."""
     vocab = logits.shape[-1]
     top_k, top_p, min_p = settings.top_k, settings.top_p, settings.min_p
-    scaled = logits / settings.temperature.clamp_min(1e-6).unsqueeze(1)
-    scaled = top_n_sigma(scaled, settings.top_n_sigma)
+    scaled = logits / settings.temperature.clamp_min(1e-6).unsqueeze(1)  # a new tensor
+    scaled = (sigma_filter or top_n_sigma)(scaled, settings.top_n_sigma)
     sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [rows, vocab]
     rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
@@ -150,12 +155,13 @@ def greedy_or_sample(
     settings: SamplingTensors,  # of every slot
     slots: torch.Tensor,  # [rows] the slot of each row
     counters: torch.Tensor,
+    sigma_filter: SigmaFilter | None = None,
 ) -> torch.Tensor:
     """`sample` over the rows' settings, skipping the sort over the vocabulary (and the
     gathering of settings) when every row is greedy."""
     if all_greedy:
         return logits.argmax(dim=-1)
-    return sample(logits, settings.rows(slots), counters)
+    return sample(logits, settings.rows(slots), counters, sigma_filter)
 
 
 def top_logprobs(logits: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -103,6 +103,15 @@ class LoopOps(Protocol):
         other tokens are at least as likely)."""
         ...
 
+    def top_n_sigma(
+        self,
+        scaled: torch.Tensor,  # [rows, vocab] float32 temperature-scaled logits
+        n: torch.Tensor,  # [rows] float32; rows with n <= 0 are left as they are
+    ) -> torch.Tensor:
+        """`scaled` with -inf where a logit lies more than n standard deviations (of its
+        row's finite logits) below the row's largest; may filter `scaled` in place."""
+        ...
+
     def attention(
         self,
         qkv: torch.Tensor,  # [rows, (heads + 2 * kv_heads) * head_dim]

@@ -22,6 +22,7 @@ from vllm_rlt.kernels.silu_mul import _silu_mul_kernel
 from vllm_rlt.kernels.skinny_linear import skinny_linear, skinny_linear_partials
 from vllm_rlt.kernels.strip_gemv import strip_gemv
 from vllm_rlt.kernels.token_stats import token_stats
+from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
 from vllm_rlt.kernels.w8a16_gemm import takes_w8a16, w8a16_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
@@ -113,6 +114,11 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One read of each row's logits (kernels/token_stats.py)."""
         return token_stats(logits.contiguous(), tokens)
+
+    def top_n_sigma(self, scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+        """In place, a program per row; a row with n <= 0 reads one number
+        (kernels/top_n_sigma.py)."""
+        return top_n_sigma_(scaled.contiguous(), n)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         rows, n = x.shape

@@ -219,7 +219,9 @@ class PassHead:
             tokens, chosen_lp, rank = self.ops.token_stats(logits, None)
         else:
             counters = st.num_generated[slots]
-            tokens = greedy_or_sample(sampled_from, greedy, st.sampling, slots, counters)
+            tokens = greedy_or_sample(
+                sampled_from, greedy, st.sampling, slots, counters, self.ops.top_n_sigma
+            )
         outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
         spec = None
         if lanes is not None:
