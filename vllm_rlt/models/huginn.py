@@ -27,6 +27,7 @@ import torch.nn.functional as F
 
 from vllm_rlt.config import ParamError
 from vllm_rlt.layers.initial_state import truncated_normal
+from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.models.huginn_config import HuginnConfig
 from vllm_rlt.models.interface import RankGroup, StepInputs
@@ -123,20 +124,17 @@ class HuginnModel:
         the LM head once (a pass today runs all three stages for every row: see `step`)."""
         cfg = self.config
 
-        def nbytes(layers) -> int:
-            return sum(
-                t.numel() * t.element_size()
-                for layer in layers
-                for t in (layer.qkv, layer.proj, layer.fc, layer.down)
-            )
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors)
 
         core = range(cfg.num_prelude_layers, cfg.num_prelude_layers + cfg.num_core_layers)
-        looped = (
-            nbytes(self.layers[i] for i in core)
-            + self.adapter.numel() * self.adapter.element_size()
-        )
-        once = nbytes(self.layers) - nbytes(self.layers[i] for i in core)
-        once += self.lm_head.numel() * self.lm_head.element_size()
+        looped, once = nbytes([self.adapter]), nbytes([self.lm_head])
+        for index, layer in enumerate(self.layers):
+            weights = nbytes((layer.qkv, layer.proj, layer.fc, layer.down))
+            if index in core:
+                looped += weights
+            else:
+                once += weights
         return looped, once, cfg.num_core_layers, cfg.num_prelude_layers + cfg.num_coda_layers
 
     def checkpoint_views(self) -> dict[str, torch.Tensor]:
@@ -209,9 +207,7 @@ class HuginnModel:
         """LM-head logits [rows, vocab] in float32 of the coda's output: ln_f, then the
         head (rows not `live` may be zeros with `ops`)."""
         if ops is None:
-            scale = torch.rsqrt(readout.float().pow(2).mean(-1, keepdim=True) + self._eps)
-            normed = (readout.float() * scale).to(readout.dtype) * self.ln_f
-            return F.linear(normed, self.lm_head).float()
+            return F.linear(rms_norm(readout, self.ln_f, self._eps), self.lm_head).float()
         normed = ops.rms_norm(readout, self.ln_f, self._eps)
         return ops.linear(normed, self.lm_head, live).float()
 

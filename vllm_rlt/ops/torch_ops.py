@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference, is_float8
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
-from vllm_rlt.layers.sampler import top_n_sigma
+from vllm_rlt.layers.sampler import token_logprobs, top_n_sigma
 from vllm_rlt.ops.base import Weight
 from vllm_rlt.ops.metadata import AttentionMetadata
 
@@ -45,9 +45,8 @@ class TorchOps:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         if tokens is None:
             tokens = logits.argmax(dim=-1)
-        logprobs = logits.log_softmax(dim=-1)
-        chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1)
-        return tokens, chosen, (logprobs >= chosen.unsqueeze(1)).sum(dim=-1)
+        chosen, ranks, _, _ = token_logprobs(logits, tokens, 0)
+        return tokens, chosen, ranks
 
     def top_n_sigma(self, scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         return top_n_sigma(scaled, n)

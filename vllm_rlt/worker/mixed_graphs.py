@@ -47,6 +47,7 @@ from vllm_rlt.worker.pass_inputs import (
     decode_row_fields,
     prefill_tile_fields,
     prompt_row_fields,
+    row_seeds,
 )
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
@@ -268,9 +269,7 @@ class MixedGraphs:
         )
         tokens = torch.where(is_decode, st.token[slots], f["token"])
         carried = torch.where(is_decode.unsqueeze(1), st.hidden[slots], self.out[f["carry"]])
-        seeds = None
-        if model.draws_initial_state:
-            seeds = st.sampling.seed[rows.tables // geo.table_planes]
+        seeds = row_seeds(st, rows, geo, model.draws_initial_state)
         meta = build_metadata(rows, (), st, geo, 0, with_segments=False)
         meta.rows_independent = False  # its prompt rows read what other rows write
         meta.prefill_tiles = PrefillTiles(f["tiles"])

@@ -24,7 +24,13 @@ from vllm_rlt.worker.host_uploads import HostUploads
 from vllm_rlt.worker.kv_pool import KVPool, KVSource, copy_kv
 from vllm_rlt.worker.mixed_graphs import Carried, MixedGraphs, PromptPassParts, mixed_sizes
 from vllm_rlt.worker.pass_head import PassHead
-from vllm_rlt.worker.pass_inputs import KVGeometry, PassRows, build_metadata, gather_rows
+from vllm_rlt.worker.pass_inputs import (
+    KVGeometry,
+    PassRows,
+    build_metadata,
+    gather_rows,
+    row_seeds,
+)
 from vllm_rlt.worker.prompt_logprobs import PromptRows, prompt_logprobs, prompt_rows
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
@@ -402,14 +408,11 @@ class ModelRunner:
                 carried.append(st.hidden.new_zeros(len(chunk.token_ids), st.hidden.shape[1]))
             else:
                 carried.append(self.prefill_hidden.pop(chunk.slot).hidden)
-        seeds = None
-        if model.draws_initial_state:
-            seeds = st.sampling.seed[rows.tables // self.geo.table_planes]
         return StepInputs(
             torch.cat(tokens) if chunks else tokens[0],
             torch.cat(carried) if chunks else carried[0],
             rows.loops,
-            seeds,
+            row_seeds(st, rows, self.geo, model.draws_initial_state),
         )
 
     def keep_carried(

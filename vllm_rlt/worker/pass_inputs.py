@@ -73,6 +73,12 @@ def decode_row_fields(
     return PassRows(geo.final_table_row(table_slots), positions, loops, write_hi)
 
 
+def row_seeds(state: SlotState, rows: PassRows, geo: KVGeometry, needed: bool):
+    """[rows] each row's request seed (through its block-table row), for a model that draws
+    its initial state from it; None when the model does not (`draws_initial_state`)."""
+    return state.sampling.seed[rows.tables // geo.table_planes] if needed else None
+
+
 def prompt_row_fields(chunks: tuple[PrefillChunk, ...], geo: KVGeometry) -> torch.Tensor:
     """[4, prompt rows] int64 on the host: table row, position, loop and write_hi of every
     prompt row, built per chunk (never per token)."""
