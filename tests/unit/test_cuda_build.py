@@ -1,11 +1,10 @@
 """Building the CUDA C++ kernels on first use, without a GPU: the compiler is found through
-CUDA_HOME or PATH, a library is cached under a key of its source, compiler and target and
+CUDA_HOME or PATH, a cubin is cached under a key of its source, compiler and target and
 built once, a failing build says what nvcc said, and a machine without nvcc falls back
 to Triton after one log line."""
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
 import shutil
@@ -33,17 +32,17 @@ def test_without_a_compiler_one_line_and_no_library(monkeypatch, caplog):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     monkeypatch.setattr(cuda_build, "find_nvcc", lambda: None)
-    cuda_build.cuda_library.cache_clear()
+    cuda_build.cuda_module.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cuda_build.__name__):
-            assert cuda_build.cuda_library("w8a16_gemm") is None
-            assert cuda_build.cuda_library("w8a16_gemm") is None  # said once
+            assert cuda_build.cuda_module("w8a16_gemm") is None
+            assert cuda_build.cuda_module("w8a16_gemm") is None  # said once
         assert [r.getMessage() for r in caplog.records] == [
             "no CUDA compiler (nvcc) found on PATH or under CUDA_HOME: the w8a16_gemm "
             "kernels fall back to Triton"
         ]
     finally:
-        cuda_build.cuda_library.cache_clear()
+        cuda_build.cuda_module.cache_clear()
 
 
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc (no GPU)")
@@ -55,7 +54,10 @@ def test_a_library_is_built_once_per_source_and_a_failure_names_nvccs_error(tmp_
     nvcc = cuda_build.find_nvcc()
     path = cuda_build.build("w8a16_gemm", nvcc, "sm_90")
     assert path.parent == tmp_path / "cache" / "cuda"
-    assert ctypes.CDLL(str(path)).w8a16_gemm  # the launch function is exported
+    image = path.read_bytes()
+    assert image[:4] == b"\x7fELF"  # a cubin, with the kernels under their C names
+    for kernel in ("w8a16_n8", "w8a16_n8_silu", "w8a16_n16", "w8a16_n16_silu"):
+        assert kernel.encode() + b"\0" in image
     built = path.stat().st_mtime_ns
     assert cuda_build.build("w8a16_gemm", nvcc, "sm_90") == path
     assert path.stat().st_mtime_ns == built  # cached: not built again

@@ -1,16 +1,16 @@
 """CUDA C++ kernels (kernels/csrc/*.cu) compiled on first use on a GPU machine.
 
-nvcc builds one shared library per source, device architecture and compiler, cached on
+nvcc builds one cubin per source, device architecture and compiler, cached on
 disk (VLLM_RLT_CACHE_DIR, default ~/.cache/vllm-rlt), so later processes load it at once;
-the build shows one progress line on stderr. The libraries export plain C launch functions
-that take device pointers and the current stream, which keeps them graph-safe and free of
-torch's headers (a build takes seconds). Where no compiler is found, or a build fails, or
+the build shows one progress line on stderr. A source is device code only, with extern "C"
+kernels: nvcc makes a cubin, which the driver API loads into torch's context and launches
+on torch's stream (cuda_driver.py), free of torch's headers and of a CUDA runtime of its
+own (a build takes seconds). Where no compiler is found, or a build or load fails, or
 VLLM_RLT_CUDA_KERNELS=0, one log line says so and the Triton kernels serve instead.
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import hashlib
 import logging
@@ -23,10 +23,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vllm_rlt.kernels.cuda_driver import CudaDriverError, CudaModule
+
 logger = logging.getLogger(__name__)
 
 SOURCES = Path(__file__).parent / "csrc"
-NVCC_FLAGS = ("-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-lineinfo")
+NVCC_FLAGS = ("-O3", "-std=c++17", "-cubin", "-lineinfo")
 
 
 class BuildError(RuntimeError):
@@ -47,26 +49,25 @@ def cache_dir() -> Path:
 
 
 def library_path(name: str, nvcc: str, arch: str) -> Path:
-    """Where the library of csrc/{name}.cu for `arch` (e.g. "sm_90") lives: keyed by the
+    """Where the cubin of csrc/{name}.cu for `arch` (e.g. "sm_90") lives: keyed by the
     source, the compiler's version and the flags, so any change builds anew."""
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
     for part in ((SOURCES / f"{name}.cu").read_bytes(), version.encode(), arch.encode()):
         digest.update(part)
     digest.update(" ".join(NVCC_FLAGS).encode())
-    return cache_dir() / f"{name}-{arch}-{digest.hexdigest()[:16]}.so"
+    return cache_dir() / f"{name}-{arch}-{digest.hexdigest()[:16]}.cubin"
 
 
 def build(name: str, nvcc: str, arch: str) -> Path:
-    """The cached library, built first if missing (atomically: concurrent processes each
+    """The cached cubin, built first if missing (atomically: concurrent processes each
     build to a file of their own and the last rename wins, with equal contents)."""
     path = library_path(name, nvcc, arch)
     if path.exists():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(f"{path.name}.{os.getpid()}.part")
-    compute = arch.replace("sm_", "compute_")
-    command = [nvcc, *NVCC_FLAGS, f"-gencode=arch={compute},code={arch}"]
+    command = [nvcc, *NVCC_FLAGS, f"-arch={arch}"]
     command += ["-o", str(partial), str(SOURCES / f"{name}.cu")]
     description = f"building CUDA kernels {name} for {arch}"
     with (
@@ -87,14 +88,14 @@ def build(name: str, nvcc: str, arch: str) -> Path:
 
 
 @functools.cache
-def cuda_library(name: str) -> ctypes.CDLL | None:
-    """csrc/{name}.cu built for the current CUDA device and loaded, or None (after one log
-    line saying why) where it cannot be: the caller's Triton kernels serve then."""
+def cuda_module(name: str, device: int = 0) -> CudaModule | None:
+    """csrc/{name}.cu built for CUDA device `device` and loaded there, or None (after one
+    log line saying why) where it cannot be: the caller's Triton kernels serve then."""
     import torch
 
     if os.environ.get("VLLM_RLT_CUDA_KERNELS") == "0" or not torch.cuda.is_available():
         return None
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability(device)
     nvcc = find_nvcc()
     if nvcc is None:
         logger.warning(
@@ -104,7 +105,7 @@ def cuda_library(name: str) -> ctypes.CDLL | None:
         )
         return None
     try:
-        return ctypes.CDLL(str(build(name, nvcc, f"sm_{major}{minor}")))
-    except (OSError, BuildError) as exc:
-        logger.warning("building the %s kernels failed, Triton serves instead: %s", name, exc)
+        return CudaModule(build(name, nvcc, f"sm_{major}{minor}").read_bytes(), device)
+    except (OSError, BuildError, CudaDriverError) as exc:
+        logger.warning("the %s kernels failed to build or load, Triton serves: %s", name, exc)
         return None

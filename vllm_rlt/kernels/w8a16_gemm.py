@@ -15,29 +15,21 @@ import ctypes
 
 import torch
 
-from vllm_rlt.kernels.cuda_build import cuda_library
+from vllm_rlt.kernels.cuda_build import cuda_module
+from vllm_rlt.kernels.cuda_driver import CudaModule
 from vllm_rlt.layers.fp8 import Fp8Weight
 
 # Passes of at most so many rows take the kernel (at most 16; 0: never). Off until it is
 # measured against the Triton paths on a GPU (benchmarks/probe_w8a16.py, then a same-run
-# engine A/B of this constant): the kernel and its tests have not yet run on one.
+# engine A/B of this constant).
 W8A16_ROWS = 0
 
 
-def _kernel():
-    if torch.cuda.get_device_capability() < (8, 0):  # bf16 mma.sync
+def _module(device: torch.device) -> CudaModule | None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index) < (8, 0):  # bf16 mma.sync
         return None
-    library = cuda_library("w8a16_gemm")
-    if library is None:
-        return None
-    function = library.w8a16_gemm
-    if function.restype is not ctypes.c_int:  # first use in this process
-        pointer, integer = ctypes.c_void_p, ctypes.c_int
-        # x, x_stride, w, scale, out, out_stride, rows, n, k, silu, pdl, stream
-        function.argtypes = [pointer, integer, pointer, pointer, pointer, integer]
-        function.argtypes += [integer] * 5 + [pointer]
-        function.restype = ctypes.c_int
-    return function
+    return cuda_module("w8a16_gemm", index)
 
 
 def takes_w8a16(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
@@ -65,7 +57,7 @@ def fits_w8a16(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
         and x.data_ptr() % 16 == 0
         and data.stride() == (k, 1)
         and scale.is_contiguous()
-        and _kernel() is not None
+        and _module(x.device) is not None
     )
 
 
@@ -79,20 +71,12 @@ def w8a16_gemm(
     data, scale = weight.tensors()
     rows, (n, k) = x.shape[0], data.shape
     out = x.new_empty(rows, n // 2 if silu_mul else n)  # [rows, N or N / 2]
-    error = _kernel()(
-        x.data_ptr(),
-        x.stride(0),
-        data.data_ptr(),
-        scale.data_ptr(),
-        out.data_ptr(),
-        out.stride(0),
-        rows,
-        n,
-        k,
-        int(silu_mul),
-        int(pdl),
-        torch.cuda.current_stream(x.device).cuda_stream,
-    )
-    if error:
-        raise RuntimeError(f"w8a16_gemm: the launch failed with CUDA error {error}")
+    name = ("w8a16_n8" if rows <= 8 else "w8a16_n16") + ("_silu" if silu_mul else "")
+    kernel = _module(x.device).kernel(name)
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    args = (pointer(x.data_ptr()), integer(x.stride(0)), pointer(data.data_ptr()))
+    args += (pointer(scale.data_ptr()), pointer(out.data_ptr()), integer(out.stride(0)))
+    args += (integer(rows), integer(k), integer(int(pdl)))
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    kernel.launch(n // 16, kernel.max_threads, stream, args, pdl=pdl)
     return out

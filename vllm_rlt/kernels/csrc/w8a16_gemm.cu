@@ -16,8 +16,10 @@
 // and the block adds its warps' sums in shared memory. The epilogue scales by the row's
 // scale and rounds to bf16; with SILU the interleaved gate/up outputs (2j, 2j+1) become
 // silu(gate) * up, rounded like the separate torch ops.
+//
+// Device code only: four extern "C" kernels (w8a16_n{8,16}{,_silu}: N8 for 1-8 rows, N16
+// for 9-16), each launched with one block of WARPS warps per 16 outputs.
 #include <cuda_bf16.h>
-#include <cuda_runtime.h>
 #include <stdint.h>
 
 namespace {
@@ -74,7 +76,7 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][4], uint4 wg, ui
 }
 
 template <int NT, bool SILU>
-__global__ void __launch_bounds__(WARPS * 32) w8a16_kernel(
+__device__ __forceinline__ void w8a16_body(
     const __nv_bfloat16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, __nv_bfloat16* __restrict__ out, int out_stride, int rows,
     int K, int pdl) {
@@ -163,37 +165,21 @@ __global__ void __launch_bounds__(WARPS * 32) w8a16_kernel(
     }
 }
 
-template <int NT, bool SILU>
-cudaError_t launch(const void* x, int x_stride, const void* w, const void* scale, void* out,
-                   int out_stride, int rows, int n, int k, int pdl, cudaStream_t stream) {
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(n / 16);
-  config.blockDim = dim3(WARPS * 32);
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
-  config.attrs = attribute;
-  config.numAttrs = pdl ? 1 : 0;
-  return cudaLaunchKernelEx(&config, w8a16_kernel<NT, SILU>,
-                            static_cast<const __nv_bfloat16*>(x), x_stride,
-                            static_cast<const uint8_t*>(w), static_cast<const float*>(scale),
-                            static_cast<__nv_bfloat16*>(out), out_stride, rows, k, pdl);
-}
-
 }  // namespace
 
-// x: [rows, k] bf16 with row stride x_stride; w: [n, k] float8 e4m3, contiguous; scale:
-// [n] float32; out: [rows, n] (or [rows, n / 2] with silu) bf16 with row stride out_stride.
-// Needs 1 <= rows <= 16, n % 16 == 0, k % 64 == 0, x and its rows 16-byte aligned.
-// Returns the launch's cudaError_t.
-extern "C" int w8a16_gemm(const void* x, int x_stride, const void* w, const void* scale,
-                          void* out, int out_stride, int rows, int n, int k, int silu, int pdl,
-                          void* stream) {
-  cudaStream_t s = static_cast<cudaStream_t>(stream);
-  if (rows <= 8)
-    return silu ? launch<1, true>(x, x_stride, w, scale, out, out_stride, rows, n, k, pdl, s)
-                : launch<1, false>(x, x_stride, w, scale, out, out_stride, rows, n, k, pdl, s);
-  return silu ? launch<2, true>(x, x_stride, w, scale, out, out_stride, rows, n, k, pdl, s)
-              : launch<2, false>(x, x_stride, w, scale, out, out_stride, rows, n, k, pdl, s);
-}
+// x: [rows, K] bf16 with row stride x_stride; w: [n, K] float8 e4m3, contiguous; scale:
+// [n] float32; out: [rows, n] (or [rows, n / 2] with SILU) bf16 with row stride out_stride.
+// Needs rows within the kernel's 8 or 16, n % 16 == 0 (the grid is n / 16 blocks),
+// K % 64 == 0, x and its rows 16-byte aligned; pdl: launched as a programmatic dependent.
+#define W8A16_KERNEL(NAME, NT, SILU)                                                        \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
+      NAME(const __nv_bfloat16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w, \
+           const float* __restrict__ scale, __nv_bfloat16* __restrict__ out, int out_stride, \
+           int rows, int K, int pdl) {                                                       \
+    w8a16_body<NT, SILU>(x, x_stride, w, scale, out, out_stride, rows, K, pdl);             \
+  }
+
+W8A16_KERNEL(w8a16_n8, 1, false)
+W8A16_KERNEL(w8a16_n8_silu, 1, true)
+W8A16_KERNEL(w8a16_n16, 2, false)
+W8A16_KERNEL(w8a16_n16_silu, 2, true)
