@@ -174,3 +174,23 @@ def test_unsupported_features_are_refused_by_name(folder):
     with pytest.raises(ValueError, match="kv_layout|layout"):
         _engine(folder, layout="shared_decode")
     assert torch.get_num_threads() >= 1
+
+
+def test_the_naive_baseline_equals_the_oracle(folder, oracle_model):
+    """`bench throughput`'s eager baseline for this family (bench/naive.py) computes what
+    the modeling code does: its greedy tokens at a fixed depth, per request seed."""
+    from vllm_rlt.bench.naive import NaiveHuginn, naive_baseline
+    from vllm_rlt.models.load import load_model
+
+    model = load_model(folder, torch.float32, torch.device("cpu"))
+    prompts, seeds, depth = [PROMPTS[0], PROMPTS[2][:6]], [3, 11], 5
+    naive = naive_baseline(model, len(prompts), len(prompts[0]) + MAX_TOKENS)
+    assert isinstance(naive, NaiveHuginn)
+    naive.seeds = torch.tensor(seeds)
+    naive.generate(torch.tensor(prompts), MAX_TOKENS, depth)
+    for row, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
+        decode = [depth] * (MAX_TOKENS - 1)
+        want = huginn_generate(
+            oracle_model, prompt, max_tokens=MAX_TOKENS, seed=seed, decode_steps=decode
+        )
+        assert naive.generated[row].tolist() == want.token_ids

@@ -53,7 +53,7 @@ def bench_concurrency(
     copy under --quantization), the naive baseline the unquantized model."""
     import torch
 
-    from vllm_rlt.bench.naive import NaiveOuro
+    from vllm_rlt.bench.naive import naive_baseline
 
     loops = model.config.num_loops
     rng = random.Random(args.seed + concurrency)
@@ -147,7 +147,7 @@ def bench_concurrency(
         baseline = []
         progress.set_description(f"concurrency {concurrency}: baseline")
         for _ in range(args.repeats + args.warmup):
-            naive = NaiveOuro(model, concurrency, len(prompts[0]) + args.output_len)
+            naive = naive_baseline(model, concurrency, len(prompts[0]) + args.output_len)
             baseline.append(naive.generate(batch, args.output_len, naive_loops))
             del naive
             progress.update(1)
@@ -182,11 +182,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     dtype = resolve_dtype(args.dtype, device)
     torch.manual_seed(args.seed)
     model = random_model(args.shape, dtype, device, args.seed)
-    if model.separate_readout and not args.no_baseline:
-        raise ValueError(
-            f"--shape {args.shape}: the naive baseline runs models whose whole stack loops; "
-            "pass --no-baseline"
-        )
     engine_model = model
     if args.quantization is not None and args.no_baseline:
         model.quantize(args.quantization)  # nothing needs the unquantized one
