@@ -90,6 +90,19 @@ def test_throughput_runs_fp8_weights_and_kv_against_an_unquantized_baseline(caps
     assert result["baseline"]["decode_tokens_per_s"] > 0  # the naive model, unquantized
 
 
+@pytest.mark.parametrize("depth", [None, 3])
+def test_throughput_runs_a_huginn_shape_at_a_fixed_depth_against_its_baseline(depth, capsys):
+    """A fixed depth holds under Huginn's own exit policy too (its latent criterion would
+    stop a random model early), and the baseline is the family's."""
+    argv = ["--shape", "huginn-toy", "--device", "cpu", "--concurrency", "2"]
+    argv += ["--output-len", "3", "--prompt-len", "4", "--repeats", "1", "--warmup", "0"]
+    argv += [] if depth is None else ["--depth", str(depth)]
+    assert throughput.main(argv) == 0
+    (result,) = json.loads(capsys.readouterr().out)["results"]
+    assert result["engine"]["mean_loops"] == (depth or 8)  # the shape's mean_recurrence
+    assert result["baseline"]["decode_tokens_per_s"] > 0
+
+
 def test_throughput_reports_async_scheduling_off_in_no_refill_mode(capsys):
     argv = ["--device", "cpu", "--concurrency", "1", "--output-len", "2", "--prompt-len", "2"]
     argv += ["--repeats", "1", "--warmup", "0", "--no-baseline", "--mode", "no_refill"]

@@ -77,8 +77,17 @@ def _huginn_shape() -> dict:
     }
 
 
+def _huginn_toy_shape() -> dict:
+    """Huginn's outline at the toy's size (head size 24, 8 steps): bench paths on a CPU."""
+    shape = _huginn_shape()
+    shape.update(n_embd=96, n_heads=4, num_key_value_heads=4, intermediate_size=192)
+    shape.update(vocab_size=512, padded_vocab_size=512, mean_recurrence=8, eos_token_id=0)
+    return shape
+
+
 SHAPES = {
     "toy": _toy_shape,
+    "huginn-toy": _huginn_toy_shape,
     "ouro-1.4b": lambda: _ouro_shape(24),
     "ouro-2.6b": lambda: _ouro_shape(48),
     "nanbeige-4.2-3b": _nanbeige_shape,

@@ -84,7 +84,7 @@ def bench_concurrency(
             max_tokens=max_tokens_of(args),
             temperature=0.0,
             ignore_eos=True,
-            exit_threshold=1.0,
+            min_loops=args.depth,  # a fixed depth under every family's exit policy
             max_loops=args.depth,
         )
     stop_after = args.output_len if max_tokens_of(args) > args.output_len else None
