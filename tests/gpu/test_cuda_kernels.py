@@ -1,7 +1,7 @@
 """The CUDA C++ kernels (kernels/csrc/) against torch, on a GPU with nvcc: the few-row
-FP8-weight product at edge row counts and shapes, with and without its SiLU-mul epilogue,
-inside a CUDA graph, and the engine's dispatch to it; and the fall-back to Triton, with
-one log line, where no compiler is found."""
+products, float8 and bf16 weights, at edge row counts and shapes, with and without their
+SiLU-mul epilogue, inside a CUDA graph, and the engine's dispatch to them; and the
+fall-back to Triton, with one log line, where no compiler is found."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import logging
 import pytest
 import torch
 
-from vllm_rlt.kernels import cuda_build, w8a16_gemm
+from vllm_rlt.kernels import cuda_build, few_row_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight
 from vllm_rlt.ops.torch_ops import TorchOps
 
@@ -23,64 +23,74 @@ if cuda_build.find_nvcc() is None:
 TOL = 2e-2  # bf16 outputs of sums in another order
 
 
-def _problem(rows: int, n: int, k: int, seed: int):
+def _problem(rows: int, n: int, k: int, seed: int, kind: str = "fp8"):
     gen = torch.Generator(device="cuda").manual_seed(seed)
     x = torch.randn(rows, k, device="cuda", generator=gen).to(torch.bfloat16)
     w = torch.randn(n, k, device="cuda", generator=gen) / k**0.5
     w[0, :64] = 0.0  # zeros and float8 subnormals widen exactly too
     w[1, :64] = torch.linspace(-1e-3, 1e-3, 64, device="cuda")
-    weight = Fp8Weight.quantize(w.to(torch.bfloat16))
-    want = (x.float() @ weight.dequantize(torch.float32).T).to(torch.bfloat16)
+    if kind == "bf16":
+        weight = w.to(torch.bfloat16)
+        dense = weight.float()
+    else:
+        weight = Fp8Weight.quantize(w.to(torch.bfloat16))
+        dense = weight.dequantize(torch.float32)
+    want = (x.float() @ dense.T).to(torch.bfloat16)
     return x, weight, want
 
 
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("n,k", [(2048, 2048), (6144, 2048), (2048, 5632), (16, 64), (48, 192)])
-def test_w8a16_gemm_against_torch(rows, n, k):
-    x, weight, want = _problem(rows, n, k, seed=rows * 7 + n + k)
-    assert w8a16_gemm.fits_w8a16(x, weight)
-    got = w8a16_gemm.w8a16_gemm(x, weight)
+def test_few_row_gemm_against_torch(rows, n, k, kind):
+    x, weight, want = _problem(rows, n, k, seed=rows * 7 + n + k, kind=kind)
+    assert few_row_gemm.fits_few_row(x, weight)
+    got = few_row_gemm.few_row_gemm(x, weight)
     torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
     # The epilogue against the torch ops on the kernel's own product.
     silu = TorchOps().silu_mul(got)
-    fused = w8a16_gemm.w8a16_gemm(x, weight, silu_mul=True)
+    fused = few_row_gemm.few_row_gemm(x, weight, silu_mul=True)
     torch.testing.assert_close(fused, silu, atol=TOL, rtol=TOL)
 
 
-def test_w8a16_gemm_reads_strided_rows_and_replays_in_a_graph():
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
+def test_few_row_gemm_reads_strided_rows_and_replays_in_a_graph(kind):
     """Rows of a wider buffer (as a pass's persistent inputs are), captured in a graph and
     replayed on new values, with programmatic dependent launch."""
     buffer = torch.empty(16, 4096, device="cuda", dtype=torch.bfloat16)
-    x, weight, _ = _problem(5, 2048, 2048, seed=3)
+    x, weight, _ = _problem(5, 2048, 2048, seed=3, kind=kind)
     view = buffer[:5, :2048]
     view.copy_(x)
     from vllm_rlt.ops.triton_ops import TritonOps
 
     pdl = TritonOps().pdl
-    w8a16_gemm.w8a16_gemm(view, weight, pdl=pdl)  # built and loaded before capture
+    few_row_gemm.few_row_gemm(view, weight, pdl=pdl)  # built and loaded before capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = w8a16_gemm.w8a16_gemm(view, weight, pdl=pdl)
+        out = few_row_gemm.few_row_gemm(view, weight, pdl=pdl)
+    dense = weight.float() if kind == "bf16" else weight.dequantize(torch.float32)
     for seed in (4, 5):
         fresh, _, _ = _problem(5, 2048, 2048, seed=seed)
         view.copy_(fresh)
         graph.replay()
-        want = (fresh.float() @ weight.dequantize(torch.float32).T).to(torch.bfloat16)
+        want = (fresh.float() @ dense.T).to(torch.bfloat16)
         torch.testing.assert_close(out, want, atol=TOL, rtol=TOL)
 
 
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("rows", [1, 8, 16, 17])
-def test_the_triton_ops_take_it_for_the_rows_it_is_set_for(rows, monkeypatch):
+def test_the_triton_ops_take_it_for_the_rows_it_is_set_for(rows, kind, monkeypatch):
     from vllm_rlt.ops.linear_plans import FP8_SKINNY_ROWS
     from vllm_rlt.ops.triton_ops import TritonOps
 
-    monkeypatch.setattr(w8a16_gemm, "W8A16_ROWS", 8)
-    x, weight, want = _problem(rows, 2048, 2048, seed=rows)
-    assert w8a16_gemm.takes_w8a16(x, weight) == (rows <= 8)
-    assert w8a16_gemm.fits_w8a16(x, weight) == (rows <= 16)
+    monkeypatch.setattr(few_row_gemm, "FP8_CUDA_ROWS", 8 if kind == "fp8" else 0)
+    monkeypatch.setattr(few_row_gemm, "BF16_CUDA_ROWS", 8 if kind == "bf16" else 0)
+    x, weight, want = _problem(rows, 2048, 2048, seed=rows, kind=kind)
+    assert few_row_gemm.takes_few_row(x, weight) == (rows <= 8)
+    assert few_row_gemm.fits_few_row(x, weight) == (rows <= 16)
 
     def check(got: torch.Tensor, want: torch.Tensor) -> None:
-        if rows <= FP8_SKINNY_ROWS:
+        if kind == "bf16" or rows <= FP8_SKINNY_ROWS:
             torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
             return
         # W8A8: float8 activations too (3 mantissa bits), so the product is checked as a
@@ -90,8 +100,9 @@ def test_the_triton_ops_take_it_for_the_rows_it_is_set_for(rows, monkeypatch):
 
     check(TritonOps().linear(x, weight), want)
     check(TritonOps().linear_silu_mul(x, weight), TorchOps().silu_mul(want))
-    assert not w8a16_gemm.fits_w8a16(x.float(), weight)  # bf16 activations only
-    assert not w8a16_gemm.fits_w8a16(x, weight.dequantize(torch.bfloat16))
+    assert not few_row_gemm.fits_few_row(x.float(), weight)  # bf16 activations only
+    dense = weight.float() if kind == "bf16" else weight.dequantize(torch.float32)
+    assert not few_row_gemm.fits_few_row(x, dense)  # bf16 or float8 weights only
 
 
 def test_without_nvcc_the_triton_kernels_serve_after_one_log_line(monkeypatch, caplog):
@@ -101,10 +112,10 @@ def test_without_nvcc_the_triton_kernels_serve_after_one_log_line(monkeypatch, c
     cuda_build.cuda_module.cache_clear()
     try:
         x, weight, want = _problem(4, 2048, 2048, seed=1)
-        monkeypatch.setattr(w8a16_gemm, "W8A16_ROWS", 16)
+        monkeypatch.setattr(few_row_gemm, "FP8_CUDA_ROWS", 16)
         with caplog.at_level(logging.WARNING, logger=cuda_build.__name__):
-            assert not w8a16_gemm.takes_w8a16(x, weight)
-            assert not w8a16_gemm.fits_w8a16(x, weight)
+            assert not few_row_gemm.takes_few_row(x, weight)
+            assert not few_row_gemm.fits_few_row(x, weight)
             got = TritonOps().linear(x, weight)
         torch.testing.assert_close(got, want, atol=TOL, rtol=TOL)
         lines = [r.getMessage() for r in caplog.records]

@@ -35,10 +35,10 @@ def test_without_a_compiler_one_line_and_no_library(monkeypatch, caplog):
     cuda_build.cuda_module.cache_clear()
     try:
         with caplog.at_level(logging.WARNING, logger=cuda_build.__name__):
-            assert cuda_build.cuda_module("w8a16_gemm") is None
-            assert cuda_build.cuda_module("w8a16_gemm") is None  # said once
+            assert cuda_build.cuda_module("few_row_gemm") is None
+            assert cuda_build.cuda_module("few_row_gemm") is None  # said once
         assert [r.getMessage() for r in caplog.records] == [
-            "no CUDA compiler (nvcc) found on PATH or under CUDA_HOME: the w8a16_gemm "
+            "no CUDA compiler (nvcc) found on PATH or under CUDA_HOME: the few_row_gemm "
             "kernels fall back to Triton"
         ]
     finally:
@@ -52,18 +52,18 @@ def test_a_library_is_built_once_per_source_and_a_failure_names_nvccs_error(tmp_
     shutil.copytree(cuda_build.SOURCES, sources)
     monkeypatch.setattr(cuda_build, "SOURCES", sources)
     nvcc = cuda_build.find_nvcc()
-    path = cuda_build.build("w8a16_gemm", nvcc, "sm_90")
+    path = cuda_build.build("few_row_gemm", nvcc, "sm_90")
     assert path.parent == tmp_path / "cache" / "cuda"
     image = path.read_bytes()
     assert image[:4] == b"\x7fELF"  # a cubin, with the kernels under their C names
-    for kernel in ("w8a16_n8", "w8a16_n8_silu", "w8a16_n16", "w8a16_n16_silu"):
+    for kernel in ("w8a16_n8", "w8a16_n16_silu", "w16a16_n8", "w16a16_n16_silu"):
         assert kernel.encode() + b"\0" in image
     built = path.stat().st_mtime_ns
-    assert cuda_build.build("w8a16_gemm", nvcc, "sm_90") == path
+    assert cuda_build.build("few_row_gemm", nvcc, "sm_90") == path
     assert path.stat().st_mtime_ns == built  # cached: not built again
-    assert cuda_build.library_path("w8a16_gemm", nvcc, "sm_80") != path
-    (sources / "w8a16_gemm.cu").write_text("this is not C++\n")
-    assert cuda_build.library_path("w8a16_gemm", nvcc, "sm_90") != path
+    assert cuda_build.library_path("few_row_gemm", nvcc, "sm_80") != path
+    (sources / "few_row_gemm.cu").write_text("this is not C++\n")
+    assert cuda_build.library_path("few_row_gemm", nvcc, "sm_90") != path
     with pytest.raises(cuda_build.BuildError, match="nvcc exited with"):
-        cuda_build.build("w8a16_gemm", nvcc, "sm_90")
+        cuda_build.build("few_row_gemm", nvcc, "sm_90")
     assert not [p for p in os.listdir(path.parent) if p.endswith(".part")]

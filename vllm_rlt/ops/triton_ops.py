@@ -13,6 +13,7 @@ from vllm_rlt.kernels.decode_attention import (
     _paged_attention_kernel,
     _rope_attend_kernel,
 )
+from vllm_rlt.kernels.few_row_gemm import few_row_gemm, takes_few_row
 from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
@@ -23,7 +24,6 @@ from vllm_rlt.kernels.skinny_linear import skinny_linear, skinny_linear_partials
 from vllm_rlt.kernels.strip_gemv import strip_gemv
 from vllm_rlt.kernels.token_stats import token_stats
 from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
-from vllm_rlt.kernels.w8a16_gemm import takes_w8a16, w8a16_gemm
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.ops.base import Weight
@@ -151,7 +151,7 @@ class TritonOps:
         if (
             config is None
             or config.split_k == 1
-            or takes_w8a16(inp, weight)
+            or takes_few_row(inp, weight)
             or takes_strip(inp, weight)
         ):
             return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
@@ -205,8 +205,8 @@ class TritonOps:
     ) -> torch.Tensor:
         """x @ weight.T; few rows stream the weight once, and with `live` a row tile none of
         whose rows is live skips the weight (those rows' outputs are zero)."""
-        if live is None and takes_w8a16(x, weight):
-            return w8a16_gemm(x, weight, pdl=self.pdl)
+        if live is None and takes_few_row(x, weight):
+            return few_row_gemm(x, weight, pdl=self.pdl)
         if live is None and takes_strip(x, weight):
             return strip_gemv(x, weight, pdl=self.pdl)
         config = linear_plan(x, weight)
@@ -216,8 +216,8 @@ class TritonOps:
 
     def linear_silu_mul(self, x: torch.Tensor, gate_up: Weight) -> torch.Tensor:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
-        if takes_w8a16(x, gate_up):
-            return w8a16_gemm(x, gate_up, silu_mul=True, pdl=self.pdl)
+        if takes_few_row(x, gate_up):
+            return few_row_gemm(x, gate_up, silu_mul=True, pdl=self.pdl)
         if takes_strip(x, gate_up):
             return strip_gemv(x, gate_up, silu_mul=True, pdl=self.pdl)
         config = linear_plan(x, gate_up)

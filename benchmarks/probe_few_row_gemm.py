@@ -1,10 +1,10 @@
-"""The few-row FP8-weight product (kernels/csrc/w8a16_gemm.cu) against the Triton paths it
-replaces, on the Ouro-1.4B layer shapes: each projection alone, and the four projections
-of 24 layers in a row as a pass runs them, each layer with weights of its own (so the
-weights come from HBM, not L2). Prints microseconds per projection and per layer, and each
+"""The few-row products, float8 and bf16 weights (kernels/csrc/few_row_gemm.cu), against
+the Triton paths they replace, on the Ouro-1.4B layer shapes: each projection alone, and
+the four projections of 24 layers in a row as a pass runs them, each layer with weights
+of its own (so the weights come from HBM, not L2). Prints microseconds per layer, each
 against its weight bytes over the copy bandwidth measured first. Needs a CUDA GPU.
 
-python -m benchmarks.probe_w8a16 --rows 1 2 4 8 16 --output probe.json
+python -m benchmarks.probe_few_row_gemm --rows 1 2 4 8 16 --output probe.json
 """
 
 from __future__ import annotations
@@ -34,7 +34,12 @@ def copy_bandwidth() -> float:
 
 def _variants():
     """name -> (weight dtype, whether the CUDA kernel may serve)."""
-    return {"cuda fp8": ("fp8", True), "triton fp8": ("fp8", False), "triton bf16": ("bf16", False)}
+    return {
+        "cuda fp8": ("fp8", True),
+        "triton fp8": ("fp8", False),
+        "cuda bf16": ("bf16", True),
+        "triton bf16": ("bf16", False),
+    }
 
 
 def _weights(kind: str, count: int):
@@ -56,19 +61,19 @@ def _project(ops, x, weight, silu):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = CLIParser(prog="python -m benchmarks.probe_w8a16", description=__doc__)
+    parser = CLIParser(prog="python -m benchmarks.probe_few_row_gemm", description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--output", default=None, help="JSON of every figure (default: none)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
-        print("python -m benchmarks.probe_w8a16: error: needs a CUDA device", file=sys.stderr)
+        print(f"{parser.prog}: error: needs a CUDA device", file=sys.stderr)
         return 2
     import triton.testing
 
-    from vllm_rlt.kernels import w8a16_gemm
+    from vllm_rlt.kernels import few_row_gemm
     from vllm_rlt.ops.triton_ops import TritonOps
 
-    default_rows = w8a16_gemm.W8A16_ROWS
+    defaults = few_row_gemm.FP8_CUDA_ROWS, few_row_gemm.BF16_CUDA_ROWS
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
     ops = TritonOps()
@@ -80,10 +85,12 @@ def main(argv: list[str] | None = None) -> int:
         }
         figures = {}
         for variant, (kind, cuda) in _variants().items():
-            w8a16_gemm.W8A16_ROWS = 16 if cuda else 0
+            few_row_gemm.FP8_CUDA_ROWS = few_row_gemm.BF16_CUDA_ROWS = 16 if cuda else 0
             layer_bytes = 0
             for name, n, k, silu in SHAPES:
                 weight = weights[kind][0][name]
+                taken = few_row_gemm.takes_few_row(x[name], weight)
+                assert taken == cuda, f"{variant} {name}: the CUDA kernel taken: {taken}"
                 got = _project(ops, x[name], weight, silu)
                 dense = weight.dequantize(torch.float32) if kind == "fp8" else weight.float()
                 want = (x[name].float() @ dense.T).to(torch.bfloat16)
@@ -107,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"(bytes floor {floor:5.2f} us, {floor / per_layer:.2f} of it)"
             )
         report["rows"][rows] = figures
-    w8a16_gemm.W8A16_ROWS = default_rows
+    few_row_gemm.FP8_CUDA_ROWS, few_row_gemm.BF16_CUDA_ROWS = defaults
     if args.output:
         with open(args.output, "w") as out:
             json.dump(report, out, indent=1)

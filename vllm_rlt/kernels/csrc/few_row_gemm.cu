@@ -1,24 +1,26 @@
-// Few-row products with float8 (e4m3) weights: out = (x @ (w * scale[:, None]).T), x in
-// bf16, for 1-16 rows. The weights are widened to bf16 in registers and multiplied on the
-// tensor cores (mma.sync m16n8k16) with the roles swapped: a 16-output tile of the weight
-// is the A operand and the rows of x are the 8 (or 16) columns of B, so few rows waste no
-// tensor-core work on padding weights, only on padding rows.
+// Few-row products on the tensor cores: out = x @ w.T for 1-16 rows of bf16 x, with w in
+// bf16 or in float8 (e4m3, times a per-row scale: out = x @ (w * scale[:, None]).T). float8
+// weights are widened to bf16 in registers. The mma.sync (m16n8k16) roles are swapped: a
+// 16-output tile of the weight is the A operand and the rows of x are the 8 (or 16)
+// columns of B, so few rows waste no tensor-core work on padding weights, only on padding
+// rows.
 //
 // A thread of an mma holds, for output g (and g + 8) of its tile, k pairs 2t, 2t+1 and
 // 2t+8, 2t+9 of each 16-wide k step. The sum over k may run in any order as long as the
 // weight and x agree, so physical k = 16 t + 4 s + j within a 64-wide chunk plays logical
 // k = 16 s + {2t, 2t+1, 2t+8, 2t+9}[j] of step s: each thread then loads 16 contiguous
-// bytes of each of its two weight rows per chunk, and 32 contiguous bytes of its x row.
+// weights of each of its two weight rows per chunk (16 bytes of float8, 32 of bf16), and
+// 32 contiguous bytes of its x row.
 //
 // A block of WARPS warps shares one 16-output tile and splits K between its warps; each
 // warp loads its first U chunks of weights before waiting on the previous kernel
 // (programmatic dependent launch), keeps the next U chunks in flight while it multiplies,
 // and the block adds its warps' sums in shared memory. The epilogue scales by the row's
-// scale and rounds to bf16; with SILU the interleaved gate/up outputs (2j, 2j+1) become
-// silu(gate) * up, rounded like the separate torch ops.
+// scale (float8) and rounds to bf16; with SILU the interleaved gate/up outputs (2j, 2j+1)
+// become silu(gate) * up, rounded like the separate torch ops.
 //
-// Device code only: four extern "C" kernels (w8a16_n{8,16}{,_silu}: N8 for 1-8 rows, N16
-// for 9-16), each launched with one block of WARPS warps per 16 outputs.
+// Device code only: eight extern "C" kernels, {w8a16,w16a16}_n{8,16}{,_silu} (N8 for 1-8
+// rows, N16 for 9-16), each launched with one block of WARPS warps per 16 outputs.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -26,6 +28,20 @@ namespace {
 
 constexpr int WARPS = 8;
 constexpr int U = 4;  // chunks of 64 k in flight per warp
+
+// What a thread holds of one weight row for one 64-wide chunk: 16 weights.
+template <bool FP8>
+struct Slice {
+  uint4 word[FP8 ? 1 : 2];
+};
+
+template <bool FP8>
+__device__ __forceinline__ Slice<FP8> load_slice(const uint8_t* p) {
+  Slice<FP8> slice;
+  slice.word[0] = __ldg(reinterpret_cast<const uint4*>(p));
+  if constexpr (!FP8) slice.word[1] = __ldg(reinterpret_cast<const uint4*>(p) + 1);
+  return slice;
+}
 
 __device__ __forceinline__ uint32_t widen(uint32_t pair_bytes) {
   // pair_bytes: two e4m3 bytes in the high byte of each 16-bit half. Moving sign,
@@ -47,13 +63,26 @@ __device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a1, uint32_t
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-template <int NT>
-__device__ __forceinline__ void multiply_chunk(float (&acc)[NT][4], uint4 wg, uint4 wg8,
+// The A-fragment words of step s (logical k pairs 2t, 2t+1 and 2t+8, 2t+9) of a row.
+template <bool FP8>
+__device__ __forceinline__ void pairs(const Slice<FP8>& w, int s, uint32_t& lo, uint32_t& hi) {
+  if constexpr (FP8) {
+    const uint32_t words[4] = {w.word[0].x, w.word[0].y, w.word[0].z, w.word[0].w};
+    lo = widen(__byte_perm(words[s], 0, 0x1404));
+    hi = widen(__byte_perm(words[s], 0, 0x3424));
+  } else {
+    const uint4 q = w.word[s >> 1];
+    lo = (s & 1) ? q.z : q.x;
+    hi = (s & 1) ? q.w : q.y;
+  }
+}
+
+template <int NT, bool FP8>
+__device__ __forceinline__ void multiply_chunk(float (&acc)[NT][4], const Slice<FP8>& wg,
+                                               const Slice<FP8>& wg8,
                                                const __nv_bfloat16* __restrict__ x,
                                                int x_stride, int rows, int g, int t,
                                                int k0) {
-  const uint32_t wa[4] = {wg.x, wg.y, wg.z, wg.w};
-  const uint32_t wb[4] = {wg8.x, wg8.y, wg8.z, wg8.w};
 #pragma unroll
   for (int j = 0; j < NT; ++j) {
     const int row = j * 8 + g;
@@ -66,17 +95,16 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][4], uint4 wg, ui
     const uint32_t xb[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
-      const uint32_t a0 = widen(__byte_perm(wa[s], 0, 0x1404));
-      const uint32_t a2 = widen(__byte_perm(wa[s], 0, 0x3424));
-      const uint32_t a1 = widen(__byte_perm(wb[s], 0, 0x1404));
-      const uint32_t a3 = widen(__byte_perm(wb[s], 0, 0x3424));
+      uint32_t a0, a1, a2, a3;
+      pairs<FP8>(wg, s, a0, a2);
+      pairs<FP8>(wg8, s, a1, a3);
       mma(acc[j], a0, a1, a2, a3, xb[2 * s], xb[2 * s + 1]);
     }
   }
 }
 
-template <int NT, bool SILU>
-__device__ __forceinline__ void w8a16_body(
+template <int NT, bool SILU, bool FP8>
+__device__ __forceinline__ void gemm_body(
     const __nv_bfloat16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, __nv_bfloat16* __restrict__ out, int out_stride, int rows,
     int K, int pdl) {
@@ -87,15 +115,16 @@ __device__ __forceinline__ void w8a16_body(
   const int per_warp = (chunks + WARPS - 1) / WARPS;
   const int first = warp * per_warp;
   const int last = min(chunks, first + per_warp);
-  const uint8_t* row_g = w + (size_t)(n0 + g) * K + 16 * t;
-  const uint8_t* row_g8 = row_g + (size_t)8 * K;
+  constexpr int BYTES = FP8 ? 1 : 2;  // a weight's
+  const uint8_t* row_g = w + ((size_t)(n0 + g) * K + 16 * t) * BYTES;
+  const uint8_t* row_g8 = row_g + (size_t)8 * K * BYTES;
 
-  uint4 cur_g[U], cur_g8[U];
+  Slice<FP8> cur_g[U], cur_g8[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
     if (first + u < last) {
-      cur_g[u] = __ldg(reinterpret_cast<const uint4*>(row_g + (first + u) * 64));
-      cur_g8[u] = __ldg(reinterpret_cast<const uint4*>(row_g8 + (first + u) * 64));
+      cur_g[u] = load_slice<FP8>(row_g + (first + u) * 64 * BYTES);
+      cur_g8[u] = load_slice<FP8>(row_g8 + (first + u) * 64 * BYTES);
     }
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -109,17 +138,18 @@ __device__ __forceinline__ void w8a16_body(
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
   for (int c = first; c < last; c += U) {
-    uint4 next_g[U], next_g8[U];
+    Slice<FP8> next_g[U], next_g8[U];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c + U + u < last) {
-        next_g[u] = __ldg(reinterpret_cast<const uint4*>(row_g + (c + U + u) * 64));
-        next_g8[u] = __ldg(reinterpret_cast<const uint4*>(row_g8 + (c + U + u) * 64));
+        next_g[u] = load_slice<FP8>(row_g + (c + U + u) * 64 * BYTES);
+        next_g8[u] = load_slice<FP8>(row_g8 + (c + U + u) * 64 * BYTES);
       }
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
-      if (c + u < last) multiply_chunk<NT>(acc, cur_g[u], cur_g8[u], x, x_stride, rows, g, t, (c + u) * 64);
+      if (c + u < last)
+        multiply_chunk<NT, FP8>(acc, cur_g[u], cur_g8[u], x, x_stride, rows, g, t, (c + u) * 64);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -145,7 +175,7 @@ __device__ __forceinline__ void w8a16_body(
       acc[j][i] = sum;
     }
   // acc[j][i]: output n0 + g (i < 2) or n0 + g + 8 (i >= 2), row j * 8 + 2 t + (i & 1)
-  const float s_lo = scale[n0 + g], s_hi = scale[n0 + g + 8];
+  const float s_lo = FP8 ? scale[n0 + g] : 1.f, s_hi = FP8 ? scale[n0 + g + 8] : 1.f;
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
@@ -167,19 +197,24 @@ __device__ __forceinline__ void w8a16_body(
 
 }  // namespace
 
-// x: [rows, K] bf16 with row stride x_stride; w: [n, K] float8 e4m3, contiguous; scale:
-// [n] float32; out: [rows, n] (or [rows, n / 2] with SILU) bf16 with row stride out_stride.
-// Needs rows within the kernel's 8 or 16, n % 16 == 0 (the grid is n / 16 blocks),
-// K % 64 == 0, x and its rows 16-byte aligned; pdl: launched as a programmatic dependent.
-#define W8A16_KERNEL(NAME, NT, SILU)                                                        \
+// x: [rows, K] bf16 with row stride x_stride; w: [n, K] float8 e4m3 (w8a16) or bf16
+// (w16a16), contiguous; scale: [n] float32 (float8 only, else unread); out: [rows, n] (or
+// [rows, n / 2] with SILU) bf16 with row stride out_stride. Needs rows within the kernel's
+// 8 or 16, n % 16 == 0 (the grid is n / 16 blocks), K % 64 == 0, x and its rows 16-byte
+// aligned; pdl: launched as a programmatic dependent.
+#define FEW_ROW_KERNEL(NAME, NT, SILU, FP8)                                                 \
   extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
       NAME(const __nv_bfloat16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w, \
            const float* __restrict__ scale, __nv_bfloat16* __restrict__ out, int out_stride, \
            int rows, int K, int pdl) {                                                       \
-    w8a16_body<NT, SILU>(x, x_stride, w, scale, out, out_stride, rows, K, pdl);             \
+    gemm_body<NT, SILU, FP8>(x, x_stride, w, scale, out, out_stride, rows, K, pdl);         \
   }
 
-W8A16_KERNEL(w8a16_n8, 1, false)
-W8A16_KERNEL(w8a16_n8_silu, 1, true)
-W8A16_KERNEL(w8a16_n16, 2, false)
-W8A16_KERNEL(w8a16_n16_silu, 2, true)
+FEW_ROW_KERNEL(w8a16_n8, 1, false, true)
+FEW_ROW_KERNEL(w8a16_n8_silu, 1, true, true)
+FEW_ROW_KERNEL(w8a16_n16, 2, false, true)
+FEW_ROW_KERNEL(w8a16_n16_silu, 2, true, true)
+FEW_ROW_KERNEL(w16a16_n8, 1, false, false)
+FEW_ROW_KERNEL(w16a16_n8_silu, 1, true, false)
+FEW_ROW_KERNEL(w16a16_n16, 2, false, false)
+FEW_ROW_KERNEL(w16a16_n16_silu, 2, true, false)
