@@ -27,7 +27,9 @@
 namespace {
 
 constexpr int WARPS = 8;
-constexpr int U = 4;  // chunks of 64 k in flight per warp
+// Chunks of 64 k in flight per warp: 4 KB of weights a warp either way.
+template <bool FP8>
+constexpr int IN_FLIGHT = FP8 ? 4 : 2;
 
 // What a thread holds of one weight row for one 64-wide chunk: 16 weights.
 template <bool FP8>
@@ -116,6 +118,7 @@ __device__ __forceinline__ void gemm_body(
   const int first = warp * per_warp;
   const int last = min(chunks, first + per_warp);
   constexpr int BYTES = FP8 ? 1 : 2;  // a weight's
+  constexpr int U = IN_FLIGHT<FP8>;
   const uint8_t* row_g = w + ((size_t)(n0 + g) * K + 16 * t) * BYTES;
   const uint8_t* row_g8 = row_g + (size_t)8 * K * BYTES;
 
