@@ -115,7 +115,7 @@ def test_cuda_ipc_maps_another_process_pool():
     child.start()
     handle = msgspec.msgpack.decode(queue.get(timeout=120), type=KVPoolHandle)
     assert handle.kind == "cuda_ipc"
-    pool = OpenedPools().open(handle)
+    pool = OpenedPools().open(handle).pool
     got = [t.clone() for t in [*pool.k, *pool.v]]
     torch.cuda.synchronize()
     done.set()

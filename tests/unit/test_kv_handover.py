@@ -287,6 +287,8 @@ class _ReadLater:
     on the CPU:
     an early read ends at its `polls`-th poll, copied or failed; a handover's read at once."""
 
+    in_stream = False
+
     def __init__(self, pool, ours, fail: bool = False, polls: int = 3) -> None:
         self.pool, self.ours, self.fail, self.polls = pool, ours, fail, polls
         self.geometry, self.block_size = pool.geometry, pool.block_size

@@ -46,8 +46,9 @@ def test_a_shared_pool_is_read_in_another_process(dtype):
     handle = msgspec.msgpack.decode(queue.get(timeout=60), type=KVPoolHandle)
     assert handle.kind == "shm" and handle.planes == 2 and handle.block_size == 4
     pools = OpenedPools()
-    opened = pools.open(handle)
-    assert pools.open(handle) is opened  # mapped once
+    peer = pools.open(handle)
+    assert pools.open(handle) is peer and peer.in_stream  # mapped once, copied in stream
+    opened = peer.pool
     expected = _pool(dtype)
     for got, want in zip([*opened.k, *opened.v], [*expected.k, *expected.v], strict=True):
         assert got.dtype == dtype
@@ -73,7 +74,7 @@ def test_sharing_keeps_the_tensors_and_bad_handles_are_refused():
     pool.k[0][0].fill_(3)
     pools = OpenedPools()
     opened = pools.open(shared.handle)
-    assert bool((opened.k[0][0] == 3).all())
+    assert bool((opened.pool.k[0][0] == 3).all())
     pools.forget(shared.handle.pool_id)  # its prefill core was lost: mapped anew if asked
     assert pools.open(shared.handle) is not opened
     shared.close()

@@ -1,6 +1,7 @@
 """An engine's KV pool as prefill/decode handover sees it (engine/disagg/handover.py): the
-pool, one completion's blocks in it, where an imported completion reads its K/V, and the
-copy of that K/V between two pools mapped in one process."""
+pool, one completion's blocks in it, another engine's pool as read here (`PeerKVPool`),
+where an imported completion reads its K/V, and the copy of that K/V between two pools
+mapped in one process."""
 
 from __future__ import annotations
 
@@ -56,34 +57,59 @@ class KVBlocks(msgspec.Struct, array_like=True):
     nbytes: int
 
 
-class RemoteKVPool(Protocol):
-    """Another engine's pool read through a connector
-    (engine/disagg/nixl_connector.py) instead of mapped
-    into this process: its `geometry` as `KVPool.geometry` gives it."""
+class PeerKVPool(Protocol):
+    """Another engine's pool as this engine reads it, whichever connector opened it
+    (engine/disagg/connector.py): its `geometry` as `KVPool.geometry` gives it. A peer
+    `in_stream` queues its reads on this engine's stream, ordered before every later pass,
+    so they need no `after` event and their blocks no check that they have landed; any
+    other peer reads outside that stream."""
 
     geometry: tuple[int, int, int, int, str]
     block_size: int
+    in_stream: bool
 
     def read_into(self, blocks: KVBlocks, targets: list[int], start: int) -> None:
         """Copy positions [start, blocks.num_positions) into `targets` of this engine's
-        pool (both tables count from position 0), done on return."""
+        pool (both tables count from position 0): done on return, or (`in_stream`)
+        ordered before every later pass."""
         ...
 
     def start_read(self, blocks: KVBlocks, targets: list[int], start: int, after: Any) -> Any:
         """As `read_into`, started once `after` (a CUDA event, or None) has fired; returns
         at once what says the read has ended (a `done()` that raises if it failed), or
-        None if there is nothing to read."""
+        None if there is nothing to wait for."""
         ...
+
+
+class MappedPeer:
+    """A peer's pool mapped into this process (the torch connector's, or one at hand when
+    one process holds both cores): read by copies on this engine's stream into `local()`,
+    its own pool."""
+
+    in_stream = True
+
+    def __init__(self, pool: KVPool, local: Callable[[], KVPool]) -> None:
+        self.pool = pool
+        self.local = local
+        self.geometry = pool.geometry
+        self.block_size = pool.block_size
+
+    def read_into(self, blocks: KVBlocks, targets: list[int], start: int) -> None:
+        copy_kv(self.pool, blocks.blocks, self.local(), targets, start, blocks.num_positions)
+
+    def start_read(self, blocks: KVBlocks, targets: list[int], start: int, after: Any) -> None:
+        """Queued in stream order, behind whatever `after` marks: nothing to wait for."""
+        self.read_into(blocks, targets, start)
 
 
 @dataclass(frozen=True)
 class KVSource:
-    """Where an imported completion's K/V is read from at its admission: a pool mapped
-    here, or one a connector reads. `landed` (if set) says whether the blocks a connector
+    """Where an imported completion's K/V is read from at its admission: its prefill core's
+    pool as opened here. `landed` (if set) says whether the blocks a peer out of stream
     reads early for the same request have ended (engine/disagg/prefetch.py): admission waits
     for them rather than read them again."""
 
-    pool: KVPool | RemoteKVPool
+    pool: PeerKVPool
     blocks: KVBlocks
     landed: Callable[[], bool] | None = None
 

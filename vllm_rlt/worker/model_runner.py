@@ -21,7 +21,7 @@ from vllm_rlt.models.interface import LoopedModel, StepInputs
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.worker.cuda_graphs import DecodeGraphs
 from vllm_rlt.worker.host_uploads import HostUploads
-from vllm_rlt.worker.kv_pool import KVPool, KVSource, copy_kv
+from vllm_rlt.worker.kv_pool import KVPool, KVSource
 from vllm_rlt.worker.mixed_graphs import Carried, MixedGraphs, PromptPassParts, mixed_sizes
 from vllm_rlt.worker.pass_head import PassHead
 from vllm_rlt.worker.pass_inputs import (
@@ -243,17 +243,15 @@ class ModelRunner:
     def import_kv(self, source: KVSource, blocks: Sequence[int], start: int = 0) -> None:
         """Copy a handed-over completion's K/V of positions from `start` on (those before
         are in this pool's prefix cache) from its prefill core's pool into `blocks`, in
-        stream order before any pass that reads them."""
-        pool, positions, ours = source.pool, source.blocks.num_positions, self.kv_pool
+        stream order before any pass that reads them (a peer out of stream has read them on
+        return)."""
+        pool, ours = source.pool, self.kv_pool
         if pool.geometry != ours.geometry:
             raise ValueError(
                 f"handed-over K/V has (layers, planes, kv_heads, head_dim, dtype) "
                 f"{pool.geometry}, expected {ours.geometry}"
             )
-        if not isinstance(pool, KVPool):  # read by its connector, done on return
-            pool.read_into(source.blocks, list(blocks), start)
-            return
-        copy_kv(pool, source.blocks.blocks, ours, blocks, start, positions)
+        pool.read_into(source.blocks, list(blocks), start)
 
     def copies_done(self) -> Any:
         """What says the copies queued so far are done: a CUDA event (None on the CPU,

@@ -9,20 +9,23 @@ Scheduler half (what the decode core's scheduler asks about an imported request,
 here and which must still arrive. Blocks this core's prefix cache holds are not read
 again (core/known_blocks.py); a request whose early reads (prompt blocks read before its
 handover, engine/disagg/prefetch.py) have not landed waits for them (`awaits_reads`). A
-connector decides which reads exist: a pool it maps here (`KVPool`) is copied on this
-core's stream, ordered before every later pass; any other peer reads outside that stream
-(`RemoteKVPool`, worker/kv_pool.py), so its reads start behind the pass in flight, and
-the blocks they bring count only once read.
+connector decides which reads exist; every peer pool it opens is read through one
+interface (`PeerKVPool`, worker/kv_pool.py). A pool it maps here (`MappedPeer`) reads
+`in_stream`: copies on this core's stream, ordered before every later pass. Any other
+peer reads outside that stream, so its reads start behind the pass in flight, and the
+blocks they bring count only once read.
 
 Worker half, on every tensor-parallel rank (rank r of a decode core reads rank r of a
 prefill core):
   share(pool: KVPool) -> SharedKV          the prefill side: its pool made readable until
                                            `close`; `handle` travels to decode cores
-  open(handle, local) -> KVPool | RemoteKVPool
-                                           the decode side: the peer pool as read here
+  open(handle, local) -> PeerKVPool        the decode side: the peer pool as read here
                                            (`local()` is this core's own pool)
-  RemoteKVPool.start_read(blocks, targets, start, after) -> done marker | None
-                                           a read of a peer that is not mapped here
+  PeerKVPool.read_into(blocks, targets, start)
+                                           a read done, or ordered (`in_stream`), on return
+  PeerKVPool.start_read(blocks, targets, start, after) -> done marker | None
+                                           a read that may end later (None: nothing to
+                                           wait for)
   probe(peer, device)                      read something now: the start-up check
   forget(peer)                             its prefill core is gone
   missing() -> str | None                  why it cannot run here (checked at start-up)
@@ -44,7 +47,7 @@ from typing import Any, ClassVar, Protocol
 import msgspec
 import torch
 
-from vllm_rlt.worker.kv_pool import KVPool, RemoteKVPool
+from vllm_rlt.worker.kv_pool import KVPool, PeerKVPool
 
 
 class PoolHandle(msgspec.Struct, array_like=True):
@@ -99,7 +102,7 @@ class KVConnector(Protocol):
 
     def share(self, pool: KVPool) -> SharedKV: ...
 
-    def open(self, handle: Any, local: Callable[[], KVPool]) -> KVPool | RemoteKVPool: ...
+    def open(self, handle: Any, local: Callable[[], KVPool]) -> PeerKVPool: ...
 
     def probe(self, peer: Any, device: torch.device) -> None: ...
 

@@ -31,7 +31,6 @@ from vllm_rlt.engine.disagg.prefetch import (
 from vllm_rlt.engine.request_group import RequestGroup, RequestGroups
 from vllm_rlt.parallel.tensor_parallel import mirror_part, mirrored
 from vllm_rlt.sampling_params import SamplingParams
-from vllm_rlt.worker.kv_pool import KVPool
 from vllm_rlt.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -205,12 +204,12 @@ class Disaggregation:
         self.ledger.add_prefetch(blocks.request_id, done, source, blocks.end)
 
     def _read_ahead(self, handover: KVHandover, live: list[Request]) -> None:
-        """An import read through a connector (outside this core's stream): read its whole
+        """An import read outside this core's stream (not `in_stream`): read its whole
         prompt blocks that no prefetch covers now, like blocks lent early, so that the read
         that pauses this core's passes at admission shrinks to what follows them."""
         first = self.ledger.prefetched_up_to(handover.request_id)
         whole = len(handover.prompt_token_ids) // self.kv.block_size
-        if isinstance(handover.pool, KVPool) or not live or whole <= first:
+        if not live or whole <= first or handover.pool.in_stream:
             return
         kv = next(c.kv for c in handover.completions if c.kv is not None)
         prompt = handover.prompt_token_ids[: whole * self.kv.block_size]

@@ -29,7 +29,7 @@ from vllm_rlt.core.kv_cache_manager import KVCacheManager, block_hashes
 from vllm_rlt.core.request import Request, RequestStatus
 from vllm_rlt.engine.request_group import RequestGroup
 from vllm_rlt.sampling_params import SamplingParams
-from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, KVSource, RemoteKVPool
+from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, KVSource, PeerKVPool
 
 
 @dataclass
@@ -59,13 +59,13 @@ class HandedCompletion:
 class KVHandover:
     """A request whose prompt a prefill core ran, ready to decode elsewhere. The frontend
     has had its first tokens and its prompt logprobs from the prefill core; `pool` is that
-    core's KV pool (as this process sees it)."""
+    core's KV pool: its own as offered, opened as a peer on the decode core."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     completions: list[HandedCompletion] = field(default_factory=list)
-    pool: KVPool | RemoteKVPool | None = None
+    pool: KVPool | PeerKVPool | None = None
 
     @property
     def nbytes(self) -> int:

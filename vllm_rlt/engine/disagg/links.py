@@ -13,7 +13,7 @@ import torch
 
 from vllm_rlt.engine.disagg.connector import KVConnector, PoolHandle, SharedKV
 from vllm_rlt.engine.disagg.registry import connector_class, connector_of
-from vllm_rlt.worker.kv_pool import KVPool, RemoteKVPool
+from vllm_rlt.worker.kv_pool import KVPool, MappedPeer, PeerKVPool
 
 
 class OpenedPools:
@@ -24,9 +24,9 @@ class OpenedPools:
     def __init__(self, local: Callable[[], KVPool] | None = None) -> None:
         self.local = local
         self.connectors: dict[type[KVConnector], KVConnector] = {}
-        self.pools: dict[str, tuple[KVConnector, KVPool | RemoteKVPool]] = {}
+        self.pools: dict[str, tuple[KVConnector, PeerKVPool]] = {}
 
-    def open(self, handle: PoolHandle) -> KVPool | RemoteKVPool:
+    def open(self, handle: PoolHandle) -> PeerKVPool:
         opened = self.pools.get(handle.pool_id)
         if opened is None:
             kind = connector_of(handle)
@@ -74,9 +74,12 @@ class KVLinks:
 
     def source(self, pools: Any) -> Any:
         """What this rank reads a handover from: a core's pool as one handle per rank
-        (opened here once), or a pool already at hand (one process holding both cores)."""
+        (opened here once), or a pool already at hand (one process holding both cores):
+        another core's `KVPool`, mapped here already, or a peer opened before."""
         if isinstance(pools, list):
             return self.opened.open(pools[self.rank])
+        if isinstance(pools, KVPool):
+            return MappedPeer(pools, self.local)
         return pools
 
     def probe(self, pools: list[PoolHandle], device: torch.device) -> None:

@@ -129,8 +129,11 @@ class NixlSharedPool:
 
 
 class NixlPeer:
-    """A prefill core's pool as a decode core reads it through NIXL (the `source.pool` of
-    an import's `KVSource`): its geometry, and `read_into` this core's pool."""
+    """A prefill core's pool as a decode core reads it through NIXL (a `PeerKVPool`, the
+    `source.pool` of an import's `KVSource`): its geometry, and `read_into` this core's
+    pool, outside this core's stream."""
+
+    in_stream = False
 
     def __init__(self, reader: NixlReader, handle: NixlPoolHandle) -> None:
         self.reader = reader

@@ -25,7 +25,7 @@ from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.disagg.handover import HandoverLedger, Prefetching
 from vllm_rlt.engine.request_group import RequestGroup
-from vllm_rlt.worker.kv_pool import KVBlocks, KVPool, copy_kv
+from vllm_rlt.worker.kv_pool import KVBlocks, PeerKVPool
 from vllm_rlt.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -97,13 +97,14 @@ def prefetch_into(
     scheduler: Scheduler,
     runner: ModelRunner,
     ledger: HandoverLedger,
-    source: Any,
+    source: PeerKVPool | None,
     blocks: PromptBlocks,
 ) -> Any:
     """Decode side: copy the prompt blocks of `blocks` this core's prefix cache lacks from
-    `source` (a prefill core's pool mapped here, or read through a connector) into fresh
-    blocks, registered in the cache and released (cached, evictable: an import that finds
-    them skips their copy). Returns what says the copy is done, with a `query` method
+    `source` (a prefill core's pool as opened here) into fresh blocks, registered in the
+    cache (at once for a read `in_stream`, once read for another) and released (cached,
+    evictable: an import that finds them skips their copy). Returns what says the copy is
+    done, with a `query` method
     (None: done, or nothing was copied: a pool that cannot take it, or too few free
     blocks). `ledger` keeps the block hashes of a prompt arriving in pieces."""
     kv: KVCacheManager = scheduler.kv
@@ -123,8 +124,8 @@ def prefetch_into(
     missing = [index for index in lent if not kv.count_hits([hashes[index]])]
     if not missing or len(missing) > kv.num_free_blocks // 2:  # leave room for passes
         return None
-    # A connector's read starts behind the pass in flight (taken before any block is).
-    after = None if isinstance(source, KVPool) else runner.copies_done()
+    # A read out of stream starts behind the pass in flight (taken before any block is).
+    after = None if source.in_stream else runner.copies_done()
     owner = ("prefetch", blocks.request_id, next(_OWNER_KEYS))
     taken = [block for _, block in kv.grow(owner, len(missing) * size)]
     sources = [0] * first + blocks.blocks  # tables from position 0; below `first` unread
@@ -133,10 +134,10 @@ def prefetch_into(
         targets[index] = block
     cached = [hashes[index] for index in missing]
     runs = [(run[0] * size, (run[-1] + 1) * size) for run in _consecutive(missing)]
-    if isinstance(source, KVPool):
+    if source.in_stream:  # ordered before every later pass: cached at once
         try:
             for start, end in runs:
-                copy_kv(source, sources, ours, targets, start, end)
+                source.read_into(KVBlocks(sources, end, 0), targets, start)
             for index, block_hash in enumerate(cached):
                 kv.register(owner, index, block_hash)
         finally:
@@ -172,8 +173,8 @@ def early_reads_landed(prefetching: Iterable[Prefetching], request_id: str) -> A
 
 
 class ConnectorPrefetch:
-    """Blocks a connector reads into outside this core's stream
-    (engine/disagg/nixl_connector.py): held
+    """Blocks a peer reads into outside this core's stream (not `in_stream`, as
+    engine/disagg/nixl_connector.py's): held
     until every read has ended (`query` polls), then registered in the prefix cache (not
     before: an import that found them would read them before the bytes are there) and
     released (`finish`). A failed read leaves the blocks out of the cache (the import

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from vllm_rlt.engine.disagg.connector import PoolHandle, pool_fields
-from vllm_rlt.worker.kv_pool import KVPool
+from vllm_rlt.worker.kv_pool import KVPool, MappedPeer
 
 PREFIX = "vllm-rlt-kv-"  # of every shared pool file's name
 DTYPES = {  # a pool's element types, by name (float8: --kv-cache-dtype fp8)
@@ -77,15 +77,15 @@ class TorchConnector:
     def share(self, pool: KVPool) -> SharedPool:
         return SharedPool(pool)
 
-    def open(self, handle: TorchPoolHandle, local: Callable[[], KVPool]) -> KVPool:
-        return _map(handle)
+    def open(self, handle: TorchPoolHandle, local: Callable[[], KVPool]) -> MappedPeer:
+        return MappedPeer(_map(handle), local)
 
-    def probe(self, peer: KVPool, device: torch.device) -> None:
-        peer.k[0][:1].to(device, copy=True)
+    def probe(self, peer: MappedPeer, device: torch.device) -> None:
+        peer.pool.k[0][:1].to(device, copy=True)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
 
-    def forget(self, peer: KVPool) -> None:
+    def forget(self, peer: MappedPeer) -> None:
         """Nothing to let go of: a mapping goes with the last import that still holds it."""
 
 
