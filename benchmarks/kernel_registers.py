@@ -81,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("needs Triton, which compiles the kernels (no GPU needed): pip install triton")
     from vllm_rlt.kernels.decode_attention import _paged_attention_kernel, _rope_attend_kernel
 
-    shape = dict(NUM_HEADS=16, NUM_KV_HEADS=16, HEAD_DIM=128, KV_SCALED=False, STAGES=1)
+    shape = dict(NUM_HEADS=16, NUM_KV_HEADS=16, HEAD_DIM=128, HEAD_P2=128, KV_SCALED=False)
+    shape |= dict(STAGES=1)
     kernels = {
         "row": (
             _paged_attention_kernel,

@@ -20,6 +20,7 @@ import torch
 from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.kernels.decode_attention import _paged_attention_kernel
+from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.pdl import launch_options
 from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
 
@@ -64,6 +65,7 @@ def attention_us(
             NUM_HEADS=HEADS,
             NUM_KV_HEADS=HEADS,
             HEAD_DIM=DIM,
+            HEAD_P2=head_range(DIM),
             KV_SCALED=False,
             BLOCK_N=block_n,
             STAGES=1,
@@ -90,7 +92,8 @@ def rope_us(rows: int, by_row: bool, pdl: bool) -> float:
     lo = torch.zeros(rows, dtype=torch.int64, device="cuda")
     args = (qkv, q, k_cache, v_cache, positions, positions, positions, cos, sin, entry)
     args += (lo, lo + 1, qkv.stride(0), slots)  # the K/V scales (positions) are not read
-    shape = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=HEADS, HEAD_DIM=DIM, PLANES=PLANES, KV_SCALED=False)
+    shape = dict(NUM_HEADS=HEADS, NUM_KV_HEADS=HEADS, HEAD_DIM=DIM, HEAD_P2=head_range(DIM))
+    shape |= dict(PLANES=PLANES, KV_SCALED=False)
 
     def launch(_: int) -> None:
         if by_row:

@@ -125,6 +125,7 @@ class _State:
         self.block_table, self.loop, self.position = block_table, loop, position
 
 
+@pytest.mark.parametrize("dim", [128, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
     ("planes", "table_planes"), [(4, 1), (1, 1), (1, 4)], ids=["last_exited", "shared", "sd"]
@@ -145,7 +146,7 @@ class _State:
     ],
 )
 def test_rope_write_and_paged_attention(
-    triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
+    triton_ops, monkeypatch, dim, dtype, planes, table_planes, kv_heads, with_prompts, launch
 ):
     """Decode rows at mixed loops, with or without prefill chunks: same cache contents, same
     outputs. With a table row per loop (SHARED_DECODE), a prompt chunk at loop 0 goes
@@ -160,10 +161,10 @@ def test_rope_write_and_paged_attention(
     (few rows split by default). At 4 KV heads both kernels
     run a program per KV head for its group of query heads (GROUPED_DECODE_HEADS):
     "grouped" takes the row kernel even for decode alone, with split-KV runs; "ungrouped"
-    runs a program per query head instead."""
-    _check_attention(
-        triton_ops, monkeypatch, dtype, planes, table_planes, kv_heads, with_prompts, launch
-    )
+    runs a program per query head instead. Head size 96 (Huginn-0125's) lies on 128 lanes,
+    the last 32 masked."""
+    shape = (dtype, planes, table_planes, kv_heads, with_prompts, launch)
+    _check_attention(triton_ops, monkeypatch, *shape, dim=dim)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -176,6 +177,7 @@ def test_one_plane_layers_of_a_looped_pass(triton_ops, monkeypatch, dtype, launc
     _check_attention(triton_ops, monkeypatch, dtype, 4, 1, 4, with_prompts, launch, one_plane=True)
 
 
+@pytest.mark.parametrize("dim", [128, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("planes", "table_planes"), [(4, 1), (1, 4)], ids=["last_exited", "sd"])
 @pytest.mark.parametrize(
@@ -185,7 +187,7 @@ def test_one_plane_layers_of_a_looped_pass(triton_ops, monkeypatch, dtype, launc
 @pytest.mark.parametrize("scaled", [False, True], ids=["unscaled", "scaled"])
 @pytest.mark.parametrize("with_prompts", [True, False], ids=["mixed", "decode_only"])
 def test_rope_write_and_paged_attention_over_an_fp8_cache(
-    triton_ops, monkeypatch, dtype, planes, table_planes, launch, scaled, with_prompts
+    triton_ops, monkeypatch, dim, dtype, planes, table_planes, launch, scaled, with_prompts
 ):
     """The same with float8 K/V (--kv-cache-dtype fp8): the kernels round what they write
     as torch does and widen what they read. A key the two paths rotate one bf16 ulp apart
@@ -203,6 +205,7 @@ def test_rope_write_and_paged_attention_over_an_fp8_cache(
         launch,
         torch.float8_e4m3fn,
         scaled,
+        dim=dim,
     )
 
 
@@ -218,13 +221,14 @@ def _check_attention(
     kv_dtype=None,
     scaled=False,
     one_plane=False,
+    dim=128,
 ):
     from vllm_rlt.core.contract import PrefillChunk
     from vllm_rlt.ops import triton_ops as triton_module
     from vllm_rlt.ops.metadata import DeviceCounts
 
     gen = torch.Generator(device="cuda").manual_seed(1)
-    heads, dim, bs, slots = 16, 128, 16, 8
+    heads, bs, slots = 16, 16, 8
     table_rows = (slots + 2) * table_planes
     num_blocks = 8 * table_rows
     geo = KVGeometry(

@@ -74,17 +74,19 @@ def test_the_registry_gives_ops_that_keep_the_contract():
 
 
 def test_backends_say_which_head_sizes_they_take(monkeypatch):
-    """Huginn's head size 96 is no power of two, which the Triton kernels need: "auto" passes
-    over a backend that does not take it, and naming it is an error that says so."""
+    """The Triton kernels take any even head size (Huginn's 96 too) and no odd one, whose
+    halves RoPE could not rotate: "auto" passes over a backend that does not take a head
+    size, and naming it is an error that says so."""
     from vllm_rlt.ops import registry
 
-    pow2 = (lambda device: True, registry._BACKENDS["torch"][1], registry._power_of_two)
-    monkeypatch.setattr(registry, "_BACKENDS", {"pow2": pow2} | registry._BACKENDS)
+    even = (lambda device: True, registry._BACKENDS["torch"][1], registry._BACKENDS["triton"][2])
+    monkeypatch.setattr(registry, "_BACKENDS", {"even": even} | registry._BACKENDS)
     cpu = torch.device("cpu")
-    assert registry.get_backend("auto", cpu, 128)[0] == "pow2"
-    assert registry.get_backend("auto", cpu, 96)[0] == "torch"
-    with pytest.raises(ValueError, match="does not take head size 96"):
-        registry.get_backend("pow2", cpu, 96)
+    for head_dim in (64, 80, 96, 112, 128, 256):
+        assert registry.get_backend("auto", cpu, head_dim)[0] == "even"
+    assert registry.get_backend("auto", cpu, 95)[0] == "torch"
+    with pytest.raises(ValueError, match="does not take head size 95"):
+        registry.get_backend("even", cpu, 95)
 
 
 def test_token_stats_give_the_logprob_and_rank_of_the_token():

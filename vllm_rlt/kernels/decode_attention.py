@@ -1,6 +1,7 @@
 """Paged decode attention: a program per row and head (or KV head's group) over its plane's
 keys with online softmax, optionally split over runs of key tiles and combined by a second
-kernel; and the fused kernel that writes K/V and attends in one launch.
+kernel; and the fused kernel that writes K/V and attends in one launch. A head lies on a
+power-of-two range of lanes, masked past its end (kernels/head_lanes.py).
 
 Rounding follows the torch reference step by step (each bf16 product and sum is rounded
 where torch rounds it), so the Triton and torch backends differ only by reduction order.
@@ -11,6 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vllm_rlt.kernels.head_lanes import load_lanes, real_lanes, with_lanes
 from vllm_rlt.kernels.pdl import pdl_enter
 from vllm_rlt.kernels.rope_kv import rotate_halves, write_kv
 
@@ -42,6 +44,7 @@ def _rope_attend_kernel(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_P2: tl.constexpr,
     KV_SCALED: tl.constexpr,
     PLANES: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -65,17 +68,19 @@ def _rope_attend_kernel(
     head = tl.program_id(1)
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
     HALF: tl.constexpr = HEAD_DIM // 2
-    d = tl.arange(0, HALF)
+    HALF_P2: tl.constexpr = HEAD_P2 // 2
+    d = tl.arange(0, HALF_P2)
+    lanes = real_lanes(d, HALF, HALF_P2)
     dtype = q_out_ptr.dtype.element_ty
     pos = tl.load(positions_ptr + row)
-    cos = tl.load(cos_ptr + pos * HEAD_DIM + d).to(tl.float32)
-    sin = tl.load(sin_ptr + pos * HEAD_DIM + d).to(tl.float32)
+    cos = load_lanes(cos_ptr + pos * HEAD_DIM + d, lanes).to(tl.float32)
+    sin = load_lanes(sin_ptr + pos * HEAD_DIM + d, lanes).to(tl.float32)
     base = qkv_ptr + row * qkv_stride
     if GROUP_TILE:
         kv_head = head
         g = tl.arange(0, GROUP_TILE)
         heads = kv_head * GROUP + g
-        g_ok = (g < GROUP)[:, None]
+        g_ok = with_lanes((g < GROUP)[:, None], lanes)
         q_offsets = heads[:, None] * HEAD_DIM + d[None, :]
         q1 = tl.load(base + q_offsets, mask=g_ok, other=0.0).to(tl.float32)
         q2 = tl.load(base + q_offsets + HALF, mask=g_ok, other=0.0).to(tl.float32)
@@ -85,15 +90,15 @@ def _rope_attend_kernel(
         tl.store(q_base + HALF, q2, mask=g_ok)
     else:
         kv_head = head // GROUP
-        q1 = tl.load(base + head * HEAD_DIM + d).to(tl.float32)
-        q2 = tl.load(base + head * HEAD_DIM + HALF + d).to(tl.float32)
+        q1 = load_lanes(base + head * HEAD_DIM + d, lanes).to(tl.float32)
+        q2 = load_lanes(base + head * HEAD_DIM + HALF + d, lanes).to(tl.float32)
         q1, q2 = rotate_halves(q1, q2, cos, sin, dtype)
         q_base = q_out_ptr + (row * NUM_HEADS + head) * HEAD_DIM
-        tl.store(q_base + d, q1)
-        tl.store(q_base + HALF + d, q2)
+        tl.store(q_base + d, q1, mask=lanes)
+        tl.store(q_base + HALF + d, q2, mask=lanes)
     k_base = base + (NUM_HEADS + kv_head) * HEAD_DIM
-    k1 = tl.load(k_base + d).to(tl.float32)
-    k2 = tl.load(k_base + HALF + d).to(tl.float32)
+    k1 = load_lanes(k_base + d, lanes).to(tl.float32)
+    k2 = load_lanes(k_base + HALF + d, lanes).to(tl.float32)
     k1, k2 = rotate_halves(k1, k2, cos, sin, dtype)
     write_kv(
         base,
@@ -112,6 +117,7 @@ def _rope_attend_kernel(
         NUM_HEADS,
         NUM_KV_HEADS,
         HEAD_DIM,
+        HEAD_P2,
         KV_SCALED,
         PLANES,
     )
@@ -136,6 +142,7 @@ def _rope_attend_kernel(
         NUM_HEADS,
         NUM_KV_HEADS,
         HEAD_DIM,
+        HEAD_P2,
         KV_SCALED,
         BLOCK_N,
         STAGES,
@@ -167,6 +174,7 @@ def _paged_attention_kernel(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_P2: tl.constexpr,
     KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
@@ -205,6 +213,7 @@ def _paged_attention_kernel(
                 NUM_HEADS,
                 NUM_KV_HEADS,
                 HEAD_DIM,
+                HEAD_P2,
                 KV_SCALED,
                 BLOCK_N,
                 STAGES,
@@ -234,6 +243,7 @@ def _paged_attention_kernel(
             NUM_HEADS,
             NUM_KV_HEADS,
             HEAD_DIM,
+            HEAD_P2,
             KV_SCALED,
             BLOCK_N,
             STAGES,
@@ -265,6 +275,7 @@ def _attend_row(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_P2: tl.constexpr,
     KV_SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr,
     STAGES: tl.constexpr,
@@ -280,7 +291,8 @@ def _attend_row(
     is a KV head, and its group of query heads (padded to GROUP_TILE rows, at least 16)
     attends together with tl.dot, so each K/V tile is read once for the group."""
     GROUP: tl.constexpr = NUM_HEADS // NUM_KV_HEADS
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_P2)
+    lanes = real_lanes(d, HEAD_DIM, HEAD_P2)  # padded lanes: q, K and V read 0, never stored
     pos = tl.load(positions_ptr + row)
     table_row = tl.load(table_rows_ptr + row)
     plane = tl.load(planes_ptr + row)
@@ -289,16 +301,16 @@ def _attend_row(
         g = tl.arange(0, GROUP_TILE)
         g_ok = g < GROUP
         heads = kv_head * GROUP + tl.minimum(g, GROUP - 1)  # padding repeats a head, unstored
-        q = tl.load(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :])
+        q = load_lanes(q_ptr + (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :], lanes)
         m = tl.full((GROUP_TILE,), float("-inf"), tl.float32)
         total = tl.zeros((GROUP_TILE,), tl.float32)
-        acc = tl.zeros((GROUP_TILE, HEAD_DIM), tl.float32)
+        acc = tl.zeros((GROUP_TILE, HEAD_P2), tl.float32)
     else:
         kv_head = head // GROUP
-        q = tl.load(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d).to(tl.float32)
+        q = load_lanes(q_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, lanes).to(tl.float32)
         m = tl.full((), float("-inf"), tl.float32)
         total = tl.full((), 0.0, tl.float32)
-        acc = tl.zeros((HEAD_DIM,), tl.float32)
+        acc = tl.zeros((HEAD_P2,), tl.float32)
     if KV_SCALED:  # a float8 cache holds K / k_scale and V / v_scale
         scale = scale * tl.load(k_scale_ptr + kv_head)
     first = 0
@@ -317,24 +329,25 @@ def _attend_row(
             plane * slots_per_plane + block * block_size + j % block_size
         ) * NUM_KV_HEADS + kv_head
         offsets = entry[:, None] * HEAD_DIM + d[None, :]
+        kv_mask = with_lanes(valid[:, None], lanes)
         if GROUP_TILE:  # float8 K/V widen exactly to q's dtype for the dots
-            k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
+            k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
             scores = _dot_f32(q, tl.trans(k)) * scale
             scores = tl.where(valid[None, :], scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=1))
             p = tl.exp(scores - m_new[:, None])
             alpha = tl.exp(m - m_new)
-            v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(q.dtype)
+            v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
             total = total * alpha + tl.sum(p, axis=1)
             acc = acc * alpha[:, None] + _dot_f32(p.to(q.dtype), v)
         else:
-            k = tl.load(k_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+            k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
             scores = tl.sum(k * q[None, :], axis=1) * scale
             scores = tl.where(valid, scores, float("-inf"))
             m_new = tl.maximum(m, tl.max(scores, axis=0))
             p = tl.exp(scores - m_new)
             alpha = tl.exp(m - m_new)
-            v = tl.load(v_cache_ptr + offsets, mask=valid[:, None], other=0.0).to(tl.float32)
+            v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(tl.float32)
             total = total * alpha + tl.sum(p, axis=0)
             acc = acc * alpha + tl.sum(p[:, None] * v, axis=0)
         m = m_new
@@ -353,12 +366,13 @@ def _attend_row(
             split,
             NUM_HEADS,
             HEAD_DIM,
+            HEAD_P2,
             KV_SCALED,
             SPLITS,
         )
     elif SPLITS > 1:
         part = part_ptr + ((row * NUM_HEADS + head) * SPLITS + split) * (HEAD_DIM + 2)
-        tl.store(part + d, acc)
+        tl.store(part + d, acc, mask=lanes)
         tl.store(part + HEAD_DIM, m)
         tl.store(part + HEAD_DIM + 1, total)
     else:
@@ -366,7 +380,7 @@ def _attend_row(
         if KV_SCALED:
             out = out * tl.load(v_scale_ptr + kv_head)
         out_offsets = (row * NUM_HEADS + head) * HEAD_DIM + d
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty))
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=lanes)
 
 
 @triton.jit
@@ -392,15 +406,17 @@ def _store_group(
     split,
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_P2: tl.constexpr,
     KV_SCALED: tl.constexpr,
     SPLITS: tl.constexpr,
 ):
     """A head group's results, as `_attend_row` stores one head's: the split's state, or
     the normalised output."""
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_P2)
+    tile_ok = with_lanes(g_ok[:, None], real_lanes(d, HEAD_DIM, HEAD_P2))
     if SPLITS > 1:
         part = part_ptr + ((row * NUM_HEADS + heads) * SPLITS + split) * (HEAD_DIM + 2)
-        tl.store(part[:, None] + d[None, :], acc, mask=g_ok[:, None])
+        tl.store(part[:, None] + d[None, :], acc, mask=tile_ok)
         tl.store(part + HEAD_DIM, m, mask=g_ok)
         tl.store(part + HEAD_DIM + 1, total, mask=g_ok)
     else:
@@ -408,7 +424,7 @@ def _store_group(
         if KV_SCALED:
             out = out * tl.load(v_scale_ptr + kv_head)
         out_offsets = (row * NUM_HEADS + heads)[:, None] * HEAD_DIM + d[None, :]
-        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=g_ok[:, None])
+        tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
 
 @triton.jit
@@ -419,6 +435,7 @@ def _combine_splits_kernel(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_P2: tl.constexpr,
     KV_SCALED: tl.constexpr,
     SPLITS: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -428,13 +445,15 @@ def _combine_splits_kernel(
     pdl_enter(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
-    d = tl.arange(0, HEAD_DIM)
+    d = tl.arange(0, HEAD_P2)
+    lanes = real_lanes(d, HEAD_DIM, HEAD_P2)
     part = part_ptr + ((row * NUM_HEADS + head) * SPLITS + tl.arange(0, SPLITS)) * (HEAD_DIM + 2)
     m = tl.load(part + HEAD_DIM)
     weight = tl.exp(m - tl.max(m, axis=0))
     total = tl.sum(tl.load(part + HEAD_DIM + 1) * weight, axis=0)
-    acc = tl.sum(tl.load(part[:, None] + d[None, :]) * weight[:, None], axis=0)
+    acc = tl.sum(load_lanes(part[:, None] + d[None, :], lanes) * weight[:, None], axis=0)
     out = acc / total
     if KV_SCALED:
         out = out * tl.load(v_scale_ptr + head // (NUM_HEADS // NUM_KV_HEADS))
-    tl.store(out_ptr + (row * NUM_HEADS + head) * HEAD_DIM + d, out.to(out_ptr.dtype.element_ty))
+    out_offsets = (row * NUM_HEADS + head) * HEAD_DIM + d
+    tl.store(out_ptr + out_offsets, out.to(out_ptr.dtype.element_ty), mask=lanes)

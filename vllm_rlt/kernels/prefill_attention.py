@@ -1,5 +1,6 @@
 """Prefill attention over tiles of consecutive prompt positions of one request and plane,
-with tl.dot and causal masking.
+with tl.dot and causal masking. A head lies on a power-of-two range of lanes, masked past
+its end (kernels/head_lanes.py).
 
 Rounding follows the torch reference step by step (each bf16 product and sum is rounded
 where torch rounds it), so the Triton and torch backends differ only by reduction order.
@@ -10,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from vllm_rlt.kernels.head_lanes import real_lanes, with_lanes
 from vllm_rlt.kernels.pdl import pdl_enter
 
 
@@ -32,6 +34,7 @@ def _prefill_attention_kernel(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_P2: tl.constexpr,
     KV_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -67,6 +70,7 @@ def _prefill_attention_kernel(
                 NUM_HEADS,
                 NUM_KV_HEADS,
                 HEAD_DIM,
+                HEAD_P2,
                 KV_SCALED,
                 BLOCK_M,
                 BLOCK_N,
@@ -92,6 +96,7 @@ def _prefill_attention_kernel(
             NUM_HEADS,
             NUM_KV_HEADS,
             HEAD_DIM,
+            HEAD_P2,
             KV_SCALED,
             BLOCK_M,
             BLOCK_N,
@@ -119,6 +124,7 @@ def _attend_tile(
     NUM_HEADS: tl.constexpr,
     NUM_KV_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
+    HEAD_P2: tl.constexpr,
     KV_SCALED: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -131,20 +137,22 @@ def _attend_tile(
     table_row = tl.load(tiles_ptr + 3 * tile_stride + tile)
     plane = tl.load(tiles_ptr + 4 * tile_stride + tile)
     m = tl.arange(0, BLOCK_M)
-    d = tl.arange(0, HEAD_DIM)
-    rows_valid = m < count
+    d = tl.arange(0, HEAD_P2)
+    lanes = real_lanes(d, HEAD_DIM, HEAD_P2)  # padded lanes: q, K and V read 0, never stored
+    rows_valid = with_lanes((m < count)[:, None], lanes)
     q_offsets = ((row0 + m)[:, None] * NUM_HEADS + head) * HEAD_DIM + d[None, :]
-    q = tl.load(q_ptr + q_offsets, mask=rows_valid[:, None], other=0.0)
+    q = tl.load(q_ptr + q_offsets, mask=rows_valid, other=0.0)
     q_pos = pos0 + m
     if KV_SCALED:  # a float8 cache holds K / k_scale and V / v_scale
         scale = scale * tl.load(k_scale_ptr + kv_head)
     row_max = tl.full((BLOCK_M,), float("-inf"), tl.float32)
     row_sum = tl.zeros((BLOCK_M,), tl.float32)
-    acc = tl.zeros((BLOCK_M, HEAD_DIM), tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_P2), tl.float32)
     context = pos0 + count
     for start in tl.range(0, context, BLOCK_N):
         j = start + tl.arange(0, BLOCK_N)
         keys_valid = j < context
+        kv_mask = with_lanes(keys_valid[:, None], lanes)
         block = tl.load(
             block_table_ptr + table_row * block_table_stride + j // block_size,
             mask=keys_valid,
@@ -153,7 +161,7 @@ def _attend_tile(
         entry = (plane * slots_per_plane + block * block_size + j % block_size) * NUM_KV_HEADS
         offsets = (entry + kv_head)[:, None] * HEAD_DIM + d[None, :]
         # a float8 cache is widened to q's dtype here, as it is read
-        k = tl.load(k_cache_ptr + offsets, mask=keys_valid[:, None], other=0.0).to(q.dtype)
+        k = tl.load(k_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             scores = tl.dot(q, tl.trans(k), input_precision="ieee")
         else:
@@ -166,7 +174,7 @@ def _attend_tile(
         p = tl.exp(scores - new_max[:, None])
         alpha = tl.exp(row_max - new_max)
         row_sum = row_sum * alpha + tl.sum(p, axis=1)
-        v = tl.load(v_cache_ptr + offsets, mask=keys_valid[:, None], other=0.0).to(q.dtype)
+        v = tl.load(v_cache_ptr + offsets, mask=kv_mask, other=0.0).to(q.dtype)
         if IEEE:
             acc = acc * alpha[:, None] + tl.dot(p, v.to(tl.float32), input_precision="ieee")
         else:
@@ -175,4 +183,4 @@ def _attend_tile(
     out = acc / tl.where(row_sum == 0.0, 1.0, row_sum)[:, None]
     if KV_SCALED:
         out = out * tl.load(v_scale_ptr + kv_head)
-    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=rows_valid[:, None])
+    tl.store(out_ptr + q_offsets, out.to(out_ptr.dtype.element_ty), mask=rows_valid)

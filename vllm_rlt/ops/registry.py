@@ -80,11 +80,13 @@ def _load_torch() -> LoopOps:
     return TorchOps()
 
 
-def _power_of_two(head_dim: int) -> bool:
-    """The Triton kernels lay a head out as one power-of-two range (Huginn's 96 is not)."""
-    return head_dim & (head_dim - 1) == 0
+def _even(head_dim: int) -> bool:
+    """The Triton kernels lay a head out on a power-of-two range of lanes, masked past its
+    end (kernels/head_lanes.py), and rotate it in two halves of equal size: any even head
+    size (Huginn's 96 as well as 64 or 128)."""
+    return head_dim % 2 == 0
 
 
 # Order matters: "auto" takes the first available.
-register_backend("triton", _triton_available, _load_triton, _power_of_two)
+register_backend("triton", _triton_available, _load_triton, _even)
 register_backend("torch", lambda device: True, _load_torch)

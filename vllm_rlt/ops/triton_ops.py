@@ -15,6 +15,7 @@ from vllm_rlt.kernels.decode_attention import (
 )
 from vllm_rlt.kernels.few_row_gemm import few_row_gemm, takes_few_row
 from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
+from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
@@ -251,9 +252,8 @@ class TritonOps:
         scaled = applied is not None
         k_scale, v_scale = applied or (meta.positions, meta.positions)  # not read when unscaled
         caches = (k_cache, v_cache, k_scale, v_scale)
-        shape = dict(
-            NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, KV_SCALED=scaled
-        )
+        shape = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim)
+        shape |= dict(HEAD_P2=head_range(head_dim), KV_SCALED=scaled)
         tiles, counts = meta.prefill_tiles, meta.device_counts
         fused = rows <= FUSED_DECODE_ROWS and meta.rows_independent
         head_grid, group_tile = self._head_grid(num_heads, num_kv_heads)
