@@ -94,3 +94,37 @@ def test_cuda_huginn_runs_in_bf16_with_graphs(folder):
     assert all(len(o.outputs[0].token_ids) == 8 for o in outputs)
     assert llm.engine.runner.num_decode_graph_passes > 0
     assert torch.cuda.is_available()
+
+
+def test_cuda_huginn_at_head_size_96_equals_the_oracle_on_triton(tmp_path, exact_float32):
+    """Huginn-0125's head size (96, no power of two) on the Triton kernels' masked lanes,
+    with graphs, at a fixed depth and under the latent criterion."""
+    write_tiny_huginn(
+        tmp_path, seed=5, overrides={"n_embd": 192, "n_heads": 2, "num_key_value_heads": 2}
+    )
+    model = HuginnModel.from_folder(tmp_path)
+    assert model.cfg.head_dim == 96
+    for layout, lookup, threshold in (("last_exited", "latest", 0.0), ("shared", "final", 0.5)):
+        llm = _llm(tmp_path, "triton", True, layout, "latent_diff")
+        assert llm.engine.runner.ops.__class__.__name__ == "TritonOps"
+        params = [
+            SamplingParams(
+                max_tokens=5, temperature=0.0, seed=s, ignore_eos=True, exit_threshold=threshold
+            )
+            for s in SEEDS
+        ]
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        criterion = "latent-diff" if threshold else "none"
+        for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
+            want = huginn_generate(
+                model,
+                prompt,
+                max_tokens=5,
+                seed=seed,
+                lookup=lookup,
+                exit_criterion=criterion,
+                exit_threshold=threshold or None,
+            )
+            assert output.outputs[0].token_ids == want.token_ids
+            assert output.outputs[0].exit_depths == want.steps[len(prompt) - 1 :]
+        assert llm.engine.all_blocks_free()
