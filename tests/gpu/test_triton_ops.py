@@ -125,6 +125,11 @@ class _State:
         self.block_table, self.loop, self.position = block_table, loop, position
 
 
+# The masked lanes of a head size that is no power of two are the same code in every
+# dtype and head count: one combination per launch shape and layout keeps the suite short.
+HEAD_96_COVERED = "head size 96 runs each launch shape and layout in one dtype"
+
+
 @pytest.mark.parametrize("dim", [128, 96])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(
@@ -162,7 +167,9 @@ def test_rope_write_and_paged_attention(
     run a program per KV head for its group of query heads (GROUPED_DECODE_HEADS):
     "grouped" takes the row kernel even for decode alone, with split-KV runs; "ungrouped"
     runs a program per query head instead. Head size 96 (Huginn-0125's) lies on 128 lanes,
-    the last 32 masked."""
+    the last 32 masked: every launch shape and layout in bf16 with 4 KV heads."""
+    if dim == 96 and (dtype != torch.bfloat16 or kv_heads != 4):
+        pytest.skip(HEAD_96_COVERED)
     shape = (dtype, planes, table_planes, kv_heads, with_prompts, launch)
     _check_attention(triton_ops, monkeypatch, *shape, dim=dim)
 
@@ -193,7 +200,10 @@ def test_rope_write_and_paged_attention_over_an_fp8_cache(
     as torch does and widen what they read. A key the two paths rotate one bf16 ulp apart
     may round to neighbouring float8 values (1/8 apart at most), so keys match to a float8
     step and outputs closely. Scaled: per-head K and V scales (an FP8 checkpoint's
-    k_scale, v_scale) divide what is written and multiply what is read."""
+    k_scale, v_scale) divide what is written and multiply what is read. Head size 96:
+    bf16, scaled."""
+    if dim == 96 and (dtype != torch.bfloat16 or not scaled):
+        pytest.skip(HEAD_96_COVERED)
     _check_attention(
         triton_ops,
         monkeypatch,
