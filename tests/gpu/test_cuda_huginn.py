@@ -53,6 +53,12 @@ def test_cuda_huginn_equals_the_oracle(
     folder, exact_float32, backend, fast, layout, lookup, threshold
 ):
     llm = _llm(folder, backend, fast, layout, "latent_diff")
+    _check(llm, HuginnModel.from_folder(folder), lookup, threshold)
+
+
+def _check(llm: LLM, model: HuginnModel, lookup: str, threshold: float) -> None:
+    """Every prompt, batched, against the oracle run one request at a time: tokens, exit
+    depths and logprobs, and no block left taken."""
     params = [
         SamplingParams(
             max_tokens=6,
@@ -65,7 +71,6 @@ def test_cuda_huginn_equals_the_oracle(
         for s in SEEDS
     ]
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    model = HuginnModel.from_folder(folder)
     for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
         got = output.outputs[0]
         criterion = "latent-diff" if threshold else "none"
@@ -107,24 +112,4 @@ def test_cuda_huginn_at_head_size_96_equals_the_oracle_on_triton(tmp_path, exact
     for layout, lookup, threshold in (("last_exited", "latest", 0.0), ("shared", "final", 0.5)):
         llm = _llm(tmp_path, "triton", True, layout, "latent_diff")
         assert llm.engine.runner.ops.__class__.__name__ == "TritonOps"
-        params = [
-            SamplingParams(
-                max_tokens=5, temperature=0.0, seed=s, ignore_eos=True, exit_threshold=threshold
-            )
-            for s in SEEDS
-        ]
-        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-        criterion = "latent-diff" if threshold else "none"
-        for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
-            want = huginn_generate(
-                model,
-                prompt,
-                max_tokens=5,
-                seed=seed,
-                lookup=lookup,
-                exit_criterion=criterion,
-                exit_threshold=threshold or None,
-            )
-            assert output.outputs[0].token_ids == want.token_ids
-            assert output.outputs[0].exit_depths == want.steps[len(prompt) - 1 :]
-        assert llm.engine.all_blocks_free()
+        _check(llm, model, lookup, threshold)
