@@ -54,6 +54,42 @@ def test_few_row_gemm_against_torch(rows, n, k, kind):
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
+@pytest.mark.parametrize("branch_norm", [True, False], ids=["norm_add_norm", "add_norm"])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
+@pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 5632), (48, 192)])
+def test_few_row_gemm_add_norms_equals_the_product_then_the_norm_kernel(
+    rows, n, k, kind, branch_norm
+):
+    """The last block's residual add and norms against TritonOps.add_rms_norm2 on the
+    kernel's own product (the same rounding; sums in another order), replayed in a graph
+    so the counter is seen to reset."""
+    from vllm_rlt.ops.triton_ops import TritonOps
+
+    x, weight, _ = _problem(rows, n, k, seed=rows + n + k, kind=kind)
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    residual = torch.randn(rows, n, device="cuda", generator=gen).to(torch.bfloat16)
+    w_branch, w_next = (1 + 0.1 * torch.randn(2, n, device="cuda", generator=gen)).bfloat16()
+    w_branch = w_branch.contiguous() if branch_norm else None
+    ops = TritonOps()
+    product = few_row_gemm.few_row_gemm(x, weight)
+    want = ops.add_rms_norm2(residual, product, w_branch, w_next.contiguous(), 1e-6)
+    got = few_row_gemm.few_row_gemm_add_norms(
+        residual, x, weight, w_branch, w_next.contiguous(), 1e-6, pdl=ops.pdl
+    )
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=TOL, rtol=TOL)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = few_row_gemm.few_row_gemm_add_norms(
+            residual, x, weight, w_branch, w_next.contiguous(), 1e-6, pdl=ops.pdl
+        )
+    for _ in range(3):
+        graph.replay()
+        for g, w in zip(captured, want, strict=True):
+            torch.testing.assert_close(g, w, atol=TOL, rtol=TOL)
+
+
+@pytest.mark.parametrize("kind", ["fp8", "bf16"])
 def test_few_row_gemm_reads_strided_rows_and_replays_in_a_graph(kind):
     """Rows of a wider buffer (as a pass's persistent inputs are), captured in a graph and
     replayed on new values, with programmatic dependent launch."""
@@ -100,6 +136,9 @@ def test_the_triton_ops_take_it_for_the_rows_it_is_set_for(rows, kind, monkeypat
 
     check(TritonOps().linear(x, weight), want)
     check(TritonOps().linear_silu_mul(x, weight), TorchOps().silu_mul(want))
+    residual, w_next = torch.ones_like(want), torch.ones(2048, device="cuda").bfloat16()
+    x_out, _ = TritonOps().linear_add_rms_norm2(residual, x, weight, None, w_next, 1e-6)
+    check(x_out - residual, (residual + want) - residual)  # the add, through either path
     assert not few_row_gemm.fits_few_row(x.float(), weight)  # bf16 activations only
     dense = weight.float() if kind == "bf16" else weight.dequantize(torch.float32)
     assert not few_row_gemm.fits_few_row(x, dense)  # bf16 or float8 weights only

@@ -5,13 +5,16 @@ the activation rows the narrow one, so the weights stream once at the rows' cost
 padded 8- or 16-column tile, where the CUDA-core GEMVs (strip_gemv.py) grow with the rows
 and the skinny Triton kernel pads the rows to its tile (and widens float8 weights per
 program). Float8 weights are widened to bf16 in registers. Weight loads start before the
-wait on the previous kernel (programmatic dependent launch). Built on first use
-(cuda_build.py); without it the Triton kernels serve.
+wait on the previous kernel (programmatic dependent launch). `few_row_gemm_add_norms` ends
+with a sandwich layer's residual add and norms, done by the last block to finish (a
+counter, not a kernel of their own). Built on first use (cuda_build.py); without it the
+Triton kernels serve.
 """
 
 from __future__ import annotations
 
 import ctypes
+import itertools
 
 import torch
 
@@ -24,6 +27,23 @@ from vllm_rlt.layers.fp8 import Fp8Weight
 # then a same-run engine A/B of these constants).
 FP8_CUDA_ROWS = 0
 BF16_CUDA_ROWS = 0
+
+
+# Counters of the add-norms kernels, zero between launches (the last block resets its own):
+# a launch takes the next in turn, so kernels in flight together never share one.
+COUNTERS = 4096
+_counters: dict[torch.device, tuple[torch.Tensor, itertools.count]] = {}
+
+
+def _counter(device: torch.device) -> int:
+    """The address of the next add-norms counter on `device` (allocated on first use)."""
+    if device not in _counters:
+        _counters[device] = (
+            torch.zeros(COUNTERS, dtype=torch.int32, device=device),
+            itertools.count(),
+        )
+    counters, turn = _counters[device]
+    return counters.data_ptr() + 4 * (next(turn) % COUNTERS)
 
 
 def _module(device: torch.device) -> CudaModule | None:
@@ -70,6 +90,24 @@ def fits_few_row(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
     )
 
 
+def _out_features(weight: torch.Tensor | Fp8Weight) -> int:
+    return (weight.tensors()[0] if isinstance(weight, Fp8Weight) else weight).shape[0]
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor | Fp8Weight, kind: str, tail: tuple, pdl: bool):
+    """Launch the kernel `kind` ("", "_silu", ...) of x's row count and weight's dtype on
+    (x, its row stride, the weight, its scales, *tail)."""
+    fp8 = isinstance(weight, Fp8Weight)
+    data, scale = weight.tensors() if fp8 else (weight, weight)  # bf16: scale unread
+    rows, n = x.shape[0], data.shape[0]
+    name = ("w8a16" if fp8 else "w16a16") + ("_n8" if rows <= 8 else "_n16") + kind
+    kernel = _module(x.device).kernel(name)
+    args = (ctypes.c_void_p(x.data_ptr()), ctypes.c_int(x.stride(0)))
+    args += (ctypes.c_void_p(data.data_ptr()), ctypes.c_void_p(scale.data_ptr()), *tail)
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    kernel.launch(n // 16, kernel.max_threads, stream, args, pdl=pdl)
+
+
 def few_row_gemm(
     x: torch.Tensor,  # [rows, K] bf16, 1..16 rows (see fits_few_row)
     weight: torch.Tensor | Fp8Weight,  # [N, K]; with silu_mul rows interleave gate, up
@@ -77,16 +115,37 @@ def few_row_gemm(
     pdl: bool = False,  # launched as a programmatic dependent (see kernels/pdl.py)
 ) -> torch.Tensor:
     """x @ weight.T ([rows, N]), or its SiLU-mul ([rows, N / 2]); graph-safe."""
-    fp8 = isinstance(weight, Fp8Weight)
-    data, scale = weight.tensors() if fp8 else (weight, weight)  # bf16: scale unread
-    rows, (n, k) = x.shape[0], data.shape
+    rows, n = x.shape[0], _out_features(weight)
     out = x.new_empty(rows, n // 2 if silu_mul else n)  # [rows, N or N / 2]
-    name = ("w8a16" if fp8 else "w16a16") + ("_n8" if rows <= 8 else "_n16")
-    kernel = _module(x.device).kernel(name + ("_silu" if silu_mul else ""))
     pointer, integer = ctypes.c_void_p, ctypes.c_int
-    args = (pointer(x.data_ptr()), integer(x.stride(0)), pointer(data.data_ptr()))
-    args += (pointer(scale.data_ptr()), pointer(out.data_ptr()), integer(out.stride(0)))
-    args += (integer(rows), integer(k), integer(int(pdl)))
-    stream = torch.cuda.current_stream(x.device).cuda_stream
-    kernel.launch(n // 16, kernel.max_threads, stream, args, pdl=pdl)
+    tail = (pointer(out.data_ptr()), integer(out.stride(0)), integer(rows))
+    tail += (integer(x.shape[1]), integer(int(pdl)))
+    _launch(x, weight, "_silu" if silu_mul else "", tail, pdl)
     return out
+
+
+def few_row_gemm_add_norms(
+    residual: torch.Tensor,  # [rows, N] bf16
+    x: torch.Tensor,  # [rows, K] bf16, 1..16 rows (see fits_few_row)
+    weight: torch.Tensor | Fp8Weight,  # [N, K]
+    w_branch: torch.Tensor | None,  # [N] the branch's norm (None: the branch as it is)
+    w_next: torch.Tensor,  # [N] the next norm
+    eps: float,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(residual + w_branch * norm(x @ weight.T), w_next * norm of that), each [rows, N]
+    bf16, as TritonOps.add_rms_norm2 of the product; graph-safe."""
+    rows, n = x.shape[0], _out_features(weight)
+    norm = w_next if w_branch is None else w_branch  # unread without a branch norm
+    assert residual.shape == (rows, n) and residual.stride(1) == 1
+    assert w_next.is_contiguous() and norm.is_contiguous()
+    branch = x.new_empty(rows, n)  # the product, read back by the last block
+    x_out, normed = x.new_empty(rows, n), x.new_empty(rows, n)
+    pointer, integer = ctypes.c_void_p, ctypes.c_int
+    tail = (pointer(branch.data_ptr()), integer(rows), integer(x.shape[1]))
+    tail += (pointer(residual.data_ptr()), integer(residual.stride(0)), pointer(norm.data_ptr()))
+    tail += (pointer(w_next.data_ptr()), pointer(x_out.data_ptr()), pointer(normed.data_ptr()))
+    tail += (ctypes.c_float(eps), pointer(_counter(x.device)), integer(int(pdl)))
+    kind = "_norm_add_norm" if w_branch is not None else "_add_norm"
+    _launch(x, weight, kind, tail, pdl)
+    return x_out, normed

@@ -13,7 +13,7 @@ from vllm_rlt.kernels.decode_attention import (
     _paged_attention_kernel,
     _rope_attend_kernel,
 )
-from vllm_rlt.kernels.few_row_gemm import few_row_gemm, takes_few_row
+from vllm_rlt.kernels.few_row_gemm import few_row_gemm, few_row_gemm_add_norms, takes_few_row
 from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
 from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel
@@ -147,14 +147,12 @@ class TritonOps:
         self, x: torch.Tensor, inp: torch.Tensor, weight: Weight, w_branch, w_next, eps
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
-        partial sums and the norm kernel adds them up, so no reduction kernel runs."""
+        partial sums and the norm kernel adds them up, so no reduction kernel runs; the
+        few-row CUDA kernel does the add and norms in its last block."""
+        if takes_few_row(inp, weight) and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+            return few_row_gemm_add_norms(x, inp, weight, w_branch, w_next, eps, pdl=self.pdl)
         config = linear_plan(inp, weight, split_ok=True)
-        if (
-            config is None
-            or config.split_k == 1
-            or takes_few_row(inp, weight)
-            or takes_strip(inp, weight)
-        ):
+        if config is None or config.split_k == 1 or takes_strip(inp, weight):
             return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
         parts = skinny_linear_partials(inp, weight, config, pdl=self.pdl)
         return self._add_rms_norm2(x, parts, w_branch, w_next, eps)

@@ -19,8 +19,9 @@
 // scale (float8) and rounds to bf16; with SILU the interleaved gate/up outputs (2j, 2j+1)
 // become silu(gate) * up, rounded like the separate torch ops.
 //
-// Device code only: eight extern "C" kernels, {w8a16,w16a16}_n{8,16}{,_silu} (N8 for 1-8
-// rows, N16 for 9-16), each launched with one block of WARPS warps per 16 outputs.
+// Device code only: extern "C" kernels {w8a16,w16a16}_n{8,16}{,_silu,_add_norm,
+// _norm_add_norm} (N8 for 1-8 rows, N16 for 9-16), each launched with one block of WARPS
+// warps per 16 outputs; the last two end with a sandwich layer's residual add and norms.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -167,35 +168,102 @@ __device__ __forceinline__ void gemm_body(
 #pragma unroll
     for (int i = 0; i < 4; ++i) partial[warp][j][i][lane] = acc[j][i];
   __syncthreads();
-  if (warp != 0) return;
+  if (warp == 0) {
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+    for (int j = 0; j < NT; ++j)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      float sum = 0.f;
+      for (int i = 0; i < 4; ++i) {
+        float sum = 0.f;
 #pragma unroll
-      for (int v = 0; v < WARPS; ++v) sum += partial[v][j][i][lane];
-      acc[j][i] = sum;
-    }
-  // acc[j][i]: output n0 + g (i < 2) or n0 + g + 8 (i >= 2), row j * 8 + 2 t + (i & 1)
-  const float s_lo = FP8 ? scale[n0 + g] : 1.f, s_hi = FP8 ? scale[n0 + g + 8] : 1.f;
-#pragma unroll
-  for (int j = 0; j < NT; ++j)
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const int row = j * 8 + 2 * t + (i & 1);
-      const int n = n0 + g + (i >= 2 ? 8 : 0);
-      const float y = __bfloat162float(__float2bfloat16(acc[j][i] * (i >= 2 ? s_hi : s_lo)));
-      if (SILU) {
-        const float up = __shfl_xor_sync(0xffffffffu, y, 4);  // output n + 1 at lane + 4
-        if ((g & 1) == 0 && row < rows) {
-          const float act = __bfloat162float(__float2bfloat16(y / (1.f + __expf(-y))));
-          out[(size_t)row * out_stride + n / 2] = __float2bfloat16(act * up);
-        }
-      } else if (row < rows) {
-        out[(size_t)row * out_stride + n] = __float2bfloat16(y);
+        for (int v = 0; v < WARPS; ++v) sum += partial[v][j][i][lane];
+        acc[j][i] = sum;
       }
+    // acc[j][i]: output n0 + g (i < 2) or n0 + g + 8 (i >= 2), row j * 8 + 2 t + (i & 1)
+    const float s_lo = FP8 ? scale[n0 + g] : 1.f, s_hi = FP8 ? scale[n0 + g + 8] : 1.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int row = j * 8 + 2 * t + (i & 1);
+        const int n = n0 + g + (i >= 2 ? 8 : 0);
+        const float y = __bfloat162float(__float2bfloat16(acc[j][i] * (i >= 2 ? s_hi : s_lo)));
+        if (SILU) {
+          const float up = __shfl_xor_sync(0xffffffffu, y, 4);  // output n + 1 at lane + 4
+          if ((g & 1) == 0 && row < rows) {
+            const float act = __bfloat162float(__float2bfloat16(y / (1.f + __expf(-y))));
+            out[(size_t)row * out_stride + n / 2] = __float2bfloat16(act * up);
+          }
+        } else if (row < rows) {
+          out[(size_t)row * out_stride + n] = __float2bfloat16(y);
+        }
+      }
+  }
+}
+
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+  // The sum of v over the block's threads, in every thread (shared: WARPS floats).
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  __syncthreads();  // shared may still be read from the previous sum
+  if (lane == 0) shared[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) total += shared[w];
+  return total;
+}
+
+__device__ __forceinline__ float rounded(float v) {
+  return __bfloat162float(__float2bfloat16(v));
+}
+
+// After every block has written its outputs of y = x @ w.T ([rows, n] bf16), the last block
+// to finish (counted on `counter`, which it resets for the next launch) computes, per row,
+// x_out = residual + w_branch * norm(y) (residual + y without NORM_BRANCH) and
+// normed = w_next * norm(x_out), rounding where the torch ops and the Triton norm kernel
+// round: the residual add and both norms of a sandwich layer without a kernel of their own.
+template <bool NORM_BRANCH>
+__device__ __forceinline__ void add_norms_when_last(
+    const __nv_bfloat16* y, const __nv_bfloat16* __restrict__ residual, int res_stride,
+    const __nv_bfloat16* __restrict__ w_branch, const __nv_bfloat16* __restrict__ w_next,
+    __nv_bfloat16* x_out, __nv_bfloat16* normed, int rows, int n, float eps,
+    unsigned int* counter) {
+  __shared__ bool last;
+  __shared__ float sums[WARPS];
+  __threadfence();  // this block's outputs, seen before its count
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!last) return;
+  __threadfence();  // every block's outputs, seen after all counts
+  for (int row = 0; row < rows; ++row) {
+    const __nv_bfloat16* y_row = y + (size_t)row * n;
+    float rstd = 1.f;
+    if (NORM_BRANCH) {
+      float squares = 0.f;
+      for (int c = threadIdx.x; c < n; c += blockDim.x) {
+        const float v = __bfloat162float(__ldcg(y_row + c));
+        squares += v * v;
+      }
+      rstd = 1.f / sqrtf(block_sum(squares, sums) / n + eps);
     }
+    float squares = 0.f;
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      float branch = __bfloat162float(__ldcg(y_row + c));
+      if (NORM_BRANCH) branch = rounded(__bfloat162float(w_branch[c]) * rounded(branch * rstd));
+      const float h = rounded(__bfloat162float(residual[(size_t)row * res_stride + c]) + branch);
+      x_out[(size_t)row * n + c] = __float2bfloat16(h);
+      squares += h * h;
+    }
+    const float x_rstd = 1.f / sqrtf(block_sum(squares, sums) / n + eps);
+    for (int c = threadIdx.x; c < n; c += blockDim.x) {
+      const float h = __bfloat162float(x_out[(size_t)row * n + c]);  // written by this thread
+      normed[(size_t)row * n + c] =
+          __float2bfloat16(__bfloat162float(w_next[c]) * rounded(h * x_rstd));
+    }
+  }
+  if (threadIdx.x == 0) *counter = 0u;
 }
 
 }  // namespace
@@ -213,6 +281,22 @@ __device__ __forceinline__ void gemm_body(
     gemm_body<NT, SILU, FP8>(x, x_stride, w, scale, out, out_stride, rows, K, pdl);         \
   }
 
+// As above without SILU, then the sandwich layer's residual add and norms (see
+// add_norms_when_last): y is the [rows, n] bf16 scratch the product goes to.
+#define FEW_ROW_NORMS_KERNEL(NAME, NT, FP8, NORM_BRANCH)                                     \
+  extern "C" __global__ void __launch_bounds__(WARPS * 32)                                  \
+      NAME(const __nv_bfloat16* __restrict__ x, int x_stride, const uint8_t* __restrict__ w, \
+           const float* __restrict__ scale, __nv_bfloat16* y, int rows, int K,             \
+           const __nv_bfloat16* __restrict__ residual, int res_stride,                       \
+           const __nv_bfloat16* __restrict__ w_branch, const __nv_bfloat16* __restrict__ w_next, \
+           __nv_bfloat16* x_out, __nv_bfloat16* normed, float eps, unsigned int* counter,    \
+           int pdl) {                                                                        \
+    const int n = gridDim.x * 16;                                                            \
+    gemm_body<NT, false, FP8>(x, x_stride, w, scale, y, n, rows, K, pdl);                   \
+    add_norms_when_last<NORM_BRANCH>(y, residual, res_stride, w_branch, w_next, x_out, normed, \
+                                     rows, n, eps, counter);                                 \
+  }
+
 FEW_ROW_KERNEL(w8a16_n8, 1, false, true)
 FEW_ROW_KERNEL(w8a16_n8_silu, 1, true, true)
 FEW_ROW_KERNEL(w8a16_n16, 2, false, true)
@@ -221,3 +305,11 @@ FEW_ROW_KERNEL(w16a16_n8, 1, false, false)
 FEW_ROW_KERNEL(w16a16_n8_silu, 1, true, false)
 FEW_ROW_KERNEL(w16a16_n16, 2, false, false)
 FEW_ROW_KERNEL(w16a16_n16_silu, 2, true, false)
+FEW_ROW_NORMS_KERNEL(w8a16_n8_add_norm, 1, true, false)
+FEW_ROW_NORMS_KERNEL(w8a16_n16_add_norm, 2, true, false)
+FEW_ROW_NORMS_KERNEL(w8a16_n8_norm_add_norm, 1, true, true)
+FEW_ROW_NORMS_KERNEL(w8a16_n16_norm_add_norm, 2, true, true)
+FEW_ROW_NORMS_KERNEL(w16a16_n8_add_norm, 1, false, false)
+FEW_ROW_NORMS_KERNEL(w16a16_n16_add_norm, 2, false, false)
+FEW_ROW_NORMS_KERNEL(w16a16_n8_norm_add_norm, 1, false, true)
+FEW_ROW_NORMS_KERNEL(w16a16_n16_norm_add_norm, 2, false, true)
