@@ -1,8 +1,9 @@
 """The few-row products, float8 and bf16 weights (kernels/csrc/few_row_gemm.cu), against
-the Triton paths they replace, on the Ouro-1.4B layer shapes: each projection alone, and
-the four projections of 24 layers in a row as a pass runs them, each layer with weights
-of its own (so the weights come from HBM, not L2). Prints microseconds per layer, each
-against its weight bytes over the copy bandwidth measured first. Needs a CUDA GPU.
+the Triton paths they replace, on the Ouro-1.4B layer shapes: the four projections of 24
+layers in a row as a pass runs them (with the residual add and norms after o and down, as
+an Ouro layer has them), each layer with weights of its own (so the weights come from HBM,
+not L2). Prints microseconds per layer, each against its weight bytes over the copy
+bandwidth measured first. Needs a CUDA GPU.
 
 python -m benchmarks.probe_few_row_gemm --rows 1 2 4 8 16 --output probe.json
 """
@@ -83,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
         x = {
             name: torch.randn(rows, k, device="cuda").to(torch.bfloat16) for name, _, k, _ in SHAPES
         }
+        residual = torch.randn(rows, 2048, device="cuda").to(torch.bfloat16)
+        norms = (torch.ones(2048, device="cuda", dtype=torch.bfloat16),) * 2 + (1e-6,)
         figures = {}
         for variant, (kind, cuda) in _variants().items():
             few_row_gemm.FP8_CUDA_ROWS = few_row_gemm.BF16_CUDA_ROWS = 16 if cuda else 0
@@ -100,10 +103,13 @@ def main(argv: list[str] | None = None) -> int:
                 assert error < 2e-2, f"{variant} {name} rows {rows}: relative error {error}"
                 layer_bytes += n * k * (1 if kind == "fp8" else 2)
 
-            def chain(kind=kind, x=x):
+            def chain(kind=kind, x=x, residual=residual, norms=norms):
                 for layer in weights[kind]:
                     for name, _, _, silu in SHAPES:
-                        _project(ops, x[name], layer[name], silu)
+                        if name in ("o", "down"):  # then the residual add and norms
+                            ops.linear_add_rms_norm2(residual, x[name], layer[name], *norms)
+                        else:
+                            _project(ops, x[name], layer[name], silu)
 
             ms = triton.testing.do_bench_cudagraph(chain, rep=100, return_mode="median")
             per_layer = ms * 1e3 / LAYERS
