@@ -98,7 +98,7 @@ class CudaKernel:
         grid: int,
         threads: int,
         stream: int,  # torch.cuda.Stream.cuda_stream
-        args: Sequence[ctypes.c_void_p | ctypes.c_int],
+        args: Sequence[ctypes.c_void_p | ctypes.c_int | ctypes.c_float],  # each parameter
         pdl: bool = False,  # a programmatic dependent launch (see kernels/pdl.py)
     ) -> None:
         config = _LaunchConfig(grid=(grid, 1, 1), block=(threads, 1, 1), shared_bytes=0)
