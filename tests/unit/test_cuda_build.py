@@ -45,6 +45,44 @@ def test_without_a_compiler_one_line_and_no_library(monkeypatch, caplog):
         cuda_build.cuda_module.cache_clear()
 
 
+def test_a_driver_that_cannot_load_the_kernels_gives_one_line_and_no_module(
+    tmp_path, monkeypatch, caplog
+):
+    """Built, but not loadable (here: no CUDA driver library, or one that refuses the
+    cubin): the Triton kernels serve after one line naming the driver call."""
+    from vllm_rlt.kernels import cuda_driver
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
+    monkeypatch.setattr(cuda_build, "find_nvcc", lambda: "nvcc")
+    cubin = tmp_path / "kernels.cubin"
+    cubin.write_bytes(b"\x7fELF")
+    monkeypatch.setattr(cuda_build, "build", lambda name, nvcc, arch: cubin)
+
+    class Refusing:
+        def cuCtxGetCurrent(self, context):
+            context._obj.value = 1  # a context is current
+            return 0
+
+        def cuModuleLoadData(self, module, image):
+            return 200  # CUDA_ERROR_INVALID_IMAGE
+
+        def cuGetErrorName(self, error, name):
+            name._obj.value = b"CUDA_ERROR_INVALID_IMAGE"
+            return 0
+
+    monkeypatch.setattr(cuda_driver, "_driver", lambda: Refusing())
+    cuda_build.cuda_module.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger=cuda_build.__name__):
+            assert cuda_build.cuda_module("few_row_gemm") is None
+        (line,) = [r.getMessage() for r in caplog.records]
+        assert "few_row_gemm kernels failed to build or load, Triton serves" in line
+        assert "cuModuleLoadData failed: CUDA_ERROR_INVALID_IMAGE (200)" in line
+    finally:
+        cuda_build.cuda_module.cache_clear()
+
+
 @pytest.mark.skipif(cuda_build.find_nvcc() is None, reason="needs nvcc (no GPU)")
 def test_a_library_is_built_once_per_source_and_a_failure_names_nvccs_error(tmp_path, monkeypatch):
     monkeypatch.setenv("VLLM_RLT_CACHE_DIR", str(tmp_path / "cache"))
