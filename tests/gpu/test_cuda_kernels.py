@@ -56,37 +56,50 @@ def test_few_row_gemm_against_torch(rows, n, k, kind):
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])
 @pytest.mark.parametrize("branch_norm", [True, False], ids=["norm_add_norm", "add_norm"])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
-@pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 5632), (48, 192)])
+@pytest.mark.parametrize("n,k", [(2048, 2048), (2048, 5632), (48, 192), (2064, 64)])
 def test_few_row_gemm_add_norms_equals_the_product_then_the_norm_kernel(
     rows, n, k, kind, branch_norm
 ):
     """The last block's residual add and norms against TritonOps.add_rms_norm2 on the
-    kernel's own product (the same rounding; sums in another order), replayed in a graph
-    so the counter is seen to reset."""
+    kernel's own product (the same rounding; sums in another order): a warp a row with the
+    row in registers up to 2,048 wide, the whole block on a row past that (2,064). Replayed
+    in a graph on fresh residuals, each replay must elect a last block again: the counters
+    are back at zero after every launch."""
     from vllm_rlt.ops.triton_ops import TritonOps
 
     x, weight, _ = _problem(rows, n, k, seed=rows + n + k, kind=kind)
     gen = torch.Generator(device="cuda").manual_seed(rows)
-    residual = torch.randn(rows, n, device="cuda", generator=gen).to(torch.bfloat16)
-    w_branch, w_next = (1 + 0.1 * torch.randn(2, n, device="cuda", generator=gen)).bfloat16()
-    w_branch = w_branch.contiguous() if branch_norm else None
+    norms = (1 + 0.1 * torch.randn(2, n, device="cuda", generator=gen)).bfloat16()
+    w_branch = norms[0] if branch_norm else None
+    w_next = norms[1]
     ops = TritonOps()
     product = few_row_gemm.few_row_gemm(x, weight)
-    want = ops.add_rms_norm2(residual, product, w_branch, w_next.contiguous(), 1e-6)
-    got = few_row_gemm.few_row_gemm_add_norms(
-        residual, x, weight, w_branch, w_next.contiguous(), 1e-6, pdl=ops.pdl
+
+    def fresh_residual(seed: int) -> torch.Tensor:
+        g = torch.Generator(device="cuda").manual_seed(seed)
+        return torch.randn(rows, n, device="cuda", generator=g).to(torch.bfloat16)
+
+    def check(got, residual):
+        want = ops.add_rms_norm2(residual, product, w_branch, w_next, 1e-6)
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, atol=TOL, rtol=TOL)
+
+    residual = fresh_residual(0)
+    check(
+        few_row_gemm.few_row_gemm_add_norms(residual, x, weight, w_branch, w_next, 1e-6), residual
     )
-    for g, w in zip(got, want, strict=True):
-        torch.testing.assert_close(g, w, atol=TOL, rtol=TOL)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = few_row_gemm.few_row_gemm_add_norms(
-            residual, x, weight, w_branch, w_next.contiguous(), 1e-6, pdl=ops.pdl
+            residual, x, weight, w_branch, w_next, 1e-6, pdl=ops.pdl
         )
-    for _ in range(3):
+    for seed in (1, 2, 3):
+        residual.copy_(fresh_residual(seed))
         graph.replay()
-        for g, w in zip(captured, want, strict=True):
-            torch.testing.assert_close(g, w, atol=TOL, rtol=TOL)
+        check(captured, residual)
+    torch.cuda.synchronize()
+    counters, _ = few_row_gemm._counters[torch.device("cuda", torch.cuda.current_device())]
+    assert int(counters.count_nonzero()) == 0
 
 
 @pytest.mark.parametrize("kind", ["fp8", "bf16"])

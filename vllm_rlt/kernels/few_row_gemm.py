@@ -36,12 +36,13 @@ _counters: dict[torch.device, tuple[torch.Tensor, itertools.count]] = {}
 
 
 def _counter(device: torch.device) -> int:
-    """The address of the next add-norms counter on `device` (allocated on first use)."""
+    """The address of the next add-norms counter on `device` (allocated, zeroed, on first
+    use, which must come before any capture: a zero-fill captured would not run now)."""
     if device not in _counters:
-        _counters[device] = (
-            torch.zeros(COUNTERS, dtype=torch.int32, device=device),
-            itertools.count(),
-        )
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("few_row_gemm_add_norms: run it once before capturing a graph")
+        counters = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+        _counters[device] = counters, itertools.count()
     counters, turn = _counters[device]
     return counters.data_ptr() + 4 * (next(turn) % COUNTERS)
 
@@ -139,13 +140,18 @@ def few_row_gemm_add_norms(
     norm = w_next if w_branch is None else w_branch  # unread without a branch norm
     assert residual.shape == (rows, n) and residual.stride(1) == 1
     assert w_next.is_contiguous() and norm.is_contiguous()
+    assert residual.dtype == w_next.dtype == norm.dtype == torch.bfloat16
+    # A warp a row, the row in registers: 16-byte vectors of at most 2,048 values.
+    aligned = (t.data_ptr() % 16 == 0 for t in (residual, norm, w_next))
+    vectorized = n % 8 == 0 and n <= 2048 and residual.stride(0) % 8 == 0 and all(aligned)
     branch = x.new_empty(rows, n)  # the product, read back by the last block
     x_out, normed = x.new_empty(rows, n), x.new_empty(rows, n)
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     tail = (pointer(branch.data_ptr()), integer(rows), integer(x.shape[1]))
     tail += (pointer(residual.data_ptr()), integer(residual.stride(0)), pointer(norm.data_ptr()))
     tail += (pointer(w_next.data_ptr()), pointer(x_out.data_ptr()), pointer(normed.data_ptr()))
-    tail += (ctypes.c_float(eps), pointer(_counter(x.device)), integer(int(pdl)))
+    tail += (ctypes.c_float(eps), pointer(_counter(x.device)), integer(int(vectorized)))
+    tail += (integer(int(pdl)),)
     kind = "_norm_add_norm" if w_branch is not None else "_add_norm"
     _launch(x, weight, kind, tail, pdl)
     return x_out, normed

@@ -149,7 +149,8 @@ class TritonOps:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
         partial sums and the norm kernel adds them up, so no reduction kernel runs; the
         few-row CUDA kernel does the add and norms in its last block."""
-        if takes_few_row(inp, weight) and x.dtype == torch.bfloat16 and x.stride(1) == 1:
+        bf16 = all(t is None or t.dtype == torch.bfloat16 for t in (x, w_branch, w_next))
+        if bf16 and x.stride(1) == 1 and takes_few_row(inp, weight):
             return few_row_gemm_add_norms(x, inp, weight, w_branch, w_next, eps, pdl=self.pdl)
         config = linear_plan(inp, weight, split_ok=True)
         if config is None or config.split_k == 1 or takes_strip(inp, weight):

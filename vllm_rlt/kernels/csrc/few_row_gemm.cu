@@ -14,7 +14,8 @@
 //
 // A block of WARPS warps shares one 16-output tile and splits K between its warps; each
 // warp loads its first U chunks of weights before waiting on the previous kernel
-// (programmatic dependent launch), keeps the next U chunks in flight while it multiplies,
+// (programmatic dependent launch: so the kernel just before must not write the weights;
+// weight updates land between passes, behind kernels that wait), keeps the next U chunks in flight while it multiplies,
 // and the block adds its warps' sums in shared memory. The epilogue scales by the row's
 // scale (float8) and rounds to bf16; with SILU the interleaved gate/up outputs (2j, 2j+1)
 // become silu(gate) * up, rounded like the separate torch ops.
@@ -218,50 +219,141 @@ __device__ __forceinline__ float rounded(float v) {
   return __bfloat162float(__float2bfloat16(v));
 }
 
+// Sums over a warp, in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+constexpr int ROW_VECTORS = 8;  // 16-byte vectors a lane holds of a row: n <= 2048
+
+// One row of the add-norms epilogue by one warp, each lane holding up to ROW_VECTORS
+// 16-byte vectors of it in registers: every load of a pass in flight at once. Needs
+// n % 8 == 0, n <= 32 * 8 * ROW_VECTORS and 16-byte aligned rows and norm weights.
+template <bool NORM_BRANCH>
+__device__ __forceinline__ void add_norms_row_by_warp(
+    const __nv_bfloat16* y_row, const __nv_bfloat16* __restrict__ res_row,
+    const __nv_bfloat16* __restrict__ w_branch, const __nv_bfloat16* __restrict__ w_next,
+    __nv_bfloat16* x_row, __nv_bfloat16* normed_row, int n, float eps, int lane) {
+  float v[ROW_VECTORS][8];
+  float squares = 0.f;
+#pragma unroll
+  for (int i = 0; i < ROW_VECTORS; ++i) {
+    const int c = (i * 32 + lane) * 8;
+    if (c < n) {
+      const uint4 q = __ldcg(reinterpret_cast<const uint4*>(y_row + c));
+      const __nv_bfloat16* h = reinterpret_cast<const __nv_bfloat16*>(&q);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        v[i][j] = __bfloat162float(h[j]);
+        squares += v[i][j] * v[i][j];
+      }
+    }
+  }
+  const float rstd = NORM_BRANCH ? 1.f / sqrtf(warp_sum(squares) / n + eps) : 1.f;
+  squares = 0.f;
+#pragma unroll
+  for (int i = 0; i < ROW_VECTORS; ++i) {
+    const int c = (i * 32 + lane) * 8;
+    if (c < n) {
+      const uint4 r = __ldg(reinterpret_cast<const uint4*>(res_row + c));
+      const __nv_bfloat16* res = reinterpret_cast<const __nv_bfloat16*>(&r);
+      uint4 wq = make_uint4(0, 0, 0, 0);
+      if (NORM_BRANCH) wq = __ldg(reinterpret_cast<const uint4*>(w_branch + c));
+      const __nv_bfloat16* wb = reinterpret_cast<const __nv_bfloat16*>(&wq);
+      uint4 out;
+      __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+      for (int j = 0; j < 8; ++j) {
+        float branch = v[i][j];
+        if (NORM_BRANCH) branch = rounded(__bfloat162float(wb[j]) * rounded(branch * rstd));
+        v[i][j] = rounded(__bfloat162float(res[j]) + branch);
+        o[j] = __float2bfloat16(v[i][j]);
+        squares += v[i][j] * v[i][j];
+      }
+      *reinterpret_cast<uint4*>(x_row + c) = out;
+    }
+  }
+  const float x_rstd = 1.f / sqrtf(warp_sum(squares) / n + eps);
+#pragma unroll
+  for (int i = 0; i < ROW_VECTORS; ++i) {
+    const int c = (i * 32 + lane) * 8;
+    if (c < n) {
+      const uint4 wq = __ldg(reinterpret_cast<const uint4*>(w_next + c));
+      const __nv_bfloat16* wn = reinterpret_cast<const __nv_bfloat16*>(&wq);
+      uint4 out;
+      __nv_bfloat16* o = reinterpret_cast<__nv_bfloat16*>(&out);
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+        o[j] = __float2bfloat16(__bfloat162float(wn[j]) * rounded(v[i][j] * x_rstd));
+      *reinterpret_cast<uint4*>(normed_row + c) = out;
+    }
+  }
+}
+
+// The same for any n and alignment, the whole block on one row.
+template <bool NORM_BRANCH>
+__device__ __forceinline__ void add_norms_row_by_block(
+    const __nv_bfloat16* y_row, const __nv_bfloat16* __restrict__ res_row,
+    const __nv_bfloat16* __restrict__ w_branch, const __nv_bfloat16* __restrict__ w_next,
+    __nv_bfloat16* x_row, __nv_bfloat16* normed_row, int n, float eps, float* sums) {
+  float rstd = 1.f;
+  if (NORM_BRANCH) {
+    float squares = 0.f;
+    for (int c = threadIdx.x; c < n; c += WARPS * 32) {
+      const float y = __bfloat162float(__ldcg(y_row + c));
+      squares += y * y;
+    }
+    rstd = 1.f / sqrtf(block_sum(squares, sums) / n + eps);
+  }
+  float squares = 0.f;
+  for (int c = threadIdx.x; c < n; c += WARPS * 32) {
+    float branch = __bfloat162float(__ldcg(y_row + c));
+    if (NORM_BRANCH) branch = rounded(__bfloat162float(w_branch[c]) * rounded(branch * rstd));
+    const float h = rounded(__bfloat162float(res_row[c]) + branch);
+    x_row[c] = __float2bfloat16(h);
+    squares += h * h;
+  }
+  const float x_rstd = 1.f / sqrtf(block_sum(squares, sums) / n + eps);
+  for (int c = threadIdx.x; c < n; c += WARPS * 32) {
+    const float h = __bfloat162float(x_row[c]);  // written by this thread above
+    normed_row[c] = __float2bfloat16(__bfloat162float(w_next[c]) * rounded(h * x_rstd));
+  }
+}
+
 // After every block has written its outputs of y = x @ w.T ([rows, n] bf16), the last block
 // to finish (counted on `counter`, which it resets for the next launch) computes, per row,
 // x_out = residual + w_branch * norm(y) (residual + y without NORM_BRANCH) and
 // normed = w_next * norm(x_out), rounding where the torch ops and the Triton norm kernel
 // round: the residual add and both norms of a sandwich layer without a kernel of their own.
+// With `vectorized` (see add_norms_row_by_warp) each warp takes rows of its own.
 template <bool NORM_BRANCH>
 __device__ __forceinline__ void add_norms_when_last(
     const __nv_bfloat16* y, const __nv_bfloat16* __restrict__ residual, int res_stride,
     const __nv_bfloat16* __restrict__ w_branch, const __nv_bfloat16* __restrict__ w_next,
     __nv_bfloat16* x_out, __nv_bfloat16* normed, int rows, int n, float eps,
-    unsigned int* counter) {
+    unsigned int* counter, int vectorized) {
   __shared__ bool last;
   __shared__ float sums[WARPS];
-  __threadfence();  // this block's outputs, seen before its count
+  __threadfence();  // this block's outputs (written by warp 0), seen before its count
   __syncthreads();
   if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == gridDim.x - 1;
   __syncthreads();
   if (!last) return;
   __threadfence();  // every block's outputs, seen after all counts
-  for (int row = 0; row < rows; ++row) {
-    const __nv_bfloat16* y_row = y + (size_t)row * n;
-    float rstd = 1.f;
-    if (NORM_BRANCH) {
-      float squares = 0.f;
-      for (int c = threadIdx.x; c < n; c += blockDim.x) {
-        const float v = __bfloat162float(__ldcg(y_row + c));
-        squares += v * v;
-      }
-      rstd = 1.f / sqrtf(block_sum(squares, sums) / n + eps);
-    }
-    float squares = 0.f;
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
-      float branch = __bfloat162float(__ldcg(y_row + c));
-      if (NORM_BRANCH) branch = rounded(__bfloat162float(w_branch[c]) * rounded(branch * rstd));
-      const float h = rounded(__bfloat162float(residual[(size_t)row * res_stride + c]) + branch);
-      x_out[(size_t)row * n + c] = __float2bfloat16(h);
-      squares += h * h;
-    }
-    const float x_rstd = 1.f / sqrtf(block_sum(squares, sums) / n + eps);
-    for (int c = threadIdx.x; c < n; c += blockDim.x) {
-      const float h = __bfloat162float(x_out[(size_t)row * n + c]);  // written by this thread
-      normed[(size_t)row * n + c] =
-          __float2bfloat16(__bfloat162float(w_next[c]) * rounded(h * x_rstd));
-    }
+  asm volatile("" ::: "memory");  // and no read of them moved above
+  if (vectorized) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    for (int row = warp; row < rows; row += WARPS)
+      add_norms_row_by_warp<NORM_BRANCH>(y + (size_t)row * n, residual + (size_t)row * res_stride,
+                                         w_branch, w_next, x_out + (size_t)row * n,
+                                         normed + (size_t)row * n, n, eps, lane);
+  } else {
+    for (int row = 0; row < rows; ++row)
+      add_norms_row_by_block<NORM_BRANCH>(y + (size_t)row * n, residual + (size_t)row * res_stride,
+                                          w_branch, w_next, x_out + (size_t)row * n,
+                                          normed + (size_t)row * n, n, eps, sums);
   }
   if (threadIdx.x == 0) *counter = 0u;
 }
@@ -290,11 +382,11 @@ __device__ __forceinline__ void add_norms_when_last(
            const __nv_bfloat16* __restrict__ residual, int res_stride,                       \
            const __nv_bfloat16* __restrict__ w_branch, const __nv_bfloat16* __restrict__ w_next, \
            __nv_bfloat16* x_out, __nv_bfloat16* normed, float eps, unsigned int* counter,    \
-           int pdl) {                                                                        \
+           int vectorized, int pdl) {                                                        \
     const int n = gridDim.x * 16;                                                            \
     gemm_body<NT, false, FP8>(x, x_stride, w, scale, y, n, rows, K, pdl);                   \
     add_norms_when_last<NORM_BRANCH>(y, residual, res_stride, w_branch, w_next, x_out, normed, \
-                                     rows, n, eps, counter);                                 \
+                                     rows, n, eps, counter, vectorized);                     \
   }
 
 FEW_ROW_KERNEL(w8a16_n8, 1, false, true)
