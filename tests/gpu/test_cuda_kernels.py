@@ -174,3 +174,37 @@ def test_without_nvcc_the_triton_kernels_serve_after_one_log_line(monkeypatch, c
         assert len(lines) == 1 and "no CUDA compiler (nvcc) found" in lines[0], lines
     finally:
         cuda_build.cuda_module.cache_clear()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_the_built_in_model_answers_on_the_few_row_kernels(quantization, monkeypatch):
+    """The built-in model (hidden 192) with CUDA graphs and programmatic dependent launch,
+    every linear layer of a decode pass on the CUDA kernels (products, SiLU-mul and the
+    add-norms epilogue): it still does its sums."""
+    from vllm_rlt import LLM, SamplingParams
+    from vllm_rlt.ops import triton_ops
+
+    taken = set()
+
+    def counted(name: str):
+        kernel = getattr(triton_ops, name)
+
+        def call(*args, **kwargs):
+            taken.add(name)
+            return kernel(*args, **kwargs)
+
+        return call
+
+    for name in ("few_row_gemm", "few_row_gemm_add_norms"):
+        monkeypatch.setattr(triton_ops, name, counted(name))
+    monkeypatch.setattr(few_row_gemm, "FP8_CUDA_ROWS", 16)
+    monkeypatch.setattr(few_row_gemm, "BF16_CUDA_ROWS", 16)
+    llm = LLM(device="cuda", quantization=quantization)
+    problems = {"347+589=": "936", "123+456=": "579", "812-345=": "467", "4821*7=": "33747"}
+    problems |= {"sort 52817=": "12578", "rev abcdefg=": "gfedcba"}
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    outputs = llm.generate(list(problems), params, use_tqdm=False)
+    assert [o.outputs[0].text for o in outputs] == list(problems.values())
+    assert taken == {"few_row_gemm", "few_row_gemm_add_norms"}
+    assert llm.engine.runner.num_decode_graph_passes > 0
+    del llm
