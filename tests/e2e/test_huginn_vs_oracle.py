@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.reference.huginn_checkpoint import write_tiny_huginn
+from tests.reference.huginn_match import assert_matches_oracle
 from tests.reference.huginn_oracle import HuginnModel, huginn_generate
 from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.config import CacheConfig, ExitConfig, SchedulerConfig
@@ -61,17 +62,10 @@ def _check(llm: LLM, oracle_model: HuginnModel, lookup: str, params: dict, oracl
     ]
     outputs = llm.generate(PROMPTS, requests, use_tqdm=False)
     for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
-        got = output.outputs[0]
         want = huginn_generate(
             oracle_model, prompt, max_tokens=MAX_TOKENS, seed=seed, lookup=lookup, **oracle
         )
-        assert got.token_ids == want.token_ids
-        # token i came from position len(prompt) - 1 + i
-        assert got.exit_depths == want.steps[len(prompt) - 1 :]
-        for logprobs, logits in zip(got.logprobs, want.logits, strict=True):
-            reference = logits.log_softmax(-1)
-            for token, entry in logprobs.items():
-                assert entry.logprob == pytest.approx(float(reference[token]), abs=1e-4)
+        assert_matches_oracle(output.outputs[0], want, len(prompt), atol=1e-4)
     assert llm.engine.all_blocks_free()
     return outputs
 
