@@ -201,10 +201,16 @@ __device__ __forceinline__ void gemm_body(
   }
 }
 
-__device__ __forceinline__ float block_sum(float v, float* shared) {
-  // The sum of v over the block's threads, in every thread (shared: WARPS floats).
+// Sums over a warp, in every lane.
+__device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
   for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
+  return v;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* shared) {
+  // The sum of v over the block's threads, in every thread (shared: WARPS floats).
+  v = warp_sum(v);
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   __syncthreads();  // shared may still be read from the previous sum
   if (lane == 0) shared[warp] = v;
@@ -217,13 +223,6 @@ __device__ __forceinline__ float block_sum(float v, float* shared) {
 
 __device__ __forceinline__ float rounded(float v) {
   return __bfloat162float(__float2bfloat16(v));
-}
-
-// Sums over a warp, in every lane.
-__device__ __forceinline__ float warp_sum(float v) {
-#pragma unroll
-  for (int m = 16; m > 0; m >>= 1) v += __shfl_xor_sync(0xffffffffu, v, m);
-  return v;
 }
 
 constexpr int ROW_VECTORS = 8;  // 16-byte vectors a lane holds of a row: n <= 2048
