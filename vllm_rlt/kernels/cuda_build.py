@@ -1,11 +1,11 @@
 """CUDA C++ kernels (kernels/csrc/*.cu) compiled on first use on a GPU machine.
 
-nvcc builds one cubin per source, device architecture and compiler, cached on
-disk (VLLM_RLT_CACHE_DIR, default ~/.cache/vllm-rlt), so later processes load it at once;
-the build shows one progress line on stderr. A source is device code only, with extern "C"
-kernels: nvcc makes a cubin, which the driver API loads into torch's context and launches
-on torch's stream (cuda_driver.py), free of torch's headers and of a CUDA runtime of its
-own (a build takes seconds). Where no compiler is found, or a build or load fails, or
+A source is device code only, with extern "C" kernels. nvcc builds one cubin per source,
+device architecture and compiler, cached on disk (VLLM_RLT_CACHE_DIR, default
+~/.cache/vllm-rlt), so later processes load it at once; the build shows one progress line
+on stderr and takes seconds. The driver API loads the cubin into torch's context and
+launches its kernels on torch's stream (cuda_driver.py): no torch headers, and no CUDA
+runtime of its own. Where no compiler is found, or a build or load fails, or
 VLLM_RLT_CUDA_KERNELS=0, one log line says so and the Triton kernels serve instead.
 """
 
