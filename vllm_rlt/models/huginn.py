@@ -2,13 +2,14 @@
 from a drawn initial state with the prelude's output injected at every loop, and a coda run
 on the state a token exits with.
 
-One loop of a pass (`step`) takes every row, at any mix of loops, through all three stages
-at once: the prelude again (it reads only earlier positions' prelude K/V and the row's own
-token, so recomputing it writes the same K/V: the input injection needs no per-slot
-storage), one loop of the block on the row's K/V plane, and the coda on the new state (its
-K/V, written at each loop, is overwritten by the loop the token exits at before any later
-position reads it). Prelude and coda layers keep one K/V plane, the block one per loop
-(`HuginnConfig.kv_planes`).
+One loop of a pass (`step`) takes every row, at any mix of loops, through the prelude at
+its first loop and one loop of the block on the row's K/V plane. A row carries its state
+and the prelude's output (the input injection the adapter reads at every loop), so later
+loops skip the prelude: its weights stream only for row tiles with a row at its first loop,
+and only those rows write its K/V. Once the pass knows which rows exit, `readout` runs the
+coda on them alone, writing its K/V at the loop the token exits at (the only loop whose
+coda K/V a later position reads). Prelude and coda layers keep one K/V plane, the block one
+per loop (`HuginnConfig.kv_planes`).
 
 The maths (the public `raven_modeling_minimal.py`): SandwichBlock layers,
 x = norm_2(x + proj(attn(norm_1(x)))), x = norm_4(x + mlp(norm_3(x))); a fused Wqkv with
@@ -119,9 +120,14 @@ class HuginnModel:
                 "quantization",
             )
 
+    @property
+    def carried_width(self) -> int:
+        """The state, then the prelude's output."""
+        return 2 * self.config.hidden_size
+
     def streamed_bytes(self) -> tuple[int, int, int, int]:
         """A token needs the adapter and the block every loop, the prelude, the coda and
-        the LM head once (a pass today runs all three stages for every row: see `step`)."""
+        the LM head once."""
         cfg = self.config
 
         def nbytes(tensors) -> int:
@@ -178,28 +184,45 @@ class HuginnModel:
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
         ops: LoopOps,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the state after this loop, the coda's output on it) of every row."""
-        cfg = self.config
-        once = meta.single_plane()  # prelude and coda layers keep one plane
-        prelude = range(cfg.num_prelude_layers)
-        core = range(prelude.stop, prelude.stop + cfg.num_core_layers)
-        coda = range(core.stop, core.stop + cfg.num_coda_layers)
+    ) -> torch.Tensor:
+        """[rows, 2 * hidden]: the state after this loop, then the prelude's output (run
+        for rows at their first loop, carried by the others)."""
+        cfg, hidden = self.config, self.config.hidden_size
+        first = rows.loops == 0
         injected = self.embed[rows.tokens] * cfg.embed_scale
-        for i in prelude:
-            injected = self._layer(ops, injected, i, k_caches[i], v_caches[i], once)
-        first = (rows.loops == 0).unsqueeze(1)
+        once = meta.single_plane(writes=first)
+        for i in range(cfg.num_prelude_layers):
+            injected = self._layer(ops, injected, i, k_caches[i], v_caches[i], once, first)
+        first = first.unsqueeze(1)
+        injected = torch.where(first, injected, rows.carried[:, hidden:])
         start = self.initial_state(rows.seeds, meta.positions)
-        state = torch.where(first, start, rows.carried)
+        state = torch.where(first, start, rows.carried[:, :hidden])
         x = ops.linear(torch.cat([state, injected], dim=1), self.adapter)
         if self.adapter_bias is not None:
             x = x + self.adapter_bias
+        core = range(cfg.num_prelude_layers, cfg.num_prelude_layers + cfg.num_core_layers)
         for i in core:
             x = self._layer(ops, x, i, k_caches[i], v_caches[i], meta)
-        out = ops.rms_norm(x, self.ln_f, cfg.rms_norm_eps)
-        for i in coda:
-            out = self._layer(ops, out, i, k_caches[i], v_caches[i], once)
-        return x, out
+        return torch.cat([x, injected], dim=1)
+
+    def readout(
+        self,
+        carried: torch.Tensor,
+        live: torch.Tensor,
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        ops: LoopOps,
+    ) -> torch.Tensor:
+        """The coda's output [rows, hidden] on the `live` rows' state (ln_f first); only
+        they stream its weights' row tiles and write its K/V."""
+        cfg = self.config
+        out = ops.rms_norm(carried[:, : cfg.hidden_size], self.ln_f, cfg.rms_norm_eps)
+        once = meta.single_plane(writes=live)
+        first_coda = cfg.num_prelude_layers + cfg.num_core_layers
+        for i in range(first_coda, first_coda + cfg.num_coda_layers):
+            out = self._layer(ops, out, i, k_caches[i], v_caches[i], once, live)
+        return out
 
     def coda(
         self, readout: torch.Tensor, ops: LoopOps | None = None, live: torch.Tensor | None = None
@@ -223,17 +246,19 @@ class HuginnModel:
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
+        live: torch.Tensor | None = None,  # [rows] bool: rows whose output is used
     ) -> torch.Tensor:
-        """One SandwichBlock over the rows; [rows, hidden]."""
+        """One SandwichBlock over the rows; [rows, hidden] (rows not `live` may hold
+        anything: the products skip weight tiles none of whose rows is live)."""
         layer, heads, eps = self.layers[index], self.config.num_attention_heads, self._eps
         norm_1, norm_2, norm_3, norm_4 = layer.norms
-        qkv = ops.linear(ops.rms_norm(x, norm_1, eps), layer.qkv)
+        qkv = ops.linear(ops.rms_norm(x, norm_1, eps), layer.qkv, live)
         if layer.qk_bias is not None:
             qkv[:, : 2 * x.shape[1]] += layer.qk_bias.view(-1)
         attn = ops.attention(
             qkv[:, self.columns], heads, heads, k_cache, v_cache, meta, self.rotary, self.scale
         )
-        _, x = ops.linear_add_rms_norm2(x, attn, layer.proj, None, norm_2, eps)
-        gate, up = ops.linear(ops.rms_norm(x, norm_3, eps), layer.fc).chunk(2, dim=1)
-        _, x = ops.linear_add_rms_norm2(x, F.silu(gate) * up, layer.down, None, norm_4, eps)
+        _, x = ops.linear_add_rms_norm2(x, attn, layer.proj, None, norm_2, eps, live)
+        gate, up = ops.linear(ops.rms_norm(x, norm_3, eps), layer.fc, live).chunk(2, dim=1)
+        _, x = ops.linear_add_rms_norm2(x, F.silu(gate) * up, layer.down, None, norm_4, eps, live)
         return x

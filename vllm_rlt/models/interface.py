@@ -59,17 +59,18 @@ class StepInputs:
     attention metadata)."""
 
     tokens: torch.Tensor  # [rows] int64, the token the row computes
-    carried: torch.Tensor  # [rows, hidden], the state its previous loop left (loop > 0)
+    carried: torch.Tensor  # [rows, carried_width], what its previous loop left (loop > 0)
     loops: torch.Tensor  # [rows] int64, the 0-based loop it runs
     seeds: torch.Tensor | None = None  # [rows] int64, its request's seed (see draws_initial_state)
 
 
 @runtime_checkable
 class LoopedModel(Protocol):
-    """A model run one loop per pass: `step` takes each row through the stages its loop
-    needs (the once-per-token layers before the loop, the looped layers, and those after
-    it), and `coda` turns the readout of rows that exit into logits; `rows` below are a
-    pass's packed rows, at any mix of loops."""
+    """A model run one loop per pass: `step` takes each row through the once-per-token
+    layers before the loop (at its first loop) and the looped layers; once the pass knows
+    which rows exit, `readout` runs the layers after the loop for those rows, and `coda`
+    turns their readout into logits. `rows` below are a pass's packed rows, at any mix of
+    loops."""
 
     config: LoopedConfig
     dtype: torch.dtype
@@ -79,9 +80,11 @@ class LoopedModel(Protocol):
     # The first loop starts from a state drawn per (request seed, position), so `step`
     # needs `StepInputs.seeds`; otherwise from the embedded token.
     draws_initial_state: bool
-    # `step`'s readout differs from the state (layers run after the loop); otherwise it is
-    # the state itself.
+    # `readout` runs layers after the loop; otherwise it returns the state itself.
     separate_readout: bool
+    # What a row carries from one loop to the next: its state (the first hidden_size
+    # columns, which exit policies read), then whatever else the model keeps per row.
+    carried_width: int
     exit_policy: str  # the exit policy (config.EXIT_POLICY_CLASSES) of ExitConfig mode "auto"
 
     def step(
@@ -91,9 +94,22 @@ class LoopedModel(Protocol):
         k_caches: list[torch.Tensor],  # per cache (config.kv_planes) [planes * slots_per_plane,
         v_caches: list[torch.Tensor],  # kv_heads, head_dim]
         ops: LoopOps,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One loop of every row: (the state it carries to its next loop [rows, hidden],
-        the readout `coda` reads if it exits now [rows, hidden])."""
+    ) -> torch.Tensor:
+        """One loop of every row: what it carries to its next loop [rows, carried_width]."""
+        ...
+
+    def readout(
+        self,
+        carried: torch.Tensor,  # [rows, carried_width] what `step` returned
+        live: torch.Tensor,  # [rows] bool: rows that exit this pass (or whose logits are read)
+        meta: AttentionMetadata,
+        k_caches: list[torch.Tensor],
+        v_caches: list[torch.Tensor],
+        ops: LoopOps,
+    ) -> torch.Tensor:
+        """What `coda` reads of each `live` row if it exits now [rows, hidden]; other rows
+        may hold anything and write no K/V (the layers after the loop write a token's K/V
+        once, at the loop it exits)."""
         ...
 
     def coda(

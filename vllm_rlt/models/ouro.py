@@ -275,17 +275,24 @@ class OuroModel:
         k_caches: list[torch.Tensor],
         v_caches: list[torch.Tensor],
         ops: LoopOps,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One loop of every row: (state, readout), the same tensor (see LoopedModel)."""
+    ) -> torch.Tensor:
+        """One loop of every row: its state, which it carries (see LoopedModel)."""
         first = (rows.loops == 0).unsqueeze(1)
-        state = self.core(
+        return self.core(
             torch.where(first, self.prelude(rows.tokens), rows.carried),
             meta,
             k_caches,
             v_caches,
             ops,
         )
-        return state, state
+
+    def readout(self, carried: torch.Tensor, live, meta, k_caches, v_caches, ops) -> torch.Tensor:
+        """No layers after the loop: a row exits with its state."""
+        return carried
+
+    @property
+    def carried_width(self) -> int:
+        return self.config.hidden_size
 
     def prelude(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Embed token ids [rows] into the residual stream [rows, hidden]."""

@@ -73,8 +73,10 @@ class LoopOps(Protocol):
         w_branch: torch.Tensor | None,
         w_next: torch.Tensor,
         eps: float,
+        live: torch.Tensor | None = None,  # [rows] bool, as `linear` takes it
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """add_rms_norm2(x, inp @ weight.T, ...) as one op, so a backend may fuse the two."""
+        """add_rms_norm2(x, inp @ weight.T, ...) as one op, so a backend may fuse the two;
+        rows not `live` may come back as anything finite."""
         ...
 
     def linear(

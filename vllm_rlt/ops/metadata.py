@@ -87,11 +87,12 @@ class AttentionMetadata:
     def num_rows(self) -> int:
         return self.positions.shape[0]
 
-    def single_plane(self) -> AttentionMetadata:
+    def single_plane(self, writes: torch.Tensor | None = None) -> AttentionMetadata:
         """The same rows addressing a cache of one plane (a layer that runs once per token,
-        such as a prelude or coda layer): every row reads and writes plane 0 through the
-        same block tables."""
+        such as a prelude or coda layer): every row reads plane 0 through the same block
+        tables, and writes it where `writes` ([rows] bool; None: every row)."""
         zeros = torch.zeros_like(self.read_plane)
+        write_hi = torch.ones_like(zeros) if writes is None else writes.to(zeros.dtype)
         segments = self.segments
         if segments is not None:  # flat indices: drop the plane part
             segments = dataclasses.replace(
@@ -104,7 +105,7 @@ class AttentionMetadata:
             self,
             read_plane=zeros,
             write_lo=zeros,
-            write_hi=torch.ones_like(zeros),
+            write_hi=write_hi,
             planes=1,
             segments=segments,
             prefill_tiles=tiles,

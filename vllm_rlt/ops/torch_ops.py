@@ -34,11 +34,18 @@ class TorchOps:
         return x, rms_norm(x, w_next, eps)
 
     def linear_add_rms_norm2(
-        self, x: torch.Tensor, inp: torch.Tensor, weight: Weight, w_branch, w_next, eps
+        self,
+        x: torch.Tensor,
+        inp: torch.Tensor,
+        weight: Weight,
+        w_branch,
+        w_next,
+        eps: float,
+        live: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2 of x and the projected branch inp @ weight.T: one op, so that a
         backend may fuse the projection's reduction into the norm."""
-        return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
+        return self.add_rms_norm2(x, self.linear(inp, weight, live), w_branch, w_next, eps)
 
     def token_stats(
         self, logits: torch.Tensor, tokens: torch.Tensor | None
@@ -59,10 +66,13 @@ class TorchOps:
     def linear(
         self, x: torch.Tensor, weight: Weight, live: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """x @ weight.T; `live` (rows whose output is used) lets a backend skip idle rows."""
+        """x @ weight.T; rows not `live` come back as zeros, as a backend that skips idle
+        rows may return them, so what reads them is tested on every device."""
         if isinstance(weight, Fp8Weight):
-            return fp8_linear_reference(x, weight)
-        return F.linear(x, weight)
+            out = fp8_linear_reference(x, weight)
+        else:
+            out = F.linear(x, weight)
+        return out if live is None else torch.where(live.unsqueeze(1), out, 0.0)
 
     def linear_silu_mul(self, x: torch.Tensor, gate_up: Weight) -> torch.Tensor:
         """silu_mul(x @ gate_up.T) for the interleaved gate/up weight."""

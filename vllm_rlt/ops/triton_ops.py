@@ -144,11 +144,21 @@ class TritonOps:
         return self._add_rms_norm2(x, branch.unsqueeze(0), w_branch, w_next, eps)
 
     def linear_add_rms_norm2(
-        self, x: torch.Tensor, inp: torch.Tensor, weight: Weight, w_branch, w_next, eps
+        self,
+        x: torch.Tensor,
+        inp: torch.Tensor,
+        weight: Weight,
+        w_branch,
+        w_next,
+        eps: float,
+        live: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
         partial sums and the norm kernel adds them up, so no reduction kernel runs; the
-        few-row CUDA kernel does the add and norms in its last block."""
+        few-row CUDA kernel does the add and norms in its last block. With `live`, the
+        product skips idle row tiles (`linear`) and the norm kernel follows it."""
+        if live is not None:
+            return self.add_rms_norm2(x, self.linear(inp, weight, live), w_branch, w_next, eps)
         bf16 = all(t is None or t.dtype == torch.bfloat16 for t in (x, w_branch, w_next))
         if bf16 and x.stride(1) == 1 and takes_few_row(inp, weight):
             return few_row_gemm_add_norms(x, inp, weight, w_branch, w_next, eps, pdl=self.pdl)

@@ -76,11 +76,14 @@ def peak_pass_bytes(
     tokens = torch.zeros(rows, dtype=torch.int64, device=device)
     inputs = StepInputs(
         tokens,
-        torch.zeros(rows, cfg.hidden_size, dtype=model.dtype, device=device),
+        torch.zeros(rows, model.carried_width, dtype=model.dtype, device=device),
         tokens,
         tokens if model.draws_initial_state else None,
     )
-    hidden, readout = model.step(inputs, meta, caches[: len(plan)], caches[len(plan) :], ops)
+    k_caches, v_caches = caches[: len(plan)], caches[len(plan) :]
+    hidden = model.step(inputs, meta, k_caches, v_caches, ops)
+    live = torch.ones(rows, dtype=torch.bool, device=device)
+    readout = model.readout(hidden, live, meta, k_caches, v_caches, ops)
     logits = model.coda(readout[:samplers])
     settings = SamplingTensors.filled(samplers, device, temperature=1.0)
     ids = sample(logits, settings, tokens[:samplers])
@@ -130,7 +133,7 @@ def plan_memory(
         graph_pool = (
             peak_pass_bytes(model, ops, head_rows, head_rows, planes, block_size, kv_dtype)
             + peak_pass_bytes(model, ops, stack, 1, planes, block_size, kv_dtype)
-            + buffer_bytes(cfg, model.dtype, stack, model.separate_readout)
+            + buffer_bytes(model, stack)
         )
     if explicit:
         plan = plan_kv_cache(cache_config, cfg, planes, kv_dtype)

@@ -7,17 +7,20 @@ few hundred kernels bind the host. Here a pass of up to MAX_MIXED_ROWS rows is p
 captured size and described entirely by one int64 buffer on the device, filled from the
 host in one copy:
 - per row: a decode row's slot (the dummy slot elsewhere), a prompt row's table row,
-  position, loop, write bound, input token and the row of `out` holding its carried state;
+  position, loop, write bound, input token, the row of `out` holding its carried state,
+  and whether it is at its chunk's last loop (the model's readout runs for it);
 - the prompt rows cut into attention tiles, and the counts [decode rows, tiles], which the
   attention kernels read on the device with a grid bounded by the padded size;
 - the prompt rows that sample, and the pass's block-table updates.
 
 Two graphs run it. The stack graph of the padded row count gathers the row inputs, applies
 the block updates, builds the metadata and runs one loop of the layer stack with attention
-inside, into `out`. The head graph of the padded decode-row count then runs what a decode
-graph runs after the stack (exits, sampling, the slot-state scatter, the packed result) on
-`out`'s decode rows plus the prompt rows that sample, padded to one of PROMPT_SAMPLER_SIZES
-(a burst of same-length prompts finishes together: 64 or more may sample in one pass).
+inside, into `out`; for a model that reads out apart, it also decides the decode rows'
+exits and runs the readout for them and the prompt rows at their last loop. The head graph
+of the padded decode-row count then runs what a decode graph runs after the stack (exits,
+sampling, the slot-state scatter, the packed result) on `out`'s decode rows plus the prompt
+rows that sample, padded to one of PROMPT_SAMPLER_SIZES (a burst of same-length prompts
+finishes together: 64 or more may sample in one pass).
 
 A chunk with loops to go leaves its state in `out`. The next pass reads it there before it
 overwrites `out`: a started chunk runs every pass until done, so no other pass comes
@@ -45,6 +48,7 @@ from vllm_rlt.worker.pass_inputs import (
     PassRows,
     build_metadata,
     decode_row_fields,
+    last_loop_rows,
     prefill_tile_fields,
     prompt_row_fields,
     row_seeds,
@@ -62,7 +66,7 @@ ROW_PROGRAMS = 128
 # Tile programs beyond one per BLOCK_M padded rows (a chunk's last tile may be partial).
 EXTRA_TILE_PROGRAMS = 8
 # Per-row fields of a prompt row in the input buffer, in order.
-ROW_FIELDS = ("table", "position", "loop", "write_hi", "token", "carry")
+ROW_FIELDS = ("table", "position", "loop", "write_hi", "token", "carry", "reads_out")
 # Pinned host buffers in turn: one is reused only after later passes were collected.
 HOST_BUFFERS = 4
 
@@ -117,13 +121,14 @@ def sampler_sizes(max_num_seqs: int) -> list[int]:
     return sorted({min(size, max_num_seqs) for size in PROMPT_SAMPLER_SIZES})
 
 
-def buffer_bytes(config, dtype: torch.dtype, rows: int, separate_readout: bool = False) -> int:
+def buffer_bytes(model: LoopedModel, rows: int) -> int:
     """Device bytes `MixedGraphs` keeps for passes of up to `rows` rows beyond what a pass
-    of that size allocates: the output rows (and the readout rows of a model that reads out
-    apart) and the int64 input buffer, and a margin of two [rows, hidden] tensors the stack
+    of that size allocates: the carried rows (and the readout rows of a model that reads
+    out apart) and the int64 input buffer, and a margin of two carried tensors the stack
     graph holds beside the layer stack (gathered inputs)."""
-    hidden = rows * config.hidden_size * torch.empty((), dtype=dtype).element_size()
-    return (3 + separate_readout) * hidden + 8 * (len(ROW_FIELDS) + 8) * rows
+    size = rows * torch.empty((), dtype=model.dtype).element_size()
+    readout = model.config.hidden_size if model.separate_readout else 0
+    return size * (3 * model.carried_width + readout) + 8 * (len(ROW_FIELDS) + 9) * rows
 
 
 class _Layout:
@@ -195,11 +200,14 @@ class MixedGraphs:
         ]
         self.next_host = 0
         self.input = self.templates[largest].to(model.device, copy=True)
-        self.out = torch.zeros(
-            largest, model.config.hidden_size, dtype=model.dtype, device=model.device
-        )
-        # What exiting rows sample from: `out` itself unless the model reads out apart.
-        self.readout = torch.zeros_like(self.out) if model.separate_readout else self.out
+        self.out = torch.zeros(largest, model.carried_width, dtype=model.dtype, device=model.device)
+        # What exiting rows sample from: `out` itself unless the model reads out apart, and
+        # then the decode rows' exits as the stack decided them.
+        self.readout = self.out
+        self.exits = torch.zeros(largest, dtype=torch.bool, device=model.device)
+        if model.separate_readout:
+            hidden = model.config.hidden_size
+            self.readout = torch.zeros(largest, hidden, dtype=model.dtype, device=model.device)
         self.row_index = torch.arange(largest, device=model.device)
         self.tile_rows = parts.ops.prefill_tile_rows(model.dtype)
         self.stacks: dict[int, torch.cuda.CUDAGraph] = {}
@@ -278,7 +286,7 @@ class MixedGraphs:
             row_programs=min(size, ROW_PROGRAMS),
             tile_programs=-(-size // self.tile_rows) + EXTRA_TILE_PROGRAMS,
         )
-        state, readout = model.step(
+        state = model.step(
             StepInputs(tokens, carried, rows.loops, seeds),
             meta,
             parts.k_caches,
@@ -287,7 +295,12 @@ class MixedGraphs:
         )
         self.out[:size].copy_(state)
         if model.separate_readout:
+            live, exits = parts.head.readout_rows(state, slots, rows.loops)
+            live = torch.where(is_decode, live, f["reads_out"] != 0)
+            readout = model.readout(state, live, meta, parts.k_caches, parts.v_caches, parts.ops)
             self.readout[:size].copy_(readout)
+            if exits is not None:
+                self.exits[:size].copy_(exits)
 
     def _head(
         self,
@@ -310,7 +323,14 @@ class MixedGraphs:
             MAX_LOGPROBS if with_top else 0,
             adjusted,
             speculating,
+            d_exit=self.exits[:size] if self._decided_in_stack else None,
         )
+
+    @property
+    def _decided_in_stack(self) -> bool:
+        """Whether the stack graph decides the decode rows' exits (see `_stack`)."""
+        parts = self.parts
+        return parts.model.separate_readout and not parts.head.exit_policy.needs_logits
 
     def run(
         self, out: SchedulerOutput, greedy: bool, num_top: int, adjusted: bool, speculating: bool
@@ -338,6 +358,7 @@ class MixedGraphs:
         tokens, carry = self._inputs(chunks)
         f["token"][num_decode:num_rows] = torch.tensor(tokens, dtype=torch.int64)
         f["carry"][num_decode:num_rows] = torch.tensor(carry, dtype=torch.int64)
+        f["reads_out"][num_decode:num_rows] = last_loop_rows(chunks, parts.model.config.num_loops)
         tiles = prefill_tile_fields(chunks, num_decode, parts.geo, self.tile_rows)
         f["tiles"][:, : tiles.shape[1]] = tiles
         f["counts"][0], f["counts"][1] = num_decode, tiles.shape[1]

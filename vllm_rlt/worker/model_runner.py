@@ -19,6 +19,7 @@ from vllm_rlt.core.contract import (
 from vllm_rlt.exit.policy import ExitPolicy
 from vllm_rlt.models.interface import LoopedModel, StepInputs
 from vllm_rlt.ops.base import LoopOps
+from vllm_rlt.ops.metadata import AttentionMetadata
 from vllm_rlt.worker.cuda_graphs import DecodeGraphs
 from vllm_rlt.worker.host_uploads import HostUploads
 from vllm_rlt.worker.kv_pool import KVPool, KVSource
@@ -29,6 +30,7 @@ from vllm_rlt.worker.pass_inputs import (
     PassRows,
     build_metadata,
     gather_rows,
+    last_loop_rows,
     row_seeds,
 )
 from vllm_rlt.worker.prompt_logprobs import PromptRows, prompt_logprobs, prompt_rows
@@ -90,7 +92,7 @@ class ModelRunner:
         self.v_caches = [torch.zeros_like(k) for k in self.k_caches]
         self.state = SlotState(
             max_slots,
-            cfg.hidden_size,
+            model.carried_width,
             cfg.vocab_size,
             -(-max_model_len // geometry.block_size),
             geometry.num_blocks,
@@ -367,9 +369,10 @@ class ModelRunner:
             self.uploads.upload,
             lanes,
         )
-        state, readout = model.step(
+        state = model.step(
             self._step_inputs(decode, chunks, rows), meta, self.k_caches, self.v_caches, self.ops
         )
+        readout, d_exit = self._readout(state, decode, d_loops, chunks, meta)
         prompt = prompt_rows(self.model, self.ops, readout, chunks, num_decode)
         samplers = self.keep_carried(state, chunks, num_decode)
         p_slots = p_rows = decode[:0]
@@ -388,8 +391,29 @@ class ModelRunner:
             adjusted,
             speculating,
             d_loops,
+            d_exit,
         )
         return packed, prompt
+
+    def _readout(
+        self,
+        state: torch.Tensor,
+        decode: torch.Tensor,
+        d_loops: torch.Tensor,
+        chunks: tuple[PrefillChunk, ...],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(what each row samples from if it exits now [rows, hidden], the decode rows'
+        exits when decided first): a model that reads out apart runs its readout for the
+        decode rows that exit and the prompt rows at their last loop only."""
+        if not self.model.separate_readout:
+            return state, None
+        live, d_exit = self.head.readout_rows(state[: decode.shape[0]], decode, d_loops)
+        if chunks:
+            prompt_live = self.uploads.upload(last_loop_rows(chunks, self.num_loops)) != 0
+            live = torch.cat([live, prompt_live])
+        readout = self.model.readout(state, live, meta, self.k_caches, self.v_caches, self.ops)
+        return readout, d_exit
 
     def _step_inputs(
         self, decode: torch.Tensor, chunks: tuple[PrefillChunk, ...], rows: PassRows

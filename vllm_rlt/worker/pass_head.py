@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from vllm_rlt.exit.policy import ExitInputs, ExitPolicy
+from vllm_rlt.exit.policy import ExitDecision, ExitInputs, ExitPolicy
 from vllm_rlt.layers.sampler import greedy_or_sample, top_logprobs
 from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.ops.base import LoopOps
@@ -28,7 +28,7 @@ class Exits:
     exited: torch.Tensor  # [decode rows] bool
     carried: dict[str, torch.Tensor]  # the exit policy's values for the next loop
     loops_done: torch.Tensor  # the depth each row has reached
-    hidden: torch.Tensor  # [decode rows, hidden] the state each row keeps
+    hidden: torch.Tensor  # [decode rows, carried_width] what each row keeps
     readout: torch.Tensor  # [decode rows, hidden] what each row samples from if it exits
     positions: torch.Tensor
     logits: torch.Tensor | None = None  # [decode rows, vocab] when the policy read them
@@ -94,11 +94,24 @@ class PassHead:
         self.model, self.ops, self.state, self.geo = model, ops, state, geo
         self.exit_policy, self.lanes, self.dummy_slot = exit_policy, lanes, dummy_slot
         self.num_loops = model.config.num_loops
+        self.state_width = model.config.hidden_size  # the carried columns policies read
         exit_policy.bind(state.loop.shape[0], state.loop.device)  # its per-slot state
+
+    def readout_rows(
+        self, d_hidden: torch.Tensor, decode: torch.Tensor, d_loops: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """For a model that reads out apart: ([decode rows] bool, the rows the readout must
+        run for; the decode rows' exits, decided before the readout, for `run`'s `d_exit`).
+        A policy that reads the logits needs every decode row read out, and decides in
+        `run` (None)."""
+        if self.exit_policy.needs_logits:
+            return torch.ones_like(decode, dtype=torch.bool), None
+        exits = self._decision(d_hidden, decode, d_loops + 1, None).exit
+        return exits, exits
 
     def run(
         self,
-        d_hidden: torch.Tensor,  # [decode rows, hidden] the state after this loop
+        d_hidden: torch.Tensor,  # [decode rows, carried_width] what this loop left
         d_readout: torch.Tensor,  # [decode rows, hidden] what an exiting row samples from
         decode: torch.Tensor,  # [decode rows] slots
         p_hidden: torch.Tensor,  # [prompt samplers, hidden] their readout
@@ -108,6 +121,7 @@ class PassHead:
         adjusted: bool,
         speculating: bool,
         d_loops: torch.Tensor | None = None,  # [decode rows] the loop each ran, if known
+        d_exit: torch.Tensor | None = None,  # [decode rows] from `readout_rows`
     ) -> torch.Tensor:
         """After the layer stack, one fixed pipeline: the decode rows' exits, sampling where
         rows exit and on the prompt rows that sample, the slot state scattered back, and the
@@ -115,7 +129,7 @@ class PassHead:
         Speculation lanes (`SpecLanes`) and logit adjustments (`PenaltyState`) plug in where
         they act. Every shape depends only on the row counts, so it is captured as it is."""
         lanes = self.lanes if speculating else None
-        exits = self._exits(d_hidden, d_readout, decode, d_loops, lanes)
+        exits = self._exits(d_hidden, d_readout, decode, d_loops, lanes, d_exit)
         rows = SampleRows.of(exits, decode, p_hidden, p_slots, self.dummy_slot, lanes)
         sample = self._sample(rows, exits, decode, greedy, num_top, adjusted, lanes)
         self._scatter(exits, decode, p_slots, sample.tokens, lanes, sample.spec)
@@ -144,32 +158,19 @@ class PassHead:
         decode: torch.Tensor,
         d_loops: torch.Tensor | None,
         lanes: SpecLanes | None,
+        d_exit: torch.Tensor | None,
     ) -> Exits:
-        """Which decode rows leave after this loop (the exit policy), and with lanes which
-        are held back or draft."""
+        """Which decode rows leave after this loop (the exit policy, or `d_exit` where the
+        pass decided before the readout), and with lanes which are held back or draft."""
         st = self.state
         if d_loops is None:
             d_loops = decode_row_fields(decode, st, self.geo, lanes).loops
         loops_done = d_loops + 1
-        policy = self.exit_policy
-        carried = policy.gather(decode)
+        logits = self.model.coda(d_readout, self.ops) if self.exit_policy.needs_logits else None
+        decision = self._decision(d_hidden, decode, loops_done, logits)
+        if d_exit is not None:  # the rows that were read out: the same decision, taken once
+            decision.exit = d_exit
         positions = st.position[decode]
-        logits = self.model.coda(d_readout, self.ops) if policy.needs_logits else None
-        decision = policy.decide(
-            ExitInputs(
-                hidden=d_hidden,
-                slots=decode,
-                num_generated=st.num_generated[decode],
-                loops_done=loops_done,
-                min_loops=st.min_loops[decode],
-                max_loops=st.max_loops[decode],
-                exit_threshold=st.exit_threshold[decode],
-                carried=carried,
-                positions=positions,
-                seeds=st.sampling.seed[decode] if policy.needs_seeds else None,
-                logits=logits,
-            )
-        )
         exits = Exits(
             exited=decision.exit,
             carried=decision.carried,
@@ -189,11 +190,37 @@ class PassHead:
             exits.hidden = torch.where(held.unsqueeze(1), st.hidden[decode], d_hidden)
             exits.readout = exits.hidden  # lanes only run models whose readout is the state
             exits.loops_done = torch.where(held, st.loop[decode], loops_done)
+            before = self.exit_policy.gather(decode)
             exits.carried = {
-                name: torch.where(held, carried[name], values)
+                name: torch.where(held, before[name], values)
                 for name, values in exits.carried.items()
             }
         return exits
+
+    def _decision(
+        self,
+        d_hidden: torch.Tensor,
+        decode: torch.Tensor,
+        loops_done: torch.Tensor,
+        logits: torch.Tensor | None,
+    ) -> ExitDecision:
+        """The exit policy's decision for the decode rows after loop `loops_done`."""
+        st, policy = self.state, self.exit_policy
+        return policy.decide(
+            ExitInputs(
+                hidden=d_hidden[:, : self.state_width],
+                slots=decode,
+                num_generated=st.num_generated[decode],
+                loops_done=loops_done,
+                min_loops=st.min_loops[decode],
+                max_loops=st.max_loops[decode],
+                exit_threshold=st.exit_threshold[decode],
+                carried=policy.gather(decode),
+                positions=st.position[decode],
+                seeds=st.sampling.seed[decode] if policy.needs_seeds else None,
+                logits=logits,
+            )
+        )
 
     def _sample(
         self,

@@ -105,6 +105,14 @@ def prompt_row_fields(chunks: tuple[PrefillChunk, ...], geo: KVGeometry) -> torc
     return torch.stack([spread[:, 2], spread[:, 1] + offset, spread[:, 3], spread[:, 4]])
 
 
+def last_loop_rows(chunks: tuple[PrefillChunk, ...], num_loops: int) -> torch.Tensor:
+    """[prompt rows] int64 on the host: 1 for the rows of a chunk at its last loop (a
+    prompt's positions exit there, so the layers after the loop run for them), else 0."""
+    last = [int(c.loop == (c.depth or num_loops) - 1) for c in chunks]
+    lengths = [len(c.token_ids) for c in chunks]
+    return torch.tensor(last, dtype=torch.int64).repeat_interleave(torch.tensor(lengths))
+
+
 def gather_rows(
     decode: torch.Tensor,
     chunks: tuple[PrefillChunk, ...],
