@@ -255,6 +255,10 @@ class SchedulerConfig:
         )
 
 
+# Passes a token may wait to exit with others (ExitConfig.sync_passes).
+MAX_SYNC_PASSES = 256
+
+
 @dataclass(frozen=True)
 class ExitConfig:
     """Exit policy for decode tokens (prefill always runs every loop).
@@ -267,11 +271,18 @@ class ExitConfig:
     between checks below the request's exit_threshold), "kl" (the KL divergence between
     successive checks' next-token distributions below it) or "entropy_diff" (the change of
     the next-token entropy between checks below it).
+
+    `sync_passes` (models with layers after the loop, such as Huginn's coda): a token whose
+    policy says exit waits, frozen, for up to sync_passes - 1 passes until the other decode
+    rows exit too, so those layers and the LM head stream their weights once for all of
+    them; the tokens and exit depths are those of exiting at once (worker/exit_sync.py).
+    1: every token exits at once.
     """
 
     mode: str = "auto"
     seed: int = 0
     depths_by_request: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    sync_passes: int = 1
 
     def __post_init__(self) -> None:
         require(
@@ -279,6 +290,7 @@ class ExitConfig:
             f"exit mode must be one of {', '.join(EXIT_MODES)}, got {self.mode!r}",
         )
         require_int(self.seed, "seed", 0, 2**63 - 1)
+        require_int(self.sync_passes, "sync_passes", 1, MAX_SYNC_PASSES)
         frozen = {}
         for request_id, depths in dict(self.depths_by_request).items():
             require(
@@ -297,7 +309,10 @@ class ExitConfig:
     def __reduce__(self):
         """Picklable (the engine-core process receives it) although the mapping is a
         read-only proxy."""
-        return (ExitConfig, (self.mode, self.seed, dict(self.depths_by_request)))
+        return (
+            ExitConfig,
+            (self.mode, self.seed, dict(self.depths_by_request), self.sync_passes),
+        )
 
 
 MAX_SPECULATIVE_TOKENS = 16

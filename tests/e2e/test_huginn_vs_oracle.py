@@ -15,6 +15,7 @@ from tests.reference.huginn_match import assert_matches_oracle
 from tests.reference.huginn_oracle import HuginnModel, huginn_generate
 from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.config import CacheConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.worker.exit_sync import ExitSync
 
 PROMPTS = [[5, 17, 42, 101, 7, 250], [9, 3], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 SEEDS = [3, 11, 7]
@@ -41,6 +42,7 @@ def _engine(
     layout: str = "last_exited",
     mode: str = "auto",
     cache: dict | None = None,
+    sync_passes: int = 1,
     **scheduler,
 ) -> LLM:
     return LLM(
@@ -48,8 +50,22 @@ def _engine(
         dtype="float32",
         cache_config=CacheConfig(layout=layout, **(cache or {"num_blocks": 96})),
         scheduler_config=SchedulerConfig(**scheduler) if scheduler else None,
-        exit_config=ExitConfig(mode=mode),
+        exit_config=ExitConfig(mode=mode, sync_passes=sync_passes),
     )
+
+
+@pytest.fixture
+def held_rows(monkeypatch) -> list[int]:
+    """How many decode rows each pass held back from exiting (ExitSync.store's count)."""
+    counts: list[int] = []
+    store = ExitSync.store
+
+    def counting(self, slots, held_back):
+        counts.append(int(held_back.sum()))
+        store(self, slots, held_back)
+
+    monkeypatch.setattr(ExitSync, "store", counting)
+    return counts
 
 
 def _check(llm: LLM, oracle_model: HuginnModel, lookup: str, params: dict, oracle: dict):
@@ -108,14 +124,46 @@ def test_exit_criteria_equal_the_oracle(
     assert len(depths) > 1, f"{criterion} at {threshold} never varied the depth: {depths}"
 
 
-def test_prefix_caching_and_preemption_change_nothing(folder, oracle_model):
+@pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
+@pytest.mark.parametrize("sync_passes", [3, 8])
+def test_exits_held_back_together_change_nothing(
+    folder, oracle_model, held_rows, chunk, sync_passes
+):
+    """With sync_passes, a row whose criterion says exit waits, frozen, for the others
+    (worker/exit_sync.py): tokens, logprobs and exit depths stay the oracle's, beside
+    prompt chunks too, and rows were held back."""
+    scheduler = {} if chunk is None else {"max_num_batched_tokens": chunk}
+    llm = _engine(folder, mode="latent_diff", sync_passes=sync_passes, **scheduler)
+    outputs = _check(
+        llm,
+        oracle_model,
+        "latest",
+        {"exit_threshold": 0.5, "min_loops": 1},
+        {"exit_criterion": "latent-diff", "exit_threshold": 0.5, "min_steps": 0},
+    )
+    assert max(held_rows) > 0
+    assert len({d for o in outputs for d in o.outputs[0].exit_depths[1:]}) > 1
+
+
+def test_exit_sync_is_refused_where_it_saves_nothing(folder, make_engine):
+    with pytest.raises(ValueError, match="sync_passes"):
+        _engine(folder, mode="kl", sync_passes=2)
+    with pytest.raises(ValueError, match="sync_passes"):
+        make_engine(exit_config=ExitConfig(sync_passes=2))  # Ouro: no layers after the loop
+    with pytest.raises(ValueError, match="sync_passes"):
+        ExitConfig(sync_passes=0)
+
+
+@pytest.mark.parametrize("sync_passes", [1, 4])
+def test_prefix_caching_and_preemption_change_nothing(folder, oracle_model, sync_passes):
     """Prompts sharing a prefix of full blocks read it from the cache, and a pool too small
     for every request at once preempts and replays (each replayed token through its own
-    exit step: K/V, initial state and coda all recomputed), at per-token depths."""
+    exit step: K/V, initial state and coda all recomputed), at per-token depths, with and
+    without exits held back."""
     shared = [200, 11, 12, 13, 14, 15, 16, 17]
     prompts = [shared + [30 + i] for i in range(3)]
     cache = {"num_blocks": 12, "block_size": 4, "enable_prefix_caching": True}
-    llm = _engine(folder, mode="latent_diff", cache=cache, max_num_seqs=3)
+    llm = _engine(folder, mode="latent_diff", cache=cache, sync_passes=sync_passes, max_num_seqs=3)
     params = [
         SamplingParams(max_tokens=10, temperature=0.0, seed=s, ignore_eos=True, exit_threshold=0.5)
         for s in SEEDS

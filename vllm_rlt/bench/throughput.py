@@ -35,7 +35,7 @@ from vllm_rlt.bench.throughput_engine import (
 )
 from vllm_rlt.bench.throughput_flags import add_arguments, command_line
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.config import ExitConfig
+from vllm_rlt.config import MAX_SYNC_PASSES, ExitConfig
 from vllm_rlt.sampling_params import SamplingParams
 
 MAX_WAVES = 1000  # a typo of a few digits must not build billions of prompts
@@ -76,10 +76,11 @@ def bench_concurrency(
             depths_by_request=make_traces(
                 ids, args.output_len, args.depth_trace_mean, loops, args.seed
             ),
+            sync_passes=args.exit_sync_passes,
         )
         params = SamplingParams(max_tokens=max_tokens_of(args), temperature=0.0, ignore_eos=True)
     else:
-        exit_config = ExitConfig()
+        exit_config = ExitConfig(sync_passes=args.exit_sync_passes)
         params = SamplingParams(
             max_tokens=max_tokens_of(args),
             temperature=0.0,
@@ -192,6 +193,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.depth = model.config.num_loops
     if args.depth is not None and not 1 <= args.depth <= model.config.num_loops:
         raise ValueError(f"--depth must be in [1, {model.config.num_loops}], got {args.depth}")
+    if not 1 <= args.exit_sync_passes <= MAX_SYNC_PASSES:
+        raise ValueError(
+            f"--exit-sync-passes must be in [1, {MAX_SYNC_PASSES}], got {args.exit_sync_passes}"
+        )
     command = command_line(args)
     total = runs_per_concurrency(args) * len(args.concurrency)
     with tqdm(total=total, desc="throughput", unit="run", file=sys.stderr) as progress:

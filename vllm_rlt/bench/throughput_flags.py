@@ -96,6 +96,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "(default: off, fixed depth)",
     )
     parser.add_argument(
+        "--exit-sync-passes",
+        type=int,
+        default=1,
+        help="Huginn shapes: a token that decides to exit may wait up to N-1 passes for "
+        "others, so the coda and LM head run once for all of them (default: 1, exit at once)",
+    )
+    parser.add_argument(
         "--waves",
         type=int,
         default=1,

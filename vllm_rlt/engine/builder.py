@@ -145,6 +145,25 @@ def check_stages(model, cache_config, speculative_config, disaggregate) -> None:
     )
 
 
+def check_exit_sync(sync_passes: int, model, exit_policy) -> None:
+    """Exits held back together (ExitConfig.sync_passes) share the layers after the loop:
+    refused, by name, where there are none or the policy runs them for every row anyway."""
+    if sync_passes == 1:
+        return
+    require(
+        model.separate_readout,
+        "exit sync_passes > 1 holds exits back to share the layers after the loop, and this "
+        "model has none: use 1",
+        "sync_passes",
+    )
+    require(
+        not exit_policy.needs_logits,
+        f"exit sync_passes > 1 saves nothing under the {type(exit_policy).__name__}, which "
+        "reads every decode row's logits every loop: use 1",
+        "sync_passes",
+    )
+
+
 def build_engine_core(
     model,
     tokenizer: Tokenizer | None,
@@ -177,6 +196,8 @@ def build_engine_core(
         check_speculation(
             speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
         )
+    exit_policy = make_exit_policy(exit_config, model)
+    check_exit_sync(exit_config.sync_passes, model, exit_policy)
     backend, ops = get_backend(config.device_config.attention_backend, model.device, cfg.head_dim)
     # Made before the cache is sized, so the memory plan sees its buffers.
     lanes = None
@@ -244,10 +265,11 @@ def build_engine_core(
         geometry,
         scheduler_config.max_num_seqs * num_lanes,
         max_model_len,
-        make_exit_policy(exit_config, model),
+        exit_policy,
         ops,
         lanes,
         kv_cache_torch_dtype(cache_config.kv_cache_dtype, model.dtype),
+        exit_config.sync_passes,
     )
     runner.prepare_device(execution_config.cuda_graphs, scheduler_config.max_num_batched_tokens)
     checker = RequestChecker(

@@ -264,6 +264,14 @@ def _add_exit_args(parser: argparse.ArgumentParser) -> None:
         "(trace mode only)",
     )
     exits.add_argument(
+        "--exit-sync-passes",
+        type=int,
+        default=config_default(ExitConfig, "sync_passes"),
+        help="models with layers after the loop (Huginn): a token that decides to exit may "
+        "wait up to N-1 passes for others, so the coda and LM head run once for all of them "
+        "(same tokens and depths); 1: exit at once",
+    )
+    exits.add_argument(
         "--lookahead-seed",
         type=int,
         default=config_default(ExitConfig, "seed"),
@@ -407,6 +415,7 @@ def engine_args_from(ns: argparse.Namespace, **serving: Any) -> EngineArgs:
             mode=ns.exit_mode,
             seed=ns.lookahead_seed,
             depths_by_request=depths,
+            sync_passes=ns.exit_sync_passes,
         ),
         execution_config=ExecutionConfig(
             cuda_graphs=not ns.enforce_eager, async_scheduling=ns.async_scheduling, seed=ns.seed

@@ -190,7 +190,7 @@ class HuginnModel:
         cfg, hidden = self.config, self.config.hidden_size
         first = rows.loops == 0
         injected = self.embed[rows.tokens] * cfg.embed_scale
-        once = meta.single_plane(writes=first)
+        once = meta.single_plane(writes=first & meta.writing)
         for i in range(cfg.num_prelude_layers):
             injected = self._layer(ops, injected, i, k_caches[i], v_caches[i], once, first)
         first = first.unsqueeze(1)

@@ -111,6 +111,12 @@ class AttentionMetadata:
             prefill_tiles=tiles,
         )
 
+    @property
+    def writing(self) -> torch.Tensor:
+        """[rows] bool: rows that write K/V in this pass (a row held back from exiting,
+        worker/exit_sync.py, writes none)."""
+        return self.write_hi > self.write_lo
+
     def write_index(self) -> torch.Tensor:
         """[planes, rows] flat index each row writes per plane (the dummy where it does not)."""
         planes = torch.arange(self.planes, device=self.positions.device).unsqueeze(1)

@@ -42,6 +42,7 @@ from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import DeviceCounts, PrefillTiles
 from vllm_rlt.sampling_params import MAX_LOGPROBS
 from vllm_rlt.worker.cuda_graphs import capture, graph_batch_sizes
+from vllm_rlt.worker.exit_sync import SyncedExits
 from vllm_rlt.worker.pass_head import PassHead
 from vllm_rlt.worker.pass_inputs import (
     KVGeometry,
@@ -202,9 +203,9 @@ class MixedGraphs:
         self.input = self.templates[largest].to(model.device, copy=True)
         self.out = torch.zeros(largest, model.carried_width, dtype=model.dtype, device=model.device)
         # What exiting rows sample from: `out` itself unless the model reads out apart, and
-        # then the decode rows' exits as the stack decided them.
+        # then the decode rows' exits and held rows as the stack decided them.
         self.readout = self.out
-        self.exits = torch.zeros(largest, dtype=torch.bool, device=model.device)
+        self.exits = torch.zeros(2, largest, dtype=torch.bool, device=model.device)
         if model.separate_readout:
             hidden = model.config.hidden_size
             self.readout = torch.zeros(largest, hidden, dtype=model.dtype, device=model.device)
@@ -293,14 +294,17 @@ class MixedGraphs:
             parts.v_caches,
             parts.ops,
         )
+        sync = parts.head.sync
+        if sync is not None:  # held rows keep what they carried in
+            state = sync.frozen(state, slots)
         self.out[:size].copy_(state)
         if model.separate_readout:
-            live, exits = parts.head.readout_rows(state, slots, rows.loops)
+            live, decided = parts.head.readout_rows(state, slots, rows.loops)
             live = torch.where(is_decode, live, f["reads_out"] != 0)
             readout = model.readout(state, live, meta, parts.k_caches, parts.v_caches, parts.ops)
             self.readout[:size].copy_(readout)
-            if exits is not None:
-                self.exits[:size].copy_(exits)
+            if decided is not None:
+                self.exits[:, :size].copy_(torch.stack([decided.exit, decided.held_back]))
 
     def _head(
         self,
@@ -323,14 +327,16 @@ class MixedGraphs:
             MAX_LOGPROBS if with_top else 0,
             adjusted,
             speculating,
-            d_exit=self.exits[:size] if self._decided_in_stack else None,
+            decided=self._decided(size),
         )
 
-    @property
-    def _decided_in_stack(self) -> bool:
-        """Whether the stack graph decides the decode rows' exits (see `_stack`)."""
+    def _decided(self, size: int) -> SyncedExits | None:
+        """The exits of `size` decode rows as the stack graph decided them, where it does
+        (see `_stack`)."""
         parts = self.parts
-        return parts.model.separate_readout and not parts.head.exit_policy.needs_logits
+        if not parts.model.separate_readout or parts.head.exit_policy.needs_logits:
+            return None
+        return SyncedExits(self.exits[0, :size], self.exits[1, :size])
 
     def run(
         self, out: SchedulerOutput, greedy: bool, num_top: int, adjusted: bool, speculating: bool

@@ -21,6 +21,7 @@ from vllm_rlt.models.interface import LoopedModel, StepInputs
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import AttentionMetadata
 from vllm_rlt.worker.cuda_graphs import DecodeGraphs
+from vllm_rlt.worker.exit_sync import ExitSync, SyncedExits
 from vllm_rlt.worker.host_uploads import HostUploads
 from vllm_rlt.worker.kv_pool import KVPool, KVSource
 from vllm_rlt.worker.mixed_graphs import Carried, MixedGraphs, PromptPassParts, mixed_sizes
@@ -72,6 +73,7 @@ class ModelRunner:
         ops: LoopOps,
         lanes: SpecLanes | None = None,
         kv_dtype: torch.dtype | None = None,  # the K/V pool's (None: the model's dtype)
+        exit_sync_passes: int = 1,  # ExitConfig.sync_passes (1: exits are not held)
     ) -> None:
         cfg = model.config
         self.model = model
@@ -99,6 +101,7 @@ class ModelRunner:
             model.dtype,
             model.device,
             geometry.table_planes,
+            exit_sync=exit_sync_passes > 1,
         )
         self.dummy_slot = max_slots
         self.prefill_hidden: dict[int, Carried] = {}  # slot -> its prompt chunk's state
@@ -106,7 +109,12 @@ class ModelRunner:
         self.lanes = lanes
         # After the layer stack: one pipeline for eager passes and every graph. It holds the
         # state, lanes and exit policy: whatever replaces one of them must rebuild it.
-        self.head = PassHead(model, ops, self.state, geometry, exit_policy, lanes, self.dummy_slot)
+        sync = None
+        if exit_sync_passes > 1:
+            sync = ExitSync(exit_sync_passes, self.state, self.dummy_slot)
+        self.head = PassHead(
+            model, ops, self.state, geometry, exit_policy, lanes, self.dummy_slot, sync
+        )
         self.graphs: DecodeGraphs | None = None  # captured by `prepare_device`
         self.mixed: MixedGraphs | None = None  # likewise: the passes with prompt rows
         # Passes that replayed decode graphs and prompt-pass graphs (the rest ran eagerly).
@@ -372,7 +380,10 @@ class ModelRunner:
         state = model.step(
             self._step_inputs(decode, chunks, rows), meta, self.k_caches, self.v_caches, self.ops
         )
-        readout, d_exit = self._readout(state, decode, d_loops, chunks, meta)
+        sync = self.head.sync
+        if sync is not None:  # held rows keep what they carried in
+            state = torch.cat([sync.frozen(state[:num_decode], decode), state[num_decode:]])
+        readout, decided = self._readout(state, decode, d_loops, chunks, meta)
         prompt = prompt_rows(self.model, self.ops, readout, chunks, num_decode)
         samplers = self.keep_carried(state, chunks, num_decode)
         p_slots = p_rows = decode[:0]
@@ -391,7 +402,7 @@ class ModelRunner:
             adjusted,
             speculating,
             d_loops,
-            d_exit,
+            decided,
         )
         return packed, prompt
 
@@ -402,18 +413,18 @@ class ModelRunner:
         d_loops: torch.Tensor,
         chunks: tuple[PrefillChunk, ...],
         meta: AttentionMetadata,
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, SyncedExits | None]:
         """(what each row samples from if it exits now [rows, hidden], the decode rows'
         exits when decided first): a model that reads out apart runs its readout for the
         decode rows that exit and the prompt rows at their last loop only."""
         if not self.model.separate_readout:
             return state, None
-        live, d_exit = self.head.readout_rows(state[: decode.shape[0]], decode, d_loops)
+        live, decided = self.head.readout_rows(state[: decode.shape[0]], decode, d_loops)
         if chunks:
             prompt_live = self.uploads.upload(last_loop_rows(chunks, self.num_loops)) != 0
             live = torch.cat([live, prompt_live])
         readout = self.model.readout(state, live, meta, self.k_caches, self.v_caches, self.ops)
-        return readout, d_exit
+        return readout, decided
 
     def _step_inputs(
         self, decode: torch.Tensor, chunks: tuple[PrefillChunk, ...], rows: PassRows

@@ -15,6 +15,7 @@ from vllm_rlt.exit.policy import ExitDecision, ExitInputs, ExitPolicy
 from vllm_rlt.layers.sampler import greedy_or_sample, top_logprobs
 from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.ops.base import LoopOps
+from vllm_rlt.worker.exit_sync import ExitSync, SyncedExits
 from vllm_rlt.worker.pass_inputs import KVGeometry, decode_row_fields
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
@@ -32,6 +33,7 @@ class Exits:
     readout: torch.Tensor  # [decode rows, hidden] what each row samples from if it exits
     positions: torch.Tensor
     logits: torch.Tensor | None = None  # [decode rows, vocab] when the policy read them
+    held_back: torch.Tensor | None = None  # [decode rows] rows waiting to exit (ExitSync)
     drafting: torch.Tensor | None = None  # lanes only
     hold: Any = None  # lanes only: what `SpecLanes.step` needs of the held lanes
 
@@ -90,24 +92,26 @@ class PassHead:
         exit_policy: ExitPolicy,
         lanes: SpecLanes | None,
         dummy_slot: int,
+        sync: ExitSync | None = None,
     ) -> None:
         self.model, self.ops, self.state, self.geo = model, ops, state, geo
         self.exit_policy, self.lanes, self.dummy_slot = exit_policy, lanes, dummy_slot
+        self.sync = sync
         self.num_loops = model.config.num_loops
         self.state_width = model.config.hidden_size  # the carried columns policies read
         exit_policy.bind(state.loop.shape[0], state.loop.device)  # its per-slot state
 
     def readout_rows(
         self, d_hidden: torch.Tensor, decode: torch.Tensor, d_loops: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    ) -> tuple[torch.Tensor, SyncedExits | None]:
         """For a model that reads out apart: ([decode rows] bool, the rows the readout must
-        run for; the decode rows' exits, decided before the readout, for `run`'s `d_exit`).
-        A policy that reads the logits needs every decode row read out, and decides in
-        `run` (None)."""
+        run for; the decode rows' exits decided before the readout, for `run`'s `decided`,
+        so both stages act on one decision). A policy that reads the logits needs every
+        decode row read out, and decides in `run` (None)."""
         if self.exit_policy.needs_logits:
             return torch.ones_like(decode, dtype=torch.bool), None
-        exits = self._decision(d_hidden, decode, d_loops + 1, None).exit
-        return exits, exits
+        _, decided = self._decision(d_hidden, decode, d_loops + 1, None)
+        return decided.exit, decided
 
     def run(
         self,
@@ -121,7 +125,7 @@ class PassHead:
         adjusted: bool,
         speculating: bool,
         d_loops: torch.Tensor | None = None,  # [decode rows] the loop each ran, if known
-        d_exit: torch.Tensor | None = None,  # [decode rows] from `readout_rows`
+        decided: SyncedExits | None = None,  # from `readout_rows`
     ) -> torch.Tensor:
         """After the layer stack, one fixed pipeline: the decode rows' exits, sampling where
         rows exit and on the prompt rows that sample, the slot state scattered back, and the
@@ -129,7 +133,7 @@ class PassHead:
         Speculation lanes (`SpecLanes`) and logit adjustments (`PenaltyState`) plug in where
         they act. Every shape depends only on the row counts, so it is captured as it is."""
         lanes = self.lanes if speculating else None
-        exits = self._exits(d_hidden, d_readout, decode, d_loops, lanes, d_exit)
+        exits = self._exits(d_hidden, d_readout, decode, d_loops, lanes, decided)
         rows = SampleRows.of(exits, decode, p_hidden, p_slots, self.dummy_slot, lanes)
         sample = self._sample(rows, exits, decode, greedy, num_top, adjusted, lanes)
         self._scatter(exits, decode, p_slots, sample.tokens, lanes, sample.spec)
@@ -158,27 +162,28 @@ class PassHead:
         decode: torch.Tensor,
         d_loops: torch.Tensor | None,
         lanes: SpecLanes | None,
-        d_exit: torch.Tensor | None,
+        decided: SyncedExits | None,
     ) -> Exits:
-        """Which decode rows leave after this loop (the exit policy, or `d_exit` where the
+        """Which decode rows leave after this loop (the exit policy, or `decided` where the
         pass decided before the readout), and with lanes which are held back or draft."""
         st = self.state
         if d_loops is None:
             d_loops = decode_row_fields(decode, st, self.geo, lanes).loops
         loops_done = d_loops + 1
         logits = self.model.coda(d_readout, self.ops) if self.exit_policy.needs_logits else None
-        decision = self._decision(d_hidden, decode, loops_done, logits)
-        if d_exit is not None:  # the rows that were read out: the same decision, taken once
-            decision.exit = d_exit
+        decision, synced = self._decision(d_hidden, decode, loops_done, logits)
+        if decided is not None:  # the rows that were read out: the decision taken once
+            synced = decided
         positions = st.position[decode]
         exits = Exits(
-            exited=decision.exit,
+            exited=synced.exit,
             carried=decision.carried,
             loops_done=loops_done,
             hidden=d_hidden,
             readout=d_readout,
             positions=positions,
             logits=logits,
+            held_back=synced.held_back if self.sync is not None else None,
         )
         if lanes is not None:
             exited, exits.drafting, held, exits.hold = lanes.events(
@@ -203,10 +208,11 @@ class PassHead:
         decode: torch.Tensor,
         loops_done: torch.Tensor,
         logits: torch.Tensor | None,
-    ) -> ExitDecision:
-        """The exit policy's decision for the decode rows after loop `loops_done`."""
+    ) -> tuple[ExitDecision, SyncedExits]:
+        """The exit policy's decision for the decode rows after loop `loops_done`, and
+        which rows exit now (with `sync`, wanting rows may be held back)."""
         st, policy = self.state, self.exit_policy
-        return policy.decide(
+        decision = policy.decide(
             ExitInputs(
                 hidden=d_hidden[:, : self.state_width],
                 slots=decode,
@@ -221,6 +227,9 @@ class PassHead:
                 logits=logits,
             )
         )
+        if self.sync is None:
+            return decision, SyncedExits(decision.exit, torch.zeros_like(decision.exit))
+        return decision, self.sync.decide(decision.exit, decode)
 
     def _sample(
         self,
@@ -292,8 +301,19 @@ class PassHead:
         exited = exits.exited
         st.token[decode] = torch.where(exited, tokens[:num_decode], st.token[decode])
         st.position[decode] += exited.long()
-        st.loop[decode] = torch.where(exited, 0, exits.loops_done)
-        self.exit_policy.store(decode, exits.carried, exited)
+        loops, carried = exits.loops_done, exits.carried
+        if exits.held_back is not None:  # a held row runs its last loop again, as it was
+            assert self.sync is not None
+            held = exits.held_back
+            loops = torch.where(held, loops - 1, loops)
+            before = self.exit_policy.gather(decode)
+            carried = {
+                name: torch.where(held.view(-1, *([1] * (v.dim() - 1))), before[name], v)
+                for name, v in carried.items()
+            }
+            self.sync.store(decode, held)
+        st.loop[decode] = torch.where(exited, 0, loops)
+        self.exit_policy.store(decode, carried, exited)
         st.num_generated[decode] += exited.long()
         st.hidden[decode] = exits.hidden
         if lanes is not None:

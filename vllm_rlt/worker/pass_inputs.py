@@ -65,11 +65,14 @@ def decode_row_fields(
     decode: torch.Tensor, state: SlotState, geo: KVGeometry, lanes: SpecLanes | None
 ) -> PassRows:
     """Decode rows [decode] read position and loop from slot state, on the device.
-    Speculation lanes use their request's block table; an idle lane reads the dummy."""
+    Speculation lanes use their request's block table; an idle lane reads the dummy. A row
+    held back from exiting (worker/exit_sync.py) writes no plane (write_hi 0)."""
     table_slots, positions, loops = decode, state.position[decode], state.loop[decode]
     if lanes is not None:
         table_slots, positions, loops = lanes.idle_rows(decode, positions, loops)
     write_hi = torch.full_like(loops, geo.planes) if geo.write_deeper_planes else loops + 1
+    if state.exit_wait is not None:
+        write_hi = torch.where(state.exit_wait[decode] > 0, 0, write_hi)
     return PassRows(geo.final_table_row(table_slots), positions, loops, write_hi)
 
 
@@ -166,7 +169,7 @@ def build_metadata(
         row_tables=rows.tables,
         read_plane=torch.zeros_like(rows.loops) if shared else rows.loops,
         write_lo=torch.zeros_like(rows.loops) if shared else rows.loops,
-        write_hi=torch.ones_like(rows.loops) if shared else rows.write_hi,
+        write_hi=rows.write_hi.clamp(max=1) if shared else rows.write_hi,
         row_entry=state.block_table[rows.tables, rows.positions // bs] * bs + rows.positions % bs,
         block_table=state.block_table,
         planes=geo.planes,

@@ -123,12 +123,16 @@ class SlotState:
         dtype: torch.dtype,
         device: torch.device,
         table_planes: int = 1,
+        exit_sync: bool = False,
     ) -> None:
         n = max_slots + 1
         i64 = dict(dtype=torch.int64, device=device)
         f32 = dict(dtype=torch.float32, device=device)
-        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)  # [slots, hidden]
+        # [slots, carried width] what a row carries from one loop to the next
+        self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.loop = torch.zeros(n, **i64)  # [slots] loops finished by the current token
+        # [slots] passes a token has waited to exit with others (worker/exit_sync.py)
+        self.exit_wait = torch.zeros(n, **i64) if exit_sync else None
         self.position = torch.zeros(n, **i64)  # [slots] position of the current token
         self.token = torch.zeros(n, **i64)  # [slots] current input token
         self.num_generated = torch.zeros(n, **i64)  # [slots] tokens sampled so far
@@ -186,6 +190,8 @@ class SlotState:
         for name, values in zip(floats, float_rows.unbind(1), strict=True):
             columns[name][slots] = values
         self.loop[slots] = 0
+        if self.exit_wait is not None:
+            self.exit_wait[slots] = 0
         self.banned[slots] = False
         planes = torch.arange(self.table_planes, device=device)
         self.block_table[(slots.unsqueeze(1) * self.table_planes + planes).flatten()] = (
@@ -233,5 +239,6 @@ class SlotState:
     def reset_dummy(self, slot: int) -> None:
         """Padding rows advance the dummy slot like a real one; pin it back to position 0."""
         # fill_ rather than item assignment: no host-to-device copy inside a CUDA graph.
-        for field in (self.position, self.loop, self.num_generated):
-            field[slot : slot + 1].fill_(0)
+        for field in (self.position, self.loop, self.num_generated, self.exit_wait):
+            if field is not None:
+                field[slot : slot + 1].fill_(0)
