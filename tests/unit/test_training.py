@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 
 import pytest
@@ -90,3 +91,73 @@ def test_accuracy_benchmark_runs_through_the_engine(tmp_path, capsys):
     assert settings == ["depth 1", "depth 2", "depth 3", "depth 4", "ouro q=0.5"]
     assert report["rows"][0]["mean_loops"] == 1.0
     assert all(set(row["exact_match"]) == set(TASKS) for row in report["rows"])
+
+
+def test_huginn_smoke_training_saves_a_folder_the_engine_and_oracle_agree_on(tmp_path, capsys):
+    """`--family huginn` trains the prelude / recurrent block / coda outline and saves a
+    Huginn checkpoint (RavenConfig names, tied head) that loads through the strict loader:
+    the engine equals the serial oracle on it, and the training model's maths equals the
+    oracle's at a zero initial state."""
+    from safetensors.torch import load_file
+
+    from tests.reference.huginn_match import assert_matches_oracle
+    from tests.reference.huginn_oracle import HuginnModel, huginn_generate
+    from vllm_rlt.models.huginn_config import HuginnConfig
+    from vllm_rlt.training.huginn_model import TrainableHuginn
+
+    out = tmp_path / "trained"
+    assert main(["--family", "huginn", "--out", str(out), "--smoke", "--device", "cpu"]) == 0
+    printed = capsys.readouterr()
+    assert "stage1" in printed.err and "20/20" in printed.err and "stage2" not in printed.err
+    record = json.loads((out / "training_record.json").read_text())
+    assert set(record["exact_match_full_depth"]) == set(TASKS)
+    raw = json.loads((out / "config.json").read_text())
+    assert raw["architectures"] == ["RavenForCausalLM"]
+    config = HuginnConfig.from_dict(raw)
+    assert config.num_loops == 4 and config.tie_word_embeddings
+
+    oracle = HuginnModel.from_folder(out)
+    ids = [3 + b for b in b"347+589="]
+    llm = LLM(model=str(out), dtype="float32")
+    params = SamplingParams(max_tokens=4, temperature=0.0, seed=4, ignore_eos=True, logprobs=2)
+    completion = llm.generate([ids], params, use_tqdm=False)[0].outputs[0]
+    want = huginn_generate(oracle, ids, max_tokens=4, seed=4, lookup="latest")
+    assert_matches_oracle(completion, want, len(ids), atol=1e-4)
+
+    model = TrainableHuginn(config)
+    model.load_state_dict(load_file(str(out / "model.safetensors")))
+    with torch.no_grad():
+        logits = model(torch.tensor([ids]), noise=False)[0][-1, 0, -1]
+    zero = huginn_generate(oracle, ids, max_tokens=1, init_scale=0.0)
+    assert torch.allclose(logits.log_softmax(-1), zero.logits[0].log_softmax(-1), atol=1e-5)
+
+
+def test_bench_accuracy_reads_a_huginn_model_at_fixed_depths_and_latent_thresholds(tmp_path):
+    """`bench accuracy` on a Huginn-shaped model: every fixed depth runs exactly that many
+    loops, and its default thresholds are the latent criterion's, whose mean loops fall
+    as the threshold rises."""
+    from vllm_rlt.bench.accuracy import THRESHOLDS, run
+
+    out = tmp_path / "trained"
+    assert main(["--family", "huginn", "--out", str(out), "--smoke", "--device", "cpu"]) == 0
+    args = argparse.Namespace(
+        model=str(out),
+        device="cpu",
+        dtype="float32",
+        kv_layout="last_exited",
+        per_task=2,
+        train_size=200,
+        thresholds=None,
+        write_lm_eval_data=None,
+        speculative_tokens=None,
+        draft_loops=2,
+        quantization=None,
+        kv_cache_dtype="auto",
+    )
+    rows = run(args)["rows"]
+    fixed = {row["setting"]: row["mean_loops"] for row in rows[:4]}
+    assert fixed == {f"depth {d}": float(d) for d in range(1, 5)}
+    latent = rows[4:]
+    expected = [f"latent_diff q={q}" for q in THRESHOLDS["latent_diff"]]
+    assert [row["setting"] for row in latent] == expected
+    assert latent[0]["mean_loops"] <= latent[-1]["mean_loops"]

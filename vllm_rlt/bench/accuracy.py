@@ -1,5 +1,6 @@
 """Task accuracy through the engine: exact match on held-out problems at fixed depths and
-with the `ouro` exit policy at several thresholds, each with its mean loops per token; and
+with the model's own exit policy (Ouro's gate, Huginn's latent convergence) at several
+thresholds, each with its mean loops per token; and
 multiple-choice accuracy by loglikelihood (the right answer against three other problems'
 answers, scored with the prompt logprobs of the full-depth prefill).
 
@@ -35,7 +36,8 @@ from vllm_rlt.training.data import TASKS, held_out, training_set
 if TYPE_CHECKING:  # the engine (and torch) loads when a run starts, not to parse flags
     from vllm_rlt.engine.llm import LLM
 
-THRESHOLDS = (0.3, 0.5, 0.7, 0.9)
+# Default thresholds by the model's exit policy: Ouro's gate q, Huginn's relative change.
+THRESHOLDS = {"ouro": (0.3, 0.5, 0.7, 0.9), "latent_diff": (0.3, 0.1, 0.03, 0.01)}
 NUM_CHOICES = 4
 
 
@@ -142,12 +144,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.write_lm_eval_data:
         write_lm_eval_data(records, args.write_lm_eval_data)
     rows = []
-    for depth in range(1, llm.engine.num_loops + 1):
-        params = SamplingParams(max_tokens=12, temperature=0.0, max_loops=depth, exit_threshold=1.0)
+    for depth in range(1, llm.engine.num_loops + 1):  # fixed under every exit policy
+        params = SamplingParams(max_tokens=12, temperature=0.0, min_loops=depth, max_loops=depth)
         rows.append(evaluate(llm, sets, params, f"depth {depth}"))
-    for exit_threshold in args.thresholds:
+    policy = llm.engine.model.exit_policy
+    for exit_threshold in args.thresholds or THRESHOLDS.get(policy, ()):
         params = SamplingParams(max_tokens=12, temperature=0.0, exit_threshold=exit_threshold)
-        rows.append(evaluate(llm, sets, params, f"ouro q={exit_threshold}"))
+        rows.append(evaluate(llm, sets, params, f"{policy} q={exit_threshold}"))
     return {
         "benchmark": "accuracy",
         "model": llm.model_name,
@@ -201,8 +204,10 @@ def main(argv: list[str] | None = None) -> int:
         "--thresholds",
         type=float,
         nargs="+",
-        default=list(THRESHOLDS),
-        help="exit thresholds q of the ouro policy, one setting each",
+        default=None,
+        help="exit thresholds of the model's own policy, one setting each (default: "
+        + "; ".join(f"{name}: {' '.join(map(str, qs))}" for name, qs in THRESHOLDS.items())
+        + ")",
     )
     parser.add_argument(
         "--output", default=None, help="also write the JSON report here (default: stdout only)"

@@ -49,7 +49,7 @@ class SandwichLayer:
     norms: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]  # norm_1 .. norm_4
 
 
-def _half_split_columns(heads: int, dim: int, device) -> torch.Tensor:
+def half_split_columns(heads: int, dim: int, device) -> torch.Tensor:
     """Column order [3 * heads * dim] that turns each q and k head's interleaved RoPE pairs
     (2i, 2i + 1) into the rotate-half layout (i, i + dim / 2) the attention ops rotate; v
     keeps its order. q.k is the same in either order."""
@@ -100,7 +100,7 @@ class HuginnModel:
         self.rotary = RotaryEmbedding(
             config.head_dim, config.rope_theta, config.max_position_embeddings, dtype, self.device
         )
-        self.columns = _half_split_columns(config.num_attention_heads, config.head_dim, self.device)
+        self.columns = half_split_columns(config.num_attention_heads, config.head_dim, self.device)
         self.scale = 1.0 / math.sqrt(config.head_dim)
 
     # -- what the engine asks of a model (models/interface.py) --------------------------

@@ -1,10 +1,17 @@
-"""Train a small looped model on the checkable tasks, in the two stages of the Ouro paper.
+"""Train a small looped model on the checkable tasks.
 
-Stage 1 trains everything on the expected loss over exit steps plus an entropy regulariser
-(KL to the uniform exit distribution). Stage 2 freezes the backbone and trains the gate
-towards "exit once one more loop no longer improves this token's loss".
+An Ouro model (`--family ouro`) trains in the two stages of the Ouro paper. Stage 1 trains
+everything on the expected loss over exit steps plus an entropy regulariser (KL to the
+uniform exit distribution). Stage 2 freezes the backbone and trains the gate towards "exit
+once one more loop no longer improves this token's loss".
+
+A Huginn-shaped model (`--family huginn`: prelude, recurrent block, coda) trains in one
+stage on the loss after a random number of recurrences per step (a Poisson log-normal
+around `--recurrence`), backpropagating through the last `--backprop` of them
+(training/huginn_model.py); it exits by latent convergence, with no gate to train.
 
     python -m vllm_rlt.training.train --out trained --device cuda
+    python -m vllm_rlt.training.train --family huginn --out trained-huginn --device cuda
     python -m vllm_rlt.training.train --out /tmp/smoke --smoke          # CPU, seconds
 """
 
@@ -23,10 +30,12 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from vllm_rlt.cli_parser import CLIParser
+from vllm_rlt.models.huginn_config import HuginnConfig
 from vllm_rlt.models.ouro import OuroConfig
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.byte_level import BYTE_OFFSET, BYTE_VOCAB_SIZE, ENDOFTEXT_ID, IM_END_ID
 from vllm_rlt.training.data import CHAT_TEMPLATE, TASKS, Problem, held_out, training_set
+from vllm_rlt.training.huginn_model import TrainableHuginn, sample_recurrence
 from vllm_rlt.training.model import TrainableOuro, exit_distribution
 
 
@@ -48,6 +57,41 @@ def model_config(args: argparse.Namespace) -> dict:
         "tie_word_embeddings": False,
         "total_ut_steps": 4,
         "early_exit_threshold": 1.0,
+        "bos_token_id": ENDOFTEXT_ID,
+        "eos_token_id": [ENDOFTEXT_ID, IM_END_ID],
+        "torch_dtype": "float32",
+    }
+
+
+def huginn_config(args: argparse.Namespace) -> dict:
+    """A Huginn checkpoint's config.json (RavenConfig's names) for the trained shape."""
+    stages = (args.prelude_layers, args.layers, args.coda_layers)
+    return {
+        "architectures": ["RavenForCausalLM"],
+        "model_type": "huginn_raven",
+        "vocab_size": BYTE_VOCAB_SIZE,
+        "padded_vocab_size": BYTE_VOCAB_SIZE,
+        "n_embd": args.hidden,
+        "n_heads": args.hidden // 32,
+        "n_layers": sum(stages),
+        "n_layers_in_prelude": stages[0],
+        "n_layers_in_recurrent_block": stages[1],
+        "n_layers_in_coda": stages[2],
+        "mean_recurrence": args.recurrence,
+        "mean_backprop_depth": args.backprop,
+        "intermediate_size": args.hidden * 8 // 3 // 32 * 32,
+        "block_size": 256,
+        "norm_eps": 1e-6,
+        "rope_base": 10000.0,
+        "qk_bias": True,
+        "bias": False,
+        "tie_embeddings": True,
+        "injection_type": "linear",
+        "state_init": "like-init",
+        "block_class_name": "SandwichBlock",
+        "norm_class_name": "RMSNorm_llama",
+        "mlp_class_name": "GatedMLP",
+        "nonlin_name": "SiLU",
         "bos_token_id": ENDOFTEXT_ID,
         "eos_token_id": [ENDOFTEXT_ID, IM_END_ID],
         "torch_dtype": "float32",
@@ -108,6 +152,14 @@ def stage1_loss(model, inputs, targets, mask, beta: float) -> torch.Tensor:
     return ((expected + beta * kl) * mask).sum() / mask.sum()
 
 
+def recurrence_loss(model, inputs, targets, mask, recurrence: int, backprop: int, generator):
+    """Cross-entropy on the answer tokens after a drawn number of recurrences."""
+    steps = sample_recurrence(recurrence, generator)
+    logits = model.final_logits(inputs, steps, backprop)
+    ce = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="none")
+    return (ce.view_as(mask) * mask).sum() / mask.sum()
+
+
 def stage2_loss(model, inputs, targets, mask, k: float = 50.0, gamma: float = 0.005):
     logits, hazards = model(inputs)
     ce = per_loop_loss(logits.detach(), targets)
@@ -152,8 +204,12 @@ def exact_match(model, sample: list[Problem], device, loops: int | None = None) 
 def train(args: argparse.Namespace) -> dict:
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
-    raw = model_config(args)
-    model = TrainableOuro(OuroConfig.from_dict(raw)).to(device)
+    huginn = args.family == "huginn"
+    raw = huginn_config(args) if huginn else model_config(args)
+    if huginn:
+        model: torch.nn.Module = TrainableHuginn(HuginnConfig.from_dict(raw)).to(device)
+    else:
+        model = TrainableOuro(OuroConfig.from_dict(raw)).to(device)
     tasks = args.tasks
     training = {task: training_set(task, args.train_size) for task in tasks}
     evaluation = {task: held_out(task, args.eval_size, training[task]) for task in tasks}
@@ -194,19 +250,31 @@ def train(args: argparse.Namespace) -> dict:
             "seconds": time.time() - begin,
         }
 
-    run_stage(
-        "stage1",
-        args.steps1,
-        list(model.parameters()),
-        lambda m, *b: stage1_loss(m, *b, beta=args.beta),
-        args.lr,
-    )
-    for parameter in model.parameters():
-        parameter.requires_grad_(False)
-    gate = list(model.model.early_exit_gate.parameters())
-    for parameter in gate:
-        parameter.requires_grad_(True)
-    run_stage("stage2", args.steps2, gate, stage2_loss, args.lr)
+    if huginn:
+        recurrences = torch.Generator().manual_seed(args.seed)
+        run_stage(
+            "stage1",
+            args.steps1,
+            list(model.parameters()),
+            lambda m, *b: recurrence_loss(
+                m, *b, args.recurrence, args.backprop, generator=recurrences
+            ),
+            args.lr,
+        )
+    else:
+        run_stage(
+            "stage1",
+            args.steps1,
+            list(model.parameters()),
+            lambda m, *b: stage1_loss(m, *b, beta=args.beta),
+            args.lr,
+        )
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        gate = list(model.model.early_exit_gate.parameters())
+        for parameter in gate:
+            parameter.requires_grad_(True)
+        run_stage("stage2", args.steps2, gate, stage2_loss, args.lr)
     sample = {task: evaluation[task][: args.eval_size] for task in tasks}
     record["exact_match_full_depth"] = {
         task: exact_match(model, sample[task], device)
@@ -216,7 +284,7 @@ def train(args: argparse.Namespace) -> dict:
     return record
 
 
-def save(model: TrainableOuro, raw: dict, record: dict, out: Path) -> None:
+def save(model: torch.nn.Module, raw: dict, record: dict, out: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     state = {
@@ -235,10 +303,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda"
     )
+    parser.add_argument(
+        "--family", choices=("ouro", "huginn"), default="ouro", help="the looped model's outline"
+    )
     parser.add_argument("--hidden", type=int, default=192, help="hidden size")
-    parser.add_argument("--layers", type=int, default=3, help="layers in the shared stack")
+    parser.add_argument(
+        "--layers", type=int, default=3, help="layers that loop (Ouro's stack, Huginn's block)"
+    )
+    parser.add_argument("--prelude-layers", type=int, default=1, help="huginn: prelude layers")
+    parser.add_argument("--coda-layers", type=int, default=1, help="huginn: coda layers")
+    parser.add_argument(
+        "--recurrence", type=int, default=8, help="huginn: mean recurrences (the full depth)"
+    )
+    parser.add_argument(
+        "--backprop", type=int, default=4, help="huginn: recurrences a step backpropagates"
+    )
     parser.add_argument("--steps1", type=int, default=5000, help="stage-1 steps (whole model)")
-    parser.add_argument("--steps2", type=int, default=800, help="stage-2 steps (exit gate)")
+    parser.add_argument("--steps2", type=int, default=800, help="stage-2 steps (ouro: exit gate)")
     parser.add_argument("--batch", type=int, default=256, help="problems per step")
     parser.add_argument("--lr", type=float, default=2e-3, help="learning rate")
     parser.add_argument(
@@ -259,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.steps1, args.steps2, args.batch, args.train_size, args.eval_size = 20, 5, 16, 200, 20
         args.hidden, args.layers, args.log_every = 64, 1, 0
+        args.recurrence, args.backprop = min(args.recurrence, 4), min(args.backprop, 2)
     record = train(args)
     print(
         json.dumps({"exact_match_full_depth": record["exact_match_full_depth"], **record["stages"]})
