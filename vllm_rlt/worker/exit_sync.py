@@ -27,7 +27,7 @@ class SyncedExits:
     """A pass's decode rows after the hold: those that exit now and those held back."""
 
     exit: torch.Tensor  # [decode rows] bool
-    held_back: torch.Tensor  # [decode rows] bool
+    held_back: torch.Tensor | None  # [decode rows] bool (None: exits are not held)
 
 
 class ExitSync:

@@ -304,7 +304,9 @@ class MixedGraphs:
             readout = model.readout(state, live, meta, parts.k_caches, parts.v_caches, parts.ops)
             self.readout[:size].copy_(readout)
             if decided is not None:
-                self.exits[:, :size].copy_(torch.stack([decided.exit, decided.held_back]))
+                self.exits[0, :size].copy_(decided.exit)
+                if decided.held_back is not None:
+                    self.exits[1, :size].copy_(decided.held_back)
 
     def _head(
         self,
@@ -336,7 +338,8 @@ class MixedGraphs:
         parts = self.parts
         if not parts.model.separate_readout or parts.head.exit_policy.needs_logits:
             return None
-        return SyncedExits(self.exits[0, :size], self.exits[1, :size])
+        held_back = self.exits[1, :size] if parts.head.sync is not None else None
+        return SyncedExits(self.exits[0, :size], held_back)
 
     def run(
         self, out: SchedulerOutput, greedy: bool, num_top: int, adjusted: bool, speculating: bool

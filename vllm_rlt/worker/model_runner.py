@@ -13,7 +13,6 @@ from vllm_rlt.core.contract import (
     ModelRunnerOutput,
     NewSlot,
     PrefillChunk,
-    SampledToken,
     SchedulerOutput,
 )
 from vllm_rlt.exit.policy import ExitPolicy
@@ -37,11 +36,6 @@ from vllm_rlt.worker.pass_inputs import (
 from vllm_rlt.worker.prompt_logprobs import PromptRows, prompt_logprobs, prompt_rows
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
-
-# Fields packed per sampling row before the top logprobs: exited, token, depth, logprob,
-# for self-speculation the draft's outcome (0 none, 1 accepted, 2 refused) and its lead, and
-# the token's rank.
-PACKED_FIELDS = 7
 
 
 @dataclass
@@ -341,7 +335,7 @@ class ModelRunner:
         """Wait for a launched pass (the one host sync of a pass) and decode its results."""
         if pending.done is not None:
             pending.done.synchronize()
-        output = self._to_output(pending.packed.tolist(), pending.samplers)
+        output = self.head.results(pending.packed.tolist(), pending.samplers)
         if not pending.prompt:
             return output
         prompt = tuple(prompt_logprobs(rows) for rows in pending.prompt)
@@ -469,36 +463,6 @@ class ModelRunner:
                 )
             row += n
         return samplers
-
-    def _to_output(self, packed: list[list[float]], slots: list[int]) -> ModelRunnerOutput:
-        sampled, continuing = [], []
-        for slot, values in zip(slots, packed, strict=True):
-            if slot == self.dummy_slot:  # a padding row of a captured mixed pass
-                continue
-            if not values[0]:
-                continuing.append(slot)
-                continue
-            want = self.state.num_logprobs[slot]
-            num_top = (len(values) - PACKED_FIELDS) // 2
-            top = tuple(
-                (int(values[PACKED_FIELDS + j]), values[PACKED_FIELDS + num_top + j])
-                for j in range(min(want, num_top))
-            )
-            outcome = int(values[4])
-            sampled.append(
-                SampledToken(
-                    slot,
-                    int(values[1]),
-                    int(values[2]),
-                    values[3],
-                    top,
-                    drafted=outcome > 0,
-                    accepted=outcome == 1,
-                    ahead=int(values[5]),
-                    rank=int(values[6]),
-                )
-            )
-        return ModelRunnerOutput(tuple(sampled), tuple(continuing))
 
 
 def is_device_fault(error: BaseException) -> bool:

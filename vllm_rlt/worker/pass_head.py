@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from vllm_rlt.core.contract import ModelRunnerOutput, SampledToken
 from vllm_rlt.exit.policy import ExitDecision, ExitInputs, ExitPolicy
 from vllm_rlt.layers.sampler import greedy_or_sample, top_logprobs
 from vllm_rlt.models.interface import LoopedModel
@@ -19,6 +20,11 @@ from vllm_rlt.worker.exit_sync import ExitSync, SyncedExits
 from vllm_rlt.worker.pass_inputs import KVGeometry, decode_row_fields
 from vllm_rlt.worker.slot_state import SlotState
 from vllm_rlt.worker.spec_lanes import SpecLanes
+
+# Fields packed per sampling row before the top logprobs: exited, token, depth, logprob,
+# for self-speculation the draft's outcome (0 none, 1 accepted, 2 refused) and its lead, and
+# the token's rank.
+PACKED_FIELDS = 7
 
 
 @dataclass
@@ -183,7 +189,7 @@ class PassHead:
             readout=d_readout,
             positions=positions,
             logits=logits,
-            held_back=synced.held_back if self.sync is not None else None,
+            held_back=synced.held_back,
         )
         if lanes is not None:
             exited, exits.drafting, held, exits.hold = lanes.events(
@@ -228,7 +234,7 @@ class PassHead:
             )
         )
         if self.sync is None:
-            return decision, SyncedExits(decision.exit, torch.zeros_like(decision.exit))
+            return decision, SyncedExits(decision.exit, None)
         return decision, self.sync.decide(decision.exit, decode)
 
     def _sample(
@@ -351,3 +357,35 @@ class PassHead:
         if not adjusted or st.penalties is None:
             return logits, logits
         return logits, st.penalties.adjust(logits, slots, model_logits)
+
+    def results(self, packed: list[list[float]], slots: list[int]) -> ModelRunnerOutput:
+        """`run`'s packed rows, read back to the host, as the runner's output: a token for
+        each row that exited (the slot `slots` names), the others continuing."""
+        sampled, continuing = [], []
+        for slot, values in zip(slots, packed, strict=True):
+            if slot == self.dummy_slot:  # a padding row of a captured mixed pass
+                continue
+            if not values[0]:
+                continuing.append(slot)
+                continue
+            want = self.state.num_logprobs[slot]
+            num_top = (len(values) - PACKED_FIELDS) // 2
+            top = tuple(
+                (int(values[PACKED_FIELDS + j]), values[PACKED_FIELDS + num_top + j])
+                for j in range(min(want, num_top))
+            )
+            outcome = int(values[4])
+            sampled.append(
+                SampledToken(
+                    slot,
+                    int(values[1]),
+                    int(values[2]),
+                    values[3],
+                    top,
+                    drafted=outcome > 0,
+                    accepted=outcome == 1,
+                    ahead=int(values[5]),
+                    rank=int(values[6]),
+                )
+            )
+        return ModelRunnerOutput(tuple(sampled), tuple(continuing))
