@@ -47,7 +47,7 @@ _HARMLESS_KEYS = COMMON_HARMLESS_KEYS | {
     "test_time_noise_type",
 }
 # Settings the public modeling code implements only one way: other values are refused.
-_FIXED = {
+FIXED_SETTINGS = {
     "architecture_class_name": "RecurrentGPT",
     "block_class_name": "SandwichBlock",
     "norm_class_name": "RMSNorm_llama",
@@ -142,10 +142,10 @@ class HuginnConfig:
             "block_size",
             "init_scale",
         }
-        unknown = sorted(set(raw) - known - _HARMLESS_KEYS - set(_FIXED))
+        unknown = sorted(set(raw) - known - _HARMLESS_KEYS - set(FIXED_SETTINGS))
         if unknown:
             raise ValueError(f"config.json: unsupported Huginn config keys: {', '.join(unknown)}")
-        for name, value in _FIXED.items():
+        for name, value in FIXED_SETTINGS.items():
             if raw.get(name, value) != value:
                 raise ValueError(
                     f"config.json: {name} must be {value!r} (the only one implemented), got "

@@ -16,20 +16,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.models.huginn import half_split_columns
 from vllm_rlt.models.huginn_config import HuginnConfig
-
-
-class _Norm(nn.Module):
-    def __init__(self, hidden: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(hidden))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+from vllm_rlt.training.model import Norm
 
 
 class _Attention(nn.Module):
@@ -56,7 +46,7 @@ class _Sandwich(nn.Module):
         self.attn = _Attention(cfg)
         self.mlp = _MLP(cfg)
         for i in range(1, 5):
-            setattr(self, f"norm_{i}", _Norm(cfg.hidden_size, cfg.rms_norm_eps))
+            setattr(self, f"norm_{i}", Norm(cfg.hidden_size, cfg.rms_norm_eps))
 
 
 class _Transformer(nn.Module):
@@ -67,7 +57,7 @@ class _Transformer(nn.Module):
         self.adapter = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=False)
         self.core_block = nn.ModuleList(_Sandwich(cfg) for _ in range(cfg.num_core_layers))
         self.coda = nn.ModuleList(_Sandwich(cfg) for _ in range(cfg.num_coda_layers))
-        self.ln_f = _Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.ln_f = Norm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
 class TrainableHuginn(nn.Module):

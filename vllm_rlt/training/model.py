@@ -14,7 +14,9 @@ from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.models.ouro import OuroConfig
 
 
-class _Norm(nn.Module):
+class Norm(nn.Module):
+    """RMSNorm with a learned weight, as the engine's norms compute it."""
+
     def __init__(self, hidden: int, eps: float) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden))
@@ -48,10 +50,10 @@ class _Layer(nn.Module):
         eps = cfg.rms_norm_eps
         self.self_attn = _Attention(cfg)
         self.mlp = _MLP(cfg)
-        self.input_layernorm = _Norm(cfg.hidden_size, eps)
-        self.input_layernorm_2 = _Norm(cfg.hidden_size, eps)
-        self.post_attention_layernorm = _Norm(cfg.hidden_size, eps)
-        self.post_attention_layernorm_2 = _Norm(cfg.hidden_size, eps)
+        self.input_layernorm = Norm(cfg.hidden_size, eps)
+        self.input_layernorm_2 = Norm(cfg.hidden_size, eps)
+        self.post_attention_layernorm = Norm(cfg.hidden_size, eps)
+        self.post_attention_layernorm_2 = Norm(cfg.hidden_size, eps)
 
 
 class _Backbone(nn.Module):
@@ -59,7 +61,7 @@ class _Backbone(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(_Layer(cfg) for _ in range(cfg.num_hidden_layers))
-        self.norm = _Norm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.norm = Norm(cfg.hidden_size, cfg.rms_norm_eps)
         self.early_exit_gate = nn.Linear(cfg.hidden_size, 1)
 
 

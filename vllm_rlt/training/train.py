@@ -30,7 +30,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.models.huginn_config import HuginnConfig
+from vllm_rlt.models.huginn_config import FIXED_SETTINGS, HuginnConfig
 from vllm_rlt.models.ouro import OuroConfig
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.byte_level import BYTE_OFFSET, BYTE_VOCAB_SIZE, ENDOFTEXT_ID, IM_END_ID
@@ -86,12 +86,7 @@ def huginn_config(args: argparse.Namespace) -> dict:
         "qk_bias": True,
         "bias": False,
         "tie_embeddings": True,
-        "injection_type": "linear",
-        "state_init": "like-init",
-        "block_class_name": "SandwichBlock",
-        "norm_class_name": "RMSNorm_llama",
-        "mlp_class_name": "GatedMLP",
-        "nonlin_name": "SiLU",
+        **FIXED_SETTINGS,
         "bos_token_id": ENDOFTEXT_ID,
         "eos_token_id": [ENDOFTEXT_ID, IM_END_ID],
         "torch_dtype": "float32",
