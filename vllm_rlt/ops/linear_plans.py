@@ -40,6 +40,12 @@ LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
 }
 
 
+# A product with a live mask (the LM head; Huginn's prelude and coda, whose rows are live
+# only at a token's first or exit loop) keeps the skinny kernel up to this many rows in one
+# row tile, even where its layer class takes cuBLAS, so that a pass with no live row streams
+# none of the weight. Chosen by count, not yet timed: at 64 rows it spares Huginn-3.5B's
+# attention output and down projections in the 31 of 32 loops where no row starts or exits.
+LIVE_SKINNY_ROWS, LIVE_SKINNY = 64, SkinnyConfig(128, 128, 8, 4, 64)
 # FP8 weights take the skinny kernel (widened in registers, with bf16's launch shapes) up to
 # this many rows, and FP8 tensor cores with per-token activation scales (fp8_rows.py) above.
 # Same-run A/B on an H200, 16 against 64: 1.20x at concurrency 32, 1.12x at 64, 1.10x at
@@ -72,18 +78,23 @@ def layer_class(n: int, k: int) -> str:
     return "wide" if n <= 16384 else "head"
 
 
-def linear_plan(x: torch.Tensor, weight: Weight, split_ok: bool = False) -> SkinnyConfig | None:
+def linear_plan(
+    x: torch.Tensor, weight: Weight, split_ok: bool = False, live: bool = False
+) -> SkinnyConfig | None:
     """The skinny launch shape for x's rows, or None for cuBLAS. Without split_ok (the
     consumer needs the finished product), a split-K plan runs with one slice. Wider
     activations take proportionally shorter K chunks, so a tile holds the same registers.
     An fp8 weight's tile is widened to its activations' dtype and its K chunk doubles, so
     that a pipeline stage moves as many weight bytes as in bf16 (measured on an H200:
-    1.06x at 8 rows)."""
+    1.06x at 8 rows). `live`: the product has a live mask (see LIVE_SKINNY_ROWS)."""
     n, k = weight.shape
     fp8 = isinstance(weight, Fp8Weight)
     if fp8 and x.shape[0] > FP8_SKINNY_ROWS:
         return None
-    for most_rows, config in LINEAR_PLANS[layer_class(n, k)]:
+    plans = LINEAR_PLANS[layer_class(n, k)]
+    if live and not fp8:
+        plans += ((LIVE_SKINNY_ROWS, LIVE_SKINNY),)
+    for most_rows, config in plans:
         if x.shape[0] <= most_rows:
             wide = 2 if fp8 else 1
             return replace(

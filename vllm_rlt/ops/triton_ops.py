@@ -219,7 +219,7 @@ class TritonOps:
             return few_row_gemm(x, weight, pdl=self.pdl)
         if live is None and takes_strip(x, weight):
             return strip_gemv(x, weight, pdl=self.pdl)
-        config = linear_plan(x, weight)
+        config = linear_plan(x, weight, live=live is not None)
         if config is None:
             return _dense_linear(x, weight, self.pdl)
         return skinny_linear(x, weight, config, live=live, pdl=self.pdl)
