@@ -31,7 +31,9 @@ def folder(tmp_path_factory):
     return path
 
 
-def _llm(folder, backend: str, fast: bool, layout: str, mode: str, dtype="float32") -> LLM:
+def _llm(
+    folder, backend: str, fast: bool, layout: str, mode: str, dtype="float32", sync_passes=1
+) -> LLM:
     return LLM(
         model=str(folder),
         dtype=dtype,
@@ -39,7 +41,7 @@ def _llm(folder, backend: str, fast: bool, layout: str, mode: str, dtype="float3
         attention_backend=backend,
         cache_config=CacheConfig(layout=layout, num_blocks=96, block_size=4),
         scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8),
-        exit_config=ExitConfig(mode=mode),
+        exit_config=ExitConfig(mode=mode, sync_passes=sync_passes),
         execution_config=ExecutionConfig(cuda_graphs=fast, async_scheduling=fast),
     )
 
@@ -55,6 +57,15 @@ def test_cuda_huginn_equals_the_oracle(
 ):
     llm = _llm(folder, backend, fast, layout, "latent_diff")
     _check(llm, HuginnModel.from_folder(folder), lookup, threshold)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_cuda_huginn_exits_held_together_equal_the_oracle(folder, exact_float32, backend):
+    """Exits held back to come together (sync_passes 3: the decision taken in the stack
+    graph, held rows frozen) under the latent criterion, with graphs on Triton and
+    asynchronous scheduling: the oracle's tokens, exit depths and logprobs."""
+    llm = _llm(folder, backend, True, "last_exited", "latent_diff", sync_passes=3)
+    _check(llm, HuginnModel.from_folder(folder), "latest", 0.5)
 
 
 def _check(llm: LLM, model: HuginnModel, lookup: str, threshold: float) -> None:
