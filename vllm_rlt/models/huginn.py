@@ -189,10 +189,13 @@ class HuginnModel:
         for rows at their first loop, carried by the others)."""
         cfg, hidden = self.config, self.config.hidden_size
         first = rows.loops == 0
+        prelude = first & meta.writing  # a held-back row keeps its injection
+        if rows.padding is not None:
+            prelude &= ~rows.padding
         injected = self.embed[rows.tokens] * cfg.embed_scale
-        once = meta.single_plane(writes=first & meta.writing)
+        once = meta.single_plane(writes=prelude)
         for i in range(cfg.num_prelude_layers):
-            injected = self._layer(ops, injected, i, k_caches[i], v_caches[i], once, first)
+            injected = self._layer(ops, injected, i, k_caches[i], v_caches[i], once, prelude)
         first = first.unsqueeze(1)
         injected = torch.where(first, injected, rows.carried[:, hidden:])
         start = self.initial_state(rows.seeds, meta.positions)

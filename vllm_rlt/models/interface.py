@@ -62,6 +62,9 @@ class StepInputs:
     carried: torch.Tensor  # [rows, carried_width], what its previous loop left (loop > 0)
     loops: torch.Tensor  # [rows] int64, the 0-based loop it runs
     seeds: torch.Tensor | None = None  # [rows] int64, its request's seed (see draws_initial_state)
+    # [rows] bool: padding rows of a captured pass (their results are dropped, so a model
+    # may skip work for them); None: none
+    padding: torch.Tensor | None = None
 
 
 @runtime_checkable

@@ -182,7 +182,7 @@ class MixedGraphs:
         self.layouts = {size: _Layout(dummy, self.sampler_sizes[-1], size) for size in sizes}
         # What a row, tile or update holds when nothing is there: the dummy slot, its
         # table row and its block, position 0, loop 0.
-        dummy_row = geo.final_table_row(dummy)
+        dummy_row = self.dummy_row = geo.final_table_row(dummy)
         self.templates = {}
         for size, layout in self.layouts.items():
             template = torch.zeros(layout.total, dtype=torch.int64)
@@ -279,6 +279,11 @@ class MixedGraphs:
         tokens = torch.where(is_decode, st.token[slots], f["token"])
         carried = torch.where(is_decode.unsqueeze(1), st.hidden[slots], self.out[f["carry"]])
         seeds = row_seeds(st, rows, geo, model.draws_initial_state)
+        padding = None  # a decode row on the dummy slot, or a prompt row left as the template
+        if model.separate_readout:
+            padding = torch.where(
+                is_decode, slots == parts.dummy_slot, f["table"] == self.dummy_row
+            )
         meta = build_metadata(rows, (), st, geo, 0, with_segments=False)
         meta.rows_independent = False  # its prompt rows read what other rows write
         meta.prefill_tiles = PrefillTiles(f["tiles"])
@@ -288,7 +293,7 @@ class MixedGraphs:
             tile_programs=-(-size // self.tile_rows) + EXTRA_TILE_PROGRAMS,
         )
         state = model.step(
-            StepInputs(tokens, carried, rows.loops, seeds),
+            StepInputs(tokens, carried, rows.loops, seeds, padding),
             meta,
             parts.k_caches,
             parts.v_caches,

@@ -435,11 +435,16 @@ class ModelRunner:
                 carried.append(st.hidden.new_zeros(len(chunk.token_ids), st.hidden.shape[1]))
             else:
                 carried.append(self.prefill_hidden.pop(chunk.slot).hidden)
+        padding = None  # a decode graph's padding rows, for a model with stages to skip
+        if model.separate_readout:
+            prompt = rows.loops.shape[0] - decode.shape[0]
+            padding = torch.cat([decode == self.dummy_slot, decode.new_zeros(prompt, dtype=bool)])
         return StepInputs(
             torch.cat(tokens) if chunks else tokens[0],
             torch.cat(carried) if chunks else carried[0],
             rows.loops,
             row_seeds(st, rows, self.geo, model.draws_initial_state),
+            padding,
         )
 
     def keep_carried(

@@ -117,7 +117,7 @@ class PassHead:
         if self.exit_policy.needs_logits:
             return torch.ones_like(decode, dtype=torch.bool), None
         _, decided = self._decision(d_hidden, decode, d_loops + 1, None)
-        return decided.exit, decided
+        return decided.exit & (decode != self.dummy_slot), decided  # padding never reads out
 
     def run(
         self,
