@@ -205,10 +205,10 @@ class MixedGraphs:
         # What exiting rows sample from: `out` itself unless the model reads out apart, and
         # then the decode rows' exits and held rows as the stack decided them.
         self.readout = self.out
-        self.exits = torch.zeros(2, largest, dtype=torch.bool, device=model.device)
         if model.separate_readout:
             hidden = model.config.hidden_size
             self.readout = torch.zeros(largest, hidden, dtype=model.dtype, device=model.device)
+            self.exits = torch.zeros(2, largest, dtype=torch.bool, device=model.device)
         self.row_index = torch.arange(largest, device=model.device)
         self.tile_rows = parts.ops.prefill_tile_rows(model.dtype)
         self.stacks: dict[int, torch.cuda.CUDAGraph] = {}
@@ -279,11 +279,9 @@ class MixedGraphs:
         tokens = torch.where(is_decode, st.token[slots], f["token"])
         carried = torch.where(is_decode.unsqueeze(1), st.hidden[slots], self.out[f["carry"]])
         seeds = row_seeds(st, rows, geo, model.draws_initial_state)
-        padding = None  # a decode row on the dummy slot, or a prompt row left as the template
+        padding = None  # the rows past the pass's own: prompt rows left as the template
         if model.separate_readout:
-            padding = torch.where(
-                is_decode, slots == parts.dummy_slot, f["table"] == self.dummy_row
-            )
+            padding = ~is_decode & (f["table"] == self.dummy_row)
         meta = build_metadata(rows, (), st, geo, 0, with_segments=False)
         meta.rows_independent = False  # its prompt rows read what other rows write
         meta.prefill_tiles = PrefillTiles(f["tiles"])
