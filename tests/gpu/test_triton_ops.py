@@ -123,6 +123,7 @@ class _State:
 
     def __init__(self, block_table, loop, position):
         self.block_table, self.loop, self.position = block_table, loop, position
+        self.exit_wait = None  # no row is held back for an exit sync
 
 
 # The masked lanes of a head size that is no power of two are the same code in every
@@ -351,7 +352,11 @@ def test_token_stats_equal_torch(rows, vocab, greedy):
     got = TritonOps().token_stats(logits, tokens)
     assert torch.equal(got[0], want[0])
     torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
-    assert torch.equal(got[2], want[2])
+    # The rank counts logits at least the token's. The torch form compares logprobs, where
+    # two logits a few ulps apart can round to one value (12M normal draws at 256 rows of
+    # 49,152 make that likely), so the kernel is held to the exact count on the logits.
+    chosen = logits.gather(1, got[0].unsqueeze(1))
+    assert torch.equal(got[2], (logits >= chosen).sum(1))
 
 
 @pytest.mark.parametrize("rows", [1, 3, 256])
