@@ -8,8 +8,10 @@ mkdir -p ../base && git archive f2999c1 | tar -x -C ../base
 python -m benchmarks.ab_trees --tree base=../base --tree new=. --rounds 3 --output ab.json \
     -- bench throughput --shape ouro-1.4b --device cuda --no-baseline --concurrency 1 8 64 256
 
-The command must print a JSON report with `results` rows that carry `concurrency` (as
-`bench throughput` does); the figure compared is each row's median decode tokens/s.
+The command must print a JSON report: `bench throughput`'s (the figure compared is each
+row's median decode tokens/s, by concurrency) or `bench serve`'s (output tokens/s served, and
+offline with `--compare-offline`). With `--output`, the file is rewritten after every run,
+so a run stopped by a time limit keeps the medians of the runs it finished.
 """
 
 from __future__ import annotations
@@ -57,15 +59,57 @@ def _run(folder: Path, command: list[str]) -> dict[str, Any]:
     return json.loads(done.stdout)
 
 
-def _figures(report: dict[str, Any]) -> dict[int, float]:
-    """Median decode tokens/s per concurrency of one report."""
+def _figures(report: dict[str, Any]) -> dict[str, float]:
+    """The figures one report gives, by name: median decode tokens/s per concurrency of
+    `bench throughput`; output tokens/s served (and offline) of `bench serve`."""
+    if "results" in report:
+        return {
+            str(row["concurrency"]): row["engine_median_decode_tokens_per_s"]
+            for row in report["results"]
+        }
+    figures = {"served": report["output_tokens_per_s"]}
+    if report.get("offline"):
+        figures["offline"] = report["offline"]["output_tokens_per_s"]
+    return figures
+
+
+def summarize(
+    trees: list[tuple[str, Path]],
+    command: list[str],
+    reports: dict[str, list[dict[str, Any]]],
+) -> dict[str, Any]:
+    """Medians over the runs so far of every tree that has one, and their ratios to the
+    reference (the first tree) where it has run."""
+    medians = {
+        name: {
+            figure: statistics.median(_figures(report)[figure] for report in runs)
+            for figure in _figures(runs[0])
+        }
+        for name, runs in reports.items()
+        if runs
+    }
+    reference = medians.get(trees[0][0], {})
+    ratios = {
+        name: {
+            f: value / reference[f] if reference.get(f) else None for f, value in figures.items()
+        }
+        for name, figures in medians.items()
+    }
     return {
-        row["concurrency"]: row["engine_median_decode_tokens_per_s"] for row in report["results"]
+        "command": ["vllm-rlt", *command],
+        "trees": {name: str(folder) for name, folder in trees},
+        "rounds": {name: len(runs) for name, runs in reports.items()},
+        "medians": medians,
+        "ratio_to_reference": ratios,
+        "reports": reports,
     }
 
 
-def compare(trees: list[tuple[str, Path]], command: list[str], rounds: int) -> dict[str, Any]:
-    """Every tree's reports, round-robin with a rotated order, and the medians and ratios."""
+def compare(
+    trees: list[tuple[str, Path]], command: list[str], rounds: int, output: Path | None = None
+) -> dict[str, Any]:
+    """Every tree's reports, round-robin with a rotated order, and the medians and ratios;
+    `output` is rewritten after each run."""
     reports: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
     with tqdm(total=rounds * len(trees), desc="A/B runs", file=sys.stderr) as progress:
         for round_index in range(rounds):
@@ -73,27 +117,10 @@ def compare(trees: list[tuple[str, Path]], command: list[str], rounds: int) -> d
             for name, folder in trees[shift:] + trees[:shift]:
                 progress.set_postfix_str(name)
                 reports[name].append(_run(folder, command))
+                if output is not None:
+                    output.write_text(json.dumps(summarize(trees, command, reports), indent=1))
                 progress.update()
-    medians = {
-        name: {
-            concurrency: statistics.median(_figures(report)[concurrency] for report in runs)
-            for concurrency in _figures(runs[0])
-        }
-        for name, runs in reports.items()
-    }
-    reference = medians[trees[0][0]]
-    ratios = {
-        name: {c: value / reference[c] if reference[c] else None for c, value in figures.items()}
-        for name, figures in medians.items()
-    }
-    return {
-        "command": ["vllm-rlt", *command],
-        "trees": {name: str(folder) for name, folder in trees},
-        "rounds": rounds,
-        "median_decode_tokens_per_s": medians,
-        "ratio_to_reference": ratios,
-        "reports": reports,
-    }
+    return summarize(trees, command, reports)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -104,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = CLIParser(prog="python -m benchmarks.ab_trees", description=__doc__)
     parser.add_argument("--tree", action="append", required=True, help="NAME=DIR, twice or more")
     parser.add_argument("--rounds", type=int, default=3, help="runs per tree (default: 3)")
-    parser.add_argument("--output", default=None, help="JSON of every report (default: none)")
+    parser.add_argument(
+        "--output", default=None, help="JSON of every report, after each run (default: none)"
+    )
     args = parser.parse_args(ours)
     trees = [_tree(text) for text in args.tree]
     if len(trees) < 2 or len({name for name, _ in trees}) != len(trees):
@@ -113,13 +142,15 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be in [1, 100], got {args.rounds}")
     if not command:
         parser.error("give the vllm-rlt command after --, e.g. -- bench throughput ...")
-    result = compare(trees, command, args.rounds)
-    for name, figures in result["median_decode_tokens_per_s"].items():
+    output = Path(args.output) if args.output else None
+    result = compare(trees, command, args.rounds, output)
+    for name, figures in result["medians"].items():
         ratios = result["ratio_to_reference"][name]
-        line = "  ".join(f"c{c} {value:,.0f} ({ratios[c]:.3f}x)" for c, value in figures.items())
+        line = "  ".join(
+            f"{'c' + f if f.isdigit() else f} {value:,.0f} ({ratios[f]:.3f}x)"
+            for f, value in figures.items()
+        )
         print(f"{name}: {line}", file=sys.stderr)
-    if args.output:
-        Path(args.output).write_text(json.dumps(result, indent=1))
     print(json.dumps({k: v for k, v in result.items() if k != "reports"}, indent=1))
     return 0
 

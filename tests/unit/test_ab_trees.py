@@ -16,11 +16,16 @@ from pathlib import Path
 here = Path(__file__).resolve().parents[2]
 with open(os.environ["AB_LOG"], "a") as log:
     log.write(here.name + "\\n")
+if RATE1 < 0:
+    sys.exit("stub failure")
 rates = {"1": RATE1, "8": RATE8}
-print(json.dumps({"results": [
-    {"concurrency": int(c), "engine_median_decode_tokens_per_s": rate}
-    for c, rate in rates.items() if c in sys.argv
-]}))
+if "serve" in sys.argv:
+    print(json.dumps({"output_tokens_per_s": RATE1, "offline": {"output_tokens_per_s": RATE8}}))
+else:
+    print(json.dumps({"results": [
+        {"concurrency": int(c), "engine_median_decode_tokens_per_s": rate}
+        for c, rate in rates.items() if c in sys.argv
+    ]}))
 """
 
 
@@ -45,11 +50,36 @@ def test_each_tree_runs_in_rotated_order_and_ratios_follow(tmp_path, monkeypatch
     assert ab_trees.main([*argv, "--output", str(out), "--", "bench", "1", "8"]) == 0
     assert log.read_text().split() == ["base", "new", "new", "base", "base", "new"]
     result = json.loads(out.read_text())
-    assert result["median_decode_tokens_per_s"]["new"] == {"1": 50.0, "8": 600.0}
+    assert result["medians"]["new"] == {"1": 50.0, "8": 600.0}
     assert result["ratio_to_reference"]["new"] == {"1": 0.5, "8": 1.5}
     assert result["ratio_to_reference"]["base"] == {"1": 1.0, "8": 1.0}
     assert len(result["reports"]["new"]) == 3
     assert "new: c1 50 (0.500x)  c8 600 (1.500x)" in capsys.readouterr().err
+
+
+def test_serve_reports_compare_served_and_offline(tmp_path, monkeypatch):
+    base = _stub_tree(tmp_path, "base", 100.0, 120.0)
+    new = _stub_tree(tmp_path, "new", 110.0, 120.0)
+    monkeypatch.setenv("AB_LOG", str(tmp_path / "order.log"))
+    out = tmp_path / "ab.json"
+    argv = ["--tree", f"base={base}", "--tree", f"new={new}", "--rounds", "1"]
+    assert ab_trees.main([*argv, "--output", str(out), "--", "bench", "serve"]) == 0
+    result = json.loads(out.read_text())
+    assert result["medians"]["new"] == {"served": 110.0, "offline": 120.0}
+    assert result["ratio_to_reference"]["new"] == {"served": 1.1, "offline": 1.0}
+
+
+def test_a_failing_run_keeps_the_runs_before_it_in_the_output(tmp_path, monkeypatch):
+    base = _stub_tree(tmp_path, "base", 100.0, 400.0)
+    broken = _stub_tree(tmp_path, "broken", -1.0, 0.0)
+    monkeypatch.setenv("AB_LOG", str(tmp_path / "order.log"))
+    out = tmp_path / "ab.json"
+    argv = ["--tree", f"base={base}", "--tree", f"broken={broken}", "--output", str(out)]
+    with pytest.raises(SystemExit, match="stub failure"):
+        ab_trees.main([*argv, "--", "bench", "1"])
+    result = json.loads(out.read_text())
+    assert result["medians"] == {"base": {"1": 100.0}}
+    assert result["rounds"] == {"base": 1, "broken": 0}
 
 
 def test_a_folder_without_the_package_or_one_tree_is_refused(tmp_path):
