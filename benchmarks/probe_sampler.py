@@ -1,7 +1,9 @@
 """What the device sampler costs per sampled pass, and what its top-n-sigma step adds when no
 row asks for it: `layers.sampler.sample` captured in a CUDA graph over random logits of the
 Ouro vocabulary, at each row count, as written and with `top_n_sigma` replaced by the
-identity. Prints microseconds per call (median of the replays). Needs a CUDA GPU.
+identity; then the path a pass with no filtering row takes instead (`sample_plain`, no
+sort), in torch and as the Triton kernel. Prints microseconds per call (median of the
+replays). Needs a CUDA GPU.
 
 python -m benchmarks.probe_sampler --rows 1 8 64 256 --output probe.json
 """
@@ -18,30 +20,41 @@ from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.layers import sampler
 
 
-def time_sample(rows: int, vocab: int, settings: sampler.SamplingTensors) -> float:
-    """Microseconds of one `sample` call over [rows, vocab] logits, replayed from a graph."""
+def time_call(step) -> float:
+    """Microseconds of one `step()`, replayed from a graph where it can be captured."""
     import triton.testing
 
-    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.float32) * 4
-    counters = torch.arange(rows, device="cuda", dtype=torch.int64)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
         for _ in range(3):
-            sampler.sample(logits, settings, counters)
+            step()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     try:
         with torch.cuda.graph(graph):
-            sampler.sample(logits, settings, counters)
+            step()
         call = graph.replay
     except RuntimeError:  # not capturable: time the eager calls, launches included
-
-        def call():
-            sampler.sample(logits, settings, counters)
-
+        call = step
     ms = triton.testing.do_bench(call, rep=200, return_mode="median")
     return ms * 1e3
+
+
+def time_sample(rows: int, vocab: int, settings: sampler.SamplingTensors) -> float:
+    """Microseconds of one `sample` call over [rows, vocab] logits."""
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.float32) * 4
+    counters = torch.arange(rows, device="cuda", dtype=torch.int64)
+    return time_call(lambda: sampler.sample(logits, settings, counters))
+
+
+def time_plain(rows: int, vocab: int, plain) -> float:
+    """Microseconds of one `plain(logits, temperature, seeds, counters)` call at T=1."""
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.float32) * 4
+    counters = torch.arange(rows, device="cuda", dtype=torch.int64)
+    temperature = torch.ones(rows, device="cuda")
+    seeds = torch.full((rows,), 7, dtype=torch.int64, device="cuda")
+    return time_call(lambda: plain(logits, temperature, seeds, counters))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -52,8 +65,13 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("probe_sampler needs a CUDA GPU")
+    from vllm_rlt.ops.triton_ops import TritonOps
+
     results = []
-    print(f"{'rows':>5} {'greedy':>9} {'T=1':>9} {'T=1 no sigma':>13} {'T=1 sigma=1':>12}")
+    print(
+        f"{'rows':>5} {'greedy':>9} {'T=1':>9} {'T=1 no sigma':>13} {'T=1 sigma=1':>12}"
+        f" {'plain torch':>12} {'plain triton':>13}"
+    )
     for rows in args.rows:
         greedy = sampler.SamplingTensors.filled(rows, "cuda")
         sampled = sampler.SamplingTensors.filled(rows, "cuda", temperature=1.0, seed=7)
@@ -65,10 +83,13 @@ def main(argv: list[str] | None = None) -> None:
         with mock.patch.object(sampler, "top_n_sigma", lambda scaled, n: scaled):
             row["sampled_without_top_n_sigma_us"] = time_sample(rows, args.vocab, sampled)
         row["top_n_sigma_rows_us"] = time_sample(rows, args.vocab, sigma)
+        row["plain_torch_us"] = time_plain(rows, args.vocab, sampler.sample_plain)
+        row["plain_triton_us"] = time_plain(rows, args.vocab, TritonOps().sample_plain)
         results.append(row)
         print(
             f"{rows:>5} {row['greedy_us']:>9.1f} {row['sampled_us']:>9.1f} "
             f"{row['sampled_without_top_n_sigma_us']:>13.1f} {row['top_n_sigma_rows_us']:>12.1f}"
+            f" {row['plain_torch_us']:>12.1f} {row['plain_triton_us']:>13.1f}"
         )
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     report["vocab"] = args.vocab

@@ -12,7 +12,15 @@ import torch
 
 from tests.conftest import drain, frontend
 from vllm_rlt import SamplingParams
-from vllm_rlt.layers.sampler import SamplingTensors, sample, seeded_uniform, token_logprobs
+from vllm_rlt.layers.sampler import (
+    SamplingMode,
+    SamplingTensors,
+    row_sampling_mode,
+    sample,
+    sample_plain,
+    seeded_uniform,
+    token_logprobs,
+)
 
 PROMPT = [40, 71, 12, 200, 9]
 SEEDED = SamplingParams(
@@ -84,6 +92,52 @@ def test_degenerate_filters_equal_greedy(make_engine, filters):
     # Without the filter the same seeds do not reproduce greedy, so the filter did the work.
     plain = SamplingParams(max_tokens=8, temperature=1.0, seed=0, ignore_eos=True)
     assert _one(make_engine, plain).outputs[0].token_ids != greedy
+
+
+def test_a_pass_sorts_the_vocabulary_only_when_a_row_filters(make_engine, monkeypatch):
+    """Rows that filter nothing take `sample_plain` (no sort); a pass with a filtering row
+    takes the sort path for all its rows, and a seeded unfiltered request draws the same
+    tokens either way."""
+    from vllm_rlt.ops.torch_ops import TorchOps
+    from vllm_rlt.worker import pass_head
+
+    calls = {"plain": 0, "sorted": 0}
+
+    def counted(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(TorchOps, "sample_plain", counted("plain", TorchOps.sample_plain))
+    monkeypatch.setattr(pass_head, "sample", counted("sorted", pass_head.sample))
+    unfiltered = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
+    alone = _one(make_engine, unfiltered).outputs[0].token_ids
+    assert calls["plain"] > 0 and calls["sorted"] == 0
+    filtering = SamplingParams(max_tokens=8, temperature=1.0, top_p=0.8, seed=3, ignore_eos=True)
+    arrivals = {0: [("unfiltered", PROMPT, unfiltered), ("filtering", [7, 8, 9], filtering)]}
+    outputs = drain(make_engine(), arrivals)
+    assert calls["sorted"] > 0
+    assert outputs["unfiltered"].outputs[0].token_ids == alone
+
+
+@pytest.mark.parametrize(
+    ("fields", "mode"),
+    [
+        ({"temperature": 0.0, "top_p": 0.5}, SamplingMode.GREEDY),
+        ({"temperature": 1.0}, SamplingMode.PLAIN),
+        ({"temperature": 1.0, "top_k": -1}, SamplingMode.PLAIN),
+        ({"temperature": 1.0, "top_k": 5}, SamplingMode.FILTERED),
+        ({"temperature": 1.0, "top_p": 0.99}, SamplingMode.FILTERED),
+        ({"temperature": 1.0, "min_p": 0.1}, SamplingMode.FILTERED),
+        ({"temperature": 1.0, "top_n_sigma": 2.0}, SamplingMode.FILTERED),
+        ({"temperature": 1.0, "top_n_sigma": -1.0}, SamplingMode.PLAIN),
+    ],
+)
+def test_each_request_says_which_sampling_path_it_needs(fields, mode):
+    # the record the device reads takes these fields from SamplingParams by name
+    assert row_sampling_mode(SamplingParams(max_tokens=4, **fields)) == mode
 
 
 def test_logprobs_entries(make_engine):
@@ -254,6 +308,26 @@ def test_sample_row_is_independent_of_its_batch():
         alone = sample(logits[one], settings.rows(one), counters[one])
         assert int(alone[0]) == int(together[row])
     assert int(together[0]) == int(logits[0].argmax())
+
+
+@pytest.mark.parametrize(("rows", "vocab"), [(1, 300), (7, 1000), (40, 5000)])
+def test_plain_sampling_draws_the_sort_paths_token(rows, vocab):
+    """With no filter, the argmax of scaled logits plus the seeded noise visited in token
+    order is the token the sorted path draws: at any seed and counter, with barred tokens,
+    tied logits, a tiny temperature and greedy rows."""
+    gen = torch.Generator().manual_seed(rows * vocab)
+    for _ in range(5):
+        logits = 4 * torch.randn(rows, vocab, generator=gen)
+        logits[0, : vocab // 2] = float("-inf")
+        logits[-1, [3, vocab - 1]] = logits[-1].max() + 1
+        temperature = 2 * torch.rand(rows, generator=gen)
+        temperature[rows // 2] = 0.0
+        temperature[-1] = 1e-9
+        seeds = torch.randint(0, 2**62, (rows,), generator=gen)
+        counters = torch.randint(0, 2**40, (rows,), generator=gen)
+        settings = SamplingTensors.filled(rows, temperature=temperature, seed=seeds)
+        want = sample(logits, settings, counters)
+        assert torch.equal(sample_plain(logits, temperature, seeds, counters), want)
 
 
 def test_sample_frequencies_follow_softmax():

@@ -12,6 +12,7 @@ from tests.e2e.test_engine_vs_oracle import MAX_TOKENS, POLICIES, _oracle, _prom
 from vllm_rlt import CacheConfig, ExecutionConfig, ExitConfig, SamplingParams, SchedulerConfig
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine_config import DeviceConfig, EngineConfig, ModelConfig
+from vllm_rlt.layers.sampler import SamplingMode
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -208,12 +209,12 @@ def test_decode_pass_has_no_hidden_host_sync(toy_config, toy_state, speculative)
     rows = scheduler.schedule().decode_slots
     assert rows
     slots = torch.tensor(rows, dtype=torch.int64, device="cuda")
-    greedy = not speculative
+    mode = SamplingMode.PLAIN if speculative else SamplingMode.GREEDY
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
-        runner.run_pass(slots, (), 0, greedy, 0, False, speculative)
-        key = next(k for k in runner.graphs.graphs if k[1] == greedy and k[4] == speculative)
+        runner.run_pass(slots, (), 0, mode, 0, False, speculative)
+        key = next(k for k in runner.graphs.graphs if k[1] == mode and k[4] == speculative)
         runner.graphs.graphs[key][0].replay()
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -258,7 +259,7 @@ def test_mixed_pass_launches_no_kernel_outside_its_graphs(toy_config, toy_state)
     assert runner.mixed.num_replays == replays + 1
     assert kernels == 0 and graphs > 0
     decode = torch.tensor(out.decode_slots, dtype=torch.int64, device="cuda")
-    eager, _ = launches(lambda: runner.run_pass(decode, (), 0, True, 0))
+    eager, _ = launches(lambda: runner.run_pass(decode, (), 0, SamplingMode.GREEDY, 0))
     assert eager > 0
     for request_id in list(engine.groups):  # the manual passes moved device state on
         front.abort_request(request_id)

@@ -361,6 +361,31 @@ def test_token_stats_equal_torch(rows, vocab, greedy):
 
 @pytest.mark.parametrize("rows", [1, 3, 256])
 @pytest.mark.parametrize("vocab", [300, 49152, 65537])
+def test_plain_sampling_kernel_draws_the_sort_paths_token(rows, vocab):
+    """kernels/gumbel_sample.py against the torch form and the sorted path: the same
+    token at every seed and counter, with barred tokens, ties, greedy rows and a tiny
+    temperature."""
+    from vllm_rlt.layers.sampler import SamplingTensors, sample, sample_plain
+    from vllm_rlt.ops.triton_ops import TritonOps
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    logits = 4 * torch.randn(rows, vocab, device="cuda", generator=gen)
+    logits[0, : vocab // 2] = float("-inf")
+    logits[-1, [3, vocab - 1]] = logits[-1].max() + 1
+    temperature = 2 * torch.rand(rows, device="cuda", generator=gen)
+    temperature[rows // 2] = 0.0
+    temperature[-1] = 1e-9
+    seeds = torch.randint(0, 2**62, (rows,), device="cuda", generator=gen)
+    seeds[0] = 2**63 - 1
+    counters = torch.randint(0, 2**40, (rows,), device="cuda", generator=gen)
+    got = TritonOps().sample_plain(logits, temperature, seeds, counters)
+    assert torch.equal(got, sample_plain(logits, temperature, seeds, counters))
+    settings = SamplingTensors.filled(rows, "cuda", temperature=temperature, seed=seeds)
+    assert torch.equal(got, sample(logits, settings, counters))
+
+
+@pytest.mark.parametrize("rows", [1, 3, 256])
+@pytest.mark.parametrize("vocab", [300, 49152, 65537])
 def test_top_n_sigma_in_place_equals_torch(rows, vocab):
     """The in-place kernel against the torch filter: rows that filter at several n, rows
     that do not (n 0 or below: untouched), tokens already barred (-inf, not counted)."""

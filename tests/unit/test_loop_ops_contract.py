@@ -34,6 +34,7 @@ def test_the_contract_names_every_op_a_loop_runs():
         "linear_add_rms_norm2",
         "linear",
         "linear_silu_mul",
+        "sample_plain",
         "token_stats",
         "top_n_sigma",
         "attention",

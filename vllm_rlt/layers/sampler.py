@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
+from enum import IntEnum
 from typing import Any
 
 import torch
@@ -13,6 +14,30 @@ _MASK32 = 0xFFFFFFFF
 # (scaled [rows, vocab] float32, n [rows]) -> scaled filtered (possibly in place): how a
 # device backend runs `top_n_sigma` (LoopOps.top_n_sigma)
 SigmaFilter = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class SamplingMode(IntEnum):
+    """What a pass's sampling rows need, known on the host (a graph key): all greedy; some
+    sample with no filter (one Gumbel-max read of each row's logits, `sample_plain`); some
+    filter (top-n-sigma, top-k, top-p or min-p: the sort over the vocabulary, `sample`). A
+    pass takes the largest of its rows' modes."""
+
+    GREEDY = 0
+    PLAIN = 1
+    FILTERED = 2
+
+
+def row_sampling_mode(record: Any) -> SamplingMode:
+    """The mode one request's sampling fields need (a `SamplingRecord`)."""
+    if record.temperature == 0.0:
+        return SamplingMode.GREEDY
+    filters = (
+        record.top_k > 0,
+        record.top_p < 1.0,
+        record.min_p > 0.0,
+        (record.top_n_sigma or 0.0) > 0.0,
+    )
+    return SamplingMode.FILTERED if any(filters) else SamplingMode.PLAIN
 
 
 def _column(neutral: float | int) -> Any:
@@ -83,6 +108,27 @@ def seeded_uniform(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> t
     return ((bits >> 8).double() + 0.5) / float(1 << 24)
 
 
+def gumbel_noise(seeds: torch.Tensor, counters: torch.Tensor, vocab: int) -> torch.Tensor:
+    """Gumbel noise [rows, vocab] float64 from `seeded_uniform`: the draw is the argmax of
+    scaled logits plus this noise, whatever order the tokens are visited in."""
+    return -torch.log(-torch.log(seeded_uniform(seeds, counters, vocab)))
+
+
+def sample_plain(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    temperature: torch.Tensor,  # [rows] float32; 0 = greedy
+    seeds: torch.Tensor,  # [rows] int64
+    counters: torch.Tensor,  # [rows] int64
+) -> torch.Tensor:
+    """The token `sample` draws for rows that filter nothing, without its sort: the same
+    noise per (seed, counter, token id), so the same token (the torch form of
+    LoopOps.sample_plain). Greedy rows take the first maximum, as torch.argmax."""
+    scaled = logits / temperature.clamp_min(1e-6).unsqueeze(1)
+    noise = gumbel_noise(seeds, counters, logits.shape[-1])
+    drawn = (scaled.double() + noise).argmax(dim=-1)
+    return torch.where(temperature == 0.0, logits.argmax(dim=-1), drawn)
+
+
 def sample(
     logits: torch.Tensor,  # [rows, vocab] float32
     settings: SamplingTensors,  # [rows] each
@@ -93,8 +139,7 @@ def sample(
     greedy_ids = logits.argmax(dim=-1)
     vocab = logits.shape[-1]
     sorted_logits, sorted_ids = _filtered_sorted(logits, settings, sigma_filter)
-    noise = seeded_uniform(settings.seed, counters, vocab).gather(1, sorted_ids)
-    gumbel = -torch.log(-torch.log(noise))
+    gumbel = gumbel_noise(settings.seed, counters, vocab).gather(1, sorted_ids)
     choice = (sorted_logits.double() + gumbel).argmax(dim=-1, keepdim=True)
     sampled_ids = sorted_ids.gather(1, choice).squeeze(1)
     return torch.where(settings.temperature == 0.0, greedy_ids, sampled_ids)
@@ -147,21 +192,6 @@ def sample_from(probs: torch.Tensor, seeds: torch.Tensor, counters: torch.Tensor
     same counter-based noise as `sample`."""
     noise = seeded_uniform(seeds, counters, probs.shape[-1])
     return (probs.double().log() - torch.log(-torch.log(noise))).argmax(dim=-1)
-
-
-def greedy_or_sample(
-    logits: torch.Tensor,
-    all_greedy: bool,
-    settings: SamplingTensors,  # of every slot
-    slots: torch.Tensor,  # [rows] the slot of each row
-    counters: torch.Tensor,
-    sigma_filter: SigmaFilter | None = None,
-) -> torch.Tensor:
-    """`sample` over the rows' settings, skipping the sort over the vocabulary (and the
-    gathering of settings) when every row is greedy."""
-    if all_greedy:
-        return logits.argmax(dim=-1)
-    return sample(logits, settings.rows(slots), counters, sigma_filter)
 
 
 def top_logprobs(logits: torch.Tensor, num_top: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -105,6 +105,18 @@ class LoopOps(Protocol):
         other tokens are at least as likely)."""
         ...
 
+    def sample_plain(
+        self,
+        logits: torch.Tensor,  # [rows, vocab] float32
+        temperature: torch.Tensor,  # [rows] float32; 0 = greedy
+        seeds: torch.Tensor,  # [rows] int64
+        counters: torch.Tensor,  # [rows] int64: the index of the token being sampled
+    ) -> torch.Tensor:
+        """Tokens [rows] int64 drawn as `layers.sampler.sample` draws them for rows that
+        filter nothing (the argmax of logits / temperature plus the seeded Gumbel noise),
+        with no sort; greedy rows take their first maximum."""
+        ...
+
     def top_n_sigma(
         self,
         scaled: torch.Tensor,  # [rows, vocab] float32 temperature-scaled logits

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference, is_float8
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
-from vllm_rlt.layers.sampler import token_logprobs, top_n_sigma
+from vllm_rlt.layers.sampler import sample_plain, token_logprobs, top_n_sigma
 from vllm_rlt.ops.base import Weight
 from vllm_rlt.ops.metadata import AttentionMetadata
 
@@ -54,6 +54,15 @@ class TorchOps:
             tokens = logits.argmax(dim=-1)
         chosen, ranks, _, _ = token_logprobs(logits, tokens, 0)
         return tokens, chosen, ranks
+
+    def sample_plain(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        counters: torch.Tensor,
+    ) -> torch.Tensor:
+        return sample_plain(logits, temperature, seeds, counters)
 
     def top_n_sigma(self, scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         return top_n_sigma(scaled, n)

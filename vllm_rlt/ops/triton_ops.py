@@ -15,6 +15,7 @@ from vllm_rlt.kernels.decode_attention import (
 )
 from vllm_rlt.kernels.few_row_gemm import few_row_gemm, few_row_gemm_add_norms, takes_few_row
 from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
+from vllm_rlt.kernels.gumbel_sample import gumbel_sample
 from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
@@ -115,6 +116,16 @@ class TritonOps:
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One read of each row's logits (kernels/token_stats.py)."""
         return token_stats(logits.contiguous(), tokens)
+
+    def sample_plain(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        seeds: torch.Tensor,
+        counters: torch.Tensor,
+    ) -> torch.Tensor:
+        """One read of each row's logits, no sort (kernels/gumbel_sample.py)."""
+        return gumbel_sample(logits.contiguous(), temperature, seeds, counters)
 
     def top_n_sigma(self, scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """In place, a program per row; a row with n <= 0 reads one number

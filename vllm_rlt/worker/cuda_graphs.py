@@ -10,7 +10,12 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
+from vllm_rlt.layers.sampler import SamplingMode
 from vllm_rlt.sampling_params import MAX_LOGPROBS
+
+# The sampling modes captured at start-up; a pass with filters captures its graph when it
+# first comes (the sort over the vocabulary makes those passes slow anyway).
+EAGER_MODES = (SamplingMode.GREEDY, SamplingMode.PLAIN)
 
 
 @contextlib.contextmanager
@@ -51,13 +56,13 @@ class DecodeGraphs:
 
     def __init__(
         self,
-        decode_pass: Callable[[torch.Tensor, bool, int, bool, bool], torch.Tensor],
+        decode_pass: Callable[[torch.Tensor, SamplingMode, int, bool, bool], torch.Tensor],
         dummy_slot: int,
         upload: Callable[..., torch.Tensor],
         device: torch.device,
         with_lanes: bool,
     ) -> None:
-        """`decode_pass(slots, greedy, num_top, adjusted, speculating)`: the packed results
+        """`decode_pass(slots, mode, num_top, adjusted, speculating)`: the packed results
         of a decode-only pass over the device tensor `slots` (what a graph records);
         `upload(values, out=buffer)`: host ints into a device buffer without waiting;
         `with_lanes`: the engine speculates, so graphs with lanes are captured up front."""
@@ -69,16 +74,16 @@ class DecodeGraphs:
         largest = self.sizes[-1]
         self.slots = torch.full((largest,), dummy_slot, dtype=torch.int64, device=device)
         self.pool = torch.cuda.graph_pool_handle()
-        # (batch size, greedy, with top logprobs, with logit adjustments, with speculation
-        # lanes) -> graph, output
+        # (batch size, sampling mode, with top logprobs, with logit adjustments, with
+        # speculation lanes) -> graph, output
         self.graphs: dict[
-            tuple[int, bool, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]
+            tuple[int, SamplingMode, bool, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]
         ] = {}
 
     def replay(
         self,
         decode_slots: tuple[int, ...],
-        greedy: bool,
+        mode: SamplingMode,
         num_top: int,
         adjusted: bool = False,
         speculating: bool = False,
@@ -86,7 +91,7 @@ class DecodeGraphs:
         """Enqueue the pass; returns the packed results [len(decode_slots), fields]."""
         count = len(decode_slots)
         size = next(s for s in self.sizes if s >= count)
-        key = (size, greedy, num_top > 0, adjusted, speculating)
+        key = (size, mode, num_top > 0, adjusted, speculating)
         if key not in self.graphs:
             self._capture(key)
         padded = list(decode_slots) + [self.dummy_slot] * (size - count)
@@ -96,15 +101,16 @@ class DecodeGraphs:
         return output[:count]
 
     def capture_all(self) -> None:
-        """Capture every size, greedy and sampled, now (largest first, so the smaller ones
-        reuse its memory): otherwise the first pass of a new batch size would pay its
-        capture inside some request's latency; with speculation, the variants with lanes
-        too. Variants with top logprobs or logit adjustments stay lazy."""
+        """Capture every size, greedy and sampling with no filter, now (largest first, so
+        the smaller ones reuse its memory): otherwise the first pass of a new batch size
+        would pay its capture inside some request's latency; with speculation, the
+        variants with lanes too. Variants with filters (top-k, top-p, min-p, top-n-sigma),
+        top logprobs or logit adjustments stay lazy."""
         lanes = (False, True) if self.with_lanes else (False,)
         keys = [
-            (size, greedy, False, False, speculating)
+            (size, mode, False, False, speculating)
             for size in reversed(self.sizes)
-            for greedy in (True, False)
+            for mode in EAGER_MODES
             for speculating in lanes
         ]
         gc.collect()  # free what an earlier engine left, before its memory is needed
@@ -112,13 +118,13 @@ class DecodeGraphs:
             if key not in self.graphs:
                 self._capture(key)
 
-    def _capture(self, key: tuple[int, bool, bool, bool, bool]) -> None:
-        size, greedy, with_top, adjusted, speculating = key
+    def _capture(self, key: tuple[int, SamplingMode, bool, bool, bool]) -> None:
+        size, mode, with_top, adjusted, speculating = key
         num_top = MAX_LOGPROBS if with_top else 0
         slots = self.slots[:size]
         slots.fill_(self.dummy_slot)  # padding rows only: no real slot's state moves
         self.graphs[key] = capture(
-            lambda: self.decode_pass(slots, greedy, num_top, adjusted, speculating), self.pool
+            lambda: self.decode_pass(slots, mode, num_top, adjusted, speculating), self.pool
         )
 
 

@@ -37,11 +37,12 @@ import torch
 from tqdm import tqdm
 
 from vllm_rlt.core.contract import SchedulerOutput
+from vllm_rlt.layers.sampler import SamplingMode
 from vllm_rlt.models.interface import LoopedModel, StepInputs
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import DeviceCounts, PrefillTiles
 from vllm_rlt.sampling_params import MAX_LOGPROBS
-from vllm_rlt.worker.cuda_graphs import capture, graph_batch_sizes
+from vllm_rlt.worker.cuda_graphs import EAGER_MODES, capture, graph_batch_sizes
 from vllm_rlt.worker.exit_sync import SyncedExits
 from vllm_rlt.worker.pass_head import PassHead
 from vllm_rlt.worker.pass_inputs import (
@@ -71,7 +72,7 @@ ROW_FIELDS = ("table", "position", "loop", "write_hi", "token", "carry", "reads_
 # Pinned host buffers in turn: one is reused only after later passes were collected.
 HOST_BUFFERS = 4
 
-HeadKey = tuple[int, int, bool, bool, bool, bool]
+HeadKey = tuple[int, int, SamplingMode, bool, bool, bool]
 
 
 @dataclass
@@ -212,7 +213,7 @@ class MixedGraphs:
         self.row_index = torch.arange(largest, device=model.device)
         self.tile_rows = parts.ops.prefill_tile_rows(model.dtype)
         self.stacks: dict[int, torch.cuda.CUDAGraph] = {}
-        # (decode rows, prompt samplers, greedy, with top logprobs, with logit adjustments,
+        # (decode rows, prompt samplers, sampling mode, with top logprobs, with logit adjustments,
         # with speculation lanes) -> graph, packed output
         self.heads: dict[HeadKey, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.num_replays = 0  # passes served, for tests
@@ -231,14 +232,14 @@ class MixedGraphs:
 
     def capture_all(self) -> None:
         """Capture every stack size (largest first, so the smaller ones reuse its memory)
-        and the greedy and sampled heads of every decode size and sampler padding; with
-        speculation, the heads with lanes too."""
+        and the heads of every decode size and sampler padding in the eager sampling modes;
+        with speculation, the heads with lanes too."""
         lanes = (False, True) if self.parts.lanes is not None else (False,)
         heads = [
-            (size, samplers, greedy, False, False, speculating)
+            (size, samplers, mode, False, False, speculating)
             for size in reversed(self.head_sizes)
             for samplers in reversed(self.sampler_sizes)
-            for greedy in (True, False)
+            for mode in EAGER_MODES
             for speculating in lanes
         ]
         for size in tqdm(
@@ -315,7 +316,7 @@ class MixedGraphs:
         self,
         size: int,
         samplers: int,
-        greedy: bool,
+        mode: SamplingMode,
         with_top: bool,
         adjusted: bool,
         speculating: bool,
@@ -328,7 +329,7 @@ class MixedGraphs:
             f["decode_slots"][:size],
             self.readout[f["p_rows"][:samplers]],
             f["p_slots"][:samplers],
-            greedy,
+            mode,
             MAX_LOGPROBS if with_top else 0,
             adjusted,
             speculating,
@@ -345,7 +346,12 @@ class MixedGraphs:
         return SyncedExits(self.exits[0, :size], held_back)
 
     def run(
-        self, out: SchedulerOutput, greedy: bool, num_top: int, adjusted: bool, speculating: bool
+        self,
+        out: SchedulerOutput,
+        mode: SamplingMode,
+        num_top: int,
+        adjusted: bool,
+        speculating: bool,
     ) -> tuple[torch.Tensor, list[int]]:
         """Enqueue the pass; returns the packed results and the slot of each packed row
         (the dummy slot for padding rows)."""
@@ -384,7 +390,7 @@ class MixedGraphs:
         for i, (slot, row) in enumerate(samplers):
             f["p_slots"][i], f["p_rows"][i] = slot, row
         sampler_size = next(s for s in self.sampler_sizes if s >= len(samplers))
-        key = (head_size, sampler_size, greedy, num_top > 0, adjusted, speculating)
+        key = (head_size, sampler_size, mode, num_top > 0, adjusted, speculating)
         if key not in self.heads:
             # The capture runs the head once first: on padding rows only, not this pass's.
             self.input.copy_(self.templates[self.sizes[-1]])

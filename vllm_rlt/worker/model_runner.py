@@ -16,6 +16,7 @@ from vllm_rlt.core.contract import (
     SchedulerOutput,
 )
 from vllm_rlt.exit.policy import ExitPolicy
+from vllm_rlt.layers.sampler import SamplingMode
 from vllm_rlt.models.interface import LoopedModel, StepInputs
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import AttentionMetadata
@@ -179,11 +180,16 @@ class ModelRunner:
         )
 
     def decode_pass(
-        self, slots: torch.Tensor, greedy: bool, num_top: int, adjusted: bool, speculating: bool
+        self,
+        slots: torch.Tensor,
+        mode: SamplingMode,
+        num_top: int,
+        adjusted: bool,
+        speculating: bool,
     ) -> torch.Tensor:
         """The packed results of a decode-only pass over `slots` (a device tensor): what the
         decode graphs capture."""
-        return self.run_pass(slots, (), 0, greedy, num_top, adjusted, speculating)[0]
+        return self.run_pass(slots, (), 0, mode, num_top, adjusted, speculating)[0]
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """Admit the pass's new requests, run it and wait for its results."""
@@ -273,24 +279,24 @@ class ModelRunner:
         st = self.state
         samplers = list(out.decode_slots) + [c.slot for c in out.prefill_chunks if c.samples]
         num_top = max((st.num_logprobs[s] for s in samplers), default=0)
-        greedy = all(st.greedy[s] for s in samplers)
+        mode = max((st.sampling_mode[s] for s in samplers), default=SamplingMode.GREEDY)
         adjusted = any(st.adjusted[s] for s in samplers)
         speculating = self.lanes is not None and out.speculating
         if speculating:
             self.uploads.upload([int(out.drafting)], out=self.lanes.drafting)
         prompt: list[PromptRows] = []
         if self.mixed is not None and self.mixed.takes(out):
-            packed, samplers = self.mixed.run(out, greedy, num_top, adjusted, speculating)
+            packed, samplers = self.mixed.run(out, mode, num_top, adjusted, speculating)
             self.num_prompt_graph_passes += 1
         elif self.graphs is not None and not out.prefill_chunks:
             self.apply_block_updates(out.block_updates)
-            packed = self.graphs.replay(out.decode_slots, greedy, num_top, adjusted, speculating)
+            packed = self.graphs.replay(out.decode_slots, mode, num_top, adjusted, speculating)
             self.num_decode_graph_passes += 1
         else:
             self.apply_block_updates(out.block_updates)
             decode = self.uploads.upload(out.decode_slots)
             packed, prompt = self.run_pass(
-                decode, out.prefill_chunks, out.max_context, greedy, num_top, adjusted, speculating
+                decode, out.prefill_chunks, out.max_context, mode, num_top, adjusted, speculating
             )
         if packed.is_cuda:
             host = packed.to("cpu", non_blocking=True)  # pinned, so it overlaps
@@ -317,7 +323,7 @@ class ModelRunner:
                 PrefillChunk(self.dummy_slot, "", 0, (0,) * n, 0, samples=i == len(lengths) - 1)
                 for i, n in enumerate(lengths)
             )
-            self.run_pass(no_decode, chunks, max(lengths), greedy=True, num_top=0)
+            self.run_pass(no_decode, chunks, max(lengths), SamplingMode.GREEDY, num_top=0)
             self.prefill_hidden.pop(self.dummy_slot, None)
         if self.model.device.type == "cuda":
             torch.cuda.synchronize(self.model.device)
@@ -346,7 +352,7 @@ class ModelRunner:
         decode: torch.Tensor,  # [decode rows] slots
         chunks: tuple[PrefillChunk, ...],
         max_context: int,
-        greedy: bool,
+        mode: SamplingMode,
         num_top: int,
         adjusted: bool = False,
         speculating: bool = False,
@@ -391,7 +397,7 @@ class ModelRunner:
             decode,
             readout[p_rows],
             p_slots,
-            greedy,
+            mode,
             num_top,
             adjusted,
             speculating,

@@ -13,7 +13,7 @@ import torch
 
 from vllm_rlt.core.contract import ModelRunnerOutput, SampledToken
 from vllm_rlt.exit.policy import ExitDecision, ExitInputs, ExitPolicy
-from vllm_rlt.layers.sampler import greedy_or_sample, top_logprobs
+from vllm_rlt.layers.sampler import SamplingMode, sample, top_logprobs
 from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.worker.exit_sync import ExitSync, SyncedExits
@@ -126,7 +126,7 @@ class PassHead:
         decode: torch.Tensor,  # [decode rows] slots
         p_hidden: torch.Tensor,  # [prompt samplers, hidden] their readout
         p_slots: torch.Tensor,  # [prompt samplers] slots (the dummy: padding)
-        greedy: bool,
+        mode: SamplingMode,
         num_top: int,
         adjusted: bool,
         speculating: bool,
@@ -141,8 +141,8 @@ class PassHead:
         lanes = self.lanes if speculating else None
         exits = self._exits(d_hidden, d_readout, decode, d_loops, lanes, decided)
         rows = SampleRows.of(exits, decode, p_hidden, p_slots, self.dummy_slot, lanes)
-        sample = self._sample(rows, exits, decode, greedy, num_top, adjusted, lanes)
-        self._scatter(exits, decode, p_slots, sample.tokens, lanes, sample.spec)
+        sampled = self._sample(rows, exits, decode, mode, num_top, adjusted, lanes)
+        self._scatter(exits, decode, p_slots, sampled.tokens, lanes, sampled.spec)
         depths, flags = exits.loops_done, exits.exited
         if rows.prompt_samples:
             depths = torch.cat([depths, torch.full_like(p_slots, self.num_loops)])
@@ -150,16 +150,16 @@ class PassHead:
         fields = torch.stack(
             [
                 flags.float(),
-                sample.tokens.float(),
+                sampled.tokens.float(),
                 depths.float(),
-                sample.chosen_lp,
-                sample.outcome,
-                sample.ahead,
-                sample.rank.float(),
+                sampled.chosen_lp,
+                sampled.outcome,
+                sampled.ahead,
+                sampled.rank.float(),
             ],
             1,
         )
-        return torch.cat([fields, sample.top_ids.float(), sample.top_lp], dim=1)
+        return torch.cat([fields, sampled.top_ids.float(), sampled.top_lp], dim=1)
 
     def _exits(
         self,
@@ -242,7 +242,7 @@ class PassHead:
         rows: SampleRows,
         exits: Exits,
         decode: torch.Tensor,
-        greedy: bool,
+        mode: SamplingMode,
         num_top: int,
         adjusted: bool,
         lanes: SpecLanes | None,
@@ -253,17 +253,22 @@ class PassHead:
         num_decode = decode.shape[0]
         slots, live = rows.slots, rows.live
         logits, sampled_from = self._logits(rows, exits.logits, adjusted)
+        greedy = mode == SamplingMode.GREEDY
         # All greedy, nothing adjusting the logits: the token and its logprob and rank in
         # one read of the logits (the ops' token_stats).
         fused = greedy and lanes is None and sampled_from is logits
         chosen_lp = rank = None
         if fused:
             tokens, chosen_lp, rank = self.ops.token_stats(logits, None)
-        else:
+        elif greedy:
+            tokens = sampled_from.argmax(dim=-1)
+        elif mode == SamplingMode.PLAIN:  # no row filters: no sort
+            temperature, seeds = st.sampling.temperature[slots], st.sampling.seed[slots]
             counters = st.num_generated[slots]
-            tokens = greedy_or_sample(
-                sampled_from, greedy, st.sampling, slots, counters, self.ops.top_n_sigma
-            )
+            tokens = self.ops.sample_plain(sampled_from, temperature, seeds, counters)
+        else:
+            settings, counters = st.sampling.rows(slots), st.num_generated[slots]
+            tokens = sample(sampled_from, settings, counters, self.ops.top_n_sigma)
         outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
         spec = None
         if lanes is not None:

@@ -9,7 +9,7 @@ import torch
 from vllm_rlt.core.contract import NewSlot, Penalties
 from vllm_rlt.exit.policy import Upload
 from vllm_rlt.layers.penalties import apply_bad_words, apply_penalties
-from vllm_rlt.layers.sampler import SamplingTensors
+from vllm_rlt.layers.sampler import SamplingMode, SamplingTensors, row_sampling_mode
 from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, MAX_BAD_WORDS
 
 
@@ -149,7 +149,7 @@ class SlotState:
         )  # [slots * table_planes, blocks]: row slot * table_planes + plane
         self.dummy_block = dummy_block
         self.num_logprobs = [0] * n  # host copy: how many top logprobs each slot wants
-        self.greedy = [True] * n  # host copy: temperature == 0
+        self.sampling_mode = [SamplingMode.GREEDY] * n  # host copy: what each slot needs
         self.adjusted = [False] * n  # host copy: the slot's request adjusts its logits
         self.penalties: PenaltyState | None = None
         self.vocab_size = vocab_size
@@ -204,7 +204,7 @@ class SlotState:
             self.banned[rows, ids] = True
         for new in news:
             self.num_logprobs[new.slot] = new.sampling.num_logprobs
-            self.greedy[new.slot] = new.sampling.temperature == 0.0
+            self.sampling_mode[new.slot] = row_sampling_mode(new.sampling)
         return slots
 
     def request_columns(self) -> dict[str, torch.Tensor]:
@@ -226,7 +226,9 @@ class SlotState:
             self.token[s] = new.first_token
         penalties = new.sampling.penalties
         if penalties is not None and self.penalties is None:
-            self.penalties = PenaltyState(len(self.greedy), self.vocab_size, self.hidden.device)
+            self.penalties = PenaltyState(
+                len(self.sampling_mode), self.vocab_size, self.hidden.device
+            )
         if self.penalties is not None:
             self.penalties.set(s, penalties, new.output_token_ids)
         self.adjusted[s] = penalties is not None
