@@ -35,7 +35,7 @@ def row_sampling_mode(record: Any) -> SamplingMode:
         record.top_k > 0,
         record.top_p < 1.0,
         record.min_p > 0.0,
-        (record.top_n_sigma or 0.0) > 0.0,
+        record.top_n_sigma > 0.0,
     )
     return SamplingMode.FILTERED if any(filters) else SamplingMode.PLAIN
 
