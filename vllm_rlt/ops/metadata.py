@@ -90,9 +90,12 @@ class AttentionMetadata:
     def single_plane(self, writes: torch.Tensor | None = None) -> AttentionMetadata:
         """The same rows addressing a cache of one plane (a layer that runs once per token,
         such as a prelude or coda layer): every row reads plane 0 through the same block
-        tables, and writes it where `writes` ([rows] bool; None: every row)."""
+        tables, and writes it where `writes` ([rows] bool; None: every row). A row that does
+        not write is one whose output the layer drops, so it attends to its first key only:
+        a decode kernel then reads one block for it, not its whole context."""
         zeros = torch.zeros_like(self.read_plane)
         write_hi = torch.ones_like(zeros) if writes is None else writes.to(zeros.dtype)
+        positions = self.positions if writes is None else torch.where(writes, self.positions, 0)
         segments = self.segments
         if segments is not None:  # flat indices: drop the plane part
             segments = dataclasses.replace(
@@ -103,6 +106,7 @@ class AttentionMetadata:
             tiles = PrefillTiles(torch.cat([tiles.fields[:4], torch.zeros_like(tiles.fields[4:])]))
         return dataclasses.replace(
             self,
+            positions=positions,
             read_plane=zeros,
             write_lo=zeros,
             write_hi=write_hi,
