@@ -66,9 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
     parser.add_argument("--output", default=None, help="JSON of every figure (default: none)")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        print(f"{parser.prog}: error: needs a CUDA device", file=sys.stderr)
-        return 2
+    parser.require_cuda()
     import triton.testing
 
     from vllm_rlt.kernels import few_row_gemm

@@ -152,6 +152,7 @@ def main() -> None:
     parser = CLIParser(prog="python -m benchmarks.probe_grid_barrier", description=__doc__)
     parser.add_argument("--steps", type=int, default=24, help="dependent GEMVs per chain")
     args = parser.parse_args()
+    parser.require_cuda()
     steps = args.steps
     programs = N // BLOCK_N
     sms = torch.cuda.get_device_properties(0).multi_processor_count

@@ -120,6 +120,7 @@ def main() -> None:
         "dependent launch, as the engine does on Hopper (default: off)",
     )
     args = parser.parse_args()
+    parser.require_cuda()
     for rows, context in ((32, 67), (64, 67), (256, 67), (512, 67), (512, 300)):
         cases = [("plain", rows, False, 2, 128), ("plain", rows, False, 2, 64)]
         cases += [("bounded", p, True, w, 128) for p, w in ((128, 2), (128, 4), (512, 2))]

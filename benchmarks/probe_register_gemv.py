@@ -216,6 +216,7 @@ def main() -> None:
     parser.add_argument("--fp8", action="store_true", help="float8 weights, a scale per row")
     parser.add_argument("--layers", type=int, default=8, help="distinct layers in the chain")
     args = parser.parse_args()
+    parser.require_cuda()
     gen = torch.Generator("cuda").manual_seed(0)
     shape_chains(args.fp8, gen)
     layer_chain(args.fp8, args.layers, gen)

@@ -63,8 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vocab", type=int, default=49152, help="Ouro's vocabulary")
     parser.add_argument("--output", default=None, help="also write the JSON here")
     args = parser.parse_args(argv)
-    if not torch.cuda.is_available():
-        raise SystemExit("probe_sampler needs a CUDA GPU")
+    parser.require_cuda()
     from vllm_rlt.ops.triton_ops import TritonOps
 
     results = []

@@ -71,6 +71,7 @@ def time_case(rows: int, context: int, heads: int = 16, dim: int = 128, planes: 
 def main() -> None:
     parser = CLIParser(prog="python -m benchmarks.tune_attention", description=__doc__)
     parser.parse_args()
+    parser.require_cuda()
     for rows, context in ((1, 96), (8, 96), (64, 96), (256, 96), (512, 96), (32, 1100)):
         time_case(rows, context)
 

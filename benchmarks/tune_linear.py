@@ -154,6 +154,7 @@ def main() -> None:
     )
     parser.add_argument("--fp8", action="store_true", help="float8 weights (default: bf16)")
     args = parser.parse_args()
+    parser.require_cuda()
     tiles = sorted({tile_rows(r) for r in args.rows})
     jobs = [(name, m, args.fp8) for name in args.shapes for m in tiles]
     with multiprocessing.get_context("spawn").Pool(args.jobs) as pool:

@@ -59,6 +59,13 @@ class CLIParser(argparse.ArgumentParser):
         close = [match for flag in typed for match in difflib.get_close_matches(flag, known, n=1)]
         return f" (did you mean {', '.join(dict.fromkeys(close))}?)" if close else ""
 
+    def require_cuda(self) -> None:
+        """A GPU-only tool's one-line error (exit code 2) where no CUDA device is visible."""
+        import torch
+
+        if not torch.cuda.is_available():
+            self.error("it measures the CUDA path, and no CUDA device is available here")
+
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
 

@@ -37,7 +37,7 @@ DESCRIPTION = """Inference engine for looped language models.
 examples:
   vllm-rlt generate --prompt "347+589="        the built-in model, on the CPU
   vllm-rlt serve                                OpenAI-compatible server on 127.0.0.1:8000
-  vllm-rlt bench throughput --help              benchmarks: throughput, serve, accuracy
+  vllm-rlt bench throughput --help              benchmarks: throughput, serve, accuracy, sweep
 """
 
 
