@@ -149,3 +149,64 @@ def test_tensor_core_path_scales_rows_and_columns():
     want = F.linear(x.float(), q.dequantize(torch.float32))
     relative = (got - want).norm(dim=1) / want.norm(dim=1)
     assert relative.max() < 0.08
+
+
+@pytest.mark.parametrize("rows", [17, 64, 255])
+@pytest.mark.parametrize("n,inter", [(2048, 5632), (192, 512)])
+def test_norms_and_silu_mul_hand_on_what_the_quantize_kernel_gives(triton_ops, rows, n, inter):
+    """Before an FP8 tensor-core product the norm and SiLU-mul kernels leave their output
+    in float8 with its per-token scale: bit for bit what their bf16 output through the
+    quantize kernel gives, so folding the quantize in changes no result."""
+    from vllm_rlt.kernels.fp8_rows import Fp8Rows, quantize_rows
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + n)
+
+    def randn(*shape):
+        return torch.randn(*shape, device="cuda", generator=gen).to(torch.bfloat16)
+
+    def fp8(rows_k: int, k: int) -> Fp8Weight:
+        return Fp8Weight.quantize(torch.randn(rows_k, k, device="cuda", generator=gen) / k**0.5)
+
+    def same(got, plain: torch.Tensor) -> None:
+        want = quantize_rows(plain)
+        assert isinstance(got, Fp8Rows)
+        assert torch.equal(got.scale, want.scale)
+        assert torch.equal(got.data.view(torch.uint8), want.data.view(torch.uint8))
+
+    x, branch, w1, w2 = randn(rows, n), randn(rows, n), randn(n) + 1, randn(n) + 1
+    x[3] = 0  # an all-zero row (a padding row) keeps a finite scale
+    gate_up, down = fp8(2 * inter, n), fp8(n, inter)
+    same(triton_ops.rms_norm(x, w2, 1e-6, gate_up), triton_ops.rms_norm(x, w2, 1e-6))
+    for w_branch in (w1, None):
+        x_out, normed = triton_ops.add_rms_norm2(x, branch, w_branch, w2, 1e-6, gate_up)
+        plain = triton_ops.add_rms_norm2(x, branch, w_branch, w2, 1e-6)
+        assert torch.equal(x_out, plain[0])
+        same(normed, plain[1])
+    product = randn(rows, 2 * inter)
+    same(triton_ops.silu_mul(product, down), triton_ops.silu_mul(product))
+    # the products take the float8 rows as they took the bf16 ones
+    quantized = triton_ops.rms_norm(x, w2, 1e-6, gate_up)
+    plain = triton_ops.rms_norm(x, w2, 1e-6)
+    assert torch.equal(
+        triton_ops.linear_silu_mul(quantized, gate_up, down).data,
+        triton_ops.linear_silu_mul(plain, gate_up, down).data,
+    )
+
+
+def test_folded_quantize_leaves_many_row_fp8_decode_unchanged(monkeypatch):
+    """The built-in model under fp8 weights decoding 48 rows at once, with CUDA graphs:
+    the same tokens with the quantize folded into the norms as with a quantize kernel
+    before each product."""
+    from vllm_rlt.ops import triton_ops as module
+
+    prompts = [f"{a}+{b}=" for a, b in zip(range(100, 148), range(300, 348), strict=True)]
+    params = SamplingParams(max_tokens=6, temperature=0.0)
+
+    def tokens() -> list[list[int]]:
+        llm = LLM(device="cuda", quantization="fp8", max_num_seqs=64)
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return [o.outputs[0].token_ids for o in outputs]
+
+    folded = tokens()
+    monkeypatch.setattr(module, "takes_fp8_rows", lambda rows, dtype, weight: False)
+    assert tokens() == folded

@@ -317,7 +317,7 @@ class OuroModel:
         cfg = self.config
         eps = cfg.rms_norm_eps
         x = hidden
-        a = ops.rms_norm(x, self.layers[0].attn_norm, eps)
+        a = ops.rms_norm(x, self.layers[0].attn_norm, eps, self.layers[0].qkv)
         for index, layer in enumerate(self.layers):
             attn = ops.attention(
                 ops.linear(a, layer.qkv),
@@ -330,14 +330,15 @@ class OuroModel:
                 self.scale,
                 layer.kv_scales,
             )
-            x, b = self._add_branch(ops, x, attn, layer.o, layer.attn_out_norm, layer.mlp_norm)
-            mlp = ops.linear_silu_mul(b, layer.gate_up)
-            following = (
-                self.layers[index + 1].attn_norm
-                if index + 1 < len(self.layers)
-                else self.final_norm
+            x, b = self._add_branch(
+                ops, x, attn, layer.o, layer.attn_out_norm, layer.mlp_norm, layer.gate_up
             )
-            x, a = self._add_branch(ops, x, mlp, layer.down, layer.mlp_out_norm, following)
+            mlp = ops.linear_silu_mul(b, layer.gate_up, layer.down)
+            if index + 1 < len(self.layers):
+                w_next, next_qkv = self.layers[index + 1].attn_norm, self.layers[index + 1].qkv
+            else:
+                w_next, next_qkv = self.final_norm, None  # the loop's output stays a tensor
+            x, a = self._add_branch(ops, x, mlp, layer.down, layer.mlp_out_norm, w_next, next_qkv)
         return a
 
     def _add_branch(
@@ -348,14 +349,18 @@ class OuroModel:
         weight: torch.Tensor | Fp8Weight,
         w_branch: torch.Tensor | None,
         w_next: torch.Tensor,
+        next_weight: torch.Tensor | Fp8Weight | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual add of a branch projected by `weight`, fused with the norms around
-        it; under tensor parallelism the ranks' partial products are summed first."""
+        it; under tensor parallelism the ranks' partial products are summed first. The
+        second norm's output feeds `next_weight` (the ops may hand it on quantized)."""
         eps = self.config.rms_norm_eps
         if self.tensor_parallel is None:
-            return ops.linear_add_rms_norm2(x, inp, weight, w_branch, w_next, eps)
+            return ops.linear_add_rms_norm2(
+                x, inp, weight, w_branch, w_next, eps, next_weight=next_weight
+            )
         branch = self.tensor_parallel.all_reduce(ops.linear(inp, weight))
-        return ops.add_rms_norm2(x, branch, w_branch, w_next, eps)
+        return ops.add_rms_norm2(x, branch, w_branch, w_next, eps, next_weight)
 
     def gate(self, hidden: torch.Tensor) -> torch.Tensor:
         """Exit-gate logits [rows] in float32 from the end-of-loop state [rows, hidden]."""

@@ -50,8 +50,12 @@ class LoopOps(Protocol):
         x: torch.Tensor,  # [rows, hidden]
         weight: torch.Tensor,  # [hidden]
         eps: float,
+        next_weight: Weight | None = None,  # the weight the result is multiplied by next
     ) -> torch.Tensor:
-        """RMSNorm(x) * weight; [rows, hidden]."""
+        """RMSNorm(x) * weight; [rows, hidden]. With `next_weight` a backend may return it in
+        the form its own products take for that weight (as float8 rows for FP8 tensor
+        cores): a value only for `linear`, `linear_silu_mul` or `linear_add_rms_norm2` with
+        that weight."""
         ...
 
     def add_rms_norm2(
@@ -61,6 +65,7 @@ class LoopOps(Protocol):
         w_branch: torch.Tensor | None,  # [hidden] norm of the branch; None: added as it is
         w_next: torch.Tensor,  # [hidden]
         eps: float,
+        next_weight: Weight | None = None,  # as rms_norm's, for the second result
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(x + RMSNorm(branch) * w_branch, RMSNorm of that sum * w_next), both [rows, hidden]."""
         ...
@@ -74,6 +79,7 @@ class LoopOps(Protocol):
         w_next: torch.Tensor,
         eps: float,
         live: torch.Tensor | None = None,  # [rows] bool, as `linear` takes it
+        next_weight: Weight | None = None,  # as rms_norm's, for the second result
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2(x, inp @ weight.T, ...) as one op, so a backend may fuse the two;
         rows not `live` may come back as anything finite."""
@@ -92,6 +98,7 @@ class LoopOps(Protocol):
         self,
         x: torch.Tensor,  # [rows, K]
         gate_up: Weight,  # [2 * inter, K], rows gate_0, up_0, gate_1, up_1, ...
+        next_weight: Weight | None = None,  # as rms_norm's
     ) -> torch.Tensor:
         """SiLU(gate) * up of x @ gate_up.T; [rows, inter]."""
         ...

@@ -113,3 +113,15 @@ def takes_strip(x: torch.Tensor, weight: Weight) -> bool:
         and layer_class(*weight.shape) in classes
         and strip_rows(weight) > 0
     )
+
+
+def takes_fp8_rows(rows: int, dtype: torch.dtype, weight: Weight | None) -> bool:
+    """Whether a product of `rows` rows of `dtype` activations by `weight` runs on FP8
+    tensor cores with per-token scales (kernels/fp8_rows.py) in every TritonOps path, so
+    that the kernel before it may hand it float8 rows (`Fp8Rows`)."""
+    return (
+        isinstance(weight, Fp8Weight)
+        and rows > FP8_SKINNY_ROWS
+        and dtype == torch.bfloat16
+        and all(d % 16 == 0 for d in weight.shape)
+    )

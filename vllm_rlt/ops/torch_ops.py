@@ -22,11 +22,19 @@ class TorchOps:
     def prefill_tile_rows(self, dtype: torch.dtype) -> int:
         return 0  # no tiled prefill kernel: prompt rows attend through segments
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, next_weight: Weight | None = None
+    ) -> torch.Tensor:
         return rms_norm(x, weight, eps)
 
     def add_rms_norm2(
-        self, x: torch.Tensor, branch: torch.Tensor, w_branch, w_next, eps: float
+        self,
+        x: torch.Tensor,
+        branch: torch.Tensor,
+        w_branch,
+        w_next,
+        eps: float,
+        next_weight: Weight | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x + RMSNorm(branch) (x + branch when w_branch is None), and RMSNorm of that sum
         with the next weight."""
@@ -42,6 +50,7 @@ class TorchOps:
         w_next,
         eps: float,
         live: torch.Tensor | None = None,
+        next_weight: Weight | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """add_rms_norm2 of x and the projected branch inp @ weight.T: one op, so that a
         backend may fuse the projection's reduction into the norm."""
@@ -83,7 +92,9 @@ class TorchOps:
             out = F.linear(x, weight)
         return out if live is None else torch.where(live.unsqueeze(1), out, 0.0)
 
-    def linear_silu_mul(self, x: torch.Tensor, gate_up: Weight) -> torch.Tensor:
+    def linear_silu_mul(
+        self, x: torch.Tensor, gate_up: Weight, next_weight: Weight | None = None
+    ) -> torch.Tensor:
         """silu_mul(x @ gate_up.T) for the interleaved gate/up weight."""
         return self.silu_mul(self.linear(x, gate_up))
 

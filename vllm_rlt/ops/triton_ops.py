@@ -14,22 +14,22 @@ from vllm_rlt.kernels.decode_attention import (
     _rope_attend_kernel,
 )
 from vllm_rlt.kernels.few_row_gemm import few_row_gemm, few_row_gemm_add_norms, takes_few_row
-from vllm_rlt.kernels.fp8_rows import fp8_linear_rows
+from vllm_rlt.kernels.fp8_rows import Fp8Rows, empty_fp8_rows, fp8_linear_rows, fp8_rows_linear
 from vllm_rlt.kernels.gumbel_sample import gumbel_sample
 from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
 from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
-from vllm_rlt.kernels.silu_mul import _silu_mul_kernel
+from vllm_rlt.kernels.silu_mul import _silu_mul_kernel, _silu_mul_kernel_fp8
 from vllm_rlt.kernels.skinny_linear import skinny_linear, skinny_linear_partials
 from vllm_rlt.kernels.strip_gemv import strip_gemv
 from vllm_rlt.kernels.token_stats import token_stats
 from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
-from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference
+from vllm_rlt.layers.fp8 import FP8_MAX, Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.ops.base import Weight
-from vllm_rlt.ops.linear_plans import linear_plan, takes_strip
+from vllm_rlt.ops.linear_plans import linear_plan, takes_fp8_rows, takes_strip
 from vllm_rlt.ops.metadata import AttentionMetadata
 
 # Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
@@ -87,6 +87,16 @@ def _dense_linear(x: torch.Tensor, weight: Weight, pdl: bool = False) -> torch.T
     return fp8_linear_reference(x, weight)
 
 
+def _normed_output(x: torch.Tensor, next_weight: Weight | None):
+    """(the result, the tensor a norm kernel stores into, its scale pointer (not read
+    unless float8), whether float8) for a norm of x followed by `next_weight`'s product."""
+    if takes_fp8_rows(x.shape[0], x.dtype, next_weight):
+        out = empty_fp8_rows(*x.shape, x.dtype, x.device)
+        return out, out.data, out.scale, True
+    out = torch.empty_like(x)
+    return out, out, out, False
+
+
 def decode_splits(rows: int, heads: int) -> int:
     """Runs of key tiles per row and head in a decode pass (see SPLIT_KV_PROGRAMS)."""
     splits = 1
@@ -132,27 +142,40 @@ class TritonOps:
         (kernels/top_n_sigma.py)."""
         return top_n_sigma_(scaled.contiguous(), n)
 
-    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, next_weight: Weight | None = None
+    ) -> torch.Tensor | Fp8Rows:
+        """Float8 rows with their scales where `next_weight`'s product runs on FP8 tensor
+        cores (the quantize in the norm's epilogue)."""
         rows, n = x.shape
-        out = torch.empty_like(x)
+        out, data, scale, fp8 = _normed_output(x, next_weight)
         if rows:
             _rms_norm_kernel[(rows,)](
                 x,
                 weight,
-                out,
+                data,
+                scale,
                 x.stride(0),
                 n,
                 n,
                 eps,
                 BLOCK=triton.next_power_of_2(n),
+                FP8_OUT=fp8,
+                FP8_RANGE=FP8_MAX,
                 **launch_options(self.pdl),
             )
         return out
 
     def add_rms_norm2(
-        self, x: torch.Tensor, branch: torch.Tensor, w_branch, w_next, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._add_rms_norm2(x, branch.unsqueeze(0), w_branch, w_next, eps)
+        self,
+        x: torch.Tensor,
+        branch: torch.Tensor,
+        w_branch,
+        w_next,
+        eps: float,
+        next_weight: Weight | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
+        return self._add_rms_norm2(x, branch.unsqueeze(0), w_branch, w_next, eps, next_weight)
 
     def linear_add_rms_norm2(
         self,
@@ -163,28 +186,31 @@ class TritonOps:
         w_next,
         eps: float,
         live: torch.Tensor | None = None,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        next_weight: Weight | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
         partial sums and the norm kernel adds them up, so no reduction kernel runs; the
         few-row CUDA kernel does the add and norms in its last block. With `live`, the
         product skips idle row tiles (`linear`) and the norm kernel follows it."""
-        if live is not None:
-            return self.add_rms_norm2(x, self.linear(inp, weight, live), w_branch, w_next, eps)
+        norms = (w_branch, w_next, eps, next_weight)
+        if live is not None or isinstance(inp, Fp8Rows):
+            return self.add_rms_norm2(x, self.linear(inp, weight, live), *norms)
         bf16 = all(t is None or t.dtype == torch.bfloat16 for t in (x, w_branch, w_next))
         if bf16 and x.stride(1) == 1 and takes_few_row(inp, weight):
             return few_row_gemm_add_norms(x, inp, weight, w_branch, w_next, eps, pdl=self.pdl)
         config = linear_plan(inp, weight, split_ok=True)
         if config is None or config.split_k == 1 or takes_strip(inp, weight):
-            return self.add_rms_norm2(x, self.linear(inp, weight), w_branch, w_next, eps)
+            return self.add_rms_norm2(x, self.linear(inp, weight), *norms)
         parts = skinny_linear_partials(inp, weight, config, pdl=self.pdl)
-        return self._add_rms_norm2(x, parts, w_branch, w_next, eps)
+        return self._add_rms_norm2(x, parts, *norms)
 
     def _add_rms_norm2(
-        self, x: torch.Tensor, parts: torch.Tensor, w_branch, w_next, eps: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, parts: torch.Tensor, w_branch, w_next, eps: float, next_weight
+    ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """parts: [slices, rows, hidden], the branch as partial sums (one slice: finished)."""
         rows, n = x.shape
-        x_out, normed = torch.empty_like(x), torch.empty_like(x)
+        x_out = torch.empty_like(x)
+        normed, data, scale, fp8 = _normed_output(x, next_weight)
         if rows:
             _add_rms_norm2_kernel[(rows,)](
                 x,
@@ -192,22 +218,43 @@ class TritonOps:
                 w_next if w_branch is None else w_branch,
                 w_next,
                 x_out,
-                normed,
+                data,
                 x.stride(0),
                 parts.stride(1),
                 parts.stride(0),
+                scale,
                 n,
                 eps,
                 BLOCK=triton.next_power_of_2(n),
                 PARTS=parts.shape[0],
                 NORM_BRANCH=w_branch is not None,
+                FP8_OUT=fp8,
+                FP8_RANGE=FP8_MAX,
                 **launch_options(self.pdl),
             )
         return x_out, normed
 
-    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+    def silu_mul(
+        self, gate_up: torch.Tensor, next_weight: Weight | None = None
+    ) -> torch.Tensor | Fp8Rows:
+        """SiLU(gate) * up; as float8 rows where `next_weight`'s product takes them."""
         rows, double = gate_up.shape
         inter = double // 2
+        if takes_fp8_rows(rows, gate_up.dtype, next_weight):
+            out = empty_fp8_rows(rows, inter, gate_up.dtype, gate_up.device)
+            block = triton.next_power_of_2(inter)
+            _silu_mul_kernel_fp8[(rows,)](
+                gate_up,
+                out.data,
+                out.scale,
+                gate_up.stride(0),
+                inter,
+                BLOCK=block,
+                FP8_RANGE=FP8_MAX,
+                num_warps=8 if block >= 4096 else 4,
+                **launch_options(self.pdl),
+            )
+            return out
         out = gate_up.new_empty(rows, inter)
         block = 1024
         if rows:
@@ -222,10 +269,12 @@ class TritonOps:
         return out
 
     def linear(
-        self, x: torch.Tensor, weight: Weight, live: torch.Tensor | None = None
+        self, x: torch.Tensor | Fp8Rows, weight: Weight, live: torch.Tensor | None = None
     ) -> torch.Tensor:
         """x @ weight.T; few rows stream the weight once, and with `live` a row tile none of
         whose rows is live skips the weight (those rows' outputs are zero)."""
+        if isinstance(x, Fp8Rows):
+            return fp8_rows_linear(x, weight)
         if live is None and takes_few_row(x, weight):
             return few_row_gemm(x, weight, pdl=self.pdl)
         if live is None and takes_strip(x, weight):
@@ -235,15 +284,19 @@ class TritonOps:
             return _dense_linear(x, weight, self.pdl)
         return skinny_linear(x, weight, config, live=live, pdl=self.pdl)
 
-    def linear_silu_mul(self, x: torch.Tensor, gate_up: Weight) -> torch.Tensor:
+    def linear_silu_mul(
+        self, x: torch.Tensor | Fp8Rows, gate_up: Weight, next_weight: Weight | None = None
+    ) -> torch.Tensor | Fp8Rows:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
+        if isinstance(x, Fp8Rows):
+            return self.silu_mul(fp8_rows_linear(x, gate_up), next_weight)
         if takes_few_row(x, gate_up):
             return few_row_gemm(x, gate_up, silu_mul=True, pdl=self.pdl)
         if takes_strip(x, gate_up):
             return strip_gemv(x, gate_up, silu_mul=True, pdl=self.pdl)
         config = linear_plan(x, gate_up)
         if config is None:
-            return self.silu_mul(_dense_linear(x, gate_up, self.pdl))
+            return self.silu_mul(_dense_linear(x, gate_up, self.pdl), next_weight)
         return skinny_linear(x, gate_up, config, silu_mul=True, pdl=self.pdl)
 
     def attention(
