@@ -199,3 +199,22 @@ def test_an_api_server_joins_a_core_that_connects_at_once(monkeypatch):
     finally:
         core.shutdown()
     assert deaths == []
+
+
+def test_a_call_behind_a_long_one_keeps_its_own_limit():
+    """A control call waits for one in flight (a trainer's rendezvous can take minutes) no
+    longer than its own timeout, so /metrics' short call never piles up threads."""
+    from vllm_rlt.engine.process.core_client import EngineCoreClient
+
+    core = EngineCoreClient(EngineArgs(model="toy").create_engine_config(), lambda _: None)
+    try:
+        assert core.call("stats").num_requests == 0
+        core._call_lock.acquire()  # the long call in flight
+        try:
+            with pytest.raises(TimeoutError, match="busy with another call"):
+                core.call("stats", timeout=0.2)
+        finally:
+            core._call_lock.release()
+        assert core.call("stats").num_requests == 0
+    finally:
+        core.shutdown()

@@ -125,6 +125,8 @@ def test_every_numeric_field_at_every_extreme_gives_4xx_or_runs(server):
         ("logit_bias", {"\u0661\u0662": 1}),  # Arabic-Indic "12"
         ("logit_bias", {"12": "1"}),
         ("logit_bias", {"12": True}),
+        ("logit_bias", {"012": 1}),  # "12" and "012" would name one token twice
+        ("logit_bias", {"9" * 5000: 1}),  # past Python's int() digit limit
         ("ignore_eos", "true"),
         ("stream", 1),
     ],

@@ -35,6 +35,9 @@ def test_a_trainer_updates_a_served_engine_over_http():
             f"{url}/init_weights_update_group", json={**group, "rank_offset": 0}, headers=KEY
         )
         assert refused.status_code == 400 and refused.json()["error"]["param"] == "rank_offset"
+        as_text = {**group, "master_port": str(group["master_port"]), "rank_offset": 1}
+        refused = httpx.post(f"{url}/init_weights_update_group", json=as_text, headers=KEY)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == "master_port"
         assert httpx.get(f"{url}/get_weight_version", headers=KEY).json() == {
             "weight_version": None
         }

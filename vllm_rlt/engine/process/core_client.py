@@ -362,7 +362,11 @@ class EngineCoreClient:
         passes; blocks the calling thread."""
         if self.dead_reason is not None:
             raise EngineCoreDied(self.dead_reason)
-        with self._call_lock:
+        # one call at a time; a caller waiting behind a long one (a trainer's rendezvous)
+        # keeps its own limit rather than piling up threads
+        if not self._call_lock.acquire(timeout=timeout):
+            raise TimeoutError(f"the engine core was busy with another call for {timeout} s")
+        try:
             call_id = next(self._call_ids)
             if not self._send_now(self.control, self._encode(ControlCall(call_id, name))):
                 raise EngineCoreDied(self.dead_reason or "the engine core is gone")
@@ -376,6 +380,8 @@ class EngineCoreClient:
                         f"the engine core did not answer {name!r} within {timeout} s"
                     )
             reply = self._decode_reply(self.control.recv())
+        finally:
+            self._call_lock.release()
         if self.dead_reason is not None:
             raise EngineCoreDied(self.dead_reason)
         return reply.value

@@ -31,7 +31,10 @@ from vllm_rlt.sampling_params import (
 # refuses a string, a boolean or a float such as 2.0; a number field takes an integer but no
 # string or boolean; a flag takes only true or false. Nothing is converted.
 TokenId = StrictInt
-_TOKEN_ID_KEY = re.compile(r"[0-9]+")  # JSON keys are strings; str.isdigit takes "١٢" too
+# JSON keys are strings: a token id written as a number is (str.isdigit takes "١٢" too); no
+# leading zero, so two keys never name one token, and at most 18 digits, so int() never
+# meets Python's limit on digits.
+_TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
 
 
 def first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
@@ -146,7 +149,12 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
         bias = {}
         for key, value in self.logit_bias.items():
             if not _TOKEN_ID_KEY.fullmatch(key):
-                raise ParamError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+                shown = key if len(key) <= 40 else key[:40] + "..."
+                raise ParamError(
+                    f"logit_bias keys must be token ids, got {shown!r} (decimal digits, no "
+                    "leading zero)",
+                    "logit_bias",
+                )
             bias[int(key)] = value
         return bias
 

@@ -8,6 +8,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI
+from pydantic import Field
 
 from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME
 from vllm_rlt.entrypoints.openai.api_errors import as_api_error
@@ -19,9 +20,9 @@ if TYPE_CHECKING:
 
 class InitWeightsUpdateGroupRequest(StrictModel):
     master_address: str
-    master_port: int
-    rank_offset: int
-    world_size: int
+    master_port: int = Field(strict=True, ge=1, le=65535)
+    rank_offset: int = Field(strict=True)  # ranges checked with world_size (weight_sync.py)
+    world_size: int = Field(strict=True)
     group_name: str = DEFAULT_GROUP_NAME
     backend: str | None = None  # None: NCCL on CUDA, gloo on the CPU
 
