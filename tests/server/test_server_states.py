@@ -46,6 +46,16 @@ def test_request_timeout_aborts_and_frees_blocks():
         reply = httpx.post(f"{url}/v1/completions", json=body, timeout=30)
         assert reply.status_code == 504 and reply.json()["error"]["type"] == "timeout_error"
         wait_idle(state)
+        # streamed: chunks, then the error event and DONE, as vLLM ends a failed stream
+        with httpx.stream(
+            "POST", f"{url}/v1/completions", json={**body, "stream": True}, timeout=30
+        ) as streamed:
+            events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        if streamed.status_code == 200:  # else the limit came before the first chunk: a 504
+            assert '"timeout_error"' in events[-2] and events[-1] == "data: [DONE]"
+        else:
+            assert streamed.status_code == 504
+        wait_idle(state)
 
 
 def test_echo_prepends_the_prompt(server):

@@ -197,10 +197,11 @@ class OpenAIServing:
             assert final is not None
             return final
 
+        gathered = asyncio.gather(*(last(stream) for stream in streams))
+        # a client that leaves cancels it: nothing then reads how it ended
+        gathered.add_done_callback(lambda done: done.cancelled() or done.exception())
         try:
-            finals = await asyncio.wait_for(
-                asyncio.gather(*(last(stream) for stream in streams)), self.request_timeout
-            )
+            finals = await asyncio.wait_for(gathered, self.request_timeout)
         except asyncio.TimeoutError as exc:
             raise APIError(504, "request timed out", "timeout_error") from exc
         except (QueueFullError, EngineDeadError, RequestFailedError, ValueError) as exc:
@@ -253,12 +254,15 @@ class OpenAIServing:
                     break
                 except asyncio.TimeoutError:
                     yield _sse(APIError(504, "request timed out", "timeout_error").body())
+                    yield DONE  # as vLLM ends a stream after an error event
                     return
                 if isinstance(item, BaseException):
                     yield _sse(_error_body(item))
+                    yield DONE
                     return
                 if self.closing and not sent and _aborted(item):
                     yield _sse(self._shutdown_error().body())  # nothing was sent yet
+                    yield DONE
                     return
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
@@ -276,7 +280,7 @@ class OpenAIServing:
                 body = self.shapes.chunk(job, [])
                 body["usage"] = self.shapes.usage(job, generated)
                 yield _sse(body)
-            yield b"data: [DONE]\n\n"
+            yield DONE
         finally:
             await items.aclose()
             for stream in streams:
@@ -318,6 +322,9 @@ async def _merged(
     finally:
         for task in tasks:
             task.cancel()
+
+
+DONE = b"data: [DONE]\n\n"
 
 
 def _sse(body: dict[str, Any]) -> bytes:
