@@ -59,7 +59,8 @@ def test_killing_the_core_mid_stream_fails_every_request_and_health():
                 return events, await waiting
 
         events, waiting = asyncio.run(scenario())
-        assert '"error"' in events[-1] and "engine core process died" in events[-1]
+        assert '"error"' in events[-2] and "engine core process died" in events[-2]
+        assert events[-1] == "data: [DONE]"
         assert waiting.status_code == 503
         assert "SIGKILL" in waiting.json()["error"]["message"]
         assert httpx.get(f"{url}/health").status_code == 503

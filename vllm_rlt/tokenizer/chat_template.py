@@ -108,6 +108,8 @@ def _message_content(content: Any, where: str) -> str:
         )
         if part.get("type") != "text":
             raise ValueError(f"{where}[{j}].type must be 'text', got {part.get('type')!r}")
+        unknown = sorted(str(key) for key in part if key not in ("type", "text"))
+        require(not unknown, f"{where}[{j}] has unknown field(s): {', '.join(unknown)}")
         text = part.get("text")
         require(
             isinstance(text, str),

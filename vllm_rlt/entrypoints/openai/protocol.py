@@ -85,6 +85,11 @@ class RequestBody(StrictModel):
         return data
 
 
+def _field_error(field: str, message: str) -> PydanticCustomError:
+    """A check across fields, reported under `field` (the error's param)."""
+    return PydanticCustomError("field_error", "{field}: " + message, {"field": field})
+
+
 class StreamOptions(StrictModel):
     include_usage: StrictBool = False
 
@@ -126,6 +131,12 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     return_exit_depths: StrictBool = False
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise _field_error("stream_options", "only allowed with stream=true")
+        return self
 
     def sampling_params(
         self, max_tokens: int, num_logprobs: int | None, defaults: dict[str, Any] | None = None
@@ -181,7 +192,7 @@ class CompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
         if isinstance(self.prompt, list) and len(self.prompt) == 0:
-            raise ValueError("prompt must not be empty")
+            raise _field_error("prompt", "must not be empty")
         if self.max_tokens == 0 and not self.echo:
             raise PydanticCustomError(
                 "field_error",
@@ -216,7 +227,7 @@ class ChatCompletionRequest(SamplingFields):
     @model_validator(mode="after")
     def _check(self) -> ChatCompletionRequest:
         if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs needs logprobs=true")
+            raise _field_error("top_logprobs", "needs logprobs=true")
         return self
 
 
