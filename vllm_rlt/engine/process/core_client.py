@@ -261,7 +261,11 @@ class EngineCoreClient:
                 if isinstance(message, Ready):
                     return message.info
                 if isinstance(message, StartupFailed):
-                    raise _startup_error(message)
+                    if message.traceback:
+                        logger.error(
+                            "the engine core failed to start:\n%s", message.traceback.rstrip()
+                        )
+                    raise message.error()
                 raise RuntimeError(f"engine core sent {type(message).__name__} before ready")
             if not self.core_alive():
                 raise RuntimeError(
@@ -494,13 +498,3 @@ class EngineCoreClient:
             self.context.destroy(linger=1000 if self._lifeline is not None else 0)
         if self._ipc_dir is not None:
             shutil.rmtree(self._ipc_dir, ignore_errors=True)
-
-
-def _startup_error(failure: StartupFailed) -> BaseException:
-    if failure.kind == "invalid":
-        return ValueError(failure.message)
-    if failure.kind == "os":
-        return OSError(failure.message)
-    if failure.traceback:
-        logger.error("the engine core failed to start:\n%s", failure.traceback.rstrip())
-    return RuntimeError(failure.message)

@@ -158,6 +158,12 @@ class StartupFailed(msgspec.Struct, tag="startup_failed", array_like=True):
     message: str
     traceback: str = ""
 
+    def error(self) -> BaseException:
+        """The exception the frontend raises for it (an "internal" one's traceback is
+        logged where it is raised)."""
+        kinds = {"invalid": ValueError, "os": OSError}
+        return kinds.get(self.kind, RuntimeError)(self.message)
+
 
 class EngineOutputs(msgspec.Struct, tag="outputs", array_like=True):
     """A step's deltas and counters; a prefill core's requests ready for a decode core
