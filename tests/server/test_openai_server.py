@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 
 import httpx
 import openai
@@ -352,3 +353,32 @@ def test_vllm_metric_names_mirror_ours_with_the_model_name(server):
             assert labels.pop("model_name") == "toy"
             key = (sample.name.split(":", 1)[1], tuple(sorted(labels.items())))
             assert key in mine and sample.value == mine[key], (theirs, key)
+
+
+def test_a_client_that_leaves_mid_stream_is_counted_as_aborted(server):
+    """Its request ends in the metrics too: one success with finish reason abort and its
+    end-to-end latency, once the server has noticed the disconnect."""
+    url, state = server
+
+    def aborted() -> tuple[float, float]:
+        text = httpx.get(f"{url}/metrics").text
+        found = {"abort": 0.0, "e2e": 0.0}
+        for family in text_string_to_metric_families(text):
+            for metric in family.samples:
+                if metric.name == "vllm_rlt:request_success_total":
+                    if metric.labels.get("finished_reason") == "abort":
+                        found["abort"] = metric.value
+                if metric.name == "vllm_rlt:e2e_request_latency_seconds_count":
+                    found["e2e"] = metric.value
+        return found["abort"], found["e2e"]
+
+    before = aborted()
+    body = {"model": "toy", "prompt": "leave", "max_tokens": 3000, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json={**body, "ignore_eos": True}) as r:
+        next(line for line in r.iter_lines() if line.startswith("data: "))
+    wait_idle(state)
+    for _ in range(600):  # the disconnect is noticed asynchronously
+        if aborted() == (before[0] + 1, before[1] + 1):
+            break
+        time.sleep(0.1)
+    assert aborted() == (before[0] + 1, before[1] + 1)

@@ -180,6 +180,15 @@ class RequestState:
             self.finished_time = now
         return stopped
 
+    def abandon(self, now: float) -> None:
+        """The reader left before the end: what is unfinished ends as aborted (its figures
+        still go to the metrics)."""
+        for completion in self.completions:
+            if completion.finish_reason is None:
+                completion.finish_reason = "abort"
+        if self.finished_time is None:
+            self.finished_time = now
+
     def fail(self, error: BaseException, now: float) -> None:
         """End the request here with `error` (its tokens could not be turned into output);
         the caller aborts it in the core. Text held back for incomplete characters is

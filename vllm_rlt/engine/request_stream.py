@@ -114,4 +114,8 @@ class RequestStream:
         if self.closed:
             return
         self.closed = True
+        if not self.finished:  # its reader left (a client gone): counted as aborted
+            self.finished = True
+            self.state.abandon(time.monotonic())
+            self.owner.observe_finished(self.state.final_output())
         self.owner.release(self)
