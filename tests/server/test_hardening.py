@@ -548,6 +548,8 @@ def test_async_llm_gives_the_tokenizer_llm_gives():
         ("/v1/completions", {"stream_options": {"include_usage": True}}, "stream_options"),
         ("/v1/chat/completions", {"stream_options": {}, "stream": False}, "stream_options"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
+        ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
         (
             "/v1/chat/completions",
             {"messages": [{"role": "user", "content": [{"type": "text", "text": "x", "b": 1}]}]},
@@ -560,6 +562,7 @@ def test_checks_across_fields_name_the_field(server, path, change, param):
     """Refused with a 400 naming the field (vLLM refuses stream_options without a stream;
     a content part has only a type and a text)."""
     url, _ = server
-    error = assert_error(httpx.post(f"{url}{path}", json={**BASES[path], **change}), 400, param)
+    body = {**BASES.get(path, {"model": "toy"}), **change}
+    error = assert_error(httpx.post(f"{url}{path}", json=body), 400, param)
     if param is None:
         assert "unknown field" in error["message"] and "b" in error["message"]

@@ -234,13 +234,13 @@ class ChatCompletionRequest(SamplingFields):
 class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(default=None, min_length=1)  # as chat's
     add_special_tokens: StrictBool = True
 
     @model_validator(mode="after")
     def _check(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
-            raise ValueError("give exactly one of prompt or messages")
+            raise _field_error("prompt", "give exactly one of prompt or messages")
         return self
 
 
