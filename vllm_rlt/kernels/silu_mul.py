@@ -14,41 +14,27 @@ from vllm_rlt.kernels.pdl import pdl_enter
 
 
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, gu_stride, inter, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    mask = cols < inter
-    dtype = out_ptr.dtype.element_ty
-    pair = gu_ptr + row * gu_stride + 2 * cols  # interleaved gate_j, up_j
-    gate = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    tl.store(out_ptr + row * inter + cols, (act * up).to(dtype), mask=mask)
-
-
-@triton.jit
-def _silu_mul_kernel_fp8(
+def _silu_mul_kernel(
     gu_ptr,
     out_ptr,
     scale_ptr,
     gu_stride,
     inter,
     BLOCK: tl.constexpr,
+    FP8_OUT: tl.constexpr,
     FP8_RANGE: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    """As _silu_mul_kernel, a program per whole row, which leaves in float8 with its
-    per-token scale (the FP8 down projection's input)."""
+    """A block of one row's SiLU(gate) * up; with FP8_OUT (one program holds the whole
+    row) it leaves in float8 with its per-token scale (the FP8 down projection's input)."""
     pdl_enter(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
+    row = tl.program_id(0).to(tl.int64)  # row * stride passes 2**31 in large passes
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < inter
     dtype = gu_ptr.dtype.element_ty
-    pair = gu_ptr + row * gu_stride + 2 * cols
+    pair = gu_ptr + row * gu_stride + 2 * cols  # interleaved gate_j, up_j
     gate = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
     act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    store_row(
-        out_ptr + row * inter + cols, scale_ptr + row, (act * up).to(dtype), mask, True, FP8_RANGE
-    )
+    out = (act * up).to(dtype)
+    store_row(out_ptr + row * inter + cols, scale_ptr + row, out, mask, FP8_OUT, FP8_RANGE)

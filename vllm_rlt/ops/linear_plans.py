@@ -119,9 +119,15 @@ def takes_fp8_rows(rows: int, dtype: torch.dtype, weight: Weight | None) -> bool
     """Whether a product of `rows` rows of `dtype` activations by `weight` runs on FP8
     tensor cores with per-token scales (kernels/fp8_rows.py) in every TritonOps path, so
     that the kernel before it may hand it float8 rows (`Fp8Rows`)."""
+    return rows > FP8_SKINNY_ROWS and fp8_tensor_cores_take(dtype, weight)
+
+
+def fp8_tensor_cores_take(dtype: torch.dtype, weight: Weight | None) -> bool:
+    """Whether cuBLAS's rowwise-scaled FP8 product takes `dtype` activations by `weight`:
+    a float8 weight with both dimensions multiples of 16, bf16 activations (the only
+    output dtype it gives that product in)."""
     return (
         isinstance(weight, Fp8Weight)
-        and rows > FP8_SKINNY_ROWS
         and dtype == torch.bfloat16
         and all(d % 16 == 0 for d in weight.shape)
     )

@@ -21,7 +21,7 @@ from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
 from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
-from vllm_rlt.kernels.silu_mul import _silu_mul_kernel, _silu_mul_kernel_fp8
+from vllm_rlt.kernels.silu_mul import _silu_mul_kernel
 from vllm_rlt.kernels.skinny_linear import skinny_linear, skinny_linear_partials
 from vllm_rlt.kernels.strip_gemv import strip_gemv
 from vllm_rlt.kernels.token_stats import token_stats
@@ -29,7 +29,12 @@ from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
 from vllm_rlt.layers.fp8 import FP8_MAX, Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.ops.base import Weight
-from vllm_rlt.ops.linear_plans import linear_plan, takes_fp8_rows, takes_strip
+from vllm_rlt.ops.linear_plans import (
+    fp8_tensor_cores_take,
+    linear_plan,
+    takes_fp8_rows,
+    takes_strip,
+)
 from vllm_rlt.ops.metadata import AttentionMetadata
 
 # Decode attention launch shape (keys per tile, pipeline stages, warps), chosen with
@@ -82,18 +87,19 @@ def _dense_linear(x: torch.Tensor, weight: Weight, pdl: bool = False) -> torch.T
     widened weight."""
     if not isinstance(weight, Fp8Weight):
         return F.linear(x, weight)
-    if x.dtype == torch.bfloat16 and all(d % 16 == 0 for d in weight.shape):
+    if fp8_tensor_cores_take(x.dtype, weight):
         return fp8_linear_rows(x, weight, pdl)
     return fp8_linear_reference(x, weight)
 
 
-def _normed_output(x: torch.Tensor, next_weight: Weight | None):
-    """(the result, the tensor a norm kernel stores into, its scale pointer (not read
-    unless float8), whether float8) for a norm of x followed by `next_weight`'s product."""
-    if takes_fp8_rows(x.shape[0], x.dtype, next_weight):
-        out = empty_fp8_rows(*x.shape, x.dtype, x.device)
+def _activations_out(rows: int, n: int, like: torch.Tensor, next_weight: Weight | None):
+    """(the result, the tensor a norm or SiLU-mul kernel stores into, its scale pointer (not
+    read unless float8), whether float8) for [rows, n] activations in `like`'s dtype that
+    `next_weight` multiplies next."""
+    if takes_fp8_rows(rows, like.dtype, next_weight):
+        out = empty_fp8_rows(rows, n, like.dtype, like.device)
         return out, out.data, out.scale, True
-    out = torch.empty_like(x)
+    out = like.new_empty(rows, n)
     return out, out, out, False
 
 
@@ -148,7 +154,7 @@ class TritonOps:
         """Float8 rows with their scales where `next_weight`'s product runs on FP8 tensor
         cores (the quantize in the norm's epilogue)."""
         rows, n = x.shape
-        out, data, scale, fp8 = _normed_output(x, next_weight)
+        out, data, scale, fp8 = _activations_out(rows, n, x, next_weight)
         if rows:
             _rms_norm_kernel[(rows,)](
                 x,
@@ -210,7 +216,7 @@ class TritonOps:
         """parts: [slices, rows, hidden], the branch as partial sums (one slice: finished)."""
         rows, n = x.shape
         x_out = torch.empty_like(x)
-        normed, data, scale, fp8 = _normed_output(x, next_weight)
+        normed, data, scale, fp8 = _activations_out(rows, n, x, next_weight)
         if rows:
             _add_rms_norm2_kernel[(rows,)](
                 x,
@@ -237,35 +243,25 @@ class TritonOps:
     def silu_mul(
         self, gate_up: torch.Tensor, next_weight: Weight | None = None
     ) -> torch.Tensor | Fp8Rows:
-        """SiLU(gate) * up; as float8 rows where `next_weight`'s product takes them."""
+        """SiLU(gate) * up from interleaved columns gate_0, up_0, gate_1, up_1, ...; as
+        float8 rows where `next_weight`'s product takes them (a program per whole row)."""
         rows, double = gate_up.shape
         inter = double // 2
-        if takes_fp8_rows(rows, gate_up.dtype, next_weight):
-            out = empty_fp8_rows(rows, inter, gate_up.dtype, gate_up.device)
-            block = triton.next_power_of_2(inter)
-            _silu_mul_kernel_fp8[(rows,)](
+        out, data, scale, fp8 = _activations_out(rows, inter, gate_up, next_weight)
+        block = triton.next_power_of_2(inter) if fp8 else 1024
+        if rows:
+            _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
                 gate_up,
-                out.data,
-                out.scale,
+                data,
+                scale,
                 gate_up.stride(0),
                 inter,
                 BLOCK=block,
+                FP8_OUT=fp8,
                 FP8_RANGE=FP8_MAX,
                 num_warps=8 if block >= 4096 else 4,
                 **launch_options(self.pdl),
             )
-            return out
-        out = gate_up.new_empty(rows, inter)
-        block = 1024
-        if rows:
-            _silu_mul_kernel[(rows, triton.cdiv(inter, block))](
-                gate_up,
-                out,
-                gate_up.stride(0),
-                inter,
-                BLOCK=block,
-                **launch_options(self.pdl),
-            )  # interleaved columns gate_0, up_0, gate_1, up_1, ...
         return out
 
     def linear(
