@@ -241,9 +241,11 @@ def test_queue_overflow_gives_429():
         wait_idle(state)
 
 
-def test_api_key_on_every_route_but_health():
+def test_api_key_on_every_route_but_the_probes():
     with running_server(api_key="sekrit") as (url, _):
-        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+        for method, path in (("HEAD", "/health"), ("GET", "/ping"), ("POST", "/ping")):
+            assert httpx.request(method, f"{url}{path}").status_code == 200
         for path in ("/v1/models", "/metrics", "/version"):
             reply = httpx.get(f"{url}{path}")
             assert (

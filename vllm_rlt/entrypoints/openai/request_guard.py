@@ -10,6 +10,9 @@ from fastapi.responses import JSONResponse
 
 from vllm_rlt.entrypoints.openai.api_errors import APIError, error_response
 
+# Probes answer without the API key (a load balancer's health check carries none).
+UNGUARDED_PATHS = frozenset({"/health", "/ping"})
+
 
 class _BodyTooLarge(Exception):
     pass
@@ -20,14 +23,15 @@ class _ClientGone(Exception):
 
 
 class GuardMiddleware:
-    """Before any route runs: the API key on every route but /health (compared in constant
+    """Before any route runs: the API key on every route but the probes (`Authorization:
+    Bearer KEY`, the scheme in any case as RFC 9110 allows, the key compared in constant
     time), and the whole body read within the size and time limits. Every POST body is
     JSON, whatever Content-Type the client sent (`curl -d` sends a form type). Plain ASGI,
     so that handlers still see a client's disconnect."""
 
     def __init__(self, app, api_key: str | None, max_body: int, body_timeout: float) -> None:
         self.app, self.max_body, self.body_timeout = app, max_body, body_timeout
-        self.expected = None if api_key is None else b"Bearer " + api_key.encode()
+        self.expected = None if api_key is None else api_key.encode()
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
@@ -56,8 +60,8 @@ class GuardMiddleware:
 
     async def _body_or_refusal(self, path: str, headers, receive) -> bytes | JSONResponse | None:
         """The whole body, or the error reply that refuses the request."""
-        if self.expected is not None and path != "/health":
-            if not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+        if self.expected is not None and path not in UNGUARDED_PATHS:
+            if not self._key_matches(headers.get(b"authorization", b"")):
                 return error_response(
                     APIError(401, "missing or wrong API key", "authentication_error")
                 )
@@ -81,6 +85,11 @@ class GuardMiddleware:
             message = f"request body is not UTF-8 text (byte {exc.start})"
             return error_response(APIError(400, message))
         return body
+
+    def _key_matches(self, authorization: bytes) -> bool:
+        scheme, _, key = authorization.partition(b" ")
+        same_key = hmac.compare_digest(key.lstrip(b" "), self.expected)
+        return scheme.lower() == b"bearer" and same_key
 
     async def _read_body(self, receive) -> bytes:
         chunks, size = [], 0

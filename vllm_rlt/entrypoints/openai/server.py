@@ -85,7 +85,8 @@ def build_app(state: ServerState) -> FastAPI:
         logger.error("unexpected error in a request handler", exc_info=exc)
         return error_response(APIError(500, f"internal error: {exc!r}", "internal_error"))
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])
+    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])  # vLLM's name for load balancers
     async def health() -> JSONResponse:
         if state.load_error is not None or state.engine is None:
             status = "failed" if state.load_error is not None else "loading"

@@ -128,9 +128,16 @@ class OpenAIServing:
         if max_tokens is None:  # up to the context, as SamplingParams(max_tokens=None)
             max_tokens = self.engine.processor.checker.limits.default_max_tokens(len(ids))
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        params = self._params(request, max_tokens, num_logprobs)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        self._check(f"{request_id}-0", ids, params)
+        try:
+            params = self._params(request, max_tokens, num_logprobs)
+            self._check(f"{request_id}-0", ids, params)
+        except APIError as exc:
+            if request.max_completion_tokens is not None and exc.param == "max_tokens":
+                # the error names the field the client sent (both mean the same here)
+                exc.param = "max_completion_tokens"
+                exc.message = exc.message.replace("max_tokens", "max_completion_tokens")
+            raise
         return Job(
             "chat",
             request_id,
