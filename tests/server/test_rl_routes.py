@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -48,14 +49,21 @@ def test_a_trainer_updates_a_served_engine_over_http():
         trainer = multiprocessing.get_context("spawn").Process(
             target=run_trainer, args=(group["master_port"], [new])
         )
-        trainer.start()
-        try:
-            joined = httpx.post(
+        with ThreadPoolExecutor(1) as pool:
+            # the join waits for a trainer not yet started; the engine serves meanwhile
+            joining = pool.submit(
+                httpx.post,
                 f"{url}/init_weights_update_group",
                 json={**group, "rank_offset": 1, "backend": "gloo"},
                 headers=KEY,
-                timeout=60,
+                timeout=120,
             )
+            for _ in range(3):
+                served = httpx.post(f"{url}/v1/completions", json=BODY, headers=KEY, timeout=30)
+                assert served.status_code == 200 and not joining.done()
+            trainer.start()
+            joined = joining.result()
+        try:
             assert joined.status_code == 200 and joined.json()["success"]
             assert (
                 httpx.post(f"{url}/pause", params={"mode": "soon"}, headers=KEY).status_code == 400

@@ -14,8 +14,10 @@ from __future__ import annotations
 import datetime
 import json
 import logging
+import threading
 import weakref
 from collections.abc import Iterable
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
@@ -338,14 +340,28 @@ class CoreRL:
         self.engine = engine
         self.frozen = False
 
-    def control(self, name: str) -> dict[str, bool | str] | None:
-        """The answer to a control call of this side; None: not one of them."""
+    def control(self, name: str) -> dict[str, bool | str] | Future | None:
+        """The answer to a control call of this side; None: not one of them. Joining a
+        trainer's group answers later (a Future, set by a thread of its own): the join waits
+        for every rank, up to the group's timeout, and a trainer that is late or never
+        comes (a wrong address) must not stop the core's passes meanwhile."""
         call, _, payload = name.partition(":")
         if call in ("pause_keep", "resume"):
             self.frozen = call == "pause_keep"
             return {"paused": self.frozen}
         if call not in WEIGHT_CALLS:
             return None
+        if call != "init_weights_update_group":
+            return self._answer(call, payload)
+        joined: Future = Future()
+        threading.Thread(
+            target=lambda: joined.set_result(self._answer(call, payload)),
+            name="weight-group-join",
+            daemon=True,  # a core told to stop does not wait for a trainer
+        ).start()
+        return joined
+
+    def _answer(self, call: str, payload: str) -> dict[str, bool | str]:
         sync = self.engine.weight_sync
         try:
             args = json.loads(payload or "{}")

@@ -19,6 +19,7 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -66,6 +67,7 @@ LINGER_MS = 5000
 
 HEARTBEAT_S = 0.1  # while busy without new tokens, counters still go out this often
 RANKS_CHECK_MS = 500  # while idle, how often rank 0 looks at its tensor-parallel ranks
+ANSWER_CHECK_MS = 20  # while idle, how often a call that answers later is looked at
 
 
 class CoreLoop:
@@ -104,6 +106,7 @@ class CoreLoop:
         self.last_sent = [0.0] * len(outputs)
         self.rate = PassRate()
         self.rl = CoreRL(engine)
+        self.answering: tuple[int, Future] | None = None  # (call id, its coming answer)
 
     def run(self) -> None:
         """Serve until a shutdown call; any error is sent as the last message, then raised."""
@@ -119,6 +122,8 @@ class CoreLoop:
                 if ranks is not None and wait != 0:  # a rank lost while idle: say so now
                     ranks.check_followers()
                     wait = min(wait or RANKS_CHECK_MS, RANKS_CHECK_MS)
+                if self.answering is not None and wait != 0:  # look at its answer soon
+                    wait = min(wait or ANSWER_CHECK_MS, ANSWER_CHECK_MS)
                 self._take_commands(wait)
                 if engine.has_unfinished and not (self.stopping or self.rl.frozen):
                     self._route(engine.step())
@@ -199,10 +204,19 @@ class CoreLoop:
                 self._abort_all(command.client)
             else:
                 self._handover_command(command)
+        if self.answering is not None:  # a call that answers later; none is read before it
+            call_id, answer = self.answering
+            if not answer.done():
+                return
+            self.answering = None
+            self.control.send(self.encode(ControlReply(call_id, answer.result())))
         while self.control.poll(0):
             call = self.decode_call(self.control.recv(copy=False))
-            reply = ControlReply(call.call_id, self._control(call.name))
-            self.control.send(self.encode(reply))
+            answer = self._control(call.name)
+            if isinstance(answer, Future):
+                self.answering = (call.call_id, answer)
+                return
+            self.control.send(self.encode(ControlReply(call.call_id, answer)))
 
     def _add(self, command: AddRequest) -> None:
         """Queue a request; a failure (bad input or otherwise) fails it alone."""
@@ -268,7 +282,7 @@ class CoreLoop:
             if delta is not None:
                 self._route([delta])
 
-    def _control(self, name: str) -> CoreStats | dict[str, bool | str]:
+    def _control(self, name: str) -> CoreStats | dict[str, bool | str] | Future:
         engine = self.engine
         if name == "shutdown":
             self._abort_all()
