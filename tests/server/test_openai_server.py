@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import httpx
@@ -13,6 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.server.conftest import check_concurrent_streams, running_server, wait_idle
 from vllm_rlt import LLM, SamplingParams
+from vllm_rlt.entrypoints.openai.response_shapes import ResponseShapes
 
 
 def client(url: str, key: str = "unused") -> openai.OpenAI:
@@ -384,3 +386,25 @@ def test_a_client_that_leaves_mid_stream_is_counted_as_aborted(server):
             break
         time.sleep(0.1)
     assert aborted() == (before[0] + 1, before[1] + 1)
+
+
+def test_a_large_body_is_built_off_the_event_loop(server, monkeypatch):
+    """Many tokens with logprobs take a worker thread to shape and render; a small answer
+    stays on the event loop (a thread hop would cost it more than the work)."""
+    url, _ = server
+    threads = []
+    choice = ResponseShapes.choice
+
+    def recording(self, *args):
+        threads.append(threading.current_thread().name)
+        return choice(self, *args)
+
+    monkeypatch.setattr(ResponseShapes, "choice", recording)
+    small = {"model": "toy", "prompt": "x", "max_tokens": 4}
+    large = {**small, "max_tokens": 1100, "ignore_eos": True, "logprobs": 1}
+    for body in (small, large):
+        reply = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 200 and reply.headers["content-type"] == "application/json"
+    assert len(reply.json()["choices"][0]["logprobs"]["tokens"]) == 1100
+    on_loop, on_worker = threads
+    assert on_loop != on_worker  # the event loop thread, then one of its workers

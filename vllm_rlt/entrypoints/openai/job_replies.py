@@ -34,7 +34,7 @@ async def respond(serving: OpenAIServing, job, stream: bool, options, request: R
             work = asyncio.ensure_future(serving.run(job))
             if not await _first_of(work, gone):
                 return Response(status_code=499)
-            return FastJSONResponse(work.result())
+            return Response(work.result(), media_type="application/json")
         events = serving.stream(job, include_usage=bool(options and options.include_usage))
         first = asyncio.ensure_future(anext(events))
         if not await _first_of(first, gone):

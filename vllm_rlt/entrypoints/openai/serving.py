@@ -23,6 +23,9 @@ from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
+# A non-streamed body of more tokens and logprob entries than this is built on a worker
+# thread (a thread hop costs about what building this many on the event loop does).
+INLINE_ENTRIES = 2048
 
 
 class OpenAIServing:
@@ -193,8 +196,17 @@ class OpenAIServing:
             503, "the server shut down before the request finished", "service_unavailable"
         )
 
-    async def run(self, job: Job) -> dict[str, Any]:
-        """Non-streaming: the whole response body."""
+    async def run(self, job: Job) -> bytes:
+        """Non-streaming: the whole response body, as JSON. A large one (many tokens, or
+        logprobs for each) is built and rendered on a worker thread, so that it does not
+        hold up every other client's stream for the seconds it can take."""
+        finals = await self._finals(job)
+        if _entries(job, finals) <= INLINE_ENTRIES:
+            return orjson.dumps(self._body(job, finals))
+        return await asyncio.to_thread(lambda: orjson.dumps(self._body(job, finals)))
+
+    async def _finals(self, job: Job) -> list[RequestOutput]:
+        """Each prompt's finished output."""
         streams = self._open(job, RequestOutputKind.FINAL_ONLY)
 
         async def last(stream: RequestStream) -> RequestOutput:
@@ -218,6 +230,9 @@ class OpenAIServing:
                 stream.close()
         if self.closing and any(_aborted(final) for final in finals):
             raise self._shutdown_error()
+        return finals
+
+    def _body(self, job: Job, finals: list[RequestOutput]) -> dict[str, Any]:
         choices = []
         generated = 0
         for prompt_index, output in enumerate(finals):
@@ -344,3 +359,12 @@ def _aborted(output: RequestOutput) -> bool:
 
 def _error_body(exc: BaseException) -> dict[str, Any]:
     return as_api_error(exc).body()
+
+
+def _entries(job: Job, finals: list[RequestOutput]) -> int:
+    """About how many tokens and logprob entries the body of `finals` holds: what building
+    and rendering it costs."""
+    width = 1 + (job.num_logprobs or 0)
+    prompts = sum(len(output.prompt_token_ids or ()) for output in finals) if job.echo else 0
+    generated = sum(len(c.token_ids) for output in finals for c in output.outputs)
+    return (prompts + generated) * width
