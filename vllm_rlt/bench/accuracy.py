@@ -171,7 +171,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = CLIParser(prog="vllm-rlt bench accuracy", description=__doc__)
     parser.add_argument(
-        "--model", default=None, help="checkpoint folder (default: the built-in ouro-tasks)"
+        "--model",
+        default=None,
+        help="checkpoint folder or built-in name (default: the built-in ouro-tasks)",
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
     parser.add_argument(

@@ -50,7 +50,7 @@ def _add_model_args(parser: argparse.ArgumentParser) -> None:
         "--model",
         default=None,
         help="HF checkpoint folder, hub ID (owner/name, fetched into the hub's cache), or "
-        "built-in ouro-tasks (default) / toy (random weights)",
+        "built-in ouro-tasks (default) / huginn-tasks / toy (random weights)",
     )
     model.add_argument(
         "--tokenizer", default=None, help="tokenizer folder or hub ID (default: the model's)"

@@ -13,18 +13,18 @@ from vllm_rlt.entrypoints.sampling_args import sampling_params_from
 
 
 def warn_untrained_prompts(model: str | None, prompts: list[str]) -> None:
-    """The built-in model only knows its training tasks: say so when a prompt is not one."""
-    from vllm_rlt.models.load import DEFAULT_MODEL_NAME
+    """The built-in models only know their training tasks: say so when a prompt is not one."""
+    from vllm_rlt.models.load import BUILT_IN_MODELS, DEFAULT_MODEL_NAME
     from vllm_rlt.training.data import PROMPT_FORMATS, task_of
 
-    if model not in (None, DEFAULT_MODEL_NAME):
+    if model is not None and model not in BUILT_IN_MODELS:
         return
     outside = [prompt for prompt in prompts if task_of(prompt) is None]
     if outside:
         formats = "; ".join(text for _, text in PROMPT_FORMATS.values())
         print(
             f"warning: {len(outside)} prompt(s), such as {outside[0]!r}, are not of a kind "
-            f"{DEFAULT_MODEL_NAME} was trained on ({formats}); expect wrong answers",
+            f"{model or DEFAULT_MODEL_NAME} was trained on ({formats}); expect wrong answers",
             file=sys.stderr,
         )
 

@@ -1,7 +1,8 @@
 """Resolve a model argument (None, a built-in name, or a folder) to a model and its tokenizer.
 
 Built-in: "ouro-tasks" (the default), a tiny Ouro trained on checkable arithmetic and list
-tasks (vllm_rlt/training), shipped inside the package; "toy", seeded random weights of a
+tasks (vllm_rlt/training), and "huginn-tasks", a tiny prelude / recurrent block / coda model
+trained on the same tasks, both shipped inside the package; "toy", seeded random weights of a
 smaller shape, for tests.
 """
 
@@ -26,8 +27,10 @@ from vllm_rlt.tokenizer.tokenizer import (
     read_json_object,
 )
 
+ASSETS_DIR = Path(__file__).resolve().parent.parent / "assets"
 DEFAULT_MODEL_NAME = "ouro-tasks"
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / DEFAULT_MODEL_NAME
+DEFAULT_MODEL_DIR = ASSETS_DIR / DEFAULT_MODEL_NAME
+BUILT_IN_MODELS = (DEFAULT_MODEL_NAME, "huginn-tasks")
 
 DTYPES = {
     "float32": torch.float32,
@@ -66,10 +69,12 @@ def resolve_dtype(dtype: str | torch.dtype, device: torch.device) -> torch.dtype
 
 
 def model_folder(model: str | Path | None) -> Path:
-    """The checkpoint folder a (non-toy) model argument names; None and DEFAULT_MODEL_NAME
-    name the packaged one."""
-    if model is None or str(model) == DEFAULT_MODEL_NAME:
+    """The checkpoint folder a (non-toy) model argument names; None is the default built-in
+    model, and a built-in name its packaged folder."""
+    if model is None:
         return DEFAULT_MODEL_DIR
+    if str(model) in BUILT_IN_MODELS:
+        return ASSETS_DIR / str(model)
     return Path(model)
 
 
