@@ -8,7 +8,8 @@ import json
 
 import pytest
 
-from vllm_rlt import LLM, SamplingParams
+from tests.e2e.test_builtin_model import run_tasks
+from vllm_rlt import LLM
 from vllm_rlt.entrypoints.cli import main
 from vllm_rlt.models.load import model_folder
 from vllm_rlt.training.data import TASKS, held_out, training_set
@@ -43,13 +44,7 @@ def sample(train_size) -> list[tuple[str, str]]:
 
 
 def _run(llm: LLM, problems, **params) -> tuple[float, list[int]]:
-    sampling = SamplingParams(max_tokens=12, temperature=0.0, seed=0, **params)
-    outputs = llm.generate([p for p, _ in problems], sampling, use_tqdm=False)
-    assert llm.engine.all_blocks_free()
-    answers = [answer for _, answer in problems]
-    correct = sum(o.outputs[0].text == a for o, a in zip(outputs, answers, strict=True))
-    depths = [d for o in outputs for d in o.outputs[0].exit_depths[1:]]  # decode tokens
-    return correct / len(problems), depths
+    return run_tasks(llm, problems, seed=0, **params)  # a fixed draw of initial states
 
 
 def test_the_name_loads_the_trained_folder(llm):

@@ -35,7 +35,7 @@ def sample() -> list[tuple[str, str]]:
     return problems[:100]
 
 
-def _run(llm: LLM, problems, **params) -> tuple[float, list[int]]:
+def run_tasks(llm: LLM, problems, **params) -> tuple[float, list[int]]:
     sampling = SamplingParams(max_tokens=12, temperature=0.0, **params)
     outputs = llm.generate([p for p, _ in problems], sampling, use_tqdm=False)
     assert llm.engine.all_blocks_free()
@@ -52,15 +52,15 @@ def test_default_model_is_the_trained_one(llm):
 
 
 def test_held_out_accuracy_with_the_trained_gate(llm, sample):
-    accuracy, depths = _run(llm, sample)  # the shipped config's exit threshold
+    accuracy, depths = run_tasks(llm, sample)  # the shipped config's exit threshold
     assert accuracy >= STATED_ACCURACY
     assert len(set(depths)) >= 2, "the trained gate should stop tokens at different depths"
     assert sum(depths) / len(depths) <= 3.0
 
 
 def test_loops_matter(llm, sample):
-    full, _ = _run(llm, sample, max_loops=4, exit_threshold=1.0)
-    one, depths = _run(llm, sample, max_loops=1, exit_threshold=1.0)
+    full, _ = run_tasks(llm, sample, max_loops=4, exit_threshold=1.0)
+    one, depths = run_tasks(llm, sample, max_loops=1, exit_threshold=1.0)
     assert set(depths) == {1}
     assert full >= STATED_ACCURACY
     assert one <= full - 0.3
