@@ -201,9 +201,13 @@ class OpenAIServing:
         logprobs for each) is built and rendered on a worker thread, so that it does not
         hold up every other client's stream for the seconds it can take."""
         finals = await self._finals(job)
-        if _entries(job, finals) <= INLINE_ENTRIES:
+
+        def render() -> bytes:
             return orjson.dumps(self._body(job, finals))
-        return await asyncio.to_thread(lambda: orjson.dumps(self._body(job, finals)))
+
+        if _entries(job, finals) <= INLINE_ENTRIES:
+            return render()
+        return await asyncio.to_thread(render)
 
     async def _finals(self, job: Job) -> list[RequestOutput]:
         """Each prompt's finished output."""
