@@ -44,6 +44,7 @@ from vllm_rlt.core.contract import PrefillChunk, SchedulerOutput
 from vllm_rlt.engine.builder import build_engine_core
 from vllm_rlt.engine_config import DeviceConfig, EngineConfig
 from vllm_rlt.entrypoints.args import add_speculation_args, speculative_config
+from vllm_rlt.layers.sampler import SamplingMode
 from vllm_rlt.models.registry import resolve_family
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -110,7 +111,8 @@ def profile(
     rows = concurrency * engine.scheduler.lanes_per_request
     graphs = engine.runner.graphs
     size = next(s for s in graphs.sizes if s >= rows)
-    graph, _ = graphs.graphs[(size, True, False, False, spec is not None)]
+    # the graph the steps above replayed: greedy rows, no logprobs, no logit adjustments
+    graph, _ = graphs.graphs[(size, SamplingMode.GREEDY, False, False, spec is not None)]
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     begin.record()
     for _ in range(steps):
