@@ -25,7 +25,20 @@ BAD = [
     ({"request_timeout": 0.0}, "--request-timeout must be > 0 seconds, got 0.0"),
     ({"stall_timeout": float("nan")}, "--stall-timeout must be > 0 seconds, got nan"),
     ({"api_server_count": 0}, "--api-server-count must be in [1, 64], got 0"),
+    ({"api_key": ""}, "--api-key must not be empty"),
+    ({"api_key": "   "}, "--api-key must not be empty"),
+    ({"api_key": " secret"}, "--api-key must not begin or end with whitespace"),
+    ({"api_key": "secret\n"}, "--api-key must not begin or end with whitespace"),
+    ({"api_key": "sec\x00ret"}, "--api-key must not hold control characters"),
 ]
+
+
+def test_an_api_key_error_never_shows_the_key():
+    for key in ("", " hunter2", "hun\x7fter2"):
+        with pytest.raises(ParamError) as caught:
+            ServerSettings(api_key=key)
+        assert "hunter2" not in str(caught.value) and "hun" not in str(caught.value)
+    assert ServerSettings(api_key="a key with inner spaces").api_key == "a key with inner spaces"
 
 
 @pytest.mark.parametrize(("fields", "message"), BAD)
@@ -136,3 +149,22 @@ def test_the_nixl_connector_needs_its_package_at_start_up(monkeypatch):
     assert raised.value.param == "kv_connector"
     monkeypatch.setattr(NixlConnector, "missing", staticmethod(lambda: None))
     assert ServerSettings(engine_config=nixl).engine_config == nixl
+
+
+@pytest.mark.parametrize(
+    ("environment", "key"),
+    [
+        ({"VLLM_RLT_API_KEY": "ours", "VLLM_API_KEY": "vllms"}, "ours"),
+        ({"VLLM_API_KEY": "vllms"}, "vllms"),  # a vLLM deployment's key keeps guarding
+        ({"VLLM_RLT_API_KEY": "", "VLLM_API_KEY": ""}, None),  # set but empty: unset
+        ({}, None),
+    ],
+)
+def test_the_api_key_comes_from_our_variable_then_vllms(monkeypatch, environment, key):
+    from vllm_rlt.entrypoints.cli import build_parser
+
+    for name in ("VLLM_RLT_API_KEY", "VLLM_API_KEY"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    assert build_parser().parse_args(["serve", "--model", "toy"]).api_key == key

@@ -121,8 +121,9 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
     )
     group.add_argument(
         "--api-key",
-        default=os.environ.get("VLLM_RLT_API_KEY"),
-        help="required as 'Authorization: Bearer KEY' (default: env VLLM_RLT_API_KEY, or none)",
+        default=os.environ.get("VLLM_RLT_API_KEY") or os.environ.get("VLLM_API_KEY") or None,
+        help="required as 'Authorization: Bearer KEY' (default: env VLLM_RLT_API_KEY, else "
+        "VLLM_API_KEY as vLLM reads it, else none)",
     )
     group.add_argument(
         "--max-queue",

@@ -62,6 +62,8 @@ class ServerSettings:
             _fail("request-timeout", f"must be > 0 seconds, got {self.request_timeout}")
         if not self.stall_timeout > 0:
             _fail("stall-timeout", f"must be > 0 seconds, got {self.stall_timeout}")
+        if self.api_key is not None:
+            check_api_key(self.api_key)
         if not 1 <= self.api_server_count <= MAX_API_SERVERS:
             _fail(
                 "api-server-count",
@@ -99,6 +101,18 @@ def disaggregate_sizes(value: str) -> tuple[int, int]:
     if not all(1 <= size <= MAX_DATA_PARALLEL for size in sizes):
         _fail("disaggregate", f"needs P and D in [1, {MAX_DATA_PARALLEL}], got {value!r}")
     return sizes
+
+
+def check_api_key(key: str) -> None:
+    """A key a client can send as `Authorization: Bearer KEY`: not empty, no whitespace at
+    its ends (HTTP strips it from a header value) and no control characters (a header
+    cannot carry them). The error never shows the key."""
+    if not key.strip():
+        _fail("api-key", "must not be empty (leave it out to serve without a key)")
+    if key != key.strip():
+        _fail("api-key", "must not begin or end with whitespace: no client could send it")
+    if any(ord(char) < 32 or ord(char) == 127 for char in key):
+        _fail("api-key", "must not hold control characters: no HTTP header can carry them")
 
 
 def _check_data_parallel_size(size: int) -> None:
