@@ -219,3 +219,36 @@ def test_a_call_behind_a_long_one_keeps_its_own_limit():
         assert core.call("stats").num_requests == 0
     finally:
         core.shutdown()
+
+
+def test_a_shutdown_while_a_trainers_rendezvous_waits_stops_the_core_itself():
+    """The core owes a call its answer (init_weights_update_group waits for a trainer that
+    never comes) and reads no other call meanwhile; the stop is a command, which it still
+    reads, so it exits on its own (exit code 0) instead of being killed once the shutdown's
+    own waits have run out."""
+    import json
+    import threading
+
+    from tests.unit.test_weight_sync import free_port
+    from vllm_rlt.engine.process.core_client import EngineCoreClient
+
+    core = EngineCoreClient(EngineArgs(model="toy").create_engine_config(), lambda _: None)
+    group = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}
+    call = "init_weights_update_group:" + json.dumps({**group, "rank_offset": 1})
+    answers: list[object] = []
+
+    def join() -> None:
+        try:
+            answers.append(core.call(call, timeout=300))
+        except Exception as exc:  # noqa: BLE001 - the core stops before the trainer comes
+            answers.append(exc)
+
+    joining = threading.Thread(target=join, daemon=True)
+    joining.start()
+    while not core._call_lock.locked():
+        time.sleep(0.01)
+    time.sleep(0.5)  # the core has read the call and started the join
+    core.shutdown(timeout=20)
+    joining.join(30)
+    assert core.process.exitcode == 0, f"the core was stopped by force: {core.process.exitcode}"
+    assert answers and isinstance(answers[0], Exception)

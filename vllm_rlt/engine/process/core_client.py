@@ -45,6 +45,7 @@ from vllm_rlt.engine.process.messages import (
     EngineOutputs,
     Ready,
     StartupFailed,
+    StopCore,
     command_codec,
     message_codec,
 )
@@ -362,8 +363,8 @@ class EngineCoreClient:
             socket.poll(10, zmq.POLLOUT)
 
     def call(self, name: str, timeout: float = 30.0) -> CoreStats | dict[str, bool | str]:
-        """A control call ("stats": a CoreStats; "shutdown"), answered by the core between
-        passes; blocks the calling thread."""
+        """A control call ("stats": a CoreStats; sleep mode's and the weight calls),
+        answered by the core between passes; blocks the calling thread."""
         if self.dead_reason is not None:
             raise EngineCoreDied(self.dead_reason)
         # one call at a time; a caller waiting behind a long one (a trainer's rendezvous)
@@ -467,10 +468,7 @@ class EngineCoreClient:
         if self._lifeline is not None:
             self.send(AbortAll(self.client))
         elif self.dead_reason is None and self.core_alive():
-            try:
-                self.call("shutdown", timeout)
-            except Exception:  # noqa: BLE001 - stopped below by force
-                logger.warning("the engine core did not answer the shutdown call")
+            self.send(StopCore())  # read also while a call is in flight (a rendezvous)
         self._stop_core(timeout)
         if self._reader is not None:
             try:
@@ -488,6 +486,8 @@ class EngineCoreClient:
                 self.process.join(5)
         elif self.thread is not None:
             self.thread.join(timeout)
+        elif self._link is not None:  # its last commands leave before the sockets close
+            self._link.gone.wait(timeout)
 
     def _release_sockets(self) -> None:
         if self._link is not None:

@@ -46,6 +46,7 @@ from vllm_rlt.engine.process.messages import (
     Ready,
     ReleaseHandover,
     StartupFailed,
+    StopCore,
     command_codec,
     message_codec,
 )
@@ -202,6 +203,9 @@ class CoreLoop:
                     self._route([delta])
             elif isinstance(command, AbortAll):
                 self._abort_all(command.client)
+            elif isinstance(command, StopCore):
+                self._abort_all()
+                self.stopping = True
             else:
                 self._handover_command(command)
         if self.answering is not None:  # a call that answers later; none is read before it
@@ -284,10 +288,6 @@ class CoreLoop:
 
     def _control(self, name: str) -> CoreStats | dict[str, bool | str] | Future:
         engine = self.engine
-        if name == "shutdown":
-            self._abort_all()
-            self.stopping = True
-            return {"stopped": True}
         if name == "stats":
             return CoreStats(
                 **msgspec.structs.asdict(engine.stats()),

@@ -104,10 +104,16 @@ class AbortAll(msgspec.Struct, tag="abort_all", array_like=True):
     client: int = 0
 
 
+class StopCore(msgspec.Struct, tag="stop", array_like=True):
+    """Abort every request and stop. A command, not a control call: the core reads its
+    commands also while it owes a call its answer (a trainer's rendezvous)."""
+
+
 Command = (
     AddRequest
     | AbortRequest
     | AbortAll
+    | StopCore
     | ImportRequest
     | PrefetchKV
     | ReleaseHandover
@@ -118,7 +124,7 @@ Command = (
 # The parts of a sleeping engine that wake separately (vLLM's wake-up tags).
 class ControlCall(msgspec.Struct, tag="call", array_like=True):
     """A call on the control socket, answered by a `ControlReply` with the same `call_id`:
-    "stats", "shutdown", or one of sleep mode's ("sleep_1", "sleep_2", "wake_up" or
+    "stats", or one of sleep mode's ("sleep_1", "sleep_2", "wake_up" or
     "wake_up:TAG,TAG" with vLLM's tags "weights" and "kv_cache",
     "is_sleeping", "reset_prefix_cache")."""
 
