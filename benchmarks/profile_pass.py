@@ -293,7 +293,11 @@ def main(argv: list[str] | None = None) -> None:
         "--shape", choices=list(SHAPES), default="ouro-1.4b", help="model shape (random weights)"
     )
     parser.add_argument(
-        "--concurrency", type=int, nargs="*", default=[1, 64], help="rows per decode pass"
+        "--concurrency",
+        type=int,
+        nargs="*",
+        default=[1, 64],
+        help="rows per decode pass; given with no value, no decode case runs (for --rows alone)",
     )
     parser.add_argument("--steps", type=int, default=50, help="decode steps timed per case")
     parser.add_argument(

@@ -25,7 +25,10 @@ def main(argv: list[str] | None = None) -> int:
     from vllm_rlt.bench.shapes import save_random_checkpoint
     from vllm_rlt.models.load import resolve_device, resolve_dtype
 
-    device = resolve_device(args.device)
+    try:
+        device = resolve_device(args.device)
+    except ValueError as exc:
+        parser.error(str(exc))
     save_random_checkpoint(args.shape, args.folder, resolve_dtype(args.dtype, device), device)
     return 0
 

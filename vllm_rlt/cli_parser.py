@@ -9,18 +9,22 @@ from collections.abc import Sequence
 
 class HelpFormatter(argparse.RawDescriptionHelpFormatter):
     """Keeps the description's line breaks (example commands stay one per line) and appends
-    each option's default to its help (an option whose default is None says in its help
-    what None means)."""
+    each option's default to its help, a switch's as on or off (an option whose default is
+    None says in its help what None means)."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         if (
             "%(default)" in text
+            or "(default:" in text
             or action.default in (None, argparse.SUPPRESS)
-            or action.nargs == 0  # flags: their help says what they switch
             or not action.option_strings
         ):
             return text
+        if action.nargs == 0:  # a switch (store_true, --x/--no-x)
+            if not isinstance(action.default, bool):
+                return text
+            return f"{text} (default: {'on' if action.default else 'off'})".lstrip()
         return f"{text} (default: %(default)s)".lstrip()
 
 

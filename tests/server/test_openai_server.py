@@ -248,6 +248,10 @@ def test_api_key_on_every_route_but_the_probes():
         assert httpx.get(f"{url}/health").json() == {"status": "ok"}
         for method, path in (("HEAD", "/health"), ("GET", "/ping"), ("POST", "/ping")):
             assert httpx.request(method, f"{url}{path}").status_code == 200
+        schema = httpx.get(f"{url}/openapi.json", headers={"Authorization": "Bearer sekrit"})
+        operations = [op for methods in schema.json()["paths"].values() for op in methods.values()]
+        ids = [operation["operationId"] for operation in operations]
+        assert len(ids) == len(set(ids)) and {"health_head", "ping_post"} <= set(ids)
         for path in ("/v1/models", "/metrics", "/version"):
             reply = httpx.get(f"{url}{path}")
             assert (

@@ -220,3 +220,33 @@ def test_throughput_waves_refill_slots_from_a_queue(capsys):
         throughput.main([*argv[:-4], "--waves", str(10**12)])
     assert exited.value.code == 2
     assert f"--waves must be in [1, 1000], got {10**12}" in capsys.readouterr().err
+
+
+def test_bench_serve_without_its_client_library_says_which_extra_in_one_line(monkeypatch, capsys):
+    import sys
+
+    from vllm_rlt.entrypoints.cli import main
+
+    monkeypatch.delitem(sys.modules, "vllm_rlt.bench.serve")
+    monkeypatch.setitem(sys.modules, "aiohttp", None)  # as if not installed
+    assert main(["bench", "serve", "--help"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("vllm-rlt bench serve: error: needs aiohttp")
+    assert 'pip install "vllm-rlt[serve]"' in err
+
+
+def test_every_switch_shows_its_default_as_on_or_off(capsys):
+    from vllm_rlt.entrypoints.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["serve", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    for switch, default in [
+        ("--access-log, --no-access-log", "off"),
+        ("--exit-on-load-error, --no-exit-on-load-error", "on"),
+        ("--enable-sleep-mode", "off"),
+        ("--enforce-eager", "off"),
+    ]:
+        help_text = flat.split(switch + " ", 1)[1].split(" --", 1)[0]
+        assert help_text.count("(default:") == 1, (switch, help_text)
+        assert f"(default: {default})" in help_text, (switch, help_text)

@@ -260,8 +260,9 @@ def _add_exit_args(parser: argparse.ArgumentParser) -> None:
         "--exit-trace",
         type=Path,
         default=None,
+        metavar="FILE",
         help='JSON file: {"request_id": [T, d1, d2, ...]} or a list of depth lists by prompt '
-        "(trace mode only)",
+        "(trace mode only; default: none)",
     )
     exits.add_argument(
         "--exit-sync-passes",

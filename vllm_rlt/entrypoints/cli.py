@@ -71,7 +71,11 @@ def build_parser() -> CLIParser:
         description="OpenAI-compatible HTTP server (needs the 'serve' extra).",
     )
     serve.add_argument(
-        "model_path", nargs="?", default=None, help="model folder (or --model; default: built-in)"
+        "model_path",
+        nargs="?",
+        default=None,
+        help="model folder, built-in name (ouro-tasks, huginn-tasks, toy) or Hugging Face hub "
+        "id (or --model; default: ouro-tasks)",
     )
     add_server_args(serve)
     add_engine_args(serve)
@@ -101,7 +105,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
         "--access-log",
         action=argparse.BooleanOptionalAction,
         default=False,
-        help="log one line per HTTP request (off: it costs throughput under load)",
+        help="log one line per HTTP request (it costs throughput under load)",
     )
     group.add_argument(
         "--stall-timeout",
@@ -413,7 +417,15 @@ def _data_parallel_layout(ns: argparse.Namespace) -> DataParallelLayout:
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["bench"] and len(argv) > 1 and argv[1] in BENCHMARKS:
-        module = importlib.import_module(BENCHMARKS[argv[1]][0])
+        try:
+            module = importlib.import_module(BENCHMARKS[argv[1]][0])
+        except ModuleNotFoundError as exc:  # bench serve's client comes with the serve extra
+            print(
+                f"vllm-rlt bench {argv[1]}: error: needs {exc.name}, which is not installed: "
+                'pip install "vllm-rlt[serve]" (from a clone: pip install -e ".[serve]")',
+                file=sys.stderr,
+            )
+            return 2
         return module.main(argv[2:])
     parser = build_parser()
     # generate takes no positional argument: a word first can only be a mistyped command

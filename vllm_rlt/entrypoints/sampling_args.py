@@ -48,9 +48,11 @@ def add_sampling_args(parser: argparse.ArgumentParser) -> None:
         "--include-stop-str-in-output",
         action="store_true",
         default=None,
-        help="keep the stop string that ended the text",
+        help="keep the stop string that ended the text (default: off)",
     )
-    group.add_argument("--ignore-eos", action="store_true", default=None, help="do not stop at EOS")
+    group.add_argument(
+        "--ignore-eos", action="store_true", default=None, help="do not stop at EOS (default: off)"
+    )
     group.add_argument(
         "--allowed-token-ids",
         type=int,

@@ -85,8 +85,6 @@ def build_app(state: ServerState) -> FastAPI:
         logger.error("unexpected error in a request handler", exc_info=exc)
         return error_response(APIError(500, f"internal error: {exc!r}", "internal_error"))
 
-    @app.api_route("/health", methods=["GET", "HEAD"])
-    @app.api_route("/ping", methods=["GET", "HEAD", "POST"])  # vLLM's name for load balancers
     async def health() -> JSONResponse:
         if state.load_error is not None or state.engine is None:
             status = "failed" if state.load_error is not None else "loading"
@@ -103,6 +101,14 @@ def build_app(state: ServerState) -> FastAPI:
         if stalled is not None:
             return JSONResponse({"status": "stalled", "reason": stalled}, status_code=503)
         return JSONResponse({"status": "ok"})
+
+    # /ping is vLLM's name for load balancers. A route per method, so that each operation in
+    # the OpenAPI schema has an id of its own.
+    for path, methods in (("/health", ("GET", "HEAD")), ("/ping", ("GET", "HEAD", "POST"))):
+        for method in methods:
+            app.add_api_route(
+                path, health, methods=[method], operation_id=f"{path[1:]}_{method.lower()}"
+            )
 
     @app.get("/version")
     async def version() -> dict[str, str]:
