@@ -221,34 +221,26 @@ def test_a_call_behind_a_long_one_keeps_its_own_limit():
         core.shutdown()
 
 
-def test_a_shutdown_while_a_trainers_rendezvous_waits_stops_the_core_itself():
-    """The core owes a call its answer (init_weights_update_group waits for a trainer that
-    never comes) and reads no other call meanwhile; the stop is a command, which it still
-    reads, so it exits on its own (exit code 0) instead of being killed once the shutdown's
-    own waits have run out."""
+def test_a_join_that_waits_for_its_trainer_holds_no_other_call_nor_the_shutdown():
+    """init_weights_update_group for a trainer that never comes waits up to the group's
+    10-minute timeout: the core joins on a thread and answers at once, so other calls
+    (stats, a second join: refused) go between the frontend's status asks, and a shutdown
+    stops the core itself (exit code 0) instead of killing it once its waits run out."""
     import json
-    import threading
 
     from tests.unit.test_weight_sync import free_port
     from vllm_rlt.engine.process.core_client import EngineCoreClient
+    from vllm_rlt.engine.weight_sync import JOIN_STATUS
 
     core = EngineCoreClient(EngineArgs(model="toy").create_engine_config(), lambda _: None)
     group = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}
-    call = "init_weights_update_group:" + json.dumps({**group, "rank_offset": 1})
-    answers: list[object] = []
-
-    def join() -> None:
-        try:
-            answers.append(core.call(call, timeout=300))
-        except Exception as exc:  # noqa: BLE001 - the core stops before the trainer comes
-            answers.append(exc)
-
-    joining = threading.Thread(target=join, daemon=True)
-    joining.start()
-    while not core._call_lock.locked():
-        time.sleep(0.01)
-    time.sleep(0.5)  # the core has read the call and started the join
-    core.shutdown(timeout=20)
-    joining.join(30)
+    join = "init_weights_update_group:" + json.dumps({**group, "rank_offset": 1})
+    try:
+        assert core.call(join, timeout=30) == {"joining": True}
+        assert core.call("stats", timeout=30).num_requests == 0
+        assert core.call(JOIN_STATUS, timeout=30) == {"joining": True}
+        again = core.call(join, timeout=30)
+        assert "already under way" in again["error"] and again["param"] == "master_address"
+    finally:
+        core.shutdown(timeout=20)
     assert core.process.exitcode == 0, f"the core was stopped by force: {core.process.exitcode}"
-    assert answers and isinstance(answers[0], Exception)

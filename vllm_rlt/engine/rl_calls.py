@@ -14,11 +14,12 @@ from typing import Any
 from vllm_rlt.config import ParamError, require
 from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
 from vllm_rlt.engine.process.messages import AbortAll, AbortRequest, AddRequest
-from vllm_rlt.engine.weight_sync import GROUP_TIMEOUT
+from vllm_rlt.engine.weight_sync import GROUP_TIMEOUT, JOIN_STATUS
 
 PAUSE_MODES = ("abort", "wait", "keep")
 CALL_TIMEOUT_S = GROUP_TIMEOUT.total_seconds() + 60.0  # the core waits on the trainer
 DRAIN_POLL_S = 0.005  # how often a pause looks whether the requests in flight ended
+JOIN_POLL_S = 0.05  # how often a join of the trainer's group is asked how it goes
 
 
 class GenerationPause:
@@ -158,6 +159,9 @@ class WeightCalls:
         except (TypeError, ValueError) as exc:
             raise ParamError(f"{name}: arguments must be JSON values ({exc})", "names") from None
         answer = await asyncio.to_thread(self.client.call, f"{name}:{payload}", CALL_TIMEOUT_S)
+        while answer.get("joining"):  # the core joins on a thread; other calls go between
+            await asyncio.sleep(JOIN_POLL_S)
+            answer = await asyncio.to_thread(self.client.call, JOIN_STATUS, 30.0)
         if "error" in answer:
             if answer.get("internal"):
                 raise RuntimeError(str(answer["error"]))

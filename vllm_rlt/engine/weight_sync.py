@@ -36,6 +36,7 @@ WEIGHT_CALLS = (
     "update_weights_from_distributed",
     "update_weights_from_disk",
 )
+JOIN_STATUS = "join_status"  # how the join that init_weights_update_group started goes
 DEFAULT_GROUP_NAME = "weight_update_group"
 GROUP_TIMEOUT = datetime.timedelta(minutes=10)
 MAX_WORLD_SIZE = 65536
@@ -339,27 +340,48 @@ class CoreRL:
     def __init__(self, engine) -> None:
         self.engine = engine
         self.frozen = False
+        self.joining: Future | None = None  # a join of the trainer's group, under way or done
 
-    def control(self, name: str) -> dict[str, bool | str] | Future | None:
+    def control(self, name: str) -> dict[str, bool | str] | None:
         """The answer to a control call of this side; None: not one of them. Joining a
-        trainer's group answers later (a Future, set by a thread of its own): the join waits
-        for every rank, up to the group's timeout, and a trainer that is late or never
-        comes (a wrong address) must not stop the core's passes meanwhile."""
+        trainer's group waits for every rank, up to the group's timeout, so it runs on a
+        thread of its own and the call answers at once: a trainer that is late or never
+        comes (a wrong address) holds neither the core's passes nor its other calls, and
+        the frontend asks JOIN_STATUS until the join ends."""
         call, _, payload = name.partition(":")
         if call in ("pause_keep", "resume"):
             self.frozen = call == "pause_keep"
             return {"paused": self.frozen}
+        if call == JOIN_STATUS:
+            return self._join_status()
         if call not in WEIGHT_CALLS:
             return None
         if call != "init_weights_update_group":
             return self._answer(call, payload)
+        if self.joining is not None and not self.joining.done():
+            return {
+                "error": "a join of a trainer's group is already under way: it ends when "
+                f"every rank has joined or after {GROUP_TIMEOUT.total_seconds():g} s",
+                "param": "master_address",
+            }
         joined: Future = Future()
         threading.Thread(
             target=lambda: joined.set_result(self._answer(call, payload)),
             name="weight-group-join",
             daemon=True,  # a core told to stop does not wait for a trainer
         ).start()
-        return joined
+        self.joining = joined
+        return {"joining": True}
+
+    def _join_status(self) -> dict[str, bool | str]:
+        """{"joining": True} while the join runs, then its answer (once)."""
+        joined = self.joining
+        if joined is None:
+            return {"error": "no join of a trainer's group was started", "internal": True}
+        if not joined.done():
+            return {"joining": True}
+        self.joining = None
+        return joined.result()
 
     def _answer(self, call: str, payload: str) -> dict[str, bool | str]:
         sync = self.engine.weight_sync

@@ -19,7 +19,6 @@ import signal
 import time
 import traceback
 from collections.abc import Callable
-from concurrent.futures import Future
 from typing import Any
 
 import msgspec
@@ -68,7 +67,6 @@ LINGER_MS = 5000
 
 HEARTBEAT_S = 0.1  # while busy without new tokens, counters still go out this often
 RANKS_CHECK_MS = 500  # while idle, how often rank 0 looks at its tensor-parallel ranks
-ANSWER_CHECK_MS = 20  # while idle, how often a call that answers later is looked at
 
 
 class CoreLoop:
@@ -107,7 +105,6 @@ class CoreLoop:
         self.last_sent = [0.0] * len(outputs)
         self.rate = PassRate()
         self.rl = CoreRL(engine)
-        self.answering: tuple[int, Future] | None = None  # (call id, its coming answer)
 
     def run(self) -> None:
         """Serve until a shutdown call; any error is sent as the last message, then raised."""
@@ -123,8 +120,6 @@ class CoreLoop:
                 if ranks is not None and wait != 0:  # a rank lost while idle: say so now
                     ranks.check_followers()
                     wait = min(wait or RANKS_CHECK_MS, RANKS_CHECK_MS)
-                if self.answering is not None and wait != 0:  # look at its answer soon
-                    wait = min(wait or ANSWER_CHECK_MS, ANSWER_CHECK_MS)
                 self._take_commands(wait)
                 if engine.has_unfinished and not (self.stopping or self.rl.frozen):
                     self._route(engine.step())
@@ -208,19 +203,9 @@ class CoreLoop:
                 self.stopping = True
             else:
                 self._handover_command(command)
-        if self.answering is not None:  # a call that answers later; none is read before it
-            call_id, answer = self.answering
-            if not answer.done():
-                return
-            self.answering = None
-            self.control.send(self.encode(ControlReply(call_id, answer.result())))
         while self.control.poll(0):
             call = self.decode_call(self.control.recv(copy=False))
-            answer = self._control(call.name)
-            if isinstance(answer, Future):
-                self.answering = (call.call_id, answer)
-                return
-            self.control.send(self.encode(ControlReply(call.call_id, answer)))
+            self.control.send(self.encode(ControlReply(call.call_id, self._control(call.name))))
 
     def _add(self, command: AddRequest) -> None:
         """Queue a request; a failure (bad input or otherwise) fails it alone."""
@@ -286,7 +271,7 @@ class CoreLoop:
             if delta is not None:
                 self._route([delta])
 
-    def _control(self, name: str) -> CoreStats | dict[str, bool | str] | Future:
+    def _control(self, name: str) -> CoreStats | dict[str, bool | str]:
         engine = self.engine
         if name == "stats":
             return CoreStats(
