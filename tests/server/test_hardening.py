@@ -190,6 +190,11 @@ def test_lone_surrogates_are_400_naming_the_field(server):
             "messages.0.content",
         ),
         ("/tokenize", {"prompt": "\ud800"}, "prompt"),
+        (  # a field name: no error message may hold it (it cannot be encoded)
+            "/v1/chat/completions",
+            {"model": "toy", "messages": [{"role": "user", "content": [{"\ud800": 1}]}]},
+            "messages.0.content.0 (a field name)",
+        ),
     ]
     for path, body, param in cases:
         content = json.dumps(body).encode()  # ASCII-escaped: "\ud800" on the wire
@@ -429,6 +434,21 @@ def test_malformed_content_length_gets_a_json_400(server):
     head, _, body = reply.partition(b"\r\n\r\n")
     assert head.startswith(b"HTTP/1.1 400") and b"application/json" in head
     assert set(json.loads(body)["error"]) == ERROR_KEYS
+
+
+def test_a_request_head_over_the_limit_is_400_even_when_it_comes_in_one_read(server):
+    """The head is counted before it is parsed (a whole head in one read used to pass
+    uncounted); the body after a small head, in the same read, is not head."""
+    url, _ = server
+    head = b"GET /health HTTP/1.1\r\nhost: x\r\nx-big: " + b"a" * 20_000 + b"\r\n\r\n"
+    reply = raw_exchange(url, head)
+    assert reply.startswith(b"HTTP/1.1 400") and b"request head over 16384 bytes" in reply
+    body = json.dumps({"prompt": "x" * 30_000}).encode()
+    request = (
+        b"POST /tokenize HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        b"connection: close\r\ncontent-length: " + str(len(body)).encode() + b"\r\n\r\n"
+    )
+    assert raw_exchange(url, request + body).startswith(b"HTTP/1.1 200")
 
 
 def test_idle_and_slow_connections_are_closed():

@@ -48,6 +48,7 @@ class ConnectionLimits:
         super().connection_made(transport)  # type: ignore[misc]
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
+        self._head_tail = b""  # the last bytes read of a head not yet complete
         self._refused = self.max_connections is not None and (
             len(self.connections) > self.max_connections  # type: ignore[attr-defined]
         )
@@ -65,18 +66,21 @@ class ConnectionLimits:
     def data_received(self, data: bytes) -> None:
         if self._refused:
             return  # read and dropped, so the client's close ends the connection cleanly
-        waiting_for_head = not self._in_request()
+        if not self._in_request():  # counted before parsing: a whole head may come at once
+            scan = self._head_tail + data  # the end of a head may straddle two reads
+            end = scan.find(b"\r\n\r\n")
+            self._head_bytes += len(data) if end < 0 else max(0, end + 4 - len(self._head_tail))
+            self._head_tail = scan[-3:]
+            if self._head_bytes > self.max_header_bytes:
+                self.send_400_response("request head too large")
+                return
         super().data_received(data)  # type: ignore[misc]
         if self._in_request():
             self._cancel_head_timer()
-            self._head_bytes = 0
+            self._head_bytes, self._head_tail = 0, b""
             return
         if self._head_timer is None:
             self._arm_head_timer()  # the first byte of a next request on a kept-alive connection
-        if waiting_for_head and not self.transport.is_closing():  # type: ignore[attr-defined]
-            self._head_bytes += len(data)
-            if self._head_bytes > self.max_header_bytes:
-                self.send_400_response("request head too large")
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()

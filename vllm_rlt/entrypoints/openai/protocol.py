@@ -53,6 +53,10 @@ def first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | N
             continue
         if isinstance(value, dict):
             items = list(value.items())
+            for key in value:  # a field name is text too: reported by where it stands
+                found = first_lone_surrogate(key, f"{path} (a field name)".lstrip())
+                if found is not None:
+                    return found
         elif isinstance(value, list):
             items = list(enumerate(value))
         else:

@@ -19,7 +19,10 @@ def add_sleep_routes(app: FastAPI, state: ServerState) -> None:
     async def call(name: str) -> dict[str, Any]:
         state.ready()
         assert state.engine is not None
-        answer = await asyncio.to_thread(state.engine.memory_call, name)
+        try:
+            answer = await asyncio.to_thread(state.engine.memory_call, name)
+        except TimeoutError as exc:  # another call held the core (a long weight update)
+            raise APIError(503, str(exc), "service_unavailable") from None
         if "error" in answer:
             raise APIError(409, str(answer["error"]), "conflict_error")
         return answer
