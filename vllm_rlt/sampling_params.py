@@ -150,10 +150,8 @@ def check_field(name: str, value: Any, cap: int | float | None = None) -> None:
     elif bound.kind is int:
         require_int(value, name, int(bound.low), None if high is None else int(high))
     else:
-        _require_float(value, name, float(bound.low), float("inf" if high is None else high))
-    if bound.low_open:
-        shown = f"({bound.low}, {bound.high}]"
-        require(value > bound.low, f"{name} must be in {shown}, got {value}", name)
+        top = float("inf" if high is None else high)
+        _require_float(value, name, float(bound.low), top, low_open=bound.low_open)
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -398,10 +396,14 @@ class SamplingParams:
 _INIT_NAMES = frozenset(f.name for f in fields(SamplingParams))
 
 
-def _require_float(value: object, name: str, low: float, high: float) -> None:
+def _require_float(
+    value: object, name: str, low: float, high: float, low_open: bool = False
+) -> None:
+    shown = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
     require(
         isinstance(value, (int, float)) and not isinstance(value, bool),
-        f"{name} must be a number in [{low}, {high}], got {value!r}",
+        f"{name} must be a number in {shown}, got {value!r}",
         name,
     )
-    require(low <= value <= high, f"{name} must be in [{low}, {high}], got {value}", name)  # type: ignore[operator]
+    within = (low < value if low_open else low <= value) and value <= high  # type: ignore[operator]
+    require(within, f"{name} must be in {shown}, got {value}", name)

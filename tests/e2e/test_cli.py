@@ -116,6 +116,7 @@ def runs(tmp_path_factory, trace_file) -> dict[str, subprocess.CompletedProcess]
             None,
         ),
         "surrogate_prompt": (["generate", "--prompt", b"ab\xff", "--model", "toy"], None),
+        "long_untrained_prompt": (["generate", "--prompt", "z" * 5000, "--max-tokens", "1"], None),
         "speculation": (
             ["generate", "--prompt", "347+589=", *BASE, "--speculative-tokens", "2"]
             + ["--exit-threshold", "1"],
@@ -207,6 +208,7 @@ def test_untrained_prompts_get_a_warning(runs):
     warned, plain = runs["untrained_prompt"], runs["trained_prompt"]
     assert warned.returncode == 0 and plain.returncode == 0
     assert "warning: 1 prompt(s), such as '1000*1='" in warned.stderr
+    assert "(5000 chars)" in runs["long_untrained_prompt"].stderr  # shortened, not echoed
     assert "a*b= with a in 1000..9999, b in 2..9" in warned.stderr
     assert plain.stdout == "347+589=936\n" and "warning" not in plain.stderr
 
@@ -215,8 +217,7 @@ def test_a_prompt_that_is_not_valid_text_is_a_one_line_error(runs):
     run = runs["surrogate_prompt"]
     assert run.returncode == 2
     assert run.stderr.splitlines() == [
-        "vllm-rlt generate: error: prompt is not valid Unicode: character 2 is a lone "
-        "surrogate (U+DCFF)"
+        "vllm-rlt generate: error: --prompt: prompt 1 is not valid UTF-8 text (at character 2)"
     ]
 
 

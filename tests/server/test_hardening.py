@@ -390,6 +390,24 @@ def test_error_bodies_keep_the_openai_shape(server):
     assert "[1, 4]" in error["message"]
 
 
+def test_odd_bodies_and_paths_get_errors_that_say_what_is_wrong(server):
+    url, _ = server
+    for path in ("/v1/completions", "/v1/chat/completions", "/tokenize"):
+        error = assert_error(httpx.post(f"{url}{path}", content=b""), 400)
+        assert error["message"] == "request body is missing: send a JSON object"
+    digits = b'{"model": "toy", "prompt": "x", "max_tokens": ' + b"9" * 5000 + b"}"
+    error = assert_error(httpx.post(f"{url}/v1/completions", content=digits), 400)
+    assert "more than 4300 digits" in error["message"]
+    error = assert_error(httpx.post(f"{url}/v1/completions/", json={"model": "toy"}), 404)
+    assert error["message"] == "no route POST /v1/completions/"
+    body = {"model": "toy", "prompt": "x", "max_tokens": 2}
+    for kind in ("application/jsonx", "text/plain; charset=\xff"):
+        headers = {"content-type": kind.encode("latin-1")}
+        reply = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        assert reply.status_code == 200, (kind, reply.text)
+    assert_healthy(url)
+
+
 def test_a_body_without_json_content_type_is_read_as_json(server):
     """`curl -d` sends application/x-www-form-urlencoded."""
     url, _ = server

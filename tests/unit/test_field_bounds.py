@@ -51,3 +51,9 @@ def test_every_cli_field_has_a_flag_and_an_unset_flag_stays_unset():
         value = bound.default if bound.default is not None else bound.low
         ns = parser.parse_args(["generate", "--prompt", "x", flag, str(value)])
         assert sampling_flags(ns)[name] == value
+
+
+def test_a_query_parameter_error_names_the_parameter_not_where_it_was_found():
+    error = {"type": "int_parsing", "loc": ("query", "level"), "msg": "not an int", "input": "a"}
+    message, param = describe_validation_error([error], None)
+    assert param == "level" and message.startswith("level: ")

@@ -82,7 +82,7 @@ def test_batched_adjustments_equal_the_reference(seed):
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0, 10.0\], got 0.0"),
+        ({"repetition_penalty": 0.0}, r"repetition_penalty must be in \(0\.0, 10\.0\], got 0\.0"),
         ({"repetition_penalty": float("nan")}, r"repetition_penalty must be in"),
         ({"frequency_penalty": 2.5}, r"frequency_penalty must be in \[-2.0, 2.0\], got 2.5"),
         ({"presence_penalty": -3}, r"presence_penalty must be in \[-2.0, 2.0\], got -3"),

@@ -49,9 +49,9 @@ def greedy(max_tokens: int = 4, **kwargs: Any) -> SamplingParams:
         ({"temperature": None}, r"temperature must be a number in \[0\.0, 100\.0\], got None"),
         ({"temperature": float("nan")}, r"temperature must be in \[0\.0, 100\.0\], got nan"),
         ({"top_k": -2}, r"top_k must be 0 or -1 \(every token\) or in \[1, 2147483647\], got -2"),
-        ({"top_p": 0}, r"top_p must be in \(0, 1\], got 0"),
-        ({"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0\.0"),
-        ({"top_p": 1.5}, r"top_p must be in \[0\.0, 1\.0\], got 1\.5"),
+        ({"top_p": 0}, r"top_p must be in \(0\.0, 1\.0\], got 0"),
+        ({"top_p": 0.0}, r"top_p must be in \(0\.0, 1\.0\], got 0\.0"),
+        ({"top_p": 1.5}, r"top_p must be in \(0\.0, 1\.0\], got 1\.5"),  # one range, as written
         ({"min_p": -0.1}, r"min_p must be in \[0\.0, 1\.0\], got -0\.1"),
         ({"min_p": 1.1}, r"min_p must be in \[0\.0, 1\.0\], got 1\.1"),
         ({"seed": -1}, rf"seed must be in \[0, {INT64_MAX}\], got -1"),

@@ -22,11 +22,17 @@ def warn_untrained_prompts(model: str | None, prompts: list[str]) -> None:
     outside = [prompt for prompt in prompts if task_of(prompt) is None]
     if outside:
         formats = "; ".join(text for _, text in PROMPT_FORMATS.values())
+        example = _shortened(outside[0])
         print(
-            f"warning: {len(outside)} prompt(s), such as {outside[0]!r}, are not of a kind "
+            f"warning: {len(outside)} prompt(s), such as {example}, are not of a kind "
             f"{model or DEFAULT_MODEL_NAME} was trained on ({formats}); expect wrong answers",
             file=sys.stderr,
         )
+
+
+def _shortened(prompt: str, limit: int = 60) -> str:
+    """A prompt quoted for a message, cut after `limit` characters."""
+    return repr(prompt) if len(prompt) <= limit else f"{prompt[:limit]!r}... ({len(prompt)} chars)"
 
 
 def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int:
@@ -43,6 +49,14 @@ def run_generate(parser: argparse.ArgumentParser, ns: argparse.Namespace) -> int
         parser.error(f"stdin is not valid UTF-8 text: {exc.reason} at byte {exc.start}")
     if not prompts:
         parser.error("no prompt: pass --prompt TEXT or pipe prompts on stdin, one per line")
+    for number, prompt in enumerate(prompts, 1):
+        try:  # bytes that are not UTF-8 reach Python's argv and stdin as lone surrogates
+            prompt.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            source = "--prompt" if ns.prompt else "stdin"
+            parser.error(
+                f"{source}: prompt {number} is not valid UTF-8 text (at character {exc.start})"
+            )
     # after the cheap checks: a hub ID may download gigabytes here
     engine_config = engine_config_or_exit(parser, ns)
     from vllm_rlt.engine.llm import LLM

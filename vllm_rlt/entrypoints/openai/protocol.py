@@ -276,7 +276,11 @@ def describe_validation_error(errors: list[dict[str, Any]], model: type[BaseMode
         return best["msg"], best["ctx"]["field"]
     if kind == "json_invalid":
         return f"request body is not valid JSON: {best.get('msg', '')}", None
-    location = [p for p in best.get("loc", ()) if p != "body"]
+    location = list(best.get("loc", ()))
+    if location[:1] in (["body"], ["query"]):  # where FastAPI found it, not its name
+        location = location[1:]
+    if kind == "missing" and not location:
+        return "request body is missing: send a JSON object", None
     param = ".".join(str(p) for p in location if not _UNION_TAG.search(str(p))) or None
     if kind == "extra_forbidden":
         return f"unsupported field: {param}", param

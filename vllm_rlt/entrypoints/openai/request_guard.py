@@ -44,7 +44,7 @@ class GuardMiddleware:
         if isinstance(body, JSONResponse):
             await body(scope, receive, send)
             return
-        if scope["method"] == "POST" and b"json" not in headers.get(b"content-type", b""):
+        if scope["method"] == "POST" and headers.get(b"content-type") != b"application/json":
             kept = [(k, v) for k, v in scope["headers"] if k != b"content-type"]
             scope = {**scope, "headers": [*kept, (b"content-type", b"application/json")]}
         replayed = False

@@ -46,7 +46,10 @@ BODY_MODELS = {
 
 def build_app(state: ServerState) -> FastAPI:
     app = FastAPI(
-        title="vllm-rlt", version=vllm_rlt.__version__, default_response_class=FastJSONResponse
+        title="vllm-rlt",
+        version=vllm_rlt.__version__,
+        default_response_class=FastJSONResponse,
+        redirect_slashes=False,  # /v1/completions/ is a JSON 404, not a bare 307
     )
     app.state.server = state
     settings = state.settings
@@ -75,7 +78,11 @@ def build_app(state: ServerState) -> FastAPI:
         elif status == 405:
             error = APIError(405, f"{path} does not accept {method}", "method_not_allowed")
         elif status == 400:  # the body could not be decoded at all (for example too deep)
-            error = APIError(400, "request body is not valid JSON (or is nested too deeply)")
+            error = APIError(
+                400,
+                "request body is not valid JSON (or is nested too deeply, or holds an integer "
+                "of more than 4300 digits)",
+            )
         else:
             error = APIError(status, str(exc.detail), "invalid_request_error")
         return error_response(error, exc.headers)

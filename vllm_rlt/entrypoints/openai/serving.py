@@ -136,8 +136,12 @@ class OpenAIServing:
             params = self._params(request, max_tokens, num_logprobs)
             self._check(f"{request_id}-0", ids, params)
         except APIError as exc:
+            # the error names the field the client sent: the prompt is its messages, and
+            # max_completion_tokens means max_tokens here
+            if exc.param == "prompt":
+                exc.param = "messages"
+                exc.message = exc.message.replace("prompt", "messages' prompt", 1)
             if request.max_completion_tokens is not None and exc.param == "max_tokens":
-                # the error names the field the client sent (both mean the same here)
                 exc.param = "max_completion_tokens"
                 exc.message = exc.message.replace("max_tokens", "max_completion_tokens")
             raise
