@@ -106,3 +106,23 @@ def test_the_routes_need_the_flag_and_a_single_core():
             engine_config=EngineConfig(parallel_config=ParallelConfig(data_parallel_size=2)),
         )
     assert caught.value.param == "enable_weight_updates"
+
+
+def test_a_shutdown_answers_a_join_still_waiting_with_503():
+    """At shutdown (after --shutdown-timeout, as for requests) a caller still waiting for
+    a join of the trainer's group gets a 503 error object, not a cancelled request."""
+    with running_server(in_process=True, enable_weight_updates=True) as (url, state):
+        group = {"master_address": "127.0.0.1", "master_port": free_port(), "world_size": 2}
+        with ThreadPoolExecutor(1) as pool:
+            joining = pool.submit(
+                httpx.post,
+                f"{url}/init_weights_update_group",
+                json={**group, "rank_offset": 1},
+                timeout=60,
+            )
+            served = httpx.post(f"{url}/v1/completions", json=BODY, timeout=30)
+            assert served.status_code == 200 and not joining.done()
+            state.abort_all()  # what the server's shutdown does once its timeout has run
+            left = joining.result()
+        assert left.status_code == 503
+        assert left.json()["error"]["message"] == "the server is shutting down: the join was left"

@@ -246,9 +246,11 @@ class AsyncLLM:
             self.client.send(AbortRequest(request_id, index))
 
     def abort_all(self) -> None:
-        """End every request now: each stream gets a final output with finish reason abort."""
+        """End every request now: each stream gets a final output with finish reason abort,
+        and a caller waiting for a join of the trainer's group gets EngineDeadError."""
         self.pause.drop_all()
         self.client.send(AbortAll(self.client.client))
+        self.weights.leave(EngineDeadError("the server is shutting down: the join was left"))
 
     def engine_stats(self, timeout: float = 30.0) -> CoreStats:
         """The core's own view, asked over the control channel: requests, free blocks and

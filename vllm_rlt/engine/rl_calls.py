@@ -141,6 +141,12 @@ class WeightCalls:
     def __init__(self, client) -> None:
         self.client = client  # the frontend's client over its cores
         self.version: str | None = None
+        self.left: BaseException | None = None  # why waiting for a join stopped (a shutdown)
+
+    def leave(self, why: BaseException) -> None:
+        """Stop waiting for joins under way (a shutdown): each caller gets `why`; the core's
+        join runs on to its own end."""
+        self.left = why
 
     async def call(
         self, name: str, args: dict[str, Any], weight_version: str | None = None
@@ -160,6 +166,8 @@ class WeightCalls:
             raise ParamError(f"{name}: arguments must be JSON values ({exc})", "names") from None
         answer = await asyncio.to_thread(self.client.call, f"{name}:{payload}", CALL_TIMEOUT_S)
         while answer.get("joining"):  # the core joins on a thread; other calls go between
+            if self.left is not None:
+                raise self.left
             await asyncio.sleep(JOIN_POLL_S)
             answer = await asyncio.to_thread(self.client.call, JOIN_STATUS, 30.0)
         if "error" in answer:
