@@ -126,3 +126,37 @@ def test_update_weights_from_disk_swaps_in_a_checkpoint_folder(tmp_path):
     llm.update_weights_from_disk(second, weight_version="disk-2")
     output = llm.generate(PROMPT, GREEDY, use_tqdm=False)[0]
     assert list(output.outputs[0].token_ids) == want and output.weight_version == "disk-2"
+
+
+def test_leaving_a_join_ends_only_the_one_under_way():
+    """WeightCalls.leave (AsyncLLM.abort_all, a shutdown) ends the wait of the join under way
+    with its error; a join started afterwards waits for its answer as usual."""
+    import asyncio
+
+    from vllm_rlt.engine.rl_calls import WeightCalls
+
+    class Core:  # answers "joining" once per join, then the join's result
+        size = 1
+
+        def __init__(self) -> None:
+            self.asked = 0
+
+        def call(self, name: str, timeout: float) -> dict:
+            self.asked += 1
+            return {"joining": True} if name.startswith("init_") else {}
+
+    calls = WeightCalls(Core())
+    args = {"master_address": "127.0.0.1", "master_port": 1, "world_size": 2}
+    calls.leave(RuntimeError("left"))
+    asyncio.run(calls.call("init_weights_update_group", dict(args)))  # a later join: answered
+    assert calls.client.asked == 2
+
+    async def left_while_waiting() -> None:
+        waiting = asyncio.ensure_future(calls.call("init_weights_update_group", dict(args)))
+        await asyncio.sleep(0)
+        calls.leave(RuntimeError("left"))
+        await waiting
+
+    calls.client.call = lambda name, timeout: {"joining": True}
+    with pytest.raises(RuntimeError, match="left"):
+        asyncio.run(left_while_waiting())

@@ -141,11 +141,11 @@ class WeightCalls:
     def __init__(self, client) -> None:
         self.client = client  # the frontend's client over its cores
         self.version: str | None = None
-        self.left: BaseException | None = None  # why waiting for a join stopped (a shutdown)
+        self.left: BaseException | None = None  # why waiting for the join under way stopped
 
     def leave(self, why: BaseException) -> None:
-        """Stop waiting for joins under way (a shutdown): each caller gets `why`; the core's
-        join runs on to its own end."""
+        """Stop waiting for the join under way (a shutdown, or AsyncLLM.abort_all): its
+        caller gets `why`; the core's join runs on to its own end. A later join waits."""
         self.left = why
 
     async def call(
@@ -164,6 +164,8 @@ class WeightCalls:
             payload = json.dumps(args)
         except (TypeError, ValueError) as exc:
             raise ParamError(f"{name}: arguments must be JSON values ({exc})", "names") from None
+        if name == "init_weights_update_group":
+            self.left = None  # the core refuses a second join while one is under way
         answer = await asyncio.to_thread(self.client.call, f"{name}:{payload}", CALL_TIMEOUT_S)
         while answer.get("joining"):  # the core joins on a thread; other calls go between
             if self.left is not None:

@@ -107,7 +107,7 @@ class CoreLoop:
         self.rl = CoreRL(engine)
 
     def run(self) -> None:
-        """Serve until a shutdown call; any error is sent as the last message, then raised."""
+        """Serve until a StopCore command; any error is sent as the last message, then raised."""
         engine = self.engine
         group = engine.model.tensor_parallel
         ranks = group if group is not None and group.followers else None
