@@ -104,17 +104,18 @@ def check_quantization(quantization: str | None) -> None:
 def require_int(
     value: Any, name: str, low: int, high: int | None = None, param: str | None = None
 ) -> None:
-    """Check that `value` is an int in [low, high]; the message names the field and the range."""
-    upper = "inf" if high is None else str(high)
+    """Check that `value` is an int in [low, high] (no upper bound where high is None); the
+    message names the field and the range."""
+    allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
     field = name if param is None else param
     require(
         isinstance(value, int) and not isinstance(value, bool),
-        f"{name} must be an integer in [{low}, {upper}], got {value!r}",
+        f"{name} must be an integer {allowed}, got {value!r}",
         field,
     )
     require(
         value >= low and (high is None or value <= high),
-        f"{name} must be in [{low}, {upper}], got {value}",
+        f"{name} must be {allowed}, got {value}",
         field,
     )
 

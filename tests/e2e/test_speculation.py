@@ -129,9 +129,9 @@ def test_config_ranges():
         SpeculativeConfig(num_speculative_tokens=0)
     with pytest.raises(ValueError, match=r"must be 'auto' or an integer in \[1, 16\]"):
         SpeculativeConfig(num_speculative_tokens="many")
-    with pytest.raises(ValueError, match=r"draft_loops must be in \[1, inf\]"):
+    with pytest.raises(ValueError, match=r"draft_loops must be >= 1"):
         SpeculativeConfig(draft_loops=0)
-    with pytest.raises(ValueError, match=r"disable_by_batch_size must be in \[1, inf\]"):
+    with pytest.raises(ValueError, match=r"disable_by_batch_size must be >= 1"):
         SpeculativeConfig(disable_by_batch_size=0)
     auto = SpeculativeConfig(num_speculative_tokens="auto")
     assert auto.batch_limit == AUTO_DISABLE_BY_BATCH_SIZE and auto.max_ahead == 16
