@@ -204,7 +204,8 @@ def test_lone_surrogates_are_400_naming_the_field(server):
 
 
 def test_the_api_key_check_takes_any_scheme_case_and_any_header_bytes():
-    """The Bearer scheme in any case (RFC 9110); a header that is not UTF-8 is harmless."""
+    """The Bearer scheme in any case (RFC 9110); a header that is not UTF-8 is harmless; a
+    repeated Authorization header passes only if every copy carries the key."""
     with running_server(api_key="sekrit") as (url, state):
         body = {"model": "toy", "prompt": "x", "max_tokens": 2}
         for auth in (b"Bearer sekrit", b"bearer sekrit", b"BEARER  sekrit"):
@@ -215,6 +216,14 @@ def test_the_api_key_check_takes_any_scheme_case_and_any_header_bytes():
             reply = httpx.post(f"{url}/v1/completions", json=body, headers={"authorization": auth})
             assert_error(reply, 401)
         assert_error(httpx.post(f"{url}/v1/completions", json=body), 401)
+        # a repeated header: every copy must carry the key, whichever comes last
+        for pair in ((b"Bearer sekrit", b"Bearer wrong"), (b"Bearer wrong", b"Bearer sekrit")):
+            headers = [(b"authorization", auth) for auth in pair]
+            reply = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+            assert_error(reply, 401)
+        headers = [(b"authorization", b"Bearer sekrit")] * 2
+        reply = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        assert reply.status_code == 200
         wait_idle(state)
 
 

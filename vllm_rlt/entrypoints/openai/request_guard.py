@@ -38,7 +38,8 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # raw bytes: a header need not be UTF-8
-        body = await self._body_or_refusal(scope["path"], headers, receive)
+        keys = [value for name, value in scope["headers"] if name == b"authorization"]
+        body = await self._body_or_refusal(scope["path"], headers, keys, receive)
         if body is None:
             return  # the client left while sending
         if isinstance(body, JSONResponse):
@@ -58,10 +59,14 @@ class GuardMiddleware:
 
         await self.app(scope, replay, send)
 
-    async def _body_or_refusal(self, path: str, headers, receive) -> bytes | JSONResponse | None:
-        """The whole body, or the error reply that refuses the request."""
+    async def _body_or_refusal(
+        self, path: str, headers, keys: list[bytes], receive
+    ) -> bytes | JSONResponse | None:
+        """The whole body, or the error reply that refuses the request. `keys`: every
+        Authorization header sent; each must carry the key (a repeated header is not
+        settled by its order)."""
         if self.expected is not None and path not in UNGUARDED_PATHS:
-            if not self._key_matches(headers.get(b"authorization", b"")):
+            if not keys or not all(self._key_matches(key) for key in keys):
                 return error_response(
                     APIError(401, "missing or wrong API key", "authentication_error")
                 )
