@@ -359,12 +359,12 @@ def test_token_stats_equal_torch(rows, vocab, greedy):
     assert torch.equal(got[2], (logits >= chosen).sum(1))
 
 
-@pytest.mark.parametrize("rows", [1, 3, 256])
+@pytest.mark.parametrize("rows", [1, 3, 64, 256])
 @pytest.mark.parametrize("vocab", [300, 49152, 65537])
 def test_plain_sampling_kernel_draws_the_sort_paths_token(rows, vocab):
     """kernels/gumbel_sample.py against the torch form and the sorted path: the same
-    token at every seed and counter, with barred tokens, ties, greedy rows and a tiny
-    temperature."""
+    token at every seed and counter, with barred tokens, ties (within a run and across
+    runs of the vocabulary), greedy rows and a tiny temperature."""
     from vllm_rlt.layers.sampler import SamplingTensors, sample, sample_plain
     from vllm_rlt.ops.triton_ops import TritonOps
 
