@@ -34,6 +34,7 @@ from vllm_rlt.bench.layer_budget import (
     ATTENTION,
     ATTENTION_NORMS,
     DOWN,
+    FP8_SKINNY_ROWS,
     GATE_UP,
     INPUT_NORM,
     MLP_NORMS,
@@ -114,12 +115,15 @@ def test_fp8_halves_the_projection_weights_and_adds_their_row_scales(rows):
 
 def test_fp8_products_count_at_the_fp8_rate_only_where_fp8_tensor_cores_run_them():
     device = Device(bandwidth=1e12, bf16_flops=1e14, fp8_flops=3e14)
-    few, many = ops_by_name(OURO, 16, "fp8"), ops_by_name(OURO, 17, "fp8")
+    few = ops_by_name(OURO, FP8_SKINNY_ROWS, "fp8")
+    many = ops_by_name(OURO, FP8_SKINNY_ROWS + 1, "fp8")
     assert not any(few[name].fp8 for name in PROJECTIONS)
     assert all(many[name].fp8 for name in PROJECTIONS)
     assert not any(op.fp8 for op in layer_ops(OURO, 512, "bf16"))
-    assert many[GATE_UP].flops_us(device) == pytest.approx(2 * 17 * 11264 * 2048 / 3e14 * 1e6)
-    assert few[GATE_UP].flops_us(device) == pytest.approx(2 * 16 * 11264 * 2048 / 1e14 * 1e6)
+    rows = FP8_SKINNY_ROWS
+    flops = 2 * 11264 * 2048
+    assert many[GATE_UP].flops_us(device) == pytest.approx((rows + 1) * flops / 3e14 * 1e6)
+    assert few[GATE_UP].flops_us(device) == pytest.approx(rows * flops / 1e14 * 1e6)
 
 
 def test_many_rows_in_bf16_are_bound_by_flops():
@@ -195,6 +199,7 @@ def test_a_model_without_branch_norms_reads_one_norm_weight_per_add():
         ("void cublasLt::splitKreduce_kernel<32, 16, int, float, __nv_bfloat16>", AFTER),
         ("_skinny_linear_kernel", PRODUCT),
         ("_strip_gemv_kernel", PRODUCT),
+        ("_w8a8_kernel", PRODUCT),
         ("w8a16_n16_silu", PRODUCT),
         ("w16a16_n8", PRODUCT),
         ("nvjet_tst_128x64_64x6_1x1_h_bz_NNT", PRODUCT),

@@ -44,6 +44,7 @@ KERNEL_KINDS: tuple[tuple[str, str], ...] = (
     ("splitkreduce", AFTER),
     ("_skinny_linear_kernel", PRODUCT),
     ("_strip_gemv_kernel", PRODUCT),
+    ("_w8a8_kernel", PRODUCT),
     ("w8a16_n", PRODUCT),  # kernels/csrc/few_row_gemm.cu
     ("w16a16_n", PRODUCT),
     ("gemm", PRODUCT),  # cuBLAS, cuBLASLt and CUTLASS kernels

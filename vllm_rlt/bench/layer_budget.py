@@ -10,7 +10,7 @@ from typing import Any
 # rows (fewer rows widen them to bf16 in registers, so their products count at the bf16
 # rate), and decode passes of up to FUSED_DECODE_ROWS rows write K/V and attend in one
 # kernel.
-FP8_SKINNY_ROWS = 16
+FP8_SKINNY_ROWS = 1
 FUSED_DECODE_ROWS = 16
 ACTIVATION_BYTES = 2  # bf16 activations, norm weights and LM head
 WEIGHT_BYTES = {"bf16": 2, "fp8": 1}

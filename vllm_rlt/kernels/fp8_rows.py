@@ -1,10 +1,11 @@
 """FP8 tensor cores for passes of many rows under fp8 weights: every row of the activations
 is scaled into the float8 range by its own largest magnitude (a per-token scale) in one
-kernel that reads the row once, and cuBLAS multiplies with both scales applied to its
-float32 accumulator. In torch the scaling took six kernels per projection, which cost more
-than the float8 weights saved (docs/benchmarks/2026-12-04-fp8.md). Where a norm or the
-SiLU-mul feeds the product, its kernel does the scaling in its epilogue (`store_row`) and
-hands on `Fp8Rows`, so no quantize kernel runs."""
+kernel that reads the row once, and cuBLAS or the W8A8 kernel of w8a8_gemm.py multiplies
+with both scales applied to its float32 accumulator. In torch the scaling took six kernels
+per projection, which cost more than the float8 weights saved
+(docs/benchmarks/2026-12-04-fp8.md). Where a norm or the SiLU-mul feeds the product, its
+kernel does the scaling in its epilogue (`store_row`) and hands on `Fp8Rows`, so no
+quantize kernel runs."""
 
 from __future__ import annotations
 
@@ -104,8 +105,3 @@ def fp8_rows_linear(x: Fp8Rows, weight: Fp8Weight) -> torch.Tensor:
     return torch._scaled_mm(
         x.data, weight.data.t(), scale_a=x.scale, scale_b=weight.scale[None, :], out_dtype=x.dtype
     )
-
-
-def fp8_linear_rows(x: torch.Tensor, weight: Fp8Weight, pdl: bool = False) -> torch.Tensor:
-    """x @ W.T ([rows, N], x's dtype: bf16) on FP8 tensor cores; graph-safe."""
-    return fp8_rows_linear(quantize_rows(x, pdl), weight)

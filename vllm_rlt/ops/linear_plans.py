@@ -10,6 +10,7 @@ import torch
 
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig
 from vllm_rlt.kernels.strip_gemv import strip_rows
+from vllm_rlt.kernels.w8a8_gemm import W8A8Tile
 from vllm_rlt.layers.fp8 import Fp8Weight
 from vllm_rlt.ops.base import Weight
 
@@ -48,10 +49,39 @@ LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
 LIVE_SKINNY_ROWS, LIVE_SKINNY = 64, SkinnyConfig(128, 128, 8, 4, 64)
 # FP8 weights take the skinny kernel (widened in registers, with bf16's launch shapes) up to
 # this many rows, and FP8 tensor cores with per-token activation scales (fp8_rows.py) above.
-# Same-run A/B on an H200, 16 against 64: 1.20x at concurrency 32, 1.12x at 64, 1.10x at
-# prompt 1024 with fp8 K/V, equal at 8. Keeping o and down (N <= K) skinny up to 64 rows,
-# as their per-kernel times favoured, gave 0.94x / 1.03x at concurrency 32 / 64.
-FP8_SKINNY_ROWS = 16
+# With cuBLAS's FP8 products, 16 against 64 on an H200: 1.20x at concurrency 32, 1.12x at
+# 64, equal at 8. The W8A8 tiles below stream the whole layer's weights at 32 rows in 30.6
+# us on an H100, against the skinny kernel's 47.5 at 8 rows (probe_few_row_gemm), so from
+# 2 rows on the products round their inputs per token as vLLM's FP8 does (the KL and
+# accuracy of that rounding: docs/benchmarks/2026-12-04-split-kv-fp8-rows.md). One row
+# keeps the weight-only products (strip_gemv).
+FP8_SKINNY_ROWS = 1
+
+# Above FP8_SKINNY_ROWS, FP8 weights take the Triton W8A8 kernel (kernels/w8a8_gemm.py) with
+# these tiles for passes of up to so many rows, per layer class, and cuBLAS's FP8 product
+# past the last entry. Measured per projection with benchmarks/probe_w8a8_tiles.py on an
+# H100 at Ouro-1.4B shapes, 24 layers' weights from HBM, float8 rows as the norms hand them
+# on (docs/benchmarks/2026-12-05-w8a8-tiles/probe.json), microseconds against cuBLAS's: at
+# 64 rows qkv 7.7 / 9.6, o 4.6 / 8.7 (split-K 4), gate_up 11.0 / 13.6, down 7.6 / 16.5
+# (split-K 4); at 256 rows o 6.1 / 8.7 and down 11.2 / 16.8, while qkv and gate_up tie or
+# lose from 128 rows; at 512 only o and down still gain (7.6 / 8.8, 15.6 / 16.6). Split-K
+# (o, down) only where the residual add + norms kernel sums the slices; elsewhere the same
+# tile runs with one slice.
+W8A8_PLANS: dict[str, tuple[tuple[int, W8A8Tile], ...]] = {
+    "narrow": (
+        (64, W8A8Tile(64, 64, 128, split_k=4)),
+        (128, W8A8Tile(64, 32, 128, split_k=2)),
+        (256, W8A8Tile(64, 64, 128, stages=6)),
+        (512, W8A8Tile(128, 64, 128)),
+    ),
+    "medium": ((128, W8A8Tile(64, 64, 128, stages=6)),),
+    "wide": ((64, W8A8Tile(64, 32, 256, stages=3)),),
+    "deep": (
+        (128, W8A8Tile(64, 64, 128, split_k=4)),
+        (256, W8A8Tile(64, 64, 128, stages=6)),
+        (512, W8A8Tile(128, 64, 128)),
+    ),
+}
 
 # Passes of at most so many rows run these layer classes (per weight dtype: bf16, float8)
 # with each program's weight strip in registers, loaded before the wait on the previous
@@ -102,6 +132,17 @@ def linear_plan(
                 block_k=config.block_k * 2 * wide // x.element_size(),
                 split_k=config.split_k if split_ok else 1,
             )
+    return None
+
+
+def w8a8_plan(rows: int, weight: Fp8Weight, split_ok: bool = False) -> W8A8Tile | None:
+    """The Triton W8A8 tile for an FP8 tensor-core product of `rows` float8 rows by
+    `weight`, or None for cuBLAS (see W8A8_PLANS); without split_ok, one K slice."""
+    if not weight.data.is_contiguous():
+        return None
+    for most_rows, tile in W8A8_PLANS.get(layer_class(*weight.shape), ()):
+        if rows <= most_rows:
+            return tile if split_ok else replace(tile, split_k=1)
     return None
 
 

@@ -14,7 +14,7 @@ from vllm_rlt.kernels.decode_attention import (
     _rope_attend_kernel,
 )
 from vllm_rlt.kernels.few_row_gemm import few_row_gemm, few_row_gemm_add_norms, takes_few_row
-from vllm_rlt.kernels.fp8_rows import Fp8Rows, empty_fp8_rows, fp8_linear_rows, fp8_rows_linear
+from vllm_rlt.kernels.fp8_rows import Fp8Rows, empty_fp8_rows, quantize_rows
 from vllm_rlt.kernels.gumbel_sample import gumbel_sample
 from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel
@@ -29,6 +29,7 @@ from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
 from vllm_rlt.layers.fp8 import FP8_MAX, Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.ops.base import Weight
+from vllm_rlt.ops.fp8_products import fp8_product, fp8_silu_mul_epilogue
 from vllm_rlt.ops.linear_plans import (
     fp8_tensor_cores_take,
     linear_plan,
@@ -88,7 +89,7 @@ def _dense_linear(x: torch.Tensor, weight: Weight, pdl: bool = False) -> torch.T
     if not isinstance(weight, Fp8Weight):
         return F.linear(x, weight)
     if fp8_tensor_cores_take(x.dtype, weight):
-        return fp8_linear_rows(x, weight, pdl)
+        return fp8_product(quantize_rows(x, pdl), weight, pdl=pdl)
     return fp8_linear_reference(x, weight)
 
 
@@ -195,12 +196,17 @@ class TritonOps:
         next_weight: Weight | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | Fp8Rows]:
         """add_rms_norm2(x, inp @ weight.T, ...); under a split-K plan the GEMM leaves float32
-        partial sums and the norm kernel adds them up, so no reduction kernel runs; the
-        few-row CUDA kernel does the add and norms in its last block. With `live`, the
-        product skips idle row tiles (`linear`) and the norm kernel follows it."""
+        partial sums and the norm kernel adds them up, so no reduction kernel runs (FP8
+        tensor-core products too); the few-row CUDA kernel does the add and norms in its
+        last block. With `live`, the product skips idle row tiles (`linear`) and the norm
+        kernel follows it."""
         norms = (w_branch, w_next, eps, next_weight)
-        if live is not None or isinstance(inp, Fp8Rows):
+        if live is not None:
             return self.add_rms_norm2(x, self.linear(inp, weight, live), *norms)
+        if not isinstance(inp, Fp8Rows) and takes_fp8_rows(inp.shape[0], inp.dtype, weight):
+            inp = quantize_rows(inp, self.pdl)  # attention's output: no kernel hands it on
+        if isinstance(inp, Fp8Rows):
+            return self._add_rms_norm2(x, fp8_product(inp, weight, True, self.pdl), *norms)
         bf16 = all(t is None or t.dtype == torch.bfloat16 for t in (x, w_branch, w_next))
         if bf16 and x.stride(1) == 1 and takes_few_row(inp, weight):
             return few_row_gemm_add_norms(x, inp, weight, w_branch, w_next, eps, pdl=self.pdl)
@@ -270,7 +276,7 @@ class TritonOps:
         """x @ weight.T; few rows stream the weight once, and with `live` a row tile none of
         whose rows is live skips the weight (those rows' outputs are zero)."""
         if isinstance(x, Fp8Rows):
-            return fp8_rows_linear(x, weight)
+            return fp8_product(x, weight, pdl=self.pdl)
         if live is None and takes_few_row(x, weight):
             return few_row_gemm(x, weight, pdl=self.pdl)
         if live is None and takes_strip(x, weight):
@@ -285,7 +291,10 @@ class TritonOps:
     ) -> torch.Tensor | Fp8Rows:
         """silu_mul(x @ gate_up.T); few rows do the SiLU-mul in the GEMM's epilogue."""
         if isinstance(x, Fp8Rows):
-            return self.silu_mul(fp8_rows_linear(x, gate_up), next_weight)
+            act = fp8_silu_mul_epilogue(x, gate_up, next_weight, self.pdl)
+            if act is None:
+                return self.silu_mul(fp8_product(x, gate_up, pdl=self.pdl), next_weight)
+            return act
         if takes_few_row(x, gate_up):
             return few_row_gemm(x, gate_up, silu_mul=True, pdl=self.pdl)
         if takes_strip(x, gate_up):
