@@ -366,6 +366,12 @@ def main(argv: list[str] | None = None) -> None:
         hint = " (--bounds-only prints the bounds alone)" if args.budget else ""
         parser.error(f"it profiles the CUDA path, and no CUDA device is available here{hint}")
     if args.budget:
+        family = resolve_family(SHAPES[args.shape]())[1]
+        if not hasattr(family, "branch_norms"):
+            parser.error(
+                f"--budget models Ouro- and Nanbeige-style layers, not {args.shape}'s; its "
+                "kernel table comes without --budget (--concurrency)"
+            )
         budget(args)
         return
     model = random_model(args.shape, torch.bfloat16, torch.device("cuda"))

@@ -363,3 +363,10 @@ def test_measuring_the_budget_without_cuda_fails_in_one_line(capsys, monkeypatch
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--bounds-only" in err
+
+
+def test_the_budget_of_a_family_it_does_not_model_is_a_one_line_error(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--budget", "--bounds-only", "--shape", "huginn-3.5b"])
+    assert exit_info.value.code == 2
+    assert "not huginn-3.5b's" in capsys.readouterr().err
