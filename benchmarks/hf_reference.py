@@ -39,8 +39,8 @@ AUTO_MAP = {
 def reference_folder(checkpoint: Path, modeling_dir: Path, scratch: Path) -> Path:
     """A folder transformers loads with trust_remote_code: the checkpoint's files linked,
     the modeling files linked, config.json with AUTO_MAP."""
-    for name in os.listdir(checkpoint):
-        if name != "config.json":
+    for name in os.listdir(checkpoint):  # a Hub folder ships the modeling files too
+        if name != "config.json" and name not in MODELING_FILES:
             (scratch / name).symlink_to((checkpoint / name).resolve())
     for name in MODELING_FILES:
         (scratch / name).symlink_to((modeling_dir / name).resolve())
@@ -114,7 +114,11 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory() as scratch:
         folder = reference_folder(checkpoint, modeling_dir, Path(scratch))
-        model = AutoModelForCausalLM.from_pretrained(folder, trust_remote_code=True, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, trust_remote_code=True, torch_dtype=dtype
+        )
+    if model.dtype != dtype:
+        raise SystemExit(f"the reference loaded in {model.dtype}, not {dtype}")
     model = model.to(args.device).eval()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)

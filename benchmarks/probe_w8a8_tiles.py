@@ -20,34 +20,28 @@ import torch
 from benchmarks.graph_timing import graph_time_us
 from benchmarks.probe_few_row_gemm import LAYERS, SHAPES, copy_bandwidth
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.kernels.w8a8_gemm import W8A8Tile, w8a8_gemm
 
-# Candidate tiles: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages).
-TILES = tuple(
-    W8A8Tile(*t)
-    for t in (
-        (64, 64, 128, 1, 4, 4),
-        (64, 128, 128, 1, 4, 4),
-        (64, 64, 128, 2, 4, 4),
-        (64, 64, 128, 4, 4, 4),
-        (128, 64, 128, 1, 4, 4),
-        (128, 128, 128, 1, 8, 3),
-        (64, 32, 128, 1, 4, 4),
-        (64, 32, 128, 2, 4, 4),
-        (64, 32, 256, 1, 4, 3),
-        (64, 64, 256, 1, 4, 3),
-        (32, 64, 128, 1, 4, 4),
-        (64, 64, 128, 1, 4, 6),
-    )
+# Candidate tiles: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), as W8A8Tile takes them
+# (built in _case, so that --help needs no Triton).
+TILES = (
+    (64, 64, 128, 1, 4, 4),
+    (64, 128, 128, 1, 4, 4),
+    (64, 64, 128, 2, 4, 4),
+    (64, 64, 128, 4, 4, 4),
+    (128, 64, 128, 1, 4, 4),
+    (128, 128, 128, 1, 8, 3),
+    (64, 32, 128, 1, 4, 4),
+    (64, 32, 128, 2, 4, 4),
+    (64, 32, 256, 1, 4, 3),
+    (64, 64, 256, 1, 4, 3),
+    (32, 64, 128, 1, 4, 4),
+    (64, 64, 128, 1, 4, 6),
 )
-
-
-def _label(tile: W8A8Tile) -> str:
-    return "x".join(map(str, (tile.block_m, tile.block_n, tile.block_k, tile.split_k)))
 
 
 def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
     from vllm_rlt.kernels.fp8_rows import fp8_rows_linear, quantize_rows
+    from vllm_rlt.kernels.w8a8_gemm import W8A8Tile, w8a8_gemm
     from vllm_rlt.layers.fp8 import Fp8Weight
 
     gen = torch.Generator(device="cuda").manual_seed(rows + n)
@@ -60,13 +54,14 @@ def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
     want = fp8_rows_linear(x, weights[0]).float()
     result = {"rows": rows, "shape": name, "bound_us": bound_us}
     result["cublas_us"] = graph_time_us(lambda i: fp8_rows_linear(x, weights[i]), LAYERS)
-    for tile in TILES:
+    for tile in (W8A8Tile(*fields) for fields in TILES):
         if tile.split_k > 1 and n > 2048:
             continue  # split-K only for the narrow projections
         got = w8a8_gemm(x, weights[0], tile).float()
         got = got.sum(0) if got.dim() == 3 else got
         error = ((got - want).norm() / want.norm()).item()
-        label = f"{_label(tile)}w{tile.warps}s{tile.stages}"
+        label = "x".join(map(str, (tile.block_m, tile.block_n, tile.block_k, tile.split_k)))
+        label += f"w{tile.warps}s{tile.stages}"
         us = graph_time_us(lambda i, t=tile: w8a8_gemm(x, weights[i], t), LAYERS)
         result[label] = {"us": us, "relative_error": error}
     return result

@@ -16,12 +16,13 @@ def test_the_scratch_folder_links_weights_and_modeling_files_and_maps_the_classe
         folder.mkdir()
     (checkpoint / "config.json").write_text(json.dumps({"n_embd": 96}))
     (checkpoint / "model.safetensors").write_bytes(b"weights")
-    for name in MODELING_FILES:
+    for name in MODELING_FILES:  # a Hub folder holds them beside the weights too
         (modeling / name).write_text("# modeling")
+        (checkpoint / name).write_text("# the Hub's copy")
     folder = reference_folder(checkpoint, modeling, scratch)
     assert json.loads((folder / "config.json").read_text()) == {"n_embd": 96, "auto_map": AUTO_MAP}
     assert (folder / "model.safetensors").read_bytes() == b"weights"
-    assert all((folder / name).is_symlink() for name in MODELING_FILES)
+    assert all((folder / name).read_text() == "# modeling" for name in MODELING_FILES)
     assert json.loads((checkpoint / "config.json").read_text()) == {"n_embd": 96}  # untouched
 
 

@@ -100,7 +100,8 @@ def _pick_run_kernel(best_ptr, index_ptr, out_ptr, RUNS: tl.constexpr):
 
 
 def vocab_runs(rows: int, vocab: int) -> int:
-    """Runs per row (see RUN_PROGRAMS): depends on the row count alone, as a graph needs."""
+    """Runs per row (see RUN_PROGRAMS): fixed by the row count and the vocabulary, as a
+    captured graph needs."""
     runs = 1
     while runs < MAX_RUNS and rows * runs * 2 <= RUN_PROGRAMS and vocab > runs * 2 * BLOCK:
         runs *= 2

@@ -1,4 +1,4 @@
-"""FP8 tensor-core products for passes of 17-512 rows with tiles sized for them: cuBLAS's
+"""FP8 tensor-core products for passes of 2-512 rows with tiles sized for them: cuBLAS's
 FP8 kernels tile for many rows, and at 64 rows on Ouro-1.4B shapes they ran at 0.2-0.45 of
 the copy bandwidth (the attention output and down projections slower than bf16's). Here a
 program owns one output tile, reads its activations already in float8 (`Fp8Rows`, scaled

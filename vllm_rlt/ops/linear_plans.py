@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import torch
 
+from vllm_rlt.kernels import few_row_gemm
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig
 from vllm_rlt.kernels.strip_gemv import strip_rows
 from vllm_rlt.kernels.w8a8_gemm import W8A8Tile
@@ -56,6 +57,9 @@ LIVE_SKINNY_ROWS, LIVE_SKINNY = 64, SkinnyConfig(128, 128, 8, 4, 64)
 # accuracy of that rounding: docs/benchmarks/2026-12-04-split-kv-fp8-rows.md). One row
 # keeps the weight-only products (strip_gemv).
 FP8_SKINNY_ROWS = 1
+# A product with a live mask over fp8 weights keeps the skinny kernel, which skips idle row
+# tiles, up to this many rows (no model of the engine has such a product yet).
+FP8_LIVE_SKINNY_ROWS = 16
 
 # Above FP8_SKINNY_ROWS, FP8 weights take the Triton W8A8 kernel (kernels/w8a8_gemm.py) with
 # these tiles for passes of up to so many rows, per layer class, and cuBLAS's FP8 product
@@ -119,8 +123,8 @@ def linear_plan(
     1.06x at 8 rows). `live`: the product has a live mask (see LIVE_SKINNY_ROWS)."""
     n, k = weight.shape
     fp8 = isinstance(weight, Fp8Weight)
-    if fp8 and x.shape[0] > FP8_SKINNY_ROWS:
-        return None
+    if fp8 and x.shape[0] > (FP8_LIVE_SKINNY_ROWS if live else FP8_SKINNY_ROWS):
+        return None  # FP8 tensor cores
     plans = LINEAR_PLANS[layer_class(n, k)]
     if live and not fp8:
         plans += ((LIVE_SKINNY_ROWS, LIVE_SKINNY),)
@@ -159,8 +163,10 @@ def takes_strip(x: torch.Tensor, weight: Weight) -> bool:
 def takes_fp8_rows(rows: int, dtype: torch.dtype, weight: Weight | None) -> bool:
     """Whether a product of `rows` rows of `dtype` activations by `weight` runs on FP8
     tensor cores with per-token scales (kernels/fp8_rows.py) in every TritonOps path, so
-    that the kernel before it may hand it float8 rows (`Fp8Rows`)."""
-    return rows > FP8_SKINNY_ROWS and fp8_tensor_cores_take(dtype, weight)
+    that the kernel before it may hand it float8 rows (`Fp8Rows`): not where the few-row
+    CUDA kernels are set to take float8 weights (FP8_CUDA_ROWS)."""
+    fewest = max(FP8_SKINNY_ROWS, few_row_gemm.FP8_CUDA_ROWS)
+    return rows > fewest and fp8_tensor_cores_take(dtype, weight)
 
 
 def fp8_tensor_cores_take(dtype: torch.dtype, weight: Weight | None) -> bool:
