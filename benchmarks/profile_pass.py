@@ -22,6 +22,7 @@ import time
 
 import torch
 from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity
 
 from vllm_rlt.bench.budget_report import (
     Measured,
@@ -77,6 +78,7 @@ def profile(
     spec: SpeculativeConfig | None,
     kv_dtype: str,
     prompt_len: int = 64,
+    sources: bool = False,
 ) -> None:
     # the prompt plus at most one token per step (16 warm-up steps and the timed ones), in
     # blocks of 16: large concurrencies fit beside the weights
@@ -128,8 +130,51 @@ def profile(
     print(
         prof.key_averages().table(sort_by="cuda_time_total", row_limit=24, max_name_column_width=60)
     )
+    if sources:
+        with (
+            engine.runner.eager_passes(),
+            torch.profiler.profile(
+                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True
+            ) as prof,
+        ):
+            for _ in range(SOURCE_STEPS):
+                engine.step()
+            torch.cuda.synchronize()
+        print_sources(device_time_by_source(prof.events()), SOURCE_STEPS)
     for request_id in list(engine.groups):
         engine.abort_request(request_id)
+
+
+SOURCE_STEPS = 3  # eager steps profiled for --sources
+
+
+def device_time_by_source(events) -> dict[str, tuple[float, int]]:
+    """Microseconds of device time and kernel launches per package source line: each
+    kernel goes to the innermost frame inside vllm_rlt of the event that launched it or of
+    its nearest parent (its recorded stack, or a Python-function event's own name), else to
+    the launching event's name."""
+    spent: dict[str, tuple[float, int]] = {}
+    for event in events:
+        kernels = getattr(event, "kernels", None) or []
+        if not kernels:
+            continue
+        site, parent = None, event
+        while site is None and parent is not None:  # Python frames are events too
+            frames = [*(parent.stack or []), parent.name]
+            site = next((frame for frame in frames if "vllm_rlt" in frame), None)
+            parent = parent.cpu_parent
+        site = site or f"({event.name})"
+        total, launches = spent.get(site, (0.0, 0))
+        spent[site] = (total + sum(k.duration for k in kernels), launches + len(kernels))
+    return spent
+
+
+def print_sources(spent: dict[str, tuple[float, int]], steps: int) -> None:
+    """The 30 source lines whose torch ops cost the most device time per step."""
+    print(f"device time per eager step by package source line ({steps} steps):")
+    ranked = sorted(spent.items(), key=lambda item: -item[1][0])
+    for site, (us, launches) in ranked[:30]:
+        print(f"{us / steps:10.1f} us {launches / steps:6.1f} launches  {site}")
 
 
 def _timed_launch(runner, out: SchedulerOutput, repeats: int) -> tuple[float, float]:
@@ -309,6 +354,12 @@ def main(argv: list[str] | None = None) -> None:
         "and mixed; none: skip (--budget: 1 8 64 256 512)",
     )
     parser.add_argument(
+        "--sources",
+        action="store_true",
+        help="with --concurrency: also profile eager decode steps and rank the package's "
+        "source lines by the device time of the kernels they launch (the glue shows there)",
+    )
+    parser.add_argument(
         "--kernels",
         action="store_true",
         help="with --rows: also list each graphed pass's device time per kernel",
@@ -379,7 +430,9 @@ def main(argv: list[str] | None = None) -> None:
         model.quantize(args.quantization)
     for concurrency in args.concurrency:
         spec = speculative_config(args)
-        profile(model, concurrency, args.steps, spec, args.kv_cache_dtype, args.prompt_len)
+        profile(
+            model, concurrency, args.steps, spec, args.kv_cache_dtype, args.prompt_len, args.sources
+        )
     if args.rows:
         pass_rows(model, args.rows, args.steps, args.kernels, args.kv_cache_dtype)
 

@@ -370,3 +370,28 @@ def test_the_budget_of_a_family_it_does_not_model_is_a_one_line_error(capsys):
         main(["--budget", "--bounds-only", "--shape", "huginn-3.5b"])
     assert exit_info.value.code == 2
     assert "not huginn-3.5b's" in capsys.readouterr().err
+
+
+def test_sources_rank_kernels_by_the_innermost_package_frame_of_their_launcher():
+    from types import SimpleNamespace
+
+    from benchmarks.profile_pass import device_time_by_source
+
+    def event(name, stack=(), parent=None, kernels=()):
+        kernels = [SimpleNamespace(duration=us) for us in kernels]
+        return SimpleNamespace(name=name, stack=list(stack), cpu_parent=parent, kernels=kernels)
+
+    huginn = "vllm_rlt/models/huginn.py(266): _layer"
+    step = event("step", ["vllm_rlt/worker/model_runner.py(300): execute"])
+    silu = event("aten::silu", ["torch/nn/functional.py(2000): silu", huginn, "runner"], step)
+    launch = event("cuLaunchKernel", [], parent=step, kernels=[7.0])  # its parent's frame
+    events = [step, silu, event("aten::silu", [], silu, [2.0, 1.0]), launch]
+    frame = event("vllm_rlt/exit/latent_diff.py(40): decide", parent=step)  # a Python event
+    events.append(event("aten::norm", [], event("<built-in method norm>", [], frame), [4.0]))
+    events.append(event("cudaMemsetAsync", kernels=[0.5]))  # no frame anywhere: its name
+    assert device_time_by_source(events) == {
+        huginn: (3.0, 2),
+        "vllm_rlt/worker/model_runner.py(300): execute": (7.0, 1),
+        "(cudaMemsetAsync)": (0.5, 1),
+        "vllm_rlt/exit/latent_diff.py(40): decide": (4.0, 1),
+    }
