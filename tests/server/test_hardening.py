@@ -620,3 +620,31 @@ def test_checks_across_fields_name_the_field(server, path, change, param):
         assert "unknown field" in error["message"] and "b" in error["message"]
     elif param.startswith("max_"):  # beyond the context: named as the client named it
         assert f"{param} (5000)" in error["message"]
+
+
+def test_a_long_prompt_is_tokenized_with_the_gil_released(server, monkeypatch):
+    """A prompt past GIL_FREE_CHARS, to /tokenize or a completion, is encoded with the GIL
+    released (on build_job's worker thread the event loop keeps serving other clients),
+    and gives the ids a short-path encode gives."""
+    from vllm_rlt.entrypoints.openai.serving import GIL_FREE_CHARS
+    from vllm_rlt.tokenizer import Tokenizer
+
+    url, _ = server
+    long = "1+1=" * (GIL_FREE_CHARS // 4 + 1)
+    want = Tokenizer.byte_level().encode(long)
+    flags: list[bool] = []
+    encode = Tokenizer.encode
+
+    def spied(self, text, add_special_tokens=True, release_gil=False):
+        flags.append(release_gil)
+        return encode(self, text, add_special_tokens, release_gil)
+
+    monkeypatch.setattr(Tokenizer, "encode", spied)
+    reply = httpx.post(f"{url}/tokenize", json={"prompt": long})
+    assert reply.status_code == 200
+    assert reply.json()["tokens"] == want
+    body = {"model": "toy", "prompt": long}
+    error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400)
+    assert "exceeds the context length" in error["message"]
+    httpx.post(f"{url}/tokenize", json={"prompt": "1+1="})
+    assert flags == [True, True, False]

@@ -370,3 +370,15 @@ def test_spaces_between_special_tokens_and_skipping_them() -> None:
         stream = IncrementalDetokenizer(tok, byte_ids("x"), False, spaces)
         text = "".join(stream.add(token) for token in ids) + stream.flush()
         assert text == tok.decode(byte_ids("x") + ids, False, spaces)[len("x") :]
+
+
+@pytest.mark.parametrize("add_special_tokens", [True, False])
+def test_releasing_the_gil_encodes_the_same_ids(bpe_tokenizer: Tokenizer, add_special_tokens):
+    """`release_gil` (a server's worker thread, for long prompts) changes only how the
+    library is called: the same ids, special tokens and BOS included."""
+    text = "the quick brown fox 日本語 <|endoftext|> café " * 500
+    for tok in (bpe_tokenizer, Tokenizer.byte_level()):
+        want = tok.encode(text, add_special_tokens=add_special_tokens)
+        assert tok.encode(text, add_special_tokens, release_gil=True) == want
+    with pytest.raises(ValueError, match="lone surrogate"):
+        bpe_tokenizer.encode("x\ud800", release_gil=True)

@@ -340,14 +340,23 @@ class Tokenizer:
         """The template `apply_chat_template` renders: the model's, else ChatML."""
         return CHATML_TEMPLATE if self._chat_template is None else self._chat_template
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, text: str, add_special_tokens: bool = True, release_gil: bool = False
+    ) -> list[int]:
         """Token ids of `text`.
 
         With special tokens: whatever the post-processor adds, plus BOS when
         tokenizer_config.json sets add_bos_token and the post-processor did not put it first.
+        `release_gil`: encode through `encode_batch`, which lets other threads run while it
+        works (`encode` holds the GIL throughout), for a server's worker thread; the
+        tokenizers library may then warn if the process forks later.
         """
         require_valid_text(text, "prompt")
-        ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
+        if release_gil:
+            encoded = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
+            ids = encoded[0].ids
+        else:
+            ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
         if (
             add_special_tokens
             and self._add_bos_token

@@ -155,13 +155,9 @@ def build_app(state: ServerState) -> FastAPI:
         add_rl_routes(app, state.loaded_engine)
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict[str, Any]:
+    async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         serving = state.ready()
-        if body.messages is not None:
-            _, tokens = serving.chat_prompt(body.model, body.messages)
-        else:
-            tokenizer = serving.tokenizer_for(body.model)
-            tokens = tokenizer.encode(body.prompt or "", body.add_special_tokens)
+        tokens = await build_job(serving.tokenize, body, request)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
     @app.get("/tokenizer_info")
