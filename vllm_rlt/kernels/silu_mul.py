@@ -14,6 +14,22 @@ from vllm_rlt.kernels.pdl import pdl_enter
 
 
 @triton.jit
+def silu_times(gate, up, dtype: tl.constexpr):
+    """SiLU(gate) * up in `dtype`, from float32 gate and up already rounded to `dtype`,
+    rounded where torch rounds (the activation, then the product): every kernel that does
+    the MLP's SiLU-mul uses it."""
+    return ((gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up).to(dtype)
+
+
+@triton.jit
+def silu_times_pairs(y, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, dtype: tl.constexpr):
+    """silu_times over a [BLOCK_M, BLOCK_N] float32 product tile whose columns interleave
+    gate and up (gate_0, up_0, gate_1, ...): [BLOCK_M, BLOCK_N // 2] in `dtype`."""
+    gate, up = tl.split(tl.reshape(y.to(dtype).to(tl.float32), (BLOCK_M, BLOCK_N // 2, 2)))
+    return silu_times(gate, up, dtype)
+
+
+@triton.jit
 def _silu_mul_kernel(
     gu_ptr,
     out_ptr,
@@ -35,6 +51,5 @@ def _silu_mul_kernel(
     pair = gu_ptr + row * gu_stride + 2 * cols  # interleaved gate_j, up_j
     gate = tl.load(pair, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(pair + 1, mask=mask, other=0.0).to(tl.float32)
-    act = (gate * tl.sigmoid(gate)).to(dtype).to(tl.float32)
-    out = (act * up).to(dtype)
+    out = silu_times(gate, up, dtype)
     store_row(out_ptr + row * inter + cols, scale_ptr + row, out, mask, FP8_OUT, FP8_RANGE)

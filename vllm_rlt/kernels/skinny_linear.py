@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from vllm_rlt.kernels.pdl import launch_options, pdl_enter
+from vllm_rlt.kernels.silu_mul import silu_times_pairs
 from vllm_rlt.layers.fp8 import Fp8Weight
 
 
@@ -107,9 +108,7 @@ def _skinny_linear_kernel(
         out_offsets = tl.program_id(2) * split_stride + rows[:, None] * out_stride + cols[None, :]
         tl.store(out_ptr + out_offsets, acc, mask=row_ok[:, None] & col_ok[None, :])
     elif SILU_MUL:
-        y = acc.to(dtype).to(tl.float32)
-        gate, up = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
-        out = ((gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up).to(dtype)
+        out = silu_times_pairs(acc, BLOCK_M, BLOCK_N, dtype)
         half = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out_offsets = rows[:, None] * out_stride + half[None, :]
         tl.store(out_ptr + out_offsets, out, mask=row_ok[:, None] & (half < N // 2)[None, :])

@@ -17,6 +17,7 @@ import triton.language as tl
 
 from vllm_rlt.kernels.fp8_rows import Fp8Rows
 from vllm_rlt.kernels.pdl import launch_options, pdl_enter
+from vllm_rlt.kernels.silu_mul import silu_times_pairs
 from vllm_rlt.layers.fp8 import Fp8Weight
 
 
@@ -79,9 +80,7 @@ def _w8a8_kernel(
     acc = acc * a_scale[:, None] * b_scale[None, :]
     dtype = c_ptr.dtype.element_ty
     if SILU_MUL:
-        y = acc.to(dtype).to(tl.float32)
-        gate, up = tl.split(tl.reshape(y, (BLOCK_M, BLOCK_N // 2, 2)))
-        act = ((gate * tl.sigmoid(gate)).to(dtype).to(tl.float32) * up).to(dtype)
+        act = silu_times_pairs(acc, BLOCK_M, BLOCK_N, dtype)
         half = (pid % tiles_n) * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
         out = c_ptr + rows[:, None].to(tl.int64) * (N // 2) + half[None, :]
         tl.store(out, act, mask=row_ok[:, None] & (half < N // 2)[None, :])
