@@ -15,6 +15,7 @@ python -m benchmarks.profile_pass --budget --bounds-only   # no GPU needed
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import gc
 import json
@@ -134,7 +135,10 @@ def profile(
         with (
             engine.runner.eager_passes(),
             torch.profiler.profile(
-                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True
+                activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                with_stack=True,
+                # some torch builds fill an op's stack only in verbose mode
+                experimental_config=torch._C._profiler._ExperimentalConfig(verbose=True),
             ) as prof,
         ):
             for _ in range(SOURCE_STEPS):
@@ -152,7 +156,11 @@ def device_time_by_source(events) -> dict[str, tuple[float, int]]:
     """Microseconds of device time and kernel launches per package source line: each
     kernel goes to the innermost frame inside vllm_rlt of the event that launched it or of
     its nearest parent (its recorded stack, or a Python-function event's own name), else to
-    the launching event's name."""
+    the launching event's name. Where no parent links an event to a Python-function event
+    (as in some torch builds with CUDA activity), the innermost package Python-function
+    event whose time span holds it on its thread stands in."""
+    events = list(events)
+    enclosing = _EnclosingFrames(events)
     spent: dict[str, tuple[float, int]] = {}
     for event in events:
         kernels = getattr(event, "kernels", None) or []
@@ -163,15 +171,45 @@ def device_time_by_source(events) -> dict[str, tuple[float, int]]:
             frames = [*(parent.stack or []), parent.name]
             site = next((frame for frame in frames if "vllm_rlt" in frame), None)
             parent = parent.cpu_parent
-        site = site or f"({event.name})"
+        site = site or enclosing.around(event) or f"({event.name})"
         total, launches = spent.get(site, (0.0, 0))
         spent[site] = (total + sum(k.duration for k in kernels), launches + len(kernels))
     return spent
 
 
+class _EnclosingFrames:
+    """The package's Python-function events per thread, by start time."""
+
+    def __init__(self, events) -> None:
+        self.frames: dict[int, list] = {}
+        for event in events:
+            timed = getattr(event, "time_range", None) is not None
+            if timed and "vllm_rlt" in event.name and ".py(" in event.name:
+                self.frames.setdefault(event.thread, []).append(event)
+        for frames in self.frames.values():
+            frames.sort(key=lambda frame: frame.time_range.start)
+        self.starts = {
+            thread: [frame.time_range.start for frame in frames]
+            for thread, frames in self.frames.items()
+        }
+
+    def around(self, event) -> str | None:
+        """The name of the latest-starting frame whose span holds `event`'s."""
+        thread, span = getattr(event, "thread", None), getattr(event, "time_range", None)
+        if thread not in self.frames or span is None:
+            return None
+        frames = self.frames[thread]
+        for index in range(bisect.bisect_right(self.starts[thread], span.start) - 1, -1, -1):
+            if frames[index].time_range.end >= span.end:
+                return frames[index].name
+        return None
+
+
 def print_sources(spent: dict[str, tuple[float, int]], steps: int) -> None:
     """The 30 source lines whose torch ops cost the most device time per step."""
     print(f"device time per eager step by package source line ({steps} steps):")
+    if not any("vllm_rlt" in site for site in spent):
+        print("(the profiler recorded no package Python frames: op names stand in)")
     ranked = sorted(spent.items(), key=lambda item: -item[1][0])
     for site, (us, launches) in ranked[:30]:
         print(f"{us / steps:10.1f} us {launches / steps:6.1f} launches  {site}")

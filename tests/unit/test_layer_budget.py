@@ -389,9 +389,23 @@ def test_sources_rank_kernels_by_the_innermost_package_frame_of_their_launcher()
     frame = event("vllm_rlt/exit/latent_diff.py(40): decide", parent=step)  # a Python event
     events.append(event("aten::norm", [], event("<built-in method norm>", [], frame), [4.0]))
     events.append(event("cudaMemsetAsync", kernels=[0.5]))  # no frame anywhere: its name
+
+    # no parent links, but Python-function events on its thread whose spans hold it: the
+    # innermost (latest-starting) one that holds it all
+    def timed(name, thread, start, end, kernels=()):
+        found = event(name, kernels=kernels)
+        found.thread, found.time_range = thread, SimpleNamespace(start=start, end=end)
+        return found
+
+    outer = "vllm_rlt/layers/initial_state.py(30): truncated_normal"
+    inner = "vllm_rlt/layers/sampler.py(104): seeded_uniform"
+    events += [timed(outer, 1, 0, 100), timed(inner, 1, 10, 20), timed(inner, 2, 30, 90)]
+    events += [timed("aten::bitwise_xor", 1, 40, 50, [1.5]), timed("aten::mul", 1, 12, 15, [2.5])]
     assert device_time_by_source(events) == {
         huginn: (3.0, 2),
         "vllm_rlt/worker/model_runner.py(300): execute": (7.0, 1),
         "(cudaMemsetAsync)": (0.5, 1),
         "vllm_rlt/exit/latent_diff.py(40): decide": (4.0, 1),
+        outer: (1.5, 1),
+        inner: (2.5, 1),
     }
