@@ -1,5 +1,6 @@
-"""Time the skinny linear kernel over launch shapes against cuBLAS, at Ouro-1.4B layer shapes,
-to choose the rows of LINEAR_PLANS (vllm_rlt/ops/linear_plans.py).
+"""Time the skinny linear kernel over launch shapes against cuBLAS, at Ouro-1.4B layer shapes
+(and on request Huginn-3.5B's widest, K = 5,280), to choose the rows of LINEAR_PLANS
+(vllm_rlt/ops/linear_plans.py).
 
 Each case runs back to back in a CUDA graph over enough weight copies to defeat the L2 cache,
 as the layers of a real pass do. Layers that feed the residual add and norm (o, down) are
@@ -12,6 +13,7 @@ widens them in registers, and the baseline is the path fp8 weights take without 
 plan: per-token activation scales and FP8 tensor cores (kernels/fp8_rows.py).
 
 python -m benchmarks.tune_linear [--rows 1 16 32 64] [--shapes o down] [--jobs 8] [--fp8]
+python -m benchmarks.tune_linear --rows 16 32 64 --shapes huginn_qkv huginn_fc
 """
 
 from __future__ import annotations
@@ -35,6 +37,8 @@ SHAPES = {
     "down": (2048, 5632, False, True),
     "lm_head": (49152, 2048, False, False),
 }
+OURO_SHAPES = list(SHAPES)
+SHAPES |= {"huginn_qkv": (15840, 5280, False, False), "huginn_fc": (35840, 5280, False, False)}
 L2_DEFEAT_BYTES = 160 * 2**20
 
 
@@ -147,7 +151,7 @@ def main() -> None:
         "--rows", type=int, nargs="+", default=[1, 16, 32, 64], help="rows per pass"
     )
     parser.add_argument(
-        "--shapes", nargs="+", default=list(SHAPES), choices=list(SHAPES), help="layer shapes"
+        "--shapes", nargs="+", default=OURO_SHAPES, choices=list(SHAPES), help="layer shapes"
     )
     parser.add_argument(
         "--jobs", type=int, default=8, help="processes that compile launch shapes first"
