@@ -203,9 +203,12 @@ def test_w8a8_tiles_equal_the_float32_product_of_their_inputs(tile, rows, n, k):
     q = Fp8Weight.quantize(torch.randn(n, k, device="cuda", generator=gen) / k**0.5)
     want = (x.data.float() * x.scale) @ q.dequantize(torch.float32).T
     got = _fp8_product(x, q, tile)
-    # bf16 out; or float32 sums, of FP8 tensor-core products that Hopper accumulates with
-    # fewer mantissa bits than float32 (measured: 1.2e-3 at most here)
-    tol = 2e-2 if tile is None or tile.split_k == 1 else 3e-3
+    # bf16 out, or float32 partial sums; on sm_90 Triton accumulates a slice's whole chain
+    # of FP8 tensor-core products in the tensor cores' reduced precision (its default
+    # max_num_imprecise_acc there is 2^30), so the error grows with K / split: 1.2e-3 at
+    # most at K = 200, past 3e-3 at K = 5,632 (H200), and at 512 rows by a 2,816-long chain
+    # past 1e-2 in one case of 98 (H100)
+    tol = 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
