@@ -23,12 +23,13 @@ def triton_ops():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_norms_and_activation(triton_ops, dtype):
+@pytest.mark.parametrize("hidden", [2048, 3072, 5280])  # 4, 8 and 16 warps a row
+def test_norms_and_activation(triton_ops, dtype, hidden):
     gen = torch.Generator(device="cuda").manual_seed(0)
-    x = torch.randn(37, 2048, device="cuda", generator=gen).to(dtype)
-    y = torch.randn(37, 2048, device="cuda", generator=gen).to(dtype) * 3
-    w1 = (1 + 0.1 * torch.randn(2048, device="cuda", generator=gen)).to(dtype)
-    w2 = (1 + 0.1 * torch.randn(2048, device="cuda", generator=gen)).to(dtype)
+    x = torch.randn(37, hidden, device="cuda", generator=gen).to(dtype)
+    y = torch.randn(37, hidden, device="cuda", generator=gen).to(dtype) * 3
+    w1 = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(dtype)
+    w2 = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(dtype)
     ref = TorchOps()
     tol = TOL[dtype]
     torch.testing.assert_close(

@@ -17,7 +17,7 @@ from vllm_rlt.kernels.few_row_gemm import few_row_gemm, few_row_gemm_add_norms, 
 from vllm_rlt.kernels.fp8_rows import Fp8Rows, empty_fp8_rows, quantize_rows
 from vllm_rlt.kernels.gumbel_sample import gumbel_sample
 from vllm_rlt.kernels.head_lanes import head_range
-from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel
+from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel, row_warps
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
 from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
@@ -156,6 +156,7 @@ class TritonOps:
         cores (the quantize in the norm's epilogue)."""
         rows, n = x.shape
         out, data, scale, fp8 = _activations_out(rows, n, x, next_weight)
+        block = triton.next_power_of_2(n)
         if rows:
             _rms_norm_kernel[(rows,)](
                 x,
@@ -166,9 +167,10 @@ class TritonOps:
                 n,
                 n,
                 eps,
-                BLOCK=triton.next_power_of_2(n),
+                BLOCK=block,
                 FP8_OUT=fp8,
                 FP8_RANGE=FP8_MAX,
+                num_warps=row_warps(block),
                 **launch_options(self.pdl),
             )
         return out
@@ -223,6 +225,7 @@ class TritonOps:
         rows, n = x.shape
         x_out = torch.empty_like(x)
         normed, data, scale, fp8 = _activations_out(rows, n, x, next_weight)
+        block = triton.next_power_of_2(n)
         if rows:
             _add_rms_norm2_kernel[(rows,)](
                 x,
@@ -237,11 +240,12 @@ class TritonOps:
                 scale,
                 n,
                 eps,
-                BLOCK=triton.next_power_of_2(n),
+                BLOCK=block,
                 PARTS=parts.shape[0],
                 NORM_BRANCH=w_branch is not None,
                 FP8_OUT=fp8,
                 FP8_RANGE=FP8_MAX,
+                num_warps=row_warps(block),
                 **launch_options(self.pdl),
             )
         return x_out, normed
