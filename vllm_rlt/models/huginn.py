@@ -174,8 +174,9 @@ class HuginnModel:
         shape = (positions.shape[0], cfg.hidden_size)
         if cfg.init_scale == 0:
             return torch.zeros(shape, dtype=self.dtype, device=positions.device)
-        draw = truncated_normal(seeds, positions, cfg.hidden_size, cfg.state_std)
-        return (draw * cfg.embed_scale).to(self.dtype)
+        return truncated_normal(
+            seeds, positions, cfg.hidden_size, cfg.state_std, cfg.embed_scale, self.dtype
+        )
 
     def step(
         self,
