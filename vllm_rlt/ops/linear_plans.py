@@ -40,6 +40,12 @@ LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
     ),
     "deep": ((16, SkinnyConfig(32, 128, 4, 4, 16, 4)),),  # N < K (down): 0.96x at 32 rows
 }
+# The plans above 16 rows were measured at K = 2,048. A weight more than twice as deep keeps
+# only the entries up to DEEP_SKINNY_ROWS and takes cuBLAS above: at 64 rows Huginn-3.5B's
+# qkv and gate_up (K = 5,280) streamed 2.0 TB/s on the 128-column tiles on an H200
+# (profile_pass, concurrency 64: a program per 128 columns walks 1.35 MB of weights alone),
+# where cuBLAS ran its o and down projections at 3.3-3.8 TB/s.
+TUNED_DEPTH, DEEP_SKINNY_ROWS = 4096, 16
 
 
 # A product with a live mask (the LM head; Huginn's prelude and coda, whose rows are live
@@ -126,6 +132,8 @@ def linear_plan(
     if fp8 and x.shape[0] > (FP8_LIVE_SKINNY_ROWS if live else FP8_SKINNY_ROWS):
         return None  # FP8 tensor cores
     plans = LINEAR_PLANS[layer_class(n, k)]
+    if k > TUNED_DEPTH:
+        plans = tuple(entry for entry in plans if entry[0] <= DEEP_SKINNY_ROWS)
     if live and not fp8:
         plans += ((LIVE_SKINNY_ROWS, LIVE_SKINNY),)
     for most_rows, config in plans:
