@@ -90,6 +90,34 @@ def test_backends_say_which_head_sizes_they_take(monkeypatch):
         registry.get_backend("even", cpu, 95)
 
 
+def test_float8_on_a_gpu_without_float8_kernels_is_an_error_naming_the_setting(monkeypatch):
+    """The Triton backend takes float8 e4m3 from compute capability 8.9: on an older GPU a
+    run that asks for fp8 weights or K/V is refused with the setting's name and the way
+    out, instead of failing inside a kernel's compilation; the torch backend takes it."""
+    from vllm_rlt.config import ParamError
+    from vllm_rlt.ops import registry
+
+    loads = registry._BACKENDS["torch"][1]
+    fake = (lambda device: True, loads, registry._BACKENDS["triton"][2])
+    monkeypatch.setattr(registry, "_BACKENDS", {"fake": fake} | registry._BACKENDS)
+    monkeypatch.setattr(
+        registry, "_FP8_DEVICES", {"fake": registry._triton_takes_fp8} | registry._FP8_DEVICES
+    )
+    cpu = torch.device("cpu")
+    for capability, refused in (((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)
+        for setting in ("quantization", "kv_cache_dtype"):
+            if refused:
+                with pytest.raises(ParamError, match=f"^{setting}: float8 e4m3 needs") as error:
+                    registry.get_backend("auto", cpu, 64, setting)
+                assert error.value.param == setting
+                assert f"GPU is {capability[0]}.{capability[1]}" in str(error.value)
+            else:
+                assert registry.get_backend("auto", cpu, 64, setting)[0] == "fake"
+        assert registry.get_backend("auto", cpu, 64)[0] == "fake"  # bf16: any capability
+        assert registry.get_backend("torch", cpu, 64, "quantization")[0] == "torch"
+
+
 def test_token_stats_give_the_logprob_and_rank_of_the_token():
     """The greedy form takes the first maximum (as argmax); a rank counts the token and every
     token at least as likely; masked (-inf) tokens never count."""

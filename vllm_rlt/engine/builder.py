@@ -198,7 +198,16 @@ def build_engine_core(
         )
     exit_policy = make_exit_policy(exit_config, model)
     check_exit_sync(exit_config.sync_passes, model, exit_policy)
-    backend, ops = get_backend(config.device_config.attention_backend, model.device, cfg.head_dim)
+    fp8_setting = (
+        "quantization"
+        if model.quantization == "fp8"
+        else "kv_cache_dtype"
+        if cache_config.kv_cache_dtype in ("fp8", "fp8_e4m3")  # e5m2 converts on older GPUs too
+        else None
+    )
+    backend, ops = get_backend(
+        config.device_config.attention_backend, model.device, cfg.head_dim, fp8_setting
+    )
     # Made before the cache is sized, so the memory plan sees its buffers.
     lanes = None
     if speculative_config is not None:

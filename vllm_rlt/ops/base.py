@@ -10,8 +10,8 @@ residual width, `heads` / `kv_heads` the query and KV heads of this rank, `head_
 width; a weight is [N outputs, K inputs], a tensor or an Fp8Weight (layers/fp8.py).
 
 A new backend (for example hand-written CUDA kernels) is a class with these members and
-a loader registered in ops/registry.py (`register_backend(name, is_available, load, fits)`, in
-the order "auto" tries them: the first available wins). Its kernels belong in
+a loader registered in ops/registry.py (`register_backend(name, is_available, load, fits,
+takes_fp8)`, in the order "auto" tries them: the first available wins). Its kernels belong in
 kernels/, one module a family, imported only by its ops module, which the loader imports
 on first use: the package must import on machines without the backend's toolchain. Its
 passes run under CUDA graphs when `needs_segments` is False: it then reads nothing on the

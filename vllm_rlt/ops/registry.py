@@ -7,12 +7,14 @@ from collections.abc import Callable
 
 import torch
 
+from vllm_rlt.config import ParamError
 from vllm_rlt.ops.base import LoopOps
 
 _BACKENDS: dict[
     str,
     tuple[Callable[[torch.device], bool], Callable[[], LoopOps], Callable[[int], bool]],
 ] = {}
+_FP8_DEVICES: dict[str, Callable[[torch.device], bool]] = {}
 
 
 def register_backend(
@@ -20,9 +22,12 @@ def register_backend(
     is_available: Callable[[torch.device], bool],
     load: Callable[[], LoopOps],
     fits: Callable[[int], bool] = lambda head_dim: True,
+    takes_fp8: Callable[[torch.device], bool] = lambda device: True,
 ) -> None:
-    """`fits(head_dim)`: whether the backend's kernels take a model of that head size."""
+    """`fits(head_dim)`: whether the backend's kernels take a model of that head size;
+    `takes_fp8(device)`: whether they take float8 weights or K/V there."""
     _BACKENDS[name] = (is_available, load, fits)
+    _FP8_DEVICES[name] = takes_fp8
 
 
 def available_backends(device: torch.device, head_dim: int | None = None) -> list[str]:
@@ -34,12 +39,23 @@ def available_backends(device: torch.device, head_dim: int | None = None) -> lis
 
 
 def get_backend(
-    name: str, device: torch.device, head_dim: int | None = None
+    name: str, device: torch.device, head_dim: int | None = None, fp8_setting: str | None = None
 ) -> tuple[str, LoopOps]:
     """Resolve `name` ("auto" picks the best available for the device and the model's
-    `head_dim`) to (resolved name, ops object)."""
+    `head_dim`) to (resolved name, ops object). `fp8_setting` names the setting that puts
+    float8 weights or K/V in the engine, if any: a backend without float8 kernels on the
+    device is an error naming it (not a silent switch to a slower backend)."""
     if name == "auto":
         name = available_backends(device, head_dim)[0]
+    if fp8_setting is not None and name in _FP8_DEVICES and not _FP8_DEVICES[name](device):
+        raise ParamError(
+            f"{fp8_setting}: float8 e4m3 needs compute capability 8.9 or newer (Ada, Hopper, "
+            f"Blackwell) on the {name!r} attention backend, and this GPU is "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; leave "
+            f"{fp8_setting} unset, or pass attention_backend 'torch' (plain torch ops, far "
+            "slower)",
+            fp8_setting,
+        )
     if name not in _BACKENDS:
         raise ValueError(
             f"attention_backend must be one of auto, {', '.join(_BACKENDS)}, got {name!r}"
@@ -68,6 +84,11 @@ def _triton_available(device: torch.device) -> bool:
     return True
 
 
+def _triton_takes_fp8(device: torch.device) -> bool:
+    """Triton's float8 e4m3 and FP8 tensor cores start at compute capability 8.9."""
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def _load_triton() -> LoopOps:
     from vllm_rlt.ops.triton_ops import TritonOps
 
@@ -88,5 +109,5 @@ def _even(head_dim: int) -> bool:
 
 
 # Order matters: "auto" takes the first available.
-register_backend("triton", _triton_available, _load_triton, _even)
+register_backend("triton", _triton_available, _load_triton, _even, _triton_takes_fp8)
 register_backend("torch", lambda device: True, _load_torch)
