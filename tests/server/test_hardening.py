@@ -626,8 +626,8 @@ def test_a_long_prompt_is_tokenized_with_the_gil_released(server, monkeypatch):
     """A prompt past GIL_FREE_CHARS, to /tokenize or a completion, is encoded with the GIL
     released (on build_job's worker thread the event loop keeps serving other clients),
     and gives the ids a short-path encode gives."""
-    from vllm_rlt.entrypoints.openai.serving import GIL_FREE_CHARS
     from vllm_rlt.tokenizer import Tokenizer
+    from vllm_rlt.tokenizer.tokenizer import GIL_FREE_CHARS
 
     url, _ = server
     long = "1+1=" * (GIL_FREE_CHARS // 4 + 1)

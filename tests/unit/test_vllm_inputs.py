@@ -136,6 +136,43 @@ def test_async_llm_resolves_max_tokens_none_too() -> None:
         engine.shutdown()
 
 
+def test_async_llm_tokenizes_a_long_text_off_the_event_loop(monkeypatch) -> None:
+    """A text past GIL_FREE_CHARS is encoded on a worker thread with the GIL released, so the
+    event loop goes on serving other requests meanwhile; a short one on the loop."""
+    import threading
+
+    from vllm_rlt.engine.async_llm import AsyncLLM
+    from vllm_rlt.tokenizer import Tokenizer
+    from vllm_rlt.tokenizer.tokenizer import GIL_FREE_CHARS
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model="ouro-tasks"), in_process=True)
+    long = "1+1=" * (GIL_FREE_CHARS // 4 + 1)
+    calls: dict[str, tuple[bool, int]] = {}
+    encode = Tokenizer.encode
+
+    def spied(self, text, add_special_tokens=True, release_gil=False):
+        if text in (long, "1+1="):
+            calls[text] = (release_gil, threading.get_ident())
+        return encode(self, text, add_special_tokens, release_gil)
+
+    monkeypatch.setattr(Tokenizer, "encode", spied)
+
+    async def run() -> int:
+        with pytest.raises(ParamError, match="context length"):
+            async for _ in engine.generate(long, GREEDY, "long"):
+                pass
+        async for _ in engine.generate("1+1=", GREEDY, "short"):
+            pass
+        return threading.get_ident()
+
+    try:
+        loop_thread = asyncio.run(run())
+    finally:
+        engine.shutdown()
+    assert calls[long][0] and calls[long][1] != loop_thread
+    assert calls["1+1="] == (False, loop_thread)
+
+
 def test_async_llm_generate_takes_vllms_arguments_and_prompt_forms() -> None:
     """vLLM's `generate(prompt, sampling_params, request_id)`, positional or by keyword, with
     a text, token ids, a TextPrompt or a TokensPrompt: each form of one prompt gives the same

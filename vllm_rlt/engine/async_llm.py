@@ -35,6 +35,7 @@ from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.hf_compat import user_tokenizer
+from vllm_rlt.tokenizer.tokenizer import GIL_FREE_CHARS
 
 logger = logging.getLogger(__name__)
 
@@ -230,7 +231,10 @@ class AsyncLLM:
         leaving early aborts it. `prompt` is a text, token ids, a `TextPrompt` or a
         `TokensPrompt` (its token ids win over its text, which outputs then carry)."""
         text, token_ids = prompt_parts(prompt)
-        if token_ids is None:
+        if token_ids is None and len(text) > GIL_FREE_CHARS:  # type: ignore[arg-type]
+            # a long text on a worker thread, the GIL released: the loop serves the others
+            token_ids = await asyncio.to_thread(self.processor.encode, text, True)
+        elif token_ids is None:
             token_ids = self.processor.encode(text)  # type: ignore[arg-type]
         stream = self.add_request(request_id, token_ids, sampling_params, text)
         try:

@@ -38,15 +38,16 @@ class InputProcessor:
         the model's generation defaults."""
         return SamplingParams(**self.sampling_defaults)
 
-    def encode(self, text: str) -> list[int]:
-        """A text prompt's token ids (ParamError when there is no tokenizer)."""
+    def encode(self, text: str, release_gil: bool = False) -> list[int]:
+        """A text prompt's token ids (ParamError when there is no tokenizer); with
+        `release_gil`, other threads run while it encodes (`Tokenizer.encode`)."""
         require(
             self.tokenizer is not None,
             "this model has no tokenizer (skip_tokenizer_init, or a model folder without "
             "tokenizer.json); pass prompt_token_ids instead of text",
             "prompt",
         )
-        return self.tokenizer.encode(text)  # type: ignore[union-attr]
+        return self.tokenizer.encode(text, release_gil=release_gil)  # type: ignore[union-attr]
 
     def core_params(self, params: SamplingParams) -> SamplingParams:
         """`params` as the core takes them (bad words as token ids)."""

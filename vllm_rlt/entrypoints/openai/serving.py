@@ -25,20 +25,17 @@ from vllm_rlt.entrypoints.openai.response_shapes import Job, ResponseShapes, sho
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.tokenizer.tokenizer import GIL_FREE_CHARS
 
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 # A non-streamed body of more tokens and logprob entries than this is built on a worker
 # thread (a thread hop costs about what building this many on the event loop does).
 INLINE_ENTRIES = 2048
-# Texts longer than this are tokenized with the GIL released (`Tokenizer.encode`'s
-# release_gil) on the worker thread that build_job hands a large body to: with the GIL
-# held, a 1 MB prompt left the event loop 19 turns a second (734,000 released), so every
-# other client stalled for the 0.7 s it took.
-GIL_FREE_CHARS = 16 * 1024
 
 
 def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """`text`'s token ids, a long one with the GIL released (see GIL_FREE_CHARS)."""
+    """`text`'s token ids, a long one (GIL_FREE_CHARS) with the GIL released, on the worker
+    thread that build_job hands a large body to."""
     long = len(text) > GIL_FREE_CHARS
     return tokenizer.encode(text, add_special_tokens=add_special_tokens, release_gil=long)
 
