@@ -23,12 +23,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="weight seed")
     args = parser.parse_args(argv)
     from vllm_rlt.bench.shapes import save_random_checkpoint
-    from vllm_rlt.models.load import resolve_device, resolve_dtype
+    from vllm_rlt.models.load import resolve_dtype
 
-    try:
-        device = resolve_device(args.device)
-    except ValueError as exc:
-        parser.error(str(exc))
+    device = parser.device(args.device)
     save_random_checkpoint(args.shape, args.folder, resolve_dtype(args.dtype, device), device)
     return 0
 

@@ -29,7 +29,6 @@ from tqdm import tqdm
 from vllm_rlt import LLM, CacheConfig, SamplingParams
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import KV_LAYOUTS
-from vllm_rlt.models.load import resolve_device
 
 
 def rollout(args, layout: str) -> dict:
@@ -132,10 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         help="stop each layout's rollout after this many seconds (default: none, run it all)",
     )
     args = parser.parse_args(argv)
-    try:
-        resolve_device(args.device)
-    except ValueError as exc:
-        parser.error(str(exc))
+    parser.device(args.device)
     if args.time_limit is not None and not args.time_limit > 0:
         parser.error(f"--time-limit must be > 0 seconds, got {args.time_limit}")
     environment = {"python": platform.python_version(), "torch": torch.__version__}

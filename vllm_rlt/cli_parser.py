@@ -70,6 +70,16 @@ class CLIParser(argparse.ArgumentParser):
         if not torch.cuda.is_available():
             self.error("it measures the CUDA path, and no CUDA device is available here")
 
+    def device(self, name: str):
+        """`name` as a torch.device (models.load.resolve_device), or this tool's one-line
+        error naming what is wrong with it."""
+        from vllm_rlt.models.load import resolve_device
+
+        try:
+            return resolve_device(name)
+        except ValueError as exc:
+            self.error(str(exc))
+
     def error(self, message: str):  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {message}\n")
 

@@ -31,7 +31,6 @@ from tqdm import tqdm
 
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.models.huginn_config import FIXED_SETTINGS, HuginnConfig
-from vllm_rlt.models.load import resolve_device
 from vllm_rlt.models.ouro import OuroConfig
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.byte_level import BYTE_OFFSET, BYTE_VOCAB_SIZE, ENDOFTEXT_ID, IM_END_ID
@@ -333,10 +332,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-every", type=int, default=200, help="steps per log line; 0: quiet")
     parser.add_argument("--smoke", action="store_true", help="a few steps, small sets (CPU)")
     args = parser.parse_args(argv)
-    try:
-        resolve_device(args.device)
-    except ValueError as exc:
-        parser.error(str(exc))
+    parser.device(args.device)
     if args.smoke:
         args.steps1, args.steps2, args.batch, args.train_size, args.eval_size = 20, 5, 16, 200, 20
         args.hidden, args.layers, args.log_every = 64, 1, 0
