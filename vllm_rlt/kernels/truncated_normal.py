@@ -11,6 +11,7 @@ erfinv calls; tests/gpu checks that the bits are the same.
 
 from __future__ import annotations
 
+import math
 import struct
 
 import torch
@@ -19,6 +20,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from vllm_rlt.kernels.gumbel_sample import _mix32
+from vllm_rlt.layers.initial_state import LOW, STATE_STREAM
 
 BLOCK = 1024  # columns a program draws
 
@@ -57,13 +59,11 @@ def _truncated_normal_kernel(
 
 def truncated_normal_cuda(
     seeds: torch.Tensor,  # [rows] int64
-    stream_key: int,
     positions: torch.Tensor,  # [rows] int64
     width: int,
-    low: float,
-    std_sqrt2: float,
-    scale: float,
-    dtype: torch.dtype,
+    std: float,
+    scale: float = 1.0,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """[rows, width] of `dtype`: the draws of layers/initial_state.truncated_normal."""
     rows = seeds.shape[0]
@@ -71,13 +71,13 @@ def truncated_normal_cuda(
     if rows:
         _truncated_normal_kernel[(rows, triton.cdiv(width, BLOCK))](
             seeds.contiguous(),
-            stream_key,
+            STATE_STREAM,
             positions.contiguous(),
             out,
             width,
-            _bits(low),
-            _bits(1 - 2 * low),
-            _bits(std_sqrt2),
+            _bits(LOW),
+            _bits(1 - 2 * LOW),
+            _bits(std * math.sqrt(2)),
             scale,
             BLOCK=BLOCK,
             enable_fp_fusion=False,  # torch rounds every product and sum

@@ -30,25 +30,7 @@ def truncated_normal(
     """[rows, width] draws of N(0, std^2) truncated to +-3 std, by inverting the normal CDF
     on hashed uniforms (float64 on the way), rounded to float32, times `scale` in float32,
     as `dtype`."""
-    if seeds.is_cuda and (kernel := _cuda_kernel()) is not None:
-        return kernel(seeds, STATE_STREAM, positions, width, LOW, std * math.sqrt(2), scale, dtype)
-    return truncated_normal_torch(seeds, positions, width, std, scale, dtype)
-
-
-def truncated_normal_torch(
-    seeds: torch.Tensor, positions: torch.Tensor, width: int, std: float, scale: float, dtype
-) -> torch.Tensor:
-    """`truncated_normal` in torch ops, on any device."""
     uniform = seeded_uniform(seeds ^ STATE_STREAM, positions, width)  # (0, 1), float64
     p = LOW + uniform * (1 - 2 * LOW)
     draw = (std * math.sqrt(2) * torch.erfinv(2 * p - 1)).float()
     return (draw * scale).to(dtype)
-
-
-def _cuda_kernel():
-    """kernels/truncated_normal.py's launcher, or None without Triton."""
-    try:
-        from vllm_rlt.kernels.truncated_normal import truncated_normal_cuda
-    except ImportError:
-        return None
-    return truncated_normal_cuda

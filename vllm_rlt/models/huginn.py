@@ -36,6 +36,15 @@ from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.ops.metadata import AttentionMetadata
 
 
+def _state_kernel():
+    """kernels/truncated_normal.py's launcher, or None without Triton."""
+    try:
+        from vllm_rlt.kernels.truncated_normal import truncated_normal_cuda
+    except ImportError:
+        return None
+    return truncated_normal_cuda
+
+
 @dataclass
 class SandwichLayer:
     """One attention layer's weights, as the checkpoint stores them (so weight updates
@@ -174,9 +183,10 @@ class HuginnModel:
         shape = (positions.shape[0], cfg.hidden_size)
         if cfg.init_scale == 0:
             return torch.zeros(shape, dtype=self.dtype, device=positions.device)
-        return truncated_normal(
-            seeds, positions, cfg.hidden_size, cfg.state_std, cfg.embed_scale, self.dtype
-        )
+        args = (seeds, positions, cfg.hidden_size, cfg.state_std, cfg.embed_scale, self.dtype)
+        if seeds.is_cuda and (kernel := _state_kernel()) is not None:
+            return kernel(*args)  # one kernel instead of some 50 (kernels/truncated_normal.py)
+        return truncated_normal(*args)
 
     def step(
         self,
