@@ -187,7 +187,8 @@ class _EnclosingFrames:
             if timed and "vllm_rlt" in event.name and ".py(" in event.name:
                 self.frames.setdefault(event.thread, []).append(event)
         for frames in self.frames.values():
-            frames.sort(key=lambda frame: frame.time_range.start)
+            # an outer frame before the inner ones that start with it
+            frames.sort(key=lambda frame: (frame.time_range.start, -frame.time_range.end))
         self.starts = {
             thread: [frame.time_range.start for frame in frames]
             for thread, frames in self.frames.items()

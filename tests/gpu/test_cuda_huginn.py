@@ -125,14 +125,15 @@ def test_cuda_huginn_at_head_size_96_equals_the_oracle_on_triton(tmp_path, exact
 @pytest.mark.parametrize("width", [3, 1024, 5280])
 def test_initial_state_kernel_draws_the_torch_bits(dtype, width):
     """The Triton draw equals the torch ops' draw bit for bit, for negative and 63-bit
-    seeds, positions past 2^32, widths below, at and past a block, and no rows."""
+    seeds, positions past 2^32, widths below, at and past a block, no rows, and a std
+    whose float64 bits would pass as a 32-bit integer."""
     from vllm_rlt.kernels.truncated_normal import truncated_normal_cuda
     from vllm_rlt.layers.initial_state import truncated_normal
 
     seeds = torch.tensor([0, 7, -5, 2**62 + 3, -(2**63)], device="cuda")
     positions = torch.tensor([0, 1, 99_999, 2**33 + 5, 17], device="cuda")
-    for rows in (5, 0):
-        args = (seeds[:rows], positions[:rows], width, 0.0194, 72.66, dtype)
+    for rows, std in ((5, 0.0194), (0, 0.0194), (5, 1e-320)):  # 1e-320: subnormal
+        args = (seeds[:rows], positions[:rows], width, std, 72.66, dtype)
         got, want = truncated_normal_cuda(*args), truncated_normal(*args)
         assert got.dtype == dtype and got.shape == (rows, width)
         assert torch.equal(got, want), (got.float() - want.float()).abs().max()

@@ -400,6 +400,9 @@ def test_sources_rank_kernels_by_the_innermost_package_frame_of_their_launcher()
     outer = "vllm_rlt/layers/initial_state.py(30): truncated_normal"
     inner = "vllm_rlt/layers/sampler.py(104): seeded_uniform"
     events += [timed(outer, 1, 0, 100), timed(inner, 1, 10, 20), timed(inner, 2, 30, 90)]
+    held = "vllm_rlt/layers/sampler.py(90): _mix32"  # starts with its caller: still inner
+    events += [timed(held, 1, 60, 70), timed(outer, 1, 60, 100)]
+    events += [timed("aten::rshift", 1, 61, 62, [0.5])]
     events += [timed("aten::bitwise_xor", 1, 40, 50, [1.5]), timed("aten::mul", 1, 12, 15, [2.5])]
     assert device_time_by_source(events) == {
         huginn: (3.0, 2),
@@ -408,4 +411,5 @@ def test_sources_rank_kernels_by_the_innermost_package_frame_of_their_launcher()
         "vllm_rlt/exit/latent_diff.py(40): decide": (4.0, 1),
         outer: (1.5, 1),
         inner: (2.5, 1),
+        held: (0.5, 1),
     }

@@ -116,6 +116,9 @@ def test_float8_on_a_gpu_without_float8_kernels_is_an_error_naming_the_setting(m
                 assert registry.get_backend("auto", cpu, 64, setting)[0] == "fake"
         assert registry.get_backend("auto", cpu, 64)[0] == "fake"  # bf16: any capability
         assert registry.get_backend("torch", cpu, 64, "quantization")[0] == "torch"
+    # a backend the device lacks is that error first (no capability is asked of a CPU)
+    with pytest.raises(ValueError, match="'triton' is not available on device 'cpu'"):
+        registry.get_backend("triton", cpu, 64, "quantization")
 
 
 def test_token_stats_give_the_logprob_and_rank_of_the_token():

@@ -163,6 +163,10 @@ def test_async_llm_tokenizes_a_long_text_off_the_event_loop(monkeypatch) -> None
                 pass
         async for _ in engine.generate("1+1=", GREEDY, "short"):
             pass
+        for bad in ({"prompt": None, "prompt_token_ids": None}, {"prompt": 5}):
+            with pytest.raises(ParamError, match="prompt"):  # not a TypeError from len()
+                async for _ in engine.generate(bad, GREEDY, "bad"):
+                    pass
         return threading.get_ident()
 
     try:

@@ -231,7 +231,7 @@ class AsyncLLM:
         leaving early aborts it. `prompt` is a text, token ids, a `TextPrompt` or a
         `TokensPrompt` (its token ids win over its text, which outputs then carry)."""
         text, token_ids = prompt_parts(prompt)
-        if token_ids is None and len(text) > GIL_FREE_CHARS:  # type: ignore[arg-type]
+        if token_ids is None and isinstance(text, str) and len(text) > GIL_FREE_CHARS:
             # a long text on a worker thread, the GIL released: the loop serves the others
             token_ids = await asyncio.to_thread(self.processor.encode, text, True)
         elif token_ids is None:

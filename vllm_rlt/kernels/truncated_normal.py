@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import struct
+import sys
 
 import torch
 import triton
@@ -20,7 +21,7 @@ import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
 from vllm_rlt.kernels.gumbel_sample import _mix32
-from vllm_rlt.layers.initial_state import LOW, STATE_STREAM
+from vllm_rlt.layers.initial_state import LOW, STATE_STREAM, truncated_normal
 
 BLOCK = 1024  # columns a program draws
 
@@ -66,6 +67,8 @@ def truncated_normal_cuda(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """[rows, width] of `dtype`: the draws of layers/initial_state.truncated_normal."""
+    if std * math.sqrt(2) < sys.float_info.min:  # subnormal: its bits would fit 32 bits
+        return truncated_normal(seeds, positions, width, std, scale, dtype)
     rows = seeds.shape[0]
     out = torch.empty(rows, width, dtype=dtype, device=seeds.device)
     if rows:
@@ -86,5 +89,6 @@ def truncated_normal_cuda(
 
 
 def _bits(value: float) -> int:
-    """A float64's bits as an int64 argument (positive values: below 2^63)."""
+    """A positive normal float64's bits as an int64 argument (between 2^52 and 2^63, so
+    Triton types it int64)."""
     return struct.unpack("<q", struct.pack("<d", value))[0]

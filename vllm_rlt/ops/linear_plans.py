@@ -44,7 +44,8 @@ LINEAR_PLANS: dict[str, tuple[tuple[int, SkinnyConfig], ...]] = {
 # only the entries up to DEEP_SKINNY_ROWS and takes cuBLAS above: at 64 rows Huginn-3.5B's
 # qkv and gate_up (K = 5,280) streamed 2.0 TB/s on the 128-column tiles on an H200
 # (profile_pass, concurrency 64: a program per 128 columns walks 1.35 MB of weights alone),
-# where cuBLAS ran its o and down projections at 3.3-3.8 TB/s.
+# where cuBLAS ran its o and down projections at 3.3-3.8 TB/s. Products with a live mask
+# (Huginn's prelude, coda and LM head) take LIVE_SKINNY above 16 rows instead.
 TUNED_DEPTH, DEEP_SKINNY_ROWS = 4096, 16
 
 

@@ -47,15 +47,6 @@ def get_backend(
     device is an error naming it (not a silent switch to a slower backend)."""
     if name == "auto":
         name = available_backends(device, head_dim)[0]
-    if fp8_setting is not None and name in _FP8_DEVICES and not _FP8_DEVICES[name](device):
-        raise ParamError(
-            f"{fp8_setting}: float8 e4m3 needs compute capability 8.9 or newer (Ada, Hopper, "
-            f"Blackwell) on the {name!r} attention backend, and this GPU is "
-            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; leave "
-            f"{fp8_setting} unset, or pass attention_backend 'torch' (plain torch ops, far "
-            "slower)",
-            fp8_setting,
-        )
     if name not in _BACKENDS:
         raise ValueError(
             f"attention_backend must be one of auto, {', '.join(_BACKENDS)}, got {name!r}"
@@ -70,6 +61,15 @@ def get_backend(
         raise ValueError(
             f"attention_backend {name!r} does not take head size {head_dim}; available for "
             f"it: {', '.join(available_backends(device, head_dim))}"
+        )
+    if fp8_setting is not None and not _FP8_DEVICES[name](device):
+        raise ParamError(
+            f"{fp8_setting}: float8 e4m3 needs compute capability 8.9 or newer (Ada, Hopper, "
+            f"Blackwell) on the {name!r} attention backend, and this GPU is "
+            f"{'.'.join(map(str, torch.cuda.get_device_capability(device)))}; leave "
+            f"{fp8_setting} unset, or pass attention_backend 'torch' (plain torch ops, far "
+            "slower)",
+            fp8_setting,
         )
     return name, load()
 
