@@ -126,3 +126,27 @@ def test_a_shutdown_answers_a_join_still_waiting_with_503():
             left = joining.result()
         assert left.status_code == 503
         assert left.json()["error"]["message"] == "the server is shutting down: the join was left"
+
+
+def test_a_lone_surrogate_in_a_weight_route_is_a_400_and_the_engine_serves_on():
+    """The weight routes' bodies get the Unicode check every completion body gets: a lone
+    surrogate in weight_version reached the core, whose message encoding killed it (every
+    later request answered 503), and one in master_address raised a 500 from the store."""
+    folder = "vllm_rlt/assets/ouro-tasks"
+    bodies = {
+        "update_weights_from_disk": b'{"model_path": "%s", "weight_version": "\\ud800"}'
+        % folder.encode(),
+        "init_weights_update_group": b'{"master_address": "\\udfff", "master_port": 29500, '
+        b'"world_size": 2, "rank_offset": 1}',
+    }
+    with running_server(in_process=True, enable_weight_updates=True) as (url, _):
+        for route, raw in bodies.items():
+            reply = httpx.post(
+                f"{url}/{route}", content=raw, headers={"Content-Type": "application/json"}
+            )
+            assert reply.status_code == 400, reply.text
+            error = reply.json()["error"]
+            assert error["param"] in ("weight_version", "master_address")
+            assert "lone surrogate" in error["message"]
+        assert httpx.get(f"{url}/health").status_code == 200
+        assert httpx.post(f"{url}/v1/completions", json=BODY).status_code == 200

@@ -12,13 +12,13 @@ from pydantic import Field
 
 from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME
 from vllm_rlt.entrypoints.openai.api_errors import as_api_error
-from vllm_rlt.entrypoints.openai.protocol import StrictModel
+from vllm_rlt.entrypoints.openai.protocol import RequestBody
 
 if TYPE_CHECKING:
     from vllm_rlt.engine.async_llm import AsyncLLM
 
 
-class InitWeightsUpdateGroupRequest(StrictModel):
+class InitWeightsUpdateGroupRequest(RequestBody):
     master_address: str
     master_port: int = Field(strict=True, ge=1, le=65535)
     rank_offset: int = Field(strict=True)  # ranges checked with world_size (weight_sync.py)
@@ -27,14 +27,14 @@ class InitWeightsUpdateGroupRequest(StrictModel):
     backend: str | None = None  # None: NCCL on CUDA, gloo on the CPU
 
 
-class UpdateWeightsFromDistributedRequest(StrictModel):
+class UpdateWeightsFromDistributedRequest(RequestBody):
     names: list[str]
     dtypes: list[str]
     shapes: list[list[int]]
     weight_version: str | None = None
 
 
-class UpdateWeightsFromDiskRequest(StrictModel):
+class UpdateWeightsFromDiskRequest(RequestBody):
     model_path: str
     weight_version: str | None = None
 
