@@ -120,6 +120,20 @@ def require_int(
     )
 
 
+def require_valid_text(text: str, field: str) -> None:
+    """Text that cannot be UTF-8 encoded (a lone surrogate, which JSON and the command line
+    can carry) is a user error, not a tokenizer failure."""
+    require(isinstance(text, str), f"{field} must be a string, got {type(text).__name__}", field)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ParamError(
+            f"{field} is not valid Unicode: character {exc.start} is a lone surrogate "
+            f"(U+{ord(text[exc.start]):04X})",
+            field,
+        ) from None
+
+
 @dataclass(frozen=True)
 class CacheConfig:
     """Paged KV cache settings.

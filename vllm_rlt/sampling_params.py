@@ -6,7 +6,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_rlt.config import ParamError, require, require_int
+from vllm_rlt.config import ParamError, require, require_int, require_valid_text
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -18,6 +18,10 @@ MAX_PENALTY = 2.0  # frequency and presence, either sign (OpenAI's range)
 MAX_LOGIT_BIAS = 100.0
 MAX_TOP_N_SIGMA = 100.0  # either sign; <= 0 is off
 MAX_STOP_STRINGS = 64
+# The smallest repetition penalty: float32 logits divided by it stay finite (a penalty below
+# float32's range, 1e-45, became 0 there and every seen token inf, ties broken by id).
+MIN_REPETITION_PENALTY = 1e-30
+MAX_TOKEN_ID = 2**31 - 1  # ids are checked against the vocabulary later; int32 at most
 MAX_BAD_WORDS = 32  # words; each becomes up to two token sequences (with a leading space)
 MAX_BAD_WORD_TOKENS = 8  # per token sequence: each form of a word
 
@@ -84,11 +88,10 @@ FIELD_BOUNDS: dict[str, FieldBound] = {
     ),
     "repetition_penalty": FieldBound(
         float,
-        0,
+        MIN_REPETITION_PENALTY,
         MAX_REPETITION_PENALTY,
         1.0,
         "divide positive logits (multiply negative ones) of prompt and output tokens",
-        low_open=True,
     ),
     "frequency_penalty": FieldBound(
         float, -MAX_PENALTY, MAX_PENALTY, 0.0, "subtract per output occurrence"
@@ -289,7 +292,7 @@ class SamplingParams:
                 "logit_bias",
             )
             for token_id, value in self.logit_bias.items():
-                require_int(token_id, "logit_bias key", 0, param="logit_bias")
+                require_int(token_id, "logit_bias key", 0, MAX_TOKEN_ID, param="logit_bias")
                 _require_float(value, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if self.allowed_token_ids is not None:
             require(
@@ -300,7 +303,9 @@ class SamplingParams:
             )
             self.allowed_token_ids = list(self.allowed_token_ids)
             for token_id in self.allowed_token_ids:
-                require_int(token_id, "allowed_token_ids entry", 0, param="allowed_token_ids")
+                require_int(
+                    token_id, "allowed_token_ids entry", 0, MAX_TOKEN_ID, param="allowed_token_ids"
+                )
         self._check_bad_words()
         for flag in (
             "ignore_eos",
@@ -312,6 +317,11 @@ class SamplingParams:
             require(isinstance(value, bool), f"{flag} must be true or false, got {value!r}", flag)
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        require(
+            self.stop is None or isinstance(self.stop, (list, tuple)),
+            f"stop must be a string or a list of strings, got {self.stop!r}",
+            "stop",
+        )
         self.stop = list(self.stop or [])
         require(
             len(self.stop) <= MAX_STOP_STRINGS,
@@ -324,9 +334,15 @@ class SamplingParams:
                 f"stop must hold non-empty strings, got {text!r}",
                 "stop",
             )
+            require_valid_text(text, "stop")
+        require(
+            self.stop_token_ids is None or isinstance(self.stop_token_ids, (list, tuple)),
+            f"stop_token_ids must be a list of token ids, got {self.stop_token_ids!r}",
+            "stop_token_ids",
+        )
         self.stop_token_ids = list(self.stop_token_ids or [])
         for token_id in self.stop_token_ids:
-            require_int(token_id, "stop_token_ids entry", 0, param="stop_token_ids")
+            require_int(token_id, "stop_token_ids entry", 0, MAX_TOKEN_ID, param="stop_token_ids")
         if self.min_loops is not None and self.max_loops is not None:
             require(
                 self.min_loops <= self.max_loops,
@@ -349,6 +365,7 @@ class SamplingParams:
                     f"bad_words must hold non-blank strings, got {word!r}",
                     "bad_words",
                 )
+                require_valid_text(word, "bad_words")
         if self.bad_words_token_ids is not None:
             sequences = self.bad_words_token_ids
             require(
@@ -357,6 +374,12 @@ class SamplingParams:
                 f"lists, got {sequences!r}",
                 "bad_words_token_ids",
             )
+            for ids in sequences:
+                require(
+                    isinstance(ids, (list, tuple)),
+                    f"bad_words_token_ids must hold token-id lists, got {ids!r}",
+                    "bad_words",
+                )
             self.bad_words_token_ids = [list(ids) for ids in sequences]
             for ids in self.bad_words_token_ids:
                 require(
@@ -365,7 +388,9 @@ class SamplingParams:
                     "bad_words",
                 )
                 for token_id in ids:
-                    require_int(token_id, "bad_words_token_ids entry", 0, param="bad_words")
+                    require_int(
+                        token_id, "bad_words_token_ids entry", 0, MAX_TOKEN_ID, param="bad_words"
+                    )
 
     @property
     def greedy(self) -> bool:

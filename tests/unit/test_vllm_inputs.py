@@ -177,6 +177,67 @@ def test_async_llm_tokenizes_a_long_text_off_the_event_loop(monkeypatch) -> None
     assert calls["1+1="] == (False, loop_thread)
 
 
+def test_async_llm_refuses_what_its_engine_core_could_not_read() -> None:
+    """A library caller's bad request id, abort arguments, prompt ids or a SamplingParams
+    edited after it was made are a ParamError naming the field, checked before anything
+    is sent: each of them, sent as it was, stopped the engine core process (a message it
+    could not decode), failing every request. The core itself now drops such a message
+    and serves on, and a request that cannot be sent leaves nothing registered."""
+    from vllm_rlt.engine.async_llm import AsyncLLM
+    from vllm_rlt.engine.process.messages import AbortRequest
+
+    engine = AsyncLLM.from_engine_args(EngineArgs(model="ouro-tasks", max_model_len=64))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0)
+
+    def edited(**changes) -> SamplingParams:
+        params = SamplingParams(max_tokens=4)
+        for name, value in changes.items():
+            setattr(params, name, value)
+        return params
+
+    async def text(prompt, params, request_id) -> str:
+        async for output in engine.generate(prompt, params, request_id):
+            last = output
+        return last.outputs[0].text
+
+    async def run() -> None:
+        bad = [
+            ("347+589=", greedy, 5, "request_id"),
+            ("347+589=", greedy, "\ud800", "request_id"),
+            ([True], greedy, "a", "prompt"),
+            ([2**70], greedy, "b", "prompt"),
+            ("1+1=", edited(temperature="hot"), "c", "temperature"),
+            ("1+1=", edited(n=0), "d", "n"),
+            ("1+1=", edited(stop_token_ids=[True]), "e", "stop_token_ids"),
+            ("1+1=", edited(logit_bias={"5": 1.0}), "f", "logit_bias"),
+        ]
+        for prompt, params, request_id, field in bad:
+            with pytest.raises(ParamError) as caught:
+                await text(prompt, params, request_id)
+            assert caught.value.param == field
+        for args, field in (((5,), "request_id"), (("x", "a"), "index"), (("x", 2**70), "index")):
+            with pytest.raises(ParamError) as caught:
+                engine.abort(*args)
+            assert caught.value.param == field
+        engine.client.send(AbortRequest(5, None))  # type: ignore[arg-type]  # bypassing checks
+        assert await text("347+589=", greedy, "after") == "936"
+
+        def unsendable(command) -> None:
+            raise OverflowError("int too big to convert")
+
+        send, engine.client.send = engine.client.send, unsendable
+        with pytest.raises(ParamError, match="could not be sent"):
+            await text("1+1=", SamplingParams(max_tokens=4, n=3), "lost")
+        engine.client.send = send
+        assert (engine.num_requests, engine.num_sequences) == (0, 0)
+        assert await text("347+589=", greedy, "lost") == "936"  # its id is free again
+
+    try:
+        asyncio.run(run())
+    finally:
+        engine.shutdown()
+
+
 def test_async_llm_generate_takes_vllms_arguments_and_prompt_forms() -> None:
     """vLLM's `generate(prompt, sampling_params, request_id)`, positional or by keyword, with
     a text, token ids, a TextPrompt or a TokensPrompt: each form of one prompt gives the same

@@ -16,7 +16,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
-from vllm_rlt.config import SERVE, require
+from vllm_rlt.config import SERVE, ParamError, require
 from vllm_rlt.engine.core_outputs import CoreStats, EngineStats
 from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.engine.input_processor import InputProcessor
@@ -35,7 +35,7 @@ from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.hf_compat import user_tokenizer
-from vllm_rlt.tokenizer.tokenizer import GIL_FREE_CHARS
+from vllm_rlt.tokenizer.tokenizer import GIL_FREE_CHARS, require_valid_text
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +55,11 @@ class StepObserver(Protocol):
     def observe_step(self, outputs: EngineOutputs) -> None: ...
 
     def observe_finished(self, output: RequestOutput) -> None: ...
+
+
+def require_id(request_id: object) -> None:
+    """A request id is a string of valid Unicode (the core's messages carry it as one)."""
+    require_valid_text(request_id, "request_id")  # type: ignore[arg-type]
 
 
 class AsyncLLM:
@@ -220,8 +225,13 @@ class AsyncLLM:
         self._streams[request_id] = stream
         self.num_sequences += params.n
         command = AddRequest(request_id, stream.prompt_token_ids, params, self.client.client)
-        if not self.pause.hold(command):
-            self.client.send(command)
+        try:
+            if not self.pause.hold(command):
+                self.client.send(command)
+        except (ValueError, OverflowError, TypeError) as exc:  # it could not be encoded
+            self._streams.pop(request_id, None)
+            self.num_sequences -= params.n
+            raise ParamError(f"the request could not be sent to the engine: {exc}") from exc
         return stream
 
     async def generate(
@@ -230,12 +240,16 @@ class AsyncLLM:
         """vLLM's call: stream the outputs of one request, in `sampling_params.output_kind`;
         leaving early aborts it. `prompt` is a text, token ids, a `TextPrompt` or a
         `TokensPrompt` (its token ids win over its text, which outputs then carry)."""
+        require_id(request_id)
         text, token_ids = prompt_parts(prompt)
         if token_ids is None and isinstance(text, str) and len(text) > GIL_FREE_CHARS:
             # a long text on a worker thread, the GIL released: the loop serves the others
             token_ids = await asyncio.to_thread(self.processor.encode, text, True)
         elif token_ids is None:
             token_ids = self.processor.encode(text)  # type: ignore[arg-type]
+        # every check the core makes, here: a value the core could not even decode (a
+        # SamplingParams edited after it was made) must not reach it
+        self.check_request(request_id, token_ids, sampling_params)
         stream = self.add_request(request_id, token_ids, sampling_params, text)
         try:
             async for output in stream:
@@ -246,6 +260,12 @@ class AsyncLLM:
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort a request (all its completions: any id a caller gave), or only its
         completion `index`."""
+        require_id(request_id)
+        require(
+            index is None or (type(index) is int and 0 <= index < 2**31),
+            f"index must be None or a completion index in [0, 2^31), got {index!r}",
+            "index",
+        )
         if not self.pause.drop(request_id, index):
             self.client.send(AbortRequest(request_id, index))
 

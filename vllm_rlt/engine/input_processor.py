@@ -83,6 +83,8 @@ class InputProcessor:
         """`params` as the core takes them (`prepare`), after every check the core makes
         (ParamError naming the field). A core in this process checks on arrival itself,
         before anything is queued: `LLM` needs only `prepare`."""
+        if isinstance(params, SamplingParams):  # its own checks again: it may have been
+            params = dataclasses.replace(params)  # edited after it was made
         prompt_token_ids, params = self.prepare(prompt_token_ids, params)
         self.checker.check(request_id, prompt_token_ids, params)
         check_samplable(params, self.checker.limits.vocab_size, self.eos_token_ids)

@@ -14,7 +14,7 @@ from typing import Any
 import tokenizers
 from tokenizers import decoders
 
-from vllm_rlt.config import ParamError, require
+from vllm_rlt.config import require, require_valid_text
 from vllm_rlt.tokenizer.byte_level import (
     ENDOFTEXT_ID,
     IM_END_ID,
@@ -32,20 +32,6 @@ GENERATION_CONFIG_FILE = "generation_config.json"
 # an event loop serves other clients beside it: with the GIL held, a 1 MB prompt left the
 # loop 19 turns a second (734,000 released), so every other client stalled for the 0.7 s.
 GIL_FREE_CHARS = 16 * 1024
-
-
-def require_valid_text(text: str, field: str) -> None:
-    """Text that cannot be UTF-8 encoded (a lone surrogate, which JSON and the command line
-    can carry) is a user error, not a tokenizer failure."""
-    require(isinstance(text, str), f"{field} must be a string, got {type(text).__name__}", field)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        raise ParamError(
-            f"{field} is not valid Unicode: character {exc.start} is a lone surrogate "
-            f"(U+{ord(text[exc.start]):04X})",
-            field,
-        ) from None
 
 
 def read_json_object(path: Path) -> dict[str, Any]:

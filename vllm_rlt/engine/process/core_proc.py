@@ -189,7 +189,11 @@ class CoreLoop:
         if wait_ms != 0:
             self.poller.poll(wait_ms)
         while self.inputs.poll(0):
-            command = self.decode(self.inputs.recv(copy=False))
+            try:
+                command = self.decode(self.inputs.recv(copy=False))
+            except msgspec.ValidationError as exc:  # one bad message: not every request
+                logger.error("dropped a command the engine core could not read: %s", exc)
+                continue
             if isinstance(command, AddRequest):
                 self._add(command)
             elif isinstance(command, AbortRequest):
