@@ -131,6 +131,25 @@ def test_pause_wait_lets_requests_finish_and_holds_new_ones(engine, expected, lo
     loop.run_until_complete(scenario())
 
 
+@pytest.mark.parametrize("mode", ["wait", "abort"])
+def test_a_pause_returns_when_a_reader_leaves_during_its_drain(engine, loop, mode):
+    """A request whose reader leaves while a pause drains is released (its abort sent) and
+    hears no more from the engine: the pause counts it done instead of waiting forever."""
+
+    async def scenario():
+        run = Run(engine, "leaving", PROMPTS["r0"], greedy(max_tokens=400))
+        await run.started.wait()
+        pausing = asyncio.ensure_future(engine.pause_generation(mode=mode))
+        await asyncio.sleep(0)
+        run.task.cancel()
+        await asyncio.wait_for(pausing, 30)
+        await engine.resume_generation()
+
+    loop.run_until_complete(scenario())
+    assert not engine.client.core_engine.has_unfinished
+    assert engine.client.core_engine.all_blocks_free()
+
+
 def test_pause_abort_ends_requests_and_abort_by_id_ends_every_completion(engine, expected, loop):
     async def scenario():
         runs = {rid: Run(engine, rid, prompt, greedy()) for rid, prompt in PROMPTS.items()}

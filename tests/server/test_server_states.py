@@ -154,7 +154,7 @@ def test_vllm_sampling_extensions(server):
         ("logit_bias", {"99999": 1.0}, "logit_bias keys must be token ids in [0, "),
         ("logit_bias", {"3": 500}, "must be in [-100.0, 100.0]"),
         ("presence_penalty", 3, "presence_penalty: must be in [-2.0, 2.0], got 3"),
-        ("repetition_penalty", 0, "repetition_penalty: must be in (0.0, 10.0], got 0"),
+        ("repetition_penalty", 0, "repetition_penalty: must be in [1e-30, 10.0], got 0"),
         ("allowed_token_ids", [], "allowed_token_ids"),
         ("allowed_token_ids", [99999], "allowed_token_ids entries must be in [0, "),
         ("allowed_token_ids", [-3], "allowed_token_ids entry must be"),
