@@ -238,6 +238,27 @@ def test_async_llm_refuses_what_its_engine_core_could_not_read() -> None:
         engine.shutdown()
 
 
+def test_async_llms_one_after_another_on_one_event_loop() -> None:
+    """An engine shut down on the event loop takes its output reader off the loop before
+    its sockets close: the next engine on that loop got the same descriptor number, and
+    its first generate waited forever on the stale registration."""
+    from vllm_rlt.engine.async_llm import AsyncLLM
+
+    async def once() -> str:
+        engine = AsyncLLM.from_engine_args(EngineArgs(model="ouro-tasks", max_model_len=64))
+        try:
+            async for output in engine.generate("347+589=", GREEDY, "r"):
+                last = output
+        finally:
+            engine.shutdown()
+        return last.outputs[0].text
+
+    async def run() -> list[str]:
+        return [await asyncio.wait_for(once(), 60) for _ in range(3)]
+
+    assert asyncio.run(run()) == ["936"] * 3
+
+
 def test_async_llm_generate_takes_vllms_arguments_and_prompt_forms() -> None:
     """vLLM's `generate(prompt, sampling_params, request_id)`, positional or by keyword, with
     a text, token ids, a TextPrompt or a TokensPrompt: each form of one prompt gives the same

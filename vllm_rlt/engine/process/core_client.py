@@ -10,7 +10,6 @@ death at once, so callers never wait on a dead engine.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import multiprocessing
@@ -40,7 +39,6 @@ from vllm_rlt.engine.process.messages import (
     Command,
     ControlCall,
     ControlReply,
-    EngineDead,
     EngineInfo,
     EngineOutputs,
     Ready,
@@ -49,6 +47,7 @@ from vllm_rlt.engine.process.messages import (
     command_codec,
     message_codec,
 )
+from vllm_rlt.engine.process.output_reader import OutputReader
 from vllm_rlt.engine.process.remote_channel import (
     ChannelKeys,
     LinkWatch,
@@ -224,7 +223,7 @@ class EngineCoreClient:
         self._call_ids = itertools.count()
         self._closing = False  # the sockets are being released: send nothing more
         self._stopping = False  # this side is leaving: the core's end is no death
-        self._reader: asyncio.Task | None = None
+        self._reader: OutputReader | None = None
         self._lifeline: multiprocessing.connection.Connection | None = None
         self._link: LinkWatch | None = None  # a core on another host
         self.dead_reason: str | None = None
@@ -405,22 +404,10 @@ class EngineCoreClient:
         """Read outputs on the running event loop from now on (call it there, once)."""
         if self._reader is not None:
             raise RuntimeError("outputs are already read on an event loop")
-        socket = zmq.asyncio.Socket.from_socket(self.output)
-        self._reader = asyncio.get_running_loop().create_task(self._read(socket, on_outputs))
+        self._reader = OutputReader(self.output, self._decode, on_outputs, self._hear, self._died)
 
-    async def _read(self, socket: zmq.asyncio.Socket, on_outputs) -> None:
-        while True:
-            message = self._decode(await socket.recv(copy=False))
-            if isinstance(message, EngineOutputs):
-                self._heard = time.monotonic()
-                try:
-                    on_outputs(message)
-                except Exception:  # noqa: BLE001 - a caller's bug must not stop the reader
-                    logger.exception("handling engine outputs failed")
-            elif isinstance(message, EngineDead):
-                logger.error("engine stopped after an error:\n%s", message.traceback.rstrip())
-                self._died(f"engine stopped: {message.message}")
-                return
+    def _hear(self) -> None:
+        self._heard = time.monotonic()
 
     def _watch(self) -> None:
         """Sleep until the core ends; an end nobody asked for is a death."""
@@ -471,10 +458,7 @@ class EngineCoreClient:
             self.send(StopCore())  # read also while a call is in flight (a rendezvous)
         self._stop_core(timeout)
         if self._reader is not None:
-            try:
-                self._reader.get_loop().call_soon_threadsafe(self._reader.cancel)
-            except RuntimeError:  # its event loop has closed, and the task with it
-                pass
+            self._reader.stop()
         self._release_sockets()
 
     def _stop_core(self, timeout: float) -> None:
