@@ -80,7 +80,8 @@ def test_backends_say_which_head_sizes_they_take(monkeypatch):
     size, and naming it is an error that says so."""
     from vllm_rlt.ops import registry
 
-    even = (lambda device: True, registry._BACKENDS["torch"][1], registry._BACKENDS["triton"][2])
+    *_, even_sizes, takes_fp8 = registry._BACKENDS["triton"]
+    even = (lambda device: True, registry._BACKENDS["torch"][1], even_sizes, takes_fp8)
     monkeypatch.setattr(registry, "_BACKENDS", {"even": even} | registry._BACKENDS)
     cpu = torch.device("cpu")
     for head_dim in (64, 80, 96, 112, 128, 256):
@@ -98,11 +99,8 @@ def test_float8_on_a_gpu_without_float8_kernels_is_an_error_naming_the_setting(m
     from vllm_rlt.ops import registry
 
     loads = registry._BACKENDS["torch"][1]
-    fake = (lambda device: True, loads, registry._BACKENDS["triton"][2])
+    fake = (lambda device: True, loads, registry._BACKENDS["triton"][2], registry._triton_takes_fp8)
     monkeypatch.setattr(registry, "_BACKENDS", {"fake": fake} | registry._BACKENDS)
-    monkeypatch.setattr(
-        registry, "_FP8_DEVICES", {"fake": registry._triton_takes_fp8} | registry._FP8_DEVICES
-    )
     cpu = torch.device("cpu")
     for capability, refused in (((8, 0), True), ((8, 6), True), ((8, 9), False), ((9, 0), False)):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d, c=capability: c)

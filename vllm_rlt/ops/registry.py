@@ -10,11 +10,16 @@ import torch
 from vllm_rlt.config import ParamError
 from vllm_rlt.ops.base import LoopOps
 
+# name: (is_available(device), load(), fits(head_dim), takes_fp8(device))
 _BACKENDS: dict[
     str,
-    tuple[Callable[[torch.device], bool], Callable[[], LoopOps], Callable[[int], bool]],
+    tuple[
+        Callable[[torch.device], bool],
+        Callable[[], LoopOps],
+        Callable[[int], bool],
+        Callable[[torch.device], bool],
+    ],
 ] = {}
-_FP8_DEVICES: dict[str, Callable[[torch.device], bool]] = {}
 
 
 def register_backend(
@@ -26,14 +31,13 @@ def register_backend(
 ) -> None:
     """`fits(head_dim)`: whether the backend's kernels take a model of that head size;
     `takes_fp8(device)`: whether they take float8 weights or K/V there."""
-    _BACKENDS[name] = (is_available, load, fits)
-    _FP8_DEVICES[name] = takes_fp8
+    _BACKENDS[name] = (is_available, load, fits, takes_fp8)
 
 
 def available_backends(device: torch.device, head_dim: int | None = None) -> list[str]:
     return [
         name
-        for name, (ok, _, fits) in _BACKENDS.items()
+        for name, (ok, _, fits, _) in _BACKENDS.items()
         if ok(device) and (head_dim is None or fits(head_dim))
     ]
 
@@ -51,7 +55,7 @@ def get_backend(
         raise ValueError(
             f"attention_backend must be one of auto, {', '.join(_BACKENDS)}, got {name!r}"
         )
-    is_available, load, fits = _BACKENDS[name]
+    is_available, load, fits, takes_fp8 = _BACKENDS[name]
     if not is_available(device):
         raise ValueError(
             f"attention_backend {name!r} is not available on device {device.type!r}; "
@@ -62,7 +66,7 @@ def get_backend(
             f"attention_backend {name!r} does not take head size {head_dim}; available for "
             f"it: {', '.join(available_backends(device, head_dim))}"
         )
-    if fp8_setting is not None and not _FP8_DEVICES[name](device):
+    if fp8_setting is not None and not takes_fp8(device):
         raise ParamError(
             f"{fp8_setting}: float8 e4m3 needs compute capability 8.9 or newer (Ada, Hopper, "
             f"Blackwell) on the {name!r} attention backend, and this GPU is "
