@@ -57,11 +57,6 @@ class StepObserver(Protocol):
     def observe_finished(self, output: RequestOutput) -> None: ...
 
 
-def require_id(request_id: object) -> None:
-    """A request id is a string of valid Unicode (the core's messages carry it as one)."""
-    require_valid_text(request_id, "request_id")  # type: ignore[arg-type]
-
-
 class AsyncLLM:
     """Starts the engine core and serves asyncio callers; nothing here blocks the event
     loop. `in_process=True` runs the core on a thread of this process instead (tests use it
@@ -240,7 +235,7 @@ class AsyncLLM:
         """vLLM's call: stream the outputs of one request, in `sampling_params.output_kind`;
         leaving early aborts it. `prompt` is a text, token ids, a `TextPrompt` or a
         `TokensPrompt` (its token ids win over its text, which outputs then carry)."""
-        require_id(request_id)
+        require_valid_text(request_id, "request_id")  # the core's messages carry a str
         text, token_ids = prompt_parts(prompt)
         if token_ids is None and isinstance(text, str) and len(text) > GIL_FREE_CHARS:
             # a long text on a worker thread, the GIL released: the loop serves the others
@@ -260,7 +255,7 @@ class AsyncLLM:
     def abort(self, request_id: str, index: int | None = None) -> None:
         """Abort a request (all its completions: any id a caller gave), or only its
         completion `index`."""
-        require_id(request_id)
+        require_valid_text(request_id, "request_id")  # the core's messages carry a str
         require(
             index is None or (type(index) is int and 0 <= index < 2**31),
             f"index must be None or a completion index in [0, 2^31), got {index!r}",
