@@ -104,8 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype, None)
     if not isinstance(dtype, torch.dtype):
         parser.error(f"--dtype must name a torch dtype, got {args.dtype!r}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error("--device cuda, and no CUDA device is available here")
+    device = parser.device(args.device)
     try:
         import transformers
         from transformers import AutoModelForCausalLM
@@ -119,11 +118,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     if model.dtype != dtype:
         raise SystemExit(f"the reference loaded in {model.dtype}, not {dtype}")
-    model = model.to(args.device).eval()
+    model = model.to(device).eval()
     vocab = model.config.vocab_size
     gen = torch.Generator().manual_seed(args.seed)
     ids = torch.randint(1, vocab, (args.concurrency, args.prompt_len), generator=gen)
-    ids = ids.to(args.device)
+    ids = ids.to(device)
     _timed_generate(model, ids, 2, args.num_steps)  # warm-up
     firsts, wholes = [], []
     for _ in tqdm(range(args.repeats), desc="reference runs", file=sys.stderr):
@@ -138,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
             "python": platform.python_version(),
             "torch": torch.__version__,
             "transformers": transformers.__version__,
-            "gpu": torch.cuda.get_device_name() if args.device.startswith("cuda") else None,
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else None,
         },
         "workload": {
             "concurrency": args.concurrency,
