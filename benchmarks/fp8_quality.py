@@ -5,7 +5,10 @@ tokens. Random prompts run teacher-forced through a dense forward (every positio
 loop, as prompts run), with the projections through the engine's reference ops, so fp8
 weights compute as the engine's kernels do for few rows (weight-only, scaled per output
 channel). The "activations per token" variant also rounds each row of a projection's input
-to float8 with its own scale, as the FP8 tensor cores of passes above 16 rows do. fp8 K/V
+to float8 with its own scale, as the FP8 tensor cores of passes above one row do; on a GPU
+the "engine kernels" variant runs those products through the Triton backend itself, in
+chunks of --kernel-rows rows, so the W8A8 tile (or cuBLAS product) a pass of that many rows
+takes, with its accumulation, is what is measured. fp8 K/V
 are rounded to float8 where they are written, at scale 1 or divided by per-head scales
 calibrated on other random prompts as vLLM's calculate_kv_scales sets them (amax / 200 for
 K, amax / 100 for V).
@@ -31,6 +34,7 @@ from vllm_rlt.ops.torch_ops import TorchOps
 VARIANTS = {  # name -> (quantization, fp8 K/V, per-head K/V scales, fp8 activations)
     "fp8 weights": ("fp8", False, False, False),
     "fp8 weights, activations per token": ("fp8", False, False, True),
+    "fp8 weights, engine kernels": ("fp8", False, False, "kernels"),  # on a GPU only
     "fp8 KV": (None, True, False, False),
     "fp8 KV, per-head scales": (None, True, True, False),
     "fp8 weights + fp8 KV": ("fp8", True, False, False),
@@ -58,6 +62,31 @@ class PerTokenFp8Ops(TorchOps):
         if isinstance(weight, Fp8Weight):
             return per_token_fp8_product(x, weight)
         return super().linear(x, weight, live)
+
+
+class KernelFp8Ops(TorchOps):
+    """The reference ops with fp8 weights' products on the Triton backend's kernels, in
+    chunks of `rows` rows quantized per token as the norms hand them on."""
+
+    def __init__(self, rows: int) -> None:
+        from vllm_rlt.ops.triton_ops import TritonOps  # needs Triton: a GPU run only
+
+        self.rows, self.kernels = rows, TritonOps()
+
+    def _chunks(self, x: torch.Tensor, product) -> torch.Tensor:
+        from vllm_rlt.kernels.fp8_rows import quantize_rows
+
+        return torch.cat([product(quantize_rows(c)) for c in x.split(self.rows)])
+
+    def linear(self, x, weight, live=None):
+        if isinstance(weight, Fp8Weight):
+            return self._chunks(x, lambda c: self.kernels.linear(c, weight))
+        return super().linear(x, weight, live)
+
+    def linear_silu_mul(self, x, gate_up, next_weight=None):
+        if isinstance(gate_up, Fp8Weight):
+            return self._chunks(x, lambda c: self.kernels.linear_silu_mul(c, gate_up))
+        return super().linear_silu_mul(x, gate_up, next_weight)
 
 
 def _through_fp8(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
@@ -145,6 +174,12 @@ def summary(model, tokens, fp8_kv: bool, threshold: float, kv_scales=None, ops=N
     return logprobs, exit_depths(model, states, threshold)
 
 
+def _ops(per_token: bool | str, rows: int) -> TorchOps | None:
+    if per_token == "kernels":
+        return KernelFp8Ops(rows)
+    return PerTokenFp8Ops() if per_token else None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = CLIParser(prog="python -m benchmarks.fp8_quality", description=__doc__)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="ouro-1.4b")
@@ -154,25 +189,40 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-len", type=int, default=128, help="tokens per prompt")
     parser.add_argument("--threshold", type=float, default=0.5, help="the ouro rule's q")
     parser.add_argument("--seed", type=int, default=0, help="seed of weights and prompts")
+    parser.add_argument(
+        "--kernel-rows",
+        type=int,
+        default=256,
+        help="rows per product of the engine-kernels variant (a GPU run only)",
+    )
     args = parser.parse_args(argv)
+    for name in ("prompts", "prompt_len", "kernel_rows"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    device = parser.device(args.device)
+    variants = {
+        name: variant
+        for name, variant in VARIANTS.items()
+        if variant[3] != "kernels" or device.type == "cuda"
+    }
     dtype = getattr(torch, args.dtype)
-    model = random_model(args.shape, dtype, torch.device(args.device), args.seed)
+    model = random_model(args.shape, dtype, device, args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
     tokens = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=generator)
-    tokens = tokens.to(args.device)
+    tokens = tokens.to(device)
     calibration = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=generator)
-    with tqdm(total=1 + len(VARIANTS), desc="fp8 quality", unit="model", file=sys.stderr) as bar:
+    with tqdm(total=1 + len(variants), desc="fp8 quality", unit="model", file=sys.stderr) as bar:
         reference, reference_depths = summary(model, tokens, False, args.threshold)
         # how flat the distributions are: random weights give nearly uniform ones, whose
         # top-1 token is decided by small margins
         entropy = -(reference.exp() * reference).sum(-1).mean().item()
         bar.update(1)
         quantized = None
-        scales = calibrated_scales(model, calibration.to(args.device))
-        for name, (quantization, fp8_kv, scaled, per_token) in VARIANTS.items():
+        scales = calibrated_scales(model, calibration.to(device))
+        for name, (quantization, fp8_kv, scaled, per_token) in variants.items():
             if quantization is not None and quantized is None:
-                quantized = random_model(args.shape, dtype, torch.device(args.device), args.seed)
+                quantized = random_model(args.shape, dtype, device, args.seed)
                 quantized.quantize(quantization)
             logprobs, depths = summary(
                 model if quantization is None else quantized,
@@ -180,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                 fp8_kv,
                 args.threshold,
                 scales if scaled else None,
-                PerTokenFp8Ops() if per_token else None,
+                _ops(per_token, args.kernel_rows),
             )
             kl = (reference.exp() * (reference - logprobs)).sum(-1)
             same_top1 = reference.argmax(-1) == logprobs.argmax(-1)

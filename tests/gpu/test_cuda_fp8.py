@@ -144,7 +144,8 @@ def test_cuda_fp8_checkpoint_with_kv_scales_answers(tmp_path):
 def _tile_label(tile) -> str:
     if tile is None:
         return "cublas"
-    return f"{tile.block_m}x{tile.block_n}x{tile.block_k}x{tile.split_k}"
+    label = f"{tile.block_m}x{tile.block_n}x{tile.block_k}x{tile.split_k}"
+    return label + ("p" if tile.promote else "")
 
 
 def _fp8_tiles():
@@ -210,6 +211,23 @@ def test_w8a8_tiles_equal_the_float32_product_of_their_inputs(tile, rows, n, k):
     # past 1e-2 in one case of 98 (H100)
     tol = 2e-2
     torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("rows", [17, 255, 512])
+@pytest.mark.parametrize("split_k", [1, 2])
+def test_promoted_w8a8_tiles_sum_in_float32(rows, split_k):
+    """With `promote` each K chunk's tensor-core product is added into a float32 sum, so
+    at K = 5,632 the tile equals the float32 product of its inputs within the output's
+    rounding (3e-3), the bound the unpromoted chains missed on sm_90."""
+    from vllm_rlt.kernels.fp8_rows import quantize_rows
+    from vllm_rlt.kernels.w8a8_gemm import W8A8Tile
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + split_k)
+    x = quantize_rows(torch.randn(rows, 5632, device="cuda", generator=gen).to(torch.bfloat16))
+    q = Fp8Weight.quantize(torch.randn(2048, 5632, device="cuda", generator=gen) / 75.0)
+    want = (x.data.float() * x.scale) @ q.dequantize(torch.float32).T
+    got = _fp8_product(x, q, W8A8Tile(64, 64, 128, split_k=split_k, promote=True))
+    torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
 
 
 def test_w8a8_tiles_decode_the_built_in_model_as_cublas_does(monkeypatch):

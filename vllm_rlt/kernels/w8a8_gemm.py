@@ -3,7 +3,10 @@ FP8 kernels tile for many rows, and at 64 rows on Ouro-1.4B shapes they ran at 0
 the copy bandwidth (the attention output and down projections slower than bf16's). Here a
 program owns one output tile, reads its activations already in float8 (`Fp8Rows`, scaled
 per token in the epilogue of the kernel before) and its weight tile in float8, and applies
-both scales to the float32 accumulator. Narrow products (o, down) may split K: the float32
+both scales to the float32 accumulator. On sm_90 Triton lets the tensor cores accumulate an
+FP8 dot chain in their reduced precision for the whole K loop; a tile with `promote` adds
+each K chunk's product into the float32 sum instead (cuBLAS's and DeepSeek-V3's recipe),
+at the cost of a second accumulator. Narrow products (o, down) may split K: the float32
 partial sums go to the residual add + norms kernel, which adds them in a fixed order, so
 more SMs stream the weight and no reduction kernel runs."""
 
@@ -24,7 +27,8 @@ from vllm_rlt.layers.fp8 import Fp8Weight
 @dataclass(frozen=True)
 class W8A8Tile:
     """Launch shape: output rows and columns per program, the K chunk (float8 elements),
-    the number of K slices (1: the finished product), warps and pipeline stages."""
+    the number of K slices (1: the finished product), warps, pipeline stages, and whether
+    each K chunk's product is promoted into a float32 sum (see the module's docstring)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -32,6 +36,7 @@ class W8A8Tile:
     split_k: int = 1
     warps: int = 4
     stages: int = 4
+    promote: bool = False
 
 
 @triton.jit
@@ -51,12 +56,14 @@ def _w8a8_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SILU_MUL: tl.constexpr,
+    IMPRECISE_K: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     """One output tile over K slice program_id(1) (K_ITERS chunks). The scales are linear
     in the sum, so each slice applies them and the slices sum to the scaled product. With
     SILU_MUL (one slice; weight rows interleave gate and up) the tile's pairs leave as
-    SiLU(gate) * up, rounded where the torch reference rounds."""
+    SiLU(gate) * up, rounded where the torch reference rounds. IMPRECISE_K: how many K
+    elements the tensor cores may sum in reduced precision (None: Triton's default)."""
     pdl_enter(USE_PDL)
     tiles_n = tl.cdiv(N, BLOCK_N)
     pid = tl.program_id(0)
@@ -74,7 +81,7 @@ def _w8a8_kernel(
         k = k_start + i * BLOCK_K + ks
         a = tl.load(a_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
         b = tl.load(b_cols + k[:, None], mask=col_ok[None, :] & (k < K)[:, None], other=0.0)
-        acc = tl.dot(a, b, acc)
+        acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_K)
     a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     b_scale = tl.load(b_scale_ptr + cols, mask=col_ok, other=0.0)
     acc = acc * a_scale[:, None] * b_scale[None, :]
@@ -122,6 +129,7 @@ def w8a8_gemm(
             BLOCK_K=tile.block_k,
             SPLIT_K=tile.split_k,
             SILU_MUL=silu_mul,
+            IMPRECISE_K=tile.block_k if tile.promote else None,
             num_warps=tile.warps,
             num_stages=tile.stages,
             **launch_options(pdl),

@@ -127,10 +127,15 @@ def linear_plan(
     activations take proportionally shorter K chunks, so a tile holds the same registers.
     An fp8 weight's tile is widened to its activations' dtype and its K chunk doubles, so
     that a pipeline stage moves as many weight bytes as in bf16 (measured on an H200:
-    1.06x at 8 rows). `live`: the product has a live mask (see LIVE_SKINNY_ROWS)."""
+    1.06x at 8 rows). Activations FP8 tensor cores do not take (float16, float32) keep the
+    skinny plans over fp8 weights. `live`: the product has a live mask (see LIVE_SKINNY_ROWS)."""
     n, k = weight.shape
     fp8 = isinstance(weight, Fp8Weight)
-    if fp8 and x.shape[0] > (FP8_LIVE_SKINNY_ROWS if live else FP8_SKINNY_ROWS):
+    if (
+        fp8
+        and x.shape[0] > (FP8_LIVE_SKINNY_ROWS if live else FP8_SKINNY_ROWS)
+        and fp8_tensor_cores_take(x.dtype, weight)
+    ):
         return None  # FP8 tensor cores
     plans = LINEAR_PLANS[layer_class(n, k)]
     if k > TUNED_DEPTH:
