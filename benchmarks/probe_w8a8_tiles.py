@@ -9,13 +9,20 @@ is set against the weight bytes over the copy bandwidth measured first. Split-K 
 write float32 partials, which the engine's add + norms kernel already sums (PARTS), so the
 figure for o and down is the product's whole cost there. Needs a CUDA GPU.
 
+With --table (no GPU needed; Triton is) the reports given, --output files of one GPU model,
+become that model's table of tiles where the engine looks for it (ops/w8a8_tables.py): per
+layer class and probed row count the fastest tile where it beats cuBLAS (a promoting tile
+where it is within 3% of the fastest), else cuBLAS.
+
 python -m benchmarks.probe_w8a8_tiles --rows 32 64 128 256 512 --output probe.json
+python -m benchmarks.probe_w8a8_tiles --table probe.json
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -43,8 +50,10 @@ TILES = (
 
 def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
     from vllm_rlt.kernels.fp8_rows import fp8_rows_linear, quantize_rows
-    from vllm_rlt.kernels.w8a8_gemm import W8A8Tile, w8a8_gemm
+    from vllm_rlt.kernels.w8a8_gemm import w8a8_gemm
+    from vllm_rlt.kernels.w8a8_tile import W8A8Tile
     from vllm_rlt.layers.fp8 import Fp8Weight
+    from vllm_rlt.ops.w8a8_tables import tile_label
 
     gen = torch.Generator(device="cuda").manual_seed(rows + n)
     weights = [
@@ -66,11 +75,49 @@ def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
         if tile.split_k > 1 and n > 2048:
             continue  # split-K only for the narrow projections
         got = w8a8_gemm(x, w0, tile).float()
-        label = "x".join(map(str, (tile.block_m, tile.block_n, tile.block_k, tile.split_k)))
-        label += f"w{tile.warps}s{tile.stages}" + ("p" if tile.promote else "")
+        got = got.sum(0) if got.dim() == 3 else got
         us = graph_time_us(lambda i, t=tile: w8a8_gemm(x, weights[i], t), LAYERS)
-        result[label] = {"us": us, "relative_error": error(got.sum(0) if got.dim() == 3 else got)}
+        result[tile_label(tile)] = {"us": us, "relative_error": error(got)}
     return result
+
+
+def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
+    """The table of tiles from probe reports of one GPU model (module docstring)."""
+    from vllm_rlt.ops.w8a8_tables import best_tiles, table_file, table_json
+
+    loaded = []
+    for path in reports:
+        try:
+            with open(path) as f:
+                loaded.append(json.load(f))
+        except (OSError, ValueError) as exc:
+            parser.error(f"--table: cannot read {path}: {exc}")
+    if not all(isinstance(r, dict) and "device" in r and "cases" in r for r in loaded):
+        parser.error("--table: give reports this probe wrote with --output")
+    devices = {report["device"] for report in loaded}
+    if len(devices) != 1:
+        parser.error(f"--table: the reports come from {len(devices)} GPU models; give one's")
+    device = devices.pop()
+    classes = {name: _layer_class(n, k) for name, n, k, _ in SHAPES}
+    cases = [case for report in loaded for case in report["cases"]]
+    table = best_tiles(cases, classes)
+    path = table_file(device) if out is None else Path(out)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    record = {
+        "device": device,
+        "made_by": "python -m benchmarks.probe_w8a8_tiles --table " + " ".join(reports),
+        "probed_with": sorted({report.get("versions", "") for report in loaded}),
+        "rows": sorted({case["rows"] for case in cases}),
+    }
+    path.write_text(table_json(record, table))
+    print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _layer_class(n: int, k: int) -> str:
+    from vllm_rlt.ops.w8a8_tables import layer_class
+
+    return layer_class(n, k)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,11 +126,25 @@ def main(argv: list[str] | None = None) -> int:
         "--rows", type=int, nargs="+", default=[32, 64, 128, 256, 512], help="rows per product"
     )
     parser.add_argument("--output", default=None, help="JSON of every figure (default: none)")
+    parser.add_argument(
+        "--table", nargs="+", default=None, help="reports to make a GPU model's table of (no GPU)"
+    )
+    parser.add_argument(
+        "--table-out",
+        default=None,
+        help="where --table writes (default: the engine's file for the reports' GPU model)",
+    )
     args = parser.parse_args(argv)
+    if args.table:
+        return _write_table(parser, args.table, args.table_out)
     parser.require_cuda()
     bandwidth = copy_bandwidth()
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
+    import triton
+
+    versions = f"torch {torch.__version__}, triton {triton.__version__}"
     report = {"bandwidth": bandwidth, "device": torch.cuda.get_device_name(), "cases": []}
+    report["versions"] = versions
     for rows in args.rows:
         for name, n, k, _ in SHAPES:
             case = _case(rows, name, n, k, bandwidth)

@@ -5,6 +5,8 @@ K/V (the attention kernels over an fp8 cache are checked in test_triton_ops.py).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -144,20 +146,25 @@ def test_cuda_fp8_checkpoint_with_kv_scales_answers(tmp_path):
 def _tile_label(tile) -> str:
     if tile is None:
         return "cublas"
-    label = f"{tile.block_m}x{tile.block_n}x{tile.block_k}x{tile.split_k}"
-    return label + ("p" if tile.promote else "")
+    from vllm_rlt.ops.w8a8_tables import tile_label
+
+    return tile_label(tile)
 
 
 def _fp8_tiles():
-    """cuBLAS (None), every tile of W8A8_PLANS, and an uneven split of K (None alone where
-    Triton is missing: the CPU suite collects this module and skips it)."""
+    """cuBLAS (None), every tile of W8A8_PLANS and of each GPU model's table, and an uneven
+    split of K (None alone where Triton is missing: the CPU suite collects this module and
+    skips it)."""
     try:
-        from vllm_rlt.kernels.w8a8_gemm import W8A8Tile
         from vllm_rlt.ops.linear_plans import W8A8_PLANS
     except ImportError:
         return [None]
+    from vllm_rlt.kernels.w8a8_tile import W8A8Tile
+    from vllm_rlt.ops.w8a8_tables import TUNED_DIR, table_from_json
 
-    tiles = {tile for plans in W8A8_PLANS.values() for _, tile in plans}
+    tables = [W8A8_PLANS]
+    tables += [table_from_json(json.loads(p.read_text())) for p in TUNED_DIR.glob("*.json")]
+    tiles = {tile for t in tables for plans in t.values() for _, tile in plans if tile}
     return [None, *sorted(tiles, key=_tile_label), W8A8Tile(64, 64, 128, split_k=3)]
 
 
@@ -220,7 +227,7 @@ def test_promoted_w8a8_tiles_sum_in_float32(rows, split_k):
     at K = 5,632 the tile equals the float32 product of its inputs within the output's
     rounding (3e-3), the bound the unpromoted chains missed on sm_90."""
     from vllm_rlt.kernels.fp8_rows import quantize_rows
-    from vllm_rlt.kernels.w8a8_gemm import W8A8Tile
+    from vllm_rlt.kernels.w8a8_tile import W8A8Tile
 
     gen = torch.Generator(device="cuda").manual_seed(rows + split_k)
     x = quantize_rows(torch.randn(rows, 5632, device="cuda", generator=gen).to(torch.bfloat16))
@@ -244,7 +251,7 @@ def test_w8a8_tiles_decode_the_built_in_model_as_cublas_does(monkeypatch):
         return [[o.outputs[0].token_ids for o in outputs] for outputs in batches]
 
     tiled = tokens()
-    monkeypatch.setattr(linear_plans, "W8A8_PLANS", {})
+    monkeypatch.setattr(linear_plans, "w8a8_table", lambda device: {})
     assert tokens() == tiled
 
 

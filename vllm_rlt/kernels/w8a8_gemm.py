@@ -12,8 +12,6 @@ more SMs stream the weight and no reduction kernel runs."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import triton
 import triton.language as tl
@@ -21,22 +19,8 @@ import triton.language as tl
 from vllm_rlt.kernels.fp8_rows import Fp8Rows
 from vllm_rlt.kernels.pdl import launch_options, pdl_enter
 from vllm_rlt.kernels.silu_mul import silu_times_pairs
+from vllm_rlt.kernels.w8a8_tile import W8A8Tile
 from vllm_rlt.layers.fp8 import Fp8Weight
-
-
-@dataclass(frozen=True)
-class W8A8Tile:
-    """Launch shape: output rows and columns per program, the K chunk (float8 elements),
-    the number of K slices (1: the finished product), warps, pipeline stages, and whether
-    each K chunk's product is promoted into a float32 sum (see the module's docstring)."""
-
-    block_m: int = 64
-    block_n: int = 64
-    block_k: int = 128
-    split_k: int = 1
-    warps: int = 4
-    stages: int = 4
-    promote: bool = False
 
 
 @triton.jit

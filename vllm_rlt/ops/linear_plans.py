@@ -11,9 +11,10 @@ import torch
 from vllm_rlt.kernels import few_row_gemm
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig
 from vllm_rlt.kernels.strip_gemv import strip_rows
-from vllm_rlt.kernels.w8a8_gemm import W8A8Tile
+from vllm_rlt.kernels.w8a8_tile import W8A8Tile
 from vllm_rlt.layers.fp8 import Fp8Weight
 from vllm_rlt.ops.base import Weight
+from vllm_rlt.ops.w8a8_tables import Table, device_table, layer_class
 
 # Linear layers: per layer shape, the launch shape for passes of up to so many rows, in
 # increasing order; a pass with more rows than the last entry runs cuBLAS. Chosen with
@@ -70,15 +71,17 @@ FP8_LIVE_SKINNY_ROWS = 16
 
 # Above FP8_SKINNY_ROWS, FP8 weights take the Triton W8A8 kernel (kernels/w8a8_gemm.py) with
 # these tiles for passes of up to so many rows, per layer class, and cuBLAS's FP8 product
-# past the last entry. Measured per projection with benchmarks/probe_w8a8_tiles.py on an
-# H100 at Ouro-1.4B shapes, 24 layers' weights from HBM, float8 rows as the norms hand them
-# on (docs/benchmarks/2026-12-05-w8a8-tiles/probe.json), microseconds against cuBLAS's: at
+# past the last entry (or where an entry's tile is None). A GPU model with a table of its
+# own (ops/w8a8_tables.py) takes that one instead. Measured per projection with
+# benchmarks/probe_w8a8_tiles.py on an H100 at Ouro-1.4B shapes, 24 layers' weights from
+# HBM, float8 rows as the norms hand them on (docs/benchmarks/2026-12-05-w8a8-tiles/
+# probe.json), microseconds against cuBLAS's: at
 # 64 rows qkv 7.7 / 9.6, o 4.6 / 8.7 (split-K 4), gate_up 11.0 / 13.6, down 7.6 / 16.5
 # (split-K 4); at 256 rows o 6.1 / 8.7 and down 11.2 / 16.8, while qkv and gate_up tie or
 # lose from 128 rows; at 512 only o and down still gain (7.6 / 8.8, 15.6 / 16.6). Split-K
 # (o, down) only where the residual add + norms kernel sums the slices; elsewhere the same
 # tile runs with one slice.
-W8A8_PLANS: dict[str, tuple[tuple[int, W8A8Tile], ...]] = {
+W8A8_PLANS: Table = {
     "narrow": (
         (64, W8A8Tile(64, 64, 128, split_k=4)),
         (128, W8A8Tile(64, 32, 128, split_k=2)),
@@ -106,17 +109,6 @@ W8A8_PLANS: dict[str, tuple[tuple[int, W8A8Tile], ...]] = {
 # kernel's split-K. 0: never.
 STRIP_GEMV_ROWS = 1
 STRIP_GEMV_CLASSES = {False: (), True: ("narrow", "medium", "wide")}
-
-
-def layer_class(n: int, k: int) -> str:
-    """Which LINEAR_PLANS row a weight of N outputs and K inputs takes."""
-    if n < k:
-        return "deep"
-    if n <= 4096:
-        return "narrow"
-    if n <= 8192:
-        return "medium"
-    return "wide" if n <= 16384 else "head"
 
 
 def linear_plan(
@@ -155,13 +147,21 @@ def linear_plan(
 
 def w8a8_plan(rows: int, weight: Fp8Weight, split_ok: bool = False) -> W8A8Tile | None:
     """The Triton W8A8 tile for an FP8 tensor-core product of `rows` float8 rows by
-    `weight`, or None for cuBLAS (see W8A8_PLANS); without split_ok, one K slice."""
+    `weight`, or None for cuBLAS (see W8A8_PLANS and `w8a8_table`); without split_ok, one
+    K slice."""
     if not weight.data.is_contiguous():
         return None
-    for most_rows, tile in W8A8_PLANS.get(layer_class(*weight.shape), ()):
+    for most_rows, tile in w8a8_table(weight.data.device).get(layer_class(*weight.shape), ()):
         if rows <= most_rows:
-            return tile if split_ok else replace(tile, split_k=1)
+            if tile is None or split_ok:
+                return tile
+            return replace(tile, split_k=1)
     return None
+
+
+def w8a8_table(device: torch.device) -> Table:
+    """The W8A8 tiles of `device`'s GPU model where it has a table, else W8A8_PLANS."""
+    return device_table(device.index) or W8A8_PLANS
 
 
 def takes_strip(x: torch.Tensor, weight: Weight) -> bool:
