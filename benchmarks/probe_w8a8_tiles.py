@@ -12,7 +12,8 @@ figure for o and down is the product's whole cost there. Needs a CUDA GPU.
 With --table (no GPU needed; Triton is) the reports given, --output files of one GPU model,
 become that model's table of tiles where the engine looks for it (ops/w8a8_tables.py): per
 layer class and probed row count the fastest tile where it beats cuBLAS (a promoting tile
-where it is within 3% of the fastest), else cuBLAS.
+where it is within 3% of the fastest), else cuBLAS; passes with fewer rows than the fewest
+probed keep the built-in table's tiles.
 
 python -m benchmarks.probe_w8a8_tiles --rows 32 64 128 256 512 --output probe.json
 python -m benchmarks.probe_w8a8_tiles --table probe.json
@@ -83,7 +84,7 @@ def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
 
 def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
     """The table of tiles from probe reports of one GPU model (module docstring)."""
-    from vllm_rlt.ops.w8a8_tables import best_tiles, table_file, table_json
+    from vllm_rlt.ops.w8a8_tables import W8A8_PLANS, best_tiles, table_file, table_json
 
     loaded = []
     for path in reports:
@@ -100,7 +101,7 @@ def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
     device = devices.pop()
     classes = {name: _layer_class(n, k) for name, n, k, _ in SHAPES}
     cases = [case for report in loaded for case in report["cases"]]
-    table = best_tiles(cases, classes)
+    table = best_tiles(cases, classes, W8A8_PLANS)
     path = table_file(device) if out is None else Path(out)
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {

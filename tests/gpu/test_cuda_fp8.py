@@ -152,15 +152,10 @@ def _tile_label(tile) -> str:
 
 
 def _fp8_tiles():
-    """cuBLAS (None), every tile of W8A8_PLANS and of each GPU model's table, and an uneven
-    split of K (None alone where Triton is missing: the CPU suite collects this module and
-    skips it)."""
-    try:
-        from vllm_rlt.ops.linear_plans import W8A8_PLANS
-    except ImportError:
-        return [None]
+    """cuBLAS (None), every tile of the built-in table and of each GPU model's table, and an
+    uneven split of K."""
     from vllm_rlt.kernels.w8a8_tile import W8A8Tile
-    from vllm_rlt.ops.w8a8_tables import TUNED_DIR, table_from_json
+    from vllm_rlt.ops.w8a8_tables import TUNED_DIR, W8A8_PLANS, table_from_json
 
     tables = [W8A8_PLANS]
     tables += [table_from_json(json.loads(p.read_text())) for p in TUNED_DIR.glob("*.json")]

@@ -42,9 +42,15 @@ def test_best_tiles_takes_the_fastest_a_promoting_one_within_slack_and_cublas_wh
         _case(512, "o", 8.0, **{a: 8.5, ap: 8.6, b: 9.0}),  # cuBLAS wins: None
         _case(64, "gate_up", 20.0, **{b: 10.0}),
     ]
-    table = best_tiles(cases, {"o": "narrow", "gate_up": "wide"})
-    assert table == {
-        "narrow": ((64, parse_label(a)), (256, parse_label(ap)), (512, None)),
+    below = {"narrow": ((32, W8A8Tile(split_k=4)), (64, W8A8Tile()), (512, None))}
+    table = best_tiles(cases, {"o": "narrow", "gate_up": "wide"}, below)
+    assert table == {  # rows under the fewest probed (64) keep `below`'s entries
+        "narrow": (
+            (32, W8A8Tile(split_k=4)),
+            (64, parse_label(a)),
+            (256, parse_label(ap)),
+            (512, None),
+        ),
         "wide": ((64, parse_label(b)),),
     }
 

@@ -14,7 +14,7 @@ from vllm_rlt.kernels.strip_gemv import strip_rows
 from vllm_rlt.kernels.w8a8_tile import W8A8Tile
 from vllm_rlt.layers.fp8 import Fp8Weight
 from vllm_rlt.ops.base import Weight
-from vllm_rlt.ops.w8a8_tables import Table, device_table, layer_class
+from vllm_rlt.ops.w8a8_tables import layer_class, w8a8_table
 
 # Linear layers: per layer shape, the launch shape for passes of up to so many rows, in
 # increasing order; a pass with more rows than the last entry runs cuBLAS. Chosen with
@@ -69,34 +69,6 @@ FP8_SKINNY_ROWS = 1
 # tiles, up to this many rows (no model of the engine has such a product yet).
 FP8_LIVE_SKINNY_ROWS = 16
 
-# Above FP8_SKINNY_ROWS, FP8 weights take the Triton W8A8 kernel (kernels/w8a8_gemm.py) with
-# these tiles for passes of up to so many rows, per layer class, and cuBLAS's FP8 product
-# past the last entry (or where an entry's tile is None). A GPU model with a table of its
-# own (ops/w8a8_tables.py) takes that one instead. Measured per projection with
-# benchmarks/probe_w8a8_tiles.py on an H100 at Ouro-1.4B shapes, 24 layers' weights from
-# HBM, float8 rows as the norms hand them on (docs/benchmarks/2026-12-05-w8a8-tiles/
-# probe.json), microseconds against cuBLAS's: at
-# 64 rows qkv 7.7 / 9.6, o 4.6 / 8.7 (split-K 4), gate_up 11.0 / 13.6, down 7.6 / 16.5
-# (split-K 4); at 256 rows o 6.1 / 8.7 and down 11.2 / 16.8, while qkv and gate_up tie or
-# lose from 128 rows; at 512 only o and down still gain (7.6 / 8.8, 15.6 / 16.6). Split-K
-# (o, down) only where the residual add + norms kernel sums the slices; elsewhere the same
-# tile runs with one slice.
-W8A8_PLANS: Table = {
-    "narrow": (
-        (64, W8A8Tile(64, 64, 128, split_k=4)),
-        (128, W8A8Tile(64, 32, 128, split_k=2)),
-        (256, W8A8Tile(64, 64, 128, stages=6)),
-        (512, W8A8Tile(128, 64, 128)),
-    ),
-    "medium": ((128, W8A8Tile(64, 64, 128, stages=6)),),
-    "wide": ((64, W8A8Tile(64, 32, 256, stages=3)),),
-    "deep": (
-        (128, W8A8Tile(64, 64, 128, split_k=4)),
-        (256, W8A8Tile(64, 64, 128, stages=6)),
-        (512, W8A8Tile(128, 64, 128)),
-    ),
-}
-
 # Passes of at most so many rows run these layer classes (per weight dtype: bf16, float8)
 # with each program's weight strip in registers, loaded before the wait on the previous
 # kernel (kernels/strip_gemv.py), where a strip fits. On an H200 at one row, Ouro-1.4B
@@ -147,7 +119,7 @@ def linear_plan(
 
 def w8a8_plan(rows: int, weight: Fp8Weight, split_ok: bool = False) -> W8A8Tile | None:
     """The Triton W8A8 tile for an FP8 tensor-core product of `rows` float8 rows by
-    `weight`, or None for cuBLAS (see W8A8_PLANS and `w8a8_table`); without split_ok, one
+    `weight`, or None for cuBLAS (see ops/w8a8_tables.py); without split_ok, one
     K slice."""
     if not weight.data.is_contiguous():
         return None
@@ -157,11 +129,6 @@ def w8a8_plan(rows: int, weight: Fp8Weight, split_ok: bool = False) -> W8A8Tile 
                 return tile
             return replace(tile, split_k=1)
     return None
-
-
-def w8a8_table(device: torch.device) -> Table:
-    """The W8A8 tiles of `device`'s GPU model where it has a table, else W8A8_PLANS."""
-    return device_table(device.index) or W8A8_PLANS
 
 
 def takes_strip(x: torch.Tensor, weight: Weight) -> bool:

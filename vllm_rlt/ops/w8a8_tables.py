@@ -2,8 +2,7 @@
 rows takes, per layer class, as benchmarks/probe_w8a8_tiles.py measured them on one GPU
 model. The best tile moves between cards of one generation (the H100's choices lost to
 bf16 at 256 rows on an H200), so a card with a table of its own (a JSON file in w8a8_tuned/
-named after its device name) uses it, and any other card the built-in table
-(linear_plans.W8A8_PLANS)."""
+named after its device name) uses it, and any other card the built-in W8A8_PLANS."""
 
 from __future__ import annotations
 
@@ -20,6 +19,33 @@ from vllm_rlt.kernels.w8a8_tile import W8A8Tile
 # with more rows than the last entry runs cuBLAS.
 Table = dict[str, tuple[tuple[int, W8A8Tile | None], ...]]
 TUNED_DIR = Path(__file__).with_name("w8a8_tuned")
+
+# The built-in table, for GPU models without one of their own. Passes above
+# linear_plans.FP8_SKINNY_ROWS rows run FP8 weights' products on these W8A8 tiles, per layer
+# class, up to so many rows, and on cuBLAS's FP8 product past the last entry (or where an
+# entry's tile is None). Measured per projection with benchmarks/probe_w8a8_tiles.py on an
+# H100 at Ouro-1.4B shapes, 24 layers' weights from HBM, float8 rows as the norms hand them
+# on (docs/benchmarks/2026-12-05-w8a8-tiles/probe.json), microseconds against cuBLAS's: at
+# 64 rows qkv 7.7 / 9.6, o 4.6 / 8.7 (split-K 4), gate_up 11.0 / 13.6, down 7.6 / 16.5
+# (split-K 4); at 256 rows o 6.1 / 8.7 and down 11.2 / 16.8, while qkv and gate_up tie or
+# lose from 128 rows; at 512 only o and down still gain (7.6 / 8.8, 15.6 / 16.6). Split-K
+# (o, down) only where the residual add + norms kernel sums the slices; elsewhere the same
+# tile runs with one slice.
+W8A8_PLANS: Table = {
+    "narrow": (
+        (64, W8A8Tile(64, 64, 128, split_k=4)),
+        (128, W8A8Tile(64, 32, 128, split_k=2)),
+        (256, W8A8Tile(64, 64, 128, stages=6)),
+        (512, W8A8Tile(128, 64, 128)),
+    ),
+    "medium": ((128, W8A8Tile(64, 64, 128, stages=6)),),
+    "wide": ((64, W8A8Tile(64, 32, 256, stages=3)),),
+    "deep": (
+        (128, W8A8Tile(64, 64, 128, split_k=4)),
+        (256, W8A8Tile(64, 64, 128, stages=6)),
+        (512, W8A8Tile(128, 64, 128)),
+    ),
+}
 
 
 def table_file(device_name: str) -> Path:
@@ -76,12 +102,16 @@ def device_table(device_index: int) -> Table | None:
         ) from exc
 
 
-def best_tiles(cases: list[dict], classes: dict[str, str], slack: float = 1.03) -> Table:
+def best_tiles(
+    cases: list[dict], classes: dict[str, str], below: Table, slack: float = 1.03
+) -> Table:
     """A table from a probe's cases: per class and probed row count, the fastest tile if it
     beats cuBLAS, else None (cuBLAS); a tile that promotes each K chunk into a float32 sum
-    is taken when it is within `slack` of the fastest tile. `classes`: shape name -> layer
-    class."""
+    is taken when it is within `slack` of the fastest tile. Passes with fewer rows than the
+    fewest probed keep `below`'s entries (the probe says nothing about them). `classes`:
+    shape name -> layer class."""
     table: dict[str, list[tuple[int, W8A8Tile | None]]] = {}
+    fewest = min(case["rows"] for case in cases)
     for case in sorted(cases, key=lambda c: c["rows"]):
         timed = [(v["us"], label) for label, v in case.items() if isinstance(v, dict)]
         us, label = min(timed)
@@ -89,7 +119,10 @@ def best_tiles(cases: list[dict], classes: dict[str, str], slack: float = 1.03) 
         if promoted is not None and promoted[0] <= slack * us:
             us, label = promoted
         tile = parse_label(label) if us < case["cublas_us"] else None
-        table.setdefault(classes[case["shape"]], []).append((case["rows"], tile))
+        name = classes[case["shape"]]
+        if name not in table:
+            table[name] = [entry for entry in below.get(name, ()) if entry[0] < fewest]
+        table[name].append((case["rows"], tile))
     return {name: tuple(entries) for name, entries in table.items()}
 
 
@@ -106,3 +139,8 @@ def parse_label(label: str) -> W8A8Tile:
         raise ValueError(f"not a tile label: {label!r}")
     *fields, promote = match.groups()
     return W8A8Tile(*map(int, fields), promote=bool(promote))
+
+
+def w8a8_table(device: torch.device) -> Table:
+    """The W8A8 tiles of `device`'s GPU model where it has a table, else W8A8_PLANS."""
+    return device_table(device.index) or W8A8_PLANS
