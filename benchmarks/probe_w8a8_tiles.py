@@ -106,7 +106,8 @@ def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
     path.parent.mkdir(parents=True, exist_ok=True)
     record = {
         "device": device,
-        "made_by": "python -m benchmarks.probe_w8a8_tiles --table " + " ".join(reports),
+        "made_by": "python -m benchmarks.probe_w8a8_tiles --table "
+        + " ".join(Path(report).name for report in reports),
         "probed_with": sorted({report.get("versions", "") for report in loaded}),
         "rows": sorted({case["rows"] for case in cases}),
     }

@@ -216,11 +216,12 @@ def test_w8a8_tiles_equal_the_float32_product_of_their_inputs(tile, rows, n, k):
 
 
 @pytest.mark.parametrize("rows", [17, 255, 512])
-@pytest.mark.parametrize("split_k", [1, 2])
+@pytest.mark.parametrize("split_k", [2, 4])
 def test_promoted_w8a8_tiles_sum_in_float32(rows, split_k):
-    """With `promote` each K chunk's tensor-core product is added into a float32 sum, so
-    at K = 5,632 the tile equals the float32 product of its inputs within the output's
-    rounding (3e-3), the bound the unpromoted chains missed on sm_90."""
+    """With `promote` each K chunk's tensor-core product is added into a float32 sum. The
+    float32 partials (split-K; a bf16 output would hide it under its own rounding) of a
+    K = 5,632 product then lie within 3e-4 of the exact product, relative: 1.3e-4 on an
+    H100, where the same tiles without promotion gave 3.4e-4 to 6.7e-4."""
     from vllm_rlt.kernels.fp8_rows import quantize_rows
     from vllm_rlt.kernels.w8a8_tile import W8A8Tile
 
@@ -229,7 +230,7 @@ def test_promoted_w8a8_tiles_sum_in_float32(rows, split_k):
     q = Fp8Weight.quantize(torch.randn(2048, 5632, device="cuda", generator=gen) / 75.0)
     want = (x.data.float() * x.scale) @ q.dequantize(torch.float32).T
     got = _fp8_product(x, q, W8A8Tile(64, 64, 128, split_k=split_k, promote=True))
-    torch.testing.assert_close(got, want, atol=3e-3, rtol=3e-3)
+    assert ((got - want).norm() / want.norm()).item() < 3e-4
 
 
 def test_w8a8_tiles_decode_the_built_in_model_as_cublas_does(monkeypatch):
