@@ -9,11 +9,13 @@ is set against the weight bytes over the copy bandwidth measured first. Split-K 
 write float32 partials, which the engine's add + norms kernel already sums (PARTS), so the
 figure for o and down is the product's whole cost there. Needs a CUDA GPU.
 
-With --table (no GPU needed; Triton is) the reports given, --output files of one GPU model,
-become that model's table of tiles where the engine looks for it (ops/w8a8_tables.py): per
-layer class and probed row count the fastest tile where it beats cuBLAS (a promoting tile
-where it is within 3% of the fastest), else cuBLAS; passes with fewer rows than the fewest
-probed keep the built-in table's tiles.
+With --table (no GPU needed) the reports given, --output files of one GPU model, become that
+model's table of tiles: per layer class and probed row count the fastest tile where it beats
+cuBLAS (a promoting tile where it is within 3% of the fastest), else cuBLAS; passes with
+fewer rows than the fewest probed keep the built-in table's tiles. It goes to the user's
+folder (VLLM_RLT_CACHE_DIR/w8a8_tuned, default ~/.cache/vllm-rlt/w8a8_tuned), where the
+engine on this machine takes it; tables shipped with the package live in
+vllm_rlt/ops/w8a8_tuned/.
 
 python -m benchmarks.probe_w8a8_tiles --rows 32 64 128 256 512 --output probe.json
 python -m benchmarks.probe_w8a8_tiles --table probe.json
@@ -84,7 +86,7 @@ def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
 
 def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
     """The table of tiles from probe reports of one GPU model (module docstring)."""
-    from vllm_rlt.ops.w8a8_tables import W8A8_PLANS, best_tiles, table_file, table_json
+    from vllm_rlt.ops.w8a8_tables import W8A8_PLANS, best_tiles, table_dirs, table_file, table_json
 
     loaded = []
     for path in reports:
@@ -102,8 +104,7 @@ def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
     classes = {name: _layer_class(n, k) for name, n, k, _ in SHAPES}
     cases = [case for report in loaded for case in report["cases"]]
     table = best_tiles(cases, classes, W8A8_PLANS)
-    path = table_file(device) if out is None else Path(out)
-    path.parent.mkdir(parents=True, exist_ok=True)
+    path = table_file(device, table_dirs()[0]) if out is None else Path(out)
     record = {
         "device": device,
         "made_by": "python -m benchmarks.probe_w8a8_tiles --table "
@@ -111,7 +112,11 @@ def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
         "probed_with": sorted({report.get("versions", "") for report in loaded}),
         "rows": sorted({case["rows"] for case in cases}),
     }
-    path.write_text(table_json(record, table))
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(table_json(record, table))
+    except OSError as exc:
+        parser.error(f"--table: cannot write {path}: {exc} (choose another with --table-out)")
     print(f"wrote {path}", file=sys.stderr)
     return 0
 
@@ -134,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--table-out",
         default=None,
-        help="where --table writes (default: the engine's file for the reports' GPU model)",
+        help="where --table writes (default: the GPU model's file in the user's folder)",
     )
     args = parser.parse_args(argv)
     if args.table:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import enum
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -83,6 +85,12 @@ class ParamError(ValueError):
     def __init__(self, message: str, param: str | None = None) -> None:
         super().__init__(message)
         self.param = param
+
+
+def cache_root() -> Path:
+    """Where the engine keeps what it makes once per machine (built CUDA kernels, W8A8
+    tables measured on the card): VLLM_RLT_CACHE_DIR, default ~/.cache/vllm-rlt."""
+    return Path(os.environ.get("VLLM_RLT_CACHE_DIR") or Path.home() / ".cache" / "vllm-rlt")
 
 
 def require(condition: bool, message: str, param: str | None = None) -> None:

@@ -88,7 +88,7 @@ def test_shipped_tables_are_well_formed(path):
             assert tile is None or tile.split_k == 1 or name in ("narrow", "deep")
 
 
-def test_the_probe_writes_a_table_from_its_reports(tmp_path, capsys):
+def test_the_probe_writes_a_table_from_its_reports(tmp_path, capsys, monkeypatch):
     from benchmarks.probe_w8a8_tiles import main
 
     report = {
@@ -100,6 +100,9 @@ def test_the_probe_writes_a_table_from_its_reports(tmp_path, capsys):
     source.write_text(json.dumps(report))
     out = tmp_path / "table.json"
     assert main(["--table", str(source), "--table-out", str(out)]) == 0
+    monkeypatch.setenv("VLLM_RLT_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["--table", str(source)]) == 0  # by default, into the user's folder
+    assert (tmp_path / "cache" / "w8a8_tuned" / "NVIDIA_H200.json").read_text() == out.read_text()
     data = json.loads(out.read_text())
     assert data["device"] == "NVIDIA H200" and data["probed_with"] == ["torch x, triton y"]
     assert table_from_json(data) == {"deep": ((64, parse_label("64x64x128x4w4s4")),)}
@@ -108,3 +111,42 @@ def test_the_probe_writes_a_table_from_its_reports(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["--table", str(source), str(other), "--table-out", str(out)])
     assert "2 GPU models" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a folder where the file should go
+        main(["--table", str(source), "--table-out", str(tmp_path)])
+    assert "cannot write" in capsys.readouterr().err
+
+
+def test_a_card_takes_the_users_table_before_the_packages(tmp_path, monkeypatch):
+    """device_table: the user's folder (VLLM_RLT_CACHE_DIR/w8a8_tuned) first, then the
+    package's, then none; a broken file is an error naming it."""
+    import vllm_rlt.ops.w8a8_tables as tables
+
+    monkeypatch.setenv("VLLM_RLT_CACHE_DIR", str(tmp_path))
+    package = tmp_path / "package"
+    package.mkdir()
+    monkeypatch.setattr(tables, "TUNED_DIR", package)
+    monkeypatch.setattr(tables, "table_dirs", lambda: (tmp_path / "w8a8_tuned", package))
+    monkeypatch.setattr(tables.torch.cuda, "get_device_name", lambda index: f"GPU {index}")
+    shipped = {"narrow": ((64, W8A8Tile()),)}
+    own = {"narrow": ((64, W8A8Tile(promote=True)),)}
+    table_file("GPU 0", package).write_text(table_json({"device": "GPU 0"}, shipped))
+    table_file("GPU 1", package).write_text(table_json({"device": "GPU 1"}, shipped))
+    (tmp_path / "w8a8_tuned").mkdir()
+    table_file("GPU 1", tmp_path / "w8a8_tuned").write_text(table_json({}, own))
+    table_file("GPU 2", package).write_text("{not json")
+    tables.device_table.cache_clear()
+    try:
+        assert tables.device_table(0) == shipped
+        assert tables.device_table(1) == own
+        assert tables.device_table(3) is None
+        with pytest.raises(ValueError, match="GPU_2.json is no table of W8A8 tiles"):
+            tables.device_table(2)
+    finally:
+        tables.device_table.cache_clear()
+
+
+def test_table_dirs_follow_the_cache_dir(tmp_path, monkeypatch):
+    from vllm_rlt.ops.w8a8_tables import table_dirs
+
+    monkeypatch.setenv("VLLM_RLT_CACHE_DIR", str(tmp_path))
+    assert table_dirs() == (tmp_path / "w8a8_tuned", TUNED_DIR)

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from vllm_rlt.config import cache_root
 from vllm_rlt.kernels.cuda_driver import CudaDriverError, CudaModule
 
 logger = logging.getLogger(__name__)
@@ -44,8 +45,7 @@ def find_nvcc() -> str | None:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("VLLM_RLT_CACHE_DIR") or Path.home() / ".cache" / "vllm-rlt"
-    return Path(root) / "cuda"
+    return cache_root() / "cuda"
 
 
 def library_path(name: str, nvcc: str, arch: str) -> Path:

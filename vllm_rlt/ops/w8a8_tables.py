@@ -1,8 +1,9 @@
 """Per-GPU tables of W8A8 tiles: which tile (or cuBLAS) an FP8 tensor-core product of so many
 rows takes, per layer class, as benchmarks/probe_w8a8_tiles.py measured them on one GPU
 model. The best tile moves between cards of one generation (the H100's choices lost to
-bf16 at 256 rows on an H200), so a card with a table of its own (a JSON file in w8a8_tuned/
-named after its device name) uses it, and any other card the built-in W8A8_PLANS."""
+bf16 at 256 rows on an H200), so a card with a table of its own (a JSON file named after its
+device name, in the user's folder, cache_root()/w8a8_tuned/, where the probe writes it, or
+shipped in the package's w8a8_tuned/) uses it, and any other card the built-in W8A8_PLANS."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from vllm_rlt.config import cache_root
 from vllm_rlt.kernels.w8a8_tile import W8A8Tile
 
 # A table: per layer class, (most rows, tile or None for cuBLAS) in increasing rows; a pass
@@ -48,9 +50,15 @@ W8A8_PLANS: Table = {
 }
 
 
-def table_file(device_name: str) -> Path:
-    """Where the table of a GPU model lives (its device name, non-word runs as '_')."""
-    return TUNED_DIR / (re.sub(r"\W+", "_", device_name).strip("_") + ".json")
+def table_dirs() -> tuple[Path, Path]:
+    """Where tables are looked for, the first holding a card's file winning: the user's
+    folder (what the probe writes), then the package's."""
+    return cache_root() / "w8a8_tuned", TUNED_DIR
+
+
+def table_file(device_name: str, folder: Path = TUNED_DIR) -> Path:
+    """The file of a GPU model's table in `folder` (its device name, non-word runs as '_')."""
+    return folder / (re.sub(r"\W+", "_", device_name).strip("_") + ".json")
 
 
 def table_from_json(data: dict) -> Table:
@@ -65,14 +73,15 @@ def table_from_json(data: dict) -> Table:
 
 
 def table_json(record: dict, table: Table) -> str:
-    """A table file's text: `record`'s fields, then "plans" with one line per class."""
-    plans = {
-        name: [[rows, None if tile is None else tile_label(tile)] for rows, tile in entries]
+    """A table file's text: `record`'s fields, then "plans", a line each."""
+    fields = [f"  {json.dumps(key)}: {json.dumps(value)}" for key, value in record.items()]
+    plans = [
+        f"    {json.dumps(name)}: "
+        + json.dumps([[rows, None if tile is None else tile_label(tile)] for rows, tile in entries])
         for name, entries in table.items()
-    }
-    lines = [f"  {json.dumps(name)}: {json.dumps(entries)}" for name, entries in plans.items()]
-    head = json.dumps(record, indent=2)[:-2]
-    return head + ',\n  "plans": {\n  ' + ",\n  ".join(lines) + "\n  }\n}\n"
+    ]
+    fields.append('  "plans": {\n' + ",\n".join(plans) + "\n  }")
+    return "{\n" + ",\n".join(fields) + "\n}\n"
 
 
 def layer_class(n: int, k: int) -> str:
@@ -90,8 +99,9 @@ def layer_class(n: int, k: int) -> str:
 @functools.cache
 def device_table(device_index: int) -> Table | None:
     """The table measured on the GPU model of CUDA device `device_index`, or None."""
-    path = table_file(torch.cuda.get_device_name(device_index))
-    if not path.is_file():
+    name = torch.cuda.get_device_name(device_index)
+    path = next((p for p in (table_file(name, d) for d in table_dirs()) if p.is_file()), None)
+    if path is None:
         return None
     try:
         return table_from_json(json.loads(path.read_text()))
