@@ -34,7 +34,7 @@ from vllm_rlt.ops.torch_ops import TorchOps
 VARIANTS = {  # name -> (quantization, fp8 K/V, per-head K/V scales, fp8 activations)
     "fp8 weights": ("fp8", False, False, False),
     "fp8 weights, activations per token": ("fp8", False, False, True),
-    "fp8 weights, engine kernels": ("fp8", False, False, "kernels"),  # on a GPU only
+    "fp8 weights, engine kernels": ("fp8", False, False, "kernels"),  # a GPU, bf16 only
     "fp8 KV": (None, True, False, False),
     "fp8 KV, per-head scales": (None, True, True, False),
     "fp8 weights + fp8 KV": ("fp8", True, False, False),
@@ -65,8 +65,11 @@ class PerTokenFp8Ops(TorchOps):
 
 
 class KernelFp8Ops(TorchOps):
-    """The reference ops with fp8 weights' products on the Triton backend's kernels, in
-    chunks of `rows` rows quantized per token as the norms hand them on."""
+    """The reference ops with fp8 weights' products on the Triton backend's kernels (bf16
+    only, as the engine runs them), in chunks of `rows` rows (the last chunk may be
+    smaller, and take its own tile) quantized per token as the norms hand them on. Every
+    product may split K, as o and down do in the engine, whose norm kernel sums the float32
+    slices (qkv's and gate/up's tiles take one slice)."""
 
     def __init__(self, rows: int) -> None:
         from vllm_rlt.ops.triton_ops import TritonOps  # needs Triton: a GPU run only
@@ -76,11 +79,13 @@ class KernelFp8Ops(TorchOps):
     def _chunks(self, x: torch.Tensor, product) -> torch.Tensor:
         from vllm_rlt.kernels.fp8_rows import quantize_rows
 
-        return torch.cat([product(quantize_rows(c)) for c in x.split(self.rows)])
+        return torch.cat([product(quantize_rows(c)).to(x.dtype) for c in x.split(self.rows)])
 
     def linear(self, x, weight, live=None):
+        from vllm_rlt.ops.fp8_products import fp8_product
+
         if isinstance(weight, Fp8Weight):
-            return self._chunks(x, lambda c: self.kernels.linear(c, weight))
+            return self._chunks(x, lambda c: fp8_product(c, weight, split_ok=True).sum(0))
         return super().linear(x, weight, live)
 
     def linear_silu_mul(self, x, gate_up, next_weight=None):
@@ -200,12 +205,14 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     device = parser.device(args.device)
+    dtype = getattr(torch, args.dtype, None)
+    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        parser.error(f"--dtype must be float32, float16 or bfloat16, got {args.dtype!r}")
     variants = {
         name: variant
         for name, variant in VARIANTS.items()
-        if variant[3] != "kernels" or device.type == "cuda"
+        if variant[3] != "kernels" or (device.type == "cuda" and dtype == torch.bfloat16)
     }
-    dtype = getattr(torch, args.dtype)
     model = random_model(args.shape, dtype, device, args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size

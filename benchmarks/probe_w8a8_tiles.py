@@ -74,7 +74,8 @@ def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
     result = {"rows": rows, "shape": name, "bound_us": bound_us}
     result["cublas_us"] = graph_time_us(lambda i: fp8_rows_linear(x, weights[i]), LAYERS)
     result["cublas_relative_error"] = error(fp8_rows_linear(x, w0))
-    for tile in (W8A8Tile(*fields, promote) for fields in TILES for promote in (False, True)):
+    tiles = [W8A8Tile(*fields, promote=p) for fields in TILES for p in (False, True)]
+    for tile in tiles:
         if tile.split_k > 1 and n > 2048:
             continue  # split-K only for the narrow projections
         got = w8a8_gemm(x, w0, tile).float()
@@ -97,19 +98,22 @@ def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
             parser.error(f"--table: cannot read {path}: {exc}")
     if not all(isinstance(r, dict) and "device" in r and "cases" in r for r in loaded):
         parser.error("--table: give reports this probe wrote with --output")
-    devices = {report["device"] for report in loaded}
+    devices = {str(report["device"]) for report in loaded}
     if len(devices) != 1:
         parser.error(f"--table: the reports come from {len(devices)} GPU models; give one's")
     device = devices.pop()
     classes = {name: _layer_class(n, k) for name, n, k, _ in SHAPES}
-    cases = [case for report in loaded for case in report["cases"]]
-    table = best_tiles(cases, classes, W8A8_PLANS)
+    try:
+        cases = [case for report in loaded for case in report["cases"]]
+        table = best_tiles(cases, classes, W8A8_PLANS)
+    except (KeyError, ValueError, TypeError, AttributeError) as exc:
+        parser.error(f"--table: the reports hold no probe cases this tool can read ({exc!r})")
     path = table_file(device, table_dirs()[0]) if out is None else Path(out)
     record = {
         "device": device,
         "made_by": "python -m benchmarks.probe_w8a8_tiles --table "
         + " ".join(Path(report).name for report in reports),
-        "probed_with": sorted({report.get("versions", "") for report in loaded}),
+        "probed_with": sorted({str(report.get("versions", "unrecorded")) for report in loaded}),
         "rows": sorted({case["rows"] for case in cases}),
     }
     try:

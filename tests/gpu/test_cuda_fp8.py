@@ -23,7 +23,7 @@ from vllm_rlt.tokenizer import Tokenizer
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
 
-TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+TOL = {torch.float32: 1e-5, torch.float16: 5e-3, torch.bfloat16: 2e-2}
 
 
 @pytest.fixture(scope="module")
@@ -42,8 +42,8 @@ def _expected(x: torch.Tensor, q: Fp8Weight, skinny: bool) -> torch.Tensor:
     return TorchOps().linear(x.float(), Fp8Weight(q.data, q.scale)).to(x.dtype)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 16, 40, 64, 65, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 16, 17, 40, 64, 65, 300])
 @pytest.mark.parametrize("n,k", [(2048, 2048), (6144, 2048), (11264, 2048), (2048, 5632)])
 def test_fp8_linear_ops_equal_the_reference(triton_ops, dtype, rows, n, k):
     from vllm_rlt.ops.linear_plans import linear_plan
@@ -52,7 +52,7 @@ def test_fp8_linear_ops_equal_the_reference(triton_ops, dtype, rows, n, k):
     x = torch.randn(rows, k, device="cuda", generator=gen).to(dtype)
     q = Fp8Weight.quantize(torch.randn(n, k, device="cuda", generator=gen) / k**0.5)
     skinny = linear_plan(x, q) is not None
-    tol = TOL[dtype] if skinny or dtype == torch.float32 else 3e-2
+    tol = TOL[dtype] if skinny or dtype != torch.bfloat16 else 3e-2
     want = _expected(x, q, skinny)
     torch.testing.assert_close(triton_ops.linear(x, q), want, atol=tol, rtol=tol)
     silu = TorchOps().silu_mul(want.float()).to(dtype)
@@ -152,13 +152,13 @@ def _tile_label(tile) -> str:
 
 
 def _fp8_tiles():
-    """cuBLAS (None), every tile of the built-in table and of each GPU model's table, and an
-    uneven split of K."""
+    """cuBLAS (None), every tile of the built-in table and of each GPU model's table (the
+    package's and the user's), and an uneven split of K."""
     from vllm_rlt.kernels.w8a8_tile import W8A8Tile
-    from vllm_rlt.ops.w8a8_tables import TUNED_DIR, W8A8_PLANS, table_from_json
+    from vllm_rlt.ops.w8a8_tables import W8A8_PLANS, table_dirs, table_from_json
 
-    tables = [W8A8_PLANS]
-    tables += [table_from_json(json.loads(p.read_text())) for p in TUNED_DIR.glob("*.json")]
+    files = [path for folder in table_dirs() for path in folder.glob("*.json")]
+    tables = [W8A8_PLANS, *(table_from_json(json.loads(p.read_text())) for p in files)]
     tiles = {tile for t in tables for plans in t.values() for _, tile in plans if tile}
     return [None, *sorted(tiles, key=_tile_label), W8A8Tile(64, 64, 128, split_k=3)]
 
@@ -220,8 +220,9 @@ def test_w8a8_tiles_equal_the_float32_product_of_their_inputs(tile, rows, n, k):
 def test_promoted_w8a8_tiles_sum_in_float32(rows, split_k):
     """With `promote` each K chunk's tensor-core product is added into a float32 sum. The
     float32 partials (split-K; a bf16 output would hide it under its own rounding) of a
-    K = 5,632 product then lie within 3e-4 of the exact product, relative: 1.3e-4 on an
-    H100, where the same tiles without promotion gave 3.4e-4 to 6.7e-4."""
+    K = 5,632 product then lie within 3e-4 of the exact product, relative, and at most half
+    as far as the same tile's without promotion: 1.3e-4 against 6.7e-4 on an H100 (split-K
+    4)."""
     from vllm_rlt.kernels.fp8_rows import quantize_rows
     from vllm_rlt.kernels.w8a8_tile import W8A8Tile
 
@@ -229,8 +230,13 @@ def test_promoted_w8a8_tiles_sum_in_float32(rows, split_k):
     x = quantize_rows(torch.randn(rows, 5632, device="cuda", generator=gen).to(torch.bfloat16))
     q = Fp8Weight.quantize(torch.randn(2048, 5632, device="cuda", generator=gen) / 75.0)
     want = (x.data.float() * x.scale) @ q.dequantize(torch.float32).T
-    got = _fp8_product(x, q, W8A8Tile(64, 64, 128, split_k=split_k, promote=True))
-    assert ((got - want).norm() / want.norm()).item() < 3e-4
+
+    def error(promote: bool) -> float:
+        tile = W8A8Tile(64, 64, 128, split_k=split_k, promote=promote)
+        return ((_fp8_product(x, q, tile) - want).norm() / want.norm()).item()
+
+    promoted, plain = error(True), error(False)
+    assert promoted < 3e-4 and promoted < plain / 2, (promoted, plain)
 
 
 def test_w8a8_tiles_decode_the_built_in_model_as_cublas_does(monkeypatch):

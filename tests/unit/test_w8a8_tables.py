@@ -150,3 +150,43 @@ def test_table_dirs_follow_the_cache_dir(tmp_path, monkeypatch):
 
     monkeypatch.setenv("VLLM_RLT_CACHE_DIR", str(tmp_path))
     assert table_dirs() == (tmp_path / "w8a8_tuned", TUNED_DIR)
+
+
+def test_best_tiles_keeps_the_faster_of_a_row_count_probed_twice():
+    slow, fast = "64x64x128x1w4s4", "64x32x128x1w4s4"
+    cases = [_case(64, "o", 9.0, **{slow: 5.0}), _case(64, "o", 9.0, **{fast: 4.0})]
+    assert best_tiles(cases, {"o": "narrow"}, {}) == {"narrow": ((64, parse_label(fast)),)}
+
+
+def test_a_promoted_tile_that_loses_to_cublas_leaves_the_fastest_tile():
+    plain, promoted = "64x64x128x1w4s4", "64x64x128x1w4s4p"
+    cases = [_case(64, "o", 5.05, **{plain: 5.0, promoted: 5.1})]
+    assert best_tiles(cases, {"o": "narrow"}, {}) == {"narrow": ((64, parse_label(plain)),)}
+
+
+@pytest.mark.parametrize(
+    ("plans", "match"),
+    [
+        ({"nope": [[64, None]]}, "unknown layer class"),
+        ({"narrow": [[64, None], [64, None]]}, "do not rise"),
+        ({"narrow": [[128, None], [64, None]]}, "do not rise"),
+        ({"narrow": [[0, None]]}, "do not rise"),
+        ({"narrow": [[64, "64x64"]]}, "not a tile label"),
+    ],
+)
+def test_malformed_tables_are_refused(plans, match):
+    with pytest.raises(ValueError, match=match):
+        table_from_json({"plans": plans})
+
+
+def test_an_empty_table_means_cublas_everywhere(monkeypatch):
+    """A card's table with no entries is a table (cuBLAS for every product), not a missing
+    one that would fall back to the built-in tiles."""
+    import torch
+
+    import vllm_rlt.ops.w8a8_tables as tables
+
+    monkeypatch.setattr(tables, "device_table", lambda index: {})
+    assert tables.w8a8_table(torch.device("cuda", 0)) == {}
+    monkeypatch.setattr(tables, "device_table", lambda index: None)
+    assert tables.w8a8_table(torch.device("cuda", 0)) is tables.W8A8_PLANS

@@ -68,6 +68,10 @@ FP8_SKINNY_ROWS = 1
 # A product with a live mask over fp8 weights keeps the skinny kernel, which skips idle row
 # tiles, up to this many rows (no model of the engine has such a product yet).
 FP8_LIVE_SKINNY_ROWS = 16
+# A product over fp8 weights that FP8 tensor cores do not take (float16 or float32
+# activations; a weight dimension no multiple of 16) keeps the skinny kernel up to this many
+# rows, as every fp8 product did before the W8A8 tiles, and the dequantizing product above.
+FP8_UNSCALED_SKINNY_ROWS = 16
 
 # Passes of at most so many rows run these layer classes (per weight dtype: bf16, float8)
 # with each program's weight strip in registers, loaded before the wait on the previous
@@ -91,16 +95,14 @@ def linear_plan(
     activations take proportionally shorter K chunks, so a tile holds the same registers.
     An fp8 weight's tile is widened to its activations' dtype and its K chunk doubles, so
     that a pipeline stage moves as many weight bytes as in bf16 (measured on an H200:
-    1.06x at 8 rows). Activations FP8 tensor cores do not take (float16, float32) keep the
-    skinny plans over fp8 weights. `live`: the product has a live mask (see LIVE_SKINNY_ROWS)."""
+    1.06x at 8 rows). Products over fp8 weights that FP8 tensor cores do not take keep the
+    skinny plans up to FP8_UNSCALED_SKINNY_ROWS. `live`: the product has a live mask (see
+    LIVE_SKINNY_ROWS)."""
     n, k = weight.shape
     fp8 = isinstance(weight, Fp8Weight)
-    if (
-        fp8
-        and x.shape[0] > (FP8_LIVE_SKINNY_ROWS if live else FP8_SKINNY_ROWS)
-        and fp8_tensor_cores_take(x.dtype, weight)
-    ):
-        return None  # FP8 tensor cores
+    if fp8 and x.shape[0] > (FP8_LIVE_SKINNY_ROWS if live else FP8_SKINNY_ROWS):
+        if fp8_tensor_cores_take(x.dtype, weight) or x.shape[0] > FP8_UNSCALED_SKINNY_ROWS:
+            return None  # FP8 tensor cores, or the dequantizing product
     plans = LINEAR_PLANS[layer_class(n, k)]
     if k > TUNED_DEPTH:
         plans = tuple(entry for entry in plans if entry[0] <= DEEP_SKINNY_ROWS)

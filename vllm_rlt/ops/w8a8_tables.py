@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import re
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 
 from vllm_rlt.config import cache_root
 from vllm_rlt.kernels.w8a8_tile import W8A8Tile
+
+logger = logging.getLogger(__name__)
 
 # A table: per layer class, (most rows, tile or None for cuBLAS) in increasing rows; a pass
 # with more rows than the last entry runs cuBLAS.
@@ -62,13 +65,19 @@ def table_file(device_name: str, folder: Path = TUNED_DIR) -> Path:
 
 
 def table_from_json(data: dict) -> Table:
-    """A table from the "plans" of a table file: per class, [most rows, tile label or null]."""
+    """A table from the "plans" of a table file: per class, [most rows, tile label or null]
+    with the rows rising. ValueError (or KeyError, TypeError) for anything else."""
     table = {}
     for name, entries in data["plans"].items():
+        if name not in CLASSES:
+            raise ValueError(f"unknown layer class {name!r} (one of {', '.join(CLASSES)})")
         parsed = [
-            (int(rows), None if label is None else parse_label(label)) for rows, label in entries
+            (int(most), None if label is None else parse_label(label)) for most, label in entries
         ]
-        table[name] = tuple(sorted(parsed, key=lambda entry: entry[0]))
+        rows = [most for most, _ in parsed]
+        if rows != sorted(set(rows)) or (rows and rows[0] < 1):
+            raise ValueError(f"{name}: the row counts {rows} do not rise from 1 or more")
+        table[name] = tuple(parsed)
     return table
 
 
@@ -82,6 +91,9 @@ def table_json(record: dict, table: Table) -> str:
     ]
     fields.append('  "plans": {\n' + ",\n".join(plans) + "\n  }")
     return "{\n" + ",\n".join(fields) + "\n}\n"
+
+
+CLASSES = ("narrow", "medium", "wide", "head", "deep")
 
 
 def layer_class(n: int, k: int) -> str:
@@ -104,12 +116,14 @@ def device_table(device_index: int) -> Table | None:
     if path is None:
         return None
     try:
-        return table_from_json(json.loads(path.read_text()))
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        table = table_from_json(json.loads(path.read_text()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
         raise ValueError(
             f"{path} is no table of W8A8 tiles ({exc}); remove it, or remake it with "
             "python -m benchmarks.probe_w8a8_tiles --table"
         ) from exc
+    logger.info("W8A8 tiles for %s: the table in %s", name, path)
+    return table
 
 
 def best_tiles(
@@ -117,22 +131,30 @@ def best_tiles(
 ) -> Table:
     """A table from a probe's cases: per class and probed row count, the fastest tile if it
     beats cuBLAS, else None (cuBLAS); a tile that promotes each K chunk into a float32 sum
-    is taken when it is within `slack` of the fastest tile. Passes with fewer rows than the
-    fewest probed keep `below`'s entries (the probe says nothing about them). `classes`:
-    shape name -> layer class."""
-    table: dict[str, list[tuple[int, W8A8Tile | None]]] = {}
-    fewest = min(case["rows"] for case in cases)
-    for case in sorted(cases, key=lambda c: c["rows"]):
+    is taken instead where it is within `slack` of the fastest and beats cuBLAS too. A row
+    count probed twice keeps its faster case. Passes with fewer rows than the fewest probed
+    keep `below`'s entries (the probe says nothing about them). `classes`: shape name ->
+    layer class. KeyError or ValueError for a case that lacks what a probe writes."""
+    chosen: dict[tuple[str, int], tuple[float, W8A8Tile | None]] = {}
+    for case in cases:
         timed = [(v["us"], label) for label, v in case.items() if isinstance(v, dict)]
-        us, label = min(timed)
+        cublas = float(case["cublas_us"])
+        us, label = min(timed) if timed else (cublas, None)
         promoted = min((t for t in timed if t[1].endswith("p")), default=None)
-        if promoted is not None and promoted[0] <= slack * us:
+        if promoted is not None and promoted[0] <= slack * us and promoted[0] < cublas:
             us, label = promoted
-        tile = parse_label(label) if us < case["cublas_us"] else None
-        name = classes[case["shape"]]
+        pick = (us, parse_label(label)) if label is not None and us < cublas else (cublas, None)
+        key = (classes[case["shape"]], int(case["rows"]))
+        if key not in chosen or pick[0] < chosen[key][0]:
+            chosen[key] = pick
+    if not chosen:
+        raise ValueError("no cases")
+    fewest = min(rows for _, rows in chosen)
+    table: dict[str, list[tuple[int, W8A8Tile | None]]] = {}
+    for (name, rows), (_, tile) in sorted(chosen.items(), key=lambda item: item[0][1]):
         if name not in table:
             table[name] = [entry for entry in below.get(name, ()) if entry[0] < fewest]
-        table[name].append((case["rows"], tile))
+        table[name].append((rows, tile))
     return {name: tuple(entries) for name, entries in table.items()}
 
 
@@ -153,4 +175,5 @@ def parse_label(label: str) -> W8A8Tile:
 
 def w8a8_table(device: torch.device) -> Table:
     """The W8A8 tiles of `device`'s GPU model where it has a table, else W8A8_PLANS."""
-    return device_table(device.index) or W8A8_PLANS
+    table = device_table(device.index)
+    return W8A8_PLANS if table is None else table
