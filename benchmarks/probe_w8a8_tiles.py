@@ -1,13 +1,15 @@
 """FP8 tensor-core products at 32-512 rows: cuBLAS (`torch._scaled_mm`) against the Triton
-W8A8 kernel (kernels/w8a8_gemm.py) in candidate tiles sized for few rows, with split-K
-for the narrow projections (o and down), on the Ouro-1.4B layer shapes. The activations come
+W8A8 kernel (kernels/w8a8_gemm.py) in candidate tiles sized for few rows, with split-K, on
+the Ouro-1.4B layer shapes. The activations come
 already in float8 with their per-token scales, as the norms now hand them on, so only the
 product is timed. Every tile runs twice: as it is, and promoting each K chunk's product into
 a float32 sum (label suffix "p"); each error is against the float32 product of the same
 float8 inputs. Each of 24 layers has weights of its own (HBM, not L2), and every figure
-is set against the weight bytes over the copy bandwidth measured first. Split-K variants
-write float32 partials, which the engine's add + norms kernel already sums (PARTS), so the
-figure for o and down is the product's whole cost there. Needs a CUDA GPU.
+is set against the weight bytes over the copy bandwidth measured first. Split-K tiles of o
+and down write float32 partials, which the engine's add + norms kernel already sums (PARTS),
+so their figure is the product's whole cost there; those of qkv and gate/up sum their
+slices in the kernel (label suffix "r"), as their consumers need the finished product.
+Needs a CUDA GPU.
 
 With --table (no GPU needed) the reports given, --output files of one GPU model, become that
 model's table of tiles: per layer class and probed row count the fastest tile where it beats
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -32,6 +35,7 @@ import torch
 from benchmarks.graph_timing import graph_time_us
 from benchmarks.probe_few_row_gemm import LAYERS, SHAPES, copy_bandwidth
 from vllm_rlt.cli_parser import CLIParser
+from vllm_rlt.ops.w8a8_tables import parse_label
 
 # Candidate tiles: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), as W8A8Tile takes them
 # (built in _case, so that --help needs no Triton).
@@ -76,8 +80,8 @@ def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
     result["cublas_relative_error"] = error(fp8_rows_linear(x, w0))
     tiles = [W8A8Tile(*fields, promote=p) for fields in TILES for p in (False, True)]
     for tile in tiles:
-        if tile.split_k > 1 and n > 2048:
-            continue  # split-K only for the narrow projections
+        if tile.split_k > 1 and n > 2048:  # qkv, gate/up: their consumers need the sum
+            tile = replace(tile, reduce=True)
         got = w8a8_gemm(x, w0, tile).float()
         got = got.sum(0) if got.dim() == 3 else got
         us = graph_time_us(lambda i, t=tile: w8a8_gemm(x, weights[i], t), LAYERS)
@@ -161,8 +165,8 @@ def main(argv: list[str] | None = None) -> int:
             case = _case(rows, name, n, k, bandwidth)
             report["cases"].append(case)
             tiles = [(v["us"], label) for label, v in case.items() if isinstance(v, dict)]
-            best = min(t for t in tiles if not t[1].endswith("p"))
-            promoted = min(t for t in tiles if t[1].endswith("p"))
+            best = min(t for t in tiles if not parse_label(t[1]).promote)
+            promoted = min(t for t in tiles if parse_label(t[1]).promote)
             print(
                 f"{rows:4d} rows {name:8s} bound {case['bound_us']:6.1f} us  cuBLAS "
                 f"{case['cublas_us']:6.1f}  best Triton {best[0]:6.1f} ({best[1]})  promoted "

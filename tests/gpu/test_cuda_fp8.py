@@ -153,14 +153,16 @@ def _tile_label(tile) -> str:
 
 def _fp8_tiles():
     """cuBLAS (None), every tile of the built-in table and of each GPU model's table (the
-    package's and the user's), and an uneven split of K."""
+    package's and the user's), and uneven splits of K, summed outside and in the kernel."""
     from vllm_rlt.kernels.w8a8_tile import W8A8Tile
     from vllm_rlt.ops.w8a8_tables import W8A8_PLANS, table_dirs, table_from_json
 
     files = [path for folder in table_dirs() for path in folder.glob("*.json")]
     tables = [W8A8_PLANS, *(table_from_json(json.loads(p.read_text())) for p in files)]
     tiles = {tile for t in tables for plans in t.values() for _, tile in plans if tile}
-    return [None, *sorted(tiles, key=_tile_label), W8A8Tile(64, 64, 128, split_k=3)]
+    extra = [W8A8Tile(64, 64, 128, split_k=3), W8A8Tile(64, 64, 128, split_k=3, reduce=True)]
+    extra.append(W8A8Tile(64, 32, 128, split_k=2, promote=True, reduce=True))
+    return [None, *sorted(tiles, key=_tile_label), *extra]
 
 
 def _fp8_product(x, q, tile) -> torch.Tensor:
@@ -171,7 +173,7 @@ def _fp8_product(x, q, tile) -> torch.Tensor:
     if tile is None:
         return fp8_rows_linear(x, q).float()
     got = w8a8_gemm(x, q, tile).float()
-    return got.sum(0) if tile.split_k > 1 else got
+    return got.sum(0) if got.dim() == 3 else got
 
 
 @pytest.mark.parametrize("tile", _fp8_tiles(), ids=_tile_label)
@@ -237,6 +239,40 @@ def test_promoted_w8a8_tiles_sum_in_float32(rows, split_k):
 
     promoted, plain = error(True), error(False)
     assert promoted < 3e-4 and promoted < plain / 2, (promoted, plain)
+
+
+@pytest.mark.parametrize("rows", [1, 17, 255])
+@pytest.mark.parametrize("silu_mul", [False, True], ids=["product", "silu_mul"])
+def test_reducing_tiles_sum_their_slices_the_same_way_every_launch(rows, silu_mul):
+    """A tile that splits K and sums the slices itself (the last slice of each output tile
+    to finish sums them, in slice order) gives the same bits at every launch, eager and in
+    a replayed CUDA graph, and leaves its tile counters at zero; it equals the slices' own
+    partial sums added in the same order, bit for bit."""
+    from vllm_rlt.kernels import w8a8_gemm as kernel
+    from vllm_rlt.kernels.fp8_rows import quantize_rows
+    from vllm_rlt.kernels.w8a8_tile import W8A8Tile
+
+    gen = torch.Generator(device="cuda").manual_seed(rows)
+    x = quantize_rows(torch.randn(rows, 2048, device="cuda", generator=gen).to(torch.bfloat16))
+    q = Fp8Weight.quantize(torch.randn(6144, 2048, device="cuda", generator=gen) / 45.0)
+    tile = W8A8Tile(64, 64, 128, split_k=4, reduce=True)
+    first = kernel.w8a8_gemm(x, q, tile, silu_mul=silu_mul)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = kernel.w8a8_gemm(x, q, tile, silu_mul=silu_mul)
+    for _ in range(3):
+        graph.replay()
+        assert torch.equal(captured, first)
+    assert torch.equal(kernel.w8a8_gemm(x, q, tile, silu_mul=silu_mul), first)
+    torch.cuda.synchronize()
+    assert not kernel._COUNTERS[x.data.device].any()
+    parts = kernel.w8a8_gemm(x, q, W8A8Tile(64, 64, 128, split_k=4))
+    summed = (((parts[0] + parts[1]) + parts[2]) + parts[3]).to(torch.bfloat16)
+    if silu_mul:  # the SiLU-mul epilogue rounds where the torch reference does
+        want = TorchOps().silu_mul(summed)
+        torch.testing.assert_close(first, want, atol=1e-2, rtol=1e-2)
+    else:
+        assert torch.equal(first, summed)
 
 
 def test_w8a8_tiles_decode_the_built_in_model_as_cublas_does(monkeypatch):

@@ -9,8 +9,9 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class W8A8Tile:
     """Launch shape: output rows and columns per program, the K chunk (float8 elements),
-    the number of K slices (1: the finished product), warps, pipeline stages, and whether
-    each K chunk's product is promoted into a float32 sum (kernels/w8a8_gemm.py says why)."""
+    the number of K slices, warps, pipeline stages, whether each K chunk's product is
+    promoted into a float32 sum, and whether the K slices are summed in the kernel (the
+    finished product) rather than handed on as partial sums (kernels/w8a8_gemm.py)."""
 
     block_m: int = 64
     block_n: int = 64
@@ -19,3 +20,4 @@ class W8A8Tile:
     warps: int = 4
     stages: int = 4
     promote: bool = False
+    reduce: bool = False

@@ -121,13 +121,13 @@ def linear_plan(
 
 def w8a8_plan(rows: int, weight: Fp8Weight, split_ok: bool = False) -> W8A8Tile | None:
     """The Triton W8A8 tile for an FP8 tensor-core product of `rows` float8 rows by
-    `weight`, or None for cuBLAS (see ops/w8a8_tables.py); without split_ok, one
-    K slice."""
+    `weight`, or None for cuBLAS (see ops/w8a8_tables.py); without split_ok, one K slice
+    unless the tile sums its slices itself (`reduce`)."""
     if not weight.data.is_contiguous():
         return None
     for most_rows, tile in w8a8_table(weight.data.device).get(layer_class(*weight.shape), ()):
         if rows <= most_rows:
-            if tile is None or split_ok:
+            if tile is None or split_ok or tile.reduce:
                 return tile
             return replace(tile, split_k=1)
     return None

@@ -140,7 +140,7 @@ def best_tiles(
         timed = [(v["us"], label) for label, v in case.items() if isinstance(v, dict)]
         cublas = float(case["cublas_us"])
         us, label = min(timed) if timed else (cublas, None)
-        promoted = min((t for t in timed if t[1].endswith("p")), default=None)
+        promoted = min((t for t in timed if parse_label(t[1]).promote), default=None)
         if promoted is not None and promoted[0] <= slack * us and promoted[0] < cublas:
             us, label = promoted
         pick = (us, parse_label(label)) if label is not None and us < cublas else (cublas, None)
@@ -159,18 +159,20 @@ def best_tiles(
 
 
 def tile_label(tile: W8A8Tile) -> str:
-    """A tile's name in probe reports: MxNxKxSPLIT, warps, stages, 'p' if it promotes."""
+    """A tile's name in probe reports: MxNxKxSPLIT, warps, stages, then 'p' if it promotes
+    and 'r' if it sums its K slices itself."""
     label = "x".join(map(str, (tile.block_m, tile.block_n, tile.block_k, tile.split_k)))
-    return label + f"w{tile.warps}s{tile.stages}" + ("p" if tile.promote else "")
+    label += f"w{tile.warps}s{tile.stages}"
+    return label + ("p" if tile.promote else "") + ("r" if tile.reduce else "")
 
 
 def parse_label(label: str) -> W8A8Tile:
     """The tile `tile_label` names."""
-    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(p?)", label)
+    match = re.fullmatch(r"(\d+)x(\d+)x(\d+)x(\d+)w(\d+)s(\d+)(p?)(r?)", label)
     if match is None:
         raise ValueError(f"not a tile label: {label!r}")
-    *fields, promote = match.groups()
-    return W8A8Tile(*map(int, fields), promote=bool(promote))
+    *fields, promote, reduce = match.groups()
+    return W8A8Tile(*map(int, fields), promote=bool(promote), reduce=bool(reduce))
 
 
 def w8a8_table(device: torch.device) -> Table:
