@@ -92,7 +92,7 @@ def _w8a8_kernel(
                 acc, c_ptr, rows, cols, row_ok, col_ok, N, pid, tiles_n, BLOCK_M, BLOCK_N, SILU_MUL
             )
     else:  # one slice's partial sums go to slice `split` of c ([SPLIT_K, M, N])
-        c_slice = c_ptr + split.to(tl.int64) * M * N
+        c_slice = c_ptr + split.to(tl.int64) * M * N if SPLIT_K > 1 else c_ptr
         _store_tile(
             acc, c_slice, rows, cols, row_ok, col_ok, N, pid, tiles_n, BLOCK_M, BLOCK_N, SILU_MUL
         )
