@@ -35,7 +35,16 @@ import torch
 from benchmarks.graph_timing import graph_time_us
 from benchmarks.probe_few_row_gemm import LAYERS, SHAPES, copy_bandwidth
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.ops.w8a8_tables import parse_label
+from vllm_rlt.ops.w8a8_tables import (
+    W8A8_PLANS,
+    best_tiles,
+    layer_class,
+    parse_label,
+    table_dirs,
+    table_file,
+    table_json,
+    tile_label,
+)
 
 # Candidate tiles: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages), as W8A8Tile takes them
 # (built in _case, so that --help needs no Triton).
@@ -60,7 +69,6 @@ def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
     from vllm_rlt.kernels.w8a8_gemm import w8a8_gemm
     from vllm_rlt.kernels.w8a8_tile import W8A8Tile
     from vllm_rlt.layers.fp8 import Fp8Weight
-    from vllm_rlt.ops.w8a8_tables import tile_label
 
     gen = torch.Generator(device="cuda").manual_seed(rows + n)
     weights = [
@@ -91,8 +99,6 @@ def _case(rows: int, name: str, n: int, k: int, bandwidth: float) -> dict:
 
 def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
     """The table of tiles from probe reports of one GPU model (module docstring)."""
-    from vllm_rlt.ops.w8a8_tables import W8A8_PLANS, best_tiles, table_dirs, table_file, table_json
-
     loaded = []
     for path in reports:
         try:
@@ -106,7 +112,7 @@ def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
     if len(devices) != 1:
         parser.error(f"--table: the reports come from {len(devices)} GPU models; give one's")
     device = devices.pop()
-    classes = {name: _layer_class(n, k) for name, n, k, _ in SHAPES}
+    classes = {name: layer_class(n, k) for name, n, k, _ in SHAPES}
     try:
         cases = [case for report in loaded for case in report["cases"]]
         table = best_tiles(cases, classes, W8A8_PLANS)
@@ -127,12 +133,6 @@ def _write_table(parser: CLIParser, reports: list[str], out: str | None) -> int:
         parser.error(f"--table: cannot write {path}: {exc} (choose another with --table-out)")
     print(f"wrote {path}", file=sys.stderr)
     return 0
-
-
-def _layer_class(n: int, k: int) -> str:
-    from vllm_rlt.ops.w8a8_tables import layer_class
-
-    return layer_class(n, k)
 
 
 def main(argv: list[str] | None = None) -> int:
