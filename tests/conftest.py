@@ -3,7 +3,7 @@
 Without a GPU the suite runs torch on one CPU thread, here and in every process a test
 starts (through OMP_NUM_THREADS): the test models are tiny, so a second thread only adds
 synchronisation (3x slower on two cores), and on a loaded machine threads that wait for a
-busy core made runs slower still.
+busy core made runs slower still. With a GPU each worker takes its share of the cores.
 """
 
 from __future__ import annotations
@@ -28,6 +28,11 @@ from vllm_rlt.tokenizer import Tokenizer
 if not torch.cuda.is_available():
     torch.set_num_threads(1)
     os.environ.setdefault("OMP_NUM_THREADS", "1")  # for the processes the tests start
+else:
+    # The GPU tier's workers share the host's cores (and several of its tests run a CPU
+    # oracle): a default pool of a thread per core in every worker oversubscribes them.
+    _workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // _workers))
 
 
 def pytest_collection_modifyitems(config, items):
