@@ -92,6 +92,7 @@ BACKENDS = [
 ]
 
 
+@pytest.mark.long
 @pytest.mark.parametrize(
     ("backend", "graphs", "async_scheduling"), BACKENDS, ids=["torch", "triton", "graphs", "async"]
 )
@@ -542,6 +543,7 @@ def test_cuda_load_weights_in_place_keeps_graphs_valid(tmp_path):
     assert tokens(llm) == want
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("level", [1, 2])
 def test_cuda_sleep_gives_the_memory_back_and_wake_up_keeps_outputs(level):
     """Asleep, the device holds less by at least the KV pool (and the weights); awake (the

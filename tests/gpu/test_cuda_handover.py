@@ -144,6 +144,7 @@ def _served_texts(flags: tuple[str, ...], prompts: list[str]) -> tuple[list[str]
             return texts, reply.read().decode()
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("layout", ["last_exited", "shared_decode"])
 def test_served_handover_over_cuda_ipc_moves_chunks_early_and_equals_one_engine(layout):
     """`serve --disaggregate 1:1` on one GPU: the decode core maps the prefill core's pool

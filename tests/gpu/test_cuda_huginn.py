@@ -46,6 +46,7 @@ def _llm(
     )
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 @pytest.mark.parametrize("fast", [False, True], ids=["eager", "graphs"])
 @pytest.mark.parametrize(
@@ -59,6 +60,7 @@ def test_cuda_huginn_equals_the_oracle(
     _check(llm, HuginnModel.from_folder(folder), lookup, threshold)
 
 
+@pytest.mark.long
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_cuda_huginn_exits_held_together_equal_the_oracle(folder, exact_float32, backend):
     """Exits held back to come together (sync_passes 3: the decision taken in the stack
@@ -98,6 +100,7 @@ def _check(llm: LLM, model: HuginnModel, lookup: str, threshold: float) -> None:
     assert llm.engine.all_blocks_free()
 
 
+@pytest.mark.long
 def test_cuda_huginn_runs_in_bf16_with_graphs(folder):
     llm = _llm(folder, "auto", True, "last_exited", "auto", dtype="bfloat16")
     params = SamplingParams(max_tokens=8, temperature=0.0, seed=1, ignore_eos=True)
@@ -107,6 +110,7 @@ def test_cuda_huginn_runs_in_bf16_with_graphs(folder):
     assert torch.cuda.is_available()
 
 
+@pytest.mark.long
 def test_cuda_huginn_at_head_size_96_equals_the_oracle_on_triton(tmp_path, exact_float32):
     """Huginn-0125's head size (96, no power of two) on the Triton kernels' masked lanes,
     with graphs, at a fixed depth and under the latent criterion."""

@@ -15,7 +15,7 @@ from vllm_rlt.engine_config import DeviceConfig, EngineConfig
 from vllm_rlt.models.ouro import OuroConfig, OuroModel
 from vllm_rlt.tokenizer import Tokenizer
 
-pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("exact_float32")]
+pytestmark = [pytest.mark.gpu, pytest.mark.long, pytest.mark.usefixtures("exact_float32")]
 
 
 @pytest.mark.parametrize(
