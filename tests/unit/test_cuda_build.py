@@ -100,6 +100,9 @@ def test_a_library_is_built_once_per_source_and_a_failure_names_nvccs_error(tmp_
     assert cuda_build.build("few_row_gemm", nvcc, "sm_90") == path
     assert path.stat().st_mtime_ns == built  # cached: not built again
     assert cuda_build.library_path("few_row_gemm", nvcc, "sm_80") != path
+    header = sources / "few_row_mma.cuh"  # the device code it includes
+    header.write_text(header.read_text() + "// changed\n")
+    assert cuda_build.library_path("few_row_gemm", nvcc, "sm_90") != path
     (sources / "few_row_gemm.cu").write_text("this is not C++\n")
     assert cuda_build.library_path("few_row_gemm", nvcc, "sm_90") != path
     with pytest.raises(cuda_build.BuildError, match="nvcc exited with"):

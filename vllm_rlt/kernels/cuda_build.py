@@ -50,10 +50,12 @@ def cache_dir() -> Path:
 
 def library_path(name: str, nvcc: str, arch: str) -> Path:
     """Where the cubin of csrc/{name}.cu for `arch` (e.g. "sm_90") lives: keyed by the
-    source, the compiler's version and the flags, so any change builds anew."""
+    source, the headers beside it, the compiler's version and the flags, so any change
+    builds anew."""
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     digest = hashlib.sha256()
-    for part in ((SOURCES / f"{name}.cu").read_bytes(), version.encode(), arch.encode()):
+    headers = [path.read_bytes() for path in sorted(SOURCES.glob("*.cuh"))]
+    for part in ((SOURCES / f"{name}.cu").read_bytes(), *headers, version.encode(), arch.encode()):
         digest.update(part)
     digest.update(" ".join(NVCC_FLAGS).encode())
     return cache_dir() / f"{name}-{arch}-{digest.hexdigest()[:16]}.cubin"
