@@ -231,7 +231,8 @@ constexpr int ROW_VECTORS = 8;  // 16-byte vectors a lane holds of a row: n <= 2
 // One row of the add-norms epilogue by one warp, each lane holding up to ROW_VECTORS
 // 16-byte vectors of it in registers: every load of a pass in flight at once. Needs
 // n % 8 == 0, n <= 32 * 8 * ROW_VECTORS and 16-byte aligned rows and norm weights.
-template <bool NORM_BRANCH>
+// COHERENT: the residual was written earlier in this kernel (read past the L1).
+template <bool NORM_BRANCH, bool COHERENT = false>
 __device__ __forceinline__ void add_norms_row_by_warp(
     const __nv_bfloat16* y_row, const __nv_bfloat16* __restrict__ res_row,
     const __nv_bfloat16* __restrict__ w_branch, const __nv_bfloat16* __restrict__ w_next,
@@ -257,7 +258,8 @@ __device__ __forceinline__ void add_norms_row_by_warp(
   for (int i = 0; i < ROW_VECTORS; ++i) {
     const int c = (i * 32 + lane) * 8;
     if (c < n) {
-      const uint4 r = __ldg(reinterpret_cast<const uint4*>(res_row + c));
+      const uint4* rp = reinterpret_cast<const uint4*>(res_row + c);
+      const uint4 r = COHERENT ? __ldcg(rp) : __ldg(rp);
       const __nv_bfloat16* res = reinterpret_cast<const __nv_bfloat16*>(&r);
       uint4 wq = make_uint4(0, 0, 0, 0);
       if (NORM_BRANCH) wq = __ldg(reinterpret_cast<const uint4*>(w_branch + c));
@@ -293,7 +295,7 @@ __device__ __forceinline__ void add_norms_row_by_warp(
 }
 
 // The same for any n and alignment, the whole block on one row.
-template <bool NORM_BRANCH>
+template <bool NORM_BRANCH, bool COHERENT = false>
 __device__ __forceinline__ void add_norms_row_by_block(
     const __nv_bfloat16* y_row, const __nv_bfloat16* __restrict__ res_row,
     const __nv_bfloat16* __restrict__ w_branch, const __nv_bfloat16* __restrict__ w_next,
@@ -311,7 +313,8 @@ __device__ __forceinline__ void add_norms_row_by_block(
   for (int c = threadIdx.x; c < n; c += WARPS * 32) {
     float branch = __bfloat162float(__ldcg(y_row + c));
     if (NORM_BRANCH) branch = rounded(__bfloat162float(w_branch[c]) * rounded(branch * rstd));
-    const float h = rounded(__bfloat162float(res_row[c]) + branch);
+    const __nv_bfloat16 res = COHERENT ? __ldcg(res_row + c) : res_row[c];
+    const float h = rounded(__bfloat162float(res) + branch);
     x_row[c] = __float2bfloat16(h);
     squares += h * h;
   }

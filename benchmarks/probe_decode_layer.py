@@ -1,0 +1,213 @@
+"""One decoder layer in one launch (kernels/decode_layer.py) against the chain of Triton
+kernels it would replace, at Ouro-1.4B's shapes: 24 layers with weights and K/V caches of
+their own (so weights come from HBM, not L2), every row at --context positions, bf16 and
+float8 weights. Each layer's outputs and K/V writes are first checked against the chain's;
+then both run as CUDA graphs of the 24 layers. Prints microseconds per layer against the
+weight bytes over the copy bandwidth measured first. Needs a GPU of sm_90 on.
+
+python -m benchmarks.probe_decode_layer --rows 1 2 4 8 16 --context 80 --output probe.json
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+
+import torch
+
+from benchmarks.probe_few_row_gemm import copy_bandwidth
+from vllm_rlt.cli_parser import CLIParser
+
+LAYERS = 24
+# Ouro-1.4B's layer
+HIDDEN, HEADS, KV_HEADS, INTER, EPS, THETA = 2048, 16, 16, 5632, 1e-6, 10000.0
+PLANES, BLOCK_SIZE = 4, 16
+
+
+def build_weights(kind: str, seed: int, hidden=HIDDEN, heads=HEADS, kv_heads=KV_HEADS, inter=INTER):
+    """A random sandwich layer: bf16 products (or their float8 form) and norms near 1."""
+    from vllm_rlt.kernels.decode_layer import HEAD_DIM, SandwichWeights
+    from vllm_rlt.layers.fp8 import Fp8Weight
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+
+    def product(n: int, k: int):
+        w = (torch.randn(n, k, device="cuda", generator=gen) / math.sqrt(k)).to(torch.bfloat16)
+        return Fp8Weight.quantize(w) if kind == "fp8" else w
+
+    def norm():
+        return (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(torch.bfloat16)
+
+    width = (heads + 2 * kv_heads) * HEAD_DIM
+    return SandwichWeights(
+        qkv=product(width, hidden),
+        o=product(hidden, hidden),
+        gate_up=product(2 * inter, hidden),
+        down=product(hidden, inter),
+        attn_out_norm=norm(),
+        mlp_norm=norm(),
+        mlp_out_norm=norm(),
+    )
+
+
+def build_cache(rows: int, contexts: list[int], kv_heads: int, seed: int, multi_plane=False):
+    """(k_cache, v_cache, metadata): row r at position contexts[r] - 1 of its own shuffled
+    blocks, reading plane r % PLANES, writing it (and, with multi_plane, every plane above it
+    for odd rows, as a token that exits early fills the loops it skips)."""
+    from vllm_rlt.kernels.decode_layer import HEAD_DIM
+    from vllm_rlt.ops.metadata import AttentionMetadata
+
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    per_row = -(-max(contexts) // BLOCK_SIZE)
+    slots = rows * per_row * BLOCK_SIZE + BLOCK_SIZE  # and a spare block
+    order = torch.randperm(rows * per_row, device="cuda", generator=gen)
+    table = order.reshape(rows, per_row).to(torch.int64)
+    shape = (PLANES * slots, kv_heads, HEAD_DIM)
+    k_cache = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
+    v_cache = torch.randn(shape, device="cuda", generator=gen).to(torch.bfloat16)
+    positions = torch.tensor([c - 1 for c in contexts], device="cuda", dtype=torch.int64)
+    plane = torch.arange(rows, device="cuda", dtype=torch.int64) % PLANES
+    hi = plane + 1
+    if multi_plane:
+        hi = torch.where(plane % 2 == 1, torch.full_like(plane, PLANES), hi)
+    rows_range = torch.arange(rows, device="cuda")
+    entry = table[rows_range, positions // BLOCK_SIZE] * BLOCK_SIZE + positions % BLOCK_SIZE
+    meta = AttentionMetadata(
+        positions=positions,
+        row_tables=rows_range.to(torch.int64),
+        read_plane=plane,
+        write_lo=plane,
+        write_hi=hi,
+        row_entry=entry,
+        block_table=table,
+        planes=PLANES,
+        slots_per_plane=slots,
+        block_size=BLOCK_SIZE,
+        dummy_entry=slots - 1,
+        num_decode=rows,
+        rows_independent=True,
+    )
+    return k_cache, v_cache, meta
+
+
+def chain_layer(ops, x, a, weights, next_norm, k_cache, v_cache, meta, rotary, heads, scale):
+    """The layer as the engine runs it today (models/ouro.py's core, one layer)."""
+    attn = ops.attention(
+        ops.linear(a, weights.qkv), heads, k_cache.shape[1], k_cache, v_cache, meta, rotary, scale
+    )
+    x, b = ops.linear_add_rms_norm2(
+        x, attn, weights.o, weights.attn_out_norm, weights.mlp_norm, EPS
+    )
+    mlp = ops.linear_silu_mul(b, weights.gate_up)
+    return ops.linear_add_rms_norm2(x, mlp, weights.down, weights.mlp_out_norm, next_norm, EPS)
+
+
+def fused_layer(x, a, weights, next_norm, k_cache, v_cache, meta, rotary, heads, scale):
+    from vllm_rlt.kernels.decode_layer import decode_layer
+
+    return decode_layer(
+        x, a, weights, next_norm, k_cache, v_cache, meta, rotary.cos, rotary.sin, heads, EPS, scale
+    )
+
+
+def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want.float()).norm() / want.float().norm())
+
+
+def check_layer(ops, rows, contexts, kind, rotary, seed=0, multi_plane=True, **shape) -> dict:
+    """One layer both ways on copies of one cache: the outputs' relative errors, and whether
+    the K/V each wrote are the same bits."""
+    heads = shape.get("heads", HEADS)
+    weights = build_weights(kind, seed, **shape)
+    hidden = weights.o.shape[0]
+    gen = torch.Generator(device="cuda").manual_seed(seed + 1)
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+    a = ops.rms_norm(x, weights.mlp_norm, EPS)
+    k_cache, v_cache, meta = build_cache(
+        rows, contexts, shape.get("kv_heads", KV_HEADS), seed, multi_plane
+    )
+    scale = 1 / math.sqrt(128)
+    caches = (k_cache.clone(), v_cache.clone())
+    want = chain_layer(ops, x, a, weights, weights.mlp_norm, *caches, meta, rotary, heads, scale)
+    got = fused_layer(x, a, weights, weights.mlp_norm, k_cache, v_cache, meta, rotary, heads, scale)
+    torch.cuda.synchronize()
+    return {
+        "x_out": relative_error(got[0], want[0]),
+        "a_out": relative_error(got[1], want[1]),
+        "kv_equal": bool(torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = CLIParser(prog="python -m benchmarks.probe_decode_layer", description=__doc__)
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="rows a pass")
+    parser.add_argument("--context", type=int, default=80, help="positions each row attends")
+    parser.add_argument("--output", default=None, help="JSON of every figure (default: none)")
+    args = parser.parse_args(argv)
+    parser.require_cuda()
+    import triton.testing
+
+    from vllm_rlt.layers.rotary import RotaryEmbedding
+    from vllm_rlt.ops.triton_ops import TritonOps
+
+    bandwidth = copy_bandwidth()
+    print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s", file=sys.stderr)
+    ops = TritonOps()
+    rotary = RotaryEmbedding(128, THETA, args.context + 1, torch.bfloat16, "cuda")
+    report = {"bandwidth": bandwidth, "device": torch.cuda.get_device_name(), "cases": []}
+    scale = 1 / math.sqrt(128)
+    for kind in ("bf16", "fp8"):
+        layers = [build_weights(kind, seed) for seed in range(LAYERS)]
+        weight_bytes = sum(
+            w.numel() * (1 if kind == "fp8" else 2)
+            for w in (p.data if kind == "fp8" else p for p in layers[0].products())
+        )
+        for rows in args.rows:
+            errors = check_layer(ops, rows, [args.context] * rows, kind, rotary)
+            assert errors["kv_equal"], f"{kind} rows {rows}: the K/V written differ"
+            assert max(errors["x_out"], errors["a_out"]) < 2e-2, f"{kind} rows {rows}: {errors}"
+            caches = [
+                build_cache(rows, [args.context] * rows, KV_HEADS, seed) for seed in range(LAYERS)
+            ]
+            x0 = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
+            a0 = ops.rms_norm(x0, layers[0].mlp_norm, EPS)
+            figures = {"kind": kind, "rows": rows, "context": args.context, **errors}
+            for name, layer_fn in (("chain", chain_layer), ("fused", fused_layer)):
+
+                def run(layer_fn=layer_fn, caches=caches, layers=layers, x0=x0, a0=a0):
+                    x, a = x0, a0
+                    for weights, (k_cache, v_cache, meta) in zip(layers, caches, strict=True):
+                        x, a = layer_fn(
+                            x,
+                            a,
+                            weights,
+                            weights.mlp_norm,
+                            k_cache,
+                            v_cache,
+                            meta,
+                            rotary,
+                            HEADS,
+                            scale,
+                        )
+
+                run()  # compiles, and takes the counters before the capture
+                ms = triton.testing.do_bench_cudagraph(run, rep=100, return_mode="median")
+                figures[f"{name}_us_per_layer"] = ms * 1e3 / LAYERS
+            floor = weight_bytes / bandwidth * 1e6
+            figures["bytes_floor_us"] = floor
+            report["cases"].append(figures)
+            print(
+                f"{kind} rows {rows:2d}: chain {figures['chain_us_per_layer']:6.2f} us, fused "
+                f"{figures['fused_us_per_layer']:6.2f} us a layer (weights' floor {floor:5.2f}: "
+                f"{floor / figures['fused_us_per_layer']:.2f} of it fused); errors x "
+                f"{errors['x_out']:.1e} a {errors['a_out']:.1e}"
+            )
+    if args.output:
+        with open(args.output, "w") as out:
+            json.dump(report, out, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,208 @@
+"""One sandwich decoder layer of a decode pass for 1 to 16 rows in one launch
+(csrc/decode_layer.cu): qkv, RoPE with the K/V write and paged attention, o with the
+residual add and norms, gate_up with SiLU-mul and down with the residual add and the next
+norm, in a grid of about one block per SM whose units wait on counters, not on the kernels
+before them. It removes the launches and tails of the eight kernels a layer takes at these
+row counts. Measured against that chain by benchmarks/probe_decode_layer.py; the engine
+does not take it yet.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import itertools
+from dataclasses import dataclass
+
+import torch
+
+from vllm_rlt.kernels.cuda_build import cuda_module
+from vllm_rlt.kernels.cuda_driver import CudaModule
+from vllm_rlt.layers.fp8 import Fp8Weight
+from vllm_rlt.ops.metadata import AttentionMetadata
+
+HEAD_DIM = 128  # the kernel's head size
+MAX_ROWS = 16
+COUNTERS_PER_LAUNCH = 64  # heads + kv_heads + 5 at most
+RING = 1024  # launches whose counters may be in flight at once
+
+_pointer, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
+
+
+class LayerArgs(ctypes.Structure):
+    """The kernel's argument, field for field as csrc/decode_layer.cu declares it."""
+
+    _fields_ = [
+        *((name, _pointer) for name in ("x", "a", "w_qkv", "s_qkv", "w_o", "s_o")),
+        *((name, _pointer) for name in ("w_gate_up", "s_gate_up", "w_down", "s_down")),
+        *((name, _pointer) for name in ("attn_out_norm", "mlp_norm", "mlp_out_norm")),
+        *((name, _pointer) for name in ("next_norm", "cos", "sin", "k_cache", "v_cache")),
+        *((name, _pointer) for name in ("positions", "row_tables", "read_plane", "write_lo")),
+        *((name, _pointer) for name in ("write_hi", "row_entry", "block_table", "qkv", "attn")),
+        *((name, _pointer) for name in ("o", "x_mid", "b", "mlp", "down", "x_out", "a_out")),
+        ("counters", _pointer),
+        *((name, _int) for name in ("rows", "hidden", "inter", "heads", "kv_heads")),
+        *((name, _int) for name in ("slots_per_plane", "block_size", "block_table_stride")),
+        ("eps", _float),
+        ("scale", _float),
+        ("pdl", _int),
+    ]
+
+
+@dataclass
+class SandwichWeights:
+    """One layer's weights as the kernel takes them: bf16 or float8 products (gate_up's rows
+    interleave gate and up) and bf16 norms around each branch."""
+
+    qkv: torch.Tensor | Fp8Weight  # [(heads + 2 kv_heads) * 128, hidden]
+    o: torch.Tensor | Fp8Weight  # [hidden, hidden]
+    gate_up: torch.Tensor | Fp8Weight  # [2 inter, hidden]
+    down: torch.Tensor | Fp8Weight  # [hidden, inter]
+    attn_out_norm: torch.Tensor  # [hidden]
+    mlp_norm: torch.Tensor
+    mlp_out_norm: torch.Tensor
+
+    def products(self) -> tuple:
+        return self.qkv, self.o, self.gate_up, self.down
+
+
+_counters: dict[torch.device, tuple[torch.Tensor, itertools.count]] = {}
+
+
+def _counter_block(device: torch.device) -> int:
+    """The address of the next launch's counters (zero, and left zero by the launch)."""
+    if device not in _counters:
+        if torch.cuda.is_current_stream_capturing():
+            raise RuntimeError("decode_layer: run it once before capturing a graph")
+        ring = torch.zeros(RING * COUNTERS_PER_LAUNCH, dtype=torch.int32, device=device)
+        _counters[device] = ring, itertools.count()
+    ring, turn = _counters[device]
+    return ring.data_ptr() + 4 * COUNTERS_PER_LAUNCH * (next(turn) % RING)
+
+
+def _module(device: torch.device) -> CudaModule | None:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if torch.cuda.get_device_capability(index) < (9, 0):  # ld.acquire, griddepcontrol
+        return None
+    return cuda_module("decode_layer", index)
+
+
+def _tensors(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
+    return weight.tensors() if isinstance(weight, Fp8Weight) else (weight, weight)
+
+
+def fits_decode_layer(
+    x: torch.Tensor, weights: SandwichWeights, heads: int, kv_heads: int, k_cache: torch.Tensor
+) -> bool:
+    """Whether the kernel can run this layer: 1-16 bf16 rows, head size 128, a bf16 cache,
+    products all bf16 or all float8 with whole, contiguous rows, and a GPU of sm_90 on."""
+    rows, hidden = x.shape
+    products = weights.products()
+    fp8 = [isinstance(w, Fp8Weight) for w in products]
+    if not (1 <= rows <= MAX_ROWS and x.dtype == torch.bfloat16 and x.is_cuda):
+        return False
+    if any(fp8) != all(fp8) or heads + kv_heads + 5 > COUNTERS_PER_LAUNCH:
+        return False
+    if not all(fp8) and any(w.dtype != torch.bfloat16 for w in products):
+        return False
+    data = [_tensors(w)[0] for w in products]
+    inter = data[3].shape[1]
+    return (
+        k_cache.dtype == torch.bfloat16
+        and k_cache.shape[-1] == HEAD_DIM
+        and heads % kv_heads == 0
+        and data[0].shape == ((heads + 2 * kv_heads) * HEAD_DIM, hidden)
+        and heads * HEAD_DIM == hidden
+        and data[1].shape == (hidden, hidden)
+        and data[2].shape == (2 * inter, hidden)
+        and data[3].shape == (hidden, inter)
+        and hidden % 64 == 0
+        and inter % 64 == 0
+        and x.is_contiguous()
+        and all(d.is_contiguous() for d in data)
+        and _module(x.device) is not None
+    )
+
+
+def decode_layer(
+    x: torch.Tensor,  # [rows, hidden] bf16, the residual stream
+    a: torch.Tensor,  # [rows, hidden] its pre-attention norm
+    weights: SandwichWeights,
+    next_norm: torch.Tensor,  # [hidden] the norm after the layer
+    k_cache: torch.Tensor,  # [planes * slots_per_plane, kv_heads, 128] bf16
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,  # decode rows, independent (see the kernel)
+    cos: torch.Tensor,  # [positions, 128] bf16
+    sin: torch.Tensor,
+    heads: int,
+    eps: float,
+    scale: float,
+    pdl: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the stream after the layer, its next norm), each [rows, hidden]; graph-safe once run
+    outside a capture."""
+    rows, hidden = x.shape
+    kv_heads = k_cache.shape[1]
+    fields = (meta.positions, meta.row_tables, meta.read_plane, meta.write_lo, meta.write_hi)
+    fields += (meta.row_entry, meta.block_table)
+    assert all(f.dtype == torch.int64 and f.stride(-1) == 1 for f in fields)
+    (w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down) = map(_tensors, weights.products())
+    inter = w_down.shape[1]
+    width = (heads + 2 * kv_heads) * HEAD_DIM
+    scratch = {
+        "qkv": x.new_empty(rows, width),
+        "attn": x.new_empty(rows, heads * HEAD_DIM),
+        "o": x.new_empty(rows, hidden),
+        "x_mid": x.new_empty(rows, hidden),
+        "b": x.new_empty(rows, hidden),
+        "mlp": x.new_empty(rows, inter),
+        "down": x.new_empty(rows, hidden),
+        "x_out": x.new_empty(rows, hidden),
+        "a_out": x.new_empty(rows, hidden),
+    }
+    tensors = {
+        "x": x,
+        "a": a,
+        "w_qkv": w_qkv,
+        "s_qkv": s_qkv,
+        "w_o": w_o,
+        "s_o": s_o,
+        "w_gate_up": w_gu,
+        "s_gate_up": s_gu,
+        "w_down": w_down,
+        "s_down": s_down,
+        "attn_out_norm": weights.attn_out_norm,
+        "mlp_norm": weights.mlp_norm,
+        "mlp_out_norm": weights.mlp_out_norm,
+        "next_norm": next_norm,
+        "cos": cos,
+        "sin": sin,
+        "k_cache": k_cache,
+        "v_cache": v_cache,
+        "positions": meta.positions,
+        "row_tables": meta.row_tables,
+        "read_plane": meta.read_plane,
+        "write_lo": meta.write_lo,
+        "write_hi": meta.write_hi,
+        "row_entry": meta.row_entry,
+        "block_table": meta.block_table,
+        **scratch,
+    }
+    args = LayerArgs(**{name: t.data_ptr() for name, t in tensors.items()})
+    args.counters = _counter_block(x.device)
+    args.rows, args.hidden, args.inter, args.heads, args.kv_heads = (
+        rows,
+        hidden,
+        inter,
+        heads,
+        kv_heads,
+    )
+    args.slots_per_plane, args.block_size = meta.slots_per_plane, meta.block_size
+    args.block_table_stride = meta.block_table.stride(0)
+    args.eps, args.scale, args.pdl = eps, scale, int(pdl)
+    fp8 = isinstance(weights.qkv, Fp8Weight)
+    name = "decode_layer_" + ("w8a16" if fp8 else "w16a16") + ("_n8" if rows <= 8 else "_n16")
+    kernel = _module(x.device).kernel(name)
+    grid = torch.cuda.get_device_properties(x.device).multi_processor_count
+    stream = torch.cuda.current_stream(x.device).cuda_stream
+    kernel.launch(grid, kernel.max_threads, stream, (args,), pdl=pdl)
+    return scratch["x_out"], scratch["a_out"]
