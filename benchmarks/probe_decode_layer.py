@@ -1,9 +1,11 @@
 """One decoder layer in one launch (kernels/decode_layer.py) against the chain of Triton
-kernels it would replace, at Ouro-1.4B's shapes: 24 layers with weights and K/V caches of
-their own (so weights come from HBM, not L2), every row at --context positions, bf16 and
-float8 weights. Each layer's outputs and K/V writes are first checked against the chain's;
-then both run as CUDA graphs of the 24 layers. Prints microseconds per layer against the
-weight bytes over the copy bandwidth measured first. Needs a GPU of sm_90 on.
+kernels it would replace, and against that chain with the few-row CUDA products, at
+Ouro-1.4B's shapes: 24 layers with weights and K/V caches of their own (so weights come from
+HBM, not L2), every row at --context positions, bf16 and float8 weights. Each layer's
+outputs and K/V writes are first checked against the CUDA chain's (the same products, bit
+for bit); then each variant runs as CUDA graphs of the 24 layers. Prints microseconds per
+layer against the weight bytes over the copy bandwidth measured first. Needs a GPU of
+sm_90 on.
 
 python -m benchmarks.probe_decode_layer --rows 1 2 4 8 16 --context 80 --output probe.json
 """
@@ -93,9 +95,9 @@ def build_cache(rows: int, contexts: list[int], kv_heads: int, seed: int, multi_
 
 def chain_layer(ops, x, a, weights, next_norm, k_cache, v_cache, meta, rotary, heads, scale):
     """The layer as the engine runs it today (models/ouro.py's core, one layer)."""
-    attn = ops.attention(
-        ops.linear(a, weights.qkv), heads, k_cache.shape[1], k_cache, v_cache, meta, rotary, scale
-    )
+    kv_heads = k_cache.shape[1]
+    qkv = ops.linear(a, weights.qkv)
+    attn = ops.attention(qkv, heads, kv_heads, k_cache, v_cache, meta, rotary, scale)
     x, b = ops.linear_add_rms_norm2(
         x, attn, weights.o, weights.attn_out_norm, weights.mlp_norm, EPS
     )
@@ -103,39 +105,72 @@ def chain_layer(ops, x, a, weights, next_norm, k_cache, v_cache, meta, rotary, h
     return ops.linear_add_rms_norm2(x, mlp, weights.down, weights.mlp_out_norm, next_norm, EPS)
 
 
-def fused_layer(x, a, weights, next_norm, k_cache, v_cache, meta, rotary, heads, scale):
+def cuda_chain_layer(ops, x, a, weights, next_norm, k_cache, v_cache, meta, rotary, heads, scale):
+    """The same with the few-row CUDA products (kernels/few_row_gemm.py), which compute
+    each output as the one-launch kernel does (same tiles, same K split, same rounding):
+    only attention's summation order differs from it."""
+    from vllm_rlt.kernels.few_row_gemm import few_row_gemm, few_row_gemm_add_norms
+
+    kv_heads = k_cache.shape[1]
+    qkv = few_row_gemm(a, weights.qkv)
+    attn = ops.attention(qkv, heads, kv_heads, k_cache, v_cache, meta, rotary, scale)
+    x, b = few_row_gemm_add_norms(x, attn, weights.o, weights.attn_out_norm, weights.mlp_norm, EPS)
+    mlp = few_row_gemm(b, weights.gate_up, silu_mul=True)
+    return few_row_gemm_add_norms(x, mlp, weights.down, weights.mlp_out_norm, next_norm, EPS)
+
+
+def fused_layer(
+    ops, x, a, weights, next_norm, k_cache, v_cache, meta, rotary, heads, scale, grid=None
+):
     from vllm_rlt.kernels.decode_layer import decode_layer
 
     return decode_layer(
-        x, a, weights, next_norm, k_cache, v_cache, meta, rotary.cos, rotary.sin, heads, EPS, scale
+        x,
+        a,
+        weights,
+        next_norm,
+        k_cache,
+        v_cache,
+        meta,
+        rotary.cos,
+        rotary.sin,
+        heads,
+        EPS,
+        scale,
+        grid=grid,
     )
+
+
+VARIANTS = {"chain": chain_layer, "cuda chain": cuda_chain_layer, "fused": fused_layer}
 
 
 def relative_error(got: torch.Tensor, want: torch.Tensor) -> float:
     return float((got.float() - want.float()).norm() / want.float().norm())
 
 
-def check_layer(ops, rows, contexts, kind, rotary, seed=0, multi_plane=True, **shape) -> dict:
-    """One layer both ways on copies of one cache: the outputs' relative errors, and whether
-    the K/V each wrote are the same bits."""
+def check_layer(
+    ops, rows, contexts, kind, rotary, seed=0, multi_plane=True, grid=None, **shape
+) -> dict:
+    """One layer by the kernel and by the CUDA chain, on copies of one cache: the outputs'
+    relative errors, and whether the K/V each wrote are the same bits."""
     heads = shape.get("heads", HEADS)
     weights = build_weights(kind, seed, **shape)
     hidden = weights.o.shape[0]
     gen = torch.Generator(device="cuda").manual_seed(seed + 1)
     x = torch.randn(rows, hidden, device="cuda", generator=gen).to(torch.bfloat16)
     a = ops.rms_norm(x, weights.mlp_norm, EPS)
-    k_cache, v_cache, meta = build_cache(
-        rows, contexts, shape.get("kv_heads", KV_HEADS), seed, multi_plane
-    )
+    kv_heads = shape.get("kv_heads", KV_HEADS)
+    k_cache, v_cache, meta = build_cache(rows, contexts, kv_heads, seed, multi_plane)
     scale = 1 / math.sqrt(128)
-    caches = (k_cache.clone(), v_cache.clone())
-    want = chain_layer(ops, x, a, weights, weights.mlp_norm, *caches, meta, rotary, heads, scale)
-    got = fused_layer(x, a, weights, weights.mlp_norm, k_cache, v_cache, meta, rotary, heads, scale)
+    copies = (k_cache.clone(), v_cache.clone())
+    args = (x, a, weights, weights.mlp_norm)
+    want = cuda_chain_layer(ops, *args, *copies, meta, rotary, heads, scale)
+    got = fused_layer(ops, *args, k_cache, v_cache, meta, rotary, heads, scale, grid=grid)
     torch.cuda.synchronize()
     return {
         "x_out": relative_error(got[0], want[0]),
         "a_out": relative_error(got[1], want[1]),
-        "kv_equal": bool(torch.equal(k_cache, caches[0]) and torch.equal(v_cache, caches[1])),
+        "kv_equal": bool(torch.equal(k_cache, copies[0]) and torch.equal(v_cache, copies[1])),
     }
 
 
@@ -166,19 +201,20 @@ def main(argv: list[str] | None = None) -> int:
         for rows in args.rows:
             errors = check_layer(ops, rows, [args.context] * rows, kind, rotary)
             assert errors["kv_equal"], f"{kind} rows {rows}: the K/V written differ"
-            assert max(errors["x_out"], errors["a_out"]) < 2e-2, f"{kind} rows {rows}: {errors}"
+            assert errors["x_out"] < 5e-3 and errors["a_out"] < 1e-2, f"{kind} {rows}: {errors}"
             caches = [
                 build_cache(rows, [args.context] * rows, KV_HEADS, seed) for seed in range(LAYERS)
             ]
             x0 = torch.randn(rows, HIDDEN, device="cuda").to(torch.bfloat16)
             a0 = ops.rms_norm(x0, layers[0].mlp_norm, EPS)
             figures = {"kind": kind, "rows": rows, "context": args.context, **errors}
-            for name, layer_fn in (("chain", chain_layer), ("fused", fused_layer)):
+            for name, layer_fn in VARIANTS.items():
 
                 def run(layer_fn=layer_fn, caches=caches, layers=layers, x0=x0, a0=a0):
                     x, a = x0, a0
                     for weights, (k_cache, v_cache, meta) in zip(layers, caches, strict=True):
                         x, a = layer_fn(
+                            ops,
                             x,
                             a,
                             weights,
@@ -197,10 +233,11 @@ def main(argv: list[str] | None = None) -> int:
             floor = weight_bytes / bandwidth * 1e6
             figures["bytes_floor_us"] = floor
             report["cases"].append(figures)
+            fused = figures["fused_us_per_layer"]
             print(
-                f"{kind} rows {rows:2d}: chain {figures['chain_us_per_layer']:6.2f} us, fused "
-                f"{figures['fused_us_per_layer']:6.2f} us a layer (weights' floor {floor:5.2f}: "
-                f"{floor / figures['fused_us_per_layer']:.2f} of it fused); errors x "
+                f"{kind} rows {rows:2d}: chain {figures['chain_us_per_layer']:6.2f}, cuda chain "
+                f"{figures['cuda chain_us_per_layer']:6.2f}, fused {fused:6.2f} us a layer "
+                f"(weights' floor {floor:5.2f}: {floor / fused:.2f} of it fused); errors x "
                 f"{errors['x_out']:.1e} a {errors['a_out']:.1e}"
             )
     if args.output:

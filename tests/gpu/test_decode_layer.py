@@ -31,9 +31,11 @@ def parts():
 @pytest.mark.parametrize("kv_heads", [2, 1])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 16])
 @pytest.mark.parametrize("context", ["one", "block", "block+1", "long"])
-def test_one_launch_equals_the_chain(parts, kind, kv_heads, rows, context):
+def test_one_launch_equals_the_cuda_chain(parts, kind, kv_heads, rows, context):
     """Contexts of 1, a block (16), a block and one, and one row at 8,192 beside short ones;
-    every second row writing the planes above its own too; grouped heads (kv_heads 1)."""
+    every second row writing the planes above its own too; grouped heads (kv_heads 1). The
+    reference computes the same products with the few-row kernels, so the K/V written must
+    be the same bits and the outputs differ only by attention's summation order."""
     from benchmarks.probe_decode_layer import check_layer
 
     ops, rotary = parts
@@ -45,27 +47,64 @@ def test_one_launch_equals_the_chain(parts, kind, kv_heads, rows, context):
     }[context]
     errors = check_layer(ops, rows, contexts, kind, rotary, kv_heads=kv_heads, **SMALL)
     assert errors["kv_equal"]
-    assert errors["x_out"] < 1e-2 and errors["a_out"] < 2e-2, errors
+    assert errors["x_out"] < 5e-3 and errors["a_out"] < 1e-2, errors
 
 
-def test_ouro_shapes_and_repeated_launches_leave_the_counters_free(parts):
-    """Ouro-1.4B's layer at 16 rows, launched many times over one counter ring's turn: every
-    launch equal to the first (a counter left raised would let a unit run early)."""
-    from benchmarks.probe_decode_layer import build_cache, build_weights, fused_layer
+@pytest.mark.parametrize("grid", [1, 2, 7])
+@pytest.mark.parametrize("rows", [3, 16])
+def test_blocks_that_take_several_units_each(parts, grid, rows):
+    """Fewer blocks than units: a block runs tiles, attention pairs and norms one after
+    another, reusing its shared memory, and counts several units (one block: every phase
+    on one block, which must not wait on itself)."""
+    from benchmarks.probe_decode_layer import check_layer
+
+    ops, rotary = parts
+    errors = check_layer(ops, rows, [40] * rows, "bf16", rotary, grid=grid, kv_heads=1, **SMALL)
+    assert errors["kv_equal"]
+    assert errors["x_out"] < 5e-3 and errors["a_out"] < 1e-2, errors
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp8"])
+@pytest.mark.parametrize("rows", [1, 16])
+def test_ouro_shapes(parts, kind, rows):
+    """Ouro-1.4B's layer: more qkv and gate_up tiles than blocks, hidden 2,048."""
+    from benchmarks.probe_decode_layer import check_layer
+
+    ops, rotary = parts
+    errors = check_layer(ops, rows, [80] * rows, kind, rotary)
+    assert errors["kv_equal"]
+    assert errors["x_out"] < 5e-3 and errors["a_out"] < 1e-2, errors
+
+
+def test_counters_are_left_free_for_the_next_launches(parts):
+    """More launches than the counter ring holds, each on new rows: each equal to the CUDA
+    chain on the same inputs and cache (a counter left raised would let a unit run early
+    and read stale scratch), and the ring all zero at the end."""
+    from benchmarks.probe_decode_layer import (
+        build_cache,
+        build_weights,
+        cuda_chain_layer,
+        fused_layer,
+        relative_error,
+    )
     from vllm_rlt.kernels import decode_layer
 
     ops, rotary = parts
-    weights = build_weights("bf16", 0)
-    x = torch.randn(16, 2048, device="cuda").to(torch.bfloat16)
-    a = ops.rms_norm(x, weights.mlp_norm, 1e-6)
-    k_cache, v_cache, meta = build_cache(16, [80] * 16, 16, 0)
-    first = None
-    for _ in range(decode_layer.RING + 3):
-        out = fused_layer(
-            x, a, weights, weights.mlp_norm, k_cache, v_cache, meta, rotary, 16, 0.088
-        )
-        first = first or tuple(t.clone() for t in out)
+    weights = build_weights("bf16", 0, kv_heads=2, **SMALL)
+    k_cache, v_cache, meta = build_cache(4, [30, 1, 17, 64], 2, 0)
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    for launch in range(decode_layer.RING + 3):
+        x = torch.randn(4, 256, device="cuda", generator=gen).to(torch.bfloat16)
+        a = ops.rms_norm(x, weights.mlp_norm, 1e-6)
+        args = (ops, x, a, weights, weights.mlp_norm)
+        checked = launch % 100 == 0 or launch >= decode_layer.RING
+        if checked:
+            copies = (k_cache.clone(), v_cache.clone())
+            want = cuda_chain_layer(*args, *copies, meta, rotary, 2, 0.1)
+        got = fused_layer(*args, k_cache, v_cache, meta, rotary, 2, 0.1)
+        if checked:
+            assert relative_error(got[0], want[0]) < 5e-3, launch
+            assert torch.equal(k_cache, copies[0]) and torch.equal(v_cache, copies[1]), launch
     torch.cuda.synchronize()
-    assert all(torch.equal(t, f) for t, f in zip(out, first, strict=True))
     ring, _ = decode_layer._counters[x.device]
     assert int(ring.count_nonzero()) == 0

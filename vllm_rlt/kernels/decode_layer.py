@@ -1,10 +1,11 @@
 """One sandwich decoder layer of a decode pass for 1 to 16 rows in one launch
 (csrc/decode_layer.cu): qkv, RoPE with the K/V write and paged attention, o with the
 residual add and norms, gate_up with SiLU-mul and down with the residual add and the next
-norm, in a grid of about one block per SM whose units wait on counters, not on the kernels
-before them. It removes the launches and tails of the eight kernels a layer takes at these
-row counts. Measured against that chain by benchmarks/probe_decode_layer.py; the engine
-does not take it yet.
+norm, in a grid of one block per SM whose units wait on counters, not on the kernels before
+them. It removes the launches and tails of the eight kernels a layer takes at these row
+counts. Every block must be resident at once, so the kernel needs the GPU to itself: a
+kernel of another stream that held SMs until this one ended would stall it. Measured
+against that chain by benchmarks/probe_decode_layer.py; the engine does not take it yet.
 """
 
 from __future__ import annotations
@@ -91,34 +92,58 @@ def _tensors(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tens
 
 
 def fits_decode_layer(
-    x: torch.Tensor, weights: SandwichWeights, heads: int, kv_heads: int, k_cache: torch.Tensor
+    x: torch.Tensor,
+    a: torch.Tensor,
+    weights: SandwichWeights,
+    next_norm: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    cos: torch.Tensor,
+    heads: int,
 ) -> bool:
-    """Whether the kernel can run this layer: 1-16 bf16 rows, head size 128, a bf16 cache,
-    products all bf16 or all float8 with whole, contiguous rows, and a GPU of sm_90 on."""
+    """Whether the kernel can run this layer: 1-16 contiguous bf16 rows of decode only,
+    whose rows read nothing another row writes; head size 128 with heads * 128 = hidden; a
+    bf16 cache; products all bf16 or all float8 with whole, contiguous rows; 16-byte aligned
+    rows and norms; a GPU of sm_90 on."""
     rows, hidden = x.shape
+    kv_heads = k_cache.shape[1]
     products = weights.products()
     fp8 = [isinstance(w, Fp8Weight) for w in products]
-    if not (1 <= rows <= MAX_ROWS and x.dtype == torch.bfloat16 and x.is_cuda):
+    bf16 = [x, a, cos, next_norm, weights.attn_out_norm, weights.mlp_norm, weights.mlp_out_norm]
+    if not (1 <= rows <= MAX_ROWS and x.is_cuda and isinstance(a, torch.Tensor)):
+        return False
+    if any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in bf16):
+        return False
+    if any(t.data_ptr() % 16 for t in bf16) or a.shape != x.shape:
         return False
     if any(fp8) != all(fp8) or heads + kv_heads + 5 > COUNTERS_PER_LAUNCH:
         return False
     if not all(fp8) and any(w.dtype != torch.bfloat16 for w in products):
         return False
-    data = [_tensors(w)[0] for w in products]
+    if not (meta.rows_independent and meta.device_counts is None and meta.prefill_tiles is None):
+        return False
+    fields = (meta.positions, meta.row_tables, meta.read_plane, meta.write_lo, meta.write_hi)
+    fields += (meta.row_entry, meta.block_table)
+    if any(f.dtype != torch.int64 or f.stride(-1) != 1 for f in fields):
+        return False
+    data, scales = zip(*(_tensors(w) for w in products), strict=True)
     inter = data[3].shape[1]
     return (
         k_cache.dtype == torch.bfloat16
         and k_cache.shape[-1] == HEAD_DIM
+        and v_cache.shape == k_cache.shape
+        and v_cache.dtype == k_cache.dtype
+        and cos.shape[-1] == HEAD_DIM
         and heads % kv_heads == 0
-        and data[0].shape == ((heads + 2 * kv_heads) * HEAD_DIM, hidden)
         and heads * HEAD_DIM == hidden
+        and data[0].shape == ((heads + 2 * kv_heads) * HEAD_DIM, hidden)
         and data[1].shape == (hidden, hidden)
         and data[2].shape == (2 * inter, hidden)
         and data[3].shape == (hidden, inter)
         and hidden % 64 == 0
         and inter % 64 == 0
-        and x.is_contiguous()
-        and all(d.is_contiguous() for d in data)
+        and all(d.is_contiguous() and s.is_contiguous() for d, s in zip(data, scales, strict=True))
         and _module(x.device) is not None
     )
 
@@ -137,14 +162,13 @@ def decode_layer(
     eps: float,
     scale: float,
     pdl: bool = False,
+    grid: int | None = None,  # blocks (default: one per SM; fewer take several units each)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the stream after the layer, its next norm), each [rows, hidden]; graph-safe once run
     outside a capture."""
+    assert fits_decode_layer(x, a, weights, next_norm, k_cache, v_cache, meta, cos, heads)
     rows, hidden = x.shape
     kv_heads = k_cache.shape[1]
-    fields = (meta.positions, meta.row_tables, meta.read_plane, meta.write_lo, meta.write_hi)
-    fields += (meta.row_entry, meta.block_table)
-    assert all(f.dtype == torch.int64 and f.stride(-1) == 1 for f in fields)
     (w_qkv, s_qkv), (w_o, s_o), (w_gu, s_gu), (w_down, s_down) = map(_tensors, weights.products())
     inter = w_down.shape[1]
     width = (heads + 2 * kv_heads) * HEAD_DIM
@@ -202,7 +226,7 @@ def decode_layer(
     fp8 = isinstance(weights.qkv, Fp8Weight)
     name = "decode_layer_" + ("w8a16" if fp8 else "w16a16") + ("_n8" if rows <= 8 else "_n16")
     kernel = _module(x.device).kernel(name)
-    grid = torch.cuda.get_device_properties(x.device).multi_processor_count
+    grid = grid or torch.cuda.get_device_properties(x.device).multi_processor_count
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernel.launch(grid, kernel.max_threads, stream, (args,), pdl=pdl)
     return scratch["x_out"], scratch["a_out"]

@@ -100,15 +100,19 @@ struct CounterWait {
   }
 };
 
-// Counts one finished unit on `counter` once the block's stores are visible; true in the
-// block whose count was the last of `total`.
+// Counts one finished unit on `counter` once the block's stores are visible (the barrier
+// orders them before thread 0's fence and count); true in the block whose count was the
+// last of `total`, which then sees every block's stores.
 __device__ __forceinline__ bool count_done(unsigned int* counter, unsigned int total) {
   __shared__ bool last;
-  __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) last = atomicAdd(counter, 1u) == total - 1;
+  if (threadIdx.x == 0) {
+    __threadfence();
+    const bool is_last = atomicAdd(counter, 1u) == total - 1;
+    if (is_last) __threadfence();
+    last = is_last;
+  }
   __syncthreads();
-  if (last) __threadfence();  // every block's stores, seen after all counts
   return last;
 }
 
@@ -169,8 +173,8 @@ __device__ __forceinline__ void attend(const LayerArgs& p, int row, int head) {
     const bool is_k = tid >= HALF;
     const int source_head = is_k ? p.heads + kv_head : head;
     const __nv_bfloat16* src = qkv_row + source_head * HEAD_DIM;
-    const float x1 = __bfloat162float(__ldcg(src + d));
-    const float x2 = __bfloat162float(__ldcg(src + HALF + d));
+    const float x1 = __bfloat162float(load_cg(src + d));
+    const float x2 = __bfloat162float(load_cg(src + HALF + d));
     const float c = __bfloat162float(p.cos[pos * HEAD_DIM + d]);
     const float s = __bfloat162float(p.sin[pos * HEAD_DIM + d]);
     const float r1 = bf16_round(bf16_round(x1 * c) + bf16_round(-x2 * s));
@@ -186,8 +190,8 @@ __device__ __forceinline__ void attend(const LayerArgs& p, int row, int head) {
         const size_t dst = (slot * p.kv_heads + kv_head) * HEAD_DIM;
         p.k_cache[dst + d] = __float2bfloat16(r1);
         p.k_cache[dst + HALF + d] = __float2bfloat16(r2);
-        p.v_cache[dst + d] = __ldcg(v_src + d);
-        p.v_cache[dst + HALF + d] = __ldcg(v_src + HALF + d);
+        p.v_cache[dst + d] = load_cg(v_src + d);
+        p.v_cache[dst + HALF + d] = load_cg(v_src + HALF + d);
       }
     }
   }
@@ -208,7 +212,8 @@ __device__ __forceinline__ void attend(const LayerArgs& p, int row, int head) {
     const int64_t j = base + group;
     float k[16], v[16];
     if (j <= pos) {
-      const int64_t slot = table[j / p.block_size] * p.block_size + j % p.block_size;
+      const int key = (int)j;  // positions stay below 2^31
+      const int64_t slot = table[key / p.block_size] * p.block_size + key % p.block_size;
       const size_t at =
           ((size_t)(plane * p.slots_per_plane + slot) * p.kv_heads + kv_head) * HEAD_DIM + sub * 16;
       load16(p.k_cache + at, k);
@@ -293,9 +298,11 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
     if (count_done(o_done, p.hidden / 16)) {
       add_norms_rows<BRANCH_NORMS>(p.o, p.x, p.attn_out_norm, p.mlp_norm, p.x_mid, p.b, p.rows,
                                    p.hidden, p.eps);
-      __threadfence();
       __syncthreads();
-      if (threadIdx.x == 0) atomicExch(mid_ready, 1u);
+      if (threadIdx.x == 0) {
+        __threadfence();
+        atomicExch(mid_ready, 1u);
+      }
     }
   }
 

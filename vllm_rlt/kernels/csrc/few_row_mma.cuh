@@ -202,6 +202,12 @@ __device__ __forceinline__ void gemm_body(
                                   blockIdx.x * 16, PdlWait{pdl});
 }
 
+// One bf16 value read past the L1 by a volatile load (cuda_bf16.h's __ldcg for bf16 is not
+// volatile, so the compiler could move it above the barrier after a wait).
+__device__ __forceinline__ __nv_bfloat16 load_cg(const __nv_bfloat16* p) {
+  return __ushort_as_bfloat16(__ldcg(reinterpret_cast<const unsigned short*>(p)));
+}
+
 // Sums over a warp, in every lane.
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll
@@ -304,16 +310,16 @@ __device__ __forceinline__ void add_norms_row_by_block(
   if (NORM_BRANCH) {
     float squares = 0.f;
     for (int c = threadIdx.x; c < n; c += WARPS * 32) {
-      const float y = __bfloat162float(__ldcg(y_row + c));
+      const float y = __bfloat162float(load_cg(y_row + c));
       squares += y * y;
     }
     rstd = 1.f / sqrtf(block_sum(squares, sums) / n + eps);
   }
   float squares = 0.f;
   for (int c = threadIdx.x; c < n; c += WARPS * 32) {
-    float branch = __bfloat162float(__ldcg(y_row + c));
+    float branch = __bfloat162float(load_cg(y_row + c));
     if (NORM_BRANCH) branch = rounded(__bfloat162float(w_branch[c]) * rounded(branch * rstd));
-    const __nv_bfloat16 res = COHERENT ? __ldcg(res_row + c) : res_row[c];
+    const __nv_bfloat16 res = COHERENT ? load_cg(res_row + c) : res_row[c];
     const float h = rounded(__bfloat162float(res) + branch);
     x_row[c] = __float2bfloat16(h);
     squares += h * h;
