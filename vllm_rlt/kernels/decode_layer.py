@@ -4,8 +4,10 @@ residual add and norms, gate_up with SiLU-mul and down with the residual add and
 norm, in a grid of one block per SM whose units wait on counters, not on the kernels before
 them. It removes the launches and tails of the eight kernels a layer takes at these row
 counts. Every block must be resident at once, so the kernel needs the GPU to itself: a
-kernel of another stream that held SMs until this one ended would stall it. Measured
-against that chain by benchmarks/probe_decode_layer.py; the engine does not take it yet.
+kernel of another stream that held SMs until this one ended would stall it. A (row, head)
+attends on one block, so at a few rows and thousands of positions most SMs idle through
+attention (the Triton chain splits such contexts over programs). Measured against that
+chain by benchmarks/probe_decode_layer.py; the engine does not take it yet.
 """
 
 from __future__ import annotations
