@@ -177,6 +177,54 @@ def test_pause_abort_ends_requests_and_abort_by_id_ends_every_completion(engine,
     assert engine.client.core_engine.all_blocks_free()
 
 
+def test_abort_and_is_paused_answer_at_once_or_awaited_as_in_vllm(engine, loop):
+    """vLLM's AsyncLLM.abort and is_paused are coroutines: awaiting ours works too, and
+    abort takes several ids at once."""
+
+    async def scenario():
+        runs = [Run(engine, rid, PROMPTS["r1"], greedy(max_tokens=400)) for rid in "ab"]
+        await asyncio.gather(*(run.started.wait() for run in runs))
+        assert await engine.is_paused() is False and not engine.is_paused()
+        await engine.abort(["a", "b"])
+        for run in runs:
+            await run.done()
+            assert run.finish[0] == "abort"
+        with pytest.raises(ValueError) as caught:
+            engine.abort(["c", 7])  # nothing aborted when one id is bad
+        assert caught.value.param == "request_id"
+
+    loop.run_until_complete(scenario())
+    assert engine.client.core_engine.all_blocks_free()
+
+
+SCRIPT_WITHOUT_SHUTDOWN = """
+import asyncio
+from vllm_rlt.engine.async_llm import AsyncLLM
+from vllm_rlt.engine.engine_args import EngineArgs
+
+async def main():
+    AsyncLLM.from_engine_args(EngineArgs(model="toy"))
+    if RAISE:
+        raise RuntimeError("the script failed")
+
+if __name__ == "__main__":
+    asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("raises", [False, True], ids=["returns", "raises"])
+def test_a_script_that_never_shuts_the_engine_down_still_exits(tmp_path, raises):
+    """The engine core is a child process, which the interpreter's exit joins: without a
+    stop at exit, a script that returned (or failed) without shutdown() waited forever."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT_WITHOUT_SHUTDOWN.replace("RAISE", str(raises)))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, timeout=120)
+    assert done.returncode == (1 if raises else 0), done.stderr.decode()[-2000:]
+
+
 def test_weights_update_while_paused_and_outputs_carry_the_version(tmp_path):
     """An update needs an idle or paused engine; after it, every output carries its tag."""
     first, second = toy_folder(tmp_path / "first", 1), toy_folder(tmp_path / "second", 2)

@@ -114,3 +114,15 @@ def test_flags_and_llm_arguments_give_equal_configs():
     assert llm.config == from_flags
     assert llm.config.cache_config.block_size == 8  # vLLM's name over the config's field
     assert llm.config.execution_config.cuda_graphs is False
+
+
+def test_engine_args_take_their_own_fields_from_vllm_args_too():
+    """vLLM code puts every name in one mapping: `max_model_len` there is the field; given
+    both ways with different values it is an error naming it."""
+    config = EngineArgs(vllm_args={"max_model_len": 96, "seed": 3}).create_engine_config()
+    assert config.model_config.max_model_len == 96 and config.execution_config.seed == 3
+    same = EngineArgs(max_model_len=96, vllm_args={"max_model_len": 96}).create_engine_config()
+    assert same.model_config.max_model_len == 96
+    with pytest.raises(ParamError, match="max_model_len is given twice") as error:
+        EngineArgs(max_model_len=64, vllm_args={"max_model_len": 96}).create_engine_config()
+    assert error.value.param == "max_model_len"

@@ -13,7 +13,7 @@ import asyncio
 import dataclasses
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterable
 from typing import Any, Protocol
 
 from vllm_rlt.config import SERVE, ParamError, require
@@ -55,6 +55,24 @@ class StepObserver(Protocol):
     def observe_step(self, outputs: EngineOutputs) -> None: ...
 
     def observe_finished(self, output: RequestOutput) -> None: ...
+
+
+class Answered:
+    """The answer of a call that is already done: used as it is (`bool(engine.is_paused())`)
+    or awaited, as code written for vLLM's coroutine of the same name awaits it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield  # a generator that finishes at once with the value
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
 
 
 class AsyncLLM:
@@ -252,9 +270,17 @@ class AsyncLLM:
         finally:
             stream.close()
 
-    def abort(self, request_id: str, index: int | None = None) -> None:
+    def abort(self, request_id: str | Iterable[str], index: int | None = None) -> Answered:
         """Abort a request (all its completions: any id a caller gave), or only its
-        completion `index`."""
+        completion `index`; or each of several ids. Done at once; vLLM's `await
+        engine.abort(...)` works on the answer too."""
+        if not isinstance(request_id, str):
+            ids = list(request_id) if isinstance(request_id, Iterable) else [request_id]
+            for one in ids:
+                require_valid_text(one, "request_id")
+            for one in ids:
+                self.abort(one, index)
+            return Answered(None)
         require_valid_text(request_id, "request_id")  # the core's messages carry a str
         require(
             index is None or (type(index) is int and 0 <= index < 2**31),
@@ -263,6 +289,7 @@ class AsyncLLM:
         )
         if not self.pause.drop(request_id, index):
             self.client.send(AbortRequest(request_id, index))
+        return Answered(None)
 
     def abort_all(self) -> None:
         """End every request now: each stream gets a final output with finish reason abort,
@@ -313,8 +340,10 @@ class AsyncLLM:
     async def resume_generation(self) -> None:
         await self.pause.resume()
 
-    def is_paused(self) -> bool:
-        return self.pause.paused
+    def is_paused(self) -> Answered:
+        """Whether generation is paused: true or false at once, or awaited (vLLM's is a
+        coroutine)."""
+        return Answered(self.pause.paused)
 
     async def init_weights_update_group(
         self,

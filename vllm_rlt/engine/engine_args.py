@@ -4,6 +4,7 @@ an `EngineConfig` of them. `LLM`'s keyword arguments and the command line's flag
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,7 @@ from vllm_rlt.config import (
     ExitConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    require,
 )
 from vllm_rlt.engine.vllm_args import apply_vllm_args
 from vllm_rlt.engine_config import DeviceConfig, EngineConfig, ModelConfig, ParallelConfig
@@ -54,7 +56,20 @@ class EngineArgs:
     def create_engine_config(self) -> EngineConfig:
         """The frozen config (vLLM's name): hub IDs fetched, vLLM's names applied over the
         configs, each part checked (ParamError names a bad field; FileNotFoundError says
-        why a hub ID cannot be had)."""
+        why a hub ID cannot be had). A name in `vllm_args` that is one of these fields
+        (vLLM's `max_model_len`, `dtype`, ...) counts as that field."""
+        own = {f.name for f in dataclasses.fields(self)} - {"vllm_args"}
+        routed = {name: value for name, value in self.vllm_args.items() if name in own}
+        if routed:
+            for name, value in routed.items():
+                given = getattr(self, name)
+                require(
+                    given is None or given == value,
+                    f"{name} is given twice, as {given!r} and in vllm_args as {value!r}",
+                    name,
+                )
+            rest = {name: value for name, value in self.vllm_args.items() if name not in own}
+            return dataclasses.replace(self, vllm_args=rest, **routed).create_engine_config()
         cache, scheduler, execution = apply_vllm_args(
             dict(self.vllm_args), self.cache_config, self.scheduler_config, self.execution_config
         )

@@ -10,6 +10,7 @@ death at once, so callers never wait on a dead engine.
 
 from __future__ import annotations
 
+import atexit
 import itertools
 import logging
 import multiprocessing
@@ -139,6 +140,9 @@ class EngineCoreClient:
                 daemon=False,
             )
             self.process.start()
+            # after multiprocessing's own exit hook (which joins child processes), so run
+            # before it: a script that ends without shutdown() still exits
+            atexit.register(self._stop_at_exit)
             if lifeline_write is not None:
                 lifeline_write.close()  # the core holds the only write end now
         try:
@@ -451,6 +455,7 @@ class EngineCoreClient:
         """Ask the core to stop (it aborts what is left), wait for it, free the sockets.
         A client that joined with `attach` only aborts its own requests and leaves: the
         core's owner stops it."""
+        atexit.unregister(self._stop_at_exit)
         self._stopping = True
         if self._lifeline is not None:
             self.send(AbortAll(self.client))
@@ -460,6 +465,15 @@ class EngineCoreClient:
         if self._reader is not None:
             self._reader.stop()
         self._release_sockets()
+
+    def _stop_at_exit(self) -> None:
+        """The interpreter is exiting and nobody called shutdown() (a script that returned
+        or raised without it): stop the core now, or the exit would wait for it forever."""
+        try:
+            self.shutdown(timeout=5.0)
+        except Exception:  # noqa: BLE001 - at exit: the process must go whatever failed
+            if self.process is not None and self.process.is_alive():
+                self.process.kill()
 
     def _stop_core(self, timeout: float) -> None:
         self._stopping = True

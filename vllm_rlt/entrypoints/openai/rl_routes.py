@@ -63,7 +63,7 @@ def add_rl_routes(app: FastAPI, engine: Callable[[], AsyncLLM]) -> None:
 
     @app.get("/is_paused")
     async def is_paused() -> dict[str, Any]:
-        return {"is_paused": engine().is_paused()}
+        return {"is_paused": bool(engine().is_paused())}
 
     @app.get("/get_weight_version")
     async def get_weight_version() -> dict[str, Any]:
