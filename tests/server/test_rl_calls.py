@@ -245,6 +245,12 @@ def test_weights_update_while_paused_and_outputs_carry_the_version(tmp_path):
         with pytest.raises(ValueError, match="holds no .safetensors") as caught:
             await engine.update_weights_from_disk(str(tmp_path))
         assert caught.value.param == "model_path"
+        garbage = tmp_path / "garbage"
+        garbage.mkdir()
+        (garbage / "model.safetensors").write_text("not a checkpoint\n")
+        with pytest.raises(ValueError, match="is not a readable safetensors file") as caught:
+            await engine.update_weights_from_disk(str(garbage))  # a 400 when served, not a 500
+        assert caught.value.param == "model_path"
         await engine.resume_generation()
         await running.done()
         assert "v2" in running.versions and running.finish[0] == "length"

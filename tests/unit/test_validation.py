@@ -509,6 +509,15 @@ def test_min_loops_one_is_allowed_and_honoured(make_engine) -> None:
     assert finished["r"].outputs[0].exit_depths == [T, 1, 1, 1]
 
 
+def test_a_prompt_that_fills_the_context_is_named_as_the_cause(make_engine) -> None:
+    """Not a max_tokens the caller never chose (the server asks for one token to score)."""
+    engine = make_engine(num_blocks=1100, block_size=4)
+    for length, verb in ((4096, "fills"), (4100, "exceeds")):
+        with pytest.raises(ValueError, match=rf"the prompt \({length} tokens\) {verb}") as raised:
+            frontend(engine).add_request("full", [7] * length, greedy(max_tokens=1))
+        assert raised.value.param == "prompt"
+
+
 def test_context_length_boundary_is_accepted(make_engine) -> None:
     """prompt + max_tokens == max_position_embeddings is allowed (one more is rejected)."""
     engine = make_engine(num_blocks=1024, block_size=4)
@@ -605,6 +614,25 @@ def test_llm_rejects_mismatched_lengths(llm: LLM) -> None:
         llm.generate(["a", "b"], [greedy()] * 3, use_tqdm=False)
     with pytest.raises(ValueError, match="request_ids has 1 entries for 2 prompts"):
         llm.generate(["a", "b"], greedy(), use_tqdm=False, request_ids=["x"])
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize(
+    ("params", "match"),
+    [
+        ({"max_tokens": 2}, "a SamplingParams or a list of them, one per prompt, got dict"),
+        ("greedy", "a list of them, one per prompt, got str"),
+        ([None, "ok"], "entry 0 is a NoneType"),
+        (["ok", "x"], "entry 1 is a str"),
+    ],
+)
+def test_llm_rejects_sampling_params_of_another_type(llm: LLM, params: Any, match: str) -> None:
+    """Not a TypeError from deep inside: a ValueError naming sampling_params, nothing queued."""
+    if isinstance(params, list):
+        params = [greedy() if one == "ok" else one for one in params]
+    with pytest.raises(ValueError, match=match) as raised:
+        llm.generate(["a", "b"], params, use_tqdm=False)
+    assert raised.value.param == "sampling_params"
     assert_idle(llm)
 
 

@@ -128,6 +128,20 @@ def test_update_weights_from_disk_swaps_in_a_checkpoint_folder(tmp_path):
     assert list(output.outputs[0].token_ids) == want and output.weight_version == "disk-2"
 
 
+def test_weights_that_are_not_floating_point_are_refused_and_change_nothing(tmp_path):
+    """A bool or int8 tensor would be cast into the model and ruin it silently."""
+    import torch
+
+    llm = LLM(model=toy_folder(tmp_path / "first", 1))
+    want = tokens(llm)
+    name, tensor = next(iter(llm.engine.model.checkpoint_views().items()))
+    for dtype in (torch.bool, torch.int8):
+        with pytest.raises(ValueError, match=f"{name} must be a floating-point tensor") as caught:
+            llm.load_weights([(name, torch.zeros(tensor.shape, dtype=dtype))])
+        assert caught.value.param == "weights"
+    assert tokens(llm) == want
+
+
 def test_leaving_a_join_ends_only_the_one_under_way():
     """WeightCalls.leave (AsyncLLM.abort_all, a shutdown) ends the wait of the join under way
     with its error; a join started afterwards waits for its answer as usual."""

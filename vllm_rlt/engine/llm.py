@@ -379,9 +379,23 @@ class LLM:
             params = self.get_default_sampling_params()
         if isinstance(params, SamplingParams):
             return [params] * count
+        require(
+            isinstance(params, Sequence) and not isinstance(params, (str, bytes)),
+            "sampling_params must be a SamplingParams or a list of them, one per prompt, got "
+            f"{type(params).__name__}",
+            "sampling_params",
+        )
         params = list(params)
         require(
             len(params) == count,
             f"sampling_params has {len(params)} entries for {count} prompts",
+            "sampling_params",
         )
+        for index, one in enumerate(params):
+            require(
+                isinstance(one, SamplingParams),
+                f"sampling_params must hold SamplingParams only; entry {index} is a "
+                f"{type(one).__name__}",
+                "sampling_params",
+            )
         return params

@@ -103,6 +103,13 @@ class RequestChecker:
             "the server); give the engine core a number",
             "max_tokens",
         )
+        fills = "exceeds" if len(prompt) > limits.max_model_len else "fills"
+        require(
+            len(prompt) < limits.max_model_len,
+            f"the prompt ({len(prompt)} tokens) {fills} the context length "
+            f"{limits.max_model_len} (max_model_len) and leaves no room for a token; shorten it",
+            "prompt",
+        )
         total = len(prompt) + params.max_tokens
         require(
             total <= limits.max_model_len,

@@ -52,6 +52,12 @@ def copy_weights_in_place(
     for name, tensor in pairs:
         require(name in views, f"load_weights: {name!r} is no tensor of this model", "weights")
         require(
+            isinstance(tensor, torch.Tensor) and tensor.is_floating_point(),
+            f"load_weights: {name} must be a floating-point tensor (it is cast to the model's "
+            f"dtype), got {getattr(tensor, 'dtype', type(tensor).__name__)}",
+            "weights",
+        )
+        require(
             tuple(tensor.shape) == tuple(views[name].shape),
             f"load_weights: {name} has shape {tuple(tensor.shape)}, the model's is "
             f"{tuple(views[name].shape)}",

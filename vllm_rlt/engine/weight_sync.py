@@ -24,7 +24,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from vllm_rlt.config import require, require_int
+from vllm_rlt.config import ParamError, require, require_int
 from vllm_rlt.engine.trainer_hooks import copy_weights_in_place
 from vllm_rlt.layers.fp8 import Fp8Weight
 
@@ -268,12 +268,23 @@ class WeightSync:
         from safetensors.torch import load_file
 
         require(isinstance(model_path, str), "model_path must be a folder path", "model_path")
-        files = sorted(Path(model_path).glob("*.safetensors"))
-        require(bool(files), f"model_path {model_path!r} holds no .safetensors file", "model_path")
+        shown = model_path if len(model_path) <= 200 else model_path[:200] + "..."
+        try:
+            files = sorted(Path(model_path).glob("*.safetensors"))
+        except (OSError, ValueError) as exc:
+            raise ParamError(f"model_path {shown!r} cannot be read: {exc}", "model_path") from exc
+        require(bool(files), f"model_path {shown!r} holds no .safetensors file", "model_path")
         self._require_ready("update_weights_from_disk", paused)
         weights: dict[str, torch.Tensor] = {}
         for file in files:
-            weights.update(load_file(str(file)))
+            try:
+                weights.update(load_file(str(file)))
+            except Exception as exc:  # noqa: BLE001 - safetensors' own error types vary
+                raise ParamError(
+                    f"model_path: {file.name} is not a readable safetensors file "
+                    f"({type(exc).__name__}: {exc})",
+                    "model_path",
+                ) from exc
         specs = [(name, tensor.dtype, tuple(tensor.shape)) for name, tensor in weights.items()]
         require(*self._check(specs, with_dtypes=False), "model_path")
         copy_weights_in_place(self.engine.model, weights)
