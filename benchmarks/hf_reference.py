@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--num-steps", type=int, default=32, help="recurrences (default: 32)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs (default: 3)")
     parser.add_argument("--seed", type=int, default=0, help="prompt seed (default: 0)")
-    parser.add_argument("--output", default=None, help="also write the JSON here")
+    parser.add_argument("--output", default=None, help="also write the JSON here (default: none)")
     args = parser.parse_args(argv)
     for name in ("concurrency", "prompt_len", "num_steps", "repeats"):
         if getattr(args, name) < 1:

@@ -63,7 +63,7 @@ def _project(ops, x, weight, silu):
 
 def main(argv: list[str] | None = None) -> int:
     parser = CLIParser(prog="python -m benchmarks.probe_few_row_gemm", description=__doc__)
-    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="rows a pass")
     parser.add_argument("--output", default=None, help="JSON of every figure (default: none)")
     args = parser.parse_args(argv)
     parser.require_cuda()

@@ -26,6 +26,9 @@ python -m benchmarks.probe_register_gemv [--fp8] [--layers 8]
 
 from __future__ import annotations
 
+import benchmarks.needs_triton  # noqa: F401 (first: says what is missing)
+
+# isort: split
 import json
 from collections.abc import Callable
 

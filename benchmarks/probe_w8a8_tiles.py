@@ -142,7 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--output", default=None, help="JSON of every figure (default: none)")
     parser.add_argument(
-        "--table", nargs="+", default=None, help="reports to make a GPU model's table of (no GPU)"
+        "--table",
+        nargs="+",
+        default=None,
+        help="probe reports to turn into a GPU model's table, with no GPU (default: none: probe)",
     )
     parser.add_argument(
         "--table-out",

@@ -111,7 +111,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="checkpoint folder or hub ID")
     parser.add_argument("--device", default="cuda", help="cuda or cpu")
     parser.add_argument("--dtype", default="bfloat16", help="the weights' dtype")
-    parser.add_argument("--kv-layout", nargs="+", default=["last_exited"], choices=KV_LAYOUTS)
+    parser.add_argument(
+        "--kv-layout", nargs="+", default=["last_exited"], choices=KV_LAYOUTS, help="KV layouts run"
+    )
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts")
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")
     parser.add_argument("--n", type=int, default=8, help="samples per prompt")

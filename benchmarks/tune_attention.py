@@ -11,6 +11,7 @@ import itertools
 
 import torch
 
+import benchmarks.needs_triton  # noqa: F401 (first: says what is missing)
 from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.layers.rotary import RotaryEmbedding

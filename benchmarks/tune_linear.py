@@ -23,6 +23,7 @@ import multiprocessing
 
 import torch
 
+import benchmarks.needs_triton  # noqa: F401 (first: says what is missing)
 from benchmarks.graph_timing import graph_time_us
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.kernels.skinny_linear import SkinnyConfig, skinny_linear, skinny_linear_partials

@@ -126,7 +126,8 @@ FIELD_BOUNDS: dict[str, FieldBound] = {
         0.0,
         1.0,
         None,
-        "exit once the exit CDF reaches it; 1 = fixed depth (default: the model's)",
+        "Ouro's gate: exit once the exit CDF reaches it (1 = fixed depth); Huginn's "
+        "criteria: exit once the change falls below it (0 = fixed depth) (default: the model's)",
     ),
 }
 

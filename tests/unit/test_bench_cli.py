@@ -223,15 +223,26 @@ def test_throughput_waves_refill_slots_from_a_queue(capsys):
 
 
 def test_bench_serve_without_its_client_library_says_which_extra_in_one_line(monkeypatch, capsys):
+    """Its help still answers; a run stops with one line naming the extra."""
     import sys
 
     from vllm_rlt.entrypoints.cli import main
 
-    monkeypatch.delitem(sys.modules, "vllm_rlt.bench.serve")
+    for name in (
+        "vllm_rlt.bench.serve",
+        "vllm_rlt.bench.serve_client",
+        "vllm_rlt.bench.serve_launch",
+    ):
+        monkeypatch.delitem(sys.modules, name, raising=False)
     monkeypatch.setitem(sys.modules, "aiohttp", None)  # as if not installed
-    assert main(["bench", "serve", "--help"]) == 2
+    with pytest.raises(SystemExit) as shown:
+        main(["bench", "serve", "--help"])
+    assert shown.value.code == 0 and "--num-requests" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as stopped:
+        main(["bench", "serve", "--url", "http://127.0.0.1:9"])
+    assert stopped.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("vllm-rlt bench serve: error: needs aiohttp")
+    assert err.strip().splitlines()[-1].startswith("vllm-rlt bench serve: error: needs aiohttp")
     assert 'pip install "vllm-rlt[serve]"' in err
 
 

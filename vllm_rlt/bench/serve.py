@@ -40,6 +40,7 @@ A progress bar of completed requests goes to stderr; the JSON report goes to std
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import itertools
 import platform
 import random
@@ -50,7 +51,6 @@ import time
 from functools import partial
 from typing import Any
 
-import aiohttp
 import orjson
 from tqdm import tqdm
 
@@ -59,6 +59,7 @@ from vllm_rlt import SamplingParams
 from vllm_rlt.bench.device_figures import environment as device_environment
 from vllm_rlt.bench.report import emit_report, percentile
 from vllm_rlt.bench.serve_client import (
+    AIOHTTP_MISSING,
     BenchFailed,
     Outcome,
     ServerUnusable,
@@ -117,7 +118,7 @@ def environment(device: str | None) -> dict[str, Any]:
     info: dict[str, Any] = {
         "python": platform.python_version(),
         "vllm_rlt": vllm_rlt.__version__,
-        "aiohttp": aiohttp.__version__,
+        "aiohttp": importlib.metadata.version("aiohttp"),
     }
     if device is not None:
         from vllm_rlt.models.load import resolve_device
@@ -389,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
     argv, server_flags = argv[:split], argv[split + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
+    if AIOHTTP_MISSING:
+        parser.error(AIOHTTP_MISSING)
     check(parser, args, server_flags)
     flags = engine_flags(parser, args.launch, server_flags) if args.launch else None
     if flags is not None and args.api_key is None:

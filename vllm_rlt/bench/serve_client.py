@@ -15,11 +15,20 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 from tqdm import tqdm
 
 from vllm_rlt.bench.report import percentile
+
+try:  # the serve extra's; without it, `bench serve --help` still answers
+    import aiohttp
+
+    AIOHTTP_MISSING = ""
+except ModuleNotFoundError:
+    AIOHTTP_MISSING = (
+        'needs aiohttp, which is not installed: pip install "vllm-rlt[serve]" (from a clone: '
+        'pip install -e ".[serve]")'
+    )
 
 CLIENT_START_TIMEOUT_S = 300.0  # each client process imports the package before it starts
 JSON_HEADERS = {"Content-Type": "application/json"}

@@ -15,8 +15,6 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
 
-import aiohttp
-
 from vllm_rlt.bench.serve_client import BenchFailed, run_async
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.entrypoints.args import add_engine_args
@@ -42,6 +40,7 @@ def relay(stream: IO[str]) -> None:
 
 def wait_ready(url: str, process: subprocess.Popen, timeout: float = READY_TIMEOUT_S) -> float:
     """Seconds until GET /health answered 200; fails at once if the process exits first."""
+    import aiohttp  # the serve extra's (bench serve checks for it after its --help)
 
     async def poll() -> float:
         began = time.perf_counter()
