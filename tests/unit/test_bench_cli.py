@@ -226,14 +226,13 @@ def test_bench_serve_without_its_client_library_says_which_extra_in_one_line(mon
     """Its help still answers; a run stops with one line naming the extra."""
     import sys
 
+    import vllm_rlt.bench
+    import vllm_rlt.bench.serve  # noqa: F401 - loaded for real first: teardown puts these back
     from vllm_rlt.entrypoints.cli import main
 
-    for name in (
-        "vllm_rlt.bench.serve",
-        "vllm_rlt.bench.serve_client",
-        "vllm_rlt.bench.serve_launch",
-    ):
-        monkeypatch.delitem(sys.modules, name, raising=False)
+    for name in ("serve", "serve_client", "serve_launch"):  # imported again without aiohttp
+        monkeypatch.delitem(sys.modules, f"vllm_rlt.bench.{name}")
+        monkeypatch.delattr(vllm_rlt.bench, name)
     monkeypatch.setitem(sys.modules, "aiohttp", None)  # as if not installed
     with pytest.raises(SystemExit) as shown:
         main(["bench", "serve", "--help"])
