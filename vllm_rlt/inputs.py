@@ -62,7 +62,19 @@ def prompt_parts(prompt: Any, index: int = 0) -> tuple[str | None, list[int] | N
     if isinstance(prompt, dict):
         check_prompt_dict(prompt, index)
         ids = prompt.get("prompt_token_ids")
-        return prompt.get("prompt"), list(ids) if ids is not None else None
+        require(
+            ids is None or isinstance(ids, (list, tuple)),
+            f"prompts[{index}]['prompt_token_ids'] must be a list of token ids, got "
+            f"{type(ids).__name__}",
+            "prompt_token_ids",
+        )
+        text = prompt.get("prompt")
+        require(
+            text is None or isinstance(text, str),
+            f"prompts[{index}]['prompt'] must be a string, got {type(text).__name__}",
+            "prompt",
+        )
+        return text, list(ids) if ids is not None else None
     if isinstance(prompt, (list, tuple)):
         return None, list(prompt)
     raise ValueError(

@@ -599,6 +599,8 @@ PROMPTS_MSG = r"prompts must be a string, a list of strings, token ids, or \{'pr
         ([[5, 6], None], r"prompts\[1\] must be a string, a token-id list or a dict, got NoneType"),
         ([[]], "prompt must contain at least one token"),
         ({"prompt_token_ids": []}, "prompt must contain at least one token"),
+        ({"prompt_token_ids": "abc"}, r"\['prompt_token_ids'\] must be a list of token ids"),
+        ({"prompt": 5}, r"prompts\[0\]\['prompt'\] must be a string, got int"),
     ],
 )
 def test_llm_rejects_bad_prompts(llm: LLM, prompts: Any, match: str) -> None:
