@@ -15,13 +15,32 @@ from __future__ import annotations
 import ctypes
 import itertools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from vllm_rlt.kernels.cuda_build import cuda_module
 from vllm_rlt.kernels.cuda_driver import CudaModule
 from vllm_rlt.layers.fp8 import Fp8Weight
-from vllm_rlt.ops.metadata import AttentionMetadata
+
+
+class DecodeRows(Protocol):
+    """What the kernel reads of a pass's attention metadata (ops/metadata.py's
+    AttentionMetadata has it): per-row int64 tensors and the cache's geometry."""
+
+    positions: torch.Tensor
+    row_tables: torch.Tensor
+    read_plane: torch.Tensor
+    write_lo: torch.Tensor
+    write_hi: torch.Tensor
+    row_entry: torch.Tensor
+    block_table: torch.Tensor
+    slots_per_plane: int
+    block_size: int
+    rows_independent: bool
+    device_counts: object | None
+    prefill_tiles: object | None
+
 
 HEAD_DIM = 128  # the kernel's head size
 MAX_ROWS = 16
@@ -100,7 +119,7 @@ def fits_decode_layer(
     next_norm: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: DecodeRows,
     cos: torch.Tensor,
     heads: int,
 ) -> bool:
@@ -157,7 +176,7 @@ def decode_layer(
     next_norm: torch.Tensor,  # [hidden] the norm after the layer
     k_cache: torch.Tensor,  # [planes * slots_per_plane, kv_heads, 128] bf16
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,  # decode rows, independent (see the kernel)
+    meta: DecodeRows,  # decode rows, independent (see the kernel)
     cos: torch.Tensor,  # [positions, 128] bf16
     sin: torch.Tensor,
     heads: int,
