@@ -98,7 +98,7 @@ def test_few_row_gemm_add_norms_equals_the_product_then_the_norm_kernel(
         graph.replay()
         check(captured, residual)
     torch.cuda.synchronize()
-    counters, _ = few_row_gemm._counters[torch.device("cuda", torch.cuda.current_device())]
+    counters = few_row_gemm.COUNTERS.counters(torch.device("cuda", torch.cuda.current_device()))
     assert int(counters.count_nonzero()) == 0
 
 

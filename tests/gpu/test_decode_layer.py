@@ -106,5 +106,5 @@ def test_counters_are_left_free_for_the_next_launches(parts):
             assert relative_error(got[0], want[0]) < 5e-3, launch
             assert torch.equal(k_cache, copies[0]) and torch.equal(v_cache, copies[1]), launch
     torch.cuda.synchronize()
-    ring, _ = decode_layer._counters[x.device]
+    ring = decode_layer.COUNTERS.counters(x.device)
     assert int(ring.count_nonzero()) == 0

@@ -90,14 +90,19 @@ def build(name: str, nvcc: str, arch: str) -> Path:
 
 
 @functools.cache
-def cuda_module(name: str, device: int = 0) -> CudaModule | None:
-    """csrc/{name}.cu built for CUDA device `device` and loaded there, or None (after one
-    log line saying why) where it cannot be: the caller's Triton kernels serve then."""
+def cuda_module(
+    name: str, device: int = 0, min_capability: tuple[int, int] = (0, 0)
+) -> CudaModule | None:
+    """csrc/{name}.cu built for CUDA device `device` and loaded there, or None where it
+    cannot be (after one log line saying why, unless the GPU is older than the source's
+    `min_capability`): the caller's Triton kernels serve then."""
     import torch
 
     if os.environ.get("VLLM_RLT_CUDA_KERNELS") == "0" or not torch.cuda.is_available():
         return None
     major, minor = torch.cuda.get_device_capability(device)
+    if (major, minor) < min_capability:
+        return None
     nvcc = find_nvcc()
     if nvcc is None:
         logger.warning(

@@ -13,12 +13,12 @@ chain by benchmarks/probe_decode_layer.py; the engine does not take it yet.
 from __future__ import annotations
 
 import ctypes
-import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
+from vllm_rlt.kernels.counter_ring import CounterRing
 from vllm_rlt.kernels.cuda_build import cuda_module
 from vllm_rlt.kernels.cuda_driver import CudaModule
 from vllm_rlt.layers.fp8 import Fp8Weight
@@ -87,25 +87,13 @@ class SandwichWeights:
         return self.qkv, self.o, self.gate_up, self.down
 
 
-_counters: dict[torch.device, tuple[torch.Tensor, itertools.count]] = {}
-
-
-def _counter_block(device: torch.device) -> int:
-    """The address of the next launch's counters (zero, and left zero by the launch)."""
-    if device not in _counters:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("decode_layer: run it once before capturing a graph")
-        ring = torch.zeros(RING * COUNTERS_PER_LAUNCH, dtype=torch.int32, device=device)
-        _counters[device] = ring, itertools.count()
-    ring, turn = _counters[device]
-    return ring.data_ptr() + 4 * COUNTERS_PER_LAUNCH * (next(turn) % RING)
+# A launch's counters: per head and K/V head, then five for the phases.
+COUNTERS = CounterRing("decode_layer", per_launch=COUNTERS_PER_LAUNCH, launches=RING)
 
 
 def _module(device: torch.device) -> CudaModule | None:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_capability(index) < (9, 0):  # ld.acquire, griddepcontrol
-        return None
-    return cuda_module("decode_layer", index)
+    return cuda_module("decode_layer", index, min_capability=(9, 0))  # ld.acquire, griddepcontrol
 
 
 def _tensors(weight: torch.Tensor | Fp8Weight) -> tuple[torch.Tensor, torch.Tensor]:
@@ -233,7 +221,7 @@ def decode_layer(
         **scratch,
     }
     args = LayerArgs(**{name: t.data_ptr() for name, t in tensors.items()})
-    args.counters = _counter_block(x.device)
+    args.counters = COUNTERS.next_address(x.device)
     args.rows, args.hidden, args.inter, args.heads, args.kv_heads = (
         rows,
         hidden,

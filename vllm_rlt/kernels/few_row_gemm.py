@@ -14,10 +14,10 @@ Triton kernels serve.
 from __future__ import annotations
 
 import ctypes
-import itertools
 
 import torch
 
+from vllm_rlt.kernels.counter_ring import CounterRing
 from vllm_rlt.kernels.cuda_build import cuda_module
 from vllm_rlt.kernels.cuda_driver import CudaModule
 from vllm_rlt.layers.fp8 import Fp8Weight
@@ -29,29 +29,13 @@ FP8_CUDA_ROWS = 0
 BF16_CUDA_ROWS = 0
 
 
-# Counters of the add-norms kernels, zero between launches (the last block resets its own):
-# a launch takes the next in turn, so kernels in flight together never share one.
-COUNTERS = 4096
-_counters: dict[torch.device, tuple[torch.Tensor, itertools.count]] = {}
-
-
-def _counter(device: torch.device) -> int:
-    """The address of the next add-norms counter on `device` (allocated, zeroed, on first
-    use, which must come before any capture: a zero-fill captured would not run now)."""
-    if device not in _counters:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("few_row_gemm_add_norms: run it once before capturing a graph")
-        counters = torch.zeros(COUNTERS, dtype=torch.int32, device=device)
-        _counters[device] = counters, itertools.count()
-    counters, turn = _counters[device]
-    return counters.data_ptr() + 4 * (next(turn) % COUNTERS)
+# The add-norms kernels' counters, one a launch (the last block resets its own).
+COUNTERS = CounterRing("few_row_gemm_add_norms", per_launch=1, launches=4096)
 
 
 def _module(device: torch.device) -> CudaModule | None:
     index = device.index if device.index is not None else torch.cuda.current_device()
-    if torch.cuda.get_device_capability(index) < (8, 0):  # bf16 mma.sync
-        return None
-    return cuda_module("few_row_gemm", index)
+    return cuda_module("few_row_gemm", index, min_capability=(8, 0))  # bf16 mma.sync
 
 
 def takes_few_row(x: torch.Tensor, weight: torch.Tensor | Fp8Weight) -> bool:
@@ -150,7 +134,11 @@ def few_row_gemm_add_norms(
     tail = (pointer(branch.data_ptr()), integer(rows), integer(x.shape[1]))
     tail += (pointer(residual.data_ptr()), integer(residual.stride(0)), pointer(norm.data_ptr()))
     tail += (pointer(w_next.data_ptr()), pointer(x_out.data_ptr()), pointer(normed.data_ptr()))
-    tail += (ctypes.c_float(eps), pointer(_counter(x.device)), integer(int(vectorized)))
+    tail += (
+        ctypes.c_float(eps),
+        pointer(COUNTERS.next_address(x.device)),
+        integer(int(vectorized)),
+    )
     tail += (integer(int(pdl)),)
     kind = "_norm_add_norm" if w_branch is not None else "_add_norm"
     _launch(x, weight, kind, tail, pdl)
