@@ -243,6 +243,11 @@ def test_bench_serve_without_its_client_library_says_which_extra_in_one_line(mon
     err = capsys.readouterr().err
     assert err.strip().splitlines()[-1].startswith("vllm-rlt bench serve: error: needs aiohttp")
     assert 'pip install "vllm-rlt[serve]"' in err
+    with pytest.raises(SystemExit) as stopped:  # a sweep of served points, before any server
+        main(["bench", "sweep", "--launch", "toy", "--concurrency", "1"])
+    assert stopped.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines()[-1].startswith("vllm-rlt bench sweep: error: needs aiohttp")
 
 
 def test_every_switch_shows_its_default_as_on_or_off(capsys):

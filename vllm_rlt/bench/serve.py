@@ -59,11 +59,11 @@ from vllm_rlt import SamplingParams
 from vllm_rlt.bench.device_figures import environment as device_environment
 from vllm_rlt.bench.report import emit_report, percentile
 from vllm_rlt.bench.serve_client import (
-    AIOHTTP_MISSING,
     BenchFailed,
     Outcome,
     ServerUnusable,
     auth,
+    require_aiohttp,
     run_load,
     served_model,
     summary,
@@ -390,8 +390,7 @@ def main(argv: list[str] | None = None) -> int:
     argv, server_flags = argv[:split], argv[split + 1 :]
     parser = build_parser()
     args = parser.parse_args(argv)
-    if AIOHTTP_MISSING:
-        parser.error(AIOHTTP_MISSING)
+    require_aiohttp(parser)
     check(parser, args, server_flags)
     flags = engine_flags(parser, args.launch, server_flags) if args.launch else None
     if flags is not None and args.api_key is None:

@@ -30,6 +30,14 @@ except ModuleNotFoundError:
         'pip install -e ".[serve]")'
     )
 
+
+def require_aiohttp(parser) -> None:
+    """Stop with one line, after --help has answered, where aiohttp is missing: every
+    served measurement (bench serve, bench sweep --launch) needs it."""
+    if AIOHTTP_MISSING:
+        parser.error(AIOHTTP_MISSING)
+
+
 CLIENT_START_TIMEOUT_S = 300.0  # each client process imports the package before it starts
 JSON_HEADERS = {"Content-Type": "application/json"}
 

@@ -395,9 +395,11 @@ def main(argv: list[str] | None = None) -> int:
     if not grid_points(args):
         parser.error("the grid has no point where max_num_batched_tokens >= max_num_seqs")
     if args.launch:  # as `bench serve --launch` does, before a server starts per point
+        from vllm_rlt.bench.serve_client import require_aiohttp
         from vllm_rlt.bench.serve_launch import server_flags_parser
         from vllm_rlt.entrypoints.args import engine_config_or_exit
 
+        require_aiohttp(parser)
         engine_config_or_exit(parser, server_flags_parser().parse_args(["--model", args.launch]))
     return run_and_emit(parser, run, args)
 
