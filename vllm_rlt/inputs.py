@@ -40,8 +40,8 @@ UNSUPPORTED_KEYS = {
 
 
 def check_prompt_dict(prompt: Mapping[str, Any], index: int) -> None:
-    """A dict prompt holds prompt_token_ids or prompt, and no key this engine would ignore
-    (ParamError naming it)."""
+    """A dict prompt holds prompt_token_ids (a list) or prompt (a string), and no key this
+    engine would ignore (ParamError naming it)."""
     where = f"prompts[{index}]"
     for key in prompt:
         if key not in PROMPT_KEYS:
@@ -51,6 +51,17 @@ def check_prompt_dict(prompt: Mapping[str, Any], index: int) -> None:
         "prompt_token_ids" in prompt or "prompt" in prompt,
         f"{where} must have 'prompt_token_ids' or 'prompt'",
         "prompts",
+    )
+    ids, text = prompt.get("prompt_token_ids"), prompt.get("prompt")
+    require(
+        ids is None or isinstance(ids, (list, tuple)),
+        f"{where}['prompt_token_ids'] must be a list of token ids, got {type(ids).__name__}",
+        "prompt_token_ids",
+    )
+    require(
+        text is None or isinstance(text, str),
+        f"{where}['prompt'] must be a string, got {type(text).__name__}",
+        "prompt",
     )
 
 
@@ -62,19 +73,7 @@ def prompt_parts(prompt: Any, index: int = 0) -> tuple[str | None, list[int] | N
     if isinstance(prompt, dict):
         check_prompt_dict(prompt, index)
         ids = prompt.get("prompt_token_ids")
-        require(
-            ids is None or isinstance(ids, (list, tuple)),
-            f"prompts[{index}]['prompt_token_ids'] must be a list of token ids, got "
-            f"{type(ids).__name__}",
-            "prompt_token_ids",
-        )
-        text = prompt.get("prompt")
-        require(
-            text is None or isinstance(text, str),
-            f"prompts[{index}]['prompt'] must be a string, got {type(text).__name__}",
-            "prompt",
-        )
-        return text, list(ids) if ids is not None else None
+        return prompt.get("prompt"), list(ids) if ids is not None else None
     if isinstance(prompt, (list, tuple)):
         return None, list(prompt)
     raise ValueError(

@@ -274,21 +274,18 @@ class AsyncLLM:
         """Abort a request (all its completions: any id a caller gave), or only its
         completion `index`; or each of several ids. Done at once; vLLM's `await
         engine.abort(...)` works on the answer too."""
-        if not isinstance(request_id, str):
-            ids = list(request_id) if isinstance(request_id, Iterable) else [request_id]
-            for one in ids:
-                require_valid_text(one, "request_id")
-            for one in ids:
-                self.abort(one, index)
-            return Answered(None)
-        require_valid_text(request_id, "request_id")  # the core's messages carry a str
+        several = not isinstance(request_id, str) and isinstance(request_id, Iterable)
+        ids = list(request_id) if several else [request_id]
+        for one in ids:  # all checked before any is aborted
+            require_valid_text(one, "request_id")  # the core's messages carry a str
         require(
             index is None or (type(index) is int and 0 <= index < 2**31),
             f"index must be None or a completion index in [0, 2^31), got {index!r}",
             "index",
         )
-        if not self.pause.drop(request_id, index):
-            self.client.send(AbortRequest(request_id, index))
+        for one in ids:
+            if not self.pause.drop(one, index):
+                self.client.send(AbortRequest(one, index))
         return Answered(None)
 
     def abort_all(self) -> None:
