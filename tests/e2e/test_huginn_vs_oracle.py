@@ -145,6 +145,28 @@ def test_exits_held_back_together_change_nothing(
     assert len({d for o in outputs for d in o.outputs[0].exit_depths[1:]}) > 1
 
 
+def test_exits_are_held_by_default_where_that_saves_streaming(
+    folder, oracle_model, held_rows, make_engine
+):
+    """sync_passes None: Huginn under latent_diff holds exits for AUTO_SYNC_PASSES (the
+    oracle's tokens and depths, rows held); under kl, which reads every row's logits every
+    loop, and for Ouro, which has no layers after the loop, exits are not held."""
+    from vllm_rlt.config import AUTO_SYNC_PASSES
+
+    llm = _engine(folder, mode="latent_diff", sync_passes=None)
+    assert llm.engine.runner.head.sync.passes == AUTO_SYNC_PASSES
+    _check(
+        llm,
+        oracle_model,
+        "latest",
+        {"exit_threshold": 0.5, "min_loops": 1},
+        {"exit_criterion": "latent-diff", "exit_threshold": 0.5, "min_steps": 0},
+    )
+    assert max(held_rows) > 0
+    assert _engine(folder, mode="kl", sync_passes=None).engine.runner.head.sync is None
+    assert make_engine(exit_config=ExitConfig()).runner.head.sync is None
+
+
 def test_exit_sync_is_refused_where_it_saves_nothing(folder, make_engine):
     with pytest.raises(ValueError, match="sync_passes"):
         _engine(folder, mode="kl", sync_passes=2)

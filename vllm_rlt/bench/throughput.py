@@ -193,7 +193,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.depth = model.config.num_loops
     if args.depth is not None and not 1 <= args.depth <= model.config.num_loops:
         raise ValueError(f"--depth must be in [1, {model.config.num_loops}], got {args.depth}")
-    if not 1 <= args.exit_sync_passes <= MAX_SYNC_PASSES:
+    if args.exit_sync_passes is not None and not 1 <= args.exit_sync_passes <= MAX_SYNC_PASSES:
         raise ValueError(
             f"--exit-sync-passes must be in [1, {MAX_SYNC_PASSES}], got {args.exit_sync_passes}"
         )

@@ -98,9 +98,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--exit-sync-passes",
         type=int,
-        default=1,
+        default=None,
         help="Huginn shapes: a token that decides to exit may wait up to N-1 passes for "
-        "others, so the coda and LM head run once for all of them (default: 1, exit at once)",
+        "others, so the coda and LM head run once for all of them; 1: exit at once (default: "
+        "the engine's, 2 for Huginn shapes, 1 for Ouro's)",
     )
     parser.add_argument(
         "--waves",

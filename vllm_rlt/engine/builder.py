@@ -13,7 +13,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
-from vllm_rlt.config import KVLayout, require, require_int
+from vllm_rlt.config import AUTO_SYNC_PASSES, KVLayout, require, require_int
 from vllm_rlt.core.kv_cache_manager import KVCacheManager
 from vllm_rlt.core.scheduler import Scheduler
 from vllm_rlt.engine.device_defaults import size_scheduler
@@ -145,11 +145,16 @@ def check_stages(model, cache_config, speculative_config, disaggregate) -> None:
     )
 
 
-def check_exit_sync(sync_passes: int, model, exit_policy) -> None:
-    """Exits held back together (ExitConfig.sync_passes) share the layers after the loop:
-    refused, by name, where there are none or the policy runs them for every row anyway."""
+def exit_sync_passes(sync_passes: int | None, model, exit_policy) -> int:
+    """ExitConfig.sync_passes for this model and policy. Exits held back together share the
+    layers after the loop: None holds them (AUTO_SYNC_PASSES) where that saves streaming,
+    and more than 1 is refused, by name, where there are no such layers or the policy runs
+    them for every row anyway."""
+    saves = model.separate_readout and not exit_policy.needs_logits
+    if sync_passes is None:
+        return AUTO_SYNC_PASSES if saves else 1
     if sync_passes == 1:
-        return
+        return 1
     require(
         model.separate_readout,
         "exit sync_passes > 1 holds exits back to share the layers after the loop, and this "
@@ -162,6 +167,7 @@ def check_exit_sync(sync_passes: int, model, exit_policy) -> None:
         "reads every decode row's logits every loop: use 1",
         "sync_passes",
     )
+    return sync_passes
 
 
 def build_engine_core(
@@ -197,7 +203,7 @@ def build_engine_core(
             speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
         )
     exit_policy = make_exit_policy(exit_config, model)
-    check_exit_sync(exit_config.sync_passes, model, exit_policy)
+    sync_passes = exit_sync_passes(exit_config.sync_passes, model, exit_policy)
     fp8_setting = (
         "quantization"
         if model.quantization == "fp8"
@@ -278,7 +284,7 @@ def build_engine_core(
         ops,
         lanes,
         kv_cache_torch_dtype(cache_config.kv_cache_dtype, model.dtype),
-        exit_config.sync_passes,
+        sync_passes,
     )
     runner.prepare_device(execution_config.cuda_graphs, scheduler_config.max_num_batched_tokens)
     checker = RequestChecker(

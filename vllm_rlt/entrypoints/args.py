@@ -270,7 +270,8 @@ def _add_exit_args(parser: argparse.ArgumentParser) -> None:
         default=config_default(ExitConfig, "sync_passes"),
         help="models with layers after the loop (Huginn): a token that decides to exit may "
         "wait up to N-1 passes for others, so the coda and LM head run once for all of them "
-        "(same tokens and depths); 1: exit at once",
+        "(same tokens and depths); 1: exit at once (default: 2 for such models under an exit "
+        "policy that does not read every row's logits each loop, else 1)",
     )
     exits.add_argument(
         "--lookahead-seed",
