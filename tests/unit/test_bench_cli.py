@@ -67,6 +67,7 @@ def test_throughput_reports_the_settings_that_ran_on_cpu(capsys):
         "cuda_graphs": False,
         "async_scheduling": True,
         "attention_backend": "torch",
+        "exit_sync_passes": 1,  # Ouro-shaped: no layers after the loop
     }
     assert result["kv_pool"] == "every request at once" and result["engine"]["max_running"] == 1
     (only_run,) = result["engine_runs_decode_tokens_per_s"]  # one timed run, its own median
@@ -101,6 +102,20 @@ def test_throughput_runs_a_huginn_shape_at_a_fixed_depth_against_its_baseline(de
     (result,) = json.loads(capsys.readouterr().out)["results"]
     assert result["engine"]["mean_loops"] == (depth or 8)  # the shape's mean_recurrence
     assert result["baseline"]["decode_tokens_per_s"] > 0
+    assert result["execution"]["exit_sync_passes"] == 2  # the default for a coda model
+
+
+def test_throughput_takes_and_reports_an_exit_sync_for_huginn_shapes(capsys):
+    argv = ["--shape", "huginn-toy", "--device", "cpu", "--concurrency", "2", "--no-baseline"]
+    argv += ["--output-len", "3", "--prompt-len", "4", "--repeats", "1", "--warmup", "0"]
+    assert throughput.main([*argv, "--depth-trace-mean", "4", "--exit-sync-passes", "3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["workload"]["exit_sync_passes"] == 3
+    assert "--exit-sync-passes 3" in report["command"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        throughput.main([*argv, "--exit-sync-passes", "0"])
+    assert "--exit-sync-passes must be in [1, 256], got 0" in capsys.readouterr().err
 
 
 def test_throughput_reports_async_scheduling_off_in_no_refill_mode(capsys):

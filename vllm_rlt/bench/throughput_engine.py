@@ -169,9 +169,11 @@ def build_engine(
 
 def execution(engine: EngineCore) -> dict[str, Any]:
     """What the built engine actually runs with (CUDA graphs only exist on CUDA, async
-    scheduling only in refill mode, "auto" resolves to one backend)."""
+    scheduling only in refill mode, "auto" resolves to one backend, exit sync to a count)."""
+    sync = engine.runner.head.sync
     return {
         "cuda_graphs": engine.runner.graphs is not None,
         "async_scheduling": engine.async_scheduling,
         "attention_backend": engine.attention_backend,
+        "exit_sync_passes": 1 if sync is None else sync.passes,
     }
