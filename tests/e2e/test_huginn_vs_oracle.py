@@ -14,7 +14,7 @@ from tests.reference.huginn_checkpoint import write_tiny_huginn
 from tests.reference.huginn_match import assert_matches_oracle
 from tests.reference.huginn_oracle import HuginnModel, huginn_generate
 from vllm_rlt import LLM, SamplingParams
-from vllm_rlt.config import CacheConfig, ExitConfig, SchedulerConfig
+from vllm_rlt.config import AUTO_SYNC_PASSES, CacheConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.worker.exit_sync import ExitSync
 
 PROMPTS = [[5, 17, 42, 101, 7, 250], [9, 3], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
@@ -125,15 +125,17 @@ def test_exit_criteria_equal_the_oracle(
 
 
 @pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
-@pytest.mark.parametrize("sync_passes", [3, 8])
+@pytest.mark.parametrize("sync_passes", [None, 3, 8])
 def test_exits_held_back_together_change_nothing(
     folder, oracle_model, held_rows, chunk, sync_passes
 ):
-    """With sync_passes, a row whose criterion says exit waits, frozen, for the others
-    (worker/exit_sync.py): tokens, logprobs and exit depths stay the oracle's, beside
-    prompt chunks too, and rows were held back."""
+    """With sync_passes (None: the default, AUTO_SYNC_PASSES under latent_diff), a row
+    whose criterion says exit waits, frozen, for the others (worker/exit_sync.py): tokens,
+    logprobs and exit depths stay the oracle's, beside prompt chunks too, and rows were
+    held back."""
     scheduler = {} if chunk is None else {"max_num_batched_tokens": chunk}
     llm = _engine(folder, mode="latent_diff", sync_passes=sync_passes, **scheduler)
+    assert llm.engine.runner.head.sync.passes == (sync_passes or AUTO_SYNC_PASSES)
     outputs = _check(
         llm,
         oracle_model,
@@ -145,29 +147,11 @@ def test_exits_held_back_together_change_nothing(
     assert len({d for o in outputs for d in o.outputs[0].exit_depths[1:]}) > 1
 
 
-def test_exits_are_held_by_default_where_that_saves_streaming(
-    folder, oracle_model, held_rows, make_engine
-):
-    """sync_passes None: Huginn under latent_diff holds exits for AUTO_SYNC_PASSES (the
-    oracle's tokens and depths, rows held); under kl, which reads every row's logits every
-    loop, and for Ouro, which has no layers after the loop, exits are not held."""
-    from vllm_rlt.config import AUTO_SYNC_PASSES
-
-    llm = _engine(folder, mode="latent_diff", sync_passes=None)
-    assert llm.engine.runner.head.sync.passes == AUTO_SYNC_PASSES
-    _check(
-        llm,
-        oracle_model,
-        "latest",
-        {"exit_threshold": 0.5, "min_loops": 1},
-        {"exit_criterion": "latent-diff", "exit_threshold": 0.5, "min_steps": 0},
-    )
-    assert max(held_rows) > 0
+def test_exit_sync_is_refused_where_it_saves_nothing(folder, make_engine):
+    """Not held by default, and more than 1 refused by name: under kl, which reads every
+    row's logits every loop, and for Ouro, which has no layers after the loop."""
     assert _engine(folder, mode="kl", sync_passes=None).engine.runner.head.sync is None
     assert make_engine(exit_config=ExitConfig()).runner.head.sync is None
-
-
-def test_exit_sync_is_refused_where_it_saves_nothing(folder, make_engine):
     with pytest.raises(ValueError, match="sync_passes"):
         _engine(folder, mode="kl", sync_passes=2)
     with pytest.raises(ValueError, match="sync_passes"):
