@@ -18,9 +18,10 @@
 //
 // Attention of a (row, head): 32 groups of 8 lanes take every 32nd position of the row's
 // plane, each lane 16 of the head's 128 dimensions, with an online softmax per group; the
-// groups' states are combined in shared memory. Rounding as the Triton kernels round: q and
-// k rotated in float32 and rounded to bf16 after each product and sum, K and V stored bf16,
-// scores and sums in float32. Only decode rows that read nothing another row of the pass
+// groups' states are combined in shared memory. Rounding as torch's reference rounds
+// (ops/torch_ops.py): q and k rotated in float32 and rounded to bf16 after each product and
+// sum (the Triton RoPE differs from it in the last bit of some elements), K and V stored
+// bf16, scores and sums in float32. Only decode rows that read nothing another row of the pass
 // writes (no speculation lanes), head size 128 and a bf16 K/V cache.
 //
 // Kernels: decode_layer_{w8a16,w16a16}_n{8,16} (float8 or bf16 weights; up to 8 or 16
