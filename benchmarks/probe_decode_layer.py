@@ -3,10 +3,9 @@ kernels it would replace, and against that chain with the few-row CUDA products,
 Ouro-1.4B's shapes: 24 layers with weights and K/V caches of their own (so weights come from
 HBM, not L2), every row at --context positions, bf16 and float8 weights. Each layer's
 outputs and K/V writes are first checked against the few-row CUDA products around a
-float32 attention (the same products and K/V, bit for bit); then each variant runs as CUDA graphs
-of the 24 layers. Prints microseconds per
-layer against the weight bytes over the copy bandwidth measured first. Needs a GPU of
-sm_90 on.
+float32 attention (the same products and K/V, bit for bit); then each variant runs as CUDA
+graphs of the 24 layers. Prints microseconds per layer against the weight bytes over the
+copy bandwidth measured first. Needs a GPU of sm_90 on.
 
 python -m benchmarks.probe_decode_layer --rows 1 2 4 8 16 --context 80 --output probe.json
 """
