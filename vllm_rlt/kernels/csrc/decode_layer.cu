@@ -4,7 +4,8 @@
 //
 // Every block of a grid of about one block per SM walks the same five phases, taking every
 // grid-th unit of work of each: 16-output tiles of a product (few_row_mma.cuh), or one (row,
-// head) of attention. A unit that needs earlier results waits on a counter in global memory
+// head) of attention. A block's weights stream from each of its tiles into the next, across
+// the phases and the waits between them: a tile's last chunks start the next tile's first. A unit that needs earlier results waits on a counter in global memory
 // instead of a grid-wide barrier, and only once its own first weights are in flight, so the
 // weights stream while the layer's short serial parts (attention, the norms) run:
 //   - attention of head h waits for the qkv tiles of its q head and of its K/V head;
@@ -101,15 +102,16 @@ struct CounterWait {
   }
 };
 
-// Counts one finished unit on `counter` once the block's stores are visible (the barrier
-// orders them before thread 0's fence and count); true in the block whose count was the
-// last of `total`, which then sees every block's stores.
-__device__ __forceinline__ bool count_done(unsigned int* counter, unsigned int total) {
+// Counts `units` finished units on `counter` once the block's stores are visible (the
+// barrier orders them before thread 0's fence and count); true in the block whose count
+// was the last of `total`, which then sees every block's stores.
+__device__ __forceinline__ bool count_done(unsigned int* counter, unsigned int total,
+                                           unsigned int units = 1) {
   __shared__ bool last;
   __syncthreads();
   if (threadIdx.x == 0) {
     __threadfence();
-    const bool is_last = atomicAdd(counter, 1u) == total - 1;
+    const bool is_last = atomicAdd(counter, units) == total - units;
     if (is_last) __threadfence();
     last = is_last;
   }
@@ -259,6 +261,29 @@ __device__ __forceinline__ void attend(const LayerArgs& p, int row, int head) {
   }
 }
 
+// The block's tiles of the four products in the order it runs them (0 qkv, 1 o, 2 gate_up,
+// 3 down: every grid-th tile of each), so that each tile can start the next one's weights.
+struct BlockTiles {
+  const LayerArgs& p;
+  int width;
+  __device__ __forceinline__ int count(int product) const {
+    return (product == 0 ? width : product == 2 ? 2 * p.inter : p.hidden) / 16;
+  }
+  // The block's first tile at or after `tile` of `product`, or none.
+  __device__ __forceinline__ NextTile at(int product, int tile) const {
+    for (; product < 4; ++product, tile = blockIdx.x) {
+      if (tile < count(product)) {
+        const uint8_t* w = product == 0   ? p.w_qkv
+                           : product == 1 ? p.w_o
+                           : product == 2 ? p.w_gate_up
+                                          : p.w_down;
+        return NextTile{w, product == 3 ? p.inter : p.hidden, tile * 16};
+      }
+    }
+    return NextTile{};
+  }
+};
+
 template <int NT, bool FP8, bool BRANCH_NORMS>
 __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
   const int width = (p.heads + 2 * p.kv_heads) * HEAD_DIM;
@@ -270,11 +295,18 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
   unsigned int* gate_up_done = mid_ready + 1;              // gate_up tiles
   unsigned int* down_done = gate_up_done + 1;              // down tiles
   const int grid = gridDim.x;
+  // The block's weights stream from tile to tile, across the phases and their waits: each
+  // tile loads the first chunks of the block's next one into `pre` (gemm_tile_from).
+  const BlockTiles tiles{p, width};
+  Prefetched<FP8> pre;
+  const NextTile start = tiles.at(0, blockIdx.x);
+  if (start.w != nullptr) pre.load(WarpShare<FP8>(start.w, start.K, start.n0));
 
   // 1. qkv = a @ w_qkv.T; a was written by the previous kernel
   for (int tile = blockIdx.x; tile < width / 16; tile += grid) {
-    gemm_tile<NT, false, FP8, false>(p.a, p.hidden, p.w_qkv, p.s_qkv, p.qkv, width, p.rows,
-                                     p.hidden, tile * 16, PdlWait{p.pdl});
+    gemm_tile_from<NT, false, FP8, false>(pre, p.a, p.hidden, p.w_qkv, p.s_qkv, p.qkv, width,
+                                          p.rows, p.hidden, tile * 16, PdlWait{p.pdl},
+                                          tiles.at(0, tile + grid));
     const int column = tile * 16 / HEAD_DIM;  // q heads, then k heads, then v heads
     unsigned int* done = column < p.heads ? q_done + column
                                           : kv_done + (column - p.heads) % p.kv_heads;
@@ -294,8 +326,10 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
 
   // 3. o = attn @ w_o.T, then x_mid = x + norm(o), b = mlp_norm(x_mid) by the last tile's block
   for (int tile = blockIdx.x; tile < p.hidden / 16; tile += grid) {
-    gemm_tile<NT, false, FP8, true>(p.attn, p.hidden, p.w_o, p.s_o, p.o, p.hidden, p.rows,
-                                    p.hidden, tile * 16, CounterWait{attn_done, (unsigned)pairs});
+    gemm_tile_from<NT, false, FP8, true>(pre, p.attn, p.hidden, p.w_o, p.s_o, p.o, p.hidden,
+                                         p.rows, p.hidden, tile * 16,
+                                         CounterWait{attn_done, (unsigned)pairs},
+                                         tiles.at(1, tile + grid));
     if (count_done(o_done, p.hidden / 16)) {
       add_norms_rows<BRANCH_NORMS>(p.o, p.x, p.attn_out_norm, p.mlp_norm, p.x_mid, p.b, p.rows,
                                    p.hidden, p.eps);
@@ -307,19 +341,22 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
     }
   }
 
-  // 4. mlp = SiLU(gate) * up of b @ w_gate_up.T
+  // 4. mlp = SiLU(gate) * up of b @ w_gate_up.T, counted once a block (down waits for all)
   const int gate_up_tiles = 2 * p.inter / 16;
-  for (int tile = blockIdx.x; tile < gate_up_tiles; tile += grid) {
-    gemm_tile<NT, true, FP8, true>(p.b, p.hidden, p.w_gate_up, p.s_gate_up, p.mlp, p.inter,
-                                   p.rows, p.hidden, tile * 16, CounterWait{mid_ready, 1u});
-    count_done(gate_up_done, gate_up_tiles);
+  unsigned int gate_up_mine = 0;
+  for (int tile = blockIdx.x; tile < gate_up_tiles; tile += grid, ++gate_up_mine) {
+    gemm_tile_from<NT, true, FP8, true>(pre, p.b, p.hidden, p.w_gate_up, p.s_gate_up, p.mlp,
+                                        p.inter, p.rows, p.hidden, tile * 16,
+                                        CounterWait{mid_ready, 1u}, tiles.at(2, tile + grid));
   }
+  if (gate_up_mine > 0) count_done(gate_up_done, gate_up_tiles, gate_up_mine);
 
   // 5. down = mlp @ w_down.T, then x_out = x_mid + norm(down), a_out = next_norm(x_out)
   for (int tile = blockIdx.x; tile < p.hidden / 16; tile += grid) {
     const CounterWait after_gate_up{gate_up_done, (unsigned)gate_up_tiles};
-    gemm_tile<NT, false, FP8, true>(p.mlp, p.inter, p.w_down, p.s_down, p.down, p.hidden, p.rows,
-                                    p.inter, tile * 16, after_gate_up);
+    gemm_tile_from<NT, false, FP8, true>(pre, p.mlp, p.inter, p.w_down, p.s_down, p.down,
+                                         p.hidden, p.rows, p.inter, tile * 16, after_gate_up,
+                                         tiles.at(3, tile + grid));
     if (count_done(down_done, p.hidden / 16)) {
       add_norms_rows<BRANCH_NORMS>(p.down, p.x_mid, p.mlp_out_norm, p.next_norm, p.x_out,
                                    p.a_out, p.rows, p.hidden, p.eps);

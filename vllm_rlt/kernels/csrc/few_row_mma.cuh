@@ -87,46 +87,89 @@ __device__ __forceinline__ void multiply_chunk(float (&acc)[NT][4], const Slice<
   }
 }
 
-// Outputs n0..n0+15 of x @ w.T by the whole block; `wait()` runs once the block's first
-// weights are in flight and before x is read (x written by an earlier kernel or, with
-// COHERENT, earlier in this one: read past the incoherent L1 then).
+// A warp's share of a 16-output tile: chunks first..last-1 of 64 k, and where its two
+// weight rows (outputs n0 + g and n0 + g + 8) start for this thread.
+template <bool FP8>
+struct WarpShare {
+  const uint8_t* row_g;
+  const uint8_t* row_g8;
+  int first, last;
+  __device__ __forceinline__ WarpShare(const uint8_t* w, int K, int n0) {
+    constexpr int BYTES = FP8 ? 1 : 2;  // a weight's
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int chunks = K >> 6, per_warp = (chunks + WARPS - 1) / WARPS;
+    first = warp * per_warp;
+    last = min(chunks, first + per_warp);
+    row_g = w + ((size_t)(n0 + (lane >> 2)) * K + 16 * (lane & 3)) * BYTES;
+    row_g8 = row_g + (size_t)8 * K * BYTES;
+  }
+};
+
+// The first IN_FLIGHT chunks of a warp's share of a tile, in registers: loaded ahead of
+// the tile (by the tile before it in the block, so that the block's weights stream across
+// tiles and across the waits between phases).
+template <bool FP8>
+struct Prefetched {
+  Slice<FP8> g[IN_FLIGHT<FP8>], g8[IN_FLIGHT<FP8>];
+
+  __device__ __forceinline__ void load(const WarpShare<FP8>& share) {
+    constexpr int BYTES = FP8 ? 1 : 2;
+#pragma unroll
+    for (int u = 0; u < IN_FLIGHT<FP8>; ++u) {
+      if (share.first + u < share.last) {
+        g[u] = load_slice<FP8>(share.row_g + (share.first + u) * 64 * BYTES);
+        g8[u] = load_slice<FP8>(share.row_g8 + (share.first + u) * 64 * BYTES);
+      }
+    }
+  }
+};
+
+// Where the tile after this one starts in the block's stream (w == nullptr: none).
+struct NextTile {
+  const uint8_t* w = nullptr;
+  int K = 0, n0 = 0;
+};
+
+// Outputs n0..n0+15 of x @ w.T by the whole block, from `pre` holding the first chunks of
+// each warp's share (Prefetched::load on this tile); `wait()` runs before x is read (x
+// written by an earlier kernel or, with COHERENT, earlier in this one: read past the
+// incoherent L1 then). Once the last chunks are in registers, `pre` is loaded with the
+// first chunks of `next`, which stream while this tile sums and stores.
 template <int NT, bool SILU, bool FP8, bool COHERENT, class Wait>
-__device__ __forceinline__ void gemm_tile(
-    const __nv_bfloat16* x, int x_stride, const uint8_t* __restrict__ w,
+__device__ __forceinline__ void gemm_tile_from(
+    Prefetched<FP8>& pre, const __nv_bfloat16* x, int x_stride, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, __nv_bfloat16* out, int out_stride, int rows, int K,
-    int n0, Wait wait) {
+    int n0, Wait wait, NextTile next = NextTile{}) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int g = lane >> 2, t = lane & 3;
-  const int chunks = K >> 6;
-  const int per_warp = (chunks + WARPS - 1) / WARPS;
-  const int first = warp * per_warp;
-  const int last = min(chunks, first + per_warp);
   constexpr int BYTES = FP8 ? 1 : 2;  // a weight's
   constexpr int U = IN_FLIGHT<FP8>;
-  const uint8_t* row_g = w + ((size_t)(n0 + g) * K + 16 * t) * BYTES;
-  const uint8_t* row_g8 = row_g + (size_t)8 * K * BYTES;
+  const WarpShare<FP8> share(w, K, n0);
+  const int first = share.first, last = share.last;
 
   Slice<FP8> cur_g[U], cur_g8[U];
 #pragma unroll
   for (int u = 0; u < U; ++u) {
-    if (first + u < last) {
-      cur_g[u] = load_slice<FP8>(row_g + (first + u) * 64 * BYTES);
-      cur_g8[u] = load_slice<FP8>(row_g8 + (first + u) * 64 * BYTES);
-    }
+    cur_g[u] = pre.g[u];
+    cur_g8[u] = pre.g8[u];
   }
-  wait();  // weights are read above; x may not be written yet
+  wait();  // weights are in flight; x may not be written yet
   float acc[NT][4];
 #pragma unroll
   for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
 
   for (int c = first; c < last; c += U) {
     Slice<FP8> next_g[U], next_g8[U];
+    if (c + U < last) {
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      if (c + U + u < last) {
-        next_g[u] = load_slice<FP8>(row_g + (c + U + u) * 64 * BYTES);
-        next_g8[u] = load_slice<FP8>(row_g8 + (c + U + u) * 64 * BYTES);
+      for (int u = 0; u < U; ++u) {
+        if (c + U + u < last) {
+          next_g[u] = load_slice<FP8>(share.row_g + (c + U + u) * 64 * BYTES);
+          next_g8[u] = load_slice<FP8>(share.row_g8 + (c + U + u) * 64 * BYTES);
+        }
       }
+    } else if (next.w != nullptr) {  // the last chunks: the next tile's first ones stream
+      pre.load(WarpShare<FP8>(next.w, next.K, next.n0));
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -140,6 +183,7 @@ __device__ __forceinline__ void gemm_tile(
       cur_g8[u] = next_g8[u];
     }
   }
+  if (first >= last && next.w != nullptr) pre.load(WarpShare<FP8>(next.w, next.K, next.n0));
 
   __shared__ float partial[WARPS][NT][4][32];
 #pragma unroll
@@ -177,6 +221,19 @@ __device__ __forceinline__ void gemm_tile(
         }
       }
   }
+}
+
+// Outputs n0..n0+15 of x @ w.T by the whole block; `wait()` runs once the block's first
+// weights are in flight and before x is read.
+template <int NT, bool SILU, bool FP8, bool COHERENT, class Wait>
+__device__ __forceinline__ void gemm_tile(
+    const __nv_bfloat16* x, int x_stride, const uint8_t* __restrict__ w,
+    const float* __restrict__ scale, __nv_bfloat16* out, int out_stride, int rows, int K,
+    int n0, Wait wait) {
+  Prefetched<FP8> pre;
+  pre.load(WarpShare<FP8>(w, K, n0));
+  gemm_tile_from<NT, SILU, FP8, COHERENT>(pre, x, x_stride, w, scale, out, out_stride, rows, K,
+                                          n0, wait);
 }
 
 // Waits on the previous kernel (programmatic dependent launch) when `pdl` is set.
