@@ -8,12 +8,17 @@ graphs of the 24 layers. Prints microseconds per layer against the weight bytes 
 copy bandwidth measured first. Needs a GPU of sm_90 on.
 
 python -m benchmarks.probe_decode_layer --rows 1 2 4 8 16 --context 80 --output probe.json
+
+With --timeline, each block of the one launch also stamps the GPU clock at the end of each
+phase, and the probe prints what each phase adds to the launch's critical path against its
+weight bytes over the bandwidth.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import statistics
 import sys
 
 import torch
@@ -155,8 +160,9 @@ class ReferenceAttention:
 
 
 def fused_layer(
-    ops, x, a, weights, next_norm, k_cache, v_cache, meta, rotary, heads, scale, grid=None
-):
+    ops, x, a, weights, next_norm, k_cache, v_cache, meta, rotary, heads, scale, grid=None,
+    trace=None,
+):  # fmt: skip
     from vllm_rlt.kernels.decode_layer import decode_layer
 
     return decode_layer(
@@ -173,6 +179,7 @@ def fused_layer(
         EPS,
         scale,
         grid=grid,
+        trace=trace,
     )
 
 
@@ -218,11 +225,53 @@ def check_layer(
     }
 
 
+def phase_timeline(layers, caches, x0, a0, rotary, scale, rounds=3) -> dict[str, float]:
+    """Microseconds each phase of the one launch adds to its critical path, from the last
+    block's end of the phase before to the last block's end of this one (medians over
+    rounds x 24 traced launches, each run alone: decode_layer's `trace`)."""
+    from vllm_rlt.kernels.decode_layer import PHASES, decode_layer
+
+    blocks = torch.cuda.get_device_properties(x0.device).multi_processor_count
+    trace = torch.zeros(blocks, 8, dtype=torch.int64, device=x0.device)
+    ends: dict[str, list[float]] = {phase: [] for phase in PHASES[1:]}
+    for _ in range(rounds):
+        for weights, (k_cache, v_cache, meta) in zip(layers, caches, strict=True):
+            decode_layer(
+                x0, a0, weights, weights.mlp_norm, k_cache, v_cache, meta, rotary.cos,
+                rotary.sin, HEADS, EPS, scale, trace=trace,
+            )  # fmt: skip
+            stamps = trace.cpu()
+            start = int(stamps[:, 0].min())
+            for i, phase in enumerate(PHASES[1:], start=1):
+                ends[phase].append((int(stamps[:, i].max()) - start) / 1e3)
+    timeline, previous = {}, 0.0
+    for phase, values in ends.items():
+        end = statistics.median(values)
+        timeline[phase], previous = end - previous, end
+    return timeline
+
+
+def phase_floors(weights, bandwidth: float) -> dict[str, float]:
+    """Each phase's weight bytes over the bandwidth, in microseconds (attention: none)."""
+    phases = ("qkv", "o and norms", "gate_up", "down and norms")
+    floors = {"attention": 0.0}
+    for phase, weight in zip(phases, weights.products(), strict=True):
+        data = getattr(weight, "data", weight)
+        floors[phase] = data.numel() * data.element_size() / bandwidth * 1e6
+    return floors
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = CLIParser(prog="python -m benchmarks.probe_decode_layer", description=__doc__)
     parser.add_argument("--rows", type=int, nargs="+", default=[1, 2, 4, 8, 16], help="rows a pass")
     parser.add_argument("--context", type=int, default=80, help="positions each row attends")
     parser.add_argument("--output", default=None, help="JSON of every figure (default: none)")
+    parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="also time the one launch's phases from per-block clock stamps, against each "
+        "phase's weight bytes (default: off)",
+    )
     args = parser.parse_args(argv)
     parser.require_cuda()
     import triton.testing
@@ -284,6 +333,17 @@ def main(argv: list[str] | None = None) -> int:
                 f"(weights' floor {floor:5.2f}: {floor / fused:.2f} of it fused); errors x "
                 f"{errors['x_out']:.1e} a {errors['a_out']:.1e}"
             )
+            if args.timeline:
+                timeline = phase_timeline(layers, caches, x0, a0, rotary, scale)
+                floors = phase_floors(layers[0], bandwidth)
+                figures["phase_us"], figures["phase_floor_us"] = timeline, floors
+                print(
+                    "  by phase: "
+                    + " | ".join(
+                        f"{p} {us:.1f} (floor {floors[p]:.1f})" for p, us in timeline.items()
+                    )
+                    + f" | total {sum(timeline.values()):.1f} us"
+                )
     if args.output:
         with open(args.output, "w") as out:
             json.dump(report, out, indent=1)

@@ -111,3 +111,25 @@ def test_counters_are_left_free_for_the_next_launches(parts):
     torch.cuda.synchronize()
     ring = decode_layer.COUNTERS.counters(x.device)
     assert int(ring.count_nonzero()) == 0
+
+
+def test_a_traced_launch_stamps_every_phase_and_changes_nothing(parts):
+    """With `trace`, each block writes its start and each phase's end, in order, and the
+    layer's outputs and K/V are the bits of an untraced launch."""
+    from benchmarks.probe_decode_layer import build_cache, build_weights, fused_layer
+    from vllm_rlt.kernels.decode_layer import PHASES
+
+    ops, rotary = parts
+    weights = build_weights("bf16", 0, kv_heads=2, **SMALL)
+    k_cache, v_cache, meta = build_cache(3, [30, 1, 17], 2, 0)
+    x = torch.randn(3, 256, device="cuda").to(torch.bfloat16)
+    a = ops.rms_norm(x, weights.mlp_norm, 1e-6)
+    copies = (k_cache.clone(), v_cache.clone())
+    args = (ops, x, a, weights, weights.mlp_norm)
+    want = fused_layer(*args, *copies, meta, rotary, 2, 0.1, grid=7)
+    trace = torch.zeros(7, 8, dtype=torch.int64, device="cuda")
+    got = fused_layer(*args, k_cache, v_cache, meta, rotary, 2, 0.1, grid=7, trace=trace)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert torch.equal(k_cache, copies[0]) and torch.equal(v_cache, copies[1])
+    stamps = trace[:, : len(PHASES)].cpu()
+    assert bool((stamps > 0).all()) and bool((stamps.diff(dim=1) >= 0).all())

@@ -62,6 +62,7 @@ class LayerArgs(ctypes.Structure):
         *((name, _pointer) for name in ("write_hi", "row_entry", "block_table", "qkv", "attn")),
         *((name, _pointer) for name in ("o", "x_mid", "b", "mlp", "down", "x_out", "a_out")),
         ("counters", _pointer),
+        ("trace", _pointer),
         *((name, _int) for name in ("rows", "hidden", "inter", "heads", "kv_heads")),
         *((name, _int) for name in ("slots_per_plane", "block_size", "block_table_stride")),
         ("eps", _float),
@@ -86,6 +87,10 @@ class SandwichWeights:
     def products(self) -> tuple:
         return self.qkv, self.o, self.gate_up, self.down
 
+
+# What a traced launch's row of each block holds (decode_layer's `trace`): %globaltimer in
+# nanoseconds at the block's start, then at the end of each of its phases.
+PHASES = ("start", "qkv", "attention", "o and norms", "gate_up", "down and norms")
 
 # A launch's counters: per head and K/V head, then five for the phases.
 COUNTERS = CounterRing("decode_layer", per_launch=COUNTERS_PER_LAUNCH, launches=RING)
@@ -172,9 +177,10 @@ def decode_layer(
     scale: float,
     pdl: bool = False,
     grid: int | None = None,  # blocks (default: one per SM; fewer take several units each)
+    trace: torch.Tensor | None = None,  # int64 [grid, 8]: see PHASES
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the stream after the layer, its next norm), each [rows, hidden]; graph-safe once run
-    outside a capture."""
+    outside a capture. With `trace`, each block writes its timeline into its row."""
     assert fits_decode_layer(x, a, weights, next_norm, k_cache, v_cache, meta, cos, heads)
     rows, hidden = x.shape
     kv_heads = k_cache.shape[1]
@@ -222,6 +228,10 @@ def decode_layer(
     }
     args = LayerArgs(**{name: t.data_ptr() for name, t in tensors.items()})
     args.counters = COUNTERS.next_address(x.device)
+    grid = grid or torch.cuda.get_device_properties(x.device).multi_processor_count
+    if trace is not None:
+        assert trace.dtype == torch.int64 and trace.is_contiguous() and trace.shape == (grid, 8)
+        args.trace = trace.data_ptr()
     args.rows, args.hidden, args.inter, args.heads, args.kv_heads = (
         rows,
         hidden,
@@ -235,7 +245,6 @@ def decode_layer(
     fp8 = isinstance(weights.qkv, Fp8Weight)
     name = "decode_layer_" + ("w8a16" if fp8 else "w16a16") + ("_n8" if rows <= 8 else "_n16")
     kernel = _module(x.device).kernel(name)
-    grid = grid or torch.cuda.get_device_properties(x.device).multi_processor_count
     stream = torch.cuda.current_stream(x.device).cuda_stream
     kernel.launch(grid, kernel.max_threads, stream, (args,), pdl=pdl)
     return scratch["x_out"], scratch["a_out"]

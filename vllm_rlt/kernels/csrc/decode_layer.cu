@@ -74,6 +74,7 @@ struct LayerArgs {
   __nv_bfloat16* x_out;        // [rows, hidden] the layer's output stream
   __nv_bfloat16* a_out;        // [rows, hidden] its next norm
   unsigned int* counters;      // [heads + kv_heads + 5], zero at launch and left zero
+  unsigned long long* trace;   // null, or [grid, 8]: each block's phase timeline (stamp)
   int rows, hidden, inter, heads, kv_heads;
   int slots_per_plane, block_size, block_table_stride;
   float eps, scale;
@@ -84,6 +85,16 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
   unsigned int v;
   asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
   return v;
+}
+
+// With p.trace set, thread 0 of each block writes %globaltimer (ns) at its start (k = 0)
+// and at the end of each of its five phases (k = 1..5), for a per-phase timeline.
+__device__ __forceinline__ void stamp(const LayerArgs& p, int k) {
+  if (p.trace != nullptr && threadIdx.x == 0) {
+    unsigned long long now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    p.trace[blockIdx.x * 8 + k] = now;
+  }
 }
 
 // Blocks until *counter reaches target (and, with a second counter, *second too).
@@ -295,6 +306,7 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
   unsigned int* gate_up_done = mid_ready + 1;              // gate_up tiles
   unsigned int* down_done = gate_up_done + 1;              // down tiles
   const int grid = gridDim.x;
+  stamp(p, 0);
   // The block's weights stream from tile to tile, across the phases and their waits: each
   // tile loads the first chunks of the block's next one into `pre` (gemm_tile_from).
   const BlockTiles tiles{p, width};
@@ -314,6 +326,7 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
   }
   if (blockIdx.x >= width / 16) PdlWait{p.pdl}();  // a block without a tile still waits
 
+  stamp(p, 1);
   // 2. RoPE, the K/V write and attention, a (row, head) at a time
   const int pairs = p.rows * p.heads;
   for (int item = blockIdx.x; item < pairs; item += grid) {
@@ -324,6 +337,7 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
     count_done(attn_done, pairs);
   }
 
+  stamp(p, 2);
   // 3. o = attn @ w_o.T, then x_mid = x + norm(o), b = mlp_norm(x_mid) by the last tile's block
   for (int tile = blockIdx.x; tile < p.hidden / 16; tile += grid) {
     gemm_tile_from<NT, false, FP8, true>(pre, p.attn, p.hidden, p.w_o, p.s_o, p.o, p.hidden,
@@ -341,6 +355,7 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
     }
   }
 
+  stamp(p, 3);
   // 4. mlp = SiLU(gate) * up of b @ w_gate_up.T, counted once a block (down waits for all)
   const int gate_up_tiles = 2 * p.inter / 16;
   unsigned int gate_up_mine = 0;
@@ -351,6 +366,7 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
   }
   if (gate_up_mine > 0) count_done(gate_up_done, gate_up_tiles, gate_up_mine);
 
+  stamp(p, 4);
   // 5. down = mlp @ w_down.T, then x_out = x_mid + norm(down), a_out = next_norm(x_out)
   for (int tile = blockIdx.x; tile < p.hidden / 16; tile += grid) {
     const CounterWait after_gate_up{gate_up_done, (unsigned)gate_up_tiles};
@@ -364,6 +380,7 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
       for (int i = threadIdx.x; i < p.heads + p.kv_heads + 5; i += blockDim.x) p.counters[i] = 0u;
     }
   }
+  stamp(p, 5);
 }
 
 }  // namespace
