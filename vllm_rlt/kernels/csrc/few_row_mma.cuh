@@ -186,6 +186,7 @@ __device__ __forceinline__ void gemm_tile_from(
   if (first >= last && next.w != nullptr) pre.load(WarpShare<FP8>(next.w, next.K, next.n0));
 
   __shared__ float partial[WARPS][NT][4][32];
+  __syncthreads();  // warp 0 has read the block's previous tile's partial sums
 #pragma unroll
   for (int j = 0; j < NT; ++j)
 #pragma unroll
