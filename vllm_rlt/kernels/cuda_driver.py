@@ -14,6 +14,7 @@ from collections.abc import Sequence
 
 _LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
 _FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK = 0
+_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
 
 
 class CudaDriverError(RuntimeError):
@@ -90,6 +91,7 @@ class CudaKernel:
         limit = _FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
         _call("cuFuncGetAttribute", ctypes.byref(threads), limit, function)
         self.max_threads = threads.value  # the kernel's __launch_bounds__, if it has one
+        self._shared_allowed = 48 * 1024  # dynamic shared memory a launch may take unasked
         self._pdl = _LaunchAttribute(id=_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._pdl.value[0] = 1
 
@@ -100,8 +102,13 @@ class CudaKernel:
         stream: int,  # torch.cuda.Stream.cuda_stream
         args: Sequence[ctypes.c_void_p | ctypes.c_int | ctypes.c_float],  # each parameter
         pdl: bool = False,  # a programmatic dependent launch (see kernels/pdl.py)
+        shared_bytes: int = 0,  # dynamic shared memory a block
     ) -> None:
-        config = _LaunchConfig(grid=(grid, 1, 1), block=(threads, 1, 1), shared_bytes=0)
+        if shared_bytes > self._shared_allowed:  # above 48 KB a kernel must opt in
+            limit = _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+            _call("cuFuncSetAttribute", self._function, limit, shared_bytes)
+            self._shared_allowed = shared_bytes
+        config = _LaunchConfig(grid=(grid, 1, 1), block=(threads, 1, 1), shared_bytes=shared_bytes)
         config.stream = stream
         if pdl:
             config.attrs = ctypes.pointer(self._pdl)

@@ -3,11 +3,12 @@
 residual add and norms, gate_up with SiLU-mul and down with the residual add and the next
 norm, in a grid of one block per SM whose units wait on counters, not on the kernels before
 them. It removes the launches and tails of the eight kernels a layer takes at these row
-counts. Every block must be resident at once, so the kernel needs the GPU to itself: a
-kernel of another stream that held SMs until this one ended would stall it. A (row, head)
-attends on one block, so at a few rows and thousands of positions most SMs idle through
-attention (the Triton chain splits such contexts over programs). Measured against that
-chain by benchmarks/probe_decode_layer.py; the engine does not take it yet.
+counts. Each block stages a product's x in dynamic shared memory (staged_x_bytes). Every
+block must be resident at once, so the kernel needs the GPU to itself: a kernel of another
+stream that held SMs until this one ended would stall it. A (row, head) attends on one
+block, so at a few rows and thousands of positions most SMs idle through attention (the
+Triton chain splits such contexts over programs). Measured against that chain by
+benchmarks/probe_decode_layer.py; the engine does not take it yet.
 """
 
 from __future__ import annotations
@@ -46,6 +47,16 @@ HEAD_DIM = 128  # the kernel's head size
 MAX_ROWS = 16
 COUNTERS_PER_LAUNCH = 64  # heads + kv_heads + 5 at most
 RING = 1024  # launches whose counters may be in flight at once
+# Dynamic shared memory the staged x may take: an H100's or H200's 227 KB a block, less
+# 40 KB for the kernel's static arrays.
+STAGED_X_LIMIT = (227 - 40) * 1024
+
+
+def staged_x_bytes(rows: int, hidden: int, inter: int) -> int:
+    """The shared memory stage_x takes for the widest x of a layer: 8 or 16 rows (as the
+    kernel's variant) of max(hidden, inter) bf16 values and a 16-byte word of padding."""
+    return (8 if rows <= 8 else 16) * (max(hidden, inter) * 2 + 16)
+
 
 _pointer, _int, _float = ctypes.c_void_p, ctypes.c_int, ctypes.c_float
 
@@ -119,7 +130,8 @@ def fits_decode_layer(
     """Whether the kernel can run this layer: 1-16 contiguous bf16 rows of decode only,
     whose rows read nothing another row writes; head size 128 with heads * 128 = hidden; a
     bf16 cache; products all bf16 or all float8 with whole, contiguous rows; 16-byte aligned
-    rows and norms; a GPU of sm_90 on."""
+    rows and norms; x of the widest product staged in shared memory (STAGED_X_LIMIT); a
+    GPU of sm_90 on."""
     rows, hidden = x.shape
     kv_heads = k_cache.shape[1]
     products = weights.products()
@@ -157,6 +169,7 @@ def fits_decode_layer(
         and data[3].shape == (hidden, inter)
         and hidden % 64 == 0
         and inter % 64 == 0
+        and staged_x_bytes(rows, hidden, inter) <= STAGED_X_LIMIT
         and all(d.is_contiguous() and s.is_contiguous() for d, s in zip(data, scales, strict=True))
         and _module(x.device) is not None
     )
@@ -246,5 +259,6 @@ def decode_layer(
     name = "decode_layer_" + ("w8a16" if fp8 else "w16a16") + ("_n8" if rows <= 8 else "_n16")
     kernel = _module(x.device).kernel(name)
     stream = torch.cuda.current_stream(x.device).cuda_stream
-    kernel.launch(grid, kernel.max_threads, stream, (args,), pdl=pdl)
+    shared = staged_x_bytes(rows, hidden, inter)
+    kernel.launch(grid, kernel.max_threads, stream, (args,), pdl=pdl, shared_bytes=shared)
     return scratch["x_out"], scratch["a_out"]

@@ -5,7 +5,10 @@
 // Every block of a grid of about one block per SM walks the same five phases, taking every
 // grid-th unit of work of each: 16-output tiles of a product (few_row_mma.cuh), or one (row,
 // head) of attention. A block's weights stream from each of its tiles into the next, across
-// the phases and the waits between them: a tile's last chunks start the next tile's first. A unit that needs earlier results waits on a counter in global memory
+// the phases and the waits between them: a tile's last chunks start the next tile's first.
+// A block with tiles of a product stages that product's x (a, attn, b or mlp) in shared
+// memory once, after the product's wait (stage_x), so that its tiles' chunks read x there
+// instead of waiting on the L2 for it at every chunk. A unit that needs earlier results waits on a counter in global memory
 // instead of a grid-wide barrier, and only once its own first weights are in flight, so the
 // weights stream while the layer's short serial parts (attention, the norms) run:
 //   - attention of head h waits for the qkv tiles of its q head and of its K/V head;
@@ -272,6 +275,28 @@ __device__ __forceinline__ void attend(const LayerArgs& p, int row, int head) {
   }
 }
 
+// x [rows, K] (rows K apart) into shared memory for all the block's tiles of a product, as
+// StagedX reads it: its rows padded by one 16-byte word, rows from `rows` to NT * 8 zero.
+// By the block, after the product's wait; the first barrier lets the block's reads of the
+// previous product's x end.
+template <int NT>
+__device__ __forceinline__ StagedX stage_x(uint4* xs, const __nv_bfloat16* x, int rows, int K) {
+  const int words = K / 8, stride16 = words + 1;
+  __syncthreads();
+#pragma unroll 8
+  for (int i = threadIdx.x; i < NT * 8 * words; i += blockDim.x) {
+    const int row = i / words, word = i - row * words;
+    const uint4* from = reinterpret_cast<const uint4*>(x + (size_t)row * K) + word;
+    xs[row * stride16 + word] = row < rows ? __ldcg(from) : make_uint4(0, 0, 0, 0);
+  }
+  __syncthreads();
+  return StagedX{xs, stride16};
+}
+
+struct NoWait {
+  __device__ __forceinline__ void operator()() const {}
+};
+
 // The block's tiles of the four products in the order it runs them (0 qkv, 1 o, 2 gate_up,
 // 3 down: every grid-th tile of each), so that each tile can start the next one's weights.
 struct BlockTiles {
@@ -296,7 +321,7 @@ struct BlockTiles {
 };
 
 template <int NT, bool FP8, bool BRANCH_NORMS>
-__device__ __forceinline__ void decode_layer(const LayerArgs& p) {
+__device__ __forceinline__ void decode_layer(const LayerArgs& p, uint4* xs) {
   const int width = (p.heads + 2 * p.kv_heads) * HEAD_DIM;
   unsigned int* q_done = p.counters;                       // [heads] qkv tiles of q head h
   unsigned int* kv_done = q_done + p.heads;                // [kv_heads] its k and v tiles
@@ -315,16 +340,18 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
   if (start.w != nullptr) pre.load(WarpShare<FP8>(start.w, start.K, start.n0));
 
   // 1. qkv = a @ w_qkv.T; a was written by the previous kernel
-  for (int tile = blockIdx.x; tile < width / 16; tile += grid) {
-    gemm_tile_from<NT, false, FP8, false>(pre, p.a, p.hidden, p.w_qkv, p.s_qkv, p.qkv, width,
-                                          p.rows, p.hidden, tile * 16, PdlWait{p.pdl},
-                                          tiles.at(0, tile + grid));
-    const int column = tile * 16 / HEAD_DIM;  // q heads, then k heads, then v heads
-    unsigned int* done = column < p.heads ? q_done + column
-                                          : kv_done + (column - p.heads) % p.kv_heads;
-    count_done(done, column < p.heads ? TILES_PER_HEAD : 2 * TILES_PER_HEAD);
+  PdlWait{p.pdl}();  // only weights were read above
+  if (blockIdx.x < width / 16) {
+    const StagedX a = stage_x<NT>(xs, p.a, p.rows, p.hidden);
+    for (int tile = blockIdx.x; tile < width / 16; tile += grid) {
+      gemm_tile_from<NT, false, FP8>(pre, a, p.w_qkv, p.s_qkv, p.qkv, width, p.rows, p.hidden,
+                                     tile * 16, NoWait{}, tiles.at(0, tile + grid));
+      const int column = tile * 16 / HEAD_DIM;  // q heads, then k heads, then v heads
+      unsigned int* done = column < p.heads ? q_done + column
+                                            : kv_done + (column - p.heads) % p.kv_heads;
+      count_done(done, column < p.heads ? TILES_PER_HEAD : 2 * TILES_PER_HEAD);
+    }
   }
-  if (blockIdx.x >= width / 16) PdlWait{p.pdl}();  // a block without a tile still waits
 
   stamp(p, 1);
   // 2. RoPE, the K/V write and attention, a (row, head) at a time
@@ -339,18 +366,20 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
 
   stamp(p, 2);
   // 3. o = attn @ w_o.T, then x_mid = x + norm(o), b = mlp_norm(x_mid) by the last tile's block
-  for (int tile = blockIdx.x; tile < p.hidden / 16; tile += grid) {
-    gemm_tile_from<NT, false, FP8, true>(pre, p.attn, p.hidden, p.w_o, p.s_o, p.o, p.hidden,
-                                         p.rows, p.hidden, tile * 16,
-                                         CounterWait{attn_done, (unsigned)pairs},
-                                         tiles.at(1, tile + grid));
-    if (count_done(o_done, p.hidden / 16)) {
-      add_norms_rows<BRANCH_NORMS>(p.o, p.x, p.attn_out_norm, p.mlp_norm, p.x_mid, p.b, p.rows,
-                                   p.hidden, p.eps);
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        __threadfence();
-        atomicExch(mid_ready, 1u);
+  if (blockIdx.x < p.hidden / 16) {
+    CounterWait{attn_done, (unsigned)pairs}();
+    const StagedX attn = stage_x<NT>(xs, p.attn, p.rows, p.hidden);
+    for (int tile = blockIdx.x; tile < p.hidden / 16; tile += grid) {
+      gemm_tile_from<NT, false, FP8>(pre, attn, p.w_o, p.s_o, p.o, p.hidden, p.rows, p.hidden,
+                                     tile * 16, NoWait{}, tiles.at(1, tile + grid));
+      if (count_done(o_done, p.hidden / 16)) {
+        add_norms_rows<BRANCH_NORMS>(p.o, p.x, p.attn_out_norm, p.mlp_norm, p.x_mid, p.b,
+                                     p.rows, p.hidden, p.eps);
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          __threadfence();
+          atomicExch(mid_ready, 1u);
+        }
       }
     }
   }
@@ -358,26 +387,32 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
   stamp(p, 3);
   // 4. mlp = SiLU(gate) * up of b @ w_gate_up.T, counted once a block (down waits for all)
   const int gate_up_tiles = 2 * p.inter / 16;
-  unsigned int gate_up_mine = 0;
-  for (int tile = blockIdx.x; tile < gate_up_tiles; tile += grid, ++gate_up_mine) {
-    gemm_tile_from<NT, true, FP8, true>(pre, p.b, p.hidden, p.w_gate_up, p.s_gate_up, p.mlp,
-                                        p.inter, p.rows, p.hidden, tile * 16,
-                                        CounterWait{mid_ready, 1u}, tiles.at(2, tile + grid));
+  if (blockIdx.x < gate_up_tiles) {
+    CounterWait{mid_ready, 1u}();
+    const StagedX b = stage_x<NT>(xs, p.b, p.rows, p.hidden);
+    unsigned int mine = 0;
+    for (int tile = blockIdx.x; tile < gate_up_tiles; tile += grid, ++mine) {
+      gemm_tile_from<NT, true, FP8>(pre, b, p.w_gate_up, p.s_gate_up, p.mlp, p.inter, p.rows,
+                                    p.hidden, tile * 16, NoWait{}, tiles.at(2, tile + grid));
+    }
+    count_done(gate_up_done, gate_up_tiles, mine);
   }
-  if (gate_up_mine > 0) count_done(gate_up_done, gate_up_tiles, gate_up_mine);
 
   stamp(p, 4);
   // 5. down = mlp @ w_down.T, then x_out = x_mid + norm(down), a_out = next_norm(x_out)
-  for (int tile = blockIdx.x; tile < p.hidden / 16; tile += grid) {
-    const CounterWait after_gate_up{gate_up_done, (unsigned)gate_up_tiles};
-    gemm_tile_from<NT, false, FP8, true>(pre, p.mlp, p.inter, p.w_down, p.s_down, p.down,
-                                         p.hidden, p.rows, p.inter, tile * 16, after_gate_up,
-                                         tiles.at(3, tile + grid));
-    if (count_done(down_done, p.hidden / 16)) {
-      add_norms_rows<BRANCH_NORMS>(p.down, p.x_mid, p.mlp_out_norm, p.next_norm, p.x_out,
-                                   p.a_out, p.rows, p.hidden, p.eps);
-      __syncthreads();  // every block is past its waits: the counters are free again
-      for (int i = threadIdx.x; i < p.heads + p.kv_heads + 5; i += blockDim.x) p.counters[i] = 0u;
+  if (blockIdx.x < p.hidden / 16) {
+    CounterWait{gate_up_done, (unsigned)gate_up_tiles}();
+    const StagedX mlp = stage_x<NT>(xs, p.mlp, p.rows, p.inter);
+    for (int tile = blockIdx.x; tile < p.hidden / 16; tile += grid) {
+      gemm_tile_from<NT, false, FP8>(pre, mlp, p.w_down, p.s_down, p.down, p.hidden, p.rows,
+                                     p.inter, tile * 16, NoWait{}, tiles.at(3, tile + grid));
+      if (count_done(down_done, p.hidden / 16)) {
+        add_norms_rows<BRANCH_NORMS>(p.down, p.x_mid, p.mlp_out_norm, p.next_norm, p.x_out,
+                                     p.a_out, p.rows, p.hidden, p.eps);
+        __syncthreads();  // every block is past its waits: the counters are free again
+        for (int i = threadIdx.x; i < p.heads + p.kv_heads + 5; i += blockDim.x)
+          p.counters[i] = 0u;
+      }
     }
   }
   stamp(p, 5);
@@ -387,7 +422,8 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p) {
 
 #define DECODE_LAYER_KERNEL(NAME, NT, FP8, BRANCH_NORMS)                  \
   extern "C" __global__ void __launch_bounds__(WARPS * 32) NAME(const LayerArgs p) { \
-    decode_layer<NT, FP8, BRANCH_NORMS>(p);                                 \
+    extern __shared__ uint4 staged_x[]; /* stage_x: as the launcher sizes it */ \
+    decode_layer<NT, FP8, BRANCH_NORMS>(p, staged_x);                       \
   }
 
 DECODE_LAYER_KERNEL(decode_layer_w8a16_n8, 1, true, true)

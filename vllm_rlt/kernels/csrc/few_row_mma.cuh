@@ -62,20 +62,43 @@ __device__ __forceinline__ void pairs(const Slice<FP8>& w, int s, uint32_t& lo, 
   }
 }
 
-template <int NT, bool FP8, bool COHERENT>
-__device__ __forceinline__ void multiply_chunk(float (&acc)[NT][4], const Slice<FP8>& wg,
-                                               const Slice<FP8>& wg8, const __nv_bfloat16* x,
-                                               int x_stride, int rows, int g, int t,
-                                               int k0) {
-#pragma unroll
-  for (int j = 0; j < NT; ++j) {
-    const int row = j * 8 + g;
-    uint4 lo = make_uint4(0, 0, 0, 0), hi = make_uint4(0, 0, 0, 0);
+// x read from global memory at every chunk (COHERENT: past the L1, for x written earlier in
+// this launch); rows past `rows` read as zeros.
+template <bool COHERENT>
+struct GlobalX {
+  const __nv_bfloat16* x;
+  int stride, rows;
+  __device__ __forceinline__ void words(int row, int k, uint4& lo, uint4& hi) const {
+    lo = hi = make_uint4(0, 0, 0, 0);
     if (row < rows) {
-      const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)row * x_stride + k0 + 16 * t);
+      const uint4* p = reinterpret_cast<const uint4*>(x + (size_t)row * stride + k);
       lo = COHERENT ? __ldcg(p) : __ldg(p);
       hi = COHERENT ? __ldcg(p + 1) : __ldg(p + 1);
     }
+  }
+};
+
+// x staged in shared memory by the block once for all its tiles of a product: rows of
+// `stride16` 16-byte words (a row and one word of padding, so that the eight rows a load
+// instruction reads fall in different banks), zeros past the pass's rows.
+struct StagedX {
+  const uint4* xs;
+  int stride16;
+  __device__ __forceinline__ void words(int row, int k, uint4& lo, uint4& hi) const {
+    const uint4* p = xs + row * stride16 + k / 8;
+    lo = p[0];
+    hi = p[1];
+  }
+};
+
+template <int NT, bool FP8, class X>
+__device__ __forceinline__ void multiply_chunk(float (&acc)[NT][4], const Slice<FP8>& wg,
+                                               const Slice<FP8>& wg8, const X& x, int g, int t,
+                                               int k0) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j) {
+    uint4 lo, hi;
+    x.words(j * 8 + g, k0 + 16 * t, lo, hi);
     const uint32_t xb[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
 #pragma unroll
     for (int s = 0; s < 4; ++s) {
@@ -131,13 +154,12 @@ struct NextTile {
 };
 
 // Outputs n0..n0+15 of x @ w.T by the whole block, from `pre` holding the first chunks of
-// each warp's share (Prefetched::load on this tile); `wait()` runs before x is read (x
-// written by an earlier kernel or, with COHERENT, earlier in this one: read past the
-// incoherent L1 then). Once the last chunks are in registers, `pre` is loaded with the
-// first chunks of `next`, which stream while this tile sums and stores.
-template <int NT, bool SILU, bool FP8, bool COHERENT, class Wait>
+// each warp's share (Prefetched::load on this tile); `wait()` runs before x is read (x as
+// GlobalX or StagedX gives it). Once the last chunks are in registers, `pre` is loaded with
+// the first chunks of `next`, which stream while this tile sums and stores.
+template <int NT, bool SILU, bool FP8, class X, class Wait>
 __device__ __forceinline__ void gemm_tile_from(
-    Prefetched<FP8>& pre, const __nv_bfloat16* x, int x_stride, const uint8_t* __restrict__ w,
+    Prefetched<FP8>& pre, const X& x, const uint8_t* __restrict__ w,
     const float* __restrict__ scale, __nv_bfloat16* out, int out_stride, int rows, int K,
     int n0, Wait wait, NextTile next = NextTile{}) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -174,8 +196,7 @@ __device__ __forceinline__ void gemm_tile_from(
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       if (c + u < last)
-        multiply_chunk<NT, FP8, COHERENT>(acc, cur_g[u], cur_g8[u], x, x_stride, rows, g, t,
-                                             (c + u) * 64);
+        multiply_chunk<NT, FP8>(acc, cur_g[u], cur_g8[u], x, g, t, (c + u) * 64);
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -233,8 +254,8 @@ __device__ __forceinline__ void gemm_tile(
     int n0, Wait wait) {
   Prefetched<FP8> pre;
   pre.load(WarpShare<FP8>(w, K, n0));
-  gemm_tile_from<NT, SILU, FP8, COHERENT>(pre, x, x_stride, w, scale, out, out_stride, rows, K,
-                                          n0, wait);
+  gemm_tile_from<NT, SILU, FP8>(pre, GlobalX<COHERENT>{x, x_stride, rows}, w, scale, out,
+                                out_stride, rows, K, n0, wait);
 }
 
 // Waits on the previous kernel (programmatic dependent launch) when `pdl` is set.
