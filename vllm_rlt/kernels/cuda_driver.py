@@ -91,7 +91,7 @@ class CudaKernel:
         limit = _FUNC_ATTRIBUTE_MAX_THREADS_PER_BLOCK
         _call("cuFuncGetAttribute", ctypes.byref(threads), limit, function)
         self.max_threads = threads.value  # the kernel's __launch_bounds__, if it has one
-        self._shared_allowed = 48 * 1024  # dynamic shared memory a launch may take unasked
+        self._shared_allowed = 0  # the dynamic shared memory the kernel has opted in to
         self._pdl = _LaunchAttribute(id=_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION)
         self._pdl.value[0] = 1
 
@@ -104,7 +104,7 @@ class CudaKernel:
         pdl: bool = False,  # a programmatic dependent launch (see kernels/pdl.py)
         shared_bytes: int = 0,  # dynamic shared memory a block
     ) -> None:
-        if shared_bytes > self._shared_allowed:  # above 48 KB a kernel must opt in
+        if shared_bytes > self._shared_allowed:  # static + dynamic above 48 KB needs it
             limit = _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _call("cuFuncSetAttribute", self._function, limit, shared_bytes)
             self._shared_allowed = shared_bytes

@@ -277,18 +277,25 @@ __device__ __forceinline__ void attend(const LayerArgs& p, int row, int head) {
 
 // x [rows, K] (rows K apart) into shared memory for all the block's tiles of a product, as
 // StagedX reads it: its rows padded by one 16-byte word, rows from `rows` to NT * 8 zero.
-// By the block, after the product's wait; the first barrier lets the block's reads of the
-// previous product's x end.
+// By the block, after the product's wait, with asynchronous copies (cp.async.cg, past the
+// L1, zero-filling the rows past `rows`) that are all in flight at once; the first barrier
+// lets the block's reads of the previous product's x end.
 template <int NT>
 __device__ __forceinline__ StagedX stage_x(uint4* xs, const __nv_bfloat16* x, int rows, int K) {
   const int words = K / 8, stride16 = words + 1;
   __syncthreads();
-#pragma unroll 8
-  for (int i = threadIdx.x; i < NT * 8 * words; i += blockDim.x) {
-    const int row = i / words, word = i - row * words;
-    const uint4* from = reinterpret_cast<const uint4*>(x + (size_t)row * K) + word;
-    xs[row * stride16 + word] = row < rows ? __ldcg(from) : make_uint4(0, 0, 0, 0);
+  for (int row = 0; row < NT * 8; ++row) {
+    const bool real = row < rows;
+    const uint4* from = reinterpret_cast<const uint4*>(x + (size_t)(real ? row : 0) * K);
+    for (int word = threadIdx.x; word < words; word += blockDim.x) {
+      const uint4* slot = xs + row * stride16 + word;
+      const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(slot));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from + word),
+                   "r"(real ? 16 : 0)
+                   : "memory");
+    }
   }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
   return StagedX{xs, stride16};
 }
