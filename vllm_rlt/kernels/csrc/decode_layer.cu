@@ -8,9 +8,10 @@
 // the phases and the waits between them: a tile's last chunks start the next tile's first.
 // A block with tiles of a product stages that product's x (a, attn, b or mlp) in shared
 // memory once, after the product's wait (stage_x), so that its tiles' chunks read x there
-// instead of waiting on the L2 for it at every chunk. A unit that needs earlier results waits on a counter in global memory
-// instead of a grid-wide barrier, and only once its own first weights are in flight, so the
-// weights stream while the layer's short serial parts (attention, the norms) run:
+// instead of waiting on the L2 for it at every chunk. A unit that needs earlier results
+// waits on a counter in global memory instead of a grid-wide barrier, and only once its own
+// first weights are in flight, so the weights stream while the layer's short serial parts
+// (attention, the norms) run:
 //   - attention of head h waits for the qkv tiles of its q head and of its K/V head;
 //   - an o tile waits for every (row, head) of attention;
 //   - the block that counts the last o tile adds the residual and takes the norms, then
