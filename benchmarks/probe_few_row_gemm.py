@@ -98,7 +98,9 @@ def main(argv: list[str] | None = None) -> int:
                 if silu:
                     want = torch.nn.functional.silu(want[:, 0::2]) * want[:, 1::2]
                 error = (got.float() - want.float()).norm() / want.float().norm()
-                assert error < 2e-2, f"{variant} {name} rows {rows}: relative error {error}"
+                # float8 activations (W8A8 from 8 rows) round x too: a few percent
+                bound = 5e-2 if kind == "fp8" else 2e-2
+                assert error < bound, f"{variant} {name} rows {rows}: relative error {error}"
                 layer_bytes += n * k * (1 if kind == "fp8" else 2)
 
             def chain(kind=kind, x=x, residual=residual, norms=norms):
