@@ -22,6 +22,16 @@ def triton_ops():
     return TritonOps()
 
 
+@pytest.fixture(autouse=True)
+def triton_row_kernel(monkeypatch):
+    """The Triton decode row kernel, not the CUDA one (test_paged_attention_cuda.py runs
+    these checks through that)."""
+    from vllm_rlt.kernels import paged_attention_cuda
+
+    monkeypatch.setattr(paged_attention_cuda, "PADDED_HEADS", False)
+    monkeypatch.setattr(paged_attention_cuda, "FP8_CACHE_ROWS", 0)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("hidden", [2048, 3072, 5280])  # 4, 8 and 16 warps a row
 def test_norms_and_activation(triton_ops, dtype, hidden):

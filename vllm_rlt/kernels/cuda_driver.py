@@ -97,7 +97,7 @@ class CudaKernel:
 
     def launch(
         self,
-        grid: int,
+        grid: int | tuple[int, int, int],
         threads: int,
         stream: int,  # torch.cuda.Stream.cuda_stream
         args: Sequence[ctypes.c_void_p | ctypes.c_int | ctypes.c_float],  # each parameter
@@ -108,7 +108,8 @@ class CudaKernel:
             limit = _FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
             _call("cuFuncSetAttribute", self._function, limit, shared_bytes)
             self._shared_allowed = shared_bytes
-        config = _LaunchConfig(grid=(grid, 1, 1), block=(threads, 1, 1), shared_bytes=shared_bytes)
+        grid = (grid, 1, 1) if isinstance(grid, int) else grid
+        config = _LaunchConfig(grid=grid, block=(threads, 1, 1), shared_bytes=shared_bytes)
         config.stream = stream
         if pdl:
             config.attrs = ctypes.pointer(self._pdl)

@@ -18,6 +18,7 @@ from vllm_rlt.kernels.fp8_rows import Fp8Rows, empty_fp8_rows, quantize_rows
 from vllm_rlt.kernels.gumbel_sample import gumbel_sample
 from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel, row_warps
+from vllm_rlt.kernels.paged_attention_cuda import paged_decode, takes_cuda_decode
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
 from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
@@ -424,7 +425,21 @@ class TritonOps:
             return out.reshape(rows, -1)
         splits = 1 if counts is not None else decode_splits(row_grid, head_grid)
         parts = self._split_parts(out, splits)
-        _paged_attention_kernel[(row_grid, head_grid, splits)](
+        if takes_cuda_decode(q, k_cache, num_kv_heads, row_grid):
+            count = None if counts is None else counts.counts
+            args = (q, caches, scaled, out, parts, meta, row_grid, splits, count, scale)
+            paged_decode(*args, self.pdl)
+        else:
+            args = (q, caches, out, parts, meta, row_grid, count_ptr, counts is not None)
+            self._triton_decode(*args, shape, scale)
+        self._combine_splits(parts, v_scale, out, row_grid, shape, splits)
+        return out.reshape(rows, -1)
+
+    def _triton_decode(self, q, caches, out, parts, meta, grid, count_ptr, bounded, shape, scale):
+        """The Triton row kernel over `grid` row programs (see attention)."""
+        splits = 1 if parts is out else parts.shape[2]
+        head_grid, group_tile = self._head_grid(shape["NUM_HEADS"], shape["NUM_KV_HEADS"])
+        _paged_attention_kernel[(grid, head_grid, splits)](
             q,
             *caches,
             out,
@@ -439,14 +454,12 @@ class TritonOps:
             scale,
             parts,
             **shape,
-            **self._decode_launch(row_grid, bounded=counts is not None, grouped=group_tile > 0),
+            **self._decode_launch(grid, bounded=bounded, grouped=group_tile > 0),
             SPLITS=splits,
             GROUP_TILE=group_tile,
-            PERSISTENT=counts is not None,
+            PERSISTENT=bounded,
             **launch_options(self.pdl),
         )
-        self._combine_splits(parts, v_scale, out, row_grid, shape, splits)
-        return out.reshape(rows, -1)
 
     @staticmethod
     def _split_parts(out: torch.Tensor, splits: int) -> torch.Tensor:
@@ -457,9 +470,7 @@ class TritonOps:
         rows, heads, head_dim = out.shape
         return out.new_empty(rows, heads, splits, head_dim + 2, dtype=torch.float32)
 
-    def _combine_splits(
-        self, parts, v_scale, out: torch.Tensor, rows: int, shape: dict, splits: int
-    ) -> None:
+    def _combine_splits(self, parts, v_scale, out, rows: int, shape: dict, splits: int) -> None:
         """Split-KV's second kernel: the first `rows` rows' runs into `out`."""
         if splits > 1:
             _combine_splits_kernel[(rows, out.shape[1])](

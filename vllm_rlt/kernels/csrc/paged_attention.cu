@@ -1,0 +1,345 @@
+// Paged decode attention streamed at the memory's pace (kernels/paged_attention_cuda.py).
+//
+// A block of 4 warps takes one decode row, one KV head with its group of query heads and
+// one run of the row's keys (split-KV). Each warp attends every 4th tile of 16 positions
+// with its own online softmax, and copies its tiles of K and V into a ring of shared memory
+// with cp.async, STAGES tiles ahead, so a warp never waits on one load at a time; the warps'
+// states are combined at the end. K rows are padded by 16 bytes in shared memory, so the
+// 8 lanes of a 16-byte load phase hit distinct banks. Scores, softmax and sums are float32
+// as in the Triton kernel (kernels/decode_attention.py): the two differ by summation order.
+//
+// Scores: lane = 16 h + j reads half h of position j's key and the halves meet by a shuffle.
+// Values: lane owns dimensions lane, lane + 32, ...; p of position j comes from lane j.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+#include <stdint.h>
+
+namespace paged {
+
+constexpr int WARPS = 4;
+constexpr int TILE = 16;  // positions a warp attends at a time
+constexpr int STAGES = 2;  // tiles a warp has in flight
+constexpr unsigned FULL = 0xffffffffu;
+
+struct Args {
+  const __nv_bfloat16* q;  // [rows, heads, HEAD_DIM]
+  const uint8_t* k_cache;  // [entries, kv_heads, HEAD_DIM]
+  const uint8_t* v_cache;
+  const float* k_scale;  // [kv_heads], read when scaled (a float8 cache holds K / k_scale)
+  const float* v_scale;
+  __nv_bfloat16* out;  // [rows, heads, HEAD_DIM]
+  float* parts;  // [rows, heads, splits, HEAD_DIM + 2]: (acc, max, sum) when splits > 1
+  const int64_t* positions;  // [rows]: row r attends positions 0..positions[r]
+  const int64_t* table_rows;  // [rows]: its block-table row
+  const int64_t* planes;  // [rows]: the plane it reads
+  const int64_t* block_table;  // [table rows, block_table_stride]
+  const int64_t* count;  // the decode rows, on the device (a bounded grid), or null
+  int64_t block_table_stride;
+  int64_t slots_per_plane;
+  int rows;  // the decode rows where count is null
+  int heads;
+  int kv_heads;
+  int block_size;
+  int splits;
+  int scaled;
+  int pdl;  // launched as a programmatic dependent
+  float scale;
+};
+
+enum Kind { BF16 = 0, E4M3 = 1, E5M2 = 2 };
+
+template <int KIND>
+struct Cache {
+  static constexpr int BYTES = KIND == BF16 ? 2 : 1;  // an element's
+  static constexpr int PER_WORD = 16 / BYTES;  // elements a 16-byte word holds
+  // A 16-byte word's elements as float32.
+  __device__ __forceinline__ static void widen(const uint4& w, float (&v)[PER_WORD]) {
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      if constexpr (KIND == BF16) {
+        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
+        v[2 * i] = f.x;
+        v[2 * i + 1] = f.y;
+      } else {
+        constexpr __nv_fp8_interpretation_t FMT = KIND == E4M3 ? __NV_E4M3 : __NV_E5M2;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i] >> (16 * half));
+          const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, FMT);
+          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
+          v[4 * i + 2 * half] = f.x;
+          v[4 * i + 2 * half + 1] = f.y;
+        }
+      }
+    }
+  }
+  __device__ __forceinline__ static float element(const uint8_t* p) {
+    if constexpr (KIND == BF16) {
+      return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
+    } else {
+      constexpr __nv_fp8_interpretation_t FMT = KIND == E4M3 ? __NV_E4M3 : __NV_E5M2;
+      const __half_raw raw = __nv_cvt_fp8_to_halfraw(*p, FMT);
+      return __half2float(*reinterpret_cast<const __half*>(&raw));
+    }
+  }
+};
+
+// Shared memory of a block: each warp's ring of STAGES (K tile, V tile), then q in float32.
+// After the key loop the ring holds the warps' states for the combine. Mirrored by
+// `shared_bytes` in paged_attention_cuda.py.
+template <int HEAD_DIM, int KIND, int GROUP>
+struct Layout {
+  static constexpr int ROW = HEAD_DIM * Cache<KIND>::BYTES;  // a key's or value's bytes
+  static constexpr int PADDED = ROW + 16;
+  static constexpr int TILE_BYTES = TILE * PADDED;
+  static constexpr int RING = STAGES * 2 * TILE_BYTES;  // a warp's
+  static constexpr int Q = WARPS * RING;  // q's offset
+  static constexpr int STATE = HEAD_DIM + 2;  // (acc, max, sum) of a head
+  static_assert(WARPS * GROUP * STATE * 4 <= Q, "the combine fits in the rings");
+};
+
+__device__ __forceinline__ void copy16(uint32_t to, const uint8_t* from, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(to), "l"(from),
+               "r"(valid ? 16 : 0));
+}
+
+// Issue one tile's K and V copies (positions start..start+15, those from `end` on zero-filled)
+// into ring slot `buffer`, as one commit group.
+template <int HEAD_DIM, int KIND, int GROUP>
+__device__ __forceinline__ void issue_tile(const Args& a, uint32_t buffer, int64_t start,
+                                           int64_t end, int64_t table_row, int64_t plane,
+                                           int kv_head, int lane) {
+  using L = Layout<HEAD_DIM, KIND, GROUP>;
+  constexpr int WORDS = L::ROW / 16;  // 16-byte words a row
+  static_assert((TILE * WORDS) % 32 == 0, "whole words for every lane");
+  const int64_t pos = start + (lane & (TILE - 1));
+  int slot = -1;  // within the cache, in rows of kv_heads entries
+  if (pos < end) {
+    const int64_t block = a.block_table[table_row * a.block_table_stride + pos / a.block_size];
+    slot = static_cast<int>(plane * a.slots_per_plane + block * a.block_size + pos % a.block_size);
+  }
+#pragma unroll
+  for (int t = 0; t < TILE * WORDS / 32; ++t) {
+    const int i = lane + 32 * t;
+    const int row = i / WORDS, word = i % WORDS;
+    const int row_slot = __shfl_sync(FULL, slot, row);
+    const int64_t entry = static_cast<int64_t>(row_slot < 0 ? 0 : row_slot) * a.kv_heads + kv_head;
+    const int64_t offset = entry * L::ROW + word * 16;
+    const uint32_t to = buffer + row * L::PADDED + word * 16;
+    copy16(to, a.k_cache + offset, row_slot >= 0);
+    copy16(to + L::TILE_BYTES, a.v_cache + offset, row_slot >= 0);
+  }
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+// One warp's running softmax over its tiles, for each head of the group.
+template <int HEAD_DIM, int GROUP>
+struct WarpState {
+  static constexpr int DIMS = (HEAD_DIM + 31) / 32;  // a lane's value dimensions
+  float m[GROUP], l[GROUP], acc[GROUP][DIMS];
+};
+
+template <int HEAD_DIM, int KIND, int GROUP>
+__device__ __forceinline__ void attend_tile(WarpState<HEAD_DIM, GROUP>& s, const uint8_t* k,
+                                            const float* q, float scale, bool valid, int lane) {
+  using C = Cache<KIND>;
+  using L = Layout<HEAD_DIM, KIND, GROUP>;
+  constexpr int HALF_WORDS = L::ROW / 32;  // 16-byte words in half a key
+  const int h = lane >> 4, j = lane & (TILE - 1);
+  const uint8_t* key = k + j * L::PADDED + h * (L::ROW / 2);
+  float score[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) score[g] = 0.f;
+#pragma unroll
+  for (int w = 0; w < HALF_WORDS; ++w) {
+    float kv[C::PER_WORD];
+    C::widen(*reinterpret_cast<const uint4*>(key + 16 * w), kv);
+    const int d0 = h * (HEAD_DIM / 2) + w * C::PER_WORD;
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      const float4* qg = reinterpret_cast<const float4*>(q + g * HEAD_DIM + d0);
+#pragma unroll
+      for (int e = 0; e < C::PER_WORD / 4; ++e) {
+        const float4 qv = qg[e];
+        score[g] += qv.x * kv[4 * e] + qv.y * kv[4 * e + 1] + qv.z * kv[4 * e + 2] +
+                    qv.w * kv[4 * e + 3];
+      }
+    }
+  }
+  const uint8_t* values = k + L::TILE_BYTES;
+  float p[GROUP];
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    float sc = score[g] + __shfl_xor_sync(FULL, score[g], 16);
+    sc = valid ? sc * scale : -INFINITY;
+    float top = sc;
+#pragma unroll
+    for (int o = 8; o; o >>= 1) top = fmaxf(top, __shfl_xor_sync(FULL, top, o));
+    const float m_new = fmaxf(s.m[g], top);  // finite: a tile's first position is valid
+    p[g] = valid ? __expf(sc - m_new) : 0.f;
+    float sum = p[g];
+#pragma unroll
+    for (int o = 8; o; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+    const float alpha = __expf(s.m[g] - m_new);
+    s.l[g] = s.l[g] * alpha + sum;
+    s.m[g] = m_new;
+#pragma unroll
+    for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i) s.acc[g][i] *= alpha;
+  }
+#pragma unroll 4
+  for (int jj = 0; jj < TILE; ++jj) {
+    const uint8_t* value = values + jj * L::PADDED;
+    float v[WarpState<HEAD_DIM, GROUP>::DIMS];
+#pragma unroll
+    for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i) {
+      const int d = lane + 32 * i;
+      v[i] = d < HEAD_DIM ? C::element(value + d * C::BYTES) : 0.f;
+    }
+#pragma unroll
+    for (int g = 0; g < GROUP; ++g) {
+      const float pj = __shfl_sync(FULL, p[g], jj);
+#pragma unroll
+      for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i) s.acc[g][i] += pj * v[i];
+    }
+  }
+}
+
+// The warps' states combined: the output (one split) or the split's state for the Triton
+// combine kernel, which applies v_scale itself.
+template <int HEAD_DIM, int KIND, int GROUP>
+__device__ __forceinline__ void combine(const Args& a, WarpState<HEAD_DIM, GROUP>& s, float* red,
+                                        int64_t row, int kv_head, int group, int split) {
+  using L = Layout<HEAD_DIM, KIND, GROUP>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    float* state = red + (warp * GROUP + g) * L::STATE;
+#pragma unroll
+    for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i)
+      if (lane + 32 * i < HEAD_DIM) state[lane + 32 * i] = s.acc[g][i];
+    if (lane == 0) state[HEAD_DIM] = s.m[g], state[HEAD_DIM + 1] = s.l[g];
+  }
+  __syncthreads();
+  const float v_scale = a.scaled ? a.v_scale[kv_head] : 1.f;
+  for (int idx = threadIdx.x; idx < group * HEAD_DIM; idx += WARPS * 32) {
+    const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
+    float top = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, red[(w * GROUP + g) * L::STATE + HEAD_DIM]);
+    float acc = 0.f, total = 0.f;
+    if (top != -INFINITY) {  // else an empty run: (0, -inf, 0)
+#pragma unroll
+      for (int w = 0; w < WARPS; ++w) {
+        const float* state = red + (w * GROUP + g) * L::STATE;
+        const float weight = __expf(state[HEAD_DIM] - top);
+        acc += state[d] * weight;
+        total += state[HEAD_DIM + 1] * weight;
+      }
+    }
+    const int64_t head = static_cast<int64_t>(kv_head) * group + g;
+    if (a.splits == 1) {
+      a.out[(row * a.heads + head) * HEAD_DIM + d] = __float2bfloat16(acc / total * v_scale);
+    } else {
+      float* part = a.parts + ((row * a.heads + head) * a.splits + split) * L::STATE;
+      part[d] = acc;
+      if (d == 0) part[HEAD_DIM] = top, part[HEAD_DIM + 1] = total;
+    }
+  }
+}
+
+template <int HEAD_DIM, int KIND, int GROUP>
+__device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64_t row) {
+  using L = Layout<HEAD_DIM, KIND, GROUP>;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int kv_head = blockIdx.y, split = blockIdx.z, group = a.heads / a.kv_heads;
+  float* q = reinterpret_cast<float*>(shared + L::Q);
+  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32) {
+    const int g = idx / HEAD_DIM;  // padding heads of the tile read zeros and are not stored
+    const int64_t head = static_cast<int64_t>(kv_head) * group + g;
+    q[idx] = g < group ? __bfloat162float(a.q[(row * a.heads + head) * HEAD_DIM + idx % HEAD_DIM])
+                       : 0.f;
+  }
+  const int64_t pos = a.positions[row], table_row = a.table_rows[row], plane = a.planes[row];
+  const int64_t tiles = (pos + TILE) / TILE;  // of positions 0..pos
+  const int64_t run = (tiles + a.splits - 1) / a.splits;
+  const int64_t first = split * run, last = first + run < tiles ? first + run : tiles;
+  const int64_t end = pos + 1;
+  const float scale = a.scaled ? a.scale * a.k_scale[kv_head] : a.scale;
+  const uint32_t ring =
+      static_cast<uint32_t>(__cvta_generic_to_shared(shared)) + warp * L::RING;
+  // This warp's tiles: first + warp, first + warp + WARPS, ...
+  const int64_t mine = first + warp < last ? (last - first - warp + WARPS - 1) / WARPS : 0;
+  for (int t = 0; t < STAGES; ++t) {
+    if (t < mine) {
+      issue_tile<HEAD_DIM, KIND, GROUP>(a, ring + t * 2 * L::TILE_BYTES,
+                                        (first + warp + t * WARPS) * TILE, end, table_row, plane,
+                                        kv_head, lane);
+    } else {
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+  }
+  WarpState<HEAD_DIM, GROUP> s;
+#pragma unroll
+  for (int g = 0; g < GROUP; ++g) {
+    s.m[g] = -INFINITY, s.l[g] = 0.f;
+#pragma unroll
+    for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i) s.acc[g][i] = 0.f;
+  }
+  __syncthreads();  // q is in shared memory
+  for (int64_t t = 0; t < mine; ++t) {
+    const uint32_t offset = static_cast<uint32_t>(t % STAGES) * 2 * L::TILE_BYTES;
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1) : "memory");
+    __syncwarp();
+    const int64_t start = (first + warp + t * WARPS) * TILE;
+    const bool valid = start + (lane & (TILE - 1)) < end;
+    attend_tile<HEAD_DIM, KIND, GROUP>(s, shared + warp * L::RING + offset, q, scale, valid,
+                                       lane);
+    __syncwarp();  // every lane is done with the slot before it is refilled
+    if (t + STAGES < mine) {
+      issue_tile<HEAD_DIM, KIND, GROUP>(a, ring + offset, start + STAGES * WARPS * TILE, end,
+                                        table_row, plane, kv_head, lane);
+    } else {
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  __syncthreads();  // every warp is out of its ring before the states go there
+  combine<HEAD_DIM, KIND, GROUP>(a, s, reinterpret_cast<float*>(shared), row, kv_head, group,
+                                 split);
+  __syncthreads();  // the combine is read before the next row's q and tiles land
+}
+
+template <int HEAD_DIM, int KIND, int GROUP>
+__device__ __forceinline__ void paged_decode(const Args& a) {
+  extern __shared__ __align__(16) uint8_t shared[];
+  if (a.pdl) {
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;");
+  }
+  const int64_t rows = a.count ? a.count[0] : a.rows;
+  for (int64_t row = blockIdx.x; row < rows; row += gridDim.x)
+    attend_row<HEAD_DIM, KIND, GROUP>(a, shared, row);
+}
+
+}  // namespace paged
+
+#define PAGED_DECODE(D, KIND, NAME, G)                                                 \
+  extern "C" __global__ void __launch_bounds__(paged::WARPS * 32, 3)                   \
+      paged_decode_d##D##_##NAME##_g##G(const paged::Args a) {                           \
+    paged::paged_decode<D, paged::KIND, G>(a);                                          \
+  }
+#define PAGED_DECODE_GROUPS(D, KIND, NAME) \
+  PAGED_DECODE(D, KIND, NAME, 1)           \
+  PAGED_DECODE(D, KIND, NAME, 2)           \
+  PAGED_DECODE(D, KIND, NAME, 4)           \
+  PAGED_DECODE(D, KIND, NAME, 8)
+#define PAGED_DECODE_KINDS(D)             \
+  PAGED_DECODE_GROUPS(D, BF16, bf16)      \
+  PAGED_DECODE_GROUPS(D, E4M3, e4m3)      \
+  PAGED_DECODE_GROUPS(D, E5M2, e5m2)
+
+PAGED_DECODE_KINDS(64)
+PAGED_DECODE_KINDS(96)
+PAGED_DECODE_KINDS(128)
