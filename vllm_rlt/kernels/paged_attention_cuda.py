@@ -13,12 +13,12 @@ compiler the Triton kernel serves.
 from __future__ import annotations
 
 import ctypes
+from typing import Protocol
 
 import torch
 
 from vllm_rlt.kernels.cuda_build import cuda_module
 from vllm_rlt.kernels.cuda_driver import CudaModule
-from vllm_rlt.ops.metadata import AttentionMetadata
 
 # Which decode launches take the kernel, from `python -m benchmarks.probe_paged_attention`
 # on an H100 (docs/benchmarks/2026-12-06-h100-cuda-paged-attention.md), one query head a KV
@@ -39,6 +39,18 @@ _KINDS = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2
 WARPS, TILE, STAGES = 4, 16, 2  # as csrc/paged_attention.cu
 
 _pointer, _int, _long = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+
+
+class PagedRows(Protocol):
+    """What the kernel reads of a pass's attention metadata (ops/metadata.py's
+    AttentionMetadata has it): per-row int64 tensors and the cache's geometry."""
+
+    positions: torch.Tensor
+    row_tables: torch.Tensor
+    read_plane: torch.Tensor
+    block_table: torch.Tensor
+    slots_per_plane: int
+    block_size: int
 
 
 class AttentionArgs(ctypes.Structure):
@@ -114,7 +126,7 @@ def paged_decode(
     scaled: bool,  # a float8 cache with per-head scales
     out: torch.Tensor,  # [rows, heads, head_dim]
     parts: torch.Tensor,  # [rows, heads, splits, head_dim + 2] float32 (splits > 1)
-    meta: AttentionMetadata,
+    meta: PagedRows,
     row_grid: int,  # row programs: the decode rows, or a bounded grid over `count`
     splits: int,
     count: torch.Tensor | None,  # the decode rows on the device (a bounded grid), or None
