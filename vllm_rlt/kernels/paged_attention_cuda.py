@@ -141,6 +141,11 @@ def paged_decode(
     tile = group_tile(heads, kv_heads)
     tensors = (meta.positions, meta.row_tables, meta.read_plane, meta.block_table)
     assert all(t.dtype == torch.int64 for t in tensors) and meta.block_table.stride(1) == 1
+    assert v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype
+    assert v_cache.is_contiguous()
+    if scaled:  # read as float32 [kv_heads]
+        for t in (k_scale, v_scale):
+            assert t.dtype == torch.float32 and t.numel() == kv_heads and t.is_contiguous()
     args = AttentionArgs(
         q.data_ptr(),
         k_cache.data_ptr(),

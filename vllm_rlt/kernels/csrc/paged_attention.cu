@@ -314,10 +314,12 @@ __device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64
 template <int HEAD_DIM, int KIND, int GROUP>
 __device__ __forceinline__ void paged_decode(const Args& a) {
   extern __shared__ __align__(16) uint8_t shared[];
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // programmatic launch: Hopper and newer
   if (a.pdl) {
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;");
   }
+#endif
   const int64_t rows = a.count ? a.count[0] : a.rows;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x)
     attend_row<HEAD_DIM, KIND, GROUP>(a, shared, row);
