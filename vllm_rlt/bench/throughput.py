@@ -29,14 +29,13 @@ from vllm_rlt.bench.report import check_minimums, run_and_emit
 from vllm_rlt.bench.throughput_engine import (
     build_engine,
     execution,
-    make_traces,
+    exit_setup,
     max_tokens_of,
     run_engine,
 )
 from vllm_rlt.bench.throughput_flags import add_arguments, command_line
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.config import MAX_SYNC_PASSES, ExitConfig
-from vllm_rlt.sampling_params import SamplingParams
+from vllm_rlt.config import MAX_SYNC_PASSES
 
 MAX_WAVES = 1000  # a typo of a few digits must not build billions of prompts
 
@@ -70,24 +69,7 @@ def bench_concurrency(
 
     prompts = fresh_prompts()
     ids = [f"b{i}" for i in range(len(prompts))]
-    if args.depth_trace_mean is not None:
-        exit_config = ExitConfig(
-            mode="trace",
-            depths_by_request=make_traces(
-                ids, args.output_len, args.depth_trace_mean, loops, args.seed
-            ),
-            sync_passes=args.exit_sync_passes,
-        )
-        params = SamplingParams(max_tokens=max_tokens_of(args), temperature=0.0, ignore_eos=True)
-    else:
-        exit_config = ExitConfig(sync_passes=args.exit_sync_passes)
-        params = SamplingParams(
-            max_tokens=max_tokens_of(args),
-            temperature=0.0,
-            ignore_eos=True,
-            min_loops=args.depth,  # a fixed depth under every family's exit policy
-            max_loops=args.depth,
-        )
+    exit_config, params = exit_setup(args, ids, loops)
     stop_after = args.output_len if max_tokens_of(args) > args.output_len else None
     kv_pool = "every request at once"
     engine_model = model if engine_model is None else engine_model

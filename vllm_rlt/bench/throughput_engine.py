@@ -50,6 +50,28 @@ def make_traces(
     return {rid: (loops, *rng.choices(depths, weights, k=max(output_len - 1, 1))) for rid in ids}
 
 
+def exit_setup(
+    args: argparse.Namespace, ids: list[str], loops: int
+) -> tuple[ExitConfig, SamplingParams]:
+    """The exit config and sampling params of a run: every token at --depth loops (under
+    every family's exit policy), or with --depth-trace-mean each request's replayed trace."""
+    if args.depth_trace_mean is not None:
+        traces = make_traces(ids, args.output_len, args.depth_trace_mean, loops, args.seed)
+        exit_config = ExitConfig(
+            mode="trace", depths_by_request=traces, sync_passes=args.exit_sync_passes
+        )
+        params = SamplingParams(max_tokens=max_tokens_of(args), temperature=0.0, ignore_eos=True)
+        return exit_config, params
+    params = SamplingParams(
+        max_tokens=max_tokens_of(args),
+        temperature=0.0,
+        ignore_eos=True,
+        min_loops=args.depth,
+        max_loops=args.depth,
+    )
+    return ExitConfig(sync_passes=args.exit_sync_passes), params
+
+
 def run_engine(
     engine: EngineCore,
     prompts: list[list[int]],
