@@ -145,6 +145,19 @@ def test_a_bounded_grid_takes_every_row_the_device_counts():
     assert not out[37:].any()
 
 
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_a_bounded_grid_that_counts_no_row_writes_nothing(pdl):
+    """A prompt-only pass through a mixed graph: the device counts 0 decode rows. Launched
+    as a programmatic dependent too (on Hopper), the blocks still wait and end."""
+    q, k, v, meta = _problem(8, 40, 55, 55, 96, torch.bfloat16, 1, seed=5)
+    out = torch.zeros_like(q)
+    count = torch.tensor([0, 3], device="cuda")
+    caches = (k, v, meta.positions, meta.positions)
+    paged_attention_cuda.paged_decode(q, caches, False, out, out, meta, 4, 1, count, 0.1, pdl)
+    torch.cuda.synchronize()
+    assert not out.any()
+
+
 @pytest.mark.parametrize(
     ("planes", "table_planes"), [(4, 1), (1, 1), (1, 4)], ids=["last_exited", "shared", "sd"]
 )
