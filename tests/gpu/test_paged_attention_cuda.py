@@ -149,6 +149,8 @@ def test_a_bounded_grid_takes_every_row_the_device_counts():
 def test_a_bounded_grid_that_counts_no_row_writes_nothing(pdl):
     """A prompt-only pass through a mixed graph: the device counts 0 decode rows. Launched
     as a programmatic dependent too (on Hopper), the blocks still wait and end."""
+    if pdl and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("programmatic dependent launch needs Hopper or newer")
     q, k, v, meta = _problem(8, 40, 55, 55, 96, torch.bfloat16, 1, seed=5)
     out = torch.zeros_like(q)
     count = torch.tensor([0, 3], device="cuda")
