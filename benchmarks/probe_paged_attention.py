@@ -1,9 +1,9 @@
 """Decode attention alone, CUDA kernel (kernels/paged_attention_cuda.py) against the Triton
 row kernel it replaces, at the shapes the decode-attention target names (256 and 512 rows
-at 80 positions, 32-64 rows at 1,024-8,192) and at Huginn-0125's and Nanbeige's heads:
-each launch (with the split combine where the pass splits) as a CUDA graph, its key and
-value bytes against the copy bandwidth measured first. Every cache is larger than the L2,
-blocks in random order. Needs a CUDA GPU.
+at 80 positions, 32-64 rows at 1,024-8,192), at Huginn-0125's and Nanbeige's heads, and
+at few rows with long contexts (split runs): each launch (with the split combine where the
+pass splits) as a CUDA graph, its key and value bytes against the copy bandwidth measured
+first. Every cache is larger than the L2, blocks in random order. Needs a CUDA GPU.
 
 python -m benchmarks.probe_paged_attention --output probe.json
 """
@@ -32,6 +32,10 @@ CASES = (
     ("ouro", 64, 8192, 16, 16, 128),
     ("huginn", 64, 320, 55, 55, 96),
     ("nanbeige", 64, 1024, 48, 8, 128),
+    # few rows at long contexts: split runs (L2-sized caches excluded: 134-346 MB)
+    ("ouro", 1, 16384, 16, 16, 128),
+    ("ouro", 4, 4096, 16, 16, 128),
+    ("huginn", 4, 4096, 55, 55, 96),
 )
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 BLOCK = 16
