@@ -38,8 +38,9 @@ def profile_case(model, args: argparse.Namespace, skip: int, window: int) -> dic
     concurrency = args.concurrency[0]
     rng = random.Random(args.seed)
     vocab = model.config.vocab_size
+    prefix = [rng.randrange(3, vocab) for _ in range(args.shared_prefix_len)]  # as bench's
     prompts = [
-        [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
+        prefix + [rng.randrange(3, vocab) for _ in range(args.prompt_len)]
         for _ in range(concurrency * args.waves)
     ]
     ids = [f"p{i}" for i in range(len(prompts))]
