@@ -105,21 +105,24 @@ __device__ __forceinline__ void copy16(uint32_t to, const uint8_t* from, bool va
                "r"(valid ? 16 : 0));
 }
 
-// Issue one tile's K and V copies (positions start..start+15, those from `end` on zero-filled)
-// into ring slot `buffer`, as one commit group.
+// The cache slot of this lane's position of the tile starting at `start` (lanes j and
+// j + 16 hold position start + j), or -1 from `end` on.
+__device__ __forceinline__ int tile_slot(const Args& a, int64_t start, int64_t end,
+                                         int64_t table_row, int64_t plane, int lane) {
+  const int64_t pos = start + (lane & (TILE - 1));
+  if (pos >= end) return -1;
+  const int64_t block = a.block_table[table_row * a.block_table_stride + pos / a.block_size];
+  return static_cast<int>(plane * a.slots_per_plane + block * a.block_size + pos % a.block_size);
+}
+
+// Copy one tile's K and V rows (`slot` as tile_slot gives it; rows at -1 zero-filled) into
+// ring slot `buffer`, as one commit group.
 template <int HEAD_DIM, int KIND, int GROUP>
-__device__ __forceinline__ void issue_tile(const Args& a, uint32_t buffer, int64_t start,
-                                           int64_t end, int64_t table_row, int64_t plane,
-                                           int kv_head, int lane) {
+__device__ __forceinline__ void copy_tile(const Args& a, uint32_t buffer, int slot, int kv_head,
+                                          int lane) {
   using L = Layout<HEAD_DIM, KIND, GROUP>;
   constexpr int WORDS = L::ROW / 16;  // 16-byte words a row
   static_assert((TILE * WORDS) % 32 == 0, "whole words for every lane");
-  const int64_t pos = start + (lane & (TILE - 1));
-  int slot = -1;  // within the cache, in rows of kv_heads entries
-  if (pos < end) {
-    const int64_t block = a.block_table[table_row * a.block_table_stride + pos / a.block_size];
-    slot = static_cast<int>(plane * a.slots_per_plane + block * a.block_size + pos % a.block_size);
-  }
 #pragma unroll
   for (int t = 0; t < TILE * WORDS / 32; ++t) {
     const int i = lane + 32 * t;
@@ -249,37 +252,55 @@ __device__ __forceinline__ void combine(const Args& a, WarpState<HEAD_DIM, GROUP
   }
 }
 
+// The programmatic-dependent wait: Hopper and newer (launches elsewhere are never programmatic).
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
+}
+
+// The row's fields and its first tiles' slots come before `wait` (the programmatic-dependent
+// wait on the first row a block takes): they are the pass's metadata, written before its
+// first kernel, where the kernel just before (the RoPE write) writes this row's K, V and q.
 template <int HEAD_DIM, int KIND, int GROUP>
-__device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64_t row) {
+__device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64_t row,
+                                           bool wait) {
   using L = Layout<HEAD_DIM, KIND, GROUP>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int kv_head = blockIdx.y, split = blockIdx.z, group = a.heads / a.kv_heads;
-  float* q = reinterpret_cast<float*>(shared + L::Q);
+  const int64_t pos = a.positions[row], table_row = a.table_rows[row], plane = a.planes[row];
+  const int64_t tiles = (pos + TILE) / TILE;  // of positions 0..pos
+  const int64_t run = (tiles + a.splits - 1) / a.splits;
+  const int64_t first = split * run, last = first + run < tiles ? first + run : tiles;
+  const int64_t end = pos + 1;
+  // This warp's tiles: first + warp, first + warp + WARPS, ...
+  const int64_t mine = first + warp < last ? (last - first - warp + WARPS - 1) / WARPS : 0;
+  int slots[STAGES];
+#pragma unroll
+  for (int t = 0; t < STAGES; ++t)
+    slots[t] = t < mine ? tile_slot(a, (first + warp + t * WARPS) * TILE, end, table_row, plane,
+                                    lane)
+                        : -1;
+  if (wait) pdl_wait();
+  const uint32_t ring =
+      static_cast<uint32_t>(__cvta_generic_to_shared(shared)) + warp * L::RING;
+#pragma unroll
+  for (int t = 0; t < STAGES; ++t) {
+    if (t < mine) {
+      copy_tile<HEAD_DIM, KIND, GROUP>(a, ring + t * 2 * L::TILE_BYTES, slots[t], kv_head, lane);
+    } else {
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+  }
+  float* q = reinterpret_cast<float*>(shared + L::Q);  // loaded while the tiles are in flight
   for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32) {
     const int g = idx / HEAD_DIM;  // padding heads of the tile read zeros and are not stored
     const int64_t head = static_cast<int64_t>(kv_head) * group + g;
     q[idx] = g < group ? __bfloat162float(a.q[(row * a.heads + head) * HEAD_DIM + idx % HEAD_DIM])
                        : 0.f;
   }
-  const int64_t pos = a.positions[row], table_row = a.table_rows[row], plane = a.planes[row];
-  const int64_t tiles = (pos + TILE) / TILE;  // of positions 0..pos
-  const int64_t run = (tiles + a.splits - 1) / a.splits;
-  const int64_t first = split * run, last = first + run < tiles ? first + run : tiles;
-  const int64_t end = pos + 1;
   const float scale = a.scaled ? a.scale * a.k_scale[kv_head] : a.scale;
-  const uint32_t ring =
-      static_cast<uint32_t>(__cvta_generic_to_shared(shared)) + warp * L::RING;
-  // This warp's tiles: first + warp, first + warp + WARPS, ...
-  const int64_t mine = first + warp < last ? (last - first - warp + WARPS - 1) / WARPS : 0;
-  for (int t = 0; t < STAGES; ++t) {
-    if (t < mine) {
-      issue_tile<HEAD_DIM, KIND, GROUP>(a, ring + t * 2 * L::TILE_BYTES,
-                                        (first + warp + t * WARPS) * TILE, end, table_row, plane,
-                                        kv_head, lane);
-    } else {
-      asm volatile("cp.async.commit_group;\n" ::: "memory");
-    }
-  }
   WarpState<HEAD_DIM, GROUP> s;
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
@@ -290,16 +311,18 @@ __device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64
   __syncthreads();  // q is in shared memory
   for (int64_t t = 0; t < mine; ++t) {
     const uint32_t offset = static_cast<uint32_t>(t % STAGES) * 2 * L::TILE_BYTES;
+    // The slot of the tile this one's buffer takes next, read before the wait for this one.
+    const int64_t start = (first + warp + t * WARPS) * TILE;
+    const int64_t next = start + STAGES * WARPS * TILE;
+    const int slot = t + STAGES < mine ? tile_slot(a, next, end, table_row, plane, lane) : -1;
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1) : "memory");
     __syncwarp();
-    const int64_t start = (first + warp + t * WARPS) * TILE;
     const bool valid = start + (lane & (TILE - 1)) < end;
     attend_tile<HEAD_DIM, KIND, GROUP>(s, shared + warp * L::RING + offset, q, scale, valid,
                                        lane);
     __syncwarp();  // every lane is done with the slot before it is refilled
     if (t + STAGES < mine) {
-      issue_tile<HEAD_DIM, KIND, GROUP>(a, ring + offset, start + STAGES * WARPS * TILE, end,
-                                        table_row, plane, kv_head, lane);
+      copy_tile<HEAD_DIM, KIND, GROUP>(a, ring + offset, slot, kv_head, lane);
     } else {
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
@@ -314,15 +337,12 @@ __device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64
 template <int HEAD_DIM, int KIND, int GROUP>
 __device__ __forceinline__ void paged_decode(const Args& a) {
   extern __shared__ __align__(16) uint8_t shared[];
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900  // programmatic launch: Hopper and newer
-  if (a.pdl) {
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;");
-  }
-#endif
-  const int64_t rows = a.count ? a.count[0] : a.rows;
+  const int64_t rows = a.count ? a.count[0] : a.rows;  // metadata: see attend_row
+  // A block without a row waits too, so that no kernel after this one runs before the one
+  // before it has finished, even where the device counts no row.
+  if (a.pdl && blockIdx.x >= rows) pdl_wait();
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x)
-    attend_row<HEAD_DIM, KIND, GROUP>(a, shared, row);
+    attend_row<HEAD_DIM, KIND, GROUP>(a, shared, row, a.pdl && row == blockIdx.x);
 }
 
 }  // namespace paged
