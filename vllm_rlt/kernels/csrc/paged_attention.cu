@@ -260,6 +260,17 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
+// Element idx of the block's query tile ([GROUP, HEAD_DIM], float32): zeros for the padding
+// heads of the tile, which are not stored, and past the tile.
+template <int HEAD_DIM, int GROUP>
+__device__ __forceinline__ float query(const Args& a, int64_t row, int kv_head, int group,
+                                       int idx) {
+  const int g = idx / HEAD_DIM;
+  if (idx >= GROUP * HEAD_DIM || g >= group) return 0.f;
+  const int64_t head = static_cast<int64_t>(kv_head) * group + g;
+  return __bfloat162float(a.q[(row * a.heads + head) * HEAD_DIM + idx % HEAD_DIM]);
+}
+
 // The row's fields and its first tiles' slots come before `wait` (the programmatic-dependent
 // wait on the first row a block takes): they are the pass's metadata, written before its
 // first kernel, where the kernel just before (the RoPE write) writes this row's K, V and q.
@@ -283,6 +294,14 @@ __device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64
                                     lane)
                         : -1;
   if (wait) pdl_wait();
+  // q's loads go out ahead of the tiles' copies, which would otherwise queue before them:
+  // into registers where a thread holds at most 2 values (larger groups would spill).
+  constexpr int Q_EACH = (GROUP * HEAD_DIM + WARPS * 32 - 1) / (WARPS * 32);
+  constexpr int EARLY = Q_EACH <= 2 ? Q_EACH : 0;
+  float q_mine[EARLY > 0 ? EARLY : 1];
+#pragma unroll
+  for (int i = 0; i < EARLY; ++i)
+    q_mine[i] = query<HEAD_DIM, GROUP>(a, row, kv_head, group, threadIdx.x + i * WARPS * 32);
   const uint32_t ring =
       static_cast<uint32_t>(__cvta_generic_to_shared(shared)) + warp * L::RING;
 #pragma unroll
@@ -293,12 +312,16 @@ __device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
   }
-  float* q = reinterpret_cast<float*>(shared + L::Q);  // loaded while the tiles are in flight
-  for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32) {
-    const int g = idx / HEAD_DIM;  // padding heads of the tile read zeros and are not stored
-    const int64_t head = static_cast<int64_t>(kv_head) * group + g;
-    q[idx] = g < group ? __bfloat162float(a.q[(row * a.heads + head) * HEAD_DIM + idx % HEAD_DIM])
-                       : 0.f;
+  float* q = reinterpret_cast<float*>(shared + L::Q);
+  if constexpr (EARLY > 0) {
+#pragma unroll
+    for (int i = 0; i < EARLY; ++i) {
+      const int idx = threadIdx.x + i * WARPS * 32;
+      if (idx < GROUP * HEAD_DIM) q[idx] = q_mine[i];
+    }
+  } else {
+    for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
+      q[idx] = query<HEAD_DIM, GROUP>(a, row, kv_head, group, idx);
   }
   const float scale = a.scaled ? a.scale * a.k_scale[kv_head] : a.scale;
   WarpState<HEAD_DIM, GROUP> s;
