@@ -58,10 +58,9 @@ struct Cache {
     const uint32_t words[4] = {w.x, w.y, w.z, w.w};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      if constexpr (KIND == BF16) {
-        const float2 f = __bfloat1622float2(*reinterpret_cast<const __nv_bfloat162*>(&words[i]));
-        v[2 * i] = f.x;
-        v[2 * i + 1] = f.y;
+      if constexpr (KIND == BF16) {  // bf16 is float32's top half: exact, and the word stays
+        v[2 * i] = __uint_as_float(words[i] << 16);  // one 16-byte load (a bf16x2 cast split it)
+        v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
       } else {
         constexpr __nv_fp8_interpretation_t FMT = KIND == E4M3 ? __NV_E4M3 : __NV_E5M2;
 #pragma unroll
@@ -274,6 +273,9 @@ __device__ __forceinline__ float query(const Args& a, int64_t row, int kv_head, 
 // The row's fields and its first tiles' slots come before `wait` (the programmatic-dependent
 // wait on the first row a block takes): they are the pass's metadata, written before its
 // first kernel, where the kernel just before (the RoPE write) writes this row's K, V and q.
+// That holds while every programmatic kernel of a pass triggers its dependents only after
+// its own wait (pdl_enter, PdlWait, pdl_wait): a kernel that starts early then overlaps only
+// the one before it, and what is older has finished.
 template <int HEAD_DIM, int KIND, int GROUP>
 __device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64_t row,
                                            bool wait) {
