@@ -72,7 +72,7 @@ def _kernels(ops, q, caches, meta, scaled: bool):
     """(CUDA, Triton) launches of one decode attention over every row, each with the
     split combine where the engine would split."""
     from vllm_rlt.kernels.head_lanes import head_range
-    from vllm_rlt.kernels.paged_attention_cuda import paged_decode
+    from vllm_rlt.kernels.paged_attention_cuda import head_blocks, paged_decode
     from vllm_rlt.ops.triton_ops import decode_splits
 
     rows, heads, dim = q.shape
@@ -80,13 +80,16 @@ def _kernels(ops, q, caches, meta, scaled: bool):
     out = torch.empty_like(q)
     splits = decode_splits(rows, ops._head_grid(heads, kv_heads)[0])
     parts = ops._split_parts(out, splits)
+    cuda_splits = decode_splits(rows, head_blocks(kv_heads))
+    cuda_parts = ops._split_parts(out, cuda_splits)
     shape = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim)
     shape |= dict(HEAD_P2=head_range(dim), KV_SCALED=scaled)
     scale = dim**-0.5
 
     def cuda(_):
-        paged_decode(q, caches, scaled, out, parts, meta, rows, splits, None, scale, False)
-        ops._combine_splits(parts, caches[3], out, rows, shape, splits)
+        args = (q, caches, scaled, out, cuda_parts, meta, rows, cuda_splits)
+        paged_decode(*args, None, scale, False)
+        ops._combine_splits(cuda_parts, caches[3], out, rows, shape, cuda_splits)
 
     def triton(_):
         args = (q, caches, out, parts, meta, rows, meta.positions, False, shape, scale)

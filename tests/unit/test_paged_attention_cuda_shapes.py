@@ -17,10 +17,10 @@ def test_a_group_takes_the_smallest_tile_that_holds_it():
 
 
 def test_shared_memory_of_a_block():
-    # 4 warps x 2 stages x (K, V) x 16 keys of 256 + 16 bytes, then one head's float32 q
-    assert paged_attention_cuda.shared_bytes(128, 2, 1) == 4 * 2 * 2 * 16 * 272 + 512
-    # float8 rows of head size 96: 96 + 16 bytes; 8 heads of q
-    assert paged_attention_cuda.shared_bytes(96, 1, 8) == 4 * 2 * 2 * 16 * 112 + 8 * 96 * 4
+    # 4 warps, each: 2 stages x (K, V) x 16 keys of 256 + 16 bytes, then its head's q
+    assert paged_attention_cuda.shared_bytes(128, 2, 1) == 4 * (2 * 2 * 16 * 272 + 512)
+    # float8 rows of head size 96: 96 + 16 bytes; 8 heads of q a warp
+    assert paged_attention_cuda.shared_bytes(96, 1, 8) == 4 * (2 * 2 * 16 * 112 + 8 * 96 * 4)
 
 
 def test_cpu_tensors_never_take_the_kernel():

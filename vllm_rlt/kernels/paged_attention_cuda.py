@@ -1,13 +1,13 @@
 """Paged decode attention in CUDA (csrc/paged_attention.cu), for the decode rows that the
 Triton row kernel (`_paged_attention_kernel`) would otherwise attend.
 
-A block takes a row, a KV head with its group of query heads, and a run of keys; its four
-warps each keep two tiles of 16 keys and values in flight through cp.async, so the block
-streams the cache where a Triton program waits on one tile's load at a time. bf16 queries
-over a bf16, float8 e4m3 or e5m2 cache (per-head scales), head sizes 64, 96 and 128,
-groups of up to 8 query heads; every split and the bounded grid of a captured pass, with
-the Triton combine kernel for split runs. Built on first use (cuda_build.py); without a
-compiler the Triton kernel serves.
+A warp takes a row, a KV head with its group of query heads, and a run of keys, alone: it
+keeps two tiles of 16 keys and values in flight through cp.async in shared memory of its
+own, so a block of four (four KV heads of a row) streams the cache where a Triton program
+waits on one tile's load at a time. bf16 queries over a bf16, float8 e4m3 or e5m2 cache
+(per-head scales), head sizes 64, 96 and 128, groups of up to 8 query heads; every split and
+the bounded grid of a captured pass, with the Triton combine kernel for split runs. Built
+on first use (cuda_build.py); without a compiler the Triton kernel serves.
 """
 
 from __future__ import annotations
@@ -83,11 +83,17 @@ def group_tile(num_heads: int, num_kv_heads: int) -> int:
     return next((tile for tile in GROUP_TILES if group <= tile), 0)
 
 
+def head_blocks(num_kv_heads: int) -> int:
+    """Blocks a row and run takes (a warp a KV head): what the split count is sized by, as
+    the Triton kernel's is by its programs a row, so that few rows keep as many warps busy."""
+    return -(-num_kv_heads // WARPS)
+
+
 def shared_bytes(head_dim: int, element_bytes: int, tile: int) -> int:
     """A block's dynamic shared memory: each warp's ring of (K, V) tiles, rows padded by 16
-    bytes, then the group's queries in float32 (csrc/paged_attention.cu's Layout)."""
+    bytes, then each warp's group of queries in float32 (csrc/paged_attention.cu's Layout)."""
     ring = STAGES * 2 * TILE * (head_dim * element_bytes + 16)
-    return WARPS * ring + tile * head_dim * 4
+    return WARPS * (ring + tile * head_dim * 4)
 
 
 def takes_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int, rows: int) -> bool:
@@ -171,5 +177,5 @@ def paged_decode(
     kernel = _module(q.device).kernel(name)
     stream = torch.cuda.current_stream(q.device).cuda_stream
     shared = shared_bytes(head_dim, k_cache.element_size(), tile)
-    grid = (row_grid, kv_heads, splits)
+    grid = (row_grid, head_blocks(kv_heads), splits)  # a warp a KV head
     kernel.launch(grid, WARPS * 32, stream, (args,), pdl=pdl, shared_bytes=shared)

@@ -18,7 +18,7 @@ from vllm_rlt.kernels.fp8_rows import Fp8Rows, empty_fp8_rows, quantize_rows
 from vllm_rlt.kernels.gumbel_sample import gumbel_sample
 from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel, row_warps
-from vllm_rlt.kernels.paged_attention_cuda import paged_decode, takes_cuda_decode
+from vllm_rlt.kernels.paged_attention_cuda import head_blocks, paged_decode, takes_cuda_decode
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
 from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
@@ -423,9 +423,11 @@ class TritonOps:
             )
         if row_grid == 0:
             return out.reshape(rows, -1)
-        splits = 1 if counts is not None else decode_splits(row_grid, head_grid)
+        cuda = takes_cuda_decode(q, k_cache, num_kv_heads, row_grid)
+        programs = head_blocks(num_kv_heads) if cuda else head_grid  # a row's, a run
+        splits = 1 if counts is not None else decode_splits(row_grid, programs)
         parts = self._split_parts(out, splits)
-        if takes_cuda_decode(q, k_cache, num_kv_heads, row_grid):
+        if cuda:
             count = None if counts is None else counts.counts
             args = (q, caches, scaled, out, parts, meta, row_grid, splits, count, scale)
             paged_decode(*args, self.pdl)
@@ -463,8 +465,7 @@ class TritonOps:
 
     @staticmethod
     def _split_parts(out: torch.Tensor, splits: int) -> torch.Tensor:
-        """Each split's unnormalised state (acc, max, sum) per row and head; `out` itself
-        (not read) with one split."""
+        """Each split's unnormalised (acc, max, sum) per row and head; one split: `out`."""
         if splits == 1:
             return out
         rows, heads, head_dim = out.shape

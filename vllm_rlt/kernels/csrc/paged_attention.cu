@@ -1,12 +1,15 @@
 // Paged decode attention streamed at the memory's pace (kernels/paged_attention_cuda.py).
 //
-// A block of 4 warps takes one decode row, one KV head with its group of query heads and
-// one run of the row's keys (split-KV). Each warp attends every 4th tile of 16 positions
-// with its own online softmax, and copies its tiles of K and V into a ring of shared memory
-// with cp.async, STAGES tiles ahead, so a warp never waits on one load at a time; the warps'
-// states are combined at the end. K rows are padded by 16 bytes in shared memory, so the
-// 8 lanes of a 16-byte load phase hit distinct banks. Scores, softmax and sums are float32
-// as in the Triton kernel (kernels/decode_attention.py): the two differ by summation order.
+// A warp takes one decode row, one KV head with its group of query heads and one run of the
+// row's keys (split-KV), alone: its own online softmax over the run's tiles of 16
+// positions, whose K and V it copies into a ring of shared memory of its own with cp.async,
+// STAGES tiles ahead, so it never waits on one load at a time, and its own output. A block
+// is WARPS such warps on consecutive KV heads of a row; they share nothing: no barrier and
+// no combine, so a warp moves on when its own tiles are done. Few rows split their keys
+// into more runs to keep as many warps busy (paged_attention_cuda.head_blocks). K rows are
+// padded by 16 bytes in shared memory, so the 8 lanes of a 16-byte load phase hit distinct
+// banks. Scores, softmax and sums are float32 as in the Triton kernel
+// (kernels/decode_attention.py): the two differ by summation order.
 //
 // Scores: lane = 16 h + j reads half h of position j's key and the halves meet by a shuffle.
 // Values: lane owns dimensions lane, lane + 32, ...; p of position j comes from lane j.
@@ -85,18 +88,16 @@ struct Cache {
   }
 };
 
-// Shared memory of a block: each warp's ring of STAGES (K tile, V tile), then q in float32.
-// After the key loop the ring holds the warps' states for the combine. Mirrored by
-// `shared_bytes` in paged_attention_cuda.py.
+// Shared memory of a block: each warp's ring of STAGES (K tile, V tile), then each warp's q
+// in float32. Mirrored by `shared_bytes` in paged_attention_cuda.py.
 template <int HEAD_DIM, int KIND, int GROUP>
 struct Layout {
   static constexpr int ROW = HEAD_DIM * Cache<KIND>::BYTES;  // a key's or value's bytes
   static constexpr int PADDED = ROW + 16;
   static constexpr int TILE_BYTES = TILE * PADDED;
   static constexpr int RING = STAGES * 2 * TILE_BYTES;  // a warp's
-  static constexpr int Q = WARPS * RING;  // q's offset
-  static constexpr int STATE = HEAD_DIM + 2;  // (acc, max, sum) of a head
-  static_assert(WARPS * GROUP * STATE * 4 <= Q, "the combine fits in the rings");
+  static constexpr int Q = WARPS * RING;  // the warps' q, GROUP * HEAD_DIM floats each
+  static constexpr int STATE = HEAD_DIM + 2;  // (acc, max, sum) of a head in `parts`
 };
 
 __device__ __forceinline__ void copy16(uint32_t to, const uint8_t* from, bool valid) {
@@ -208,45 +209,29 @@ __device__ __forceinline__ void attend_tile(WarpState<HEAD_DIM, GROUP>& s, const
   }
 }
 
-// The warps' states combined: the output (one split) or the split's state for the Triton
-// combine kernel, which applies v_scale itself.
+// The warp's state stored: the output (one split) or the run's state for the Triton combine
+// kernel, which applies v_scale itself.
 template <int HEAD_DIM, int KIND, int GROUP>
-__device__ __forceinline__ void combine(const Args& a, WarpState<HEAD_DIM, GROUP>& s, float* red,
-                                        int64_t row, int kv_head, int group, int split) {
+__device__ __forceinline__ void store(const Args& a, const WarpState<HEAD_DIM, GROUP>& s,
+                                      int64_t row, int kv_head, int group, int split, int lane) {
   using L = Layout<HEAD_DIM, KIND, GROUP>;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const float v_scale = a.scaled ? a.v_scale[kv_head] : 1.f;
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
-    float* state = red + (warp * GROUP + g) * L::STATE;
-#pragma unroll
-    for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i)
-      if (lane + 32 * i < HEAD_DIM) state[lane + 32 * i] = s.acc[g][i];
-    if (lane == 0) state[HEAD_DIM] = s.m[g], state[HEAD_DIM + 1] = s.l[g];
-  }
-  __syncthreads();
-  const float v_scale = a.scaled ? a.v_scale[kv_head] : 1.f;
-  for (int idx = threadIdx.x; idx < group * HEAD_DIM; idx += WARPS * 32) {
-    const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;
-    float top = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) top = fmaxf(top, red[(w * GROUP + g) * L::STATE + HEAD_DIM]);
-    float acc = 0.f, total = 0.f;
-    if (top != -INFINITY) {  // else an empty run: (0, -inf, 0)
-#pragma unroll
-      for (int w = 0; w < WARPS; ++w) {
-        const float* state = red + (w * GROUP + g) * L::STATE;
-        const float weight = __expf(state[HEAD_DIM] - top);
-        acc += state[d] * weight;
-        total += state[HEAD_DIM + 1] * weight;
-      }
-    }
+    if (g >= group) break;  // padding heads of the tile
     const int64_t head = static_cast<int64_t>(kv_head) * group + g;
     if (a.splits == 1) {
-      a.out[(row * a.heads + head) * HEAD_DIM + d] = __float2bfloat16(acc / total * v_scale);
-    } else {
+      __nv_bfloat16* out = a.out + (row * a.heads + head) * HEAD_DIM;
+#pragma unroll
+      for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i)
+        if (lane + 32 * i < HEAD_DIM)
+          out[lane + 32 * i] = __float2bfloat16(s.acc[g][i] / s.l[g] * v_scale);
+    } else {  // an empty run stores (0, -inf, 0)
       float* part = a.parts + ((row * a.heads + head) * a.splits + split) * L::STATE;
-      part[d] = acc;
-      if (d == 0) part[HEAD_DIM] = top, part[HEAD_DIM + 1] = total;
+#pragma unroll
+      for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i)
+        if (lane + 32 * i < HEAD_DIM) part[lane + 32 * i] = s.acc[g][i];
+      if (lane == 0) part[HEAD_DIM] = s.m[g], part[HEAD_DIM + 1] = s.l[g];
     }
   }
 }
@@ -259,51 +244,49 @@ __device__ __forceinline__ void pdl_wait() {
 #endif
 }
 
-// Element idx of the block's query tile ([GROUP, HEAD_DIM], float32): zeros for the padding
-// heads of the tile, which are not stored, and past the tile.
+// Element idx of a warp's query tile ([GROUP, HEAD_DIM], float32): zeros for the padding
+// heads of the tile, which are not stored.
 template <int HEAD_DIM, int GROUP>
 __device__ __forceinline__ float query(const Args& a, int64_t row, int kv_head, int group,
                                        int idx) {
   const int g = idx / HEAD_DIM;
-  if (idx >= GROUP * HEAD_DIM || g >= group) return 0.f;
+  if (g >= group) return 0.f;
   const int64_t head = static_cast<int64_t>(kv_head) * group + g;
   return __bfloat162float(a.q[(row * a.heads + head) * HEAD_DIM + idx % HEAD_DIM]);
 }
 
-// The row's fields and its first tiles' slots come before `wait` (the programmatic-dependent
-// wait on the first row a block takes): they are the pass's metadata, written before its
-// first kernel, where the kernel just before (the RoPE write) writes this row's K, V and q.
-// That holds while every programmatic kernel of a pass triggers its dependents only after
-// its own wait (pdl_enter, PdlWait, pdl_wait): a kernel that starts early then overlaps only
-// the one before it, and what is older has finished.
+// One warp's row, KV head and run. The row's fields and its first tiles' slots come before
+// `wait` (the programmatic-dependent wait, on the first row a block takes): they are the
+// pass's metadata, written before its first kernel, where the kernel just before (the RoPE
+// write) writes this row's K, V and q. That holds while every programmatic kernel of a
+// pass triggers its dependents only after its own wait (pdl_enter, PdlWait, pdl_wait): a
+// kernel that starts early then overlaps only the one before it, and what is older has
+// finished.
 template <int HEAD_DIM, int KIND, int GROUP>
-__device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64_t row,
-                                           bool wait) {
+__device__ __forceinline__ void attend(const Args& a, uint8_t* shared, int64_t row, int kv_head,
+                                       bool wait) {
   using L = Layout<HEAD_DIM, KIND, GROUP>;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int kv_head = blockIdx.y, split = blockIdx.z, group = a.heads / a.kv_heads;
+  const int split = blockIdx.z, group = a.heads / a.kv_heads;
   const int64_t pos = a.positions[row], table_row = a.table_rows[row], plane = a.planes[row];
   const int64_t tiles = (pos + TILE) / TILE;  // of positions 0..pos
   const int64_t run = (tiles + a.splits - 1) / a.splits;
   const int64_t first = split * run, last = first + run < tiles ? first + run : tiles;
   const int64_t end = pos + 1;
-  // This warp's tiles: first + warp, first + warp + WARPS, ...
-  const int64_t mine = first + warp < last ? (last - first - warp + WARPS - 1) / WARPS : 0;
+  const int64_t mine = last > first ? last - first : 0;  // tiles first..last-1
   int slots[STAGES];
 #pragma unroll
   for (int t = 0; t < STAGES; ++t)
-    slots[t] = t < mine ? tile_slot(a, (first + warp + t * WARPS) * TILE, end, table_row, plane,
-                                    lane)
-                        : -1;
+    slots[t] = t < mine ? tile_slot(a, (first + t) * TILE, end, table_row, plane, lane) : -1;
   if (wait) pdl_wait();
   // q's loads go out ahead of the tiles' copies, which would otherwise queue before them:
-  // into registers where a thread holds at most 2 values (larger groups would spill).
-  constexpr int Q_EACH = (GROUP * HEAD_DIM + WARPS * 32 - 1) / (WARPS * 32);
-  constexpr int EARLY = Q_EACH <= 2 ? Q_EACH : 0;
+  // into registers where a lane holds at most 4 values (larger groups would spill).
+  constexpr int Q_EACH = GROUP * HEAD_DIM / 32;  // a lane's
+  constexpr int EARLY = Q_EACH <= 4 ? Q_EACH : 0;
   float q_mine[EARLY > 0 ? EARLY : 1];
 #pragma unroll
   for (int i = 0; i < EARLY; ++i)
-    q_mine[i] = query<HEAD_DIM, GROUP>(a, row, kv_head, group, threadIdx.x + i * WARPS * 32);
+    q_mine[i] = query<HEAD_DIM, GROUP>(a, row, kv_head, group, lane + 32 * i);
   const uint32_t ring =
       static_cast<uint32_t>(__cvta_generic_to_shared(shared)) + warp * L::RING;
 #pragma unroll
@@ -314,15 +297,12 @@ __device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
   }
-  float* q = reinterpret_cast<float*>(shared + L::Q);
+  float* q = reinterpret_cast<float*>(shared + L::Q) + warp * GROUP * HEAD_DIM;
   if constexpr (EARLY > 0) {
 #pragma unroll
-    for (int i = 0; i < EARLY; ++i) {
-      const int idx = threadIdx.x + i * WARPS * 32;
-      if (idx < GROUP * HEAD_DIM) q[idx] = q_mine[i];
-    }
+    for (int i = 0; i < EARLY; ++i) q[lane + 32 * i] = q_mine[i];
   } else {
-    for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += WARPS * 32)
+    for (int idx = lane; idx < GROUP * HEAD_DIM; idx += 32)
       q[idx] = query<HEAD_DIM, GROUP>(a, row, kv_head, group, idx);
   }
   const float scale = a.scaled ? a.scale * a.k_scale[kv_head] : a.scale;
@@ -333,12 +313,12 @@ __device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64
 #pragma unroll
     for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i) s.acc[g][i] = 0.f;
   }
-  __syncthreads();  // q is in shared memory
+  __syncwarp();  // q is in shared memory
   for (int64_t t = 0; t < mine; ++t) {
     const uint32_t offset = static_cast<uint32_t>(t % STAGES) * 2 * L::TILE_BYTES;
     // The slot of the tile this one's buffer takes next, read before the wait for this one.
-    const int64_t start = (first + warp + t * WARPS) * TILE;
-    const int64_t next = start + STAGES * WARPS * TILE;
+    const int64_t start = (first + t) * TILE;
+    const int64_t next = start + STAGES * TILE;
     const int slot = t + STAGES < mine ? tile_slot(a, next, end, table_row, plane, lane) : -1;
     asm volatile("cp.async.wait_group %0;\n" ::"n"(STAGES - 1) : "memory");
     __syncwarp();
@@ -353,21 +333,21 @@ __device__ __forceinline__ void attend_row(const Args& a, uint8_t* shared, int64
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
-  __syncthreads();  // every warp is out of its ring before the states go there
-  combine<HEAD_DIM, KIND, GROUP>(a, s, reinterpret_cast<float*>(shared), row, kv_head, group,
-                                 split);
-  __syncthreads();  // the combine is read before the next row's q and tiles land
+  __syncwarp();  // the ring and q are free for the warp's next row
+  store<HEAD_DIM, KIND, GROUP>(a, s, row, kv_head, group, split, lane);
 }
 
 template <int HEAD_DIM, int KIND, int GROUP>
 __device__ __forceinline__ void paged_decode(const Args& a) {
   extern __shared__ __align__(16) uint8_t shared[];
-  const int64_t rows = a.count ? a.count[0] : a.rows;  // metadata: see attend_row
-  // A block without a row waits too, so that no kernel after this one runs before the one
-  // before it has finished, even where the device counts no row.
-  if (a.pdl && blockIdx.x >= rows) pdl_wait();
+  const int64_t rows = a.count ? a.count[0] : a.rows;  // metadata: see attend
+  const int kv_head = blockIdx.y * WARPS + (threadIdx.x >> 5);
+  // A warp without a row or head waits too, so that no kernel after this one runs before
+  // the one before it has finished, even where the device counts no row.
+  if (a.pdl && (blockIdx.x >= rows || kv_head >= a.kv_heads)) pdl_wait();
+  if (kv_head >= a.kv_heads) return;
   for (int64_t row = blockIdx.x; row < rows; row += gridDim.x)
-    attend_row<HEAD_DIM, KIND, GROUP>(a, shared, row, a.pdl && row == blockIdx.x);
+    attend<HEAD_DIM, KIND, GROUP>(a, shared, row, kv_head, a.pdl && row == blockIdx.x);
 }
 
 }  // namespace paged
