@@ -71,8 +71,8 @@ def _problem(rows, context, heads, kv_heads, dim, kv_dtype):
 def _kernels(ops, q, caches, meta, scaled: bool):
     """(CUDA, Triton) launches of one decode attention over every row, each with the
     split combine where the engine would split."""
+    from vllm_rlt.kernels import paged_attention_cuda
     from vllm_rlt.kernels.head_lanes import head_range
-    from vllm_rlt.kernels.paged_attention_cuda import head_blocks, paged_decode
     from vllm_rlt.ops.triton_ops import decode_splits
 
     rows, heads, dim = q.shape
@@ -80,7 +80,7 @@ def _kernels(ops, q, caches, meta, scaled: bool):
     out = torch.empty_like(q)
     splits = decode_splits(rows, ops._head_grid(heads, kv_heads)[0])
     parts = ops._split_parts(out, splits)
-    cuda_splits = decode_splits(rows, head_blocks(kv_heads))
+    cuda_splits = paged_attention_cuda.decode_splits(rows, kv_heads)
     cuda_parts = ops._split_parts(out, cuda_splits)
     shape = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim)
     shape |= dict(HEAD_P2=head_range(dim), KV_SCALED=scaled)
@@ -88,7 +88,7 @@ def _kernels(ops, q, caches, meta, scaled: bool):
 
     def cuda(_):
         args = (q, caches, scaled, out, cuda_parts, meta, rows, cuda_splits)
-        paged_decode(*args, None, scale, False)
+        paged_attention_cuda.paged_decode(*args, None, scale, False)
         ops._combine_splits(cuda_parts, caches[3], out, rows, shape, cuda_splits)
 
     def triton(_):
@@ -96,7 +96,7 @@ def _kernels(ops, q, caches, meta, scaled: bool):
         ops._triton_decode(*args)
         ops._combine_splits(parts, caches[3], out, rows, shape, splits)
 
-    return cuda, triton, out, splits
+    return cuda, triton, out, (cuda_splits, splits)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
             assert error < 1e-2, f"{name} {rows}x{context} {kv}: CUDA against Triton {error}"
             kv_bytes = 2 * rows * context * kv_heads * dim * kv_dtype.itemsize
             figures = {"name": name, "rows": rows, "context": context, "kv": kv}
-            figures |= {"splits": splits, "kv_bytes": kv_bytes}
+            figures |= {"splits": {"cuda": splits[0], "triton": splits[1]}, "kv_bytes": kv_bytes}
             for kernel, fn in (("cuda", cuda), ("triton", triton)):
                 us = sorted(graph_time_us(fn, 10) for _ in range(3))[1]  # median of 3
                 figures[kernel] = {"us": us, "of_bandwidth": kv_bytes / (us * 1e-6) / bandwidth}

@@ -23,6 +23,15 @@ def test_shared_memory_of_a_block():
     assert paged_attention_cuda.shared_bytes(96, 1, 8) == 4 * (2 * 2 * 16 * 112 + 8 * 96 * 4)
 
 
+def test_few_rows_split_their_keys_until_the_launch_has_enough_blocks():
+    splits = paged_attention_cuda.decode_splits
+    # Ouro's 16 KV heads: 4 blocks a row and run
+    assert [splits(r, 16) for r in (1, 4, 32, 64, 256)] == [32, 16, 2, 1, 1]
+    # Huginn's 55: 14 blocks a row and run; at most MAX_SPLITS runs
+    assert [splits(r, 55) for r in (1, 4, 18, 19)] == [32, 8, 2, 1]
+    assert all(splits(r, h) <= paged_attention_cuda.MAX_SPLITS for r in (1, 2) for h in (1, 8))
+
+
 def test_cpu_tensors_never_take_the_kernel():
     q = torch.zeros(300, 55, 96, dtype=torch.bfloat16)
     cache = torch.zeros(64, 55, 96, dtype=torch.bfloat16)

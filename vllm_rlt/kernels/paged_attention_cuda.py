@@ -37,6 +37,8 @@ HEAD_DIMS = (64, 96, 128)
 GROUP_TILES = (1, 2, 4, 8)
 _KINDS = {torch.bfloat16: "bf16", torch.float8_e4m3fn: "e4m3", torch.float8_e5m2: "e5m2"}
 WARPS, TILE, STAGES = 4, 16, 2  # as csrc/paged_attention.cu
+# Split-KV for the kernel's launches (decode_splits): 256 blocks, two an SM on an H100.
+SPLIT_BLOCKS, MAX_SPLITS = 256, 32
 
 _pointer, _int, _long = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 
@@ -84,9 +86,19 @@ def group_tile(num_heads: int, num_kv_heads: int) -> int:
 
 
 def head_blocks(num_kv_heads: int) -> int:
-    """Blocks a row and run takes (a warp a KV head): what the split count is sized by, as
-    the Triton kernel's is by its programs a row, so that few rows keep as many warps busy."""
+    """Blocks a row and run takes: a warp a KV head, four to a block."""
     return -(-num_kv_heads // WARPS)
+
+
+def decode_splits(rows: int, num_kv_heads: int) -> int:
+    """Runs a row's keys are split into (a power of two, at most MAX_SPLITS) until the
+    launch has SPLIT_BLOCKS blocks: a warp streams its whole run alone, so fewer blocks
+    leave SMs with a warp or none (32 rows x 1,024 float8 positions at 128 blocks read 0.55
+    of bandwidth). Depends on the rows alone, as a captured graph needs."""
+    splits = 1
+    while splits < MAX_SPLITS and rows * head_blocks(num_kv_heads) * splits < SPLIT_BLOCKS:
+        splits *= 2
+    return splits
 
 
 def shared_bytes(head_dim: int, element_bytes: int, tile: int) -> int:

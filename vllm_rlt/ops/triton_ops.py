@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from vllm_rlt.kernels import paged_attention_cuda as cuda_decode
 from vllm_rlt.kernels.decode_attention import (
     _combine_splits_kernel,
     _paged_attention_kernel,
@@ -18,7 +19,6 @@ from vllm_rlt.kernels.fp8_rows import Fp8Rows, empty_fp8_rows, quantize_rows
 from vllm_rlt.kernels.gumbel_sample import gumbel_sample
 from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel, row_warps
-from vllm_rlt.kernels.paged_attention_cuda import head_blocks, paged_decode, takes_cuda_decode
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
 from vllm_rlt.kernels.rope_kv import _rope_write_kernel, _rope_write_rows_kernel
@@ -423,14 +423,14 @@ class TritonOps:
             )
         if row_grid == 0:
             return out.reshape(rows, -1)
-        cuda = takes_cuda_decode(q, k_cache, num_kv_heads, row_grid)
-        programs = head_blocks(num_kv_heads) if cuda else head_grid  # a row's, a run
-        splits = 1 if counts is not None else decode_splits(row_grid, programs)
+        cuda = cuda_decode.takes_cuda_decode(q, k_cache, num_kv_heads, row_grid)
+        rule = cuda_decode.decode_splits if cuda else decode_splits
+        splits = 1 if counts is not None else rule(row_grid, num_kv_heads if cuda else head_grid)
         parts = self._split_parts(out, splits)
         if cuda:
             count = None if counts is None else counts.counts
             args = (q, caches, scaled, out, parts, meta, row_grid, splits, count, scale)
-            paged_decode(*args, self.pdl)
+            cuda_decode.paged_decode(*args, self.pdl)
         else:
             args = (q, caches, out, parts, meta, row_grid, count_ptr, counts is not None)
             self._triton_decode(*args, shape, scale)
