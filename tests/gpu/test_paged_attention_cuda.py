@@ -175,13 +175,14 @@ def test_the_engine_op_attends_with_the_cuda_kernel(
     cache contents and outputs as the torch ops, and the kernel taken wherever the Triton
     row kernel would run (a decode-only pass of independent rows outside a bounded grid
     writes and attends in the fused Triton kernel instead)."""
-    from vllm_rlt.ops import triton_ops as triton_module
     from vllm_rlt.ops.triton_ops import TritonOps
 
     calls = []
     launch_kernel = paged_attention_cuda.paged_decode
     monkeypatch.setattr(paged_attention_cuda, "ALL_ROWS", 1)
-    monkeypatch.setattr(triton_module, "paged_decode", lambda *a: calls.append(launch_kernel(*a)))
+    monkeypatch.setattr(
+        paged_attention_cuda, "paged_decode", lambda *a: calls.append(launch_kernel(*a))
+    )
     kv_dtype, scaled = (None, False) if kv == "bf16" else (torch.float8_e4m3fn, True)
     kv_heads = 4 if launch == "grouped" else 16
     shape = (torch.bfloat16, planes, table_planes, kv_heads, with_prompts, launch)
@@ -195,9 +196,10 @@ def test_the_engine_op_attends_with_the_cuda_kernel(
     [
         (55, 55, 96, torch.bfloat16, 17, True),  # Huginn-0125: a head size Triton pads
         (55, 55, 96, torch.float8_e4m3fn, 64, True),
-        (16, 16, 128, torch.bfloat16, 512, False),  # Ouro in bf16: Triton
+        (16, 16, 128, torch.bfloat16, 255, False),  # Ouro below 256 rows: Triton
+        (16, 16, 128, torch.bfloat16, 512, True),  # and from 256 rows the kernel
         (16, 16, 128, torch.float8_e4m3fn, 255, False),
-        (16, 16, 128, torch.float8_e4m3fn, 256, True),  # float8 caches from 256 rows
+        (16, 16, 128, torch.float8_e4m3fn, 256, True),
         (48, 8, 128, torch.float8_e4m3fn, 512, False),  # grouped heads: Triton's tiles
     ],
 )

@@ -21,16 +21,17 @@ from vllm_rlt.kernels.cuda_build import cuda_module
 from vllm_rlt.kernels.cuda_driver import CudaModule
 
 # Which decode launches take the kernel, from `python -m benchmarks.probe_paged_attention`
-# on an H100 (docs/benchmarks/2026-12-06-h100-cuda-paged-attention.md), one query head a KV
-# head: head sizes that are no power of two, which the Triton kernel pads to one (Huginn-0125's
-# 96 on 128 lanes: 2.31x in bf16, 1.80x over float8, 64 rows x 320 positions), and float8
-# caches from FP8_CACHE_ROWS rows (1.15x at 256 and 512 rows x 80 positions, 1.01-1.08x at
-# 32-64 rows x 1,024-8,192, but 0.82x at 64 x 80). bf16 caches of power-of-two heads stay on
-# Triton (0.84-1.03x), and so do grouped heads, which Triton attends with tensor-core tiles
-# (0.62x at Nanbeige's 6 a group). ALL_ROWS: every launch of at least so many rows that
-# the kernel fits (0: none beyond the rules above).
+# on an H100 (docs/benchmarks/2026-12-06-h100-warp-per-head-attention.md), one query head
+# a KV head: head sizes that are no power of two, which the Triton kernel pads to one
+# (Huginn-0125's 96 on 128 lanes: 2.28x in bf16, 1.81x over float8 at 64 rows x 320
+# positions; 2.7x at 4 x 4,096), and from MANY_ROWS rows any cache (256 and 512 rows x 80
+# positions: 1.08-1.11x bf16, 1.26x float8; the engine's bf16 pass at 256 rows 1.04x).
+# Below it Triton keeps its launches: at 64 x 80 float8 it reads 1.09x faster, and the
+# engine's long-context passes at 32-64 rows lost 6-9% on the kernel. Grouped heads stay
+# on Triton's tensor-core tiles (0.72x at Nanbeige's 6 a group). ALL_ROWS: every launch of
+# at least so many rows that the kernel fits (0: none beyond the rules above).
 PADDED_HEADS = True
-FP8_CACHE_ROWS = 256
+MANY_ROWS = 256
 ALL_ROWS = 0
 
 HEAD_DIMS = (64, 96, 128)
@@ -114,8 +115,8 @@ def takes_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int,
     head_dim = k_cache.shape[-1]
     single = q.shape[1] == num_kv_heads
     padded = PADDED_HEADS and head_dim & (head_dim - 1) != 0
-    fp8 = 0 < FP8_CACHE_ROWS <= rows and k_cache.element_size() == 1
-    wins = (single and (padded or fp8)) or 0 < ALL_ROWS <= rows
+    many = 0 < MANY_ROWS <= rows
+    wins = (single and (padded or many)) or 0 < ALL_ROWS <= rows
     return wins and fits_cuda_decode(q, k_cache, num_kv_heads)
 
 
