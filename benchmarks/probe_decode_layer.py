@@ -225,30 +225,34 @@ def check_layer(
     }
 
 
-def phase_timeline(layers, caches, x0, a0, rotary, scale, rounds=3) -> dict[str, float]:
-    """Microseconds each phase of the one launch adds to its critical path, from the last
-    block's end of the phase before to the last block's end of this one (medians over
-    rounds x 24 traced launches, each run alone: decode_layer's `trace`)."""
-    from vllm_rlt.kernels.decode_layer import PHASES, decode_layer
+def phase_timeline(
+    layers, caches, x0, a0, rotary, scale, rounds=3
+) -> tuple[dict[str, float], dict[str, float]]:
+    """(microseconds each phase of the one launch adds to its critical path, from the last
+    block's end of the phase before to the last block's end of this one; microseconds from
+    the first block's start to each step inside the phases, at the last block to reach it):
+    medians over rounds x 24 traced launches, each run alone (decode_layer's `trace`)."""
+    from vllm_rlt.kernels.decode_layer import PHASES, STEPS, TRACE_SLOTS, decode_layer
 
     blocks = torch.cuda.get_device_properties(x0.device).multi_processor_count
-    trace = torch.zeros(blocks, 8, dtype=torch.int64, device=x0.device)
-    ends: dict[str, list[float]] = {phase: [] for phase in PHASES[1:]}
+    trace = torch.zeros(blocks, TRACE_SLOTS, dtype=torch.int64, device=x0.device)
+    marks: dict[str, list[float]] = {name: [] for name in (*PHASES[1:], *STEPS)}
     for _ in range(rounds):
         for weights, (k_cache, v_cache, meta) in zip(layers, caches, strict=True):
+            trace.zero_()  # a norm step is stamped by one block alone
             decode_layer(
                 x0, a0, weights, weights.mlp_norm, k_cache, v_cache, meta, rotary.cos,
                 rotary.sin, HEADS, EPS, scale, trace=trace,
             )  # fmt: skip
             stamps = trace.cpu()
             start = int(stamps[:, 0].min())
-            for i, phase in enumerate(PHASES[1:], start=1):
-                ends[phase].append((int(stamps[:, i].max()) - start) / 1e3)
+            for i, name in enumerate((*PHASES[1:], *STEPS), start=1):
+                marks[name].append((int(stamps[:, i].max()) - start) / 1e3)
     timeline, previous = {}, 0.0
-    for phase, values in ends.items():
-        end = statistics.median(values)
+    for phase in PHASES[1:]:
+        end = statistics.median(marks[phase])
         timeline[phase], previous = end - previous, end
-    return timeline
+    return timeline, {step: statistics.median(marks[step]) for step in STEPS}
 
 
 def phase_floors(weights, bandwidth: float) -> dict[str, float]:
@@ -334,9 +338,10 @@ def main(argv: list[str] | None = None) -> int:
                 f"{errors['x_out']:.1e} a {errors['a_out']:.1e}"
             )
             if args.timeline:
-                timeline = phase_timeline(layers, caches, x0, a0, rotary, scale)
+                timeline, steps = phase_timeline(layers, caches, x0, a0, rotary, scale)
                 floors = phase_floors(layers[0], bandwidth)
                 figures["phase_us"], figures["phase_floor_us"] = timeline, floors
+                figures["step_us_from_start"] = steps
                 print(
                     "  by phase: "
                     + " | ".join(
@@ -344,6 +349,9 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     + f" | total {sum(timeline.values()):.1f} us"
                 )
+                print("  steps, us from the start: " + " | ".join(
+                    f"{step} {us:.1f}" for step, us in steps.items()
+                ))  # fmt: skip
     if args.output:
         with open(args.output, "w") as out:
             json.dump(report, out, indent=1)

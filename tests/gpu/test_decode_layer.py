@@ -117,7 +117,7 @@ def test_a_traced_launch_stamps_every_phase_and_changes_nothing(parts):
     """With `trace`, each block writes its start and each phase's end, in order, and the
     layer's outputs and K/V are the bits of an untraced launch."""
     from benchmarks.probe_decode_layer import build_cache, build_weights, fused_layer
-    from vllm_rlt.kernels.decode_layer import PHASES
+    from vllm_rlt.kernels.decode_layer import PHASES, STEPS, TRACE_SLOTS
 
     ops, rotary = parts
     weights = build_weights("bf16", 0, kv_heads=2, **SMALL)
@@ -127,9 +127,15 @@ def test_a_traced_launch_stamps_every_phase_and_changes_nothing(parts):
     copies = (k_cache.clone(), v_cache.clone())
     args = (ops, x, a, weights, weights.mlp_norm)
     want = fused_layer(*args, *copies, meta, rotary, 2, 0.1, grid=7)
-    trace = torch.zeros(7, 8, dtype=torch.int64, device="cuda")
+    trace = torch.zeros(7, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     got = fused_layer(*args, k_cache, v_cache, meta, rotary, 2, 0.1, grid=7, trace=trace)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert torch.equal(k_cache, copies[0]) and torch.equal(v_cache, copies[1])
     stamps = trace[:, : len(PHASES)].cpu()
     assert bool((stamps > 0).all()) and bool((stamps.diff(dim=1) >= 0).all())
+    # Each step is stamped by at least one block, between its phase's neighbours.
+    steps = trace[:, len(PHASES) : len(PHASES) + len(STEPS)].cpu().max(dim=0).values
+    o_end, gate_up, down_end = (int(stamps[:, i].max()) for i in (3, 4, 5))
+    o_in, o_norms, b_staged, down_in, down_norms = (int(t) for t in steps)
+    assert int(stamps[:, 1].min()) <= o_in <= o_norms <= o_end
+    assert o_norms <= b_staged <= gate_up and b_staged <= down_in <= down_norms <= down_end

@@ -100,8 +100,12 @@ class SandwichWeights:
 
 
 # What a traced launch's row of each block holds (decode_layer's `trace`): %globaltimer in
-# nanoseconds at the block's start, then at the end of each of its phases.
+# nanoseconds at the block's start, then at the end of each of its phases, then at steps
+# inside them (the norms' only in the block that runs them, zero elsewhere).
 PHASES = ("start", "qkv", "attention", "o and norms", "gate_up", "down and norms")
+STEPS = ("o: last tile in", "o: norms written", "gate_up: b staged", "down: last tile in")
+STEPS += ("down: norms written",)
+TRACE_SLOTS = 12  # a block's row: PHASES, STEPS, one spare
 
 # A launch's counters: per head and K/V head, then five for the phases.
 COUNTERS = CounterRing("decode_layer", per_launch=COUNTERS_PER_LAUNCH, launches=RING)
@@ -190,7 +194,7 @@ def decode_layer(
     scale: float,
     pdl: bool = False,
     grid: int | None = None,  # blocks (default: one per SM; fewer take several units each)
-    trace: torch.Tensor | None = None,  # int64 [grid, 8]: see PHASES
+    trace: torch.Tensor | None = None,  # int64 [grid, TRACE_SLOTS]: see PHASES
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the stream after the layer, its next norm), each [rows, hidden]; graph-safe once run
     outside a capture. With `trace`, each block writes its timeline into its row."""
@@ -243,7 +247,8 @@ def decode_layer(
     args.counters = COUNTERS.next_address(x.device)
     grid = grid or torch.cuda.get_device_properties(x.device).multi_processor_count
     if trace is not None:
-        assert trace.dtype == torch.int64 and trace.is_contiguous() and trace.shape == (grid, 8)
+        assert trace.dtype == torch.int64 and trace.is_contiguous()
+        assert trace.shape == (grid, TRACE_SLOTS)
         args.trace = trace.data_ptr()
     args.rows, args.hidden, args.inter, args.heads, args.kv_heads = (
         rows,

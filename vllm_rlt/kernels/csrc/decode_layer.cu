@@ -78,7 +78,7 @@ struct LayerArgs {
   __nv_bfloat16* x_out;        // [rows, hidden] the layer's output stream
   __nv_bfloat16* a_out;        // [rows, hidden] its next norm
   unsigned int* counters;      // [heads + kv_heads + 5], zero at launch and left zero
-  unsigned long long* trace;   // null, or [grid, 8]: each block's phase timeline (stamp)
+  unsigned long long* trace;   // null, or [grid, 12]: each block's phase timeline (stamp)
   int rows, hidden, inter, heads, kv_heads;
   int slots_per_plane, block_size, block_table_stride;
   float eps, scale;
@@ -91,13 +91,15 @@ __device__ __forceinline__ unsigned int load_acquire(const unsigned int* p) {
   return v;
 }
 
-// With p.trace set, thread 0 of each block writes %globaltimer (ns) at its start (k = 0)
-// and at the end of each of its five phases (k = 1..5), for a per-phase timeline.
+// With p.trace set, thread 0 of each block writes %globaltimer (ns) at its start (k = 0),
+// at the end of each of its five phases (k = 1..5) and at the steps inside them that
+// decode_layer.py's STEPS names (k = 6..10; a norm step only in the block that runs it).
+constexpr int TRACE_SLOTS = 12;
 __device__ __forceinline__ void stamp(const LayerArgs& p, int k) {
   if (p.trace != nullptr && threadIdx.x == 0) {
     unsigned long long now;
     asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
-    p.trace[blockIdx.x * 8 + k] = now;
+    p.trace[blockIdx.x * TRACE_SLOTS + k] = now;
   }
 }
 
@@ -381,9 +383,11 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p, uint4* xs) {
       gemm_tile_from<NT, false, FP8>(pre, attn, p.w_o, p.s_o, p.o, p.hidden, p.rows, p.hidden,
                                      tile * 16, NoWait{}, tiles.at(1, tile + grid));
       if (count_done(o_done, p.hidden / 16)) {
+        stamp(p, 6);  // o's last tile is in
         add_norms_rows<BRANCH_NORMS>(p.o, p.x, p.attn_out_norm, p.mlp_norm, p.x_mid, p.b,
                                      p.rows, p.hidden, p.eps);
         __syncthreads();
+        stamp(p, 7);  // x_mid and b are written
         if (threadIdx.x == 0) {
           __threadfence();
           atomicExch(mid_ready, 1u);
@@ -398,6 +402,7 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p, uint4* xs) {
   if (blockIdx.x < gate_up_tiles) {
     CounterWait{mid_ready, 1u}();
     const StagedX b = stage_x<NT>(xs, p.b, p.rows, p.hidden);
+    stamp(p, 8);  // b is staged
     unsigned int mine = 0;
     for (int tile = blockIdx.x; tile < gate_up_tiles; tile += grid, ++mine) {
       gemm_tile_from<NT, true, FP8>(pre, b, p.w_gate_up, p.s_gate_up, p.mlp, p.inter, p.rows,
@@ -415,9 +420,11 @@ __device__ __forceinline__ void decode_layer(const LayerArgs& p, uint4* xs) {
       gemm_tile_from<NT, false, FP8>(pre, mlp, p.w_down, p.s_down, p.down, p.hidden, p.rows,
                                      p.inter, tile * 16, NoWait{}, tiles.at(3, tile + grid));
       if (count_done(down_done, p.hidden / 16)) {
+        stamp(p, 9);  // down's last tile is in
         add_norms_rows<BRANCH_NORMS>(p.down, p.x_mid, p.mlp_out_norm, p.next_norm, p.x_out,
                                      p.a_out, p.rows, p.hidden, p.eps);
         __syncthreads();  // every block is past its waits: the counters are free again
+        stamp(p, 10);  // x_out and a_out are written
         for (int i = threadIdx.x; i < p.heads + p.kv_heads + 5; i += blockDim.x)
           p.counters[i] = 0u;
       }
