@@ -95,6 +95,8 @@ CASES = [  # rows, context, heads, kv_heads, dim, splits
     (3, 8192, 16, 16, 128, 4),
     (2, 8192, 16, 16, 128, 1),
     (5, 300, 16, 16, 128, 8),  # runs past the context: empty splits
+    (1, 20, 55, 55, 96, 32),  # the most runs decode_splits takes, nearly all empty
+    (2, 4096, 16, 16, 128, 32),
     (9, 200, 48, 8, 128, 1),  # Nanbeige: 6 heads a group (tile 8)
     (9, 200, 48, 8, 128, 2),
     (7, 150, 55, 55, 96, 1),  # Huginn-0125
@@ -197,7 +199,7 @@ def test_the_engine_op_attends_with_the_cuda_kernel(
         (55, 55, 96, torch.bfloat16, 17, True),  # Huginn-0125: a head size Triton pads
         (55, 55, 96, torch.float8_e4m3fn, 64, True),
         (16, 16, 128, torch.bfloat16, 255, False),  # Ouro below 256 rows: Triton
-        (16, 16, 128, torch.bfloat16, 512, True),  # and from 256 rows the kernel
+        (16, 16, 128, torch.bfloat16, 256, True),  # and from 256 rows the kernel
         (16, 16, 128, torch.float8_e4m3fn, 255, False),
         (16, 16, 128, torch.float8_e4m3fn, 256, True),
         (48, 8, 128, torch.float8_e4m3fn, 512, False),  # grouped heads: Triton's tiles

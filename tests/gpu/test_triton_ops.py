@@ -29,7 +29,7 @@ def triton_row_kernel(monkeypatch):
     from vllm_rlt.kernels import paged_attention_cuda
 
     monkeypatch.setattr(paged_attention_cuda, "PADDED_HEADS", False)
-    monkeypatch.setattr(paged_attention_cuda, "MANY_ROWS", 0)
+    monkeypatch.setattr(paged_attention_cuda, "ANY_CACHE_ROWS", 0)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

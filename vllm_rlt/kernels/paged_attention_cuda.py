@@ -24,14 +24,14 @@ from vllm_rlt.kernels.cuda_driver import CudaModule
 # on an H100 (docs/benchmarks/2026-12-06-h100-warp-per-head-attention.md), one query head
 # a KV head: head sizes that are no power of two, which the Triton kernel pads to one
 # (Huginn-0125's 96 on 128 lanes: 2.28x in bf16, 1.81x over float8 at 64 rows x 320
-# positions; 2.7x at 4 x 4,096), and from MANY_ROWS rows any cache (256 and 512 rows x 80
+# positions; 2.7x at 4 x 4,096), and from ANY_CACHE_ROWS rows any cache (256 and 512 rows x 80
 # positions: 1.08-1.11x bf16, 1.26x float8; the engine's bf16 pass at 256 rows 1.04x).
 # Below it Triton keeps its launches: at 64 x 80 float8 it reads 1.09x faster, and the
 # engine's long-context passes at 32-64 rows lost 6-9% on the kernel. Grouped heads stay
 # on Triton's tensor-core tiles (0.72x at Nanbeige's 6 a group). ALL_ROWS: every launch of
 # at least so many rows that the kernel fits (0: none beyond the rules above).
 PADDED_HEADS = True
-MANY_ROWS = 256
+ANY_CACHE_ROWS = 256
 ALL_ROWS = 0
 
 HEAD_DIMS = (64, 96, 128)
@@ -95,7 +95,8 @@ def decode_splits(rows: int, num_kv_heads: int) -> int:
     """Runs a row's keys are split into (a power of two, at most MAX_SPLITS) until the
     launch has SPLIT_BLOCKS blocks: a warp streams its whole run alone, so fewer blocks
     leave SMs with a warp or none (32 rows x 1,024 float8 positions at 128 blocks read 0.55
-    of bandwidth). Depends on the rows alone, as a captured graph needs."""
+    of bandwidth). Fixed by the launch's rows and the model's heads, as a captured graph
+    needs."""
     splits = 1
     while splits < MAX_SPLITS and rows * head_blocks(num_kv_heads) * splits < SPLIT_BLOCKS:
         splits *= 2
@@ -115,7 +116,7 @@ def takes_cuda_decode(q: torch.Tensor, k_cache: torch.Tensor, num_kv_heads: int,
     head_dim = k_cache.shape[-1]
     single = q.shape[1] == num_kv_heads
     padded = PADDED_HEADS and head_dim & (head_dim - 1) != 0
-    many = 0 < MANY_ROWS <= rows
+    many = 0 < ANY_CACHE_ROWS <= rows
     wins = (single and (padded or many)) or 0 < ALL_ROWS <= rows
     return wins and fits_cuda_decode(q, k_cache, num_kv_heads)
 

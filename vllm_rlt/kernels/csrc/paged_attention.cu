@@ -6,7 +6,7 @@
 // STAGES tiles ahead, so it never waits on one load at a time, and its own output. A block
 // is WARPS such warps on consecutive KV heads of a row; they share nothing: no barrier and
 // no combine, so a warp moves on when its own tiles are done. Few rows split their keys
-// into more runs to keep as many warps busy (paged_attention_cuda.head_blocks). K rows are
+// into more runs to keep as many warps busy (paged_attention_cuda.decode_splits). K rows are
 // padded by 16 bytes in shared memory, so the 8 lanes of a 16-byte load phase hit distinct
 // banks. Scores, softmax and sums are float32 as in the Triton kernel
 // (kernels/decode_attention.py): the two differ by summation order.
