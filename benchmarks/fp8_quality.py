@@ -11,7 +11,9 @@ chunks of --kernel-rows rows, so the W8A8 tile (or cuBLAS product) a pass of tha
 takes, with its accumulation, is what is measured. fp8 K/V
 are rounded to float8 where they are written, at scale 1 or divided by per-head scales
 calibrated on other random prompts as vLLM's calculate_kv_scales sets them (amax / 200 for
-K, amax / 100 for V).
+K, amax / 100 for V). On a GPU the "decode kernel" variants attend every position as a decode
+row of the engine's CUDA paged attention (kernels/paged_attention_cuda.py) over a float8
+cache holding its sequence's K/V, so the kernel's own float8 reads are what is measured.
 
 python -m benchmarks.fp8_quality --shape ouro-1.4b --dtype bfloat16 --prompts 4 --prompt-len 128
 """
@@ -37,6 +39,8 @@ VARIANTS = {  # name -> (quantization, fp8 K/V, per-head K/V scales, fp8 activat
     "fp8 weights, engine kernels": ("fp8", False, False, "kernels"),  # a GPU, bf16 only
     "fp8 KV": (None, True, False, False),
     "fp8 KV, per-head scales": (None, True, True, False),
+    "fp8 KV, decode kernel": (None, "kernel", False, False),  # a GPU, bf16 only
+    "fp8 KV, per-head scales, decode kernel": (None, "kernel", True, False),
     "fp8 weights + fp8 KV": ("fp8", True, False, False),
 }
 # vLLM's calculate_kv_scales: the calibration's largest |K| maps to 200, |V| to 100, so
@@ -102,6 +106,80 @@ def _through_fp8(t: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
     return ((t.float() / scale[:, None]).to(FP8_DTYPE).float() * scale[:, None]).to(t.dtype)
 
 
+def _float8_cache(t: torch.Tensor, scale: torch.Tensor | None, batch: int, padded: int):
+    """[batch * length, kv_heads, dim] as a float8 cache of `padded` slots a sequence,
+    holding t / scale (per head) as the engine's cache write rounds it."""
+    rows, kv_heads, dim = t.shape
+    t = t.float() if scale is None else t.float() / scale[:, None]
+    cache = t.new_zeros(batch, padded, kv_heads, dim)
+    cache[:, : rows // batch] = t.view(batch, -1, kv_heads, dim)
+    return cache.to(FP8_DTYPE).view(batch * padded, kv_heads, dim)
+
+
+def kernel_attention(q, k, v, batch: int, kv_scales=None) -> torch.Tensor:
+    """Causal attention of q [batch * length, heads, dim] (bf16) over its sequence's K/V,
+    every position a decode row of the CUDA kernel over a float8 cache, split runs joined
+    by the engine's combine kernel."""
+    from types import SimpleNamespace
+
+    from vllm_rlt.kernels import paged_attention_cuda as cuda
+    from vllm_rlt.kernels.head_lanes import head_range
+    from vllm_rlt.ops.triton_ops import TritonOps
+
+    rows, heads, dim = q.shape
+    kv_heads, length, block = k.shape[1], rows // batch, 16
+    padded = -(-length // block) * block
+    device = q.device
+    k_scale, v_scale = kv_scales or (None, None)
+    caches = (_float8_cache(k, k_scale, batch, padded), _float8_cache(v, v_scale, batch, padded))
+    sequence = torch.arange(batch, device=device).repeat_interleave(length)
+    meta = SimpleNamespace(
+        positions=torch.arange(length, device=device).repeat(batch),
+        row_tables=sequence,
+        read_plane=torch.zeros_like(sequence),
+        block_table=torch.arange(batch * padded // block, device=device).view(batch, -1),
+        slots_per_plane=batch * padded,
+        block_size=block,
+    )
+    scaled = kv_scales is not None
+    scales = (k_scale, v_scale) if scaled else (meta.positions,) * 2  # not read unscaled
+    ops, splits, out = TritonOps(), cuda.decode_splits(rows, kv_heads), torch.empty_like(q)
+    parts = ops._split_parts(out, splits)
+    args = (q.contiguous(), (*caches, *scales), scaled, out, parts, meta, rows, splits)
+    cuda.paged_decode(*args, None, dim**-0.5, False)
+    shape = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim)
+    shape |= dict(HEAD_P2=head_range(dim), KV_SCALED=scaled)
+    ops._combine_splits(parts, scales[1], out, rows, shape, splits)
+    return out
+
+
+def kernel_fits(model, device: torch.device) -> bool:
+    """Whether the CUDA decode kernel attends this model's bf16 heads over float8 caches."""
+    from vllm_rlt.kernels import paged_attention_cuda as cuda
+
+    if device.type != "cuda":
+        return False
+    cfg = model.config
+    q = torch.empty(1, cfg.num_attention_heads, cfg.head_dim, dtype=torch.bfloat16, device=device)
+    cache = torch.empty(1, cfg.num_key_value_heads, cfg.head_dim, device=device).to(FP8_DTYPE)
+    return cuda.fits_cuda_decode(q, cache, cfg.num_key_value_heads)
+
+
+def _dense_attention(q, k, v, batch: int, fp8_kv: bool, kv_scales=None) -> torch.Tensor:
+    """Causal attention of q [batch * length, heads, dim] over K/V as they are or as a
+    float8 cache reads them back; [batch * length, heads * dim]."""
+    heads, kv_heads, dim = q.shape[1], k.shape[1], q.shape[2]
+    if fp8_kv:  # what attention reads back from a float8 cache
+        k_scale, v_scale = kv_scales or (None, None)
+        k, v = _through_fp8(k, k_scale), _through_fp8(v, v_scale)
+    q, k, v = (t.view(batch, -1, t.shape[1], dim).transpose(1, 2) for t in (q, k, v))
+    if kv_heads != heads:
+        k = k.repeat_interleave(heads // kv_heads, 1)
+        v = v.repeat_interleave(heads // kv_heads, 1)
+    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return attn.transpose(1, 2).reshape(-1, heads * dim)
+
+
 @torch.inference_mode()
 def loop_states(
     model, tokens: torch.Tensor, fp8_kv: bool, kv_scales=None, amax=None, ops=None
@@ -137,15 +215,11 @@ def loop_states(
                     amax[index] = [
                         torch.maximum(a, b) for a, b in zip(amax[index], heads_max, strict=True)
                     ]
-            if fp8_kv:  # what attention reads back from a float8 cache
-                k_scale, v_scale = kv_scales[index] if kv_scales else (None, None)
-                k, v = _through_fp8(k, k_scale), _through_fp8(v, v_scale)
-            q, k, v = (t.view(batch, length, -1, dim).transpose(1, 2) for t in (q, k, v))
-            if kv_heads != heads:
-                k = k.repeat_interleave(heads // kv_heads, 1)
-                v = v.repeat_interleave(heads // kv_heads, 1)
-            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            attn = attn.transpose(1, 2).reshape(batch * length, heads * dim)
+            scales = kv_scales[index] if kv_scales else None
+            if fp8_kv == "kernel":
+                attn = kernel_attention(q, k, v, batch, scales).view(batch * length, -1)
+            else:
+                attn = _dense_attention(q, k, v, batch, fp8_kv, scales)
             x = x + _branch(ops.linear(attn, layer.o), layer.attn_out_norm, eps)
             mlp = ops.linear_silu_mul(rms_norm(x, layer.mlp_norm, eps), layer.gate_up)
             x = x + _branch(ops.linear(mlp, layer.down), layer.mlp_out_norm, eps)
@@ -208,12 +282,14 @@ def main(argv: list[str] | None = None) -> int:
     dtype = getattr(torch, args.dtype, None)
     if dtype not in (torch.float32, torch.float16, torch.bfloat16):
         parser.error(f"--dtype must be float32, float16 or bfloat16, got {args.dtype!r}")
-    variants = {
+    model = random_model(args.shape, dtype, device, args.seed)
+    gpu_bf16 = device.type == "cuda" and dtype == torch.bfloat16
+    runs = {"kernels": gpu_bf16, "kernel": gpu_bf16 and kernel_fits(model, device)}
+    variants = {  # the engine-kernel variants where they run
         name: variant
         for name, variant in VARIANTS.items()
-        if variant[3] != "kernels" or (device.type == "cuda" and dtype == torch.bfloat16)
+        if runs.get(variant[3], True) and runs.get(variant[1], True)
     }
-    model = random_model(args.shape, dtype, device, args.seed)
     generator = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
     tokens = torch.randint(3, vocab, (args.prompts, args.prompt_len), generator=generator)
