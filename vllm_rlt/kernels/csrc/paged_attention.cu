@@ -12,7 +12,8 @@
 // (kernels/decode_attention.py): the two differ by summation order.
 //
 // Scores: lane = 16 h + j reads half h of position j's key and the halves meet by a shuffle.
-// Values: lane owns dimensions lane, lane + 32, ...; p of position j comes from lane j.
+// Values: lane owns VEC contiguous dimensions from lane * VEC, one shared load a position;
+// p of position j comes from lane j.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -56,35 +57,49 @@ template <int KIND>
 struct Cache {
   static constexpr int BYTES = KIND == BF16 ? 2 : 1;  // an element's
   static constexpr int PER_WORD = 16 / BYTES;  // elements a 16-byte word holds
-  // A 16-byte word's elements as float32.
-  __device__ __forceinline__ static void widen(const uint4& w, float (&v)[PER_WORD]) {
-    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      if constexpr (KIND == BF16) {  // bf16 is float32's top half: exact, and the word stays
-        v[2 * i] = __uint_as_float(words[i] << 16);  // one 16-byte load (a bf16x2 cast split it)
-        v[2 * i + 1] = __uint_as_float(words[i] & 0xffff0000u);
-      } else {
-        constexpr __nv_fp8_interpretation_t FMT = KIND == E4M3 ? __NV_E4M3 : __NV_E5M2;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const auto pair = static_cast<__nv_fp8x2_storage_t>(words[i] >> (16 * half));
-          const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(pair, FMT);
-          const float2 f = __half22float2(*reinterpret_cast<const __half2*>(&raw));
-          v[4 * i + 2 * half] = f.x;
-          v[4 * i + 2 * half + 1] = f.y;
-        }
-      }
-    }
-  }
-  __device__ __forceinline__ static float element(const uint8_t* p) {
-    if constexpr (KIND == BF16) {
-      return __bfloat162float(*reinterpret_cast<const __nv_bfloat16*>(p));
+  // The pair of elements in the low 2 * BYTES bytes of `bits` as float32.
+  __device__ __forceinline__ static float2 pair(uint32_t bits) {
+    if constexpr (KIND == BF16) {  // bf16 is float32's top half: exact
+      return make_float2(__uint_as_float(bits << 16), __uint_as_float(bits & 0xffff0000u));
     } else {
       constexpr __nv_fp8_interpretation_t FMT = KIND == E4M3 ? __NV_E4M3 : __NV_E5M2;
-      const __half_raw raw = __nv_cvt_fp8_to_halfraw(*p, FMT);
-      return __half2float(*reinterpret_cast<const __half*>(&raw));
+      const __half2_raw raw =
+          __nv_cvt_fp8x2_to_halfraw2(static_cast<__nv_fp8x2_storage_t>(bits), FMT);
+      return __half22float2(*reinterpret_cast<const __half2*>(&raw));
     }
+  }
+  // The N elements packed in `words` as float32, a pair at a time.
+  template <int N>
+  __device__ __forceinline__ static void unpack(const uint32_t* words, float (&v)[N]) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) {
+      const int at = 2 * BYTES * i;  // the pair's byte
+      const float2 f = pair(words[at / 4] >> (8 * (at % 4)));
+      v[2 * i] = f.x;
+      v[2 * i + 1] = f.y;
+    }
+  }
+  // A 16-byte word's elements as float32 (bf16 words stay one 16-byte load: a bf16x2 cast
+  // split it).
+  __device__ __forceinline__ static void widen(const uint4& w, float (&v)[PER_WORD]) {
+    const uint32_t words[4] = {w.x, w.y, w.z, w.w};
+    unpack(words, v);
+  }
+  // N contiguous elements (2 or 4) at p, aligned to their N * BYTES, as float32: one load.
+  template <int N>
+  __device__ __forceinline__ static void load(const uint8_t* p, float (&v)[N]) {
+    static_assert(N == 2 || N == 4, "whole pairs in at most 8 bytes");
+    constexpr int SIZE = N * BYTES;
+    uint32_t words[(SIZE + 3) / 4];
+    if constexpr (SIZE == 8) {
+      const uint2 w = *reinterpret_cast<const uint2*>(p);
+      words[0] = w.x, words[1] = w.y;
+    } else if constexpr (SIZE == 4) {
+      words[0] = *reinterpret_cast<const uint32_t*>(p);
+    } else {
+      words[0] = *reinterpret_cast<const uint16_t*>(p);
+    }
+    unpack(words, v);
   }
 };
 
@@ -140,8 +155,13 @@ __device__ __forceinline__ void copy_tile(const Args& a, uint32_t buffer, int sl
 // One warp's running softmax over its tiles, for each head of the group.
 template <int HEAD_DIM, int GROUP>
 struct WarpState {
-  static constexpr int DIMS = (HEAD_DIM + 31) / 32;  // a lane's value dimensions
-  float m[GROUP], l[GROUP], acc[GROUP][DIMS];
+  // A lane's value dimensions, lane * VEC on: whole pairs that one load of at most 8 bytes
+  // reads. 96 takes 4, so lanes 24..31 own none (their acc stays 0).
+  static constexpr int VEC = HEAD_DIM <= 64 ? 2 : 4;
+  static constexpr int OWNERS = HEAD_DIM / VEC;  // lanes that own dimensions
+  static_assert(HEAD_DIM % VEC == 0 && OWNERS <= 32, "every dimension owned, once");
+  float m[GROUP], l[GROUP], acc[GROUP][VEC];
+  __device__ __forceinline__ static bool owner(int lane) { return OWNERS == 32 || lane < OWNERS; }
 };
 
 template <int HEAD_DIM, int KIND, int GROUP>
@@ -149,6 +169,7 @@ __device__ __forceinline__ void attend_tile(WarpState<HEAD_DIM, GROUP>& s, const
                                             const float* q, float scale, bool valid, int lane) {
   using C = Cache<KIND>;
   using L = Layout<HEAD_DIM, KIND, GROUP>;
+  constexpr int VEC = WarpState<HEAD_DIM, GROUP>::VEC;
   constexpr int HALF_WORDS = L::ROW / 32;  // 16-byte words in half a key
   const int h = lane >> 4, j = lane & (TILE - 1);
   const uint8_t* key = k + j * L::PADDED + h * (L::ROW / 2);
@@ -189,22 +210,25 @@ __device__ __forceinline__ void attend_tile(WarpState<HEAD_DIM, GROUP>& s, const
     s.l[g] = s.l[g] * alpha + sum;
     s.m[g] = m_new;
 #pragma unroll
-    for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i) s.acc[g][i] *= alpha;
+    for (int i = 0; i < VEC; ++i) s.acc[g][i] *= alpha;
   }
+  // Rows start at multiples of PADDED, a multiple of 16 bytes: the lane's VEC are aligned.
+  const uint8_t* mine = values + lane * VEC * C::BYTES;
+  const bool owner = WarpState<HEAD_DIM, GROUP>::owner(lane);
 #pragma unroll 4
   for (int jj = 0; jj < TILE; ++jj) {
-    const uint8_t* value = values + jj * L::PADDED;
-    float v[WarpState<HEAD_DIM, GROUP>::DIMS];
+    float v[VEC];
+    if (owner) {
+      C::load(mine + jj * L::PADDED, v);
+    } else {
 #pragma unroll
-    for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i) {
-      const int d = lane + 32 * i;
-      v[i] = d < HEAD_DIM ? C::element(value + d * C::BYTES) : 0.f;
+      for (int i = 0; i < VEC; ++i) v[i] = 0.f;
     }
 #pragma unroll
     for (int g = 0; g < GROUP; ++g) {
       const float pj = __shfl_sync(FULL, p[g], jj);
 #pragma unroll
-      for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i) s.acc[g][i] += pj * v[i];
+      for (int i = 0; i < VEC; ++i) s.acc[g][i] += pj * v[i];
     }
   }
 }
@@ -215,6 +239,9 @@ template <int HEAD_DIM, int KIND, int GROUP>
 __device__ __forceinline__ void store(const Args& a, const WarpState<HEAD_DIM, GROUP>& s,
                                       int64_t row, int kv_head, int group, int split, int lane) {
   using L = Layout<HEAD_DIM, KIND, GROUP>;
+  constexpr int VEC = WarpState<HEAD_DIM, GROUP>::VEC;
+  const int d = lane * VEC;  // the lane's first dimension
+  const bool owner = WarpState<HEAD_DIM, GROUP>::owner(lane);
   const float v_scale = a.scaled ? a.v_scale[kv_head] : 1.f;
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
@@ -223,14 +250,13 @@ __device__ __forceinline__ void store(const Args& a, const WarpState<HEAD_DIM, G
     if (a.splits == 1) {
       __nv_bfloat16* out = a.out + (row * a.heads + head) * HEAD_DIM;
 #pragma unroll
-      for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i)
-        if (lane + 32 * i < HEAD_DIM)
-          out[lane + 32 * i] = __float2bfloat16(s.acc[g][i] / s.l[g] * v_scale);
+      for (int i = 0; i < VEC; ++i)
+        if (owner) out[d + i] = __float2bfloat16(s.acc[g][i] / s.l[g] * v_scale);
     } else {  // an empty run stores (0, -inf, 0)
       float* part = a.parts + ((row * a.heads + head) * a.splits + split) * L::STATE;
 #pragma unroll
-      for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i)
-        if (lane + 32 * i < HEAD_DIM) part[lane + 32 * i] = s.acc[g][i];
+      for (int i = 0; i < VEC; ++i)
+        if (owner) part[d + i] = s.acc[g][i];
       if (lane == 0) part[HEAD_DIM] = s.m[g], part[HEAD_DIM + 1] = s.l[g];
     }
   }
@@ -311,7 +337,7 @@ __device__ __forceinline__ void attend(const Args& a, uint8_t* shared, int64_t r
   for (int g = 0; g < GROUP; ++g) {
     s.m[g] = -INFINITY, s.l[g] = 0.f;
 #pragma unroll
-    for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::DIMS; ++i) s.acc[g][i] = 0.f;
+    for (int i = 0; i < WarpState<HEAD_DIM, GROUP>::VEC; ++i) s.acc[g][i] = 0.f;
   }
   __syncwarp();  // q is in shared memory
   for (int64_t t = 0; t < mine; ++t) {
