@@ -192,6 +192,8 @@ def test_a_model_without_branch_norms_reads_one_norm_weight_per_add():
         ("_rope_write_rows_kernel", ROPE),
         ("_paged_attention_kernel", ATTENTION),
         ("_combine_splits_kernel", ATTENTION),
+        ("paged_decode_d128_bf16_g1", ATTENTION),
+        ("paged_decode_d96_e4m3_g8", ATTENTION),
         ("_add_rms_norm2_kernel", ADD_NORMS),
         ("_rms_norm_kernel", NORM),
         ("_quantize_rows_kernel", BEFORE),
@@ -222,6 +224,8 @@ def test_the_triton_kernel_names_matched_are_the_kernels():
             assert re.search(rf"\b{part}\w*\(", sources), part
         elif part.startswith(("w8a16", "w16a16")):  # CUDA: FEW_ROW_KERNEL(name, ...)
             assert re.search(rf"KERNEL\({part}\w*,", sources), part
+        elif part.startswith("paged_decode"):  # CUDA: paged_decode_d##D##_##NAME##_g##G
+            assert re.search(rf"\b{part}##D##_##NAME##_g##G\(", sources), part
 
 
 def one_pass(layer: list[str], layers: int = 2) -> list[str]:

@@ -37,6 +37,7 @@ KERNEL_KINDS: tuple[tuple[str, str], ...] = (
     ("_rope_write", ROPE),  # per row and head, or per row
     ("_paged_attention_kernel", ATTENTION),
     ("_combine_splits_kernel", ATTENTION),
+    ("paged_decode_d", ATTENTION),  # kernels/csrc/paged_attention.cu
     ("_add_rms_norm2_kernel", ADD_NORMS),
     ("_rms_norm_kernel", NORM),
     ("_quantize_rows_kernel", BEFORE),
