@@ -153,7 +153,9 @@ def test_served_handover_over_cuda_ipc_moves_chunks_early_and_equals_one_engine(
     either server) gives the text one engine gives with the same chunks."""
     prompts = [f"prompt {i} " + "with several words " * (4 + 6 * i) for i in range(3)]
     common = ("--device", "cuda", "--dtype", "float32", "--prefill-chunk-size", "16")
-    common += ("--kv-layout", layout)
+    # a fixed pool: sized from free memory, each core would take most of the card while the
+    # suite's other workers run
+    common += ("--kv-layout", layout, "--num-blocks", "512")
     expected, _ = _served_texts(common, prompts)
     flags = (*common, "--disaggregate", "1:1", "--kv-connector", "torch")
     got, scrape = _served_texts(flags, prompts)
