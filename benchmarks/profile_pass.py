@@ -32,6 +32,7 @@ from vllm_rlt.bench.budget_report import (
     marginal_us,
     print_budget,
 )
+from vllm_rlt.bench.device_figures import copy_bandwidth
 from vllm_rlt.bench.layer_budget import Device, LayerShape
 from vllm_rlt.bench.shapes import SHAPES, random_model
 from vllm_rlt.cli_parser import CLIParser
@@ -349,7 +350,10 @@ def measure_budget(
 
 def budget(args) -> None:
     """Each weight dtype's and row count's layer budget (see --budget)."""
-    device = Device(args.bandwidth, args.bf16_flops, args.fp8_flops or 2 * args.bf16_flops)
+    bandwidth = args.bandwidth
+    if bandwidth is None:  # this card's, as bench throughput's roofline takes it
+        bandwidth = Device.bandwidth if args.bounds_only else copy_bandwidth(torch.device("cuda"))
+    device = Device(bandwidth, args.bf16_flops, args.fp8_flops or 2 * args.bf16_flops)
     raw = SHAPES[args.shape]()
     shape = LayerShape.from_config(raw, resolve_family(raw)[1].branch_norms)
     rows = args.rows or BUDGET_ROWS
@@ -434,8 +438,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--bandwidth",
         type=float,
-        default=Device.bandwidth,
-        help="--budget: HBM bytes/s (default: %(default).3g, an H200's copy bandwidth)",
+        default=None,
+        help=(
+            "--budget: HBM bytes/s (default: the GPU's copy bandwidth, measured; with "
+            f"--bounds-only {Device.bandwidth:.3g}, an H200's)"
+        ),
     )
     parser.add_argument(
         "--bf16-flops",

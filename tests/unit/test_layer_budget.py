@@ -351,12 +351,28 @@ def test_bounds_only_follows_the_quantization_rows_and_rates(capsys):
     assert record["layer_bound_us"] == pytest.approx(sum(op.bytes for op in ops) / 2e6, abs=1e-3)
 
 
+def test_a_measured_budget_divides_by_the_cards_own_bandwidth(capsys, monkeypatch):
+    """Without --bandwidth the bounds take the copy bandwidth measured on the GPU (here a
+    stand-in figure; the measurement itself is stubbed, as is the profile)."""
+    import benchmarks.profile_pass as tool
+
+    monkeypatch.setattr("torch.cuda.is_available", lambda: True)
+    monkeypatch.setattr(tool, "copy_bandwidth", lambda device: 3.0e12)
+    monkeypatch.setattr(tool, "measure_budget", lambda *args: {})
+    monkeypatch.setattr("torch.cuda.empty_cache", lambda: None)
+    main(["--budget", "--rows", "8"])
+    out = capsys.readouterr().out
+    assert "bounds at HBM 3e+12 B/s" in out
+    assert {r["bandwidth"] for r in budget_records(out)} == {3.0e12}
+
+
 def test_the_help_shows_the_budgets_defaults(capsys):
     with pytest.raises(SystemExit):
         main(["--help"])
     flat = " ".join(capsys.readouterr().out.split())
-    for shown in ("(default: 4.3e+12", "(default: 7.9e+14", "(default: twice --bf16-flops)"):
-        assert shown in flat
+    shown = ("copy bandwidth, measured; with --bounds-only 4.3e+12", "(default: 7.9e+14")
+    for text in (*shown, "(default: twice --bf16-flops)"):
+        assert text in flat
     assert "--budget: 1 8 64 256 512" in flat
 
 
