@@ -33,14 +33,16 @@ from vllm_rlt.layers.fp8 import FP8_DTYPE, Fp8Weight, fp8_linear_reference
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.ops.torch_ops import TorchOps
 
-VARIANTS = {  # name -> (quantization, fp8 K/V, per-head K/V scales, fp8 activations)
+# name -> (quantization, fp8 K/V ("kernel": read by the CUDA decode kernel), per-head K/V
+# scales, fp8 activations ("kernels": the engine's W8A8 products))
+VARIANTS = {
     "fp8 weights": ("fp8", False, False, False),
     "fp8 weights, activations per token": ("fp8", False, False, True),
     "fp8 weights, engine kernels": ("fp8", False, False, "kernels"),  # a GPU, bf16 only
     "fp8 KV": (None, True, False, False),
     "fp8 KV, per-head scales": (None, True, True, False),
     "fp8 KV, decode kernel": (None, "kernel", False, False),  # a GPU, bf16 only
-    "fp8 KV, per-head scales, decode kernel": (None, "kernel", True, False),
+    "fp8 KV, per-head scales, decode kernel": (None, "kernel", True, False),  # a GPU, bf16 only
     "fp8 weights + fp8 KV": ("fp8", True, False, False),
 }
 # vLLM's calculate_kv_scales: the calibration's largest |K| maps to 200, |V| to 100, so
@@ -182,7 +184,7 @@ def _dense_attention(q, k, v, batch: int, fp8_kv: bool, kv_scales=None) -> torch
 
 @torch.inference_mode()
 def loop_states(
-    model, tokens: torch.Tensor, fp8_kv: bool, kv_scales=None, amax=None, ops=None
+    model, tokens: torch.Tensor, fp8_kv: bool | str, kv_scales=None, amax=None, ops=None
 ) -> list[torch.Tensor]:
     """The end-of-loop (normalised) state of every position after each loop, [B * T, hidden].
     kv_scales: per layer (K, V) scales of the float8 cache; amax: a list that collects each
@@ -247,7 +249,7 @@ def calibrated_scales(model, tokens: torch.Tensor) -> list[tuple[torch.Tensor, t
     return [(k / K_SCALE_RANGE, v / V_SCALE_RANGE) for k, v in amax]
 
 
-def summary(model, tokens, fp8_kv: bool, threshold: float, kv_scales=None, ops=None):
+def summary(model, tokens, fp8_kv: bool | str, threshold: float, kv_scales=None, ops=None):
     states = loop_states(model, tokens, fp8_kv, kv_scales, ops=ops)
     logprobs = F.log_softmax(model.coda(states[-1]).float(), dim=-1).cpu()
     return logprobs, exit_depths(model, states, threshold)
@@ -284,11 +286,11 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--dtype must be float32, float16 or bfloat16, got {args.dtype!r}")
     model = random_model(args.shape, dtype, device, args.seed)
     gpu_bf16 = device.type == "cuda" and dtype == torch.bfloat16
-    runs = {"kernels": gpu_bf16, "kernel": gpu_bf16 and kernel_fits(model, device)}
+    kernel_here = gpu_bf16 and kernel_fits(model, device)
     variants = {  # the engine-kernel variants where they run
         name: variant
         for name, variant in VARIANTS.items()
-        if runs.get(variant[3], True) and runs.get(variant[1], True)
+        if (variant[3] != "kernels" or gpu_bf16) and (variant[1] != "kernel" or kernel_here)
     }
     generator = torch.Generator().manual_seed(args.seed)
     vocab = model.config.vocab_size
