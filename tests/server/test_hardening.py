@@ -478,22 +478,51 @@ def test_a_request_head_over_the_limit_is_400_even_when_it_comes_in_one_read(ser
     assert raw_exchange(url, request + body).startswith(b"HTTP/1.1 200")
 
 
+def _closed(sock: socket.socket) -> bool:
+    """Whether the server has closed this client socket (nothing read is lost: a peek)."""
+    sock.setblocking(False)
+    try:
+        return sock.recv(1, socket.MSG_PEEK) == b""
+    except BlockingIOError:
+        return False
+
+
 def test_idle_and_slow_connections_are_closed():
     """A connection that never completes its request head is closed after the header
-    timeout; connections beyond the limit get a 503 error object."""
+    timeout; beyond the limit a new connection takes the place of the one idle longest,
+    and where every connection is in a request it gets a 503 error object."""
     with running_server(header_timeout=0.5, max_connections=4) as (url, _):
         assert raw_exchange(url, b"") == b""  # idle: closed without a reply
         assert raw_exchange(url, b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n") == b""
-    with running_server(header_timeout=30, max_connections=2) as (url, _):
+    with running_server(header_timeout=30, body_timeout=30, max_connections=2) as (url, _):
         host, port = url.removeprefix("http://").split(":")
-        held = [socket.create_connection((host, int(port))) for _ in range(2)]
+        idle = [socket.create_connection((host, int(port))) for _ in range(2)]
         try:
+            idle[1].sendall(b"GET /health HTTP/1.1\r\n")  # half a head: idle too
+            reply = raw_exchange(url, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert reply.startswith(b"HTTP/1.1 200"), reply
+            wait_until(lambda: any(map(_closed, idle)))  # one made room for it
+            assert not all(map(_closed, idle))
+        finally:
+            for sock in idle:
+                sock.close()
+        busy: list[socket.socket] = []
+        try:
+            for _ in range(2):  # each in a request (the server asks for its body) in turn
+                sock = socket.create_connection((host, int(port)))
+                busy.append(sock)
+                sock.sendall(
+                    b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nexpect: 100-continue\r\n"
+                    b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+                )
+                sock.settimeout(10)
+                assert sock.recv(64).startswith(b"HTTP/1.1 100")
             reply = raw_exchange(url, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
             head, _, body = reply.partition(b"\r\n\r\n")
             assert head.startswith(b"HTTP/1.1 503")
             assert json.loads(body)["error"]["type"] == "service_unavailable"
         finally:
-            for sock in held:
+            for sock in busy:
                 sock.close()
         wait_until(lambda: httpx.get(f"{url}/health").status_code == 200)
 

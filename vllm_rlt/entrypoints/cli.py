@@ -226,7 +226,10 @@ def _add_connection_args(parser: argparse.ArgumentParser) -> None:
         "--limit-concurrency",
         type=int,
         default=4096,
-        help="open connections served at once; more get 503 and are closed",
+        help=(
+            "open connections served at once; a new one beyond it replaces the connection "
+            "idle longest, or gets 503 where every connection is in a request"
+        ),
     )
     limits.add_argument(
         "--header-timeout",

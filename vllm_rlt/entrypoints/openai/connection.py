@@ -37,8 +37,11 @@ def raw_error(status: int, message: str, kind: str) -> bytes:
 class ConnectionLimits:
     """Our limits on top of a uvicorn HTTP protocol: a client must complete each request
     head within `header_timeout` seconds of its first byte (or of connecting) and within
-    `max_header_bytes`, at most `max_connections` connections are served (the rest get a
-    503 and are closed), and a malformed request gets a JSON 400 instead of plain text."""
+    `max_header_bytes`, at most `max_connections` connections are served, and a malformed
+    request gets a JSON 400 instead of plain text. A connection beyond the limit takes the
+    place of the one idle longest (no request in progress: connected or kept alive without
+    a whole head), so that clients holding sockets open cannot lock others out; where every
+    connection is in a request, it gets a 503 and is closed."""
 
     header_timeout: float = 30.0
     max_connections: int | None = None
@@ -49,9 +52,15 @@ class ConnectionLimits:
         self._head_timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0
         self._head_tail = b""  # the last bytes read of a head not yet complete
-        self._refused = self.max_connections is not None and (
+        self._idle_since = self.loop.time()  # type: ignore[attr-defined]
+        over = self.max_connections is not None and (
             len(self.connections) > self.max_connections  # type: ignore[attr-defined]
         )
+        idlest = self._idlest() if over else None
+        if idlest is not None:
+            idlest._refused = True  # its remaining reads are dropped
+            idlest.transport.close()  # type: ignore[attr-defined]
+        self._refused = over and idlest is None
         if self._refused:
             message = f"too many open connections (limit {self.max_connections}); retry later"
             transport.write(raw_error(503, message, "service_unavailable"))
@@ -78,6 +87,7 @@ class ConnectionLimits:
         if self._in_request():
             self._cancel_head_timer()
             self._head_bytes, self._head_tail = 0, b""
+            self._idle_since = self.loop.time()  # type: ignore[attr-defined]
             return
         if self._head_timer is None:
             self._arm_head_timer()  # the first byte of a next request on a kept-alive connection
@@ -93,6 +103,18 @@ class ConnectionLimits:
         )
         self.transport.write(raw_error(400, message, "invalid_request_error"))  # type: ignore[attr-defined]
         self.transport.close()  # type: ignore[attr-defined]
+
+    def _idlest(self) -> ConnectionLimits | None:
+        """The other served connection idle longest, if any is idle."""
+        idle = [
+            other
+            for other in self.connections  # type: ignore[attr-defined]
+            if isinstance(other, ConnectionLimits)
+            and other is not self
+            and not other._refused
+            and not other._in_request()
+        ]
+        return min(idle, key=lambda other: other._idle_since, default=None)
 
     def _in_request(self) -> bool:
         cycle = self.cycle  # type: ignore[attr-defined]
