@@ -427,6 +427,35 @@ def test_a_body_without_json_content_type_is_read_as_json(server):
         assert reply.status_code == 200, reply.text
 
 
+def test_a_browser_origin_not_listed_is_refused(server):
+    """A page on another site could make a browser POST here without asking first; such a
+    request carries an Origin header, which --allowed-origins (none by default) must list."""
+    url, _ = server
+    body = {"model": "toy", "prompt": "x", "max_tokens": 2}
+    for path, method in (("/v1/completions", "POST"), ("/health", "GET"), ("/pause", "POST")):
+        headers = {"origin": "https://evil.example", "content-type": "text/plain"}
+        reply = httpx.request(method, f"{url}{path}", json=body, headers=headers)
+        error = assert_error(reply, 403)
+        assert error["param"] == "origin" and "--allowed-origins" in error["message"]
+    assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200  # no Origin
+
+
+def test_listed_origins_get_cors_replies_even_with_an_api_key():
+    origin = "https://app.example"
+    with running_server(allowed_origins=(origin,), api_key="k") as (url, _):
+        preflight = {"origin": origin, "access-control-request-method": "POST"}
+        preflight["access-control-request-headers"] = "authorization, content-type"
+        reply = httpx.options(f"{url}/v1/completions", headers=preflight)
+        assert reply.status_code == 200, reply.text
+        assert reply.headers["access-control-allow-origin"] == origin
+        headers = {"origin": origin, "authorization": "Bearer k"}
+        body = {"model": "toy", "prompt": "x", "max_tokens": 2}
+        reply = httpx.post(f"{url}/v1/completions", json=body, headers=headers)
+        assert reply.status_code == 200 and reply.headers["access-control-allow-origin"] == origin
+        other = {"origin": "https://other.example", "authorization": "Bearer k"}
+        assert_error(httpx.post(f"{url}/v1/completions", json=body, headers=other), 403)
+
+
 def test_chunked_body_over_the_limit_is_413():
     with running_server(max_body_bytes=200) as (url, _):
 

@@ -30,6 +30,9 @@ BAD = [
     ({"api_key": " secret"}, "--api-key must not begin or end with whitespace"),
     ({"api_key": "secret\n"}, "--api-key must not begin or end with whitespace"),
     ({"api_key": "sec\x00ret"}, "--api-key must not hold control characters"),
+    ({"allowed_origins": ("https://app.example/ui",)}, "--allowed-origins each must be"),
+    ({"allowed_origins": ("app.example",)}, "--allowed-origins each must be"),
+    ({"allowed_methods": ("GET", " ")}, "--allowed-methods must not hold an empty string"),
 ]
 
 

@@ -16,6 +16,7 @@ from vllm_rlt.config import KV_CONNECTORS, SERVE
 from vllm_rlt.engine_config import EngineConfig, ParallelConfig
 from vllm_rlt.entrypoints.args import add_engine_args, config_default, engine_config_or_exit
 from vllm_rlt.entrypoints.generate import run_generate
+from vllm_rlt.entrypoints.openai.origins import json_strings
 from vllm_rlt.entrypoints.sampling_args import add_sampling_args
 
 CPU_CORES_PER_API_SERVER = 4  # the rest: the engine core, tokenizer threads, the clients
@@ -220,8 +221,34 @@ def _add_process_args(group: argparse._ArgumentGroup) -> None:
 
 
 def _add_connection_args(parser: argparse.ArgumentParser) -> None:
-    """Connection limits and timeouts."""
+    """Connection limits and timeouts, and the browser origins allowed."""
     limits = parser.add_argument_group("connections")
+    limits.add_argument(
+        "--allowed-origins",
+        type=json_strings,
+        default=(),
+        help="browser origins that may call the server, a JSON list as vLLM takes it "
+        "(e.g. '[\"https://app.example\"]'; '[\"*\"]': any, vLLM's default); a request "
+        "from any other origin gets 403 (default: none)",
+    )
+    limits.add_argument(
+        "--allowed-methods",
+        type=json_strings,
+        default=("*",),
+        help="methods the CORS replies allow the listed origins, a JSON list (default: '[\"*\"]')",
+    )
+    limits.add_argument(
+        "--allowed-headers",
+        type=json_strings,
+        default=("*",),
+        help="request headers the CORS replies allow the listed origins, a JSON list "
+        "(default: '[\"*\"]')",
+    )
+    limits.add_argument(
+        "--allow-credentials",
+        action="store_true",
+        help="CORS replies let the listed origins send cookies and credentials",
+    )
     limits.add_argument(
         "--limit-concurrency",
         type=int,
@@ -396,6 +423,10 @@ def _server_settings(ns: argparse.Namespace, parallel: ParallelConfig) -> Server
         enable_sleep_mode=ns.enable_sleep_mode,
         enable_weight_updates=ns.enable_weight_updates,
         api_server_count=ns.api_server_count,
+        allowed_origins=ns.allowed_origins,
+        allowed_methods=ns.allowed_methods,
+        allowed_headers=ns.allowed_headers,
+        allow_credentials=ns.allow_credentials,
         engine_config=EngineConfig(parallel_config=parallel),
     )
 

@@ -1,5 +1,5 @@
-"""The checks every request passes before any route runs: the API key, and the whole body
-read within the server's size and time limits."""
+"""The checks every request passes before any route runs: a browser's origin, the API key,
+and the whole body read within the server's size and time limits."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import hmac
 from fastapi.responses import JSONResponse
 
 from vllm_rlt.entrypoints.openai.api_errors import APIError, error_response
+from vllm_rlt.entrypoints.openai.origins import origin_allowed
 
 # Probes answer without the API key (a load balancer's health check carries none).
 UNGUARDED_PATHS = frozenset({"/health", "/ping"})
@@ -23,21 +24,39 @@ class _ClientGone(Exception):
 
 
 class GuardMiddleware:
-    """Before any route runs: the API key on every route but the probes (`Authorization:
-    Bearer KEY`, the scheme in any case as RFC 9110 allows, the key compared in constant
-    time), and the whole body read within the size and time limits. Every POST body is
-    JSON, whatever Content-Type the client sent (`curl -d` sends a form type). Plain ASGI,
-    so that handlers still see a client's disconnect."""
+    """Before any route runs: a request from a browser origin that `allowed_origins` does
+    not hold is refused (origins.py); then the API key on every route but the probes
+    (`Authorization: Bearer KEY`, the scheme in any case as RFC 9110 allows, the key
+    compared in constant time), and the whole body read within the size and time limits.
+    Every POST body is JSON, whatever Content-Type the client sent (`curl -d` sends a form
+    type). Plain ASGI, so that handlers still see a client's disconnect."""
 
-    def __init__(self, app, api_key: str | None, max_body: int, body_timeout: float) -> None:
+    def __init__(
+        self,
+        app,
+        api_key: str | None,
+        max_body: int,
+        body_timeout: float,
+        allowed_origins: tuple[str, ...] = (),
+    ) -> None:
         self.app, self.max_body, self.body_timeout = app, max_body, body_timeout
         self.expected = None if api_key is None else api_key.encode()
+        self.allowed_origins = allowed_origins
 
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])  # raw bytes: a header need not be UTF-8
+        origin = headers.get(b"origin")
+        if origin is not None and not origin_allowed(origin, self.allowed_origins):
+            message = (
+                f"a browser request from origin {origin.decode('latin-1')!r} is refused: "
+                "--allowed-origins lists the origins that may call this server"
+            )
+            reply = error_response(APIError(403, message, "permission_error", "origin"))
+            await reply(scope, receive, send)
+            return
         keys = [value for name, value in scope["headers"] if name == b"authorization"]
         body = await self._body_or_refusal(scope["path"], headers, keys, receive)
         if body is None:

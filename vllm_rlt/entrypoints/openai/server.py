@@ -13,6 +13,7 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -58,7 +59,16 @@ def build_app(state: ServerState) -> FastAPI:
         api_key=settings.api_key,
         max_body=settings.max_body_bytes,
         body_timeout=settings.body_timeout,
+        allowed_origins=settings.allowed_origins,
     )
+    if settings.allowed_origins:  # outside the guard: a preflight carries no API key
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(settings.allowed_origins),
+            allow_methods=list(settings.allowed_methods),
+            allow_headers=list(settings.allowed_headers),
+            allow_credentials=settings.allow_credentials,
+        )
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:

@@ -10,6 +10,7 @@ from vllm_rlt.engine.disagg.registry import connector_class
 from vllm_rlt.engine.process.dp_client import RemoteCores
 from vllm_rlt.engine.process.remote_channel import channel_keys, check_address, check_ports
 from vllm_rlt.engine_config import MAX_DATA_PARALLEL, EngineConfig
+from vllm_rlt.entrypoints.openai.origins import origin_problem
 from vllm_rlt.entrypoints.openai.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST
 
 MAX_API_SERVERS = 64
@@ -35,6 +36,11 @@ class ServerSettings:
     access_log: bool = False
     engine_in_process: bool = False  # the core on a thread of this process (tests)
     api_server_count: int = 1
+    # browser origins that may call the server, and its CORS replies to them (origins.py)
+    allowed_origins: tuple[str, ...] = ()
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     remote_cores: RemoteCores | None = None  # data-parallel ranks on other hosts
     # the engine served; its parallel config says which cores (engine/process/clients.py)
     engine_config: EngineConfig = field(default_factory=EngineConfig)
@@ -64,6 +70,15 @@ class ServerSettings:
             _fail("stall-timeout", f"must be > 0 seconds, got {self.stall_timeout}")
         if self.api_key is not None:
             check_api_key(self.api_key)
+        for origin in self.allowed_origins:
+            if problem := origin_problem(origin):
+                _fail("allowed-origins", problem)
+        for flag, names in (
+            ("allowed-methods", self.allowed_methods),
+            ("allowed-headers", self.allowed_headers),
+        ):
+            if not all(name.strip() for name in names):
+                _fail(flag, "must not hold an empty string")
         if not 1 <= self.api_server_count <= MAX_API_SERVERS:
             _fail(
                 "api-server-count",
