@@ -125,8 +125,7 @@ def kernel_attention(q, k, v, batch: int, kv_scales=None) -> torch.Tensor:
     from types import SimpleNamespace
 
     from vllm_rlt.kernels import paged_attention_cuda as cuda
-    from vllm_rlt.kernels.head_lanes import head_range
-    from vllm_rlt.ops.triton_ops import TritonOps
+    from vllm_rlt.ops.triton_ops import TritonOps, attention_shape
 
     rows, heads, dim = q.shape
     kv_heads, length, block = k.shape[1], rows // batch, 16
@@ -149,8 +148,7 @@ def kernel_attention(q, k, v, batch: int, kv_scales=None) -> torch.Tensor:
     parts = ops._split_parts(out, splits)
     args = (q.contiguous(), (*caches, *scales), scaled, out, parts, meta, rows, splits)
     cuda.paged_decode(*args, None, dim**-0.5, False)
-    shape = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim)
-    shape |= dict(HEAD_P2=head_range(dim), KV_SCALED=scaled)
+    shape = attention_shape(heads, kv_heads, dim, scaled)
     ops._combine_splits(parts, scales[1], out, rows, shape, splits)
     return out
 

@@ -72,8 +72,7 @@ def _kernels(ops, q, caches, meta, scaled: bool):
     """(CUDA, Triton) launches of one decode attention over every row, each with the
     split combine where the engine would split."""
     from vllm_rlt.kernels import paged_attention_cuda
-    from vllm_rlt.kernels.head_lanes import head_range
-    from vllm_rlt.ops.triton_ops import decode_splits
+    from vllm_rlt.ops.triton_ops import attention_shape, decode_splits
 
     rows, heads, dim = q.shape
     kv_heads = caches[0].shape[1]
@@ -82,8 +81,7 @@ def _kernels(ops, q, caches, meta, scaled: bool):
     parts = ops._split_parts(out, splits)
     cuda_splits = paged_attention_cuda.decode_splits(rows, kv_heads)
     cuda_parts = ops._split_parts(out, cuda_splits)
-    shape = dict(NUM_HEADS=heads, NUM_KV_HEADS=kv_heads, HEAD_DIM=dim)
-    shape |= dict(HEAD_P2=head_range(dim), KV_SCALED=scaled)
+    shape = attention_shape(heads, kv_heads, dim, scaled)
     scale = dim**-0.5
 
     def cuda(_):

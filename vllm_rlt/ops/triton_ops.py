@@ -113,6 +113,13 @@ def decode_splits(rows: int, heads: int) -> int:
     return splits
 
 
+def attention_shape(num_heads: int, num_kv_heads: int, head_dim: int, scaled: bool) -> dict:
+    """The decode and combine kernels' shape constants (one place, so that the benchmarks'
+    direct kernel calls compile the engine's variants)."""
+    shape = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim)
+    return shape | dict(HEAD_P2=head_range(head_dim), KV_SCALED=scaled)
+
+
 class TritonOps:
     """LoopOps (ops/base.py) on Triton kernels; graph-safe: no host reads, launch shapes
     depend only on the number of rows."""
@@ -335,8 +342,7 @@ class TritonOps:
         scaled = applied is not None
         k_scale, v_scale = applied or (meta.positions, meta.positions)  # not read when unscaled
         caches = (k_cache, v_cache, k_scale, v_scale)
-        shape = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim)
-        shape |= dict(HEAD_P2=head_range(head_dim), KV_SCALED=scaled)
+        shape = attention_shape(num_heads, num_kv_heads, head_dim, scaled)
         tiles, counts = meta.prefill_tiles, meta.device_counts
         fused = rows <= FUSED_DECODE_ROWS and meta.rows_independent
         head_grid, group_tile = self._head_grid(num_heads, num_kv_heads)
