@@ -39,9 +39,9 @@ class ConnectionLimits:
     head within `header_timeout` seconds of its first byte (or of connecting) and within
     `max_header_bytes`, at most `max_connections` connections are served, and a malformed
     request gets a JSON 400 instead of plain text. A connection beyond the limit takes the
-    place of the one idle longest (no request in progress: connected or kept alive without
-    a whole head), so that clients holding sockets open cannot lock others out; where every
-    connection is in a request, it gets a 503 and is closed."""
+    place of the one idle longest (no request in progress; idle since it connected or its
+    last response ended), so that clients holding sockets open cannot lock others out;
+    where every connection is in a request, it gets a 503 and is closed."""
 
     header_timeout: float = 30.0
     max_connections: int | None = None
@@ -87,10 +87,15 @@ class ConnectionLimits:
         if self._in_request():
             self._cancel_head_timer()
             self._head_bytes, self._head_tail = 0, b""
-            self._idle_since = self.loop.time()  # type: ignore[attr-defined]
             return
         if self._head_timer is None:
             self._arm_head_timer()  # the first byte of a next request on a kept-alive connection
+
+    def on_response_complete(self) -> None:
+        """A kept-alive connection is idle from the end of its last response, not from the
+        start of the request: a long stream that just ended is not the idlest."""
+        self._idle_since = self.loop.time()  # type: ignore[attr-defined]
+        super().on_response_complete()  # type: ignore[misc]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_head_timer()

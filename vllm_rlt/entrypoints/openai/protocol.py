@@ -77,6 +77,8 @@ class RequestBody(StrictModel):
     @model_validator(mode="before")
     @classmethod
     def _valid_text(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data  # not an object at all: that is the error to report
         found = first_lone_surrogate(data)
         if found is not None:
             path, index, char = found
@@ -256,17 +258,37 @@ class DetokenizeRequest(RequestBody):
 # A union member's name in an error location ("str", "list[int]"): not a field.
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none)$|\[")
 _BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+# An object was expected: pydantic's words depend on how the body was parsed.
+_OBJECT_ERRORS = {"model_type", "model_attributes_type", "dict_type"}
 _MESSAGES = {
     "int_parsing_size": "integer out of range",
     "int_type": "must be an integer",
     "float_type": "must be a number",
     "finite_number": "must be a finite number",
+    **{kind: "must be a JSON object" for kind in _OBJECT_ERRORS},
 }
+# Bounded above by the served model's depth, which the body's schema cannot know: the
+# schema checks the low end, the engine the high end, and both messages give the range.
+DEPTH_BOUNDED = frozenset({"min_loops", "max_loops"})
 
 
-def describe_validation_error(errors: list[dict[str, Any]], model: type[BaseModel] | None):
+def _json_kind(value: Any) -> str:
+    """A decoded JSON value's type, in JSON's words."""
+    if isinstance(value, list):
+        return "an array"
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return "a string" if isinstance(value, str) else "null"
+
+
+def describe_validation_error(
+    errors: list[dict[str, Any]], model: type[BaseModel] | None, depth: int | None = None
+) -> tuple[str, str | None]:
     """(message, param) for a failed request body: the field, what is wrong with it and,
-    for a bounded number, its allowed range."""
+    for a bounded number, its allowed range; `depth` is the served model's (None while it
+    loads), the upper bound of the DEPTH_BOUNDED fields."""
     if not errors:
         return "invalid request", None
     # Each member of a union reports its own error; a member's type mismatch says least.
@@ -281,6 +303,9 @@ def describe_validation_error(errors: list[dict[str, Any]], model: type[BaseMode
         location = location[1:]
     if kind == "missing" and not location:
         return "request body is missing: send a JSON object", None
+    if kind in _OBJECT_ERRORS and not location:  # no field is at fault: param stays null
+        body = _json_kind(best.get("input"))
+        return f"request body must be a JSON object, got {body}", None
     param = ".".join(str(p) for p in location if not _UNION_TAG.search(str(p))) or None
     if kind == "extra_forbidden":
         return f"unsupported field: {param}", param
@@ -289,7 +314,7 @@ def describe_validation_error(errors: list[dict[str, Any]], model: type[BaseMode
         if len(tags) > 1:
             return f"{param}: wrong type ({', '.join(dict.fromkeys(tags))} accepted)", param
     message = _MESSAGES.get(kind, best.get("msg", "invalid value"))
-    allowed = _allowed_range(model, param) if model is not None and param else None
+    allowed = _allowed_range(model, param, depth) if model is not None and param else None
     if allowed and kind in _BOUND_ERRORS:
         message = f"must be in {allowed}, got {best.get('input')!r}"
     elif allowed:
@@ -297,11 +322,12 @@ def describe_validation_error(errors: list[dict[str, Any]], model: type[BaseMode
     return (f"{param}: {message}" if param else message), param
 
 
-def _allowed_range(model: type[BaseModel], param: str) -> str | None:
+def _allowed_range(model: type[BaseModel], param: str, depth: int | None) -> str | None:
     field = model.model_fields.get(param)
     if field is None:
         return None
-    low = high = None
+    low = None
+    high: Any = None
     low_open = high_open = False
     for bound in field.metadata:
         if hasattr(bound, "ge"):
@@ -312,6 +338,8 @@ def _allowed_range(model: type[BaseModel], param: str) -> str | None:
             high = bound.le
         elif hasattr(bound, "lt"):
             high, high_open = bound.lt, True
+    if high is None and param in DEPTH_BOUNDED:
+        high = "the model's depth" if depth is None else depth
     if low is None and high is None:
         return None
     left = "(" if low_open or low is None else "["

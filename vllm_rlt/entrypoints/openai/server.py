@@ -77,7 +77,8 @@ def build_app(state: ServerState) -> FastAPI:
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         model = BODY_MODELS.get(request.url.path)
-        message, param = describe_validation_error(list(exc.errors()), model)
+        depth = None if state.engine is None else state.engine.info.num_loops
+        message, param = describe_validation_error(list(exc.errors()), model, depth)
         return error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -190,9 +191,14 @@ def build_app(state: ServerState) -> FastAPI:
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         tokenizer = state.ready().tokenizer_for(body.model)
         vocab = tokenizer.vocab_size
-        for token in body.tokens:
+        for index, token in enumerate(body.tokens):
             if not 0 <= token < vocab:
-                raise APIError(400, f"tokens entries must be in [0, {vocab - 1}]", param="tokens")
+                shown = str(token) if abs(token) < 10**20 else f"{str(token)[:20]}..."
+                raise APIError(
+                    400,
+                    f"tokens.{index}: must be a token id in [0, {vocab - 1}], got {shown}",
+                    param=f"tokens.{index}",
+                )
         return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
