@@ -479,6 +479,8 @@ def main(argv: list[str] | None = None) -> None:
         profile(
             model, concurrency, args.steps, spec, args.kv_cache_dtype, args.prompt_len, args.sources
         )
+        gc.collect()  # the engine's graphs and K/V, before the next concurrency's engine
+        torch.cuda.empty_cache()
     if args.rows:
         pass_rows(model, args.rows, args.steps, args.kernels, args.kv_cache_dtype)
 
