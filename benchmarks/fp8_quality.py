@@ -125,7 +125,8 @@ def kernel_attention(q, k, v, batch: int, kv_scales=None) -> torch.Tensor:
     from types import SimpleNamespace
 
     from vllm_rlt.kernels import paged_attention_cuda as cuda
-    from vllm_rlt.ops.triton_ops import TritonOps, attention_shape
+    from vllm_rlt.kernels.decode_attention import attention_shape
+    from vllm_rlt.ops.triton_ops import TritonOps
 
     rows, heads, dim = q.shape
     kv_heads, length, block = k.shape[1], rows // batch, 16

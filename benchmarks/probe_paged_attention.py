@@ -72,7 +72,8 @@ def _kernels(ops, q, caches, meta, scaled: bool):
     """(CUDA, Triton) launches of one decode attention over every row, each with the
     split combine where the engine would split."""
     from vllm_rlt.kernels import paged_attention_cuda
-    from vllm_rlt.ops.triton_ops import attention_shape, decode_splits
+    from vllm_rlt.kernels.decode_attention import attention_shape
+    from vllm_rlt.ops.triton_ops import decode_splits
 
     rows, heads, dim = q.shape
     kv_heads = caches[0].shape[1]

@@ -12,9 +12,16 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from vllm_rlt.kernels.head_lanes import load_lanes, real_lanes, with_lanes
+from vllm_rlt.kernels.head_lanes import head_range, load_lanes, real_lanes, with_lanes
 from vllm_rlt.kernels.pdl import pdl_enter
 from vllm_rlt.kernels.rope_kv import rotate_halves, write_kv
+
+
+def attention_shape(num_heads: int, num_kv_heads: int, head_dim: int, scaled: bool) -> dict:
+    """The decode and combine kernels' shape constants (one place, so that the benchmarks'
+    direct kernel calls compile the engine's variants)."""
+    shape = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim)
+    return shape | dict(HEAD_P2=head_range(head_dim), KV_SCALED=scaled)
 
 
 @triton.jit

@@ -13,11 +13,11 @@ from vllm_rlt.kernels.decode_attention import (
     _combine_splits_kernel,
     _paged_attention_kernel,
     _rope_attend_kernel,
+    attention_shape,
 )
 from vllm_rlt.kernels.few_row_gemm import few_row_gemm, few_row_gemm_add_norms, takes_few_row
 from vllm_rlt.kernels.fp8_rows import Fp8Rows, empty_fp8_rows, quantize_rows
 from vllm_rlt.kernels.gumbel_sample import gumbel_sample
-from vllm_rlt.kernels.head_lanes import head_range
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel, row_warps
 from vllm_rlt.kernels.pdl import launch_options, pdl_supported
 from vllm_rlt.kernels.prefill_attention import _prefill_attention_kernel
@@ -111,13 +111,6 @@ def decode_splits(rows: int, heads: int) -> int:
     while splits < MAX_SPLITS and rows * heads * splits * 2 <= SPLIT_KV_PROGRAMS:
         splits *= 2
     return splits
-
-
-def attention_shape(num_heads: int, num_kv_heads: int, head_dim: int, scaled: bool) -> dict:
-    """The decode and combine kernels' shape constants (one place, so that the benchmarks'
-    direct kernel calls compile the engine's variants)."""
-    shape = dict(NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim)
-    return shape | dict(HEAD_P2=head_range(head_dim), KV_SCALED=scaled)
 
 
 class TritonOps:
