@@ -162,7 +162,7 @@ def test_prompt_token_ids_out_of_range_are_400(server):
     url, _ = server
     for ids, expected in (([-1], "[0, 258]"), ([2**40], "[0, 258]"), ([2**64], "[0, 258]")):
         body = {"model": "toy", "prompt": ids, "max_tokens": 2, "echo": True}
-        error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "prompt")
+        error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "prompt.0")
         assert expected in error["message"]
     body = {"model": "toy", "prompt": [5, True], "max_tokens": 2}
     assert (

@@ -1,6 +1,6 @@
 """Bad request bodies get 400s that name the field and its true range: the loop fields are
-bounded by the served model's depth, a bad token id is named by its index, and a body that
-is not a JSON object is told so."""
+bounded by the served model's depth, max_tokens by its context, a bad token id is named by
+its path, and a body that is not a JSON object is told so."""
 
 from __future__ import annotations
 
@@ -10,7 +10,13 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
-from vllm_rlt.entrypoints.openai.protocol import CompletionRequest, describe_validation_error
+from vllm_rlt.entrypoints.openai.api_errors import APIError
+from vllm_rlt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    describe_validation_error,
+)
 
 BODIES = {
     "/v1/completions": {"model": "toy", "prompt": "x", "max_tokens": 2},
@@ -22,6 +28,7 @@ BODIES = {
 }
 TOY_DEPTH = 4
 TOY_VOCAB = 259
+TOY_CONTEXT = 4096
 
 
 def error_of(reply: httpx.Response, param: str | None) -> str:
@@ -102,3 +109,94 @@ def test_a_member_that_is_not_an_object_is_named(server):
     body = {**BODIES["/v1/chat/completions"], "messages": [1]}
     reply = httpx.post(f"{url}/v1/chat/completions", json=body)
     assert error_of(reply, "messages.0") == "messages.0: must be a JSON object"
+
+
+@pytest.mark.parametrize(
+    "path, field, value, low",
+    [
+        ("/v1/completions", "max_tokens", -1, 0),  # 0 with echo: the prompt alone
+        ("/v1/completions", "max_tokens", 1.5, 0),
+        ("/v1/chat/completions", "max_tokens", 0, 1),
+        ("/v1/chat/completions", "max_tokens", "2", 1),
+        ("/v1/chat/completions", "max_completion_tokens", 0, 1),
+    ],
+)
+def test_max_tokens_gives_the_context_as_its_range(server, path, field, value, low):
+    url, _ = server
+    reply = httpx.post(f"{url}{path}", json={**BODIES[path], field: value})
+    message = error_of(reply, field)
+    assert f"[{low}, {TOY_CONTEXT} - prompt tokens]" in message and "inf" not in message
+
+
+@pytest.mark.parametrize("path", BODIES)
+@pytest.mark.parametrize("value", [-1, 1.5, "2"])
+def test_min_tokens_gives_max_tokens_as_its_range(server, path, value):
+    url, _ = server
+    reply = httpx.post(f"{url}{path}", json={**BODIES[path], "min_tokens": value})
+    message = error_of(reply, "min_tokens")
+    assert "[0, max_tokens]" in message and "inf" not in message
+
+
+def test_max_tokens_past_the_context_is_refused_with_the_room_the_prompt_leaves(server):
+    """prompt + max_tokens beyond max_model_len is a 400, as in vLLM (nothing is clamped);
+    the message gives this prompt's range, whose top is accepted (checked, not run)."""
+    url, state = server
+    prompt = list(range(3, 13))
+    room = TOY_CONTEXT - len(prompt)
+    body = {"model": "toy", "prompt": prompt, "max_tokens": room + 1}
+    message = error_of(httpx.post(f"{url}/v1/completions", json=body), "max_tokens")
+    assert message.endswith(f"max_tokens must be in [1, {room}]"), message
+    job = state.ready().completion_job(CompletionRequest(**{**body, "max_tokens": room}))
+    assert job.params.max_tokens == room
+    with pytest.raises(APIError):
+        state.ready().completion_job(CompletionRequest(**body))
+
+
+def test_context_and_token_ranges_before_the_model_has_loaded_are_named_in_words():
+    cases = [
+        (ChatCompletionRequest, {**BODIES["/v1/chat/completions"], "max_tokens": 0}),
+        (CompletionRequest, {**BODIES["/v1/completions"], "min_tokens": -1}),
+        (DetokenizeRequest, {"tokens": [1, None]}),
+    ]
+    found = []
+    for model, body in cases:
+        with pytest.raises(ValidationError) as raised:
+            model.model_validate(body)
+        found.append(describe_validation_error(raised.value.errors(), model))
+    assert found == [
+        ("max_tokens: must be in [1, max_model_len - prompt tokens], got 0", "max_tokens"),
+        ("min_tokens: must be in [0, max_tokens], got -1", "min_tokens"),
+        ("tokens.1: must be an integer (allowed: [0, vocab_size - 1])", "tokens.1"),
+    ]
+
+
+@pytest.mark.parametrize(
+    "path, change, param",
+    [
+        ("/v1/completions", {"prompt": [1, 2, TOY_VOCAB]}, "prompt.2"),
+        ("/v1/completions", {"prompt": [[1, 2], [3, 4, 5, 6, 7, -1]]}, "prompt.1.5"),
+        ("/v1/completions", {"prompt": [[1], [10**40]]}, "prompt.1.0"),
+        ("/v1/completions", {"stop_token_ids": [1, 2, -1]}, "stop_token_ids.2"),
+        ("/v1/chat/completions", {"stop_token_ids": [TOY_VOCAB]}, "stop_token_ids.0"),
+        ("/v1/completions", {"allowed_token_ids": [5, 2**63]}, "allowed_token_ids.1"),
+        ("/v1/chat/completions", {"allowed_token_ids": [5, -3]}, "allowed_token_ids.1"),
+        ("/v1/completions", {"logit_bias": {"1": 1.0, "259": 2.0}}, "logit_bias.259"),
+        ("/v1/chat/completions", {"logit_bias": {"-3": 1.0}}, "logit_bias.-3"),
+        ("/v1/completions", {"logit_bias": {"012": 1.0}}, "logit_bias.012"),
+    ],
+    ids=repr,
+)
+def test_a_bad_token_id_is_named_by_its_path(server, path, change, param):
+    url, _ = server
+    reply = httpx.post(f"{url}{path}", json={**BODIES[path], **change})
+    message = error_of(reply, param)
+    assert message.startswith(f"{param}: must be a token id in [0, {TOY_VOCAB - 1}]"), message
+    assert len(message) < 120
+
+
+@pytest.mark.parametrize("bad", [1.5, "7", True, None, [7]])
+def test_a_detokenize_entry_that_is_no_integer_gives_the_range(server, bad):
+    url, _ = server
+    reply = httpx.post(f"{url}/detokenize", json={"tokens": [72, bad]})
+    message = error_of(reply, "tokens.1")
+    assert message == f"tokens.1: must be an integer (allowed: [0, {TOY_VOCAB - 1}])"

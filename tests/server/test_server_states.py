@@ -150,14 +150,14 @@ def test_vllm_sampling_extensions(server):
         assert reply.status_code == 200, reply.text
         assert banned not in reply.json()["choices"][0]["text"]
     for field, value, message in (
-        ("logit_bias", {"a": 1.0}, "logit_bias keys must be token ids, got 'a'"),
-        ("logit_bias", {"99999": 1.0}, "logit_bias keys must be token ids in [0, "),
+        ("logit_bias", {"a": 1.0}, "logit_bias.a: must be a token id in [0, 258] (decimal"),
+        ("logit_bias", {"99999": 1.0}, "logit_bias.99999: must be a token id in [0, 258]"),
         ("logit_bias", {"3": 500}, "must be in [-100.0, 100.0]"),
         ("presence_penalty", 3, "presence_penalty: must be in [-2.0, 2.0], got 3"),
         ("repetition_penalty", 0, "repetition_penalty: must be in [1e-30, 10.0], got 0"),
         ("allowed_token_ids", [], "allowed_token_ids"),
-        ("allowed_token_ids", [99999], "allowed_token_ids entries must be in [0, "),
-        ("allowed_token_ids", [-3], "allowed_token_ids entry must be"),
+        ("allowed_token_ids", [99999], "allowed_token_ids.0: must be a token id in [0, 258]"),
+        ("allowed_token_ids", [-3], "allowed_token_ids.0: must be a token id in [0, 258]"),
         ("bad_words", [], "bad_words"),
         ("bad_words", ["x" * 9], "bad word 'xxxxxxxxx' is 9 tokens without a leading space"),
         ("bad_words", ["  "], "bad_words must hold non-blank strings"),

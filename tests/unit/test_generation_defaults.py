@@ -32,6 +32,7 @@ def test_a_bad_generation_config_is_an_error_naming_the_file(tmp_path):
 
 
 class _Engine:
+    info = SimpleNamespace(vocab_size=259)
     processor = SimpleNamespace(
         sampling_defaults={"temperature": 0.0, "top_k": 5}, core_params=lambda params: params
     )

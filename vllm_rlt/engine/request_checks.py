@@ -114,7 +114,8 @@ class RequestChecker:
         require(
             total <= limits.max_model_len,
             f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the context length {limits.max_model_len} (max_model_len)",
+            f"exceeds the context length {limits.max_model_len} (max_model_len); for this "
+            f"prompt max_tokens must be in [1, {limits.max_model_len - len(prompt)}]",
             "max_tokens",
         )
         # The last sampled token is never forwarded: prompt + max_tokens - 1 positions.

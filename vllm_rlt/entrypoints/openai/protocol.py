@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
 from pydantic import (
@@ -35,6 +36,24 @@ TokenId = StrictInt
 # leading zero, so two keys never name one token, and at most 18 digits, so int() never
 # meets Python's limit on digits.
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
+
+
+def token_range(vocab_size: int | None) -> str:
+    """The token ids a vocabulary of `vocab_size` holds (None: not known yet)."""
+    return "[0, vocab_size - 1]" if vocab_size is None else f"[0, {vocab_size - 1}]"
+
+
+def check_token_ids(path: str, ids: Sequence[int], vocab_size: int) -> None:
+    """ParamError naming the first of `ids` outside the vocabulary by its path ("tokens.3");
+    the common case is checked at C speed, and a huge id is shortened in the message."""
+    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
+        return
+    index, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
+    shown = str(token) if abs(token) < 10**20 else f"{str(token)[:20]}..."
+    raise ParamError(
+        f"{path}.{index}: must be a token id in {token_range(vocab_size)}, got {shown}",
+        f"{path}.{index}",
+    )
 
 
 def first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
@@ -150,7 +169,8 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
         """The request's sampling; `defaults` replace the fields it left unset. Every field
         this body shares with SamplingParams passes under its name; the others differ in
         form (logit_bias keys as strings, the caller's max_tokens and logprobs); top_k -1
-        is SamplingParams' own spelling of "every token", as vLLM's."""
+        is SamplingParams' own spelling of "every token", as vLLM's. Call it after
+        check_token_ids."""
         fields = {name: getattr(self, name) for name in _SAME_AS_SAMPLING_PARAMS}
         fields |= dict(
             max_tokens=max_tokens,
@@ -161,19 +181,25 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
         return SamplingParams(**{**fields, **(defaults or {})})
 
     def _logit_bias(self) -> dict[int, float] | None:
+        """The keys as ints (check_token_ids has checked them)."""
         if self.logit_bias is None:
             return None
-        bias = {}
-        for key, value in self.logit_bias.items():
-            if not _TOKEN_ID_KEY.fullmatch(key):
-                shown = key if len(key) <= 40 else key[:40] + "..."
+        return {int(key): value for key, value in self.logit_bias.items()}
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """ParamError naming the first token id outside the model's vocabulary by its path
+        ("stop_token_ids.2", "logit_bias.999"): the engine's own checks name only the field,
+        and the sampling checks before them know no vocabulary."""
+        for name in ("stop_token_ids", "allowed_token_ids"):
+            check_token_ids(name, getattr(self, name) or (), vocab_size)
+        for key in self.logit_bias or {}:
+            if not (_TOKEN_ID_KEY.fullmatch(key) and int(key) < vocab_size):
+                shown = key if len(key) <= 40 else key[:40] + "..."  # in the path too
                 raise ParamError(
-                    f"logit_bias keys must be token ids, got {shown!r} (decimal digits, no "
-                    "leading zero)",
-                    "logit_bias",
+                    f"logit_bias.{shown}: must be a token id in {token_range(vocab_size)} "
+                    f"(decimal digits, no leading zero), got {shown!r}",
+                    f"logit_bias.{shown}",
                 )
-            bias[int(key)] = value
-        return bias
 
 
 # Converted by `sampling_params`, or set by the endpoint (prompt logprobs, output form).
@@ -207,6 +233,17 @@ class CompletionRequest(SamplingFields):
                 {"field": "max_tokens"},
             )
         return self
+
+    def check_token_ids(self, vocab_size: int) -> None:
+        """As SamplingFields', the prompt's token ids first ("prompt.5", "prompt.1.5")."""
+        prompt = self.prompt
+        if isinstance(prompt, list) and isinstance(prompt[0], int):
+            check_token_ids("prompt", prompt, vocab_size)  # type: ignore[arg-type]
+        elif isinstance(prompt, list):
+            for index, ids in enumerate(prompt):
+                if isinstance(ids, list):
+                    check_token_ids(f"prompt.{index}", ids, vocab_size)
+        super().check_token_ids(vocab_size)
 
     def prompts(self) -> list[str | list[int]]:
         """One entry per prompt: text or token ids."""
@@ -267,9 +304,26 @@ _MESSAGES = {
     "finite_number": "must be a finite number",
     **{kind: "must be a JSON object" for kind in _OBJECT_ERRORS},
 }
-# Bounded above by the served model's depth, which the body's schema cannot know: the
-# schema checks the low end, the engine the high end, and both messages give the range.
+# Bounded above by what the body's schema cannot know: the served model's depth, or the
+# context (max_model_len) less the prompt. The schema checks the low end, the engine the
+# high end, and both messages give the range.
 DEPTH_BOUNDED = frozenset({"min_loops", "max_loops"})
+CONTEXT_BOUNDED = frozenset({"max_tokens", "max_completion_tokens"})
+# Lists of token ids: each entry is bounded by the vocabulary.
+TOKEN_ID_LISTS = frozenset({"tokens", "stop_token_ids", "allowed_token_ids"})
+
+
+@dataclasses.dataclass(frozen=True)
+class ServedLimits:
+    """The served model's bounds on request fields (None while it loads): its depth,
+    context length and the vocabulary of the route's token ids."""
+
+    depth: int | None = None
+    max_model_len: int | None = None
+    vocab_size: int | None = None
+
+
+UNKNOWN_LIMITS = ServedLimits()
 
 
 def _json_kind(value: Any) -> str:
@@ -284,11 +338,13 @@ def _json_kind(value: Any) -> str:
 
 
 def describe_validation_error(
-    errors: list[dict[str, Any]], model: type[BaseModel] | None, depth: int | None = None
+    errors: list[dict[str, Any]],
+    model: type[BaseModel] | None,
+    served: ServedLimits = UNKNOWN_LIMITS,
 ) -> tuple[str, str | None]:
     """(message, param) for a failed request body: the field, what is wrong with it and,
-    for a bounded number, its allowed range; `depth` is the served model's (None while it
-    loads), the upper bound of the DEPTH_BOUNDED fields."""
+    for a bounded number, its allowed range; `served` gives the upper ends the schema
+    cannot know."""
     if not errors:
         return "invalid request", None
     # Each member of a union reports its own error; a member's type mismatch says least.
@@ -314,7 +370,7 @@ def describe_validation_error(
         if len(tags) > 1:
             return f"{param}: wrong type ({', '.join(dict.fromkeys(tags))} accepted)", param
     message = _MESSAGES.get(kind, best.get("msg", "invalid value"))
-    allowed = _allowed_range(model, param, depth) if model is not None and param else None
+    allowed = _allowed_range(model, param, served) if model is not None and param else None
     if allowed and kind in _BOUND_ERRORS:
         message = f"must be in {allowed}, got {best.get('input')!r}"
     elif allowed:
@@ -322,7 +378,10 @@ def describe_validation_error(
     return (f"{param}: {message}" if param else message), param
 
 
-def _allowed_range(model: type[BaseModel], param: str, depth: int | None) -> str | None:
+def _allowed_range(model: type[BaseModel], param: str, served: ServedLimits) -> str | None:
+    name, _, entry = param.partition(".")
+    if name in TOKEN_ID_LISTS and entry.isdigit() and name in model.model_fields:
+        return token_range(served.vocab_size)
     field = model.model_fields.get(param)
     if field is None:
         return None
@@ -338,10 +397,23 @@ def _allowed_range(model: type[BaseModel], param: str, depth: int | None) -> str
             high = bound.le
         elif hasattr(bound, "lt"):
             high, high_open = bound.lt, True
-    if high is None and param in DEPTH_BOUNDED:
-        high = "the model's depth" if depth is None else depth
+    if high is None:
+        high = _served_high(param, served)
     if low is None and high is None:
         return None
     left = "(" if low_open or low is None else "["
     right = ")" if high_open or high is None else "]"
     return f"{left}{'-inf' if low is None else low}, {'inf' if high is None else high}{right}"
+
+
+def _served_high(param: str, served: ServedLimits) -> Any:
+    """The upper end of a field the schema leaves open, where something else bounds it:
+    the model's depth, the room the context leaves after the prompt (prompt + max_tokens
+    beyond max_model_len is refused, as vLLM refuses it), or another field's value."""
+    if param in DEPTH_BOUNDED:
+        return "the model's depth" if served.depth is None else served.depth
+    if param in CONTEXT_BOUNDED:
+        context = "max_model_len" if served.max_model_len is None else served.max_model_len
+        return f"{context} - prompt tokens"
+    bound = FIELD_BOUNDS.get(param)
+    return bound.high if bound is not None and isinstance(bound.high, str) else None

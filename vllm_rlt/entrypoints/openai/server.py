@@ -19,14 +19,22 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import vllm_rlt
-from vllm_rlt.entrypoints.openai.api_errors import APIError, FastJSONResponse, error_response
+from vllm_rlt.config import ParamError
+from vllm_rlt.entrypoints.openai.api_errors import (
+    APIError,
+    FastJSONResponse,
+    as_api_error,
+    error_response,
+)
 from vllm_rlt.entrypoints.openai.connection import DrainingServer, limited_protocol
 from vllm_rlt.entrypoints.openai.job_replies import build_job, respond
 from vllm_rlt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
+    ServedLimits,
     TokenizeRequest,
+    check_token_ids,
     describe_validation_error,
 )
 from vllm_rlt.entrypoints.openai.request_guard import GuardMiddleware
@@ -76,9 +84,9 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        model = BODY_MODELS.get(request.url.path)
-        depth = None if state.engine is None else state.engine.info.num_loops
-        message, param = describe_validation_error(list(exc.errors()), model, depth)
+        path = request.url.path
+        model, served = BODY_MODELS.get(path), served_limits(state, path)
+        message, param = describe_validation_error(list(exc.errors()), model, served)
         return error_response(APIError(400, message, param=param))
 
     @app.exception_handler(StarletteHTTPException)
@@ -190,15 +198,10 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
         tokenizer = state.ready().tokenizer_for(body.model)
-        vocab = tokenizer.vocab_size
-        for index, token in enumerate(body.tokens):
-            if not 0 <= token < vocab:
-                shown = str(token) if abs(token) < 10**20 else f"{str(token)[:20]}..."
-                raise APIError(
-                    400,
-                    f"tokens.{index}: must be a token id in [0, {vocab - 1}], got {shown}",
-                    param=f"tokens.{index}",
-                )
+        try:
+            check_token_ids("tokens", body.tokens, tokenizer.vocab_size)
+        except ParamError as exc:
+            raise as_api_error(exc) from exc
         return {"prompt": tokenizer.decode(body.tokens)}
 
     @app.post("/v1/completions")
@@ -217,6 +220,19 @@ def build_app(state: ServerState) -> FastAPI:
 
 
 METRICS_CALL_TIMEOUT_S = 5.0
+
+
+def served_limits(state: ServerState, path: str) -> ServedLimits:
+    """The loaded model's bounds for a body sent to `path` (none while it loads): the
+    engine's, and for /detokenize, which decodes, the tokenizer's vocabulary."""
+    serving = state.serving
+    if serving is None:
+        return ServedLimits()
+    info = serving.engine.info
+    vocab = info.vocab_size
+    if path == "/detokenize" and serving.tokenizer is not None:
+        vocab = serving.tokenizer.vocab_size
+    return ServedLimits(info.num_loops, info.max_model_len, vocab)
 
 
 def build_server(

@@ -175,8 +175,9 @@ class OpenAIServing:
 
     def _params(self, request, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
         """The request's sampling in the core's terms (bad words tokenized once, for every
-        prompt and check after); the fields it leaves unset take the model's defaults (its
-        generation_config.json), as vLLM does."""
+        prompt and check after), once its token ids are known to be the model's; the fields
+        it leaves unset take the model's defaults (its generation_config.json), as vLLM
+        does."""
         processor = self.engine.processor
         unset = {
             name: value
@@ -184,6 +185,7 @@ class OpenAIServing:
             if name not in request.model_fields_set
         }
         try:
+            request.check_token_ids(self.engine.info.vocab_size)
             return processor.core_params(request.sampling_params(max_tokens, num_logprobs, unset))
         except ValueError as exc:
             raise as_api_error(exc) from exc
