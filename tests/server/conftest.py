@@ -191,6 +191,44 @@ def core_engine(state: ServerState):
     return engine
 
 
+ERROR_KEYS = {"message", "type", "param", "code"}  # an OpenAI error object's, no more
+# A small valid body for each completion route; tests change a field of it.
+BASES = {
+    "/v1/completions": {"model": "toy", "prompt": "x", "max_tokens": 2},
+    "/v1/chat/completions": {
+        "model": "toy",
+        "messages": [{"role": "user", "content": "x"}],
+        "max_tokens": 2,
+    },
+}
+
+
+def assert_error(reply: httpx.Response, status: int, param: str | None = None) -> dict:
+    """The error object of an OpenAI-style error reply of `status` (naming `param` if given)."""
+    assert reply.status_code == status, reply.text
+    error = reply.json()["error"]
+    assert set(error) == ERROR_KEYS and error["code"] == status
+    if param is not None:
+        assert error["param"] == param, error
+    return error
+
+
+def assert_healthy(url: str) -> None:
+    """The server is healthy and still completes a request."""
+    assert httpx.get(f"{url}/health").status_code == 200
+    body = {"model": "toy", "prompt": "still fine", "max_tokens": 3, "ignore_eos": True}
+    reply = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+    assert reply.status_code == 200 and reply.json()["choices"][0]["finish_reason"] == "length"
+
+
+def wait_until(condition: Callable[[], object], timeout: float = 30.0) -> None:
+    """Until `condition()` holds (polled)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.02)
+
+
 @pytest.fixture(scope="module")
 def server():
     with running_server() as running:

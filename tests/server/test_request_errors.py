@@ -10,6 +10,7 @@ import httpx
 import pytest
 from pydantic import ValidationError
 
+from tests.server.conftest import BASES
 from vllm_rlt.entrypoints.openai.api_errors import APIError
 from vllm_rlt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -18,14 +19,6 @@ from vllm_rlt.entrypoints.openai.protocol import (
     describe_validation_error,
 )
 
-BODIES = {
-    "/v1/completions": {"model": "toy", "prompt": "x", "max_tokens": 2},
-    "/v1/chat/completions": {
-        "model": "toy",
-        "messages": [{"role": "user", "content": "x"}],
-        "max_tokens": 2,
-    },
-}
 TOY_DEPTH = 4
 TOY_VOCAB = 259
 TOY_CONTEXT = 4096
@@ -40,12 +33,12 @@ def error_of(reply: httpx.Response, param: str | None) -> str:
     return error["message"]
 
 
-@pytest.mark.parametrize("path", BODIES)
+@pytest.mark.parametrize("path", BASES)
 @pytest.mark.parametrize("field", ["min_loops", "max_loops"])
 @pytest.mark.parametrize("value", [1.5, 2.0, -1, 0, TOY_DEPTH + 1, 2**63, "2", True])
 def test_loop_fields_give_the_models_depth_as_their_range(server, path, field, value):
     url, _ = server
-    reply = httpx.post(f"{url}{path}", json={**BODIES[path], field: value})
+    reply = httpx.post(f"{url}{path}", json={**BASES[path], field: value})
     message = error_of(reply, field)
     assert message.startswith(field) and f"[1, {TOY_DEPTH}]" in message, message
     assert "inf" not in message
@@ -53,14 +46,14 @@ def test_loop_fields_give_the_models_depth_as_their_range(server, path, field, v
 
 def test_loop_fields_within_the_depth_run(server):
     url, _ = server
-    body = {**BODIES["/v1/completions"], "min_loops": 2, "max_loops": TOY_DEPTH}
+    body = {**BASES["/v1/completions"], "min_loops": 2, "max_loops": TOY_DEPTH}
     assert httpx.post(f"{url}/v1/completions", json=body).status_code == 200
 
 
 def test_exit_threshold_keeps_its_finite_range(server):
     url, _ = server
     for value in (1.5, -1, "0.5"):
-        body = {**BODIES["/v1/completions"], "exit_threshold": value}
+        body = {**BASES["/v1/completions"], "exit_threshold": value}
         message = error_of(httpx.post(f"{url}/v1/completions", json=body), "exit_threshold")
         assert "[0.0, 1.0]" in message and "inf" not in message
 
@@ -83,7 +76,7 @@ def test_detokenize_names_the_bad_index_and_the_vocabulary(server, bad):
     assert httpx.post(f"{url}/detokenize", json={"tokens": [72, 105]}).status_code == 200
 
 
-@pytest.mark.parametrize("path", [*BODIES, "/tokenize", "/detokenize"])
+@pytest.mark.parametrize("path", [*BASES, "/tokenize", "/detokenize"])
 @pytest.mark.parametrize(
     "body, kind",
     [
@@ -106,7 +99,7 @@ def test_a_body_that_is_not_an_object_is_told_so(server, path, body, kind):
 
 def test_a_member_that_is_not_an_object_is_named(server):
     url, _ = server
-    body = {**BODIES["/v1/chat/completions"], "messages": [1]}
+    body = {**BASES["/v1/chat/completions"], "messages": [1]}
     reply = httpx.post(f"{url}/v1/chat/completions", json=body)
     assert error_of(reply, "messages.0") == "messages.0: must be a JSON object"
 
@@ -123,16 +116,16 @@ def test_a_member_that_is_not_an_object_is_named(server):
 )
 def test_max_tokens_gives_the_context_as_its_range(server, path, field, value, low):
     url, _ = server
-    reply = httpx.post(f"{url}{path}", json={**BODIES[path], field: value})
+    reply = httpx.post(f"{url}{path}", json={**BASES[path], field: value})
     message = error_of(reply, field)
     assert f"[{low}, {TOY_CONTEXT} - prompt tokens]" in message and "inf" not in message
 
 
-@pytest.mark.parametrize("path", BODIES)
+@pytest.mark.parametrize("path", BASES)
 @pytest.mark.parametrize("value", [-1, 1.5, "2"])
 def test_min_tokens_gives_max_tokens_as_its_range(server, path, value):
     url, _ = server
-    reply = httpx.post(f"{url}{path}", json={**BODIES[path], "min_tokens": value})
+    reply = httpx.post(f"{url}{path}", json={**BASES[path], "min_tokens": value})
     message = error_of(reply, "min_tokens")
     assert "[0, max_tokens]" in message and "inf" not in message
 
@@ -154,8 +147,8 @@ def test_max_tokens_past_the_context_is_refused_with_the_room_the_prompt_leaves(
 
 def test_context_and_token_ranges_before_the_model_has_loaded_are_named_in_words():
     cases = [
-        (ChatCompletionRequest, {**BODIES["/v1/chat/completions"], "max_tokens": 0}),
-        (CompletionRequest, {**BODIES["/v1/completions"], "min_tokens": -1}),
+        (ChatCompletionRequest, {**BASES["/v1/chat/completions"], "max_tokens": 0}),
+        (CompletionRequest, {**BASES["/v1/completions"], "min_tokens": -1}),
         (DetokenizeRequest, {"tokens": [1, None]}),
     ]
     found = []
@@ -188,7 +181,7 @@ def test_context_and_token_ranges_before_the_model_has_loaded_are_named_in_words
 )
 def test_a_bad_token_id_is_named_by_its_path(server, path, change, param):
     url, _ = server
-    reply = httpx.post(f"{url}{path}", json={**BODIES[path], **change})
+    reply = httpx.post(f"{url}{path}", json={**BASES[path], **change})
     message = error_of(reply, param)
     assert message.startswith(f"{param}: must be a token id in [0, {TOY_VOCAB - 1}]"), message
     assert len(message) < 120
