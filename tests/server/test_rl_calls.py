@@ -150,6 +150,22 @@ def test_a_pause_returns_when_a_reader_leaves_during_its_drain(engine, loop, mod
     assert engine.client.core_engine.all_blocks_free()
 
 
+def test_an_id_reused_once_its_reader_left_gets_its_own_outputs(engine, expected, loop):
+    """The core answers the left request's abort after the new one is sent: that answer
+    must not end the new request, which carries on to its own end."""
+
+    async def scenario():
+        left = Run(engine, "reused", PROMPTS["r0"], greedy(max_tokens=400))
+        await left.started.wait()
+        left.task.cancel()
+        await asyncio.gather(left.task, return_exceptions=True)
+        again = await Run(engine, "reused", PROMPTS["r1"], greedy()).done()
+        assert again.finish[0] == "length" and again.tokens[0] == expected["r1"]
+
+    loop.run_until_complete(scenario())
+    assert engine.client.core_engine.all_blocks_free()
+
+
 def test_pause_abort_ends_requests_and_abort_by_id_ends_every_completion(engine, expected, loop):
     async def scenario():
         runs = {rid: Run(engine, rid, prompt, greedy()) for rid, prompt in PROMPTS.items()}

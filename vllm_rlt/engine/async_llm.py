@@ -111,6 +111,9 @@ class AsyncLLM:
         self.num_sequences = 0  # completions of the open streams
         self.stats: EngineStats | None = None  # as of the latest engine step
         self._streams: dict[str, RequestStream] = {}
+        # streams their readers left, per id in the order released, until the core's last
+        # delta for each says it holds nothing of it (a pause waits for that)
+        self._leaving: dict[str, list[RequestStream]] = {}
         model_config = config.model_config
         self._user_tokenizer: Any = None  # get_tokenizer's, made on first use
         self.tokenizer: Tokenizer | None = load_tokenizer(
@@ -321,11 +324,14 @@ class AsyncLLM:
             logger.exception("metrics observer failed; the engine keeps running")
 
     def release(self, stream: RequestStream) -> None:
-        if self._streams.get(stream.request_id) is stream:
-            del self._streams[stream.request_id]
+        request_id = stream.request_id
+        if self._streams.get(request_id) is stream:
+            del self._streams[request_id]
             self.num_sequences -= stream.params.n
-        if not stream.engine_done:
-            self.abort(stream.request_id)
+        if stream.engine_done or self.pause.drop(request_id, None):  # drop: never sent
+            return
+        self._leaving.setdefault(request_id, []).append(stream)
+        self.client.send(AbortRequest(request_id, None))
 
     # ----------------------------------------------------------------- RL trainer calls
     async def pause_generation(self, mode: str = "abort") -> None:
@@ -405,8 +411,15 @@ class AsyncLLM:
                 self.observer.observe_step(outputs)
             except Exception:  # noqa: BLE001
                 logger.exception("metrics observer failed; the engine keeps running")
-        streams = self._streams
+        streams, leaving = self._streams, self._leaving
         for delta in outputs.requests:
+            left = leaving.get(delta.request_id)
+            if left:  # sent before any newer request of the same id: its reader is gone
+                if delta.finished:
+                    left.pop(0).state.engine_done = True
+                    if not left:
+                        del leaving[delta.request_id]
+                continue
             stream = streams.get(delta.request_id)
             if stream is not None:
                 stream.absorb(delta, now)
@@ -437,10 +450,14 @@ class AsyncLLM:
     def _fail_core_streams(self, rank: int, reason: str) -> None:
         error = EngineDeadError(f"engine core {rank} (of {self.client.size}): {reason}")
         for request_id in self.client.forget_core(rank):
+            for left in self._leaving.pop(request_id, []):
+                left.fail(error)
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.fail(error)
 
     def _fail_streams(self) -> None:
-        for stream in list(self._streams.values()):
+        leaving = [stream for left in self._leaving.values() for stream in left]
+        self._leaving.clear()
+        for stream in [*self._streams.values(), *leaving]:
             stream.fail(self.dead)  # type: ignore[arg-type]

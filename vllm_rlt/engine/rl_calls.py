@@ -111,11 +111,8 @@ class GenerationPause:
             return
         if mode == "abort":  # what is in the core: those held back here wait for resume
             owner.client.send(AbortAll(owner.client.client))
-        # a stream its reader left is released (its abort sent) and hears no more: done
-        while not all(
-            stream.engine_done or owner._streams.get(stream.request_id) is not stream
-            for stream in in_flight
-        ):
+        # a stream its reader left counts once the core has answered its abort
+        while not all(stream.engine_done for stream in in_flight):
             if owner.dead is not None:
                 raise owner.dead
             await asyncio.sleep(DRAIN_POLL_S)
