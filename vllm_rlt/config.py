@@ -109,6 +109,16 @@ def check_quantization(quantization: str | None) -> None:
     )
 
 
+def shown_int(value: int) -> str:
+    """`value` for a message, cut to its first 20 digits when longer: a caller may send
+    thousands of digits, which say no more, and Python prints at most 4300."""
+    magnitude = abs(value)
+    if magnitude < 10**20:
+        return str(value)
+    beyond = max(0, int(magnitude.bit_length() * 0.30103) - 20)  # digits past the first 20
+    return f"{'-' if value < 0 else ''}{str(magnitude // 10**beyond)[:20]}..."
+
+
 def require_int(
     value: Any, name: str, low: int, high: int | None = None, param: str | None = None
 ) -> None:
@@ -116,14 +126,11 @@ def require_int(
     message names the field and the range."""
     allowed = f">= {low}" if high is None else f"in [{low}, {high}]"
     field = name if param is None else param
-    require(
-        isinstance(value, int) and not isinstance(value, bool),
-        f"{name} must be an integer {allowed}, got {value!r}",
-        field,
-    )
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ParamError(f"{name} must be an integer {allowed}, got {value!r}", field)
     require(
         value >= low and (high is None or value <= high),
-        f"{name} must be {allowed}, got {value}",
+        f"{name} must be {allowed}, got {shown_int(value)}",
         field,
     )
 

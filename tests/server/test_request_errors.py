@@ -193,3 +193,21 @@ def test_a_detokenize_entry_that_is_no_integer_gives_the_range(server, bad):
     reply = httpx.post(f"{url}/detokenize", json={"tokens": [72, bad]})
     message = error_of(reply, "tokens.1")
     assert message == f"tokens.1: must be an integer (allowed: [0, {TOY_VOCAB - 1}])"
+
+
+@pytest.mark.parametrize(
+    "path, field",
+    [
+        ("/v1/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_tokens"),
+        ("/v1/chat/completions", "max_completion_tokens"),
+        ("/v1/completions", "top_k"),
+        ("/v1/chat/completions", "max_loops"),
+    ],
+)
+def test_a_huge_integer_is_shortened_in_the_message(server, path, field):
+    """max_tokens past the context (the engine's check) or a bounded field (the schema's)."""
+    url, _ = server
+    reply = httpx.post(f"{url}{path}", json={**BASES[path], field: 10**30})
+    message = error_of(reply, field)
+    assert "10000000000000000000..." in message and str(10**30) not in message, message

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from vllm_rlt.config import ExitConfig, require
+from vllm_rlt.config import ExitConfig, require, shown_int
 from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 
@@ -113,8 +113,9 @@ class RequestChecker:
         total = len(prompt) + params.max_tokens
         require(
             total <= limits.max_model_len,
-            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) = {total} "
-            f"exceeds the context length {limits.max_model_len} (max_model_len); for this "
+            f"prompt ({len(prompt)} tokens) + max_tokens ({shown_int(params.max_tokens)}) = "
+            f"{shown_int(total)} exceeds the context length {limits.max_model_len} "
+            "(max_model_len); for this "
             f"prompt max_tokens must be in [1, {limits.max_model_len - len(prompt)}]",
             "max_tokens",
         )

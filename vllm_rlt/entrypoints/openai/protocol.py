@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
@@ -19,7 +20,7 @@ from pydantic import (
 )
 from pydantic_core import PydanticCustomError
 
-from vllm_rlt.config import ParamError
+from vllm_rlt.config import ParamError, shown_int
 from vllm_rlt.sampling_params import (
     FIELD_BOUNDS,
     MAX_BAD_WORDS,
@@ -49,9 +50,8 @@ def check_token_ids(path: str, ids: Sequence[int], vocab_size: int) -> None:
     if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
         return
     index, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
-    shown = str(token) if abs(token) < 10**20 else f"{str(token)[:20]}..."
     raise ParamError(
-        f"{path}.{index}: must be a token id in {token_range(vocab_size)}, got {shown}",
+        f"{path}.{index}: must be a token id in {token_range(vocab_size)}, got {shown_int(token)}",
         f"{path}.{index}",
     )
 
@@ -330,6 +330,8 @@ def _json_kind(value: Any) -> str:
     """A decoded JSON value's type, in JSON's words."""
     if isinstance(value, list):
         return "an array"
+    if isinstance(value, dict):
+        return "an object"
     if isinstance(value, bool):
         return "a boolean"
     if isinstance(value, (int, float)):
@@ -372,10 +374,21 @@ def describe_validation_error(
     message = _MESSAGES.get(kind, best.get("msg", "invalid value"))
     allowed = _allowed_range(model, param, served) if model is not None and param else None
     if allowed and kind in _BOUND_ERRORS:
-        message = f"must be in {allowed}, got {best.get('input')!r}"
+        message = f"must be in {allowed}, got {_shown_json(best.get('input'))}"
     elif allowed:
         message = f"{message} (allowed: {allowed})"
     return (f"{param}: {message}" if param else message), param
+
+
+def _shown_json(value: Any) -> str:
+    """A value of the body for a message, as JSON spells it: an array or object by its kind,
+    a huge integer or a long string shortened."""
+    if isinstance(value, (list, dict)):
+        return _json_kind(value)
+    if isinstance(value, int) and not isinstance(value, bool):
+        return shown_int(value)
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else f"{text[:40]}..."
 
 
 def _allowed_range(model: type[BaseModel], param: str, served: ServedLimits) -> str | None:
