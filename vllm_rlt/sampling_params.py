@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_rlt.config import ParamError, require, require_int, require_valid_text
+from vllm_rlt.config import ParamError, require, require_int, require_valid_text, shown_int
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -21,7 +22,7 @@ MAX_STOP_STRINGS = 64
 # The smallest repetition penalty: float32 logits divided by it stay finite (a penalty below
 # float32's range, 1e-45, became 0 there and every seen token inf, ties broken by id).
 MIN_REPETITION_PENALTY = 1e-30
-MAX_TOKEN_ID = 2**31 - 1  # ids are checked against the vocabulary later; int32 at most
+MAX_TOKEN_ID = 2**31 - 1  # where the vocabulary is not known: int32 at most
 MAX_BAD_WORDS = 32  # words; each becomes up to two token sequences (with a leading space)
 MAX_BAD_WORD_TOKENS = 8  # per token sequence: each form of a word
 
@@ -158,6 +159,53 @@ def check_field(name: str, value: Any, cap: int | float | None = None) -> None:
         _require_float(value, name, float(bound.low), top, low_open=bound.low_open)
 
 
+def token_range(vocab_size: int | None) -> str:
+    """The token ids a vocabulary of `vocab_size` holds (None: not known here)."""
+    return "[0, vocab_size - 1]" if vocab_size is None else f"[0, {vocab_size - 1}]"
+
+
+def first_bad_token(ids: Sequence[Any], vocab_size: int | None) -> int | None:
+    """The index of the first entry of `ids` that is no token id of the vocabulary (where it
+    is not known, none past MAX_TOKEN_ID), or None; the common case at C speed."""
+    end = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
+    if all(type(token) is int for token in ids) and (not ids or 0 <= min(ids) <= max(ids) < end):
+        return None
+    for index, token in enumerate(ids):
+        if not (isinstance(token, int) and not isinstance(token, bool) and 0 <= token < end):
+            return index
+    return None
+
+
+def shown_token(token: Any) -> str:
+    """An entry that should have been a token id, for a message (a huge id shortened)."""
+    return shown_int(token) if isinstance(token, int) else repr(token)
+
+
+def check_token_ids(
+    name: str, ids: Sequence[Any], vocab_size: int | None = None, param: str | None = None
+) -> None:
+    """ParamError naming the first entry of `ids` that is no token id ("stop_token_ids[2]")
+    and the range: the vocabulary's where it is known (the engine's checks), else in words."""
+    index = first_bad_token(ids, vocab_size)
+    if index is not None:
+        raise ParamError(
+            f"{name}[{index}] must be a token id in {token_range(vocab_size)}, got "
+            f"{shown_token(ids[index])}",
+            name if param is None else param,
+        )
+
+
+def check_logit_bias_keys(keys: Sequence[Any], vocab_size: int | None = None) -> None:
+    """As check_token_ids, for logit_bias, whose entries are named by their keys."""
+    index = first_bad_token(keys, vocab_size)
+    if index is not None:
+        raise ParamError(
+            f"logit_bias key {shown_token(keys[index])} must be a token id in "
+            f"{token_range(vocab_size)}",
+            "logit_bias",
+        )
+
+
 class RequestOutputKind(enum.IntEnum):
     """What each output of a streamed request holds (vLLM's names): everything so far, what
     is new since the previous one, or only the final output."""
@@ -292,8 +340,8 @@ class SamplingParams:
                 f"logit_bias must map token ids to numbers, got {self.logit_bias!r}",
                 "logit_bias",
             )
-            for token_id, value in self.logit_bias.items():
-                require_int(token_id, "logit_bias key", 0, MAX_TOKEN_ID, param="logit_bias")
+            check_logit_bias_keys(list(self.logit_bias))
+            for value in self.logit_bias.values():
                 _require_float(value, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
         if self.allowed_token_ids is not None:
             require(
@@ -303,10 +351,7 @@ class SamplingParams:
                 "allowed_token_ids",
             )
             self.allowed_token_ids = list(self.allowed_token_ids)
-            for token_id in self.allowed_token_ids:
-                require_int(
-                    token_id, "allowed_token_ids entry", 0, MAX_TOKEN_ID, param="allowed_token_ids"
-                )
+            check_token_ids("allowed_token_ids", self.allowed_token_ids)
         self._check_bad_words()
         for flag in (
             "ignore_eos",
@@ -342,8 +387,7 @@ class SamplingParams:
             "stop_token_ids",
         )
         self.stop_token_ids = list(self.stop_token_ids or [])
-        for token_id in self.stop_token_ids:
-            require_int(token_id, "stop_token_ids entry", 0, MAX_TOKEN_ID, param="stop_token_ids")
+        check_token_ids("stop_token_ids", self.stop_token_ids)
         if self.min_loops is not None and self.max_loops is not None:
             require(
                 self.min_loops <= self.max_loops,
@@ -382,16 +426,13 @@ class SamplingParams:
                     "bad_words",
                 )
             self.bad_words_token_ids = [list(ids) for ids in sequences]
-            for ids in self.bad_words_token_ids:
+            for index, ids in enumerate(self.bad_words_token_ids):
                 require(
                     0 < len(ids) <= MAX_BAD_WORD_TOKENS,
                     f"each bad word must be 1 to {MAX_BAD_WORD_TOKENS} tokens, got {len(ids)}",
                     "bad_words",
                 )
-                for token_id in ids:
-                    require_int(
-                        token_id, "bad_words_token_ids entry", 0, MAX_TOKEN_ID, param="bad_words"
-                    )
+                check_token_ids(f"bad_words_token_ids[{index}]", ids, param="bad_words")
 
     @property
     def greedy(self) -> bool:

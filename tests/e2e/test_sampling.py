@@ -468,8 +468,11 @@ def test_allowed_token_ids_are_checked(make_engine):
     vocab = engine.model.config.vocab_size
     bad = [
         ([], "allowed_token_ids must be a non-empty list"),
-        ([3, -1], "allowed_token_ids entry must be"),
-        ([3, vocab], f"allowed_token_ids entries must be in \\[0, {vocab - 1}\\], got {vocab}"),
+        ([3, -1], r"allowed_token_ids\[1\] must be a token id in \[0, vocab_size - 1\]"),
+        (
+            [3, vocab],
+            rf"allowed_token_ids\[1\] must be a token id in \[0, {vocab - 1}\], got {vocab}",
+        ),
     ]
     for value, message in bad:
         with pytest.raises(ValueError, match=message) as caught:
@@ -538,7 +541,10 @@ def test_bad_words_are_checked(make_engine):
         (dict(bad_words=["ok", " "]), "bad_words must hold non-blank strings"),
         (dict(bad_words=["x"] * 33), "bad_words must be a list of 1 to 32 strings"),
         (dict(bad_words_token_ids=[[1] * 9]), "each bad word must be 1 to 8 tokens, got 9"),
-        (dict(bad_words_token_ids=[[3, vocab]]), f"must be in \\[0, {vocab - 1}\\], got {vocab}"),
+        (
+            dict(bad_words_token_ids=[[3, vocab]]),
+            rf"bad_words_token_ids\[0\]\[1\] must be a token id in \[0, {vocab - 1}\], got {vocab}",
+        ),
     ]
     for fields, message in bad:
         with pytest.raises(ValueError, match=message) as caught:

@@ -87,7 +87,10 @@ def test_batched_adjustments_equal_the_reference(seed):
         ({"frequency_penalty": 2.5}, r"frequency_penalty must be in \[-2.0, 2.0\], got 2.5"),
         ({"presence_penalty": -3}, r"presence_penalty must be in \[-2.0, 2.0\], got -3"),
         ({"logit_bias": {5: 101.0}}, r"logit_bias must be in \[-100.0, 100.0\], got 101.0"),
-        ({"logit_bias": {-1: 1.0}}, r"logit_bias key must be in \[0, 2147483647\], got -1"),
+        (
+            {"logit_bias": {-1: 1.0}},
+            r"logit_bias key -1 must be a token id in \[0, vocab_size - 1\]",
+        ),
         ({"logit_bias": [1, 2]}, r"logit_bias must map token ids to numbers"),
         ({"skip_special_tokens": "no"}, r"skip_special_tokens must be true or false"),
     ],

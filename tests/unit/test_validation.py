@@ -26,6 +26,7 @@ from vllm_rlt.tokenizer import Tokenizer
 T = 4  # the toy's total_ut_steps
 VOCAB = 259  # the toy's vocab_size (byte tokenizer)
 INT64_MAX = 2**63 - 1
+TOKEN_ID = r"a token id in \[0, vocab_size - 1\]"  # SamplingParams knows no vocabulary
 
 
 def greedy(max_tokens: int = 4, **kwargs: Any) -> SamplingParams:
@@ -66,11 +67,11 @@ def greedy(max_tokens: int = 4, **kwargs: Any) -> SamplingParams:
         ({"bad_words_token_ids": [5]}, r"bad_words_token_ids must hold token-id lists, got 5"),
         ({"bad_words_token_ids": [None]}, r"bad_words_token_ids must hold token-id lists"),
         ({"stop_token_ids": 5}, r"stop_token_ids must be a list of token ids, got 5"),
-        ({"stop_token_ids": [5, -1]}, r"stop_token_ids entry must be in \[0, 2147483647\], got -1"),
-        ({"stop_token_ids": [2**70]}, r"stop_token_ids entry must be in \[0, 2147483647\]"),
-        ({"stop_token_ids": ["5"]}, r"stop_token_ids entry must be an integer in \[0, \d+\]"),
-        ({"logit_bias": {2**70: 1.0}}, r"logit_bias key must be in \[0, 2147483647\]"),
-        ({"allowed_token_ids": [2**31]}, r"allowed_token_ids entry must be in \[0, 2147483647\]"),
+        ({"stop_token_ids": [5, -1]}, rf"stop_token_ids\[1\] must be {TOKEN_ID}, got -1"),
+        ({"stop_token_ids": [2**70]}, rf"stop_token_ids\[0\] must be {TOKEN_ID}, got 1180"),
+        ({"stop_token_ids": ["5"]}, rf"stop_token_ids\[0\] must be {TOKEN_ID}, got '5'"),
+        ({"logit_bias": {2**70: 1.0}}, rf"logit_bias key 1180\d+\.\.\. must be {TOKEN_ID}"),
+        ({"allowed_token_ids": [2**31]}, rf"allowed_token_ids\[0\] must be {TOKEN_ID}"),
         ({"repetition_penalty": 1e-320}, r"repetition_penalty must be in \[1e-30, 10\.0\]"),
         ({"logprobs": 21}, r"logprobs must be in \[0, 20\], got 21"),
         ({"logprobs": -1}, r"logprobs must be in \[0, 20\], got -1"),
@@ -323,13 +324,13 @@ BAD_REQUESTS = {
         "bad",
         [10, VOCAB],
         greedy(),
-        rf"prompt_token_ids entries must be integers in \[0, {VOCAB - 1}\], got {VOCAB}",
+        rf"prompt_token_ids\[1\] must be a token id in \[0, {VOCAB - 1}\], got {VOCAB}",
     ),
     "negative_token": BadRequest(
-        "default", "bad", [-1, 10], greedy(), r"prompt_token_ids entries .*\[0, 258\], got -1"
+        "default", "bad", [-1, 10], greedy(), r"prompt_token_ids\[0\] .*\[0, 258\], got -1"
     ),
     "non_int_token": BadRequest(
-        "default", "bad", [10, "a"], greedy(), r"prompt_token_ids entries .*, got 'a'"
+        "default", "bad", [10, "a"], greedy(), r"prompt_token_ids\[1\] .*, got 'a'"
     ),
     "beyond_context": BadRequest(
         "default",
@@ -357,7 +358,7 @@ BAD_REQUESTS = {
         "bad",
         [10],
         greedy(stop_token_ids=[VOCAB]),
-        rf"stop_token_ids entries must be in \[0, {VOCAB - 1}\], got {VOCAB}",
+        rf"stop_token_ids\[0\] must be a token id in \[0, {VOCAB - 1}\], got {VOCAB}",
     ),
     "params_not_sampling_params": BadRequest(
         "default", "bad", [10], {"max_tokens": 4}, "sampling_params must be a SamplingParams"
@@ -702,7 +703,7 @@ def test_llm_rejects_cuda_without_cuda() -> None:
 @pytest.mark.parametrize(
     ("prompts", "params", "request_ids", "match"),
     [
-        (["Hello", [5, 999], "abc"], greedy(), None, r"prompt_token_ids entries .*got 999"),
+        (["Hello", [5, 999], "abc"], greedy(), None, r"prompt_token_ids\[1\] .*got 999"),
         (
             ["Hello", "abc", "xyz"],
             [greedy(n=2), greedy(), greedy(max_loops=9)],

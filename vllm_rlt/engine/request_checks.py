@@ -7,7 +7,12 @@ import dataclasses
 from dataclasses import dataclass
 
 from vllm_rlt.config import ExitConfig, require, shown_int
-from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from vllm_rlt.sampling_params import (
+    MAX_BAD_WORD_TOKENS,
+    SamplingParams,
+    check_logit_bias_keys,
+    check_token_ids,
+)
 from vllm_rlt.tokenizer import Tokenizer
 
 
@@ -61,42 +66,21 @@ class RequestChecker:
             "prompt",
         )
         check_priority(params.priority, limits.scheduling_policy)
+        # Each token id whole (type and both ends), not only against the vocabulary: params
+        # may have been edited since SamplingParams checked them.
         vocab = limits.vocab_size
-        # The common case at C speed; the loop names the culprit of a bad one.
-        valid = all(type(token) is int for token in prompt)
-        if not (valid and 0 <= min(prompt) and max(prompt) < vocab):
-            self._check_each_token(prompt, vocab)
-        for token in params.logit_bias or {}:
-            require(
-                token < vocab,
-                f"logit_bias keys must be token ids in [0, {vocab - 1}], got {token}",
-                "logit_bias",
-            )
-        for token in params.allowed_token_ids or ():
-            require(
-                token < vocab,
-                f"allowed_token_ids entries must be in [0, {vocab - 1}], got {token}",
-                "allowed_token_ids",
-            )
+        check_token_ids("prompt_token_ids", prompt, vocab, "prompt")
+        check_logit_bias_keys(list(params.logit_bias or {}), vocab)
+        check_token_ids("allowed_token_ids", params.allowed_token_ids or (), vocab)
         require(
             not params.bad_words,
             "bad_words are turned into token ids by the frontend that holds the tokenizer "
             "(LLM, AsyncLLM, the server); give bad_words_token_ids to the engine core",
             "bad_words",
         )
-        for ids in params.bad_words_token_ids or ():
-            for token in ids:
-                require(
-                    token < vocab,
-                    f"bad_words_token_ids entries must be in [0, {vocab - 1}], got {token}",
-                    "bad_words",
-                )
-        for token in params.stop_token_ids:
-            require(
-                token < vocab,
-                f"stop_token_ids entries must be in [0, {vocab - 1}], got {token}",
-                "stop_token_ids",
-            )
+        for index, ids in enumerate(params.bad_words_token_ids or ()):
+            check_token_ids(f"bad_words_token_ids[{index}]", ids, vocab, "bad_words")
+        check_token_ids("stop_token_ids", params.stop_token_ids or (), vocab)
         require(
             params.max_tokens is not None,
             "max_tokens=None (up to the context) is resolved by the frontend (LLM, AsyncLLM, "
@@ -135,15 +119,6 @@ class RequestChecker:
             "or raise num_blocks",
             "prompt",
         )
-
-    @staticmethod
-    def _check_each_token(prompt: list[int], vocab: int) -> None:
-        for token in prompt:
-            require(
-                isinstance(token, int) and not isinstance(token, bool) and 0 <= token < vocab,
-                f"prompt_token_ids entries must be integers in [0, {vocab - 1}], got {token!r}",
-                "prompt",
-            )
 
     def _check_trace(
         self, request_id: str, params: SamplingParams, min_loops: int, max_loops: int

@@ -27,6 +27,9 @@ from vllm_rlt.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     SamplingParams,
+    first_bad_token,
+    shown_token,
+    token_range,
 )
 
 # Fields take only their own JSON type, as OpenAI's schema types them: an integer field
@@ -39,21 +42,16 @@ TokenId = StrictInt
 _TOKEN_ID_KEY = re.compile(r"0|[1-9][0-9]{0,17}")
 
 
-def token_range(vocab_size: int | None) -> str:
-    """The token ids a vocabulary of `vocab_size` holds (None: not known yet)."""
-    return "[0, vocab_size - 1]" if vocab_size is None else f"[0, {vocab_size - 1}]"
-
-
 def check_token_ids(path: str, ids: Sequence[int], vocab_size: int) -> None:
-    """ParamError naming the first of `ids` outside the vocabulary by its path ("tokens.3");
-    the common case is checked at C speed, and a huge id is shortened in the message."""
-    if not ids or (min(ids) >= 0 and max(ids) < vocab_size):
-        return
-    index, token = next((i, t) for i, t in enumerate(ids) if not 0 <= t < vocab_size)
-    raise ParamError(
-        f"{path}.{index}: must be a token id in {token_range(vocab_size)}, got {shown_int(token)}",
-        f"{path}.{index}",
-    )
+    """ParamError naming the first of `ids` outside the vocabulary by its path ("tokens.3"),
+    a huge id shortened in the message."""
+    index = first_bad_token(ids, vocab_size)
+    if index is not None:
+        raise ParamError(
+            f"{path}.{index}: must be a token id in {token_range(vocab_size)}, "
+            f"got {shown_token(ids[index])}",
+            f"{path}.{index}",
+        )
 
 
 def first_lone_surrogate(value: Any, path: str = "") -> tuple[str, int, str] | None:
