@@ -196,6 +196,39 @@ def test_a_detokenize_entry_that_is_no_integer_gives_the_range(server, bad):
 
 
 @pytest.mark.parametrize(
+    "prompt, param, want",
+    [
+        ([[1, 2], [3, 1.5]], "prompt.1.1", f"a token id in [0, {TOY_VOCAB - 1}], got 1.5"),
+        ([5, True], "prompt.1", f"a token id in [0, {TOY_VOCAB - 1}], got true"),
+        ([5, "a"], "prompt.1", f'a token id in [0, {TOY_VOCAB - 1}], got "a"'),
+        ([[5], "a"], "prompt.1", f'a list of token ids in [0, {TOY_VOCAB - 1}], got "a"'),
+        ([["a"]], "prompt.0.0", f'a token id in [0, {TOY_VOCAB - 1}], got "a"'),
+        (["a", 5], "prompt.1", "a string, got 5"),
+        ([None], "prompt.0", f"a token id in [0, {TOY_VOCAB - 1}], a list of them or a string"),
+    ],
+    ids=repr,
+)
+def test_a_prompt_entry_of_no_form_is_named_by_its_path(server, prompt, param, want):
+    """The prompt's first entry says which form was meant; the first entry that breaks it
+    is named, with what it must be and the forms a prompt may take (text among them)."""
+    url, _ = server
+    body = {**BASES["/v1/completions"], "prompt": prompt}
+    message = error_of(httpx.post(f"{url}/v1/completions", json=body), param)
+    assert message.startswith(f"{param}: must be {want}"), message
+    assert message.endswith(
+        "a prompt is text, a list of texts, token ids or a list of token-id lists"
+    )
+
+
+def test_a_prompt_entry_before_the_model_has_loaded_names_the_vocabulary_in_words():
+    with pytest.raises(ValidationError) as raised:
+        CompletionRequest.model_validate({**BASES["/v1/completions"], "prompt": [[1], [2, 0.5]]})
+    message, param = describe_validation_error(raised.value.errors(), CompletionRequest)
+    assert param == "prompt.1.1"
+    assert message.startswith("prompt.1.1: must be a token id in [0, vocab_size - 1], got 0.5")
+
+
+@pytest.mark.parametrize(
     "path, field",
     [
         ("/v1/completions", "max_tokens"),

@@ -302,6 +302,8 @@ _MESSAGES = {
     "finite_number": "must be a finite number",
     **{kind: "must be a JSON object" for kind in _OBJECT_ERRORS},
 }
+# What the prompt of /v1/completions may be, for an entry that fits none of its forms.
+_PROMPT_FORMS = "a prompt is text, a list of texts, token ids or a list of token-id lists"
 # Bounded above by what the body's schema cannot know: the served model's depth, or the
 # context (max_model_len) less the prompt. The schema checks the low end, the engine the
 # high end, and both messages give the range.
@@ -367,6 +369,11 @@ def describe_validation_error(
         return f"unsupported field: {param}", param
     if best is errors[0] and kind.endswith("_type"):
         tags = [str(p) for e in errors for p in e.get("loc", ()) if _UNION_TAG.search(str(p))]
+        whole = best.get("input")
+        if param and "list[int]" in tags and isinstance(whole, list) and whole:
+            found = _prompt_entry_error(param, whole, served.vocab_size)
+            if found is not None:
+                return found
         if len(tags) > 1:
             return f"{param}: wrong type ({', '.join(dict.fromkeys(tags))} accepted)", param
     message = _MESSAGES.get(kind, best.get("msg", "invalid value"))
@@ -387,6 +394,40 @@ def _shown_json(value: Any) -> str:
         return shown_int(value)
     text = json.dumps(value, ensure_ascii=False)
     return text if len(text) <= 40 else f"{text[:40]}..."
+
+
+def _is_token_id(value: Any) -> bool:
+    """An integer, and not JSON's true or false (which Python counts as integers)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _prompt_entry_error(
+    field: str, prompt: list[Any], vocab_size: int | None
+) -> tuple[str, str] | None:
+    """(message, param) naming by its path the first entry of a prompt list that breaks the
+    form its first entry sets (token ids, token-id lists or texts): each form's own error
+    names only the field, or an entry of a form the client did not mean."""
+    token = f"a token id in {token_range(vocab_size)}"
+    first = prompt[0]
+    for index, entry in enumerate(prompt):
+        path, want = f"{field}.{index}", None
+        if _is_token_id(first):
+            want = None if _is_token_id(entry) else token
+        elif isinstance(first, list):
+            if not isinstance(entry, list):
+                want = f"a list of token ids in {token_range(vocab_size)}"
+            else:
+                inner = next((j for j, t in enumerate(entry) if not _is_token_id(t)), None)
+                if inner is not None:
+                    path, want, entry = f"{path}.{inner}", token, entry[inner]
+        elif isinstance(first, str):
+            want = None if isinstance(entry, str) else "a string"
+        else:
+            want = f"{token}, a list of them or a string"
+        if want is not None:
+            message = f"{path}: must be {want}, got {_shown_json(entry)}; {_PROMPT_FORMS}"
+            return message, path
+    return None
 
 
 def _allowed_range(model: type[BaseModel], param: str, served: ServedLimits) -> str | None:
