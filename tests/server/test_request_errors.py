@@ -185,6 +185,9 @@ def test_a_bad_token_id_is_named_by_its_path(server, path, change, param):
     message = error_of(reply, param)
     assert message.startswith(f"{param}: must be a token id in [0, {TOY_VOCAB - 1}]"), message
     assert len(message) < 120
+    # the key's spelling is named only where it is what is wrong
+    misspelt = param in ("logit_bias.-3", "logit_bias.012")
+    assert ("decimal digits" in message) == misspelt, message
 
 
 @pytest.mark.parametrize("bad", [1.5, "7", True, None, [7]])

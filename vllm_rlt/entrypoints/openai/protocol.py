@@ -191,11 +191,13 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
         for name in ("stop_token_ids", "allowed_token_ids"):
             check_token_ids(name, getattr(self, name) or (), vocab_size)
         for key in self.logit_bias or {}:
-            if not (_TOKEN_ID_KEY.fullmatch(key) and int(key) < vocab_size):
+            decimal = _TOKEN_ID_KEY.fullmatch(key) is not None
+            if not (decimal and int(key) < vocab_size):
                 shown = key if len(key) <= 40 else key[:40] + "..."  # in the path too
+                spelling = "" if decimal else " (decimal digits, no leading zero)"
                 raise ParamError(
-                    f"logit_bias.{shown}: must be a token id in {token_range(vocab_size)} "
-                    f"(decimal digits, no leading zero), got {shown!r}",
+                    f"logit_bias.{shown}: must be a token id in {token_range(vocab_size)}"
+                    f"{spelling}, got {shown!r}",
                     f"logit_bias.{shown}",
                 )
 
