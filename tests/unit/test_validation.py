@@ -368,7 +368,8 @@ BAD_REQUESTS = {
         "bad",
         [7] * 10,
         greedy(max_tokens=8),
-        r"prompt \+ max_tokens needs 5 KV blocks but the cache has 4",
+        r"prompt \+ max_tokens needs 5 KV blocks but the cache has 4; for this prompt "
+        r"max_tokens must be in \[1, 7\], or raise num_blocks",
     ),
     "prompt_prefill_beyond_pool": BadRequest(
         "small_shared_decode",
@@ -492,6 +493,14 @@ def test_bad_request_while_good_one_waits(make_engine, case: str) -> None:
     finished = add_bad_between_good(engine, bad, "waiting")
     for good in (GOOD_BEFORE, GOOD_AFTER):
         assert summary(finished[good[0]]) == alone(make_engine, bad.engine, good)
+
+
+def test_the_max_tokens_a_small_pool_names_is_accepted(make_engine) -> None:
+    """The range the pool's refusal gives is exact: its upper end runs to the end."""
+    bad = BAD_REQUESTS["reservation_beyond_pool"]
+    engine = make_engine(**ENGINES[bad.engine])
+    finished = drain(engine, {0: [("edge", bad.prompt, greedy(max_tokens=7, ignore_eos=True))]})
+    assert len(finished["edge"].outputs[0].token_ids) == 7
 
 
 def test_request_id_is_reusable_after_it_finished(make_engine) -> None:

@@ -105,10 +105,16 @@ class RequestChecker:
         )
         # The last sampled token is never forwarded: prompt + max_tokens - 1 positions.
         needed = max(1, -(-(len(prompt) + params.max_tokens - 1) // limits.block_size))
+        room = limits.num_blocks * limits.block_size - len(prompt) + 1  # the most that fits
+        remedy = (
+            f"for this prompt max_tokens must be in [1, {room}]"
+            if room >= 1
+            else "shorten the prompt"
+        )
         require(
             needed <= limits.num_blocks,
             f"prompt + max_tokens needs {needed} KV blocks but the cache has "
-            f"{limits.num_blocks}; lower max_tokens or raise num_blocks",
+            f"{limits.num_blocks}; {remedy}, or raise num_blocks",
             "max_tokens",
         )
         prefill = limits.prompt_tables * -(-len(prompt) // limits.block_size)
