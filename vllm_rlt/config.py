@@ -119,6 +119,39 @@ def shown_int(value: int) -> str:
     return f"{'-' if value < 0 else ''}{str(magnitude // 10**beyond)[:20]}..."
 
 
+# Python prints at most 4,300 digits of an int; no field's range comes near 4,000.
+_OVERLONG_BITS = 13_300  # about 4,000 decimal digits
+
+
+def require_printable_ints(
+    name: str,
+    value: Any,
+    allowed: str | None = None,
+    depth: int = 2,
+    param: str | None = None,
+    values_allowed: str | None = None,
+) -> None:
+    """ParamError where `value`, or an entry of its lists, tuples or dicts (`depth` levels
+    down, as far as the token-id lists go), is an integer too long to print: every message
+    about it would fail in Python's conversion instead of naming the field. `allowed`:
+    what the field, its entries or its keys may be, for the message; `values_allowed`:
+    what a dict's values may be."""
+    param = param or name
+    if isinstance(value, int) and value.bit_length() > _OVERLONG_BITS:
+        digits = f"an integer of about {int(value.bit_length() * 0.30103):,} digits"
+        what = "within every range a field allows" if allowed is None else allowed
+        raise ParamError(f"{name} must be {what}, got {digits}", param)
+    if depth == 0:
+        return
+    if isinstance(value, (list, tuple)):
+        for index, entry in enumerate(value):
+            require_printable_ints(f"{name}[{index}]", entry, allowed, depth - 1, param)
+    elif isinstance(value, dict):
+        for key, entry in value.items():
+            require_printable_ints(f"{name} key", key, allowed, 0, param)
+            require_printable_ints(f"{name} value", entry, values_allowed, depth - 1, param)
+
+
 def require_int(
     value: Any, name: str, low: int, high: int | None = None, param: str | None = None
 ) -> None:

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from vllm_rlt.config import ParamError, require, require_int, require_valid_text, shown_int
+from vllm_rlt.config import (
+    ParamError,
+    require,
+    require_int,
+    require_printable_ints,
+    require_valid_text,
+    shown_int,
+)
+from vllm_rlt.token_ids import check_logit_bias_keys, check_token_ids, token_range
 
 MAX_LOGPROBS = 20
 MAX_N = 128
@@ -22,7 +29,6 @@ MAX_STOP_STRINGS = 64
 # The smallest repetition penalty: float32 logits divided by it stay finite (a penalty below
 # float32's range, 1e-45, became 0 there and every seen token inf, ties broken by id).
 MIN_REPETITION_PENALTY = 1e-30
-MAX_TOKEN_ID = 2**31 - 1  # where the vocabulary is not known: int32 at most
 MAX_BAD_WORDS = 32  # words; each becomes up to two token sequences (with a leading space)
 MAX_BAD_WORD_TOKENS = 8  # per token sequence: each form of a word
 
@@ -151,7 +157,7 @@ def check_field(name: str, value: Any, cap: int | float | None = None) -> None:
             name,
         )
         in_range = bound.low <= value and (high is None or value <= high)
-        require(in_range, f"{name} must be {bound.shown_range}, got {value}", name)
+        require(in_range, f"{name} must be {bound.shown_range}, got {shown_int(value)}", name)
     elif bound.kind is int:
         require_int(value, name, int(bound.low), None if high is None else int(high))
     else:
@@ -159,51 +165,25 @@ def check_field(name: str, value: Any, cap: int | float | None = None) -> None:
         _require_float(value, name, float(bound.low), top, low_open=bound.low_open)
 
 
-def token_range(vocab_size: int | None) -> str:
-    """The token ids a vocabulary of `vocab_size` holds (None: not known here)."""
-    return "[0, vocab_size - 1]" if vocab_size is None else f"[0, {vocab_size - 1}]"
+# Fields whose entries (or keys) are token ids.
+TOKEN_ID_FIELDS = ("stop_token_ids", "allowed_token_ids", "bad_words_token_ids", "logit_bias")
 
 
-def first_bad_token(ids: Sequence[Any], vocab_size: int | None) -> int | None:
-    """The index of the first entry of `ids` that is no token id of the vocabulary (where it
-    is not known, none past MAX_TOKEN_ID), or None; the common case at C speed."""
-    end = MAX_TOKEN_ID + 1 if vocab_size is None else vocab_size
-    if all(type(token) is int for token in ids) and (not ids or 0 <= min(ids) <= max(ids) < end):
+def _allowed(name: str) -> str | None:
+    """What a field holds, as its range messages say it (None: no bound to state)."""
+    if name in TOKEN_ID_FIELDS:
+        return f"a token id in {token_range(None)}"
+    if name == "best_of":
+        return "None or equal to n"
+    bound = FIELD_BOUNDS.get(name)
+    if bound is None:
         return None
-    for index, token in enumerate(ids):
-        if not (isinstance(token, int) and not isinstance(token, bool) and 0 <= token < end):
-            return index
-    return None
-
-
-def shown_token(token: Any) -> str:
-    """An entry that should have been a token id, for a message (a huge id shortened)."""
-    return shown_int(token) if isinstance(token, int) else repr(token)
-
-
-def check_token_ids(
-    name: str, ids: Sequence[Any], vocab_size: int | None = None, param: str | None = None
-) -> None:
-    """ParamError naming the first entry of `ids` that is no token id ("stop_token_ids[2]")
-    and the range: the vocabulary's where it is known (the engine's checks), else in words."""
-    index = first_bad_token(ids, vocab_size)
-    if index is not None:
-        raise ParamError(
-            f"{name}[{index}] must be a token id in {token_range(vocab_size)}, got "
-            f"{shown_token(ids[index])}",
-            name if param is None else param,
-        )
-
-
-def check_logit_bias_keys(keys: Sequence[Any], vocab_size: int | None = None) -> None:
-    """As check_token_ids, for logit_bias, whose entries are named by their keys."""
-    index = first_bad_token(keys, vocab_size)
-    if index is not None:
-        raise ParamError(
-            f"logit_bias key {shown_token(keys[index])} must be a token id in "
-            f"{token_range(vocab_size)}",
-            "logit_bias",
-        )
+    if bound.shown_range is not None:
+        return bound.shown_range
+    if bound.kind is float:
+        low = f"({bound.low}" if bound.low_open else f"[{bound.low}"
+        return f"in {low}, {'inf)' if bound.high is None else f'{bound.high}]'}"
+    return f">= {bound.low}" if bound.high is None else f"in [{bound.low}, {bound.high}]"
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -303,6 +283,10 @@ class SamplingParams:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
+        for each in fields(self):  # first: the checks below print the values they refuse
+            bias = f"in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"  # logit_bias's values
+            value = getattr(self, each.name)
+            require_printable_ints(each.name, value, _allowed(each.name), values_allowed=bias)
         require(
             self.best_of is None or self.best_of == self.n,
             f"best_of is not supported (vLLM V1 dropped it): leave it None or equal to n "
@@ -473,4 +457,5 @@ def _require_float(
         name,
     )
     within = (low < value if low_open else low <= value) and value <= high  # type: ignore[operator]
-    require(within, f"{name} must be in {shown}, got {value}", name)
+    got = shown_int(value) if isinstance(value, int) else value
+    require(within, f"{name} must be in {shown}, got {got}", name)

@@ -125,3 +125,33 @@ def test_shown_int_keeps_a_huge_integers_first_20_digits(value: int) -> None:
     assert digits.group(1) == ("-" if value < 0 else "")
     assert digits.group(2) == ("1" + "0" * 19 if abs(value) % 10 == 0 else "9" * 20)
     assert shown_int(10**20 - 1) == "9" * 20
+
+
+OVERLONG = 10**5000  # beyond the 4,300 digits Python turns into text
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "param", "start"),
+    [
+        ({"n": OVERLONG}, "n", "n must be in [1, "),
+        ({"max_tokens": OVERLONG}, "max_tokens", "max_tokens must be >= 1"),
+        ({"top_k": -OVERLONG}, "top_k", "top_k must be 0 or -1 (every token)"),
+        ({"temperature": OVERLONG}, "temperature", "temperature must be in [0.0, "),
+        ({"best_of": OVERLONG}, "best_of", "best_of must be None or equal to n"),
+        ({"stop_token_ids": [1, OVERLONG]}, "stop_token_ids", "stop_token_ids[1] must be a token"),
+        ({"logit_bias": {OVERLONG: 1.0}}, "logit_bias", "logit_bias key must be a token id"),
+        ({"logit_bias": {1: OVERLONG}}, "logit_bias", "logit_bias value must be in [-100.0, "),
+        (
+            {"bad_words_token_ids": [[1], [2, OVERLONG]]},
+            "bad_words_token_ids",
+            "bad_words_token_ids[1][1] must be a token id",
+        ),
+    ],
+    ids=["n", "max_tokens", "top_k", "temperature", "best_of", "stop", "bias_key", "bias", "bad"],
+)
+def test_an_integer_too_long_to_print_names_its_field(kwargs, param, start) -> None:
+    """Python refuses to print an int of over 4,300 digits: the field is named, not that."""
+    error = raised(SamplingParams, **kwargs)
+    assert error.param == param
+    assert str(error).startswith(start), str(error)
+    assert "digits" in str(error) and len(str(error)) < 150

@@ -7,12 +7,8 @@ import dataclasses
 from dataclasses import dataclass
 
 from vllm_rlt.config import ExitConfig, require, shown_int
-from vllm_rlt.sampling_params import (
-    MAX_BAD_WORD_TOKENS,
-    SamplingParams,
-    check_logit_bias_keys,
-    check_token_ids,
-)
+from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
+from vllm_rlt.token_ids import check_logit_bias_keys, check_token_ids
 from vllm_rlt.tokenizer import Tokenizer
 
 

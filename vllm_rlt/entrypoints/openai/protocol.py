@@ -27,10 +27,8 @@ from vllm_rlt.sampling_params import (
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     SamplingParams,
-    first_bad_token,
-    shown_token,
-    token_range,
 )
+from vllm_rlt.token_ids import first_bad_token, shown_token, token_range
 
 # Fields take only their own JSON type, as OpenAI's schema types them: an integer field
 # refuses a string, a boolean or a float such as 2.0; a number field takes an integer but no
