@@ -150,6 +150,26 @@ def test_a_pause_returns_when_a_reader_leaves_during_its_drain(engine, loop, mod
     assert engine.client.core_engine.all_blocks_free()
 
 
+@pytest.mark.parametrize("mode", ["wait", "abort"])
+def test_a_pause_waits_for_a_reader_that_left_just_before_it(engine, loop, mode):
+    """A stream released before the pause began still holds the core until its abort is
+    answered: the pause waits for that answer too, so the core is empty when it returns."""
+
+    async def scenario():
+        run = Run(engine, "left-before", PROMPTS["r0"], greedy(max_tokens=400))
+        await run.started.wait()
+        run.task.cancel()
+        await asyncio.gather(run.task, return_exceptions=True)
+        try:
+            await asyncio.wait_for(engine.pause_generation(mode=mode), 30)
+            assert not engine.client.core_engine.has_unfinished
+            assert engine.client.core_engine.all_blocks_free()
+        finally:  # a failure leaves the shared engine running for the next test
+            await engine.resume_generation()
+
+    loop.run_until_complete(scenario())
+
+
 def test_an_id_reused_once_its_reader_left_gets_its_own_outputs(engine, expected, loop):
     """The core answers the left request's abort after the new one is sent: that answer
     must not end the new request, which carries on to its own end."""

@@ -91,6 +91,7 @@ class GenerationPause:
             raise owner.dead
         held = {c.request_id for c in self.held if isinstance(c, AddRequest)}
         in_flight = [s for request_id, s in owner._streams.items() if request_id not in held]
+        in_flight += [s for left in owner._leaving.values() for s in left]  # readers gone
         if self.mode is not None:  # paused already: only "abort" has something left to do
             require(
                 mode != "wait" or self.mode != "keep",
