@@ -161,11 +161,8 @@ def require_int(
     field = name if param is None else param
     if not isinstance(value, int) or isinstance(value, bool):
         raise ParamError(f"{name} must be an integer {allowed}, got {value!r}", field)
-    require(
-        value >= low and (high is None or value <= high),
-        f"{name} must be {allowed}, got {shown_int(value)}",
-        field,
-    )
+    if value < low or (high is not None and value > high):
+        raise ParamError(f"{name} must be {allowed}, got {shown_int(value)}", field)
 
 
 def require_valid_text(text: str, field: str) -> None:

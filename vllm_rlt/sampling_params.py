@@ -157,7 +157,8 @@ def check_field(name: str, value: Any, cap: int | float | None = None) -> None:
             name,
         )
         in_range = bound.low <= value and (high is None or value <= high)
-        require(in_range, f"{name} must be {bound.shown_range}, got {shown_int(value)}", name)
+        if not in_range:  # the message only on failure: every request passes here
+            raise ParamError(f"{name} must be {bound.shown_range}, got {shown_int(value)}", name)
     elif bound.kind is int:
         require_int(value, name, int(bound.low), None if high is None else int(high))
     else:
@@ -283,10 +284,10 @@ class SamplingParams:
         return super().__new__(cls)
 
     def __post_init__(self) -> None:
-        for each in fields(self):  # first: the checks below print the values they refuse
-            bias = f"in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"  # logit_bias's values
-            value = getattr(self, each.name)
-            require_printable_ints(each.name, value, _allowed(each.name), values_allowed=bias)
+        for name, allowed in _ALLOWED.items():  # first: the checks below print what they refuse
+            value = getattr(self, name)
+            if isinstance(value, (int, list, tuple, dict)):  # what can hold an integer
+                require_printable_ints(name, value, allowed, values_allowed=_BIAS_RANGE)
         require(
             self.best_of is None or self.best_of == self.n,
             f"best_of is not supported (vLLM V1 dropped it): leave it None or equal to n "
@@ -457,5 +458,12 @@ def _require_float(
         name,
     )
     within = (low < value if low_open else low <= value) and value <= high  # type: ignore[operator]
-    got = shown_int(value) if isinstance(value, int) else value
-    require(within, f"{name} must be in {shown}, got {got}", name)
+    if not within:
+        got = shown_int(value) if isinstance(value, int) else value
+        raise ParamError(f"{name} must be in {shown}, got {got}", name)
+
+
+# What each field may hold and logit_bias's values, for the too-long-integer check: worked
+# out once, not for every request.
+_ALLOWED = {each.name: _allowed(each.name) for each in fields(SamplingParams)}
+_BIAS_RANGE = f"in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"

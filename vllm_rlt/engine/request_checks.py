@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from vllm_rlt.config import ExitConfig, require, shown_int
+from vllm_rlt.config import ExitConfig, ParamError, require, shown_int
 from vllm_rlt.sampling_params import MAX_BAD_WORD_TOKENS, SamplingParams
 from vllm_rlt.token_ids import check_logit_bias_keys, check_token_ids
 from vllm_rlt.tokenizer import Tokenizer
@@ -90,29 +90,30 @@ class RequestChecker:
             f"{limits.max_model_len} (max_model_len) and leaves no room for a token; shorten it",
             "prompt",
         )
+        # The messages are built only on failure: every request passes here.
         total = len(prompt) + params.max_tokens
-        require(
-            total <= limits.max_model_len,
-            f"prompt ({len(prompt)} tokens) + max_tokens ({shown_int(params.max_tokens)}) = "
-            f"{shown_int(total)} exceeds the context length {limits.max_model_len} "
-            "(max_model_len); for this "
-            f"prompt max_tokens must be in [1, {limits.max_model_len - len(prompt)}]",
-            "max_tokens",
-        )
+        if total > limits.max_model_len:
+            raise ParamError(
+                f"prompt ({len(prompt)} tokens) + max_tokens ({shown_int(params.max_tokens)}) "
+                f"= {shown_int(total)} exceeds the context length {limits.max_model_len} "
+                "(max_model_len); for this prompt max_tokens must be in "
+                f"[1, {limits.max_model_len - len(prompt)}]",
+                "max_tokens",
+            )
         # The last sampled token is never forwarded: prompt + max_tokens - 1 positions.
-        needed = max(1, -(-(len(prompt) + params.max_tokens - 1) // limits.block_size))
-        room = limits.num_blocks * limits.block_size - len(prompt) + 1  # the most that fits
-        remedy = (
-            f"for this prompt max_tokens must be in [1, {room}]"
-            if room >= 1
-            else "shorten the prompt"
-        )
-        require(
-            needed <= limits.num_blocks,
-            f"prompt + max_tokens needs {needed} KV blocks but the cache has "
-            f"{limits.num_blocks}; {remedy}, or raise num_blocks",
-            "max_tokens",
-        )
+        needed = max(1, -(-(total - 1) // limits.block_size))
+        if needed > limits.num_blocks:
+            room = limits.num_blocks * limits.block_size - len(prompt) + 1  # the most that fits
+            remedy = (
+                f"for this prompt max_tokens must be in [1, {room}]"
+                if room >= 1
+                else "shorten the prompt"
+            )
+            raise ParamError(
+                f"prompt + max_tokens needs {needed} KV blocks but the cache has "
+                f"{limits.num_blocks}; {remedy}, or raise num_blocks",
+                "max_tokens",
+            )
         prefill = limits.prompt_tables * -(-len(prompt) // limits.block_size)
         require(
             prefill <= limits.num_blocks,
