@@ -8,7 +8,8 @@ argmax does not depend on the order tokens are visited in. Here programs stream 
 each row's logits once (a second kernel picks each row's best run), hashing the same
 counter-based noise as `seeded_uniform` (murmur3's finaliser on 32-bit words, then
 -log(-log(u)) in float64), so they draw the very token the sort path draws for the same
-seed and counter.
+seed and counter. As `token_stats`, they read the LM head's own dtype and the min_tokens
+ban beside the logits.
 """
 
 from __future__ import annotations
@@ -16,6 +17,9 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from vllm_rlt.kernels.token_stats import ban_arguments
+from vllm_rlt.layers.sampler import TokenBan
 
 BLOCK = 1024  # logits a program reads per step
 # Each row's vocabulary is cut into runs (a power of two, at most MAX_RUNS, each at least
@@ -37,7 +41,7 @@ def _mix32(x):
 
 @triton.jit
 def _gumbel_sample_kernel(
-    logits_ptr,  # [rows, vocab] float32
+    logits_ptr,  # [rows, vocab] float32 or 16-bit floats
     stride,
     vocab,
     temperature_ptr,  # [rows] float32; 0 = greedy
@@ -45,14 +49,23 @@ def _gumbel_sample_kernel(
     counter_ptr,  # [rows] int64
     out_ptr,  # [rows] int64, or with RUNS > 1 [rows, RUNS] int64: each run's best token
     best_ptr,  # [rows, RUNS] float64: each run's best value (RUNS > 1)
+    ban_ptr,  # [slots, vocab] uint8: 1 = banned (BAN)
+    ban_stride,
+    slot_ptr,  # [rows] int64 (BAN)
+    active_ptr,  # [rows] uint8: 1 = the row's ban holds now (BAN)
     SPAN: tl.constexpr,  # logits per run: a multiple of BLOCK
     RUNS: tl.constexpr,
+    BAN: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The best token of run program_id(1) of row program_id(0)'s logits."""
     row = tl.program_id(0).to(tl.int64)
     run = tl.program_id(1)
     base_ptr = logits_ptr + row * stride
+    if BAN:
+        banned_row = ban_ptr + tl.load(slot_ptr + row) * ban_stride
+        banning = tl.load(active_ptr + row) != 0
+        ban_end = tl.where(banning, vocab, 0)  # rows whose ban is over read none of it
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     seed = tl.load(seed_ptr + row)
@@ -67,7 +80,10 @@ def _gumbel_sample_kernel(
     for start in range(0, SPAN, BLOCK):
         offsets = run * SPAN + start + cols
         inside = offsets < vocab
-        x = tl.load(base_ptr + offsets, mask=inside, other=-float("inf"))
+        x = tl.load(base_ptr + offsets, mask=inside, other=-float("inf")).to(tl.float32)
+        if BAN:
+            banned = tl.load(banned_row + offsets, mask=offsets < ban_end, other=0)
+            x = tl.where(banned != 0, -float("inf"), x)
         ids = _mix32(offsets.to(tl.uint32) + 0x632BE5AB)
         bits = _mix32(stream ^ ids)
         uniform = ((bits >> 8).to(tl.float64) + 0.5) / 16777216.0
@@ -109,14 +125,15 @@ def vocab_runs(rows: int, vocab: int) -> int:
 
 
 def gumbel_sample(
-    logits: torch.Tensor,  # [rows, vocab] float32, rows contiguous
+    logits: torch.Tensor,  # [rows, vocab] float32 or 16-bit floats, rows contiguous
     temperature: torch.Tensor,  # [rows] float32; 0 = greedy
     seeds: torch.Tensor,  # [rows] int64
     counters: torch.Tensor,  # [rows] int64
+    ban: TokenBan | None = None,
 ) -> torch.Tensor:
     """Tokens [rows] int64 (see LoopOps.sample_plain); graph-safe."""
     rows, vocab = logits.shape
-    assert logits.dtype == torch.float32 and logits.stride(1) == 1
+    assert logits.is_floating_point() and logits.stride(1) == 1
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
         return tokens
@@ -133,8 +150,10 @@ def gumbel_sample(
         counters.contiguous(),
         index,
         best,
+        *ban_arguments(ban, logits),
         SPAN=span,
         RUNS=runs,
+        BAN=ban is not None,
         BLOCK=BLOCK,
     )
     if runs > 1:

@@ -40,6 +40,22 @@ def row_sampling_mode(record: Any) -> SamplingMode:
     return SamplingMode.FILTERED if any(filters) else SamplingMode.PLAIN
 
 
+@dataclass
+class TokenBan:
+    """The tokens a row may not draw yet (its EOS and stop ids before min_tokens), applied
+    where the logits are read rather than written out as a masked copy: `table` [slots,
+    vocab] bool, and per sampling row its slot and whether the ban holds now."""
+
+    table: torch.Tensor  # [slots, vocab] bool
+    slots: torch.Tensor  # [rows] int64
+    active: torch.Tensor  # [rows] bool
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        """`logits` [rows, vocab] with -inf at the banned tokens of the rows it holds for."""
+        banned = self.table[self.slots] & self.active.unsqueeze(1)
+        return logits.masked_fill(banned, float("-inf"))
+
+
 def _column(neutral: float | int) -> Any:
     """A per-row column whose value `neutral` leaves sampling as it is (an int: int64 on the
     device, a float: float32)."""

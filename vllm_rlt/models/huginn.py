@@ -239,14 +239,20 @@ class HuginnModel:
         return out
 
     def coda(
-        self, readout: torch.Tensor, ops: LoopOps | None = None, live: torch.Tensor | None = None
+        self,
+        readout: torch.Tensor,
+        ops: LoopOps | None = None,
+        live: torch.Tensor | None = None,
+        upcast: bool = True,
     ) -> torch.Tensor:
-        """LM-head logits [rows, vocab] in float32 of the coda's output: ln_f, then the
-        head (rows not `live` may be zeros with `ops`)."""
+        """LM-head logits [rows, vocab] in float32 (`upcast` False: in the head's dtype) of
+        the coda's output: ln_f, then the head (rows not `live` may be zeros with `ops`)."""
         if ops is None:
-            return F.linear(rms_norm(readout, self.ln_f, self._eps), self.lm_head).float()
-        normed = ops.rms_norm(readout, self.ln_f, self._eps)
-        return ops.linear(normed, self.lm_head, live).float()
+            logits = F.linear(rms_norm(readout, self.ln_f, self._eps), self.lm_head)
+        else:
+            normed = ops.rms_norm(readout, self.ln_f, self._eps)
+            logits = ops.linear(normed, self.lm_head, live)
+        return logits.float() if upcast else logits
 
     @property
     def _eps(self) -> float:

@@ -120,8 +120,11 @@ class LoopedModel(Protocol):
         readout: torch.Tensor,  # [rows, hidden]
         ops: LoopOps | None = None,
         live: torch.Tensor | None = None,  # [rows] bool: rows whose logits are used
+        upcast: bool = True,
     ) -> torch.Tensor:
-        """LM-head logits [rows, vocab] in float32 (rows not `live` may be zeros)."""
+        """LM-head logits [rows, vocab] in float32 (rows not `live` may be zeros); with
+        `upcast` False, in the head's own dtype (what the one-read sampling kernels take:
+        widening bfloat16 is exact, so only the float32 copy is saved)."""
         ...
 
     def streamed_bytes(self) -> tuple[int, int, int, int]:

@@ -367,10 +367,17 @@ class OuroModel:
         return F.linear(hidden, self.gate_weight, self.gate_bias).float().squeeze(-1)
 
     def coda(
-        self, hidden: torch.Tensor, ops: LoopOps | None = None, live: torch.Tensor | None = None
+        self,
+        hidden: torch.Tensor,
+        ops: LoopOps | None = None,
+        live: torch.Tensor | None = None,
+        upcast: bool = True,
     ) -> torch.Tensor:
-        """LM-head logits [rows, vocab] in float32. With `ops` and `live` (rows whose tokens
-        are used), a backend may leave the logits of other rows at zero."""
+        """LM-head logits [rows, vocab] in float32 (`upcast` False: in the head's dtype).
+        With `ops` and `live` (rows whose tokens are used), a backend may leave the logits
+        of other rows at zero."""
         if ops is None:
-            return F.linear(hidden, self.lm_head).float()
-        return ops.linear(hidden, self.lm_head, live).float()
+            logits = F.linear(hidden, self.lm_head)
+        else:
+            logits = ops.linear(hidden, self.lm_head, live)
+        return logits.float() if upcast else logits

@@ -28,6 +28,7 @@ import torch
 
 from vllm_rlt.layers.fp8 import Fp8Weight
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.layers.sampler import TokenBan
 from vllm_rlt.ops.metadata import AttentionMetadata
 
 Weight = torch.Tensor | Fp8Weight
@@ -105,23 +106,27 @@ class LoopOps(Protocol):
 
     def token_stats(
         self,
-        logits: torch.Tensor,  # [rows, vocab] float32
+        logits: torch.Tensor,  # [rows, vocab] float32, or the LM head's 16-bit floats
         tokens: torch.Tensor | None,  # [rows] int64; None: each row's argmax (greedy)
+        ban: TokenBan | None = None,  # tokens that count as -inf
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the tokens, their logprobs [rows] float32, their ranks [rows] int64: 1 + how many
-        other tokens are at least as likely)."""
+        other tokens are at least as likely), of the logits widened to float32 with `ban`
+        applied."""
         ...
 
     def sample_plain(
         self,
-        logits: torch.Tensor,  # [rows, vocab] float32
+        logits: torch.Tensor,  # [rows, vocab] float32, or the LM head's 16-bit floats
         temperature: torch.Tensor,  # [rows] float32; 0 = greedy
         seeds: torch.Tensor,  # [rows] int64
         counters: torch.Tensor,  # [rows] int64: the index of the token being sampled
+        ban: TokenBan | None = None,  # tokens that count as -inf
     ) -> torch.Tensor:
         """Tokens [rows] int64 drawn as `layers.sampler.sample` draws them for rows that
         filter nothing (the argmax of logits / temperature plus the seeded Gumbel noise),
-        with no sort; greedy rows take their first maximum."""
+        with no sort; greedy rows take their first maximum. The logits are widened to
+        float32 and `ban` applied first."""
         ...
 
     def top_n_sigma(

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference, is_float8
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
-from vllm_rlt.layers.sampler import sample_plain, token_logprobs, top_n_sigma
+from vllm_rlt.layers.sampler import TokenBan, sample_plain, token_logprobs, top_n_sigma
 from vllm_rlt.ops.base import Weight
 from vllm_rlt.ops.metadata import AttentionMetadata
 
@@ -57,8 +57,9 @@ class TorchOps:
         return self.add_rms_norm2(x, self.linear(inp, weight, live), w_branch, w_next, eps)
 
     def token_stats(
-        self, logits: torch.Tensor, tokens: torch.Tensor | None
+        self, logits: torch.Tensor, tokens: torch.Tensor | None, ban: TokenBan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        logits = _widened(logits, ban)
         if tokens is None:
             tokens = logits.argmax(dim=-1)
         chosen, ranks, _, _ = token_logprobs(logits, tokens, 0)
@@ -70,8 +71,9 @@ class TorchOps:
         temperature: torch.Tensor,
         seeds: torch.Tensor,
         counters: torch.Tensor,
+        ban: TokenBan | None = None,
     ) -> torch.Tensor:
-        return sample_plain(logits, temperature, seeds, counters)
+        return sample_plain(_widened(logits, ban), temperature, seeds, counters)
 
     def top_n_sigma(self, scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         return top_n_sigma(scaled, n)
@@ -172,3 +174,9 @@ def _segment_attention(q, seg_k, seg_v, meta: AttentionMetadata, scale: float):
     result = q.new_empty(rows + 1, heads, head_dim)
     result.index_copy_(0, seg.rows.reshape(-1), out.transpose(1, 2).reshape(-1, heads, head_dim))
     return result[:rows]
+
+
+def _widened(logits: torch.Tensor, ban: TokenBan | None) -> torch.Tensor:
+    """The logits in float32 with `ban` applied (what the one-read kernels read them as)."""
+    logits = logits.float()
+    return logits if ban is None else ban.apply(logits)

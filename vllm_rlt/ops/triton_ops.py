@@ -29,6 +29,7 @@ from vllm_rlt.kernels.token_stats import token_stats
 from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
 from vllm_rlt.layers.fp8 import FP8_MAX, Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
+from vllm_rlt.layers.sampler import TokenBan
 from vllm_rlt.ops.base import Weight
 from vllm_rlt.ops.fp8_products import fp8_product, fp8_silu_mul_epilogue
 from vllm_rlt.ops.linear_plans import (
@@ -84,9 +85,8 @@ USE_PDL = True
 
 
 def _dense_linear(x: torch.Tensor, weight: Weight, pdl: bool = False) -> torch.Tensor:
-    """x @ weight.T for many rows: cuBLAS, or for an fp8 weight FP8 tensor cores (bf16
-    activations, whose rowwise-scaled product cuBLAS gives only in bf16) or else the
-    widened weight."""
+    """x @ weight.T for many rows: cuBLAS; for an fp8 weight FP8 tensor cores (bf16 activations,
+    whose rowwise-scaled product cuBLAS gives only in bf16) or else the widened weight."""
     if not isinstance(weight, Fp8Weight):
         return F.linear(x, weight)
     if fp8_tensor_cores_take(x.dtype, weight):
@@ -130,10 +130,10 @@ class TritonOps:
         return 16 if dtype == torch.float32 else 32
 
     def token_stats(
-        self, logits: torch.Tensor, tokens: torch.Tensor | None
+        self, logits: torch.Tensor, tokens: torch.Tensor | None, ban: TokenBan | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """One read of each row's logits (kernels/token_stats.py)."""
-        return token_stats(logits.contiguous(), tokens)
+        return token_stats(logits.contiguous(), tokens, ban)
 
     def sample_plain(
         self,
@@ -141,9 +141,10 @@ class TritonOps:
         temperature: torch.Tensor,
         seeds: torch.Tensor,
         counters: torch.Tensor,
+        ban: TokenBan | None = None,
     ) -> torch.Tensor:
         """One read of each row's logits, no sort (kernels/gumbel_sample.py)."""
-        return gumbel_sample(logits.contiguous(), temperature, seeds, counters)
+        return gumbel_sample(logits.contiguous(), temperature, seeds, counters, ban)
 
     def top_n_sigma(self, scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
         """In place, a program per row; a row with n <= 0 reads one number

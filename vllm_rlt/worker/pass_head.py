@@ -13,7 +13,7 @@ import torch
 
 from vllm_rlt.core.contract import ModelRunnerOutput, SampledToken
 from vllm_rlt.exit.policy import ExitDecision, ExitInputs, ExitPolicy
-from vllm_rlt.layers.sampler import SamplingMode, sample, top_logprobs
+from vllm_rlt.layers.sampler import SamplingMode, TokenBan, sample, top_logprobs
 from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.worker.exit_sync import ExitSync, SyncedExits
@@ -250,6 +250,9 @@ class PassHead:
         """The LM head, the sampler, the lanes' choice between draft and own token, the
         kept tokens counted for the logit adjustments, and the logprobs."""
         st = self.state
+        if lanes is None and exits.logits is None and num_top == 0:
+            if mode != SamplingMode.FILTERED and not (adjusted and st.penalties is not None):
+                return self._sample_in_one_read(rows, mode)
         num_decode = decode.shape[0]
         slots, live = rows.slots, rows.live
         logits, sampled_from = self._logits(rows, exits.logits, adjusted)
@@ -296,6 +299,30 @@ class PassHead:
             _, chosen_lp, rank = self.ops.token_stats(logits, tokens)
         top_lp, top_ids = top_logprobs(logits, num_top)
         return Sampled(tokens, chosen_lp, rank, top_ids, top_lp, outcome, ahead, spec)
+
+    def _sample_in_one_read(self, rows: SampleRows, mode: SamplingMode) -> Sampled:
+        """Rows that filter nothing, with no logit adjustment and no top logprobs asked:
+        the kernels read the LM head's own dtype and the min_tokens ban beside it, so no
+        float32 copy and no masked copy of the logits is written (at 512 rows of Ouro's
+        vocabulary those were three passes over 100 MB)."""
+        st, slots = self.state, rows.slots
+        logits = self.model.coda(rows.hidden, self.ops, rows.head, upcast=False)
+        ban = self._ban(slots)
+        if mode == SamplingMode.GREEDY:
+            tokens, chosen_lp, rank = self.ops.token_stats(logits, None, ban)
+        else:
+            temperature, seeds = st.sampling.temperature[slots], st.sampling.seed[slots]
+            counters = st.num_generated[slots]
+            tokens = self.ops.sample_plain(logits, temperature, seeds, counters, ban)
+            _, chosen_lp, rank = self.ops.token_stats(logits, tokens, ban)
+        none = torch.zeros_like(rows.live, dtype=torch.float32)
+        top_lp, top_ids = none.new_empty(none.shape[0], 0), tokens.new_empty(tokens.shape[0], 0)
+        return Sampled(tokens, chosen_lp, rank, top_ids, top_lp, none, none, None)
+
+    def _ban(self, slots: torch.Tensor) -> TokenBan:
+        """The min_tokens ban of the sampling rows `slots`."""
+        st = self.state
+        return TokenBan(st.banned, slots, st.num_generated[slots] < st.min_tokens[slots])
 
     def _scatter(
         self,
@@ -357,8 +384,7 @@ class PassHead:
         else:
             prompt = rows.hidden[decode_logits.shape[0] :]
             model_logits = torch.cat([decode_logits, self.model.coda(prompt, self.ops)])
-        before_min = st.num_generated[slots] < st.min_tokens[slots]
-        logits = model_logits.masked_fill(st.banned[slots] & before_min.unsqueeze(1), float("-inf"))
+        logits = self._ban(slots).apply(model_logits)
         if not adjusted or st.penalties is None:
             return logits, logits
         return logits, st.penalties.adjust(logits, slots, model_logits)
