@@ -93,6 +93,28 @@ def test_aborts_sent_before_an_offer_arrives_follow_it():
     assert client.cores[0].sent[-1].request_id == "one"
 
 
+def test_an_id_sent_again_as_its_last_delta_arrives_is_handed_over_with_its_aborts():
+    """The frontend sends a new request of an id the moment the old one's last delta
+    reaches it (engine/held_commands.py), from inside this client's output handling: the
+    new one still goes to a prefill core to be handed over, and the abort of one of its
+    completions, sent with it, follows its offer to the decode core."""
+    client = _client()
+    client.send(AddRequest("x", [1, 2, 3], SamplingParams(max_tokens=5)))
+    again = SamplingParams(max_tokens=5, n=2, temperature=1.0, seed=0)
+
+    def frontend(outputs) -> None:
+        client.send(AddRequest("x", [4, 5], again))
+        client.send(AbortRequest("x", 1))
+
+    finished = _outputs()
+    finished.requests = [types.SimpleNamespace(request_id="x", finished=True)]
+    client._outputs(0, frontend, finished)
+    assert client.cores[0].sent[-2].handover and client.cores[0].sent[-2].params.n == 2
+    client._outputs(0, lambda outputs: None, _outputs([_offer("x", again)]))
+    assert client.cores[1].sent[-1] == AbortRequest("x", 1)
+    assert isinstance(client.cores[1].sent[-2], ImportRequest)
+
+
 def _prefetch(request_id: str, first: int) -> KVPrefetch:
     pool = TorchPoolHandle("p", [1], "torch.float32", 1, 1, 1, "cuda_ipc")
     return KVPrefetch(request_id, [1] * 4 * (first + 1), first, [first], [pool])

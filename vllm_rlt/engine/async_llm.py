@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from vllm_rlt.config import SERVE, ParamError, require
 from vllm_rlt.engine.core_outputs import CoreStats, EngineStats
 from vllm_rlt.engine.engine_args import EngineArgs
+from vllm_rlt.engine.held_commands import HeldCommands
 from vllm_rlt.engine.input_processor import InputProcessor
 from vllm_rlt.engine.process.clients import make_client
 from vllm_rlt.engine.process.core_client import CoreAttachment
@@ -111,9 +112,11 @@ class AsyncLLM:
         self.num_sequences = 0  # completions of the open streams
         self.stats: EngineStats | None = None  # as of the latest engine step
         self._streams: dict[str, RequestStream] = {}
-        # streams their readers left, per id in the order released, until the core's last
-        # delta for each says it holds nothing of it (a pause waits for that)
-        self._leaving: dict[str, list[RequestStream]] = {}
+        # streams their readers left, until the core's last delta for each says it holds
+        # nothing of it (a pause waits for that); a new request of the same id waits here
+        # until then (see engine/held_commands.py)
+        self._leaving: dict[str, RequestStream] = {}
+        self._after_leaving = HeldCommands()
         model_config = config.model_config
         self._user_tokenizer: Any = None  # get_tokenizer's, made on first use
         self.tokenizer: Tokenizer | None = load_tokenizer(
@@ -242,8 +245,10 @@ class AsyncLLM:
         self.num_sequences += params.n
         command = AddRequest(request_id, stream.prompt_token_ids, params, self.client.client)
         try:
-            if not self.pause.hold(command):
-                self.client.send(command)
+            if request_id in self._leaving:
+                self._after_leaving.hold(command)
+            else:
+                self._send(command)
         except (ValueError, OverflowError, TypeError) as exc:  # it could not be encoded
             self._streams.pop(request_id, None)
             self.num_sequences -= params.n
@@ -287,14 +292,16 @@ class AsyncLLM:
             "index",
         )
         for one in ids:
-            if not self.pause.drop(one, index):
-                self.client.send(AbortRequest(one, index))
+            if not self._after_leaving.drop(one, index, self._streams.get(one)):
+                if not self.pause.drop(one, index):
+                    self.client.send(AbortRequest(one, index))
         return Answered(None)
 
     def abort_all(self) -> None:
         """End every request now: each stream gets a final output with finish reason abort,
         and a caller waiting for a join of the trainer's group gets EngineDeadError."""
         self.pause.drop_all()
+        self._after_leaving.drop_all(self._streams.get)
         self.client.send(AbortAll(self.client.client))
         self.weights.leave(EngineDeadError("the server is shutting down: the join was left"))
 
@@ -328,10 +335,24 @@ class AsyncLLM:
         if self._streams.get(request_id) is stream:
             del self._streams[request_id]
             self.num_sequences -= stream.params.n
-        if stream.engine_done or self.pause.drop(request_id, None):  # drop: never sent
+        if stream.engine_done or self._after_leaving.drop(request_id, None, None):
             return
-        self._leaving.setdefault(request_id, []).append(stream)
+        if self.pause.drop(request_id, None):  # drop: never sent
+            return
+        self._leaving[request_id] = stream
         self.client.send(AbortRequest(request_id, None))
+
+    def streams_in_cores(self) -> list[RequestStream]:
+        """Every stream whose request a core may hold: those sent (not held back here), and
+        those whose readers left until the core answers their abort."""
+        held = self.pause.held.ids() | self._after_leaving.ids()
+        sent = [stream for request_id, stream in self._streams.items() if request_id not in held]
+        return sent + list(self._leaving.values())
+
+    def _send(self, command: AddRequest | AbortRequest) -> None:
+        """To the cores, unless a pause holds it back."""
+        if not self.pause.hold(command):
+            self.client.send(command)
 
     # ----------------------------------------------------------------- RL trainer calls
     async def pause_generation(self, mode: str = "abort") -> None:
@@ -414,11 +435,12 @@ class AsyncLLM:
         streams, leaving = self._streams, self._leaving
         for delta in outputs.requests:
             left = leaving.get(delta.request_id)
-            if left:  # sent before any newer request of the same id: its reader is gone
+            if left is not None:  # its reader is gone; a new request of its id waits
                 if delta.finished:
-                    left.pop(0).state.engine_done = True
-                    if not left:
-                        del leaving[delta.request_id]
+                    left.state.engine_done = True
+                    del leaving[delta.request_id]
+                    for command in self._after_leaving.take(delta.request_id):
+                        self._send(command)
                 continue
             stream = streams.get(delta.request_id)
             if stream is not None:
@@ -450,14 +472,21 @@ class AsyncLLM:
     def _fail_core_streams(self, rank: int, reason: str) -> None:
         error = EngineDeadError(f"engine core {rank} (of {self.client.size}): {reason}")
         for request_id in self.client.forget_core(rank):
-            for left in self._leaving.pop(request_id, []):
+            left = self._leaving.pop(request_id, None)
+            if left is not None:
                 left.fail(error)
+                waiting = self._after_leaving.take(request_id)
+                for command in waiting:  # never sent to the lost core: it goes to another
+                    self._send(command)
+                if waiting:
+                    continue
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.fail(error)
 
     def _fail_streams(self) -> None:
-        leaving = [stream for left in self._leaving.values() for stream in left]
+        leaving = list(self._leaving.values())
         self._leaving.clear()
+        self._after_leaving.take()
         for stream in [*self._streams.values(), *leaving]:
             stream.fail(self.dead)  # type: ignore[arg-type]

@@ -8,7 +8,7 @@ import asyncio
 import time
 from typing import Protocol
 
-from vllm_rlt.engine.core_outputs import RequestDelta
+from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
 from vllm_rlt.engine.output_processor import RequestState
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
@@ -77,6 +77,23 @@ class RequestStream:
         if state.failure is not None:
             self.failure = state.failure
         self._wake()
+
+    def end_unsent(self) -> None:
+        """End a request that never reached a core: each completion with finish reason
+        abort."""
+        ended = [
+            CompletionDelta(
+                index=i,
+                start=0,
+                token_ids=[],
+                exit_depths=[],
+                logprobs=None,
+                top_logprobs=None,
+                finish_reason="abort",
+            )
+            for i in range(self.params.n)
+        ]
+        self.absorb(RequestDelta(self.request_id, ended, True), time.monotonic())
 
     def fail(self, error: BaseException) -> None:
         self.failure = error

@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
-import time
 from typing import Any
 
 from vllm_rlt.config import ParamError, require
-from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
+from vllm_rlt.engine.held_commands import HeldCommands
 from vllm_rlt.engine.process.messages import AbortAll, AbortRequest, AddRequest
 from vllm_rlt.engine.weight_sync import GROUP_TIMEOUT, JOIN_STATUS
 
@@ -32,49 +31,26 @@ class GenerationPause:
         self.owner = owner  # the AsyncLLM
         self.shared = shared  # other API servers feed the same cores
         self.mode: str | None = None
-        self.held: list[AddRequest | AbortRequest] = []
+        self.held = HeldCommands()
 
     @property
     def paused(self) -> bool:
         return self.mode is not None
 
-    def hold(self, command: AddRequest) -> bool:
-        """Keep a new request back while paused; False: send it now."""
+    def hold(self, command: AddRequest | AbortRequest) -> bool:
+        """Keep a command back while paused; False: send it now."""
         if self.mode is None:
             return False
-        self.held.append(command)
+        self.held.hold(command)
         return True
 
     def drop(self, request_id: str, index: int | None) -> bool:
-        """Abort a request held back here (True; False: it is not held). A whole request
-        ends at once with finish reason abort; one completion's abort follows it."""
-        if not any(isinstance(c, AddRequest) and c.request_id == request_id for c in self.held):
-            return False
-        if index is not None:
-            self.held.append(AbortRequest(request_id, index))
-            return True
-        self.held = [c for c in self.held if c.request_id != request_id]
-        stream = self.owner._streams.get(request_id)
-        if stream is not None:
-            ended = [
-                CompletionDelta(
-                    index=i,
-                    start=0,
-                    token_ids=[],
-                    exit_depths=[],
-                    logprobs=None,
-                    top_logprobs=None,
-                    finish_reason="abort",
-                )
-                for i in range(stream.params.n)
-            ]
-            stream.absorb(RequestDelta(request_id, ended, True), time.monotonic())
-        return True
+        """Abort a request held back here (see HeldCommands.drop)."""
+        return self.held.drop(request_id, index, self.owner._streams.get(request_id))
 
     def drop_all(self) -> None:
         """Abort every request held back here."""
-        for request_id in [c.request_id for c in self.held if isinstance(c, AddRequest)]:
-            self.drop(request_id, None)
+        self.held.drop_all(self.owner._streams.get)
 
     async def pause(self, mode: str) -> None:
         require(
@@ -89,9 +65,7 @@ class GenerationPause:
         owner = self.owner
         if owner.dead is not None:
             raise owner.dead
-        held = {c.request_id for c in self.held if isinstance(c, AddRequest)}
-        in_flight = [s for request_id, s in owner._streams.items() if request_id not in held]
-        in_flight += [s for left in owner._leaving.values() for s in left]  # readers gone
+        in_flight = owner.streams_in_cores()
         if self.mode is not None:  # paused already: only "abort" has something left to do
             require(
                 mode != "wait" or self.mode != "keep",
@@ -125,8 +99,7 @@ class GenerationPause:
         if self.mode == "keep":
             await self._call("resume")
         self.mode = None
-        held, self.held = self.held, []
-        for command in held:
+        for command in self.held.take():
             self.owner.client.send(command)
 
     async def _call(self, name: str) -> dict[str, Any]:

@@ -212,11 +212,11 @@ class DisaggregatedClient(DataParallelClient):
             source, _ = self._lent_by.pop(request_id, (None, None))
             if source is not None and source not in self.lost:
                 self.cores[source].send(ReleaseHandover(request_id))
-        super()._outputs(rank, on_outputs, outputs)
-        for delta in outputs.requests:
-            if delta.finished:
+        for delta in outputs.requests:  # before the frontend sees them: it may send a new
+            if delta.finished:  # request of a finished id at once (engine/held_commands.py)
                 self._early_aborts.pop(delta.request_id, None)
                 self._prefetch_target.pop(delta.request_id, None)
+        super()._outputs(rank, on_outputs, outputs)
 
     def _prefetch(self, source: int, prefetch: KVPrefetch) -> None:
         """Pass early-lent prompt blocks to the request's decode core, chosen now at its
