@@ -247,3 +247,17 @@ def test_a_huge_integer_is_shortened_in_the_message(server, path, field):
     reply = httpx.post(f"{url}{path}", json={**BASES[path], field: 10**30})
     message = error_of(reply, field)
     assert "10000000000000000000..." in message and str(10**30) not in message, message
+
+
+@pytest.mark.parametrize("path", BASES)
+@pytest.mark.parametrize(
+    "stop, param, got",
+    [([1], "stop.0", "1"), (["a", None], "stop.1", "null"), (["a", ["b"]], "stop.1", "an array")],
+)
+def test_a_stop_entry_that_is_no_string_is_named_by_its_path(server, path, stop, param, got):
+    url, _ = server
+    reply = httpx.post(f"{url}{path}", json={**BASES[path], "stop": stop})
+    message = error_of(reply, param)
+    assert (
+        message == f"{param}: must be a string, got {got} (stop is a string or an array of strings)"
+    )

@@ -374,6 +374,14 @@ def describe_validation_error(
             found = _prompt_entry_error(param, whole, served.vocab_size)
             if found is not None:
                 return found
+        if param and "list[str]" in tags and isinstance(whole, list):
+            bad = next((i for i, v in enumerate(whole) if not isinstance(v, str)), None)
+            if bad is not None:  # a list of texts (stop) with an entry that is not one
+                return (
+                    f"{param}.{bad}: must be a string, got {_shown_json(whole[bad])} ({param} "
+                    "is a string or an array of strings)",
+                    f"{param}.{bad}",
+                )
         if len(tags) > 1:
             return f"{param}: wrong type ({', '.join(dict.fromkeys(tags))} accepted)", param
     message = _MESSAGES.get(kind, best.get("msg", "invalid value"))
