@@ -27,29 +27,36 @@ def _case(rows: int, vocab: int, dtype: torch.dtype):
     return logits, TokenBan(table, slots, active), gen
 
 
-@pytest.mark.parametrize("rows", [1, 3, 17, 256])
+@pytest.mark.parametrize("rows", [1, 3, 17, 256, 1100])
 @pytest.mark.parametrize("vocab", [300, 2048, 49152, 65537])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("banned", [True, False])
-def test_token_stats_read_the_heads_dtype_and_the_ban(rows, vocab, dtype, banned):
+@pytest.mark.parametrize("some_live", [True, False])
+def test_token_stats_read_the_heads_dtype_and_the_ban(rows, vocab, dtype, banned, some_live):
+    """One run a row or many (kernels/token_stats.py's runs), with rows that sample nothing
+    (zeros, their logits unread) beside those that do."""
     from vllm_rlt.ops.triton_ops import TritonOps
 
     logits, ban, gen = _case(rows, vocab, dtype)
     ban = ban if banned else None
+    live = torch.arange(rows, device="cuda") % 3 != 1 if some_live else None
+    keep = slice(None) if live is None else live
     want = TorchOps().token_stats(logits, None, ban)
-    got = TritonOps().token_stats(logits, None, ban)
-    assert torch.equal(got[0], want[0])
-    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    got = TritonOps().token_stats(logits, None, ban, live)
+    assert torch.equal(got[0][keep], want[0][keep])
+    torch.testing.assert_close(got[1][keep], want[1][keep], atol=1e-5, rtol=1e-5)
+    if live is not None:
+        assert not any(result[~live].any() for result in got)
     if ban is not None:  # the banned argmax is never drawn where the ban holds
-        assert not ban.table[ban.slots, got[0]][ban.active].any()
+        assert not ban.table[ban.slots, got[0]][ban.active & (live if some_live else True)].any()
     given = torch.randint(0, vocab, (rows,), device="cuda", generator=gen)
     given[0] = logits[0].float().argmax()  # banned for row 0: its logprob is -inf
     want = TorchOps().token_stats(logits, given, ban)
-    got = TritonOps().token_stats(logits, given, ban)
-    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=1e-5)
+    got = TritonOps().token_stats(logits, given, ban, live)
+    torch.testing.assert_close(got[1][keep], want[1][keep], atol=1e-5, rtol=1e-5)
     widened = logits.float() if ban is None else ban.apply(logits.float())
     chosen = widened.gather(1, given.unsqueeze(1))
-    assert torch.equal(got[2], (widened >= chosen).sum(1))
+    assert torch.equal(got[2][keep], (widened >= chosen).sum(1)[keep])
 
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 256])

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_rlt.kernels.token_stats import ban_arguments
+from vllm_rlt.kernels.token_stats import ban_arguments, vocab_runs
 from vllm_rlt.layers.sampler import TokenBan
 
 BLOCK = 1024  # logits a program reads per step
@@ -115,15 +115,6 @@ def _pick_run_kernel(best_ptr, index_ptr, out_ptr, RUNS: tl.constexpr):
     tl.store(out_ptr + row, tl.load(index_ptr + row * RUNS + run))
 
 
-def vocab_runs(rows: int, vocab: int) -> int:
-    """Runs per row (see RUN_PROGRAMS): fixed by the row count and the vocabulary, as a
-    captured graph needs."""
-    runs = 1
-    while runs < MAX_RUNS and rows * runs * 2 <= RUN_PROGRAMS and vocab > runs * 2 * BLOCK:
-        runs *= 2
-    return runs
-
-
 def gumbel_sample(
     logits: torch.Tensor,  # [rows, vocab] float32 or 16-bit floats, rows contiguous
     temperature: torch.Tensor,  # [rows] float32; 0 = greedy
@@ -137,7 +128,7 @@ def gumbel_sample(
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
     if not rows:
         return tokens
-    runs = vocab_runs(rows, vocab)
+    runs = vocab_runs(rows, vocab, RUN_PROGRAMS, BLOCK, MAX_RUNS)
     span = triton.cdiv(triton.cdiv(vocab, runs), BLOCK) * BLOCK
     index = tokens if runs == 1 else tokens.new_empty(rows, runs)
     best = logits if runs == 1 else logits.new_empty(rows, runs, dtype=torch.float64)

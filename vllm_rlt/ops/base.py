@@ -109,10 +109,11 @@ class LoopOps(Protocol):
         logits: torch.Tensor,  # [rows, vocab] float32, or the LM head's 16-bit floats
         tokens: torch.Tensor | None,  # [rows] int64; None: each row's argmax (greedy)
         ban: TokenBan | None = None,  # tokens that count as -inf
+        live: torch.Tensor | None = None,  # [rows] bool: rows whose results are used
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(the tokens, their logprobs [rows] float32, their ranks [rows] int64: 1 + how many
         other tokens are at least as likely), of the logits widened to float32 with `ban`
-        applied."""
+        applied; rows not `live` may come back as zeros."""
         ...
 
     def sample_plain(

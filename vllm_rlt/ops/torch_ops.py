@@ -57,8 +57,13 @@ class TorchOps:
         return self.add_rms_norm2(x, self.linear(inp, weight, live), w_branch, w_next, eps)
 
     def token_stats(
-        self, logits: torch.Tensor, tokens: torch.Tensor | None, ban: TokenBan | None = None
+        self,
+        logits: torch.Tensor,
+        tokens: torch.Tensor | None,
+        ban: TokenBan | None = None,
+        live: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Every row's results, `live` or not."""
         logits = _widened(logits, ban)
         if tokens is None:
             tokens = logits.argmax(dim=-1)

@@ -129,11 +129,9 @@ class TritonOps:
         registers)."""
         return 16 if dtype == torch.float32 else 32
 
-    def token_stats(
-        self, logits: torch.Tensor, tokens: torch.Tensor | None, ban: TokenBan | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """One read of each row's logits (kernels/token_stats.py)."""
-        return token_stats(logits.contiguous(), tokens, ban)
+    def token_stats(self, logits, tokens, ban: TokenBan | None = None, live=None):
+        """One read of each live row's logits (kernels/token_stats.py)."""
+        return token_stats(logits.contiguous(), tokens, ban, live)
 
     def sample_plain(
         self,

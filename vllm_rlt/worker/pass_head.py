@@ -309,12 +309,12 @@ class PassHead:
         logits = self.model.coda(rows.hidden, self.ops, rows.head, upcast=False)
         ban = self._ban(slots)
         if mode == SamplingMode.GREEDY:
-            tokens, chosen_lp, rank = self.ops.token_stats(logits, None, ban)
+            tokens, chosen_lp, rank = self.ops.token_stats(logits, None, ban, rows.live)
         else:
             temperature, seeds = st.sampling.temperature[slots], st.sampling.seed[slots]
             counters = st.num_generated[slots]
             tokens = self.ops.sample_plain(logits, temperature, seeds, counters, ban)
-            _, chosen_lp, rank = self.ops.token_stats(logits, tokens, ban)
+            _, chosen_lp, rank = self.ops.token_stats(logits, tokens, ban, rows.live)
         none = torch.zeros_like(rows.live, dtype=torch.float32)
         top_lp, top_ids = none.new_empty(none.shape[0], 0), tokens.new_empty(tokens.shape[0], 0)
         return Sampled(tokens, chosen_lp, rank, top_ids, top_lp, none, none, None)
