@@ -2,10 +2,13 @@
 in turn (a process per run, the tree first on PYTHONPATH), round after round with the order
 rotated, so two versions of the package meet on one machine in one sitting. The first tree
 is the reference; each figure is the median over the rounds, with its ratio to the
-reference. An older version is unpacked beside the working tree first, e.g.
+reference. A run may gain from its place in the round (in one served A/B on an H100 the
+second run of a round served about 5% more): the report gives that effect, and a number of
+rounds that is a multiple of the number of trees gives each tree every place equally
+often. An older version is unpacked beside the working tree first, e.g.
 
 mkdir -p ../base && git archive f2999c1 | tar -x -C ../base
-python -m benchmarks.ab_trees --tree base=../base --tree new=. --rounds 3 --output ab.json \
+python -m benchmarks.ab_trees --tree base=../base --tree new=. --rounds 4 --output ab.json \
     -- bench throughput --shape ouro-1.4b --device cuda --no-baseline --concurrency 1 8 64 256
 
 The command must print a JSON report: `bench throughput`'s (the figure compared is each
@@ -73,13 +76,33 @@ def _figures(report: dict[str, Any]) -> dict[str, float]:
     return figures
 
 
+def order_effect(
+    reports: dict[str, list[dict[str, Any]]], places: dict[str, list[int]]
+) -> dict[str, float]:
+    """Per figure, how a run later in its round compared with a run first in its round:
+    each tree's median later over its median first, their geometric mean over the trees
+    that ran in both places (none: no entry). Far from 1, the order biases a median that
+    took the first place more or less often than the others did."""
+    effects: dict[str, list[float]] = {}
+    for name, runs in reports.items():
+        for figure in _figures(runs[0]) if runs else ():
+            first = [_figures(r)[figure] for r, p in zip(runs, places[name], strict=True) if p == 0]
+            later = [_figures(r)[figure] for r, p in zip(runs, places[name], strict=True) if p > 0]
+            if first and later and min(statistics.median(first), statistics.median(later)) > 0:
+                ratio = statistics.median(later) / statistics.median(first)
+                effects.setdefault(figure, []).append(ratio)
+    return {figure: statistics.geometric_mean(ratios) for figure, ratios in effects.items()}
+
+
 def summarize(
     trees: list[tuple[str, Path]],
     command: list[str],
     reports: dict[str, list[dict[str, Any]]],
+    places: dict[str, list[int]] | None = None,
 ) -> dict[str, Any]:
     """Medians over the runs so far of every tree that has one, and their ratios to the
-    reference (the first tree) where it has run."""
+    reference (the first tree) where it has run; with `places` (each run's place in its
+    round, 0 first), the order's effect too."""
     medians = {
         name: {
             figure: statistics.median(_figures(report)[figure] for report in runs)
@@ -101,6 +124,8 @@ def summarize(
         "rounds": {name: len(runs) for name, runs in reports.items()},
         "medians": medians,
         "ratio_to_reference": ratios,
+        "places": places or {},
+        "order_effect": order_effect(reports, places) if places else {},
         "reports": reports,
     }
 
@@ -111,16 +136,19 @@ def compare(
     """Every tree's reports, round-robin with a rotated order, and the medians and ratios;
     `output` is rewritten after each run."""
     reports: dict[str, list[dict[str, Any]]] = {name: [] for name, _ in trees}
+    places: dict[str, list[int]] = {name: [] for name, _ in trees}
     with tqdm(total=rounds * len(trees), desc="A/B runs", file=sys.stderr) as progress:
         for round_index in range(rounds):
             shift = round_index % len(trees)
-            for name, folder in trees[shift:] + trees[:shift]:
+            for place, (name, folder) in enumerate(trees[shift:] + trees[:shift]):
                 progress.set_postfix_str(name)
                 reports[name].append(_run(folder, command))
+                places[name].append(place)
                 if output is not None:
-                    output.write_text(json.dumps(summarize(trees, command, reports), indent=1))
+                    summary = summarize(trees, command, reports, places)
+                    output.write_text(json.dumps(summary, indent=1))
                 progress.update()
-    return summarize(trees, command, reports)
+    return summarize(trees, command, reports, places)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,6 +170,13 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--rounds must be in [1, 100], got {args.rounds}")
     if not command:
         parser.error("give the vllm-rlt command after --, e.g. -- bench throughput ...")
+    if args.rounds % len(trees):
+        print(
+            f"note: --rounds {args.rounds} is not a multiple of the {len(trees)} trees, so some "
+            "tree runs first in its round more often than another; the JSON's order_effect "
+            "says how much a later place gained",
+            file=sys.stderr,
+        )
     output = Path(args.output) if args.output else None
     result = compare(trees, command, args.rounds, output)
     for name, figures in result["medians"].items():
@@ -151,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
             for f, value in figures.items()
         )
         print(f"{name}: {line}", file=sys.stderr)
+    for figure, effect in result["order_effect"].items():
+        print(f"a later place in the round, {figure}: {effect:.3f}x the first", file=sys.stderr)
     print(json.dumps({k: v for k, v in result.items() if k != "reports"}, indent=1))
     return 0
 

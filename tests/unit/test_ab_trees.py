@@ -14,11 +14,14 @@ STUB_CLI = """
 import json, os, sys
 from pathlib import Path
 here = Path(__file__).resolve().parents[2]
-with open(os.environ["AB_LOG"], "a") as log:
+log_path = Path(os.environ["AB_LOG"])
+runs_before = len(log_path.read_text().split()) if log_path.exists() else 0
+with open(log_path, "a") as log:
     log.write(here.name + "\\n")
 if RATE1 < 0:
     sys.exit("stub failure")
-rates = {"1": RATE1, "8": RATE8}
+gain = float(os.environ.get("AB_SECOND_GAIN", "1")) if runs_before % 2 else 1.0
+rates = {"1": RATE1 * gain, "8": RATE8}
 if "serve" in sys.argv:
     print(json.dumps({"output_tokens_per_s": RATE1, "offline": {"output_tokens_per_s": RATE8}}))
 else:
@@ -88,3 +91,31 @@ def test_a_folder_without_the_package_or_one_tree_is_refused(tmp_path):
     base = _stub_tree(tmp_path, "base", 1.0, 1.0)
     with pytest.raises(SystemExit):
         ab_trees.main(["--tree", f"a={base}", "--", "bench"])
+
+
+def test_the_report_gives_the_gain_of_a_later_place_and_warns_when_unbalanced(
+    tmp_path, monkeypatch, capsys
+):
+    """A stub that serves 10% more when it runs second in its round: the order effect says
+    so, and an odd number of rounds with two trees is pointed out."""
+    base = _stub_tree(tmp_path, "base", 100.0, 400.0)
+    new = _stub_tree(tmp_path, "new", 100.0, 400.0)
+    monkeypatch.setenv("AB_LOG", str(tmp_path / "order.log"))
+    monkeypatch.setenv("AB_SECOND_GAIN", "1.1")
+    out = tmp_path / "ab.json"
+    argv = ["--tree", f"base={base}", "--tree", f"new={new}", "--output", str(out)]
+    assert ab_trees.main([*argv, "--rounds", "3", "--", "bench", "1", "8"]) == 0
+    result = json.loads(out.read_text())
+    assert result["places"] == {"base": [0, 1, 0], "new": [1, 0, 1]}
+    assert result["order_effect"]["1"] == pytest.approx(1.1)
+    assert result["order_effect"]["8"] == pytest.approx(1.0)
+    # base ran first twice, so its median misses the gain that new's takes
+    assert result["ratio_to_reference"]["new"]["1"] == pytest.approx(1.1)
+    err = capsys.readouterr().err
+    assert "--rounds 3 is not a multiple of the 2 trees" in err
+    assert "a later place in the round, 1: 1.100x the first" in err
+    (tmp_path / "order.log").unlink()
+    assert ab_trees.main([*argv, "--rounds", "4", "--", "bench", "1", "8"]) == 0
+    result = json.loads(out.read_text())
+    assert result["ratio_to_reference"]["new"]["1"] == pytest.approx(1.0)
+    assert "not a multiple" not in capsys.readouterr().err
