@@ -32,18 +32,24 @@ class StandInCores:
         self.size = 2
         self.sent: list = []
         self.runs_on: dict[str, int] = {}  # request id -> core
+        self.pending: set[str] = set()  # ids the client keeps records of (a copy unreported)
         self.on_outputs = None
 
     def start_reading(self, on_outputs) -> None:
         self.on_outputs = on_outputs
 
     def send(self, command) -> None:
+        if isinstance(command, AddRequest) and command.params.max_tokens >= 2**63:
+            raise OverflowError("integer out of range")  # as msgspec's encoder says
         self.sent.append(command)
         if isinstance(command, AddRequest):  # the second core takes each new request
             self.runs_on[command.request_id] = 1
 
     def adds(self, request_id: str) -> int:
         return sum(isinstance(c, AddRequest) and c.request_id == request_id for c in self.sent)
+
+    def holds(self, request_id: str) -> bool:
+        return request_id in self.pending
 
     def forget_core(self, rank: int) -> list[str]:
         gone = [request_id for request_id, core in self.runs_on.items() if core == rank]
@@ -55,6 +61,10 @@ class StandInCores:
         completion = CompletionDelta(0, 0, tokens, [1] * len(tokens), None, None, finish)
         delta = RequestDelta(request_id, [completion], finish is not None)
         self.on_outputs(EngineOutputs([delta], STATS))  # type: ignore[misc]
+
+    def step(self) -> None:
+        """An engine step with no request's delta (a copy reported, say)."""
+        self.on_outputs(EngineOutputs([], STATS))  # type: ignore[misc]
 
 
 @pytest.fixture(scope="module")
@@ -181,5 +191,62 @@ def test_a_pause_waits_for_the_left_request_and_holds_the_waiting_one(engine, lo
         assert cores.adds("x") == 2
         cores.deliver("x", [42], "length")
         assert await read_all(again) == ([42], "length")
+
+    loop.run_until_complete(scenario())
+
+
+def test_the_reused_id_also_waits_for_the_clients_records_of_the_old_one(engine, loop):
+    """Under disaggregation the client keeps, by id, the blocks lent for the old request's
+    copy until the decode core reports it, which may come after the abort's answer."""
+
+    async def scenario():
+        cores = engine.client
+        await left_after_a_token(engine)
+        cores.pending.add("x")  # the old request's copy is not reported yet
+        again = engine.add_request("x", [8, 9], params())
+        cores.deliver("x", [], "abort")
+        assert cores.adds("x") == 1
+        cores.pending.discard("x")
+        cores.step()  # the report comes in a later step
+        assert cores.adds("x") == 2
+        cores.deliver("x", [42], "length")
+        assert await read_all(again) == ([42], "length")
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_waiting_request_aborted_before_a_core_is_lost_ends_as_aborted(engine, loop):
+    async def scenario():
+        await left_after_a_token(engine)
+        waiting = engine.add_request("x", [8, 9], params())
+        engine.abort("x")
+        engine._on_core_lost(1, "killed")
+        await asyncio.sleep(0)
+        assert await read_all(waiting) == ([], "abort")  # not the lost core's error
+
+    loop.run_until_complete(scenario())
+
+
+def test_a_held_request_the_wire_cannot_carry_fails_alone(engine, loop):
+    """A request edited after its checks waits, then cannot be encoded when it is sent: its
+    own stream fails with the reason, and the step's other deltas still arrive."""
+
+    async def scenario():
+        cores = engine.client
+        await left_after_a_token(engine)
+        edited = params()
+        waiting = engine.add_request("x", [8, 9], edited)
+        edited.max_tokens = 2**70
+        other = engine.add_request("y", [8, 9], params())
+        completion = CompletionDelta(0, 0, [42], [1], None, None, "length")
+        finished = [
+            RequestDelta("x", [CompletionDelta(0, 0, [], [], None, None, "abort")], True),
+            RequestDelta("y", [completion], True),
+        ]
+        cores.on_outputs(EngineOutputs(finished, STATS))
+        with pytest.raises(ValueError, match="could not be sent to the engine"):
+            await read_all(waiting)
+        assert await read_all(other) == ([42], "length")
+        assert not engine.has_work
 
     loop.run_until_complete(scenario())

@@ -115,6 +115,24 @@ def test_an_id_sent_again_as_its_last_delta_arrives_is_handed_over_with_its_abor
     assert isinstance(client.cores[1].sent[-2], ImportRequest)
 
 
+def test_an_id_is_held_until_its_lent_blocks_are_reported_copied():
+    """The decode core answers an abort at once but reports the copy of the blocks lent to
+    it later; those records are kept by id, so the frontend holds a new request of the id
+    until then (`holds`)."""
+    client = _client()
+    params = SamplingParams(max_tokens=5)
+    client.send(AddRequest("x", [1, 2, 3], params))
+    assert client.holds("x")  # running on the prefill core
+    client._outputs(0, lambda outputs: None, _outputs([_offer("x", params)]))
+    client.send(AbortRequest("x"))
+    finished = _outputs()
+    finished.requests = [types.SimpleNamespace(request_id="x", finished=True)]
+    client._outputs(1, lambda outputs: None, finished)
+    assert "x" not in client._owner and client.holds("x")  # the copy is not reported yet
+    client._outputs(1, lambda outputs: None, _outputs(imported=["x"]))
+    assert not client.holds("x") and _releases(client.cores[0]) == ["x"]
+
+
 def _prefetch(request_id: str, first: int) -> KVPrefetch:
     pool = TorchPoolHandle("p", [1], "torch.float32", 1, 1, 1, "cuda_ipc")
     return KVPrefetch(request_id, [1] * 4 * (first + 1), first, [first], [pool])

@@ -27,7 +27,7 @@ from vllm_rlt.engine.process.dp_client import RemoteCores
 from vllm_rlt.engine.process.messages import AbortAll, AbortRequest, AddRequest, EngineOutputs
 from vllm_rlt.engine.request_checks import RequestChecker, RequestLimits
 from vllm_rlt.engine.request_stream import RequestStream
-from vllm_rlt.engine.rl_calls import GenerationPause, WeightCalls
+from vllm_rlt.engine.rl_calls import Answered, GenerationPause, WeightCalls
 from vllm_rlt.engine.weight_sync import DEFAULT_GROUP_NAME
 from vllm_rlt.engine_config import EngineConfig
 from vllm_rlt.inputs import PromptType, prompt_parts
@@ -58,22 +58,9 @@ class StepObserver(Protocol):
     def observe_finished(self, output: RequestOutput) -> None: ...
 
 
-class Answered:
-    """The answer of a call that is already done: used as it is (`bool(engine.is_paused())`)
-    or awaited, as code written for vLLM's coroutine of the same name awaits it."""
-
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def __await__(self):
-        return self.value
-        yield  # a generator that finishes at once with the value
-
-    def __bool__(self) -> bool:
-        return bool(self.value)
-
-    def __repr__(self) -> str:
-        return repr(self.value)
+def _unsendable(exc: Exception) -> ParamError:
+    """A request the wire cannot carry (a SamplingParams edited after it was checked)."""
+    return ParamError(f"the request could not be sent to the engine: {exc}")
 
 
 class AsyncLLM:
@@ -245,14 +232,14 @@ class AsyncLLM:
         self.num_sequences += params.n
         command = AddRequest(request_id, stream.prompt_token_ids, params, self.client.client)
         try:
-            if request_id in self._leaving:
+            if request_id in self._leaving or self.client.holds(request_id):
                 self._after_leaving.hold(command)
             else:
                 self._send(command)
         except (ValueError, OverflowError, TypeError) as exc:  # it could not be encoded
             self._streams.pop(request_id, None)
             self.num_sequences -= params.n
-            raise ParamError(f"the request could not be sent to the engine: {exc}") from exc
+            raise _unsendable(exc) from exc
         return stream
 
     async def generate(
@@ -354,6 +341,23 @@ class AsyncLLM:
         if not self.pause.hold(command):
             self.client.send(command)
 
+    def send_held(self, command: AddRequest | AbortRequest) -> None:
+        """A command held back, sent now: one the wire cannot carry fails its own stream."""
+        try:
+            self._send(command)
+        except (ValueError, OverflowError, TypeError) as exc:  # it could not be encoded
+            stream = self._streams.get(command.request_id)
+            if stream is not None:
+                stream.fail(_unsendable(exc))
+
+    def _send_released(self) -> None:
+        """Send the requests that waited for their id to be free: no stream its reader
+        left holds it in a core, and the client keeps no record of it."""
+        for request_id in self._after_leaving.ids():
+            if request_id not in self._leaving and not self.client.holds(request_id):
+                for command in self._after_leaving.take(request_id):
+                    self.send_held(command)
+
     # ----------------------------------------------------------------- RL trainer calls
     async def pause_generation(self, mode: str = "abort") -> None:
         """vLLM's pause: "abort" (the default) ends what is in flight with finish reason
@@ -439,12 +443,12 @@ class AsyncLLM:
                 if delta.finished:
                     left.state.engine_done = True
                     del leaving[delta.request_id]
-                    for command in self._after_leaving.take(delta.request_id):
-                        self._send(command)
                 continue
             stream = streams.get(delta.request_id)
             if stream is not None:
                 stream.absorb(delta, now)
+        if self._after_leaving.commands:
+            self._send_released()
 
     def _on_death(self, reason: str) -> None:
         """The core is gone (any thread): every open stream fails."""
@@ -473,16 +477,13 @@ class AsyncLLM:
         error = EngineDeadError(f"engine core {rank} (of {self.client.size}): {reason}")
         for request_id in self.client.forget_core(rank):
             left = self._leaving.pop(request_id, None)
-            if left is not None:
+            if left is not None:  # a newer request of its id never reached that core
                 left.fail(error)
-                waiting = self._after_leaving.take(request_id)
-                for command in waiting:  # never sent to the lost core: it goes to another
-                    self._send(command)
-                if waiting:
-                    continue
+                continue
             stream = self._streams.get(request_id)
             if stream is not None:
                 stream.fail(error)
+        self._send_released()  # those that waited for the lost core go to another
 
     def _fail_streams(self) -> None:
         leaving = list(self._leaving.values())

@@ -21,6 +21,24 @@ DRAIN_POLL_S = 0.005  # how often a pause looks whether the requests in flight e
 JOIN_POLL_S = 0.05  # how often a join of the trainer's group is asked how it goes
 
 
+class Answered:
+    """The answer of a call that is already done: used as it is (`bool(engine.is_paused())`)
+    or awaited, as code written for vLLM's coroutine of the same name awaits it."""
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __await__(self):
+        return self.value
+        yield  # a generator that finishes at once with the value
+
+    def __bool__(self) -> bool:
+        return bool(self.value)
+
+    def __repr__(self) -> str:
+        return repr(self.value)
+
+
 class GenerationPause:
     """A frontend's pause. While paused, new requests are held here (not refused) and go to
     the core, in order, on `resume`. "abort" aborts what is in flight and "wait" lets it
@@ -100,7 +118,7 @@ class GenerationPause:
             await self._call("resume")
         self.mode = None
         for command in self.held.take():
-            self.owner.client.send(command)
+            self.owner.send_held(command)
 
     async def _call(self, name: str) -> dict[str, Any]:
         answer = await asyncio.to_thread(self.owner.client.call, name, 30.0)

@@ -5,8 +5,7 @@ caller's event loop.
 Outputs are read by a task of the event loop that serves the requests, not by a thread: a
 second Python thread would contend with the loop for the interpreter lock at every engine
 step. A watcher thread that sleeps in the kernel until the core process exits notices its
-death at once, so callers never wait on a dead engine.
-"""
+death at once, so callers never wait on a dead engine."""
 
 from __future__ import annotations
 
@@ -80,16 +79,15 @@ class CoreAttachment:
 
 
 class EngineCoreClient:
-    """Owns the core's process (or thread) and the three sockets: commands in, control
-    calls (request-reply), outputs back. It answers the questions `AsyncLLM` asks of every
-    client (engine/process/clients.py) as the single core it is.
+    """Owns the core's process (or thread) and the three sockets: commands in, control calls
+    (request-reply), outputs back. It answers the questions `AsyncLLM` asks of every client
+    (engine/process/clients.py) as the single core it is.
 
     Construction blocks until the core has loaded its model: a startup failure raises the
     core's own error (ValueError / OSError with its one-line message, else RuntimeError).
     `api_servers` reserves that many more clients for other processes to `attach` with
-    (`attachments`). `env` is set in the core's process first (its GPU). `on_death(reason)`
-    may run on any thread.
-    """
+    (`attachments`). `env` is set in the core's process first (its GPU). `on_death(reason)` may
+    run on any thread."""
 
     def __init__(
         self,
@@ -321,6 +319,10 @@ class EngineCoreClient:
     def forget_core(self, rank: int) -> list[str]:
         """The requests of a lost core that others outlive: none, as above."""
         return []
+
+    def holds(self, request_id: str) -> bool:
+        """Whether records of the id wait for a core's later report: a single core's, none."""
+        return False
 
     def stalled(self, timeout: float, busy: bool) -> str | None:
         """Why the core counts as stalled (`busy`, and no pass for `timeout` s), or None."""

@@ -269,6 +269,10 @@ class DataParallelClient:
         self._sequences[rank] = 0
         return gone
 
+    def holds(self, request_id: str) -> bool:
+        """Whether a core still counts the id as its request."""
+        return request_id in self._owner
+
     def stalled(self, timeout: float, busy: bool) -> str | None:
         """Names a core with work that has sent nothing for `timeout` seconds (a busy core
         reports at least every heartbeat), or None; each core's work is counted here, so

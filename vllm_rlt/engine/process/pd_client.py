@@ -249,6 +249,15 @@ class DisaggregatedClient(DataParallelClient):
         for abort in self._early_aborts.pop(request_id, []):
             self.cores[target].send(abort)
 
+    def holds(self, request_id: str) -> bool:
+        """Also while its blocks lent to a decode core wait for the copy's report: those
+        records are kept by id, so a new request of the id must not lend before."""
+        return (
+            super().holds(request_id)
+            or request_id in self._lent_by
+            or request_id in self._prefetch_lent
+        )
+
     def forget_core(self, rank: int) -> list[str]:
         """A lost core's requests (see DataParallelClient). The blocks lent to a lost decode
         core are freed at their prefill cores; a lost prefill core's pool file is removed,
