@@ -1,6 +1,6 @@
 """A tiny Huginn checkpoint on CUDA in float32 against the serial CPU oracle: each attention
 backend, eagerly and with CUDA graphs and asynchronous scheduling, at a fixed depth and
-under the latent-change criterion; and a bf16 engine that runs."""
+under the latent-change criterion, also speculating; and a bf16 engine that runs."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 from tests.reference.huginn_checkpoint import write_tiny_huginn
 from tests.reference.huginn_match import assert_matches_oracle
 from tests.reference.huginn_oracle import HuginnModel, huginn_generate
-from vllm_rlt import LLM, SamplingParams
+from vllm_rlt import LLM, SamplingParams, SpeculativeConfig
 from vllm_rlt.config import (
     CacheConfig,
     ExecutionConfig,
@@ -32,17 +32,30 @@ def folder(tmp_path_factory):
 
 
 def _llm(
-    folder, backend: str, fast: bool, layout: str, mode: str, dtype="float32", sync_passes=1
+    folder,
+    backend: str,
+    fast: bool,
+    layout: str,
+    mode: str,
+    dtype="float32",
+    sync_passes=1,
+    draft_loops: int | None = None,
 ) -> LLM:
+    spec = None
+    if draft_loops is not None:
+        spec = SpeculativeConfig(num_speculative_tokens=3, draft_loops=draft_loops)
     return LLM(
         model=str(folder),
         dtype=dtype,
         device="cuda",
         attention_backend=backend,
         cache_config=CacheConfig(layout=layout, num_blocks=96, block_size=4),
-        scheduler_config=SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=8),
+        scheduler_config=SchedulerConfig(
+            max_num_seqs=4, max_num_batched_tokens=8 if draft_loops is None else 16
+        ),
         exit_config=ExitConfig(mode=mode, sync_passes=sync_passes),
         execution_config=ExecutionConfig(cuda_graphs=fast, async_scheduling=fast),
+        speculative_config=spec,
     )
 
 
@@ -68,6 +81,21 @@ def test_cuda_huginn_exits_held_together_equal_the_oracle(folder, exact_float32,
     asynchronous scheduling: the oracle's tokens, exit depths and logprobs."""
     llm = _llm(folder, backend, True, "last_exited", "latent_diff", sync_passes=3)
     _check(llm, HuginnModel.from_folder(folder), "latest", 0.5)
+
+
+@pytest.mark.long
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("fast", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize(("threshold", "draft_loops"), [(0.0, 3), (0.9, 2)])
+def test_cuda_huginn_speculation_equals_the_oracle(
+    folder, exact_float32, backend, fast, threshold, draft_loops
+):
+    """Drafting lanes read out through the coda at the draft depth, and a lane held while
+    its token was a draft reads out from its kept state once accepted (at 0.9 some are):
+    with graphs, the mixed graphs' stack decides which rows read out."""
+    llm = _llm(folder, backend, fast, "last_exited", "latent_diff", draft_loops=draft_loops)
+    _check(llm, HuginnModel.from_folder(folder), "latest", threshold)
+    assert llm.engine.scheduler.num_drafted > 0
 
 
 def _check(llm: LLM, model: HuginnModel, lookup: str, threshold: float) -> None:

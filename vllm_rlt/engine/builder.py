@@ -122,7 +122,7 @@ def run_tensor_parallel_rank(rank: int, port: int, config: EngineConfig, parent_
         built.engine.disagg.close()
 
 
-def check_stages(model, cache_config, speculative_config, disaggregate) -> None:
+def check_stages(model, cache_config, disaggregate) -> None:
     """What a model with layers after its loop (`separate_readout`: Huginn's coda) cannot
     run with yet, as one clear error naming the setting."""
     if not model.separate_readout:
@@ -134,27 +134,28 @@ def check_stages(model, cache_config, speculative_config, disaggregate) -> None:
         "kv_layout",
     )
     require(
-        speculative_config is None,
-        "speculative decoding is not implemented for Huginn models yet",
-        "speculative_config",
-    )
-    require(
         not disaggregate,
         "prefill/decode disaggregation is not implemented for Huginn models yet",
         "disaggregate",
     )
 
 
-def exit_sync_passes(sync_passes: int | None, model, exit_policy) -> int:
+def exit_sync_passes(sync_passes: int | None, model, exit_policy, speculating: bool) -> int:
     """ExitConfig.sync_passes for this model and policy. Exits held back together share the
     layers after the loop: None holds them (AUTO_SYNC_PASSES) where that saves streaming,
-    and more than 1 is refused, by name, where there are no such layers or the policy runs
-    them for every row anyway."""
-    saves = model.separate_readout and not exit_policy.needs_logits
+    and more than 1 is refused, by name, where there are no such layers, the policy runs
+    them for every row anyway, or speculation lanes hold exits back on their own terms."""
+    saves = model.separate_readout and not exit_policy.needs_logits and not speculating
     if sync_passes is None:
         return AUTO_SYNC_PASSES if saves else 1
     if sync_passes == 1:
         return 1
+    require(
+        not speculating,
+        "exit sync_passes > 1 cannot hold exits back under speculative decoding, whose "
+        "lanes hold an exit while its token is a draft: use 1 or leave it unset",
+        "sync_passes",
+    )
     require(
         model.separate_readout,
         "exit sync_passes > 1 holds exits back to share the layers after the loop, and this "
@@ -191,9 +192,7 @@ def build_engine_core(
     max_model_len = checked_max_model_len(
         config.model_config.max_model_len, cfg.max_position_embeddings
     )
-    check_stages(
-        model, cache_config, speculative_config, config.parallel_config.disaggregate is not None
-    )
+    check_stages(model, cache_config, config.parallel_config.disaggregate is not None)
     num_lanes = 1
     if speculative_config is not None:
         num_lanes = lanes_per_request(
@@ -203,7 +202,9 @@ def build_engine_core(
             speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
         )
     exit_policy = make_exit_policy(exit_config, model)
-    sync_passes = exit_sync_passes(exit_config.sync_passes, model, exit_policy)
+    sync_passes = exit_sync_passes(
+        exit_config.sync_passes, model, exit_policy, speculative_config is not None
+    )
     fp8_setting = (
         "quantization"
         if model.quantization == "fp8"

@@ -303,9 +303,11 @@ class MixedGraphs:
             state = sync.frozen(state, slots)
         self.out[:size].copy_(state)
         if model.separate_readout:
-            live, decided = parts.head.readout_rows(state, slots, rows.loops)
+            head = parts.head
+            live, decided, carried = head.readout_rows(state, slots, rows.loops, parts.lanes)
             live = torch.where(is_decode, live, f["reads_out"] != 0)
-            readout = model.readout(state, live, meta, parts.k_caches, parts.v_caches, parts.ops)
+            carried = torch.where(is_decode.unsqueeze(1), carried, state)
+            readout = model.readout(carried, live, meta, parts.k_caches, parts.v_caches, parts.ops)
             self.readout[:size].copy_(readout)
             if decided is not None:
                 self.exits[0, :size].copy_(decided.exit)

@@ -383,7 +383,7 @@ class ModelRunner:
         sync = self.head.sync
         if sync is not None:  # held rows keep what they carried in
             state = torch.cat([sync.frozen(state[:num_decode], decode), state[num_decode:]])
-        readout, decided = self._readout(state, decode, d_loops, chunks, meta)
+        readout, decided = self._readout(state, decode, d_loops, chunks, meta, lanes)
         prompt = prompt_rows(self.model, self.ops, readout, chunks, num_decode)
         samplers = self.keep_carried(state, chunks, num_decode)
         p_slots = p_rows = decode[:0]
@@ -413,17 +413,20 @@ class ModelRunner:
         d_loops: torch.Tensor,
         chunks: tuple[PrefillChunk, ...],
         meta: AttentionMetadata,
+        lanes: SpecLanes | None,
     ) -> tuple[torch.Tensor, SyncedExits | None]:
         """(what each row samples from if it exits now [rows, hidden], the decode rows'
         exits when decided first): a model that reads out apart runs its readout for the
-        decode rows that exit and the prompt rows at their last loop only."""
+        decode rows that exit or draft and the prompt rows at their last loop only."""
         if not self.model.separate_readout:
             return state, None
-        live, decided = self.head.readout_rows(state[: decode.shape[0]], decode, d_loops)
+        num_decode = decode.shape[0]
+        live, decided, carried = self.head.readout_rows(state[:num_decode], decode, d_loops, lanes)
         if chunks:
             prompt_live = self.uploads.upload(last_loop_rows(chunks, self.num_loops)) != 0
             live = torch.cat([live, prompt_live])
-        readout = self.model.readout(state, live, meta, self.k_caches, self.v_caches, self.ops)
+            carried = torch.cat([carried, state[num_decode:]])
+        readout = self.model.readout(carried, live, meta, self.k_caches, self.v_caches, self.ops)
         return readout, decided
 
     def _step_inputs(

@@ -108,16 +108,31 @@ class PassHead:
         exit_policy.bind(state.loop.shape[0], state.loop.device)  # its per-slot state
 
     def readout_rows(
-        self, d_hidden: torch.Tensor, decode: torch.Tensor, d_loops: torch.Tensor
-    ) -> tuple[torch.Tensor, SyncedExits | None]:
+        self,
+        d_hidden: torch.Tensor,
+        decode: torch.Tensor,
+        d_loops: torch.Tensor,
+        lanes: SpecLanes | None = None,
+    ) -> tuple[torch.Tensor, SyncedExits | None, torch.Tensor]:
         """For a model that reads out apart: ([decode rows] bool, the rows the readout must
         run for; the decode rows' exits decided before the readout, for `run`'s `decided`,
-        so both stages act on one decision). A policy that reads the logits needs every
-        decode row read out, and decides in `run` (None)."""
+        so both stages act on one decision; what the readout reads). A policy that reads
+        the logits needs every decode row read out, and decides in `run` (None). With
+        `lanes`, drafting lanes read out too, a held lane (only when it exits) from the
+        state it kept, and the lanes' events are the ones `run` finds again."""
+        carried = d_hidden
+        if lanes is not None:
+            held = lanes.holding(decode).unsqueeze(1)
+            carried = torch.where(held, self.state.hidden[decode], d_hidden)
         if self.exit_policy.needs_logits:
-            return torch.ones_like(decode, dtype=torch.bool), None
+            return torch.ones_like(decode, dtype=torch.bool), None, carried
         _, decided = self._decision(d_hidden, decode, d_loops + 1, None)
-        return decided.exit & (decode != self.dummy_slot), decided  # padding never reads out
+        live = decided.exit
+        if lanes is not None:
+            positions = self.state.position[decode]
+            exited, drafting, _, _ = lanes.events(decode, positions, d_loops + 1, live)
+            live = exited | drafting
+        return live & (decode != self.dummy_slot), decided, carried  # padding never reads out
 
     def run(
         self,
@@ -199,12 +214,12 @@ class PassHead:
             # with, at the depth it exited at.
             exits.exited = exited
             exits.hidden = torch.where(held.unsqueeze(1), st.hidden[decode], d_hidden)
-            exits.readout = exits.hidden  # lanes only run models whose readout is the state
+            if not self.model.separate_readout:  # else read out from it (`readout_rows`)
+                exits.readout = exits.hidden
             exits.loops_done = torch.where(held, st.loop[decode], loops_done)
             before = self.exit_policy.gather(decode)
             exits.carried = {
-                name: torch.where(held, before[name], values)
-                for name, values in exits.carried.items()
+                name: _by_row(held, before[name], values) for name, values in exits.carried.items()
             }
         return exits
 
@@ -345,10 +360,7 @@ class PassHead:
             held = exits.held_back
             loops = torch.where(held, loops - 1, loops)
             before = self.exit_policy.gather(decode)
-            carried = {
-                name: torch.where(held.view(-1, *([1] * (v.dim() - 1))), before[name], v)
-                for name, v in carried.items()
-            }
+            carried = {name: _by_row(held, before[name], v) for name, v in carried.items()}
             self.sync.store(decode, held)
         st.loop[decode] = torch.where(exited, 0, loops)
         self.exit_policy.store(decode, carried, exited)
@@ -420,3 +432,8 @@ class PassHead:
                 )
             )
         return ModelRunnerOutput(tuple(sampled), tuple(continuing))
+
+
+def _by_row(rows: torch.Tensor, chosen: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+    """torch.where over the first dimension: `chosen`'s row where `rows` ([rows] bool)."""
+    return torch.where(rows.view(-1, *([1] * (other.dim() - 1))), chosen, other)

@@ -65,14 +65,18 @@ def decode_row_fields(
     decode: torch.Tensor, state: SlotState, geo: KVGeometry, lanes: SpecLanes | None
 ) -> PassRows:
     """Decode rows [decode] read position and loop from slot state, on the device.
-    Speculation lanes use their request's block table; an idle lane reads the dummy. A row
-    held back from exiting (worker/exit_sync.py) writes no plane (write_hi 0)."""
+    Speculation lanes use their request's block table; an idle lane reads the dummy, and a
+    held one writes no plane (`SpecLanes.idle_rows`). A row held back from exiting
+    (worker/exit_sync.py) writes no plane either (write_hi 0)."""
     table_slots, positions, loops = decode, state.position[decode], state.loop[decode]
+    quiet = None
     if lanes is not None:
-        table_slots, positions, loops = lanes.idle_rows(decode, positions, loops)
+        table_slots, positions, loops, quiet = lanes.idle_rows(decode, positions, loops)
     write_hi = torch.full_like(loops, geo.planes) if geo.write_deeper_planes else loops + 1
     if state.exit_wait is not None:
         write_hi = torch.where(state.exit_wait[decode] > 0, 0, write_hi)
+    if quiet is not None:
+        write_hi = torch.where(quiet, 0, write_hi)
     return PassRows(geo.final_table_row(table_slots), positions, loops, write_hi)
 
 

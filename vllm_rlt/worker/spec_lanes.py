@@ -141,11 +141,22 @@ class SpecLanes:
         self.last_position[slot] = last_position
 
     def idle_rows(self, slots, positions, loops):
-        """(slot whose block table each decode row uses, position, loop): an idle or held
-        lane's row runs loop 0 at position 0 on the dummy slot's table (the dummy block)."""
-        idle = self.is_lane[slots] & (~self.active[slots] | self.held[slots])
+        """(slot whose block table each decode row uses, position, loop, whether the row
+        writes no K/V): an idle lane's row, or a held one whose token is still a draft,
+        runs loop 0 at position 0 on the dummy slot's table (the dummy block). A held lane
+        whose token was accepted exits in this pass: its row runs loop 0 at its own
+        position, so that the layers after the loop (Huginn's coda) run for it where its
+        token is. Neither writes K/V (their outputs are dropped), so a layer that runs
+        only for rows that write (Huginn's prelude) streams nothing for them."""
+        is_lane, held = self.is_lane[slots], self.held[slots]
+        idle = is_lane & (~self.active[slots] | (held & self.drafted[slots]))
+        parked = is_lane & (idle | held)
         table_slots = torch.where(idle, self.dummy, self.owner[slots])
-        return table_slots, positions.masked_fill(idle, 0), loops.masked_fill(idle, 0)
+        return table_slots, positions.masked_fill(idle, 0), loops.masked_fill(parked, 0), parked
+
+    def holding(self, slots) -> torch.Tensor:
+        """[rows] bool: lanes held at the start of this pass (their state is the slot's)."""
+        return self.is_lane[slots] & self.active[slots] & self.held[slots]
 
     def events(self, slots, positions, loops_done, exits):
         """Per row: (exits this pass, drafts this pass, held at the start of this pass, starts
@@ -154,7 +165,7 @@ class SpecLanes:
         accepts that token; one finishing loop d below its request's last position drafts."""
         is_lane, active = self.is_lane[slots], self.active[slots]
         working = ~is_lane | active
-        held = is_lane & active & self.held[slots]
+        held = self.holding(slots)
         drafted = self.drafted[slots]
         owners = self.owner[slots]
         # A lane whose token is not a draft holds a final token (after passes without lanes,
