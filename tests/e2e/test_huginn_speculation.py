@@ -3,8 +3,9 @@ the serial Huginn oracle, in float32 on the CPU. A drafting lane runs the coda o
 at the draft depth, and its coda K/V is written again when the token exits; a lane whose
 exit comes while its token is a draft waits, and its coda runs from the state it kept once
 the token is accepted. Greedy tokens, exit depths and logprobs equal the oracle's at a
-fixed depth and under each exit criterion, with chunked prompts, preemption and prefix
-caching; and the shipped Huginn-shaped model accepts its drafts."""
+fixed depth and under the latent criterion (those that read the logits are refused), with
+chunked prompts, preemption and prefix caching; and the shipped Huginn-shaped model
+accepts its drafts."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.reference.huginn_checkpoint import write_tiny_huginn
-from tests.reference.huginn_match import assert_matches_oracle
+from tests.reference.huginn_match import assert_matches_oracle, check_preempted_shared_prefix
 from tests.reference.huginn_oracle import HuginnModel, huginn_generate
 from vllm_rlt import LLM, SamplingParams, SpeculativeConfig
 from vllm_rlt.config import CacheConfig, ExitConfig, SchedulerConfig
@@ -40,8 +41,8 @@ def oracle_model(folder) -> HuginnModel:
 
 @pytest.fixture
 def released(monkeypatch) -> list[int]:
-    """Per call of SpecLanes.events: held lanes whose token was accepted, so that they exit
-    in this pass with the coda run from the state they kept."""
+    """Per call of SpecLanes.events (two a pass): held lanes whose token was accepted, so
+    that they exit in this pass with the coda run from the state they kept."""
     counts: list[int] = []
     events = SpecLanes.events
 
@@ -74,8 +75,6 @@ CASES = [  # (mode, oracle criterion, threshold, min_loops, draft_loops, prompt 
     ("latent_diff", "latent-diff", 0.9, 1, 2, None),  # exits held and released
     ("latent_diff", "latent-diff", 0.95, 1, 3, 4),  # exits held and released
     ("latent_diff", "latent-diff", 0.9, 2, 1, None),
-    ("kl", "kl", 0.1, 1, 2, None),
-    ("entropy_diff", "entropy-diff", 0.05, 1, 1, None),
 ]
 
 
@@ -132,37 +131,15 @@ def test_preemption_and_prefix_caching_stay_exact(folder, oracle_model):
     """A pool too small for every request at once preempts speculating requests, which
     replay their tokens (block K/V, initial state and coda recomputed) and speculate again;
     prompts sharing a prefix read it from the cache."""
-    shared = [200, 11, 12, 13, 14, 15, 16, 17]
-    prompts = [shared + [30 + i] for i in range(3)]
     cache = {"num_blocks": 14, "block_size": 4, "enable_prefix_caching": True}
     llm = _engine(folder, 3, "latent_diff", cache=cache, max_num_seqs=3)
-    params = [
-        SamplingParams(max_tokens=10, temperature=0.0, seed=s, ignore_eos=True, exit_threshold=0.5)
-        for s in SEEDS
-    ]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    scheduler = llm.engine.scheduler
-    assert scheduler.num_preemptions > 0
-    assert scheduler.prefix_hits > 0
-    assert scheduler.num_drafted > 0
-    for prompt, seed, output in zip(prompts, SEEDS, outputs, strict=True):
-        want = huginn_generate(
-            oracle_model,
-            prompt,
-            max_tokens=10,
-            seed=seed,
-            lookup="latest",
-            exit_criterion="latent-diff",
-            exit_threshold=0.5,
-        )
-        assert output.outputs[0].token_ids == want.token_ids
-        assert output.outputs[0].exit_depths == want.steps[len(prompt) - 1 :]
-    assert llm.engine.all_blocks_free()
+    assert check_preempted_shared_prefix(llm, oracle_model, SEEDS).num_drafted > 0
 
 
 def test_sampled_speculation_reproduces_with_a_seed(folder):
-    """Sampled rows with a seed draw the same tokens again, speculating or in another
-    batch, and the lanes leave no block taken."""
+    """Sampled rows with a seed draw the same tokens again alone and in a batch while
+    speculating, and the lanes leave no block taken (that the drafts' rejection sampling
+    follows the target distribution is test_speculation.py's, on the same lanes)."""
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=4, ignore_eos=True)
     llm = _engine(folder, 4)
     alone = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
@@ -172,9 +149,11 @@ def test_sampled_speculation_reproduces_with_a_seed(folder):
     assert llm.engine.all_blocks_free()
 
 
-def test_exits_held_together_are_refused_with_speculation(folder):
+def test_what_speculation_cannot_run_with_is_refused(folder):
     """Lanes hold a drafted token's exit themselves: sync_passes defaults to 1 with
-    speculation, and more is refused by name."""
+    speculation, and more is refused by name. Exit rules that read the logits run the
+    coda at every check, over the K/V of a token still being computed: refused. So is
+    the shared layout, as for every model."""
     llm = _engine(folder, 2, "latent_diff")
     assert llm.engine.runner.head.sync is None
     with pytest.raises(ValueError, match="sync_passes"):
@@ -184,6 +163,9 @@ def test_exits_held_together_are_refused_with_speculation(folder):
             exit_config=ExitConfig(mode="latent_diff", sync_passes=2),
             speculative_config=SpeculativeConfig(num_speculative_tokens=2, draft_loops=2),
         )
+    for mode in ("kl", "entropy_diff"):  # their checks run the coda on every loop
+        with pytest.raises(ValueError, match="speculative decoding cannot run with the"):
+            _engine(folder, 2, mode)
     with pytest.raises(ValueError, match="last_exited KV layout"):
         LLM(
             model=str(folder),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tests.reference.huginn_checkpoint import write_tiny_huginn
-from tests.reference.huginn_match import assert_matches_oracle
+from tests.reference.huginn_match import assert_matches_oracle, check_preempted_shared_prefix
 from tests.reference.huginn_oracle import HuginnModel, huginn_generate
 from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.config import AUTO_SYNC_PASSES, CacheConfig, ExitConfig, SchedulerConfig
@@ -166,31 +166,9 @@ def test_prefix_caching_and_preemption_change_nothing(folder, oracle_model, sync
     for every request at once preempts and replays (each replayed token through its own
     exit step: K/V, initial state and coda all recomputed), at per-token depths, with and
     without exits held back."""
-    shared = [200, 11, 12, 13, 14, 15, 16, 17]
-    prompts = [shared + [30 + i] for i in range(3)]
     cache = {"num_blocks": 12, "block_size": 4, "enable_prefix_caching": True}
     llm = _engine(folder, mode="latent_diff", cache=cache, sync_passes=sync_passes, max_num_seqs=3)
-    params = [
-        SamplingParams(max_tokens=10, temperature=0.0, seed=s, ignore_eos=True, exit_threshold=0.5)
-        for s in SEEDS
-    ]
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    scheduler = llm.engine.scheduler
-    assert scheduler.num_preemptions > 0
-    assert scheduler.prefix_hits > 0
-    for prompt, seed, output in zip(prompts, SEEDS, outputs, strict=True):
-        want = huginn_generate(
-            oracle_model,
-            prompt,
-            max_tokens=10,
-            seed=seed,
-            lookup="latest",
-            exit_criterion="latent-diff",
-            exit_threshold=0.5,
-        )
-        assert output.outputs[0].token_ids == want.token_ids
-        assert output.outputs[0].exit_depths == want.steps[len(prompt) - 1 :]
-    assert llm.engine.all_blocks_free()
+    check_preempted_shared_prefix(llm, oracle_model, SEEDS)
 
 
 def test_a_seed_reproduces_and_init_scale_zero_ignores_it(folder, tmp_path):

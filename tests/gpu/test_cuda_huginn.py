@@ -91,8 +91,8 @@ def test_cuda_huginn_speculation_equals_the_oracle(
     folder, exact_float32, backend, fast, threshold, draft_loops
 ):
     """Drafting lanes read out through the coda at the draft depth, and a lane held while
-    its token was a draft reads out from its kept state once accepted (at 0.9 some are):
-    with graphs, the mixed graphs' stack decides which rows read out."""
+    its token was a draft reads out from its kept state once accepted: with graphs, the
+    mixed graphs' stack decides which rows read out."""
     llm = _llm(folder, backend, fast, "last_exited", "latent_diff", draft_loops=draft_loops)
     _check(llm, HuginnModel.from_folder(folder), "latest", threshold)
     assert llm.engine.scheduler.num_drafted > 0

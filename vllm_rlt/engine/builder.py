@@ -140,6 +140,20 @@ def check_stages(model, cache_config, disaggregate) -> None:
     )
 
 
+def check_speculated_exits(model, exit_policy) -> None:
+    """Speculation with an exit rule that reads the logits of a model with layers after its
+    loop is refused: a lane checks its token while the position before it still loops, so
+    the coda it runs would attend over that position's unfinished coda K/V, and its exit
+    depth would not be plain decoding's."""
+    require(
+        not (model.separate_readout and exit_policy.needs_logits),
+        f"speculative decoding cannot run with the {type(exit_policy).__name__} on this "
+        "model: its exit checks run the coda, which would read the K/V of a token still being "
+        "computed; use the latent_diff or trace exit mode, or no speculative_config",
+        "speculative_config",
+    )
+
+
 def exit_sync_passes(sync_passes: int | None, model, exit_policy, speculating: bool) -> int:
     """ExitConfig.sync_passes for this model and policy. Exits held back together share the
     layers after the loop: None holds them (AUTO_SYNC_PASSES) where that saves streaming,
@@ -202,6 +216,8 @@ def build_engine_core(
             speculative_config, cfg.num_loops, cache_config, scheduler_config, num_lanes
         )
     exit_policy = make_exit_policy(exit_config, model)
+    if speculative_config is not None:
+        check_speculated_exits(model, exit_policy)
     sync_passes = exit_sync_passes(
         exit_config.sync_passes, model, exit_policy, speculative_config is not None
     )

@@ -303,6 +303,9 @@ class MixedGraphs:
             state = sync.frozen(state, slots)
         self.out[:size].copy_(state)
         if model.separate_readout:
+            # One stack graph serves passes with and without lanes: without them no lane
+            # row is held or drafted, and the drafting flag the last speculating pass
+            # uploaded was 0, so the lanes' events are the policy's exits.
             head = parts.head
             live, decided, carried = head.readout_rows(state, slots, rows.loops, parts.lanes)
             live = torch.where(is_decode, live, f["reads_out"] != 0)
