@@ -15,6 +15,8 @@ from vllm_rlt import SamplingParams
 from vllm_rlt.layers.sampler import (
     SamplingMode,
     SamplingTensors,
+    _filtered_sorted,
+    gumbel_noise,
     row_sampling_mode,
     sample,
     sample_plain,
@@ -310,24 +312,56 @@ def test_sample_row_is_independent_of_its_batch():
     assert int(together[0]) == int(logits[0].argmax())
 
 
+def drawn_in_sorted_order(logits, settings, counters) -> torch.Tensor:
+    """The draw as a sort-based sampler takes it: the noise gathered into the sorted order
+    and the argmax of the filtered sorted logits plus it (greedy rows: the argmax)."""
+    sorted_logits, sorted_ids = _filtered_sorted(logits, settings)
+    noise = gumbel_noise(settings.seed, counters, logits.shape[-1]).gather(1, sorted_ids)
+    choice = (sorted_logits.double() + noise).argmax(dim=-1, keepdim=True)
+    drawn = sorted_ids.gather(1, choice).squeeze(1)
+    return torch.where(settings.temperature == 0.0, logits.argmax(dim=-1), drawn)
+
+
+def hard_sampling_case(rows: int, vocab: int, gen: torch.Generator, device: str = "cpu"):
+    """(logits, settings, counters) with barred tokens, tied logits, greedy rows, a tiny
+    temperature, extreme seeds and counters, and every filter on some rows."""
+    logits = 4 * torch.randn(rows, vocab, generator=gen, device=device)
+    logits[0, : vocab // 2] = float("-inf")
+    logits[-1, [3, vocab - 1]] = logits[-1].max() + 1
+    temperature = 2 * torch.rand(rows, generator=gen, device=device)
+    temperature[rows // 2] = 0.0
+    temperature[-1] = 1e-9
+    seeds = torch.randint(0, 2**62, (rows,), generator=gen, device=device)
+    seeds[0] = 2**63 - 1
+    counters = torch.randint(0, 2**40, (rows,), generator=gen, device=device)
+    pick = torch.arange(rows, device=device) % 5
+    settings = SamplingTensors.filled(
+        rows,
+        device,
+        temperature=temperature,
+        top_k=torch.where(pick == 1, 7, 0),
+        top_p=torch.where(pick == 2, 0.8, 1.0),
+        min_p=torch.where(pick == 3, 0.05, 0.0),
+        top_n_sigma=torch.where(pick == 4, 1.5, 0.0),
+        seed=seeds,
+    )
+    return logits, settings, counters
+
+
 @pytest.mark.parametrize(("rows", "vocab"), [(1, 300), (7, 1000), (40, 5000)])
-def test_plain_sampling_draws_the_sort_paths_token(rows, vocab):
-    """With no filter, the argmax of scaled logits plus the seeded noise visited in token
-    order is the token the sorted path draws: at any seed and counter, with barred tokens,
-    tied logits, a tiny temperature and greedy rows."""
+def test_sampling_draws_the_sort_orders_token(rows, vocab):
+    """The filters put back in token order and the noise hashed in token order draw the
+    token a sort-based sampler draws, filtered or not: at any seed and counter, with
+    barred tokens, tied logits, a tiny temperature and greedy rows. With no filter,
+    `sample_plain` draws it with no sort at all."""
     gen = torch.Generator().manual_seed(rows * vocab)
     for _ in range(5):
-        logits = 4 * torch.randn(rows, vocab, generator=gen)
-        logits[0, : vocab // 2] = float("-inf")
-        logits[-1, [3, vocab - 1]] = logits[-1].max() + 1
-        temperature = 2 * torch.rand(rows, generator=gen)
-        temperature[rows // 2] = 0.0
-        temperature[-1] = 1e-9
-        seeds = torch.randint(0, 2**62, (rows,), generator=gen)
-        counters = torch.randint(0, 2**40, (rows,), generator=gen)
-        settings = SamplingTensors.filled(rows, temperature=temperature, seed=seeds)
-        want = sample(logits, settings, counters)
-        assert torch.equal(sample_plain(logits, temperature, seeds, counters), want)
+        logits, settings, counters = hard_sampling_case(rows, vocab, gen)
+        want = drawn_in_sorted_order(logits, settings, counters)
+        assert torch.equal(sample(logits, settings, counters), want)
+        plain = SamplingTensors.filled(rows, temperature=settings.temperature, seed=settings.seed)
+        want = drawn_in_sorted_order(logits, plain, counters)
+        assert torch.equal(sample_plain(logits, plain.temperature, plain.seed, counters), want)
 
 
 def test_sample_frequencies_follow_softmax():

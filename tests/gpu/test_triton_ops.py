@@ -395,6 +395,22 @@ def test_plain_sampling_kernel_draws_the_sort_paths_token(rows, vocab):
     assert torch.equal(got, sample(logits, settings, counters))
 
 
+@pytest.mark.parametrize("rows", [1, 3, 64, 256])
+@pytest.mark.parametrize("vocab", [300, 49152, 65537])
+def test_filtered_sampling_with_the_kernel_draws_the_sort_orders_token(rows, vocab):
+    """Rows that filter (top-k, top-p, min-p, top-n-sigma) beside rows that do not: the
+    kept logits in token order, drawn by kernels/gumbel_sample.py, give the token a
+    sort-based sampler draws."""
+    from tests.e2e.test_sampling import drawn_in_sorted_order, hard_sampling_case
+    from vllm_rlt.layers.sampler import sample
+    from vllm_rlt.ops.triton_ops import TritonOps
+
+    gen = torch.Generator(device="cuda").manual_seed(rows * vocab)
+    logits, settings, counters = hard_sampling_case(rows, vocab, gen, "cuda")
+    got = sample(logits, settings, counters, draw=TritonOps().sample_plain)
+    assert torch.equal(got, drawn_in_sorted_order(logits, settings, counters))
+
+
 @pytest.mark.parametrize("rows", [1, 3, 256])
 @pytest.mark.parametrize("vocab", [300, 49152, 65537])
 def test_top_n_sigma_in_place_equals_torch(rows, vocab):

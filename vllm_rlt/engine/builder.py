@@ -140,16 +140,16 @@ def check_stages(model, cache_config, disaggregate) -> None:
     )
 
 
-def check_speculated_exits(model, exit_policy) -> None:
+def check_speculated_exits(model, exit_policy, mode: str) -> None:
     """Speculation with an exit rule that reads the logits of a model with layers after its
     loop is refused: a lane checks its token while the position before it still loops, so
     the coda it runs would attend over that position's unfinished coda K/V, and its exit
     depth would not be plain decoding's."""
     require(
         not (model.separate_readout and exit_policy.needs_logits),
-        f"speculative decoding cannot run with the {type(exit_policy).__name__} on this "
-        "model: its exit checks run the coda, which would read the K/V of a token still being "
-        "computed; use the latent_diff or trace exit mode, or no speculative_config",
+        f"speculative decoding cannot run with exit mode {mode!r} on this model: its exit "
+        "checks run the coda, which would read the K/V of a token still being computed; use "
+        "exit mode 'latent_diff' or 'trace', or no speculative decoding",
         "speculative_config",
     )
 
@@ -217,7 +217,7 @@ def build_engine_core(
         )
     exit_policy = make_exit_policy(exit_config, model)
     if speculative_config is not None:
-        check_speculated_exits(model, exit_policy)
+        check_speculated_exits(model, exit_policy, exit_config.mode)
     sync_passes = exit_sync_passes(
         exit_config.sync_passes, model, exit_policy, speculative_config is not None
     )

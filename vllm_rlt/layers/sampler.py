@@ -14,6 +14,9 @@ _MASK32 = 0xFFFFFFFF
 # (scaled [rows, vocab] float32, n [rows]) -> scaled filtered (possibly in place): how a
 # device backend runs `top_n_sigma` (LoopOps.top_n_sigma)
 SigmaFilter = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (logits [rows, vocab], temperature [rows], seeds [rows], counters [rows]) -> ids [rows]:
+# how a device backend draws the Gumbel-max token of unfiltered rows (LoopOps.sample_plain)
+PlainDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class SamplingMode(IntEnum):
@@ -150,14 +153,19 @@ def sample(
     settings: SamplingTensors,  # [rows] each
     counters: torch.Tensor,  # [rows] int64, the index of the token being sampled
     sigma_filter: SigmaFilter | None = None,  # top-n-sigma (default: `top_n_sigma`)
+    draw: PlainDraw | None = None,  # the Gumbel-max draw (default: `sample_plain`)
 ) -> torch.Tensor:
-    """Sampled token ids [rows], all rows at once with no per-row Python loop."""
+    """Sampled token ids [rows], all rows at once with no per-row Python loop. The filters
+    are found on the sorted distribution and put back in token order (-inf where they
+    drop a token); the token is then the argmax of the kept scaled logits plus the seeded
+    Gumbel noise, which does not depend on the order tokens are visited in, so `draw` (a
+    backend's kernel) can hash the noise as it reads instead of this module writing
+    [rows, vocab] float64 noise."""
     greedy_ids = logits.argmax(dim=-1)
-    vocab = logits.shape[-1]
     sorted_logits, sorted_ids = _filtered_sorted(logits, settings, sigma_filter)
-    gumbel = gumbel_noise(settings.seed, counters, vocab).gather(1, sorted_ids)
-    choice = (sorted_logits.double() + gumbel).argmax(dim=-1, keepdim=True)
-    sampled_ids = sorted_ids.gather(1, choice).squeeze(1)
+    kept = torch.empty_like(sorted_logits).scatter_(1, sorted_ids, sorted_logits)
+    unscaled = torch.ones_like(settings.temperature)  # `kept` is scaled already
+    sampled_ids = (draw or sample_plain)(kept, unscaled, settings.seed, counters)
     return torch.where(settings.temperature == 0.0, greedy_ids, sampled_ids)
 
 

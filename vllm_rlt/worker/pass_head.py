@@ -286,7 +286,9 @@ class PassHead:
             tokens = self.ops.sample_plain(sampled_from, temperature, seeds, counters)
         else:
             settings, counters = st.sampling.rows(slots), st.num_generated[slots]
-            tokens = sample(sampled_from, settings, counters, self.ops.top_n_sigma)
+            tokens = sample(
+                sampled_from, settings, counters, self.ops.top_n_sigma, self.ops.sample_plain
+            )
         outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
         spec = None
         if lanes is not None:
