@@ -328,9 +328,12 @@ def hard_sampling_case(rows: int, vocab: int, gen: torch.Generator, device: str 
     logits = 4 * torch.randn(rows, vocab, generator=gen, device=device)
     logits[0, : vocab // 2] = float("-inf")
     logits[-1, [3, vocab - 1]] = logits[-1].max() + 1
+    greedy = rows // 2  # tied at the top too: it takes the first
+    logits[greedy, [5, vocab - 2]] = logits[greedy].max() + 1
     temperature = 2 * torch.rand(rows, generator=gen, device=device)
-    temperature[rows // 2] = 0.0
-    temperature[-1] = 1e-9
+    if rows > 1:
+        temperature[-1] = 1e-9
+    temperature[greedy] = 0.0
     seeds = torch.randint(0, 2**62, (rows,), generator=gen, device=device)
     seeds[0] = 2**63 - 1
     counters = torch.randint(0, 2**40, (rows,), generator=gen, device=device)

@@ -158,7 +158,8 @@ def sample(
     """Sampled token ids [rows], all rows at once with no per-row Python loop. The filters
     are found on the sorted distribution and put back in token order (-inf where they
     drop a token); the token is then the argmax of the kept scaled logits plus the seeded
-    Gumbel noise, which does not depend on the order tokens are visited in, so `draw` (a
+    Gumbel noise, which does not depend on the order tokens are visited in (an exact tie,
+    about 2^-24 likely for two equal logits, goes to the lower token id), so `draw` (a
     backend's kernel) can hash the noise as it reads instead of this module writing
     [rows, vocab] float64 noise."""
     greedy_ids = logits.argmax(dim=-1)
