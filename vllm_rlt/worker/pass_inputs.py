@@ -65,9 +65,9 @@ def decode_row_fields(
     decode: torch.Tensor, state: SlotState, geo: KVGeometry, lanes: SpecLanes | None
 ) -> PassRows:
     """Decode rows [decode] read position and loop from slot state, on the device.
-    Speculation lanes use their request's block table; an idle lane reads the dummy, and a
-    held one writes no plane (`SpecLanes.idle_rows`). A row held back from exiting
-    (worker/exit_sync.py) writes no plane either (write_hi 0)."""
+    Speculation lanes use their request's block table; an idle lane reads the dummy, and
+    idle and held lanes write no plane (`SpecLanes.idle_rows`). A row held back from
+    exiting (worker/exit_sync.py) writes no plane either (write_hi 0)."""
     table_slots, positions, loops = decode, state.position[decode], state.loop[decode]
     quiet = None
     if lanes is not None:
