@@ -13,9 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.reference.huginn_checkpoint import write_tiny_huginn
 from tests.reference.huginn_match import assert_matches_oracle, check_preempted_shared_prefix
-from tests.reference.huginn_oracle import HuginnModel, huginn_generate
+from tests.reference.huginn_oracle import huginn_generate
 from vllm_rlt import LLM, SamplingParams, SpeculativeConfig
 from vllm_rlt.config import CacheConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.training.data import held_out, training_set
@@ -24,19 +23,6 @@ from vllm_rlt.worker.spec_lanes import SpecLanes
 PROMPTS = [[5, 17, 42, 101, 7, 250], [9, 3], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
 SEEDS = [3, 11, 7]
 MAX_TOKENS = 8
-CHECKPOINT_SEED = 5  # as test_huginn_vs_oracle.py: its criteria exit early within 8 steps
-
-
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("huginn")
-    write_tiny_huginn(path, seed=CHECKPOINT_SEED)
-    return path
-
-
-@pytest.fixture(scope="module")
-def oracle_model(folder) -> HuginnModel:
-    return HuginnModel.from_folder(folder)
 
 
 @pytest.fixture
@@ -55,11 +41,11 @@ def released(monkeypatch) -> list[int]:
     return counts
 
 
-def _engine(folder: Path, draft_loops: int, mode: str = "auto", **options) -> LLM:
+def _engine(huginn_folder: Path, draft_loops: int, mode: str = "auto", **options) -> LLM:
     cache = options.pop("cache", {"num_blocks": 96})
     scheduler = {"max_num_seqs": 4, "max_num_batched_tokens": 64, **options}
     return LLM(
-        model=str(folder),
+        model=str(huginn_folder),
         dtype="float32",
         cache_config=CacheConfig(layout="last_exited", **cache),
         scheduler_config=SchedulerConfig(**scheduler),
@@ -80,10 +66,10 @@ CASES = [  # (mode, oracle criterion, threshold, min_loops, draft_loops, prompt 
 
 @pytest.mark.parametrize(("mode", "criterion", "threshold", "min_loops", "draft", "chunk"), CASES)
 def test_speculation_equals_the_oracle(
-    folder, oracle_model, released, mode, criterion, threshold, min_loops, draft, chunk
+    huginn_folder, huginn_oracle, released, mode, criterion, threshold, min_loops, draft, chunk
 ):
     scheduler = {} if chunk is None else {"prefill_chunk_size": chunk}
-    llm = _engine(folder, draft, mode, **scheduler)
+    llm = _engine(huginn_folder, draft, mode, **scheduler)
     extra = {} if threshold is None else {"exit_threshold": threshold, "min_loops": min_loops}
     params = [
         SamplingParams(
@@ -95,7 +81,7 @@ def test_speculation_equals_the_oracle(
     for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
         oracle = {} if threshold is None else {"exit_threshold": threshold}
         want = huginn_generate(
-            oracle_model,
+            huginn_oracle,
             prompt,
             max_tokens=MAX_TOKENS,
             seed=seed,
@@ -114,12 +100,12 @@ def test_speculation_equals_the_oracle(
         assert max(released) > 0
 
 
-def test_drafts_of_most_loops_are_accepted_and_save_passes(folder):
+def test_drafts_of_most_loops_are_accepted_and_save_passes(huginn_folder):
     """Six of eight loops draft what eight give for most tokens: fewer passes."""
     params = SamplingParams(max_tokens=12, temperature=0.0, seed=1, ignore_eos=True)
-    plain = LLM(model=str(folder), dtype="float32", cache_config=CacheConfig(num_blocks=96))
+    plain = LLM(model=str(huginn_folder), dtype="float32", cache_config=CacheConfig(num_blocks=96))
     want = plain.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
-    llm = _engine(folder, 6)
+    llm = _engine(huginn_folder, 6)
     got = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     assert got == want
     scheduler = llm.engine.scheduler
@@ -127,21 +113,21 @@ def test_drafts_of_most_loops_are_accepted_and_save_passes(folder):
     assert llm.engine.passes.num_passes < plain.engine.passes.num_passes
 
 
-def test_preemption_and_prefix_caching_stay_exact(folder, oracle_model):
+def test_preemption_and_prefix_caching_stay_exact(huginn_folder, huginn_oracle):
     """A pool too small for every request at once preempts speculating requests, which
     replay their tokens (block K/V, initial state and coda recomputed) and speculate again;
     prompts sharing a prefix read it from the cache."""
     cache = {"num_blocks": 14, "block_size": 4, "enable_prefix_caching": True}
-    llm = _engine(folder, 3, "latent_diff", cache=cache, max_num_seqs=3)
-    assert check_preempted_shared_prefix(llm, oracle_model, SEEDS).num_drafted > 0
+    llm = _engine(huginn_folder, 3, "latent_diff", cache=cache, max_num_seqs=3)
+    assert check_preempted_shared_prefix(llm, huginn_oracle, SEEDS).num_drafted > 0
 
 
-def test_sampled_speculation_reproduces_with_a_seed(folder):
+def test_sampled_speculation_reproduces_with_a_seed(huginn_folder):
     """Sampled rows with a seed draw the same tokens again alone and in a batch while
     speculating, and the lanes leave no block taken (that the drafts' rejection sampling
     follows the target distribution is test_speculation.py's, on the same lanes)."""
     params = SamplingParams(max_tokens=10, temperature=0.8, top_p=0.9, seed=4, ignore_eos=True)
-    llm = _engine(folder, 4)
+    llm = _engine(huginn_folder, 4)
     alone = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     batched = llm.generate(PROMPTS, [params] * 3, use_tqdm=False)[0].outputs[0].token_ids
     assert alone == batched
@@ -149,26 +135,26 @@ def test_sampled_speculation_reproduces_with_a_seed(folder):
     assert llm.engine.all_blocks_free()
 
 
-def test_what_speculation_cannot_run_with_is_refused(folder):
+def test_what_speculation_cannot_run_with_is_refused(huginn_folder):
     """Lanes hold a drafted token's exit themselves: sync_passes defaults to 1 with
     speculation, and more is refused by name. Exit rules that read the logits run the
     coda at every check, over the K/V of a token still being computed: refused. So is
     the shared layout, as for every model."""
-    llm = _engine(folder, 2, "latent_diff")
+    llm = _engine(huginn_folder, 2, "latent_diff")
     assert llm.engine.runner.head.sync is None
     with pytest.raises(ValueError, match="sync_passes"):
         LLM(
-            model=str(folder),
+            model=str(huginn_folder),
             dtype="float32",
             exit_config=ExitConfig(mode="latent_diff", sync_passes=2),
             speculative_config=SpeculativeConfig(num_speculative_tokens=2, draft_loops=2),
         )
     for mode in ("kl", "entropy_diff"):  # their checks run the coda on every loop
         with pytest.raises(ValueError, match="speculative decoding cannot run with exit mode"):
-            _engine(folder, 2, mode)
+            _engine(huginn_folder, 2, mode)
     with pytest.raises(ValueError, match="last_exited KV layout"):
         LLM(
-            model=str(folder),
+            model=str(huginn_folder),
             dtype="float32",
             cache_config=CacheConfig(layout="shared"),
             speculative_config=SpeculativeConfig(num_speculative_tokens=2, draft_loops=2),

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.reference.huginn_checkpoint import write_tiny_huginn
+from tests.reference.huginn_checkpoint import TINY_HUGINN_SEED, write_tiny_huginn
 from tests.reference.huginn_match import assert_matches_oracle, check_preempted_shared_prefix
 from tests.reference.huginn_oracle import HuginnModel, huginn_generate
 from vllm_rlt import LLM, SamplingParams
@@ -21,24 +21,11 @@ PROMPTS = [[5, 17, 42, 101, 7, 250], [9, 3], [200, 11, 12, 13, 14, 15, 16, 17, 1
 SEEDS = [3, 11, 7]
 STEPS = 8  # the tiny checkpoint's mean_recurrence
 MAX_TOKENS = 6
-CHECKPOINT_SEED = 5  # its recurrence settles within 8 steps, so criteria exit early
 LOOKUPS = {"last_exited": "latest", "shared": "final"}
 
 
-@pytest.fixture(scope="module")
-def folder(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("huginn")
-    write_tiny_huginn(path, seed=CHECKPOINT_SEED)
-    return path
-
-
-@pytest.fixture(scope="module")
-def oracle_model(folder) -> HuginnModel:
-    return HuginnModel.from_folder(folder)
-
-
 def _engine(
-    folder: Path,
+    huginn_folder: Path,
     layout: str = "last_exited",
     mode: str = "auto",
     cache: dict | None = None,
@@ -46,7 +33,7 @@ def _engine(
     **scheduler,
 ) -> LLM:
     return LLM(
-        model=str(folder),
+        model=str(huginn_folder),
         dtype="float32",
         cache_config=CacheConfig(layout=layout, **(cache or {"num_blocks": 96})),
         scheduler_config=SchedulerConfig(**scheduler) if scheduler else None,
@@ -68,7 +55,7 @@ def held_rows(monkeypatch) -> list[int]:
     return counts
 
 
-def _check(llm: LLM, oracle_model: HuginnModel, lookup: str, params: dict, oracle: dict):
+def _check(llm: LLM, huginn_oracle: HuginnModel, lookup: str, params: dict, oracle: dict):
     """Every prompt, batched, against the oracle run one request at a time."""
     requests = [
         SamplingParams(
@@ -79,7 +66,7 @@ def _check(llm: LLM, oracle_model: HuginnModel, lookup: str, params: dict, oracl
     outputs = llm.generate(PROMPTS, requests, use_tqdm=False)
     for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
         want = huginn_generate(
-            oracle_model, prompt, max_tokens=MAX_TOKENS, seed=seed, lookup=lookup, **oracle
+            huginn_oracle, prompt, max_tokens=MAX_TOKENS, seed=seed, lookup=lookup, **oracle
         )
         assert_matches_oracle(output.outputs[0], want, len(prompt), atol=1e-4)
     assert llm.engine.all_blocks_free()
@@ -88,19 +75,19 @@ def _check(llm: LLM, oracle_model: HuginnModel, lookup: str, params: dict, oracl
 
 @pytest.mark.parametrize("layout", list(LOOKUPS))
 @pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
-def test_fixed_depth_equals_the_oracle(folder, oracle_model, layout, chunk):
+def test_fixed_depth_equals_the_oracle(huginn_folder, huginn_oracle, layout, chunk):
     scheduler = {} if chunk is None else {"max_num_batched_tokens": chunk}
-    llm = _engine(folder, layout, **scheduler)
-    outputs = _check(llm, oracle_model, LOOKUPS[layout], {}, {})
+    llm = _engine(huginn_folder, layout, **scheduler)
+    outputs = _check(llm, huginn_oracle, LOOKUPS[layout], {}, {})
     assert all(d == STEPS for o in outputs for d in o.outputs[0].exit_depths)
 
 
-def test_per_request_depth_reads_earlier_tokens_at_their_exit_step(folder, oracle_model):
+def test_per_request_depth_reads_earlier_tokens_at_their_exit_step(huginn_folder, huginn_oracle):
     """max_loops below the model's depth: prompts still run every loop, decode tokens
     fewer, and later tokens read them at min(step, exit step) (Huginn's latest lookup)."""
-    llm = _engine(folder)
+    llm = _engine(huginn_folder)
     depth = 3
-    _check(llm, oracle_model, "latest", {"max_loops": depth}, {"decode_steps": [depth] * 5})
+    _check(llm, huginn_oracle, "latest", {"max_loops": depth}, {"decode_steps": [depth] * 5})
 
 
 @pytest.mark.parametrize(
@@ -110,12 +97,12 @@ def test_per_request_depth_reads_earlier_tokens_at_their_exit_step(folder, oracl
     + [("entropy_diff", "entropy-diff", 0.05, 1), ("entropy_diff", "entropy-diff", 0.02, 2)],
 )
 def test_exit_criteria_equal_the_oracle(
-    folder, oracle_model, mode, criterion, threshold, min_loops
+    huginn_folder, huginn_oracle, mode, criterion, threshold, min_loops
 ):
-    llm = _engine(folder, mode=mode)
+    llm = _engine(huginn_folder, mode=mode)
     outputs = _check(
         llm,
-        oracle_model,
+        huginn_oracle,
         "latest",
         {"exit_threshold": threshold, "min_loops": min_loops},
         {"exit_criterion": criterion, "exit_threshold": threshold, "min_steps": min_loops - 1},
@@ -127,18 +114,18 @@ def test_exit_criteria_equal_the_oracle(
 @pytest.mark.parametrize("chunk", [None, 4], ids=["whole", "chunked"])
 @pytest.mark.parametrize("sync_passes", [None, 3, 8])
 def test_exits_held_back_together_change_nothing(
-    folder, oracle_model, held_rows, chunk, sync_passes
+    huginn_folder, huginn_oracle, held_rows, chunk, sync_passes
 ):
     """With sync_passes (None: the default, AUTO_SYNC_PASSES under latent_diff), a row
     whose criterion says exit waits, frozen, for the others (worker/exit_sync.py): tokens,
     logprobs and exit depths stay the oracle's, beside prompt chunks too, and rows were
     held back."""
     scheduler = {} if chunk is None else {"max_num_batched_tokens": chunk}
-    llm = _engine(folder, mode="latent_diff", sync_passes=sync_passes, **scheduler)
+    llm = _engine(huginn_folder, mode="latent_diff", sync_passes=sync_passes, **scheduler)
     assert llm.engine.runner.head.sync.passes == (sync_passes or AUTO_SYNC_PASSES)
     outputs = _check(
         llm,
-        oracle_model,
+        huginn_oracle,
         "latest",
         {"exit_threshold": 0.5, "min_loops": 1},
         {"exit_criterion": "latent-diff", "exit_threshold": 0.5, "min_steps": 0},
@@ -147,13 +134,13 @@ def test_exits_held_back_together_change_nothing(
     assert len({d for o in outputs for d in o.outputs[0].exit_depths[1:]}) > 1
 
 
-def test_exit_sync_is_refused_where_it_saves_nothing(folder, make_engine):
+def test_exit_sync_is_refused_where_it_saves_nothing(huginn_folder, make_engine):
     """Not held by default, and more than 1 refused by name: under kl, which reads every
     row's logits every loop, and for Ouro, which has no layers after the loop."""
-    assert _engine(folder, mode="kl", sync_passes=None).engine.runner.head.sync is None
+    assert _engine(huginn_folder, mode="kl", sync_passes=None).engine.runner.head.sync is None
     assert make_engine(exit_config=ExitConfig()).runner.head.sync is None
     with pytest.raises(ValueError, match="sync_passes"):
-        _engine(folder, mode="kl", sync_passes=2)
+        _engine(huginn_folder, mode="kl", sync_passes=2)
     with pytest.raises(ValueError, match="sync_passes"):
         make_engine(exit_config=ExitConfig(sync_passes=2))  # Ouro: no layers after the loop
     with pytest.raises(ValueError, match="sync_passes"):
@@ -161,18 +148,20 @@ def test_exit_sync_is_refused_where_it_saves_nothing(folder, make_engine):
 
 
 @pytest.mark.parametrize("sync_passes", [1, 4])
-def test_prefix_caching_and_preemption_change_nothing(folder, oracle_model, sync_passes):
+def test_prefix_caching_and_preemption_change_nothing(huginn_folder, huginn_oracle, sync_passes):
     """Prompts sharing a prefix of full blocks read it from the cache, and a pool too small
     for every request at once preempts and replays (each replayed token through its own
     exit step: K/V, initial state and coda all recomputed), at per-token depths, with and
     without exits held back."""
     cache = {"num_blocks": 12, "block_size": 4, "enable_prefix_caching": True}
-    llm = _engine(folder, mode="latent_diff", cache=cache, sync_passes=sync_passes, max_num_seqs=3)
-    check_preempted_shared_prefix(llm, oracle_model, SEEDS)
+    llm = _engine(
+        huginn_folder, mode="latent_diff", cache=cache, sync_passes=sync_passes, max_num_seqs=3
+    )
+    check_preempted_shared_prefix(llm, huginn_oracle, SEEDS)
 
 
-def test_a_seed_reproduces_and_init_scale_zero_ignores_it(folder, tmp_path):
-    llm = _engine(folder)
+def test_a_seed_reproduces_and_init_scale_zero_ignores_it(huginn_folder, tmp_path):
+    llm = _engine(huginn_folder)
     params = [
         SamplingParams(max_tokens=8, temperature=0.0, seed=s, ignore_eos=True) for s in (1, 1, 2)
     ]
@@ -180,7 +169,7 @@ def test_a_seed_reproduces_and_init_scale_zero_ignores_it(folder, tmp_path):
         o.outputs[0].token_ids for o in llm.generate([PROMPTS[0]] * 3, params, use_tqdm=False)
     )
     assert a == b and a != c
-    write_tiny_huginn(tmp_path, seed=CHECKPOINT_SEED, overrides={"init_scale": 0.0})
+    write_tiny_huginn(tmp_path, seed=TINY_HUGINN_SEED, overrides={"init_scale": 0.0})
     zero = _engine(tmp_path)
     a, b, c = (
         o.outputs[0].token_ids for o in zero.generate([PROMPTS[0]] * 3, params, use_tqdm=False)
@@ -192,23 +181,23 @@ def test_a_seed_reproduces_and_init_scale_zero_ignores_it(folder, tmp_path):
     assert a == oracle.token_ids
 
 
-def test_unsupported_features_are_refused_by_name(folder):
+def test_unsupported_features_are_refused_by_name(huginn_folder):
     with pytest.raises(ValueError, match="quantization"):
-        LLM(model=str(folder), dtype="float32", quantization="fp8")
+        LLM(model=str(huginn_folder), dtype="float32", quantization="fp8")
     with pytest.raises(ValueError, match="exit gate"):
-        _engine(folder, mode="ouro")
+        _engine(huginn_folder, mode="ouro")
     with pytest.raises(ValueError, match="kv_layout|layout"):
-        _engine(folder, layout="shared_decode")
+        _engine(huginn_folder, layout="shared_decode")
     assert torch.get_num_threads() >= 1
 
 
-def test_the_naive_baseline_equals_the_oracle(folder, oracle_model):
+def test_the_naive_baseline_equals_the_oracle(huginn_folder, huginn_oracle):
     """`bench throughput`'s eager baseline for this family (bench/naive.py) computes what
     the modeling code does: its greedy tokens at a fixed depth, per request seed."""
     from vllm_rlt.bench.naive import NaiveHuginn, naive_baseline
     from vllm_rlt.models.load import load_model
 
-    model = load_model(folder, torch.float32, torch.device("cpu"))
+    model = load_model(huginn_folder, torch.float32, torch.device("cpu"))
     prompts, seeds, depth = [PROMPTS[0], PROMPTS[2][:6]], [3, 11], 5
     naive = naive_baseline(model, len(prompts), len(prompts[0]) + MAX_TOKENS)
     assert isinstance(naive, NaiveHuginn)
@@ -217,6 +206,6 @@ def test_the_naive_baseline_equals_the_oracle(folder, oracle_model):
     for row, (prompt, seed) in enumerate(zip(prompts, seeds, strict=True)):
         decode = [depth] * (MAX_TOKENS - 1)
         want = huginn_generate(
-            oracle_model, prompt, max_tokens=MAX_TOKENS, seed=seed, decode_steps=decode
+            huginn_oracle, prompt, max_tokens=MAX_TOKENS, seed=seed, decode_steps=decode
         )
         assert naive.generated[row].tolist() == want.token_ids
