@@ -3,9 +3,10 @@ outputs, temperature and top_p, through `LLM` with vLLM's argument names only. P
 JSON line per KV layout: output tokens/s, peak device memory while it runs (the weights and
 the KV pool, planned to fill the device, included), preemptions, passes.
 
-    python -m benchmarks.random_checkpoint ouro-1.4b /tmp/ouro --device cuda
-    python -m benchmarks.rollout /tmp/ouro --device cuda
-    python -m benchmarks.rollout /tmp/ouro --device cuda --kv-layout last_exited shared_decode
+    python -m benchmarks.random_checkpoint ouro-1.4b ouro-random --device cuda
+    python -m benchmarks.rollout ouro-random --device cuda
+    python -m benchmarks.rollout ouro-random --device cuda --kv-layout last_exited shared_decode
+    python -m benchmarks.rollout ouro-random --kv-layout shared_decode --kv-cache-dtype fp8
 
 (defaults: 64 prompts of 256 tokens, n = 8, 4,096 output tokens, temperature 1.0, top_p 0.7)
 
@@ -28,7 +29,7 @@ from tqdm import tqdm
 
 from vllm_rlt import LLM, CacheConfig, SamplingParams
 from vllm_rlt.cli_parser import CLIParser
-from vllm_rlt.config import KV_LAYOUTS
+from vllm_rlt.config import KV_CACHE_DTYPES, KV_LAYOUTS
 
 
 def rollout(args, layout: str) -> dict:
@@ -40,7 +41,7 @@ def rollout(args, layout: str) -> dict:
         seed=args.seed,
         skip_tokenizer_init=True,
         max_model_len=args.prompt_len + args.max_tokens,
-        cache_config=CacheConfig(layout=layout),
+        cache_config=CacheConfig(layout=layout, kv_cache_dtype=args.kv_cache_dtype),
     )
     vocab = llm.engine.model.config.vocab_size
     rng = random.Random(args.seed)
@@ -69,6 +70,7 @@ def rollout(args, layout: str) -> dict:
     stats = llm.engine.stats()
     return {
         "kv_layout": layout,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "complete": complete,
         "output_tokens": tokens,
         "seconds": round(seconds, 2),
@@ -113,6 +115,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="bfloat16", help="the weights' dtype")
     parser.add_argument(
         "--kv-layout", nargs="+", default=["last_exited"], choices=KV_LAYOUTS, help="KV layouts run"
+    )
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        choices=KV_CACHE_DTYPES,
+        help="the K/V cache's dtype (fp8: float8 e4m3, half the bytes a pass reads)",
     )
     parser.add_argument("--num-prompts", type=int, default=64, help="prompts")
     parser.add_argument("--prompt-len", type=int, default=256, help="tokens per prompt")

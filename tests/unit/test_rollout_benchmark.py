@@ -33,6 +33,15 @@ def test_rollout_time_limit_reports_the_tokens_made_until_then(capsys):
     assert record["output_tokens"] < 2 * 3 * 4000
 
 
+def test_rollout_takes_a_float8_cache(capsys):
+    argv = ["toy", "--device", "cpu", "--dtype", "float32", "--num-prompts", "1"]
+    argv += ["--prompt-len", "4", "--n", "2", "--max-tokens", "5", "--ignore-eos"]
+    argv += ["--kv-cache-dtype", "fp8"]
+    assert main(argv) == 0
+    (record,) = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert record["kv_cache_dtype"] == "fp8" and record["output_tokens"] == 2 * 5
+
+
 def test_rollout_time_limit_must_be_positive(capsys):
     with pytest.raises(SystemExit):
         main(["toy", "--device", "cpu", "--time-limit", "nan"])
