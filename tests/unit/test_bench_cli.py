@@ -201,6 +201,28 @@ def test_throughput_max_tokens_above_the_output_ends_requests_early(capsys):
     assert "--max-tokens must be >= --output-len (3), got 2" in capsys.readouterr().err
 
 
+def test_throughput_samples_with_the_filters_asked_for(monkeypatch, capsys):
+    """--temperature / --top-p / --top-k reach every request (a pass with a filtering row
+    runs the sorted sampler), are reported, and a value out of range is a one-line error
+    before any model is built."""
+    from vllm_rlt.worker import pass_head
+
+    calls = []
+    sample = pass_head.sample
+    monkeypatch.setattr(pass_head, "sample", lambda *a, **k: calls.append(1) or sample(*a, **k))
+    argv = ["--shape", "toy", "--device", "cpu", "--concurrency", "2", "--output-len", "4"]
+    argv += ["--repeats", "1", "--warmup", "0", "--no-baseline", "--temperature", "0.8"]
+    assert throughput.main([*argv, "--top-p", "0.7", "--top-k", "5"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert (report["workload"]["top_p"], report["workload"]["top_k"]) == (0.7, 5)
+    assert "--temperature 0.8" in report["command"] and calls
+    for flag, value, field in (("--top-p", "0", "top_p"), ("--top-k", "-2", "top_k")):
+        with pytest.raises(SystemExit) as exited:
+            throughput.main([*argv, flag, value])
+        assert exited.value.code == 2
+        assert f"error: {field}" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("rate", [0.0, 1.0])
 def test_throughput_with_replayed_speculation(capsys, rate):
     """--spec-acceptance-rate makes random weights accept drafts at the rate asked for."""

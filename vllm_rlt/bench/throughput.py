@@ -32,10 +32,12 @@ from vllm_rlt.bench.throughput_engine import (
     exit_setup,
     max_tokens_of,
     run_engine,
+    sampling_fields,
 )
 from vllm_rlt.bench.throughput_flags import add_arguments, command_line
 from vllm_rlt.cli_parser import CLIParser
 from vllm_rlt.config import MAX_SYNC_PASSES
+from vllm_rlt.sampling_params import SamplingParams
 
 MAX_WAVES = 1000  # a typo of a few digits must not build billions of prompts
 
@@ -198,6 +200,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "shared_prefix_len": args.shared_prefix_len,
             "enable_prefix_caching": args.enable_prefix_caching,
             "output_len": args.output_len,
+            "temperature": args.temperature,
+            "top_p": args.top_p,
+            "top_k": args.top_k,
             "waves": args.waves,
             "max_tokens": max_tokens_of(args),
             "depth": None if args.depth_trace_mean is not None else args.depth,
@@ -235,6 +240,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     if args.waves > MAX_WAVES:
         parser.error(f"--waves must be in [1, {MAX_WAVES}], got {args.waves}")
+    try:  # the sampling flags' ranges, before any model is built
+        SamplingParams(**sampling_fields(args))
+    except ValueError as exc:
+        parser.error(str(exc))
     if args.max_tokens is not None and args.max_tokens < args.output_len:
         parser.error(
             f"--max-tokens must be >= --output-len ({args.output_len}), got {args.max_tokens}"

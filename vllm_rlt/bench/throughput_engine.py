@@ -60,16 +60,22 @@ def exit_setup(
         exit_config = ExitConfig(
             mode="trace", depths_by_request=traces, sync_passes=args.exit_sync_passes
         )
-        params = SamplingParams(max_tokens=max_tokens_of(args), temperature=0.0, ignore_eos=True)
-        return exit_config, params
-    params = SamplingParams(
-        max_tokens=max_tokens_of(args),
-        temperature=0.0,
-        ignore_eos=True,
-        min_loops=args.depth,
-        max_loops=args.depth,
-    )
+        return exit_config, SamplingParams(**sampling_fields(args))
+    params = SamplingParams(**sampling_fields(args), min_loops=args.depth, max_loops=args.depth)
     return ExitConfig(sync_passes=args.exit_sync_passes), params
+
+
+def sampling_fields(args: argparse.Namespace) -> dict:
+    """Every request's sampling: --temperature / --top-p / --top-k seeded with --seed, to
+    the end of its output."""
+    return dict(
+        max_tokens=max_tokens_of(args),
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=args.seed,
+        ignore_eos=True,
+    )
 
 
 def run_engine(

@@ -73,6 +73,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="share the K/V of full prompt blocks between requests",
     )
     parser.add_argument("--output-len", type=int, default=32, help="output tokens per request")
+    parser.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="the engine's runs sample at this temperature, seeded with --seed (0: greedy; "
+        "the baseline stays greedy)",
+    )
+    parser.add_argument(
+        "--top-p",
+        type=float,
+        default=1.0,
+        help="nucleus mass when sampling (below 1, a pass sorts its rows' vocabularies)",
+    )
+    parser.add_argument("--top-k", type=int, default=0, help="top-k when sampling (0: off)")
     add_speculation_args(parser, replay=True)
     parser.add_argument(
         "--concurrency",
