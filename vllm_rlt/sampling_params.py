@@ -182,9 +182,13 @@ def _allowed(name: str) -> str | None:
     if bound.shown_range is not None:
         return bound.shown_range
     if bound.kind is float:
-        low = f"({bound.low}" if bound.low_open else f"[{bound.low}"
-        return f"in {low}, {'inf)' if bound.high is None else f'{bound.high}]'}"
+        return f"in {_float_range(bound.low, bound.high, bound.low_open)}"
     return f">= {bound.low}" if bound.high is None else f"in [{bound.low}, {bound.high}]"
+
+
+def _float_range(low: float, high: float | None, low_open: bool = False) -> str:
+    """A float field's range as its messages write it: "(0.0, 1.0]", "[0.0, inf)"."""
+    return f"{'(' if low_open else '['}{low}, {'inf)' if high is None else f'{high}]'}"
 
 
 class RequestOutputKind(enum.IntEnum):
@@ -451,7 +455,7 @@ _INIT_NAMES = frozenset(f.name for f in fields(SamplingParams))
 def _require_float(
     value: object, name: str, low: float, high: float, low_open: bool = False
 ) -> None:
-    shown = f"({low}, {high}]" if low_open else f"[{low}, {high}]"
+    shown = _float_range(low, high, low_open)
     require(
         isinstance(value, (int, float)) and not isinstance(value, bool),
         f"{name} must be a number in {shown}, got {value!r}",
