@@ -309,8 +309,9 @@ class MixedGraphs:
             head = parts.head
             live, decided, carried = head.readout_rows(state, slots, rows.loops, parts.lanes)
             live = torch.where(is_decode, live, f["reads_out"] != 0)
-            carried = torch.where(is_decode.unsqueeze(1), carried, state)
-            readout = model.readout(carried, live, meta, parts.k_caches, parts.v_caches, parts.ops)
+            if parts.lanes is not None:  # a held lane reads out from the state it kept
+                state = torch.where(is_decode.unsqueeze(1), carried, state)
+            readout = model.readout(state, live, meta, parts.k_caches, parts.v_caches, parts.ops)
             self.readout[:size].copy_(readout)
             if decided is not None:
                 self.exits[0, :size].copy_(decided.exit)

@@ -422,11 +422,12 @@ class ModelRunner:
             return state, None
         num_decode = decode.shape[0]
         live, decided, carried = self.head.readout_rows(state[:num_decode], decode, d_loops, lanes)
+        if lanes is not None:  # a held lane reads out from the state it kept
+            state = torch.cat([carried, state[num_decode:]])
         if chunks:
             prompt_live = self.uploads.upload(last_loop_rows(chunks, self.num_loops)) != 0
             live = torch.cat([live, prompt_live])
-            carried = torch.cat([carried, state[num_decode:]])
-        readout = self.model.readout(carried, live, meta, self.k_caches, self.v_caches, self.ops)
+        readout = self.model.readout(state, live, meta, self.k_caches, self.v_caches, self.ops)
         return readout, decided
 
     def _step_inputs(
