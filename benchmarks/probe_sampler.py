@@ -2,8 +2,9 @@
 row asks for it: `layers.sampler.sample` captured in a CUDA graph over random logits of the
 Ouro vocabulary, at each row count, as written and with `top_n_sigma` replaced by the
 identity; then the path a pass with no filtering row takes instead (`sample_plain`, no
-sort), in torch and as the Triton kernel. Prints microseconds per call (median of the
-replays). Needs a CUDA GPU.
+sort), in torch and as the Triton kernel; top_p 0.7 rows in torch (the sort) and in Triton
+(the search for the cut, then the one-read draw), and the sort alone. Prints microseconds
+per call (median of the replays). Needs a CUDA GPU.
 
 python -m benchmarks.probe_sampler --rows 1 8 64 256 --output probe.json
 """
@@ -41,11 +42,19 @@ def time_call(step) -> float:
     return ms * 1e3
 
 
-def time_sample(rows: int, vocab: int, settings: sampler.SamplingTensors) -> float:
-    """Microseconds of one `sample` call over [rows, vocab] logits."""
+def time_sample(rows: int, vocab: int, settings: sampler.SamplingTensors, draw=None) -> float:
+    """Microseconds of one `draw(logits, settings, counters)` call over [rows, vocab]
+    logits (`sample`, the torch form, by default)."""
     logits = torch.randn(rows, vocab, device="cuda", dtype=torch.float32) * 4
     counters = torch.arange(rows, device="cuda", dtype=torch.int64)
-    return time_call(lambda: sampler.sample(logits, settings, counters))
+    draw = draw or sampler.sample
+    return time_call(lambda: draw(logits, settings, counters))
+
+
+def time_sort(rows: int, vocab: int) -> float:
+    """Microseconds of the descending sort alone that the filters are found on."""
+    logits = torch.randn(rows, vocab, device="cuda", dtype=torch.float32) * 4
+    return time_call(lambda: logits.sort(dim=-1, descending=True))
 
 
 def time_plain(rows: int, vocab: int, plain) -> float:
@@ -69,7 +78,8 @@ def main(argv: list[str] | None = None) -> None:
     results = []
     print(
         f"{'rows':>5} {'greedy':>9} {'T=1':>9} {'T=1 no sigma':>13} {'T=1 sigma=1':>12}"
-        f" {'plain torch':>12} {'plain triton':>13}"
+        f" {'plain torch':>12} {'plain triton':>13} {'top_p torch':>12} {'top_p triton':>13}"
+        f" {'sort':>9}"
     )
     for rows in args.rows:
         greedy = sampler.SamplingTensors.filled(rows, "cuda")
@@ -84,11 +94,17 @@ def main(argv: list[str] | None = None) -> None:
         row["top_n_sigma_rows_us"] = time_sample(rows, args.vocab, sigma)
         row["plain_torch_us"] = time_plain(rows, args.vocab, sampler.sample_plain)
         row["plain_triton_us"] = time_plain(rows, args.vocab, TritonOps().sample_plain)
+        top_p = sampler.SamplingTensors.filled(rows, "cuda", temperature=1.0, seed=7, top_p=0.7)
+        row["top_p_torch_us"] = time_sample(rows, args.vocab, top_p)
+        row["top_p_triton_us"] = time_sample(rows, args.vocab, top_p, TritonOps().sample_filtered)
+        row["sort_us"] = time_sort(rows, args.vocab)
         results.append(row)
         print(
             f"{rows:>5} {row['greedy_us']:>9.1f} {row['sampled_us']:>9.1f} "
             f"{row['sampled_without_top_n_sigma_us']:>13.1f} {row['top_n_sigma_rows_us']:>12.1f}"
             f" {row['plain_torch_us']:>12.1f} {row['plain_triton_us']:>13.1f}"
+            f" {row['top_p_torch_us']:>12.1f} {row['top_p_triton_us']:>13.1f}"
+            f" {row['sort_us']:>9.1f}"
         )
     report = {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     report["vocab"] = args.vocab

@@ -98,10 +98,9 @@ def test_degenerate_filters_equal_greedy(make_engine, filters):
 
 def test_a_pass_sorts_the_vocabulary_only_when_a_row_filters(make_engine, monkeypatch):
     """Rows that filter nothing take `sample_plain` (no sort); a pass with a filtering row
-    takes the sort path for all its rows, and a seeded unfiltered request draws the same
-    tokens either way."""
+    takes the filtered path for all its rows, and a seeded unfiltered request draws the
+    same tokens either way."""
     from vllm_rlt.ops.torch_ops import TorchOps
-    from vllm_rlt.worker import pass_head
 
     calls = {"plain": 0, "sorted": 0}
 
@@ -113,7 +112,7 @@ def test_a_pass_sorts_the_vocabulary_only_when_a_row_filters(make_engine, monkey
         return call
 
     monkeypatch.setattr(TorchOps, "sample_plain", counted("plain", TorchOps.sample_plain))
-    monkeypatch.setattr(pass_head, "sample", counted("sorted", pass_head.sample))
+    monkeypatch.setattr(TorchOps, "sample_filtered", counted("sorted", TorchOps.sample_filtered))
     unfiltered = SamplingParams(max_tokens=8, temperature=0.9, seed=11, ignore_eos=True)
     alone = _one(make_engine, unfiltered).outputs[0].token_ids
     assert calls["plain"] > 0 and calls["sorted"] == 0
@@ -365,6 +364,16 @@ def test_sampling_draws_the_sort_orders_token(rows, vocab):
         plain = SamplingTensors.filled(rows, temperature=settings.temperature, seed=settings.seed)
         want = drawn_in_sorted_order(logits, plain, counters)
         assert torch.equal(sample_plain(logits, plain.temperature, plain.seed, counters), want)
+
+
+def test_filters_cut_equal_logits_by_token_id():
+    """Where top-k or top-p cuts inside a run of equal logits, the lower token ids are
+    kept (the order a backend that searches for the cut instead of sorting reproduces)."""
+    logits = torch.tensor([[1.0, 2.0, 2.0, 2.0, 2.0, 0.0]]).expand(64, 6)
+    counters = torch.arange(64)
+    for fields, allowed in (({"top_k": 3}, {1, 2, 3}), ({"top_p": 0.3}, {1, 2})):
+        settings = SamplingTensors.filled(64, temperature=1.0, seed=5, **fields)
+        assert set(sample(logits, settings, counters).tolist()) == allowed
 
 
 def test_sample_frequencies_follow_softmax():

@@ -397,18 +397,78 @@ def test_plain_sampling_kernel_draws_the_sort_paths_token(rows, vocab):
 
 @pytest.mark.parametrize("rows", [1, 3, 64, 256])
 @pytest.mark.parametrize("vocab", [300, 49152, 65537])
-def test_filtered_sampling_with_the_kernel_draws_the_sort_orders_token(rows, vocab):
-    """Rows that filter (top-k, top-p, min-p, top-n-sigma) beside rows that do not: the
-    kept logits in token order, drawn by kernels/gumbel_sample.py, give the token a
-    sort-based sampler draws."""
+def test_filtered_sampling_without_a_sort_draws_the_sort_orders_token(rows, vocab):
+    """Rows that filter (top-k, top-p, min-p, top-n-sigma) beside rows that do not: the cut
+    found by kernels/filter_bound.py and the draw of kernels/gumbel_sample.py give the
+    token a sort-based sampler draws."""
     from tests.e2e.test_sampling import drawn_in_sorted_order, hard_sampling_case
-    from vllm_rlt.layers.sampler import sample
     from vllm_rlt.ops.triton_ops import TritonOps
 
     gen = torch.Generator(device="cuda").manual_seed(rows * vocab)
     logits, settings, counters = hard_sampling_case(rows, vocab, gen, "cuda")
-    got = sample(logits, settings, counters, draw=TritonOps().sample_plain)
+    got = TritonOps().sample_filtered(logits, settings, counters)
     assert torch.equal(got, drawn_in_sorted_order(logits, settings, counters))
+
+
+def _kept_by_sorting(scaled, settings):
+    """[rows, vocab] bool: the finite tokens the sorted filters keep, and [rows, vocab]
+    float64: the mass above each token in the sorted order, over the top-k's mass."""
+    from vllm_rlt.layers.sampler import SamplingTensors, _filtered_sorted
+
+    unscaled = SamplingTensors(
+        **{**settings.columns(), "temperature": settings.temperature * 0 + 1}
+    )
+    sorted_logits, sorted_ids = _filtered_sorted(scaled, unscaled)
+    kept = torch.zeros_like(scaled, dtype=torch.bool).scatter_(
+        1, sorted_ids, sorted_logits.isfinite()
+    )
+    ranked = scaled.gather(1, sorted_ids).double()
+    k = torch.where(settings.top_k > 0, settings.top_k, scaled.shape[1]).unsqueeze(1)
+    rank = torch.arange(scaled.shape[1], device=scaled.device).unsqueeze(0)
+    probs = ranked.masked_fill(rank >= k, float("-inf")).softmax(dim=-1)
+    before = torch.zeros_like(probs).scatter_(1, sorted_ids, probs.cumsum(-1) - probs)
+    return kept & scaled.isfinite(), before
+
+
+@pytest.mark.parametrize("rows", [1, 3, 64, 256])
+@pytest.mark.parametrize("vocab", [300, 4097, 49152, 65537])
+def test_the_searched_cut_keeps_what_the_sorted_filters_keep(rows, vocab):
+    """kernels/filter_bound.py against the sorted filters, token by token: float logits,
+    runs of equal logits cut inside by top-k and top-p (ties kept by token id), -0.0
+    beside 0.0, rows barred but for one token, top_k at and past the vocabulary, min_p 1,
+    tiny top_p. A token may differ only where its mass above lies within float32 rounding
+    of top_p (the kernel sums in another order than the sort's running sum)."""
+    from vllm_rlt.kernels.filter_bound import filter_bound, keys_of
+    from vllm_rlt.layers.sampler import SamplingTensors
+
+    gen = torch.Generator(device="cuda").manual_seed(rows + vocab)
+    scaled = 4 * torch.randn(rows, vocab, device="cuda", generator=gen)
+    tied = torch.arange(rows, device="cuda") % 3 == 1
+    whole = torch.randint(-2, 3, (rows, vocab), device="cuda", generator=gen).float()
+    scaled = torch.where(tied.unsqueeze(1), whole, scaled)
+    scaled[0, ::2], scaled[0, 1::4] = -0.0, 0.0
+    if rows > 2:
+        scaled[2, 1:] = float("-inf")
+    pick = torch.arange(rows, device="cuda") % 6
+    top_k = torch.randint(1, 2 * vocab, (rows,), device="cuda", generator=gen)
+    top_p = torch.rand(rows, device="cuda", generator=gen)
+    settings = SamplingTensors.filled(
+        rows,
+        "cuda",
+        top_k=torch.where(pick % 2 == 1, top_k, 0),
+        top_p=torch.where(pick >= 2, top_p.clamp_min(1e-9), 1.0),
+        min_p=torch.where(pick == 5, torch.where(top_p < 0.2, 1.0, top_p * 0.1), 0.0),
+    )
+    key, last = filter_bound(scaled, settings.top_k, settings.top_p, settings.min_p)
+    keys = keys_of(scaled)
+    ids = torch.arange(vocab, device="cuda").unsqueeze(0)
+    got = (keys > key.unsqueeze(1)) | ((keys == key.unsqueeze(1)) & (ids <= last.unsqueeze(1)))
+    want, before = _kept_by_sorting(scaled, settings)
+    differ = (got & scaled.isfinite()) != want
+    near = (before - settings.top_p.double().unsqueeze(1)).abs() < 1e-5
+    assert not (differ & ~near).any()
+    assert differ.sum() <= rows // 8 + 1
+    assert got.gather(1, scaled.argmax(dim=-1, keepdim=True)).all()
 
 
 @pytest.mark.parametrize("rows", [1, 3, 256])
@@ -416,13 +476,14 @@ def test_filtered_sampling_with_the_kernel_draws_the_sort_orders_token(rows, voc
 def test_top_n_sigma_in_place_equals_torch(rows, vocab):
     """The in-place kernel against the torch filter: rows that filter at several n, rows
     that do not (n 0 or below: untouched), tokens already barred (-inf, not counted)."""
-    from vllm_rlt.ops.triton_ops import TritonOps
+    from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
+    from vllm_rlt.layers.sampler import top_n_sigma
 
     gen = torch.Generator(device="cuda").manual_seed(rows + vocab)
     scaled = 3 * torch.randn(rows, vocab, device="cuda", generator=gen)
     scaled[0, :17] = float("-inf")
     n = torch.tensor([1.0, 0.0, 2.5, -1.0], device="cuda").repeat(rows)[:rows]
-    want = TorchOps().top_n_sigma(scaled.clone(), n)
-    got = TritonOps().top_n_sigma(scaled.clone(), n)
+    want = top_n_sigma(scaled.clone(), n)
+    got = top_n_sigma_(scaled.clone(), n)
     assert torch.equal(got.isinf(), want.isinf())
     assert torch.equal(got[got.isfinite()], want[want.isfinite()])

@@ -203,13 +203,15 @@ def test_throughput_max_tokens_above_the_output_ends_requests_early(capsys):
 
 def test_throughput_samples_with_the_filters_asked_for(monkeypatch, capsys):
     """--temperature / --top-p / --top-k reach every request (a pass with a filtering row
-    runs the sorted sampler), are reported, and a value out of range is a one-line error
+    runs the filtered sampler), are reported, and a value out of range is a one-line error
     before any model is built."""
-    from vllm_rlt.worker import pass_head
+    from vllm_rlt.ops.torch_ops import TorchOps
 
     calls = []
-    sample = pass_head.sample
-    monkeypatch.setattr(pass_head, "sample", lambda *a, **k: calls.append(1) or sample(*a, **k))
+    sample = TorchOps.sample_filtered
+    monkeypatch.setattr(
+        TorchOps, "sample_filtered", lambda *a, **k: calls.append(1) or sample(*a, **k)
+    )
     argv = ["--shape", "toy", "--device", "cpu", "--concurrency", "2", "--output-len", "4"]
     argv += ["--repeats", "1", "--warmup", "0", "--no-baseline", "--temperature", "0.8"]
     assert throughput.main([*argv, "--top-p", "0.7", "--top-k", "5"]) == 0

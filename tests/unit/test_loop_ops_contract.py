@@ -36,7 +36,7 @@ def test_the_contract_names_every_op_a_loop_runs():
         "linear_silu_mul",
         "sample_plain",
         "token_stats",
-        "top_n_sigma",
+        "sample_filtered",
         "attention",
     }
     assert "needs_segments" in LoopOps.__annotations__

@@ -18,6 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_rlt.kernels.filter_bound import order_key
 from vllm_rlt.kernels.token_stats import ban_arguments, vocab_runs
 from vllm_rlt.layers.sampler import TokenBan
 
@@ -53,9 +54,12 @@ def _gumbel_sample_kernel(
     ban_stride,
     slot_ptr,  # [rows] int64 (BAN)
     active_ptr,  # [rows] uint8: 1 = the row's ban holds now (BAN)
+    bound_key_ptr,  # [rows] int64: each row's filter boundary (BOUND, kernels/filter_bound.py)
+    bound_id_ptr,  # [rows] int64
     SPAN: tl.constexpr,  # logits per run: a multiple of BLOCK
     RUNS: tl.constexpr,
     BAN: tl.constexpr,
+    BOUND: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     """The best token of run program_id(1) of row program_id(0)'s logits."""
@@ -66,6 +70,9 @@ def _gumbel_sample_kernel(
         banned_row = ban_ptr + tl.load(slot_ptr + row) * ban_stride
         banning = tl.load(active_ptr + row) != 0
         ban_end = tl.where(banning, vocab, 0)  # rows whose ban is over read none of it
+    if BOUND:
+        bound_key = tl.load(bound_key_ptr + row)
+        bound_id = tl.load(bound_id_ptr + row)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
     seed = tl.load(seed_ptr + row)
@@ -84,6 +91,10 @@ def _gumbel_sample_kernel(
         if BAN:
             banned = tl.load(banned_row + offsets, mask=offsets < ban_end, other=0)
             x = tl.where(banned != 0, -float("inf"), x)
+        if BOUND:
+            keys = order_key(x)
+            kept = (keys > bound_key) | ((keys == bound_key) & (offsets <= bound_id))
+            x = tl.where(kept, x, -float("inf"))
         ids = _mix32(offsets.to(tl.uint32) + 0x632BE5AB)
         bits = _mix32(stream ^ ids)
         uniform = ((bits >> 8).to(tl.float64) + 0.5) / 16777216.0
@@ -121,8 +132,10 @@ def gumbel_sample(
     seeds: torch.Tensor,  # [rows] int64
     counters: torch.Tensor,  # [rows] int64
     ban: TokenBan | None = None,
+    bound: tuple[torch.Tensor, torch.Tensor] | None = None,  # `filter_bound`'s, to keep
 ) -> torch.Tensor:
-    """Tokens [rows] int64 (see LoopOps.sample_plain); graph-safe."""
+    """Tokens [rows] int64 (see LoopOps.sample_plain), drawn among the tokens `bound` keeps
+    where given; graph-safe."""
     rows, vocab = logits.shape
     assert logits.is_floating_point() and logits.stride(1) == 1
     tokens = torch.empty(rows, dtype=torch.int64, device=logits.device)
@@ -142,9 +155,11 @@ def gumbel_sample(
         index,
         best,
         *ban_arguments(ban, logits),
+        *(bound or (logits, logits)),
         SPAN=span,
         RUNS=runs,
         BAN=ban is not None,
+        BOUND=bound is not None,
         BLOCK=BLOCK,
     )
     if runs > 1:

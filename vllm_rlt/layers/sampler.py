@@ -3,7 +3,6 @@ seeded per row."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from enum import IntEnum
 from typing import Any
@@ -11,19 +10,13 @@ from typing import Any
 import torch
 
 _MASK32 = 0xFFFFFFFF
-# (scaled [rows, vocab] float32, n [rows]) -> scaled filtered (possibly in place): how a
-# device backend runs `top_n_sigma` (LoopOps.top_n_sigma)
-SigmaFilter = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
-# (logits [rows, vocab], temperature [rows], seeds [rows], counters [rows]) -> ids [rows]:
-# how a device backend draws the Gumbel-max token of unfiltered rows (LoopOps.sample_plain)
-PlainDraw = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 class SamplingMode(IntEnum):
     """What a pass's sampling rows need, known on the host (a graph key): all greedy; some
     sample with no filter (one Gumbel-max read of each row's logits, `sample_plain`); some
-    filter (top-n-sigma, top-k, top-p or min-p: the sort over the vocabulary, `sample`). A
-    pass takes the largest of its rows' modes."""
+    filter (top-n-sigma, top-k, top-p or min-p: where they cut each row is found first,
+    `sample`). A pass takes the largest of its rows' modes."""
 
     GREEDY = 0
     PLAIN = 1
@@ -152,21 +145,19 @@ def sample(
     logits: torch.Tensor,  # [rows, vocab] float32
     settings: SamplingTensors,  # [rows] each
     counters: torch.Tensor,  # [rows] int64, the index of the token being sampled
-    sigma_filter: SigmaFilter | None = None,  # top-n-sigma (default: `top_n_sigma`)
-    draw: PlainDraw | None = None,  # the Gumbel-max draw (default: `sample_plain`)
 ) -> torch.Tensor:
-    """Sampled token ids [rows], all rows at once with no per-row Python loop. The filters
-    are found on the sorted distribution and put back in token order (-inf where they
-    drop a token); the token is then the argmax of the kept scaled logits plus the seeded
-    Gumbel noise, which does not depend on the order tokens are visited in (an exact tie,
-    about 2^-24 likely for two equal logits, goes to the lower token id), so `draw` (a
-    backend's kernel) can hash the noise as it reads instead of this module writing
-    [rows, vocab] float64 noise."""
+    """Sampled token ids [rows], all rows at once with no per-row Python loop (the torch
+    form of LoopOps.sample_filtered). The filters are found on the distribution sorted by
+    logit, ties by token id, and put back in token order (-inf where they drop a token);
+    the token is then the argmax of the kept scaled logits plus the seeded Gumbel noise,
+    which does not depend on the order tokens are visited in (an exact tie, about 2^-24
+    likely for two equal logits, goes to the lower token id). So a backend may find where
+    the filters cut without sorting, and draw in one read with no [rows, vocab] noise."""
     greedy_ids = logits.argmax(dim=-1)
-    sorted_logits, sorted_ids = _filtered_sorted(logits, settings, sigma_filter)
+    sorted_logits, sorted_ids = _filtered_sorted(logits, settings)
     kept = torch.empty_like(sorted_logits).scatter_(1, sorted_ids, sorted_logits)
     unscaled = torch.ones_like(settings.temperature)  # `kept` is scaled already
-    sampled_ids = (draw or sample_plain)(kept, unscaled, settings.seed, counters)
+    sampled_ids = sample_plain(kept, unscaled, settings.seed, counters)
     return torch.where(settings.temperature == 0.0, greedy_ids, sampled_ids)
 
 
@@ -184,15 +175,16 @@ def top_n_sigma(scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
 
 
 def _filtered_sorted(
-    logits: torch.Tensor, settings: SamplingTensors, sigma_filter: SigmaFilter | None = None
+    logits: torch.Tensor, settings: SamplingTensors
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Temperature-scaled logits sorted in descending order, -inf where top-n-sigma, top-k,
-    top-p or min-p drop them, and the ids of each sorted position."""
+    """Temperature-scaled logits sorted in descending order (equal ones by token id), -inf
+    where top-n-sigma, top-k, top-p or min-p drop them, and the ids of each sorted
+    position."""
     vocab = logits.shape[-1]
     top_k, top_p, min_p = settings.top_k, settings.top_p, settings.min_p
     scaled = logits / settings.temperature.clamp_min(1e-6).unsqueeze(1)  # a new tensor
-    scaled = (sigma_filter or top_n_sigma)(scaled, settings.top_n_sigma)
-    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True)  # [rows, vocab]
+    scaled = top_n_sigma(scaled, settings.top_n_sigma)
+    sorted_logits, sorted_ids = scaled.sort(dim=-1, descending=True, stable=True)
     rank = torch.arange(vocab, device=logits.device).unsqueeze(0)
     k = torch.where(top_k > 0, top_k, vocab).unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(rank >= k, float("-inf"))

@@ -28,7 +28,7 @@ import torch
 
 from vllm_rlt.layers.fp8 import Fp8Weight
 from vllm_rlt.layers.rotary import RotaryEmbedding
-from vllm_rlt.layers.sampler import TokenBan
+from vllm_rlt.layers.sampler import SamplingTensors, TokenBan
 from vllm_rlt.ops.metadata import AttentionMetadata
 
 Weight = torch.Tensor | Fp8Weight
@@ -130,13 +130,16 @@ class LoopOps(Protocol):
         float32 and `ban` applied first."""
         ...
 
-    def top_n_sigma(
+    def sample_filtered(
         self,
-        scaled: torch.Tensor,  # [rows, vocab] float32 temperature-scaled logits
-        n: torch.Tensor,  # [rows] float32; rows with n <= 0 are left as they are
+        logits: torch.Tensor,  # [rows, vocab] float32
+        settings: SamplingTensors,  # [rows] each
+        counters: torch.Tensor,  # [rows] int64: the index of the token being sampled
     ) -> torch.Tensor:
-        """`scaled` with -inf where a logit lies more than n standard deviations (of its
-        row's finite logits) below the row's largest; may filter `scaled` in place."""
+        """Tokens [rows] int64 drawn as `layers.sampler.sample` draws them: each row's
+        logits / temperature filtered by top-n-sigma, top-k, top-p and min-p, then the
+        seeded Gumbel-max draw among the kept tokens; greedy rows take their first
+        maximum."""
         ...
 
     def attention(

@@ -8,7 +8,13 @@ import torch.nn.functional as F
 from vllm_rlt.layers.fp8 import Fp8Weight, applied_kv_scales, fp8_linear_reference, is_float8
 from vllm_rlt.layers.norm import rms_norm
 from vllm_rlt.layers.rotary import RotaryEmbedding
-from vllm_rlt.layers.sampler import TokenBan, sample_plain, token_logprobs, top_n_sigma
+from vllm_rlt.layers.sampler import (
+    SamplingTensors,
+    TokenBan,
+    sample,
+    sample_plain,
+    token_logprobs,
+)
 from vllm_rlt.ops.base import Weight
 from vllm_rlt.ops.metadata import AttentionMetadata
 
@@ -80,8 +86,11 @@ class TorchOps:
     ) -> torch.Tensor:
         return sample_plain(_widened(logits, ban), temperature, seeds, counters)
 
-    def top_n_sigma(self, scaled: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        return top_n_sigma(scaled, n)
+    def sample_filtered(
+        self, logits: torch.Tensor, settings: SamplingTensors, counters: torch.Tensor
+    ) -> torch.Tensor:
+        """The filters found on the sorted distribution."""
+        return sample(logits, settings, counters)
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up from interleaved columns gate_0, up_0, gate_1, up_1, ..."""

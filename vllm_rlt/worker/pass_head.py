@@ -13,7 +13,7 @@ import torch
 
 from vllm_rlt.core.contract import ModelRunnerOutput, SampledToken
 from vllm_rlt.exit.policy import ExitDecision, ExitInputs, ExitPolicy
-from vllm_rlt.layers.sampler import SamplingMode, TokenBan, sample, top_logprobs
+from vllm_rlt.layers.sampler import SamplingMode, TokenBan, top_logprobs
 from vllm_rlt.models.interface import LoopedModel
 from vllm_rlt.ops.base import LoopOps
 from vllm_rlt.worker.exit_sync import ExitSync, SyncedExits
@@ -286,9 +286,7 @@ class PassHead:
             tokens = self.ops.sample_plain(sampled_from, temperature, seeds, counters)
         else:
             settings, counters = st.sampling.rows(slots), st.num_generated[slots]
-            tokens = sample(
-                sampled_from, settings, counters, self.ops.top_n_sigma, self.ops.sample_plain
-            )
+            tokens = self.ops.sample_filtered(sampled_from, settings, counters)
         outcome = ahead = torch.zeros_like(live, dtype=torch.float32)
         spec = None
         if lanes is not None:
