@@ -20,7 +20,6 @@ import triton.language as tl
 
 BLOCK = 512  # logits a program reads per step
 PIVOTS = 8  # keys tried per read: each read narrows the search ninefold
-_KEEP_ALL = -(2**31)  # below every float's key: the boundary of a row that filters nothing
 
 
 @triton.jit
@@ -119,7 +118,8 @@ def _filter_bound_kernel(
     count = tl.zeros((), tl.int32) + vocab
     last = count.to(tl.int64) - 1  # the last token id
     none = tl.zeros((), tl.int64) - 1  # below every token id
-    bound, last_id = tl.full((), _KEEP_ALL, tl.int64), last
+    nothing, zero = tl.zeros((), tl.int32), tl.zeros((), tl.float32)  # typed, for searches
+    bound, last_id = tl.full((), -(2**31), tl.int64), last  # below every key: keep all
     if by_k | (top_p < 1.0) | (min_p > 0.0):
         cols = tl.arange(0, BLOCK)
         top = tl.full((), -float("inf"), tl.float32)
@@ -151,23 +151,23 @@ def _filter_bound_kernel(
         if by_k:
             goal = top_k.to(tl.int32)
             cut, above, above_mass, cut_count, cut_mass = _search(
-                row_ptr, vocab, top, low - 1, count, total, high, 0, 0.0,
-                goal, 0.0, none, False, False, PIVOTS, BLOCK,
+                row_ptr, vocab, top, low - 1, count, total, high, nothing, zero,
+                goal, zero, none, False, False, PIVOTS, BLOCK,
             )  # fmt: skip
             ties = goal - above
             kept_mass = above_mass + ties.to(tl.float32) * tl.exp(_value(cut) - top)
             if ties < cut_count - above:
                 cut_id, _, _, _, _ = _search(
-                    row_ptr, vocab, top, none, 0, 0.0, last, cut_count - above, 0.0,
-                    ties, 0.0, cut, False, True, PIVOTS, BLOCK,
+                    row_ptr, vocab, top, none, nothing, zero, last, cut_count - above, zero,
+                    ties, zero, cut, False, True, PIVOTS, BLOCK,
                 )  # fmt: skip
         bound, last_id = cut, cut_id
         # top-p: the least key whose mass above stays below top_p of the top-k's mass
         if top_p < 1.0:
             goal_mass = top_p * kept_mass
             p_key, above, above_mass, at_or_above, _ = _search(
-                row_ptr, vocab, top, cut - 1, cut_count, cut_mass, high, 0, 0.0,
-                0, goal_mass, none, True, False, PIVOTS, BLOCK,
+                row_ptr, vocab, top, cut - 1, cut_count, cut_mass, high, nothing, zero,
+                nothing, goal_mass, none, True, False, PIVOTS, BLOCK,
             )  # fmt: skip
             # ties at p_key kept while the mass before each (above_mass + j * e) is short
             equal = at_or_above - above
@@ -178,8 +178,8 @@ def _filter_bound_kernel(
                 bound, last_id = p_key, last
             if ties < equal:
                 p_id, _, _, _, _ = _search(
-                    row_ptr, vocab, top, none, 0, 0.0, last, equal, 0.0,
-                    ties, 0.0, p_key, False, True, PIVOTS, BLOCK,
+                    row_ptr, vocab, top, none, nothing, zero, last, equal, zero,
+                    ties, zero, p_key, False, True, PIVOTS, BLOCK,
                 )  # fmt: skip
                 last_id = tl.minimum(last_id, p_id)
         if floor > bound:
