@@ -438,7 +438,7 @@ def test_the_searched_cut_keeps_what_the_sorted_filters_keep(rows, vocab):
     beside 0.0, rows barred but for one token, top_k at and past the vocabulary, min_p 1,
     tiny top_p. A token may differ only where its mass above lies within float32 rounding
     of top_p (the kernel sums in another order than the sort's running sum)."""
-    from vllm_rlt.kernels.filter_bound import filter_bound, keys_of
+    from vllm_rlt.kernels.filter_bound import filter_bound, kept_by
     from vllm_rlt.layers.sampler import SamplingTensors
 
     gen = torch.Generator(device="cuda").manual_seed(rows + vocab)
@@ -459,10 +459,7 @@ def test_the_searched_cut_keeps_what_the_sorted_filters_keep(rows, vocab):
         top_p=torch.where(pick >= 2, top_p.clamp_min(1e-9), 1.0),
         min_p=torch.where(pick == 5, torch.where(top_p < 0.2, 1.0, top_p * 0.1), 0.0),
     )
-    key, last = filter_bound(scaled, settings.top_k, settings.top_p, settings.min_p)
-    keys = keys_of(scaled)
-    ids = torch.arange(vocab, device="cuda").unsqueeze(0)
-    got = (keys > key.unsqueeze(1)) | ((keys == key.unsqueeze(1)) & (ids <= last.unsqueeze(1)))
+    got = kept_by(scaled, filter_bound(scaled, settings.top_k, settings.top_p, settings.min_p))
     want, before = _kept_by_sorting(scaled, settings)
     differ = (got & scaled.isfinite()) != want
     near = (before - settings.top_p.double().unsqueeze(1)).abs() < 1e-5

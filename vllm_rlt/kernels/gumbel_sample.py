@@ -18,7 +18,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm_rlt.kernels.filter_bound import order_key
 from vllm_rlt.kernels.token_stats import ban_arguments, vocab_runs
 from vllm_rlt.layers.sampler import TokenBan
 
@@ -54,7 +53,7 @@ def _gumbel_sample_kernel(
     ban_stride,
     slot_ptr,  # [rows] int64 (BAN)
     active_ptr,  # [rows] uint8: 1 = the row's ban holds now (BAN)
-    bound_key_ptr,  # [rows] int64: each row's filter boundary (BOUND, kernels/filter_bound.py)
+    bound_ptr,  # [rows] float32: each row's filter boundary (BOUND, kernels/filter_bound.py)
     bound_id_ptr,  # [rows] int64
     SPAN: tl.constexpr,  # logits per run: a multiple of BLOCK
     RUNS: tl.constexpr,
@@ -71,7 +70,7 @@ def _gumbel_sample_kernel(
         banning = tl.load(active_ptr + row) != 0
         ban_end = tl.where(banning, vocab, 0)  # rows whose ban is over read none of it
     if BOUND:
-        bound_key = tl.load(bound_key_ptr + row)
+        bound = tl.load(bound_ptr + row)
         bound_id = tl.load(bound_id_ptr + row)
     temperature = tl.load(temperature_ptr + row)
     greedy = temperature == 0.0
@@ -92,8 +91,7 @@ def _gumbel_sample_kernel(
             banned = tl.load(banned_row + offsets, mask=offsets < ban_end, other=0)
             x = tl.where(banned != 0, -float("inf"), x)
         if BOUND:
-            keys = order_key(x)
-            kept = (keys > bound_key) | ((keys == bound_key) & (offsets <= bound_id))
+            kept = (x > bound) | ((x == bound) & (offsets <= bound_id))
             x = tl.where(kept, x, -float("inf"))
         ids = _mix32(offsets.to(tl.uint32) + 0x632BE5AB)
         bits = _mix32(stream ^ ids)
