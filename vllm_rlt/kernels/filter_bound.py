@@ -18,6 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm_rlt.kernels.gumbel_sample import gumbel_sample
+from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
+from vllm_rlt.layers.sampler import SamplingTensors
+
 BLOCK = 512  # logits a program reads per step
 PIVOTS = 8  # keys tried per read: each read narrows the search ninefold
 
@@ -224,6 +228,23 @@ def filter_bound(
             num_warps=8,
         )
     return values, ids
+
+
+def sample_filtered(
+    logits: torch.Tensor,  # [rows, vocab] float32
+    settings: SamplingTensors,  # [rows] each
+    counters: torch.Tensor,  # [rows] int64
+) -> torch.Tensor:
+    """Tokens [rows] as `layers.sampler.sample` draws them, with no sort: top-n-sigma in
+    place on the scaled logits (kernels/top_n_sigma.py), the cut found here, then the
+    one-read Gumbel draw among the kept tokens (kernels/gumbel_sample.py)."""
+    temperature = settings.temperature
+    scaled = logits.float() / temperature.clamp_min(1e-6).unsqueeze(1)
+    scaled = top_n_sigma_(scaled, settings.top_n_sigma)
+    bound = filter_bound(scaled, settings.top_k, settings.top_p, settings.min_p)
+    unscaled = torch.ones_like(temperature)
+    drawn = gumbel_sample(scaled, unscaled, settings.seed, counters, bound=bound)
+    return torch.where(temperature == 0.0, logits.argmax(dim=-1), drawn)
 
 
 def kept_by(scaled: torch.Tensor, bound: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:

@@ -16,7 +16,7 @@ from vllm_rlt.kernels.decode_attention import (
     attention_shape,
 )
 from vllm_rlt.kernels.few_row_gemm import few_row_gemm, few_row_gemm_add_norms, takes_few_row
-from vllm_rlt.kernels.filter_bound import filter_bound
+from vllm_rlt.kernels.filter_bound import sample_filtered
 from vllm_rlt.kernels.fp8_rows import Fp8Rows, empty_fp8_rows, quantize_rows
 from vllm_rlt.kernels.gumbel_sample import gumbel_sample
 from vllm_rlt.kernels.norms import _add_rms_norm2_kernel, _rms_norm_kernel, row_warps
@@ -27,7 +27,6 @@ from vllm_rlt.kernels.silu_mul import _silu_mul_kernel
 from vllm_rlt.kernels.skinny_linear import skinny_linear, skinny_linear_partials
 from vllm_rlt.kernels.strip_gemv import strip_gemv
 from vllm_rlt.kernels.token_stats import token_stats
-from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
 from vllm_rlt.layers.fp8 import FP8_MAX, Fp8Weight, applied_kv_scales, fp8_linear_reference
 from vllm_rlt.layers.rotary import RotaryEmbedding
 from vllm_rlt.layers.sampler import SamplingTensors, TokenBan
@@ -148,16 +147,8 @@ class TritonOps:
     def sample_filtered(
         self, logits: torch.Tensor, settings: SamplingTensors, counters: torch.Tensor
     ) -> torch.Tensor:
-        """No sort: top-n-sigma in place on the scaled logits (kernels/top_n_sigma.py),
-        where top-k, top-p and min-p cut each row found by search (kernels/filter_bound.py),
-        then the one-read Gumbel draw among the kept tokens."""
-        temperature = settings.temperature
-        scaled = logits.float() / temperature.clamp_min(1e-6).unsqueeze(1)
-        scaled = top_n_sigma_(scaled, settings.top_n_sigma)
-        bound = filter_bound(scaled, settings.top_k, settings.top_p, settings.min_p)
-        unscaled = torch.ones_like(temperature)
-        drawn = gumbel_sample(scaled, unscaled, settings.seed, counters, bound=bound)
-        return torch.where(temperature == 0.0, logits.argmax(dim=-1), drawn)
+        """No sort: where the filters cut is searched for (kernels/filter_bound.py)."""
+        return sample_filtered(logits, settings, counters)
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, next_weight: Weight | None = None
