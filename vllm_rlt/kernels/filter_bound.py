@@ -22,8 +22,11 @@ from vllm_rlt.kernels.gumbel_sample import gumbel_sample
 from vllm_rlt.kernels.top_n_sigma import top_n_sigma_
 from vllm_rlt.layers.sampler import SamplingTensors
 
-BLOCK = 512  # logits a program reads per step
 PIVOTS = 8  # keys tried per read: each read narrows the search ninefold
+# A program per row, of 16 warps (1,024 logits a step) up to this many rows, so that a
+# row alone on its SM reads with twice the threads, else 8 warps (512 logits): an H200
+# holds two of those per SM (107 registers a thread; 32 warps would spill).
+WIDE_ROWS = 128
 
 
 @triton.jit
@@ -213,6 +216,7 @@ def filter_bound(
     assert scaled.dtype == torch.float32 and scaled.stride(1) == 1
     values = torch.empty(rows, dtype=torch.float32, device=scaled.device)
     ids = torch.empty(rows, dtype=torch.int64, device=scaled.device)
+    warps = 16 if rows <= WIDE_ROWS else 8
     if rows:
         _filter_bound_kernel[(rows,)](
             scaled,
@@ -224,8 +228,8 @@ def filter_bound(
             values,
             ids,
             PIVOTS=PIVOTS,
-            BLOCK=BLOCK,
-            num_warps=8,
+            BLOCK=64 * warps,
+            num_warps=warps,
         )
     return values, ids
 
