@@ -3,7 +3,8 @@
 The filters keep a prefix of the row in the order (logit descending, token id ascending),
 so one boundary says what survives: a token is kept when its logit is above the boundary's
 value, or equal to it with an id at most the boundary's id. `layers.sampler.sample` finds
-it by sorting the vocabulary (on an H100, most of a 3.6 ms sampler at 256 rows); here one
+it by sorting the vocabulary (on an H200 the sort alone takes 1.87 ms at 512 rows, and the
+torch sampler around it 6.7 ms; `sample_filtered` below, 1.17 ms in all); here one
 program per row searches for it instead, over int keys that order as the floats do: each
 step reads the row once and counts (top-k) or weighs (top-p) the tokens above PIVOTS keys
 at once, so the 32-bit key space is searched in about 11 reads. A boundary inside a run
