@@ -9,8 +9,10 @@ program per row searches for it instead, over int keys that order as the floats 
 step reads the row once and counts (top-k) or weighs (top-p) the tokens above PIVOTS keys
 at once, so the 32-bit key space is searched in about 11 reads. A boundary inside a run
 of equal logits is settled by a second search over ids.
-The masses are float32 sums in another order than the sort's running sum, so a row whose
-top_p lands within rounding of a token's mass above may keep one token more or less.
+The masses are float32 sums in another order than the sort's running sum, and min-p
+compares exp(x - top) where the sort path compares softmax probabilities, so a token
+within float32 rounding of top_p's or min_p's threshold may be kept on one path and
+dropped on the other.
 """
 
 from __future__ import annotations
