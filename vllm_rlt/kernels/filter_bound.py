@@ -27,8 +27,8 @@ from vllm_rlt.layers.sampler import SamplingTensors
 
 PIVOTS = 8  # keys tried per read: each read narrows the search ninefold
 # A program per row, of 16 warps (1,024 logits a step) up to this many rows, so that a
-# row alone on its SM reads with twice the threads, else 8 warps (512 logits): an H200
-# holds two of those per SM (107 registers a thread; 32 warps would spill).
+# row alone on its SM reads with twice the threads, else 8 warps (512 logits): an SM
+# holds two of those (107 registers a thread compiled for sm_90; 32 warps would spill).
 WIDE_ROWS = 128
 
 
