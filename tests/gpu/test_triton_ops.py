@@ -436,8 +436,9 @@ def test_the_searched_cut_keeps_what_the_sorted_filters_keep(rows, vocab):
     """kernels/filter_bound.py against the sorted filters, token by token: float logits,
     runs of equal logits cut inside by top-k and top-p (ties kept by token id), -0.0
     beside 0.0, rows barred but for one token, top_k at and past the vocabulary, min_p 1,
-    tiny top_p. A token may differ only where its mass above lies within float32 rounding
-    of top_p (the kernel sums in another order than the sort's running sum)."""
+    tiny top_p. A token may differ only within float32 rounding of a threshold: where its
+    mass above is top_p's (the kernel sums in another order than the sort's running sum),
+    or its probability over the top's is min_p's (the kernel compares exp(x - top))."""
     from vllm_rlt.kernels.filter_bound import filter_bound, kept_by
     from vllm_rlt.layers.sampler import SamplingTensors
 
@@ -463,6 +464,9 @@ def test_the_searched_cut_keeps_what_the_sorted_filters_keep(rows, vocab):
     want, before = _kept_by_sorting(scaled, settings)
     differ = (got & scaled.isfinite()) != want
     near = (before - settings.top_p.double().unsqueeze(1)).abs() < 1e-5
+    ratio = (scaled.double() - scaled.double().amax(dim=-1, keepdim=True)).exp()
+    min_p = settings.min_p.double().unsqueeze(1)
+    near |= (ratio - min_p).abs() <= 1e-5 * min_p
     assert not (differ & ~near).any()
     assert differ.sum() <= rows // 8 + 1
     assert got.gather(1, scaled.argmax(dim=-1, keepdim=True)).all()
