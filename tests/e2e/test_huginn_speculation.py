@@ -13,15 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.reference.huginn_match import assert_matches_oracle, check_preempted_shared_prefix
-from tests.reference.huginn_oracle import huginn_generate
+from tests.reference.huginn_match import (
+    PROMPTS,
+    SEEDS,
+    check_batch_against_oracle,
+    check_preempted_shared_prefix,
+)
 from vllm_rlt import LLM, SamplingParams, SpeculativeConfig
 from vllm_rlt.config import CacheConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.training.data import held_out, training_set
 from vllm_rlt.worker.spec_lanes import SpecLanes
 
-PROMPTS = [[5, 17, 42, 101, 7, 250], [9, 3], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
-SEEDS = [3, 11, 7]
 MAX_TOKENS = 8
 
 
@@ -71,27 +73,10 @@ def test_speculation_equals_the_oracle(
     scheduler = {} if chunk is None else {"prefill_chunk_size": chunk}
     llm = _engine(huginn_folder, draft, mode, **scheduler)
     extra = {} if threshold is None else {"exit_threshold": threshold, "min_loops": min_loops}
-    params = [
-        SamplingParams(
-            max_tokens=MAX_TOKENS, temperature=0.0, seed=s, ignore_eos=True, logprobs=3, **extra
-        )
-        for s in SEEDS
-    ]
-    outputs = llm.generate(PROMPTS, params, use_tqdm=False)
-    for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
-        oracle = {} if threshold is None else {"exit_threshold": threshold}
-        want = huginn_generate(
-            huginn_oracle,
-            prompt,
-            max_tokens=MAX_TOKENS,
-            seed=seed,
-            lookup="latest",
-            exit_criterion=criterion,
-            min_steps=min_loops - 1,
-            **oracle,
-        )
-        assert_matches_oracle(output.outputs[0], want, len(prompt), atol=1e-4)
-    assert llm.engine.all_blocks_free()
+    oracle = {"lookup": "latest", "exit_criterion": criterion, "min_steps": min_loops - 1}
+    if threshold is not None:
+        oracle["exit_threshold"] = threshold
+    outputs = check_batch_against_oracle(llm, huginn_oracle, MAX_TOKENS, extra, oracle)
     scheduler = llm.engine.scheduler
     assert scheduler.num_drafted > 0
     if threshold is not None:

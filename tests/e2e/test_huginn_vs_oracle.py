@@ -11,14 +11,17 @@ import pytest
 import torch
 
 from tests.reference.huginn_checkpoint import TINY_HUGINN_SEED, write_tiny_huginn
-from tests.reference.huginn_match import assert_matches_oracle, check_preempted_shared_prefix
+from tests.reference.huginn_match import (
+    PROMPTS,
+    SEEDS,
+    check_batch_against_oracle,
+    check_preempted_shared_prefix,
+)
 from tests.reference.huginn_oracle import HuginnModel, huginn_generate
 from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.config import AUTO_SYNC_PASSES, CacheConfig, ExitConfig, SchedulerConfig
 from vllm_rlt.worker.exit_sync import ExitSync
 
-PROMPTS = [[5, 17, 42, 101, 7, 250], [9, 3], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
-SEEDS = [3, 11, 7]
 STEPS = 8  # the tiny checkpoint's mean_recurrence
 MAX_TOKENS = 6
 LOOKUPS = {"last_exited": "latest", "shared": "final"}
@@ -57,20 +60,8 @@ def held_rows(monkeypatch) -> list[int]:
 
 def _check(llm: LLM, huginn_oracle: HuginnModel, lookup: str, params: dict, oracle: dict):
     """Every prompt, batched, against the oracle run one request at a time."""
-    requests = [
-        SamplingParams(
-            max_tokens=MAX_TOKENS, temperature=0.0, seed=seed, ignore_eos=True, logprobs=3, **params
-        )
-        for seed in SEEDS
-    ]
-    outputs = llm.generate(PROMPTS, requests, use_tqdm=False)
-    for prompt, seed, output in zip(PROMPTS, SEEDS, outputs, strict=True):
-        want = huginn_generate(
-            huginn_oracle, prompt, max_tokens=MAX_TOKENS, seed=seed, lookup=lookup, **oracle
-        )
-        assert_matches_oracle(output.outputs[0], want, len(prompt), atol=1e-4)
-    assert llm.engine.all_blocks_free()
-    return outputs
+    oracle = {"lookup": lookup, **oracle}
+    return check_batch_against_oracle(llm, huginn_oracle, MAX_TOKENS, params, oracle)
 
 
 @pytest.mark.parametrize("layout", list(LOOKUPS))

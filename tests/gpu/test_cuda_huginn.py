@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from tests.reference.huginn_checkpoint import write_tiny_huginn
-from tests.reference.huginn_match import assert_matches_oracle
+from tests.reference.huginn_match import PROMPTS, SEEDS, assert_matches_oracle
 from tests.reference.huginn_oracle import HuginnModel, huginn_generate
 from vllm_rlt import LLM, SamplingParams, SpeculativeConfig
 from vllm_rlt.config import (
@@ -19,9 +19,6 @@ from vllm_rlt.config import (
 )
 
 pytestmark = pytest.mark.gpu
-
-PROMPTS = [[5, 17, 42, 101, 7, 250], [9, 3], [200, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]
-SEEDS = [3, 11, 7]
 
 
 @pytest.fixture(scope="module")
