@@ -84,7 +84,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--top-p",
         type=float,
         default=1.0,
-        help="nucleus mass when sampling (below 1, a pass sorts its rows' vocabularies)",
+        help="nucleus mass when sampling (below 1, a pass finds where each row's "
+        "filters cut: by search on the GPU, by sort on the CPU)",
     )
     parser.add_argument("--top-k", type=int, default=0, help="top-k when sampling (0: off)")
     add_speculation_args(parser, replay=True)
