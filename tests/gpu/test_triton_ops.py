@@ -472,6 +472,19 @@ def test_the_searched_cut_keeps_what_the_sorted_filters_keep(rows, vocab):
     assert got.gather(1, scaled.argmax(dim=-1, keepdim=True)).all()
 
 
+def test_a_min_p_above_one_still_keeps_the_top_token():
+    """The API bounds min_p to [0, 1]; a caller of the kernel past it still gets the top
+    token, as the sort path gives, not an empty row."""
+    from vllm_rlt.kernels.filter_bound import filter_bound, kept_by
+
+    scaled = torch.randn(3, 4097, device="cuda", generator=torch.Generator("cuda").manual_seed(5))
+    none = torch.zeros(3, dtype=torch.long, device="cuda")
+    min_p = torch.tensor([1.0, 1.5, 1e30], device="cuda")
+    kept = kept_by(scaled, filter_bound(scaled, none, torch.ones(3, device="cuda"), min_p))
+    assert kept.sum(dim=1).tolist() == [1, 1, 1]
+    assert kept.gather(1, scaled.argmax(dim=-1, keepdim=True)).all()
+
+
 @pytest.mark.parametrize("rows", [1, 3, 256])
 @pytest.mark.parametrize("vocab", [300, 49152, 65537])
 def test_top_n_sigma_in_place_equals_torch(rows, vocab):

@@ -150,7 +150,8 @@ def _filter_bound_kernel(
             tops = tl.maximum(tops, x)
             bottoms = tl.minimum(bottoms, tl.where(inside, x, float("inf")))
         top, bottom = tl.max(tops, axis=0), tl.min(bottoms, axis=0)
-        # the least logit whose exp(x - top) reaches min_p (the top's is 1), and the mass
+        # the least logit whose exp(x - top) reaches min_p (the top's is 1; min_p above 1
+        # still keeps the top, as the sort path does), and the mass
         totals = tl.zeros((BLOCK,), tl.float32)
         floors = tl.full((BLOCK,), float("inf"), tl.float32)
         for start in tl.range(0, vocab, BLOCK, num_stages=3):
@@ -159,7 +160,7 @@ def _filter_bound_kernel(
             weight = tl.exp(x - top)
             totals += weight
             floors = tl.minimum(floors, tl.where(weight >= min_p, x, float("inf")))
-        total, floor = tl.sum(totals, axis=0), tl.min(floors, axis=0)
+        total, floor = tl.sum(totals, axis=0), tl.minimum(tl.min(floors, axis=0), top)
         low, high = _key(bottom), _key(top)
         # top-k: the k-th key from the top (the least key with fewer than k tokens above)
         cut, cut_id = low, last
