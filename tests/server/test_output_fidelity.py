@@ -142,3 +142,60 @@ def test_completion_logprobs_carry_text_offsets(server):
         if chunk["logprobs"] is not None and chunk["logprobs"]["tokens"]:
             assert chunk["logprobs"]["text_offset"][0] == sent
         sent += len(chunk["text"])
+
+
+def test_echoed_token_ids_keep_their_special_tokens_and_offsets(server):
+    """An echoed token-id prompt is decoded as vLLM decodes it, special tokens kept, so the
+    prompt tokens' text offsets index into the text returned; /detokenize keeps them too."""
+    url, _ = server
+    body = {"prompt": [1, 100, 101], "echo": True, "max_tokens": 0, "logprobs": 0}
+    for skip_special in (True, False):
+        choice = _post(url, {**body, "skip_special_tokens": skip_special}).json()["choices"][0]
+        assert choice["text"] == "<|im_start|>ab"
+        logprobs = choice["logprobs"]
+        starts = [choice["text"][i:] for i in logprobs["text_offset"]]
+        assert all(s.startswith(t) for s, t in zip(starts, logprobs["tokens"], strict=True))
+    detokenized = httpx.post(f"{url}/detokenize", json={"tokens": [1, 100, 2]}).json()
+    assert detokenized["prompt"] == "<|im_start|>a<|im_end|>"
+
+
+def test_choices_name_their_stop_reason(server):
+    """vLLM's stop_reason in every choice, whole and streamed: the stop id or string that
+    ended it, null for EOS or the length."""
+    url, _ = server
+    body = {"prompt": SPACE_AT_3, "max_tokens": 10, "temperature": 0.0}
+    for sampling, reason in (({"stop_token_ids": [35]}, 35), ({}, None)):
+        choice = _post(url, {**body, **sampling}).json()["choices"][0]
+        assert choice["stop_reason"] == reason, sampling
+        assert _streamed(url, {**body, **sampling})[-1]["stop_reason"] == reason, sampling
+    prompt_only = {"prompt": SPACE_AT_3, "echo": True, "max_tokens": 0, "stop_token_ids": [6]}
+    assert _post(url, prompt_only).json()["choices"][0]["stop_reason"] is None
+
+
+def test_null_fields_take_their_defaults_as_vllm_does(server):
+    """null in an optional field is as if it were left out: n 1, the sampling defaults, chat
+    logprobs false; max_tokens null on /v1/completions runs up to the context (left out, 16);
+    best_of may be null or n, and anything else is refused by name."""
+    url, _ = server
+    nulls = {f: None for f in ("n", "temperature", "top_p", "top_k", "min_p", "seed", "best_of")}
+    body = {"prompt": EOS_AFTER_FIVE, "max_tokens": 4, "ignore_eos": True, **nulls}
+    reply = _post(url, body)
+    assert reply.status_code == 200, reply.text
+    assert len(reply.json()["choices"]) == 1
+    assert reply.json()["usage"]["completion_tokens"] == 4
+    # greedy EOS after 24 tokens once 17 are forced: past the 16 a left-out max_tokens gives
+    long = _post(url, {"prompt": EOS_AFTER_FIVE, "max_tokens": None, "min_tokens": 17})
+    assert long.status_code == 200, long.text
+    assert long.json()["usage"]["completion_tokens"] > 16
+    assert long.json()["choices"][0]["finish_reason"] == "stop"
+    assert _post(url, {"prompt": "x", "best_of": 1}).status_code == 200
+    refused = _post(url, {"prompt": "x", "best_of": 2}).json()["error"]
+    assert refused["param"] == "best_of" and "n (1)" in refused["message"]
+    chat = httpx.post(
+        f"{url}/v1/chat/completions",
+        json={"model": "toy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}
+        | {"logprobs": None, "n": None, "top_logprobs": None},
+        timeout=60,
+    )
+    assert chat.status_code == 200, chat.text
+    assert chat.json()["choices"][0]["logprobs"] is None

@@ -117,7 +117,8 @@ class StreamOptions(StrictModel):
 
 def _bounded_fields() -> dict[str, Any]:
     """The body field of each bounded sampling field (FIELD_BOUNDS) that every request
-    shares: its strict JSON type, default and range."""
+    shares: its strict JSON type, default and range. Each takes null, as vLLM's optional
+    fields do: a null is as if the field were left out (`set_fields`)."""
     made: dict[str, Any] = {}
     for name, bound in FIELD_BOUNDS.items():
         if not bound.http:
@@ -125,7 +126,7 @@ def _bounded_fields() -> dict[str, Any]:
         kind: Any = StrictInt if bound.kind is int else StrictFloat
         low = {"gt" if bound.low_open else "ge": bound.kind(bound.low)}
         high = {} if not isinstance(bound.high, (int, float)) else {"le": bound.kind(bound.high)}
-        made[name] = (kind | None if bound.nullable else kind, Field(bound.default, **low, **high))
+        made[name] = (kind | None, Field(bound.default, **low, **high))
     return made
 
 
@@ -152,6 +153,7 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     return_exit_depths: StrictBool = False
+    best_of: StrictInt | None = None  # vLLM V1 dropped it: null or n (SamplingParams checks)
 
     @model_validator(mode="after")
     def _stream_options_need_a_stream(self) -> SamplingFields:
@@ -160,14 +162,18 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
         return self
 
     def sampling_params(
-        self, max_tokens: int, num_logprobs: int | None, defaults: dict[str, Any] | None = None
+        self,
+        max_tokens: int | None,
+        num_logprobs: int | None,
+        defaults: dict[str, Any] | None = None,
     ) -> SamplingParams:
-        """The request's sampling; `defaults` replace the fields it left unset. Every field
+        """The request's sampling; `defaults` replace the fields it left unset or null. Every field
         this body shares with SamplingParams passes under its name; the others differ in
         form (logit_bias keys as strings, the caller's max_tokens and logprobs); top_k -1
         is SamplingParams' own spelling of "every token", as vLLM's. Call it after
         check_token_ids."""
         fields = {name: getattr(self, name) for name in _SAME_AS_SAMPLING_PARAMS}
+        fields = {name: value for name, value in fields.items() if value is not None}
         fields |= dict(
             max_tokens=max_tokens,
             stop_token_ids=list(self.stop_token_ids or []),
@@ -175,6 +181,11 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
             logit_bias=self._logit_bias(),
         )
         return SamplingParams(**{**fields, **(defaults or {})})
+
+    def set_fields(self) -> set[str]:
+        """The fields the body gives a value: left out or null, a field takes its default
+        (the model's generation config's, else SamplingParams')."""
+        return {name for name in self.model_fields_set if getattr(self, name) is not None}
 
     def _logit_bias(self) -> dict[int, float] | None:
         """The keys as ints (check_token_ids has checked them)."""
@@ -262,7 +273,7 @@ class ChatMessage(StrictModel):
 class ChatCompletionRequest(SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
-    logprobs: StrictBool = False
+    logprobs: StrictBool | None = False  # null: false
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
 
     @model_validator(mode="after")

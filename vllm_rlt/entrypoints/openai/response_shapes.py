@@ -62,7 +62,11 @@ class ResponseShapes:
         text = completion.text
         if job.echo:
             text = (job.prompts[prompt_index][0] or "") + text
-        choice: dict[str, Any] = {"index": index, "finish_reason": completion.finish_reason}
+        choice: dict[str, Any] = {
+            "index": index,
+            "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
+        }
         logprobs = self._logprobs(job, completion, 0, len(completion.token_ids))
         if job.echo and logprobs is not None:
             logprobs = self._with_prompt(job, prompt_index, output, logprobs)
@@ -101,6 +105,7 @@ class ResponseShapes:
             "index": index,
             "logprobs": logprobs,
             "finish_reason": completion.finish_reason,
+            "stop_reason": completion.stop_reason,
         }
         if job.kind == "completion":
             chunk["text"] = text
@@ -206,6 +211,7 @@ def shown(job: Job, completion: CompletionOutput) -> CompletionOutput:
         exit_depths=[],
         logprobs=None if completion.logprobs is None else [],
         finish_reason=None if completion.finish_reason is None else "length",
+        stop_reason=None,
         cumulative_logprob=None,
     )
 

@@ -202,7 +202,8 @@ def build_app(state: ServerState) -> FastAPI:
             check_token_ids("tokens", body.tokens, tokenizer.vocab_size)
         except ParamError as exc:
             raise as_api_error(exc) from exc
-        return {"prompt": tokenizer.decode(body.tokens)}
+        # special tokens kept, as vLLM decodes them here
+        return {"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):

@@ -95,9 +95,12 @@ class OpenAIServing:
     def completion_job(self, request: CompletionRequest) -> Job:
         self.check_model(request.model)
         texts = request.prompts()
-        self.check_fan_out(len(texts), request.n)
-        max_tokens = 16 if request.max_tokens is None else request.max_tokens
-        params = self._params(request, max(max_tokens, 1), request.logprobs)
+        self.check_fan_out(len(texts), request.n or 1)
+        # left out: 16; null: up to the context, per prompt (SamplingParams' None), as vLLM
+        max_tokens = request.max_tokens
+        params = self._params(
+            request, None if max_tokens is None else max(max_tokens, 1), request.logprobs
+        )
         if request.echo and request.logprobs is not None:
             params = replace(params, prompt_logprobs=request.logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -105,11 +108,12 @@ class OpenAIServing:
         for index, prompt in enumerate(texts):
             ids = self.encode(prompt)
             self._check(f"{request_id}-{index}", ids, params)  # ids are valid before decoding
-            # Text of token-id prompts is only shown with echo.
+            # Text of token-id prompts is only shown with echo, special tokens kept (as
+            # vLLM decodes it), so that the text offsets of the prompt's tokens hold.
             text = (
                 prompt
                 if isinstance(prompt, str)
-                else self.shapes.decode(ids)
+                else self.shapes.decode(ids, skip_special_tokens=False)
                 if request.echo
                 else None
             )
@@ -145,7 +149,7 @@ class OpenAIServing:
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         text, ids = self.chat_prompt(request.model, request.messages)  # checks the model too
-        self.check_fan_out(1, request.n)
+        self.check_fan_out(1, request.n or 1)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # up to the context, as SamplingParams(max_tokens=None)
             max_tokens = self.engine.processor.checker.limits.default_max_tokens(len(ids))
@@ -173,7 +177,7 @@ class OpenAIServing:
             exit_depths=request.return_exit_depths,
         )
 
-    def _params(self, request, max_tokens: int, num_logprobs: int | None) -> SamplingParams:
+    def _params(self, request, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
         """The request's sampling in the core's terms (bad words tokenized once, for every
         prompt and check after), once its token ids are known to be the model's; the fields
         it leaves unset take the model's defaults (its generation_config.json), as vLLM
@@ -182,7 +186,7 @@ class OpenAIServing:
         unset = {
             name: value
             for name, value in processor.sampling_defaults.items()
-            if name not in request.model_fields_set
+            if name not in request.set_fields()
         }
         try:
             request.check_token_ids(self.engine.info.vocab_size)
