@@ -330,8 +330,10 @@ class SamplingParams:
                 "logit_bias",
             )
             check_logit_bias_keys(list(self.logit_bias))
-            for value in self.logit_bias.values():
-                _require_float(value, "logit_bias", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS)
+            for key, value in self.logit_bias.items():
+                _require_float(
+                    value, f"logit_bias[{key}]", -MAX_LOGIT_BIAS, MAX_LOGIT_BIAS, "logit_bias"
+                )
         if self.allowed_token_ids is not None:
             require(
                 isinstance(self.allowed_token_ids, (list, tuple)) and self.allowed_token_ids,
@@ -453,18 +455,25 @@ _INIT_NAMES = frozenset(f.name for f in fields(SamplingParams))
 
 
 def _require_float(
-    value: object, name: str, low: float, high: float, low_open: bool = False
+    value: object,
+    name: str,
+    low: float,
+    high: float,
+    param: str | None = None,
+    low_open: bool = False,
 ) -> None:
-    shown = _float_range(low, high, low_open)
+    """ParamError unless `value` is a number in the range; `name` in the message (an entry:
+    "logit_bias[5]"), `param` the field (default: `name`)."""
+    shown, param = _float_range(low, high, low_open), param or name
     require(
         isinstance(value, (int, float)) and not isinstance(value, bool),
         f"{name} must be a number in {shown}, got {value!r}",
-        name,
+        param,
     )
     within = (low < value if low_open else low <= value) and value <= high  # type: ignore[operator]
     if not within:
         got = shown_int(value) if isinstance(value, int) else value
-        raise ParamError(f"{name} must be in {shown}, got {got}", name)
+        raise ParamError(f"{name} must be in {shown}, got {got}", param)
 
 
 # What each field may hold and logit_bias's values, for the too-long-integer check: worked

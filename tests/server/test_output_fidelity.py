@@ -199,3 +199,13 @@ def test_null_fields_take_their_defaults_as_vllm_does(server):
     )
     assert chat.status_code == 200, chat.text
     assert chat.json()["choices"][0]["logprobs"] is None
+
+
+def test_errors_name_the_prompt_and_the_logit_bias_entry(server):
+    """Of several prompts, the empty one is named by its path; a logit_bias value out of
+    range is named by its key."""
+    url, _ = server
+    empty = _post(url, {"prompt": [[5, 6], []], "max_tokens": 2}).json()["error"]
+    assert empty["param"] == "prompt.1" and empty["message"].startswith("prompt.1 must")
+    bias = _post(url, {"prompt": "x", "logit_bias": {"5": 101}}).json()["error"]
+    assert bias["param"] == "logit_bias" and "logit_bias[5] must be in" in bias["message"]

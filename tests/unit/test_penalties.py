@@ -86,7 +86,7 @@ def test_batched_adjustments_equal_the_reference(seed):
         ({"repetition_penalty": float("nan")}, r"repetition_penalty must be in"),
         ({"frequency_penalty": 2.5}, r"frequency_penalty must be in \[-2.0, 2.0\], got 2.5"),
         ({"presence_penalty": -3}, r"presence_penalty must be in \[-2.0, 2.0\], got -3"),
-        ({"logit_bias": {5: 101.0}}, r"logit_bias must be in \[-100.0, 100.0\], got 101.0"),
+        ({"logit_bias": {5: 101.0}}, r"logit_bias\[5\] must be in \[-100.0, 100.0\], got 101.0"),
         (
             {"logit_bias": {-1: 1.0}},
             r"logit_bias key -1 must be a token id in \[0, vocab_size - 1\]",

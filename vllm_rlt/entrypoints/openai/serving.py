@@ -107,7 +107,13 @@ class OpenAIServing:
         prompts = []
         for index, prompt in enumerate(texts):
             ids = self.encode(prompt)
-            self._check(f"{request_id}-{index}", ids, params)  # ids are valid before decoding
+            try:  # ids are valid before decoding
+                self._check(f"{request_id}-{index}", ids, params)
+            except APIError as exc:  # which of several prompts, by its path
+                if len(texts) > 1 and exc.message.startswith("prompt "):
+                    exc.param = f"prompt.{index}"
+                    exc.message = f"prompt.{index}{exc.message[len('prompt') :]}"
+                raise
             # Text of token-id prompts is only shown with echo, special tokens kept (as
             # vLLM decodes it), so that the text offsets of the prompt's tokens hold.
             text = (
