@@ -474,7 +474,7 @@ def test_the_searched_cut_keeps_what_the_sorted_filters_keep(rows, vocab):
 
 def test_a_min_p_above_one_still_keeps_the_top_token():
     """The API bounds min_p to [0, 1]; a caller of the kernel past it still gets the top
-    token, as the sort path gives, not an empty row."""
+    token (with no tie at the top, the one the sort path keeps), not an empty row."""
     from vllm_rlt.kernels.filter_bound import filter_bound, kept_by
 
     scaled = torch.randn(3, 4097, device="cuda", generator=torch.Generator("cuda").manual_seed(5))

@@ -206,6 +206,20 @@ def test_errors_name_the_prompt_and_the_logit_bias_entry(server):
     range is named by its key."""
     url, _ = server
     empty = _post(url, {"prompt": [[5, 6], []], "max_tokens": 2}).json()["error"]
-    assert empty["param"] == "prompt.1" and empty["message"].startswith("prompt.1 must")
-    bias = _post(url, {"prompt": "x", "logit_bias": {"5": 101}}).json()["error"]
-    assert bias["param"] == "logit_bias" and "logit_bias[5] must be in" in bias["message"]
+    assert empty["param"] == "prompt.1" and empty["message"].startswith("prompt.1: prompt must")
+    too_long = {"prompt": ["a", "b" * 4200], "max_tokens": 10}
+    named = _post(url, too_long).json()["error"]
+    assert named["param"] == "prompt.1" and "(4200 tokens) exceeds" in named["message"]
+    too_many = _post(url, {"prompt": ["a", "b" * 4090], "max_tokens": 10}).json()["error"]
+    assert too_many["param"] == "max_tokens"  # not the prompt's fault
+    unset = _post(url, {"prompt": "a", "max_tokens": None, "min_tokens": 5000}).json()["error"]
+    assert unset["param"] == "min_tokens" and "[0, 4095]" in unset["message"]
+    for value, shown in ((101, "101.0"), (-100.5, "-100.5"), (float("nan"), "NaN")):
+        body = {"prompt": "x", "logit_bias": {"7": 1, "5": value}}
+        bias = httpx.post(
+            f"{url}/v1/completions",
+            content=json.dumps({"model": "toy", **body}),  # NaN as JSON's extension spells it
+            headers={"content-type": "application/json"},
+        ).json()["error"]
+        assert bias["param"] == "logit_bias.5", value
+        assert bias["message"] == f"logit_bias.5: must be in [-100.0, 100.0], got {shown}"

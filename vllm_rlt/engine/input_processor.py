@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from vllm_rlt.config import require
+from vllm_rlt.config import require, shown_int
 from vllm_rlt.engine.request_checks import RequestChecker, params_for_core
 from vllm_rlt.engine.samplable import check_samplable
 from vllm_rlt.sampling_params import SamplingParams
@@ -74,6 +74,13 @@ class InputProcessor:
             prompt_token_ids = list(prompt_token_ids)[-keep:]
         if params.max_tokens is None:
             room = limits.default_max_tokens(len(prompt_token_ids))
+            fits = len(prompt_token_ids) < limits.max_model_len  # else the prompt is named
+            require(
+                not fits or params.min_tokens <= room,
+                f"min_tokens must be in [0, {room}] for this prompt (max_tokens unset: up to "
+                f"the room the context leaves after it), got {shown_int(params.min_tokens)}",
+                "min_tokens",
+            )
             params = dataclasses.replace(params, max_tokens=max(room, params.min_tokens))
         return prompt_token_ids, self.core_params(params)
 

@@ -151,7 +151,8 @@ def _filter_bound_kernel(
             bottoms = tl.minimum(bottoms, tl.where(inside, x, float("inf")))
         top, bottom = tl.max(tops, axis=0), tl.min(bottoms, axis=0)
         # the least logit whose exp(x - top) reaches min_p (the top's is 1; min_p above 1
-        # still keeps the top, as the sort path does), and the mass
+        # still keeps the top: every token tied at it, where the sort path keeps one), and
+        # the mass
         totals = tl.zeros((BLOCK,), tl.float32)
         floors = tl.full((BLOCK,), float("inf"), tl.float32)
         for start in tl.range(0, vocab, BLOCK, num_stages=3):

@@ -24,6 +24,7 @@ from vllm_rlt.config import ParamError, shown_int
 from vllm_rlt.sampling_params import (
     FIELD_BOUNDS,
     MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_STRINGS,
     SamplingParams,
@@ -195,18 +196,25 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
 
     def check_token_ids(self, vocab_size: int) -> None:
         """ParamError naming the first token id outside the model's vocabulary by its path
-        ("stop_token_ids.2", "logit_bias.999"): the engine's own checks name only the field,
-        and the sampling checks before them know no vocabulary."""
+        ("stop_token_ids.2", "logit_bias.999"), or a logit_bias value out of range by its
+        key: the engine's own checks name only the field, and the sampling checks before
+        them know no vocabulary."""
         for name in ("stop_token_ids", "allowed_token_ids"):
             check_token_ids(name, getattr(self, name) or (), vocab_size)
-        for key in self.logit_bias or {}:
+        for key, bias in (self.logit_bias or {}).items():
             decimal = _TOKEN_ID_KEY.fullmatch(key) is not None
+            shown = key if len(key) <= 40 else key[:40] + "..."  # in the path too
             if not (decimal and int(key) < vocab_size):
-                shown = key if len(key) <= 40 else key[:40] + "..."  # in the path too
                 spelling = "" if decimal else " (decimal digits, no leading zero)"
                 raise ParamError(
                     f"logit_bias.{shown}: must be a token id in {token_range(vocab_size)}"
                     f"{spelling}, got {shown!r}",
+                    f"logit_bias.{shown}",
+                )
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:  # NaN too
+                raise ParamError(
+                    f"logit_bias.{shown}: must be in [{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}], "
+                    f"got {_shown_json(bias)}",
                     f"logit_bias.{shown}",
                 )
 

@@ -110,9 +110,9 @@ class OpenAIServing:
             try:  # ids are valid before decoding
                 self._check(f"{request_id}-{index}", ids, params)
             except APIError as exc:  # which of several prompts, by its path
-                if len(texts) > 1 and exc.message.startswith("prompt "):
+                if len(texts) > 1 and exc.param == "prompt":
                     exc.param = f"prompt.{index}"
-                    exc.message = f"prompt.{index}{exc.message[len('prompt') :]}"
+                    exc.message = f"prompt.{index}: {exc.message}"
                 raise
             # Text of token-id prompts is only shown with echo, special tokens kept (as
             # vLLM decodes it), so that the text offsets of the prompt's tokens hold.
@@ -189,10 +189,9 @@ class OpenAIServing:
         it leaves unset take the model's defaults (its generation_config.json), as vLLM
         does."""
         processor = self.engine.processor
+        given = request.set_fields()
         unset = {
-            name: value
-            for name, value in processor.sampling_defaults.items()
-            if name not in request.set_fields()
+            name: value for name, value in processor.sampling_defaults.items() if name not in given
         }
         try:
             request.check_token_ids(self.engine.info.vocab_size)
