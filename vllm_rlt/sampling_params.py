@@ -294,8 +294,8 @@ class SamplingParams:
                 require_printable_ints(name, value, allowed, values_allowed=_BIAS_RANGE)
         require(
             self.best_of is None or self.best_of == self.n,
-            f"best_of is not supported (vLLM V1 dropped it): leave it None or equal to n "
-            f"({self.n}), got {self.best_of!r}",
+            "best_of is not supported (vLLM V1 dropped it): leave it unset (None; null over "
+            f"HTTP) or equal to n ({self.n}), got {self.best_of!r}",
             "best_of",
         )
         self.best_of = None

@@ -191,6 +191,11 @@ def test_null_fields_take_their_defaults_as_vllm_does(server):
     assert _post(url, {"prompt": "x", "best_of": 1}).status_code == 200
     refused = _post(url, {"prompt": "x", "best_of": 2}).json()["error"]
     assert refused["param"] == "best_of" and "n (1)" in refused["message"]
+    flags = {"prompt": "x", "max_tokens": 2, "temperature": 0.0}
+    nulls = _post(url, {**flags, "stream": None, "echo": None})  # null: false, as in vLLM
+    falses = _post(url, {**flags, "stream": False, "echo": False})
+    assert nulls.status_code == 200, nulls.text
+    assert nulls.json()["choices"][0]["text"] == falses.json()["choices"][0]["text"]
     chat = httpx.post(
         f"{url}/v1/chat/completions",
         json={"model": "toy", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}

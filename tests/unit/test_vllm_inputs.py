@@ -78,7 +78,7 @@ def test_top_k_minus_one_and_max_tokens_none_are_vllms_values() -> None:
     ("kwargs", "param", "match"),
     [
         ({"best_of": 2}, "best_of", "best_of is not supported"),
-        ({"n": 2, "best_of": 3}, "best_of", "leave it None or equal to n"),
+        ({"n": 2, "best_of": 3}, "best_of", r"leave it unset \(None; null over HTTP\) or equal"),
         ({"logits_processors": [lambda ids, x: x]}, "logits_processors", "not supported"),
         ({"truncate_prompt_tokens": 0}, "truncate_prompt_tokens", r">= 1"),
         ({"truncate_prompt_tokens": -2}, "truncate_prompt_tokens", r">= 1"),

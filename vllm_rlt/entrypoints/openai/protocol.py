@@ -144,7 +144,7 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     stop_token_ids: list[TokenId] | None = None
     ignore_eos: StrictBool = False
     include_stop_str_in_output: StrictBool = False
-    stream: StrictBool = False
+    stream: StrictBool | None = False  # null: false, as vLLM's
     stream_options: StreamOptions | None = None
     user: str | None = None
     # token id (as a string, JSON's only key type) -> bias added to its logit
@@ -236,7 +236,7 @@ class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[TokenId] | list[list[TokenId]]
     max_tokens: StrictInt | None = Field(default=16, ge=0)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
-    echo: StrictBool = False
+    echo: StrictBool | None = False  # null: false, as vLLM's
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:

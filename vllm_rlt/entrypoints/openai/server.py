@@ -209,13 +209,13 @@ def build_app(state: ServerState) -> FastAPI:
     async def completions(body: CompletionRequest, request: Request):
         serving = state.ready()
         job = await build_job(serving.completion_job, body, request)
-        return await respond(serving, job, body.stream, body.stream_options, request)
+        return await respond(serving, job, bool(body.stream), body.stream_options, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving = state.ready()
         job = await build_job(serving.chat_job, body, request)
-        return await respond(serving, job, body.stream, body.stream_options, request)
+        return await respond(serving, job, bool(body.stream), body.stream_options, request)
 
     return app
 

@@ -130,7 +130,7 @@ class OpenAIServing:
             prompts,
             params,
             request.logprobs,
-            echo=request.echo,
+            echo=bool(request.echo),
             exit_depths=request.return_exit_depths,
             prompt_only=max_tokens == 0,
         )
