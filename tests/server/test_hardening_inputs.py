@@ -237,6 +237,21 @@ def test_max_sequences_per_request_is_configurable():
             {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
             "messages.0.content.0.type",
         ),
+        (
+            "/v1/chat/completions",
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "user", "content": [{"type": "text", "text": 5}]},
+                ]
+            },
+            "messages.1.content.0.text",
+        ),
+        (
+            "/tokenize",
+            {"messages": [{"role": "user", "content": [{"type": "x"}]}]},
+            "messages.0.content.0.type",
+        ),
         ("/v1/chat/completions", {"max_completion_tokens": 5000}, "max_completion_tokens"),
         ("/v1/chat/completions", {"max_tokens": 5000}, "max_tokens"),
     ],

@@ -99,21 +99,21 @@ def _message_content(content: Any, where: str) -> str:
     require(
         isinstance(content, list),
         f"{where} must be a string or a list of text parts, got {type(content).__name__}",
+        where,
     )
     texts = []
     for j, part in enumerate(content):
-        require(
-            isinstance(part, Mapping),
-            f"{where}[{j}] must be a dict, got {type(part).__name__}",
-        )
-        if part.get("type") != "text":
-            raise ValueError(f"{where}[{j}].type must be 'text', got {part.get('type')!r}")
+        at = f"{where}[{j}]"
+        require(isinstance(part, Mapping), f"{at} must be a dict, got {type(part).__name__}", at)
+        kind = part.get("type")
+        require(kind == "text", f"{at}.type must be 'text', got {kind!r}", f"{at}.type")
         unknown = sorted(str(key) for key in part if key not in ("type", "text"))
-        require(not unknown, f"{where}[{j}] has unknown field(s): {', '.join(unknown)}")
+        require(not unknown, f"{at} has unknown field(s): {', '.join(unknown)}", at)
         text = part.get("text")
         require(
             isinstance(text, str),
-            f"{where}[{j}].text must be a string, got {type(text).__name__}",
+            f"{at}.text must be a string, got {type(text).__name__}",
+            f"{at}.text",
         )
         texts.append(text)
     return "\n".join(texts)
@@ -124,6 +124,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
     require(
         isinstance(messages, list),
         f"messages must be a list of dicts, got {type(messages).__name__}",
+        "messages",
     )
     normalized = []
     for i, message in enumerate(messages):
@@ -131,11 +132,13 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
         require(
             isinstance(message, Mapping),
             f"{where} must be a dict, got {type(message).__name__}",
+            where,
         )
         role = message.get("role")
         require(
             isinstance(role, str),
             f"{where}.role must be a string, got {type(role).__name__}",
+            f"{where}.role",
         )
         content = _message_content(message.get("content"), f"{where}.content")
         normalized.append({**message, "content": content})

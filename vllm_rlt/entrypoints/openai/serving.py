@@ -13,6 +13,7 @@ from typing import Any
 
 import orjson
 
+from vllm_rlt.config import ParamError
 from vllm_rlt.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
 from vllm_rlt.engine.output_processor import RequestFailedError
 from vllm_rlt.engine.request_stream import RequestStream
@@ -27,9 +28,6 @@ from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.tokenizer import GIL_FREE_CHARS
-
-# What the chat template's checks name: "messages[0].content[1].type must be ..."
-_MESSAGE_FIELD = re.compile(r"(messages\[\d+\](?:\.\w+(?:\[\d+\])?)*) (.+)", re.DOTALL)
 
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 # A non-streamed body of more tokens and logprob entries than this is built on a worker
@@ -153,12 +151,15 @@ class OpenAIServing:
         dicts = [m.model_dump(exclude_none=True) for m in messages]
         try:
             text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
-        except ValueError as exc:  # a message's own field by its path, as the schema's
-            found = _MESSAGE_FIELD.match(str(exc))
-            if found is None:
-                raise APIError(400, str(exc), param="messages") from exc
-            path = re.sub(r"\[(\d+)\]", r".\1", found[1])
-            raise APIError(400, f"{path}: {found[2]}", param=path) from exc
+        except ParamError as exc:  # a message's own field by its path, as the schema's
+            where = exc.param or ""
+            if not where.startswith("messages["):
+                raise APIError(400, str(exc), param=exc.param or "messages") from exc
+            path = re.sub(r"\[(\d+)\]", r".\1", where)
+            problem = str(exc).removeprefix(where).lstrip()
+            raise APIError(400, f"{path}: {problem}", param=path) from exc
+        except ValueError as exc:  # the template's own raise_exception
+            raise APIError(400, str(exc), param="messages") from exc
         return text, encode_text(tokenizer, text, False)
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
