@@ -128,6 +128,36 @@ def test_logprob_ranks_follow_the_servers_top_logprobs(server, llm):
             assert logprob.decoded_token == tokenizer.decode([top_token], False)
 
 
+def test_completion_top_logprobs_hold_the_sampled_token(server, llm):
+    """vLLM's and OpenAI's legacy completions: each position's top_logprobs is the token
+    itself first, then the top N (N + 1 entries where the token is not among them; logprobs 0
+    gives the token alone), for sampled and echoed prompt tokens alike; chat's are the N most
+    likely."""
+    url, _ = server
+    prompt = [107, 104, 111, 114, 90]
+    sampled = {"max_tokens": 8, "temperature": 5.0, "seed": 3, "ignore_eos": True}
+    for num in (0, 1):
+        body = {"prompt": prompt, "logprobs": num, "echo": True, **sampled}
+        served = _post(url, body).json()["choices"][0]["logprobs"]
+        params = SamplingParams(logprobs=num, prompt_logprobs=num, **sampled)
+        output = llm.generate([prompt], params, use_tqdm=False)[0]
+        entries = output.prompt_logprobs[1:] + output.outputs[0].logprobs
+        tokens = prompt[1:] + output.outputs[0].token_ids
+        grew = 0
+        for index, (token, entry) in enumerate(zip(tokens, entries, strict=True)):
+            top = served["top_logprobs"][index + 1]
+            values = [logprob.logprob for logprob in entry.values()]
+            assert list(top.values()) == pytest.approx(values[: num + 1], abs=1e-5)
+            assert len(top) == len(entry) <= num + 1 and values[0] == entry[token].logprob
+            grew += len(top) == num + 1 and entry[token].rank > num
+        assert grew > 0  # a token outside the top N is listed beside them
+    chat = {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 2}
+    reply = httpx.post(f"{url}/v1/chat/completions", json={"model": "toy", **chat, **sampled})
+    for position in reply.json()["choices"][0]["logprobs"]["content"]:
+        values = [top["logprob"] for top in position["top_logprobs"]]
+        assert len(values) == 2 and values == sorted(values, reverse=True)
+
+
 def test_completion_logprobs_carry_text_offsets(server):
     """OpenAI's and vLLM's text_offset: where each token's text begins, counted over the
     tokens' texts; streamed, from the length of the text sent before."""

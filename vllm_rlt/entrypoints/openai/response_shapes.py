@@ -8,6 +8,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from vllm_rlt.engine.async_llm import AsyncLLM
+from vllm_rlt.logprobs import Logprob
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -141,9 +142,7 @@ class ResponseShapes:
         for token, candidates in zip(
             completion.token_ids[start:end], completion.logprobs[start:end], strict=True
         ):
-            top = [(t, v.logprob) for t, v in candidates.items()]
-            top = sorted(top, key=lambda item: -item[1])[: job.num_logprobs]
-            entries.append((token, candidates[token].logprob, top))
+            entries.append((token, candidates[token].logprob, self._top(job, candidates)))
         if job.kind == "chat":
             return {
                 "content": [
@@ -176,8 +175,7 @@ class ResponseShapes:
             if entry is None:
                 tops.append(None)
                 continue
-            top = sorted(entry.items(), key=lambda item: -item[1].logprob)[: job.num_logprobs]
-            tops.append({self._token_text(t): v.logprob for t, v in top})
+            tops.append({self._token_text(t): v for t, v in self._top(job, entry)})
         tokens += logprobs["tokens"]
         return {
             "tokens": tokens,
@@ -185,6 +183,16 @@ class ResponseShapes:
             "top_logprobs": tops + logprobs["top_logprobs"],
             "text_offset": _text_offsets(tokens, 0),
         }
+
+    @staticmethod
+    def _top(job: Job, entry: dict[int, Logprob]) -> list[tuple[int, float]]:
+        """A position's top_logprobs from its vLLM entry (the token first, then the top N):
+        chat's are OpenAI's N most likely; a completion's, as vLLM's and OpenAI's legacy
+        ones, are the token itself and the top N (N + 1 where the token is not among them)."""
+        if job.kind == "chat":
+            ranked = sorted(entry.items(), key=lambda item: -item[1].logprob)
+            return [(t, v.logprob) for t, v in ranked[: job.num_logprobs]]
+        return [(t, v.logprob) for t, v in list(entry.items())[: (job.num_logprobs or 0) + 1]]
 
     def _token_fields(self, token: int, logprob: float) -> dict[str, Any]:
         text = self._token_text(token)
