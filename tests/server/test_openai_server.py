@@ -57,11 +57,17 @@ def test_streamed_text_equals_non_streamed(server, chat):
     if chat:
         messages = [{"role": "user", "content": "Tell me about loops"}]
         whole = api.chat.completions.create(messages=messages, **common)
-        parts, reasons = [], []
-        for chunk in api.chat.completions.create(messages=messages, stream=True, **common):
+        parts, reasons, roles = [], [], []
+        stream = api.chat.completions.create(messages=messages, stream=True, n=2, **common)
+        for chunk in stream:
             for choice in chunk.choices:
-                parts.append(choice.delta.content or "")
-                reasons.append(choice.finish_reason)
+                roles.append((choice.index, choice.delta.role, choice.delta.content))
+                if choice.index == 0:
+                    parts.append(choice.delta.content or "")
+                    reasons.append(choice.finish_reason)
+        # vLLM's and OpenAI's first event per choice: the role alone, with empty content
+        assert roles[:2] == [(0, "assistant", ""), (1, "assistant", "")]
+        assert all(role is None for _, role, _ in roles[2:])
         expected = whole.choices[0].message.content
     else:
         whole = api.completions.create(prompt="Loops and exits", **common)

@@ -111,13 +111,18 @@ class ResponseShapes:
         if job.kind == "completion":
             chunk["text"] = text
         else:
-            delta: dict[str, Any] = {"content": text}
-            if first:
-                delta["role"] = "assistant"
-            chunk["delta"] = delta
+            chunk["delta"] = {"content": text}
         if job.exit_depths:
             chunk["exit_depths"] = list(completion.exit_depths)
         return chunk
+
+    @staticmethod
+    def role_deltas(job: Job) -> list[dict[str, Any]]:
+        """A chat stream's first choices, as vLLM and OpenAI send them before any token: the
+        role alone, with empty content."""
+        delta = {"role": "assistant", "content": ""}
+        empty = {"logprobs": None, "finish_reason": None, "stop_reason": None}
+        return [{"index": i, "delta": delta, **empty} for i in range(job.params.n)]
 
     def chunk(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {

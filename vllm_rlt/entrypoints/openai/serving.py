@@ -333,6 +333,10 @@ class OpenAIServing:
                     yield _sse(self._shutdown_error().body())  # nothing was sent yet
                     yield DONE
                     return
+                if job.kind == "chat" and not sent:
+                    for role in self.shapes.role_deltas(job):  # an event each, as vLLM's
+                        yield _sse(self.shapes.chunk(job, [role]))
+                    sent = dict.fromkeys(range(job.params.n), 0)
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
                     completion = shown(job, completion)
