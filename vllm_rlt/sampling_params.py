@@ -83,8 +83,13 @@ FIELD_BOUNDS: dict[str, FieldBound] = {
         "deviations of the top one; <= 0: off",
         optional=True,
     ),
-    "seed": FieldBound(
-        int, 0, MAX_SEED, None, "per-request seed (default: random)", flag="--sampling-seed"
+    "seed": FieldBound(  # vLLM's range, a torch int64; negative seeds are taken mod 2**63
+        int,
+        -MAX_SEED - 1,
+        MAX_SEED,
+        None,
+        "per-request seed (default: random)",
+        flag="--sampling-seed",
     ),
     "priority": FieldBound(
         int,

@@ -68,7 +68,7 @@ def test_a_request_the_frontend_cannot_process_fails_alone(llm, monkeypatch):
     "kwargs, param",
     [
         ({"top_k": 2**63}, "top_k"),
-        ({"seed": -1}, "seed"),
+        ({"seed": -(2**63) - 1}, "seed"),
         ({"stop_token_ids": [-1]}, "stop_token_ids"),
         ({"temperature": float("nan")}, "temperature"),
         ({"min_loops": 3, "max_loops": 2}, "min_loops"),

@@ -66,6 +66,10 @@ def test_seeds_change_the_output_and_repeat_it(make_engine):
     other = _one(make_engine, replace(SEEDED, seed=99)).outputs[0].token_ids
     assert first == again
     assert other != first
+    # vLLM's whole int64 range: a negative seed is its value mod 2**63
+    negative = _one(make_engine, replace(SEEDED, seed=-1)).outputs[0].token_ids
+    assert negative == _one(make_engine, replace(SEEDED, seed=2**63 - 1)).outputs[0].token_ids
+    assert negative != first
 
 
 def test_n_completions_are_distinct_and_reproducible(make_engine):

@@ -304,7 +304,7 @@ def test_concurrent_bad_and_good_requests(server):
         {"model": "toy", "prompt": "x", "top_k": 2**64},
         {"model": "toy", "prompt": [2**64]},
         {"model": "toy", "prompt": "\ud800"},
-        {"model": "toy", "prompt": "x", "seed": -1},
+        {"model": "toy", "prompt": "x", "seed": -(2**63) - 1},
         {"model": "toy", "prompt": ["x"] * 300},
     ]
     good = {"model": "toy", "prompt": "fine", "max_tokens": 4, "ignore_eos": True}

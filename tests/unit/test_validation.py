@@ -26,6 +26,7 @@ from vllm_rlt.tokenizer import Tokenizer
 T = 4  # the toy's total_ut_steps
 VOCAB = 259  # the toy's vocab_size (byte tokenizer)
 INT64_MAX = 2**63 - 1
+INT64_MIN = -(2**63)
 TOKEN_ID = r"a token id in \[0, vocab_size - 1\]"  # SamplingParams knows no vocabulary
 
 
@@ -55,9 +56,12 @@ def greedy(max_tokens: int = 4, **kwargs: Any) -> SamplingParams:
         ({"top_p": 1.5}, r"top_p must be in \(0\.0, 1\.0\], got 1\.5"),  # one range, as written
         ({"min_p": -0.1}, r"min_p must be in \[0\.0, 1\.0\], got -0\.1"),
         ({"min_p": 1.1}, r"min_p must be in \[0\.0, 1\.0\], got 1\.1"),
-        ({"seed": -1}, rf"seed must be in \[0, {INT64_MAX}\], got -1"),
-        ({"seed": 2**63}, rf"seed must be in \[0, {INT64_MAX}\], got {2**63}"),
-        ({"seed": "7"}, r"seed must be an integer in \[0, \d+\], got '7'"),
+        (
+            {"seed": -(2**63) - 1},
+            rf"seed must be in \[{INT64_MIN}, {INT64_MAX}\], got {INT64_MIN - 1}",
+        ),
+        ({"seed": 2**63}, rf"seed must be in \[{INT64_MIN}, {INT64_MAX}\], got {2**63}"),
+        ({"seed": "7"}, r"seed must be an integer in \[-\d+, \d+\], got '7'"),
         ({"stop": ""}, r"stop must hold non-empty strings, got ''"),
         ({"stop": ["end", ""]}, r"stop must hold non-empty strings, got ''"),
         ({"stop": [3]}, r"stop must hold non-empty strings, got 3"),
@@ -105,6 +109,8 @@ def test_sampling_params_rejects(kwargs: dict[str, Any], match: str) -> None:
         {"max_tokens": 3, "min_tokens": 3},
         {"seed": 0},
         {"seed": INT64_MAX},
+        {"seed": -1},
+        {"seed": INT64_MIN},
         {"stop": "end"},
         {"stop_token_ids": [0]},
     ],

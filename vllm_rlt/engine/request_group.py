@@ -59,8 +59,8 @@ class RequestGroup:
     ) -> RequestGroup:
         """The group of a checked request: one engine request per completion with the
         request's `settings` (loop bounds, threshold, EOS, speculation), each its own seed
-        (params.seed + index, or a draw from `seeds`); only the first computes prompt
-        logprobs."""
+        ((params.seed + index) mod 2**63, or a draw from `seeds`); only the first computes
+        prompt logprobs."""
         now = time.monotonic()
         children = [
             Request(
