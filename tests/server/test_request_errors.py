@@ -16,8 +16,8 @@ from vllm_rlt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    describe_validation_error,
 )
+from vllm_rlt.entrypoints.openai.request_errors import describe_validation_error
 
 TOY_DEPTH = 4
 TOY_VOCAB = 259

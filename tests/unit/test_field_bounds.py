@@ -10,7 +10,8 @@ from pydantic import ValidationError
 
 from vllm_rlt.config import ParamError
 from vllm_rlt.entrypoints.cli import build_parser
-from vllm_rlt.entrypoints.openai.protocol import ChatCompletionRequest, describe_validation_error
+from vllm_rlt.entrypoints.openai.protocol import ChatCompletionRequest
+from vllm_rlt.entrypoints.openai.request_errors import describe_validation_error
 from vllm_rlt.entrypoints.sampling_args import sampling_flags
 from vllm_rlt.sampling_params import FIELD_BOUNDS, SamplingParams
 

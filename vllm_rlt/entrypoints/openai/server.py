@@ -32,11 +32,10 @@ from vllm_rlt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     DetokenizeRequest,
-    ServedLimits,
     TokenizeRequest,
     check_token_ids,
-    describe_validation_error,
 )
+from vllm_rlt.entrypoints.openai.request_errors import ServedLimits, describe_validation_error
 from vllm_rlt.entrypoints.openai.request_guard import GuardMiddleware
 from vllm_rlt.entrypoints.openai.rl_routes import add_rl_routes
 from vllm_rlt.entrypoints.openai.server_state import ServerState
