@@ -258,3 +258,41 @@ def test_errors_name_the_prompt_and_the_logit_bias_entry(server):
         ).json()["error"]
         assert bias["param"] == "logit_bias.5", value
         assert bias["message"] == f"logit_bias.5: must be in [-100.0, 100.0], got {shown}"
+
+
+def test_chat_template_controls_as_vllm_takes_them(server, llm):
+    """vLLM's add_generation_prompt, continue_final_message and chat_template_kwargs, on chat
+    and on /tokenize: the prompt is the tokenizer's own rendering with them; a rendering
+    argument among the kwargs, or both controls on, is a 400 naming the field."""
+    url, _ = server
+    tokenizer = llm.get_tokenizer()
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The an"}]
+    rendered = []
+    for options in (
+        {},
+        {"add_generation_prompt": False},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": None},
+    ):
+        body = {"model": "toy", "messages": messages, **options}
+        served = httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
+        given = {k: v for k, v in options.items() if k != "chat_template_kwargs" and v is not None}
+        flags = {"add_generation_prompt": True, **given}  # the server's default, as vLLM's
+        variables = options.get("chat_template_kwargs", {})
+        want = tokenizer.apply_chat_template(messages, tokenize=False, **flags, **variables)
+        assert served == tokenizer.encode(want, add_special_tokens=False), options
+        chat = {**body, "max_tokens": 1, "temperature": 0.0}
+        reply = httpx.post(f"{url}/v1/chat/completions", json=chat).json()
+        assert reply["usage"]["prompt_tokens"] == len(served), options
+        rendered.append(served)
+    assert len({tuple(ids) for ids in rendered[:3]}) == 3 and rendered[3] == rendered[0]
+    for options, param in (
+        ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
+        ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
+        ({"continue_final_message": True}, "continue_final_message"),
+    ):
+        body = {"model": "toy", "messages": messages, **options}
+        for path in ("/tokenize", "/v1/chat/completions"):
+            error = httpx.post(f"{url}{path}", json=body)
+            assert error.status_code == 400, (options, error.text)
+            assert error.json()["error"]["param"] == param, options

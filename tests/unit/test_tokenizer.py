@@ -9,6 +9,7 @@ import pytest
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from vllm_rlt.config import ParamError
 from vllm_rlt.tokenizer import IncrementalDetokenizer, Tokenizer, build_byte_tokenizer
 from vllm_rlt.tokenizer.byte_level import (
     BYTE_VOCAB_SIZE,
@@ -235,6 +236,15 @@ def test_template_raise_exception_is_value_error() -> None:
     tok = Tokenizer(build_byte_tokenizer(), chat_template=template)
     with pytest.raises(ValueError, match="user first"):
         tok.apply_chat_template(CHAT)
+
+
+def test_a_variable_the_template_cannot_use_is_a_param_error() -> None:
+    """A caller's variable of the wrong type fails in the template: a ParamError on the
+    input, not an internal error."""
+    tok = Tokenizer(build_byte_tokenizer(), chat_template="{{ bos_token + messages[0].role }}")
+    with pytest.raises(ParamError, match="the chat template failed on this input"):
+        tok.apply_chat_template(CHAT, bos_token=5)
+    assert tok.apply_chat_template(CHAT, bos_token="<s>") == "<s>system"
 
 
 def test_content_parts_are_joined() -> None:

@@ -184,13 +184,17 @@ def render_chat(
         require(bool(messages), "continue_final_message needs a message to continue", "messages")
         last = messages[-1]
         messages[-1] = {**last, "content": last["content"] + _CONTINUE_MARK}
-    text = compile_template(template).render(
-        messages=messages,
-        tools=tools,
-        documents=documents,
-        add_generation_prompt=add_generation_prompt,
-        **variables,
-    )
+    try:
+        text = compile_template(template).render(
+            messages=messages,
+            tools=tools,
+            documents=documents,
+            add_generation_prompt=add_generation_prompt,
+            **variables,
+        )
+    except (jinja2.TemplateError, TypeError, LookupError, AttributeError, ArithmeticError) as exc:
+        # A variable or message of a type the template cannot use: the caller's input.
+        raise ParamError(f"the chat template failed on this input: {exc}", "messages") from exc
     if continue_final_message:
         mark = text.rfind(_CONTINUE_MARK.strip())
         if mark < 0:

@@ -30,6 +30,7 @@ from vllm_rlt.sampling_params import (
     SamplingParams,
 )
 from vllm_rlt.token_ids import first_bad_token, shown_token, token_range
+from vllm_rlt.tokenizer.chat_template import CONTROL_KEYWORDS
 
 # Fields take only their own JSON type, as OpenAI's schema types them: an integer field
 # refuses a string, a boolean or a float such as 2.0; a number field takes an integer but no
@@ -278,7 +279,39 @@ class ChatMessage(StrictModel):
     name: str | None = None
 
 
-class ChatCompletionRequest(SamplingFields):
+# Set by the request's own fields, not through chat_template_kwargs.
+_TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
+
+
+class ChatTemplateFields(StrictModel):
+    """vLLM's chat-template controls, on chat and on /tokenize with messages: a new assistant
+    message opened (default), or the last message continued; `chat_template_kwargs` are
+    template variables (such as `enable_thinking`). Null counts as left out."""
+
+    add_generation_prompt: StrictBool | None = True
+    continue_final_message: StrictBool | None = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def template_options(self) -> dict[str, Any]:
+        """apply_chat_template's keyword arguments; `tools` and `documents` among the
+        kwargs are its own arguments, as in transformers, and its other arguments are
+        refused by path ("chat_template_kwargs.tokenize")."""
+        variables = dict(self.chat_template_kwargs or {})
+        for name in variables:
+            if name in CONTROL_KEYWORDS or name in _TEMPLATE_ARGUMENTS:
+                raise ParamError(
+                    f"chat_template_kwargs.{name}: is an argument of the chat template's "
+                    "rendering, not a template variable",
+                    f"chat_template_kwargs.{name}",
+                )
+        return {
+            "add_generation_prompt": self.add_generation_prompt is not False,
+            "continue_final_message": bool(self.continue_final_message),
+            **variables,
+        }
+
+
+class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False  # null: false
@@ -291,7 +324,7 @@ class ChatCompletionRequest(SamplingFields):
         return self
 
 
-class TokenizeRequest(RequestBody):
+class TokenizeRequest(ChatTemplateFields, RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(default=None, min_length=1)  # as chat's

@@ -20,6 +20,7 @@ from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.entrypoints.openai.api_errors import APIError, as_api_error
 from vllm_rlt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
+    ChatTemplateFields,
     CompletionRequest,
     TokenizeRequest,
 )
@@ -90,7 +91,7 @@ class OpenAIServing:
     def tokenize(self, request: TokenizeRequest) -> list[int]:
         """/tokenize: the chat prompt's or the prompt's token ids."""
         if request.messages is not None:
-            return self.chat_prompt(request.model, request.messages)[1]
+            return self.chat_prompt(request.model, request.messages, request)[1]
         tokenizer = self.tokenizer_for(request.model)
         return encode_text(tokenizer, request.prompt or "", request.add_special_tokens)
 
@@ -145,12 +146,14 @@ class OpenAIServing:
             raise APIError(400, "this model has no tokenizer")
         return self.tokenizer
 
-    def chat_prompt(self, model: str | None, messages: list) -> tuple[str, list[int]]:
+    def chat_prompt(
+        self, model: str | None, messages: list, template: ChatTemplateFields
+    ) -> tuple[str, list[int]]:
         """Render messages with the chat template; (text, token ids)."""
         tokenizer = self.tokenizer_for(model)
         dicts = [m.model_dump(exclude_none=True) for m in messages]
         try:
-            text = tokenizer.apply_chat_template(dicts, add_generation_prompt=True)
+            text = tokenizer.apply_chat_template(dicts, **template.template_options())
         except ParamError as exc:  # a message's own field by its path, as the schema's
             where = exc.param or ""
             if not where.startswith("messages["):
@@ -163,7 +166,7 @@ class OpenAIServing:
         return text, encode_text(tokenizer, text, False)
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
-        text, ids = self.chat_prompt(request.model, request.messages)  # checks the model too
+        text, ids = self.chat_prompt(request.model, request.messages, request)  # and the model
         self.check_fan_out(1, request.n or 1)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # up to the context, as SamplingParams(max_tokens=None)
