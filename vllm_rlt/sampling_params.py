@@ -127,7 +127,6 @@ FIELD_BOUNDS: dict[str, FieldBound] = {
         None,
         "each prompt token's logprob (from the final loop) and this many top "
         "alternatives (with --json; default: none)",
-        http=False,
     ),
     "min_loops": FieldBound(int, 1, None, None, "fewest loops a token runs (default: 1)"),
     "max_loops": FieldBound(

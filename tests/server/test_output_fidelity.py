@@ -296,3 +296,34 @@ def test_chat_template_controls_as_vllm_takes_them(server, llm):
             error = httpx.post(f"{url}{path}", json=body)
             assert error.status_code == 400, (options, error.text)
             assert error.json()["error"]["param"] == param, options
+
+
+def test_prompt_logprobs_as_vllm_returns_them(server, llm):
+    """vLLM's prompt_logprobs: per choice on completions, once on chat; null for the first
+    position, then token id -> logprob, rank and text, the engine's own; echo with
+    logprobs returns them too; refused with a stream, as vLLM refuses it."""
+    url, _ = server
+    prompt = [107, 104, 111, 114, 90]
+    body = {"prompt": prompt, "max_tokens": 2, "n": 2, "temperature": 1.0, "seed": 1}
+    choices = _post(url, {**body, "prompt_logprobs": 2}).json()["choices"]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=2)
+    want = llm.generate([prompt], params, use_tqdm=False)[0].prompt_logprobs
+    assert choices[0]["prompt_logprobs"] == choices[1]["prompt_logprobs"]
+    served = choices[0]["prompt_logprobs"]
+    assert served[0] is None and len(served) == len(want) == len(prompt)
+    for entry, expected in zip(served[1:], want[1:], strict=True):
+        assert list(entry) == [str(token) for token in expected]
+        for token, value in expected.items():
+            got = entry[str(token)]
+            assert got["logprob"] == pytest.approx(value.logprob, abs=1e-5)
+            assert (got["rank"], got["decoded_token"]) == (value.rank, value.decoded_token)
+    assert _post(url, body).json()["choices"][0]["prompt_logprobs"] is None
+    echoed = {**body, "echo": True, "logprobs": 1, "max_tokens": 1}
+    assert len(_post(url, echoed).json()["choices"][0]["prompt_logprobs"][1]) <= 2
+    chat = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    reply = httpx.post(f"{url}/v1/chat/completions", json={**chat, "prompt_logprobs": 0}).json()
+    scored = reply["prompt_logprobs"]
+    assert scored[0] is None and len(scored) == reply["usage"]["prompt_tokens"]
+    assert all(len(entry) == 1 for entry in scored[1:])
+    refused = _post(url, {**body, "prompt_logprobs": 1, "stream": True})
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "prompt_logprobs"

@@ -158,9 +158,11 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     best_of: StrictInt | None = None  # vLLM V1 dropped it: null or n (SamplingParams checks)
 
     @model_validator(mode="after")
-    def _stream_options_need_a_stream(self) -> SamplingFields:
+    def _stream_only_fields(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise _field_error("stream_options", "only allowed with stream=true")
+        if self.prompt_logprobs is not None and self.stream:  # as vLLM refuses it
+            raise _field_error("prompt_logprobs", "not available with stream=true")
         return self
 
     def sampling_params(

@@ -73,6 +73,7 @@ class ResponseShapes:
             logprobs = self._with_prompt(job, prompt_index, output, logprobs)
         if job.kind == "completion":
             choice.update(text=text, logprobs=logprobs)
+            choice["prompt_logprobs"] = self.prompt_logprobs(output)
         else:
             choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
         if job.exit_depths:
@@ -188,6 +189,26 @@ class ResponseShapes:
             "top_logprobs": tops + logprobs["top_logprobs"],
             "text_offset": _text_offsets(tokens, 0),
         }
+
+    @staticmethod
+    def prompt_logprobs(output: RequestOutput | None) -> list[dict[str, Any] | None] | None:
+        """vLLM's `prompt_logprobs` JSON: null for the first position, then per position the
+        token id (as a string key) to its logprob (-inf as -9999.0), rank and text."""
+        if output is None or output.prompt_logprobs is None:
+            return None
+        return [
+            None
+            if entry is None
+            else {
+                str(token): {
+                    "logprob": max(value.logprob, -9999.0),
+                    "rank": value.rank,
+                    "decoded_token": value.decoded_token,
+                }
+                for token, value in entry.items()
+            }
+            for entry in output.prompt_logprobs
+        ]
 
     @staticmethod
     def _top(job: Job, entry: dict[int, Logprob]) -> list[tuple[int, float]]:

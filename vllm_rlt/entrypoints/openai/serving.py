@@ -104,8 +104,8 @@ class OpenAIServing:
         params = self._params(
             request, None if max_tokens is None else max(max_tokens, 1), request.logprobs
         )
-        if request.echo and request.logprobs is not None:
-            params = replace(params, prompt_logprobs=request.logprobs)
+        if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
+            params = replace(params, prompt_logprobs=request.logprobs)  # as vLLM's
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = []
         for index, prompt in enumerate(texts):
@@ -301,6 +301,8 @@ class OpenAIServing:
             "choices": choices,
             "usage": self.shapes.usage(job, generated),
         }
+        if job.kind == "chat":  # per choice on completions, once on chat, as vLLM's
+            body["prompt_logprobs"] = self.shapes.prompt_logprobs(finals[0] if finals else None)
         if finals and finals[-1].weight_version is not None:  # as SGLang's meta_info has it
             body["weight_version"] = finals[-1].weight_version
         return body
@@ -421,4 +423,9 @@ def _entries(job: Job, finals: list[RequestOutput]) -> int:
     width = 1 + (job.num_logprobs or 0)
     prompts = sum(len(output.prompt_token_ids or ()) for output in finals) if job.echo else 0
     generated = sum(len(c.token_ids) for output in finals for c in output.outputs)
-    return (prompts + generated) * width
+    scored = sum(  # prompt_logprobs: per choice on completions
+        len(output.outputs) * sum(len(entry or ()) for entry in output.prompt_logprobs)
+        for output in finals
+        if output.prompt_logprobs is not None
+    )
+    return (prompts + generated) * width + scored
