@@ -273,19 +273,21 @@ def test_chat_template_controls_as_vllm_takes_them(server, llm):
         {"add_generation_prompt": False},
         {"add_generation_prompt": False, "continue_final_message": True},
         {"chat_template_kwargs": {"enable_thinking": False}, "add_generation_prompt": None},
+        {"chat_template_kwargs": {"add_generation_prompt": False}},  # overrides, as vLLM's
     ):
         body = {"model": "toy", "messages": messages, **options}
         served = httpx.post(f"{url}/tokenize", json=body).json()["tokens"]
         given = {k: v for k, v in options.items() if k != "chat_template_kwargs" and v is not None}
         flags = {"add_generation_prompt": True, **given}  # the server's default, as vLLM's
-        variables = options.get("chat_template_kwargs", {})
-        want = tokenizer.apply_chat_template(messages, tokenize=False, **flags, **variables)
+        flags |= options.get("chat_template_kwargs", {})
+        want = tokenizer.apply_chat_template(messages, tokenize=False, **flags)
         assert served == tokenizer.encode(want, add_special_tokens=False), options
         chat = {**body, "max_tokens": 1, "temperature": 0.0}
         reply = httpx.post(f"{url}/v1/chat/completions", json=chat).json()
         assert reply["usage"]["prompt_tokens"] == len(served), options
         rendered.append(served)
     assert len({tuple(ids) for ids in rendered[:3]}) == 3 and rendered[3] == rendered[0]
+    assert rendered[4] == rendered[1]
     for options, param in (
         ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs.tokenize"),
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),

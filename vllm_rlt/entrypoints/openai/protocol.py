@@ -281,10 +281,6 @@ class ChatMessage(StrictModel):
     name: str | None = None
 
 
-# Set by the request's own fields, not through chat_template_kwargs.
-_TEMPLATE_ARGUMENTS = frozenset({"messages", "add_generation_prompt", "continue_final_message"})
-
-
 class ChatTemplateFields(StrictModel):
     """vLLM's chat-template controls, on chat and on /tokenize with messages: a new assistant
     message opened (default), or the last message continued; `chat_template_kwargs` are
@@ -295,12 +291,13 @@ class ChatTemplateFields(StrictModel):
     chat_template_kwargs: dict[str, Any] | None = None
 
     def template_options(self) -> dict[str, Any]:
-        """apply_chat_template's keyword arguments; `tools` and `documents` among the
-        kwargs are its own arguments, as in transformers, and its other arguments are
-        refused by path ("chat_template_kwargs.tokenize")."""
+        """apply_chat_template's keyword arguments. As in vLLM, the kwargs override the
+        fields of the same names (`add_generation_prompt`, ...) and `tools` and `documents`
+        among them are the template's own; the messages and the rendering's other
+        arguments are refused by path ("chat_template_kwargs.tokenize")."""
         variables = dict(self.chat_template_kwargs or {})
         for name in variables:
-            if name in CONTROL_KEYWORDS or name in _TEMPLATE_ARGUMENTS:
+            if name in CONTROL_KEYWORDS or name == "messages":
                 raise ParamError(
                     f"chat_template_kwargs.{name}: is an argument of the chat template's "
                     "rendering, not a template variable",
