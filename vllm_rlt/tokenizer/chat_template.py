@@ -185,13 +185,14 @@ def render_chat(
         last = messages[-1]
         messages[-1] = {**last, "content": last["content"] + _CONTINUE_MARK}
     try:
-        text = compile_template(template).render(
-            messages=messages,
-            tools=tools,
-            documents=documents,
-            add_generation_prompt=add_generation_prompt,
+        context = {  # a dict: any variable name is the caller's, "self" too
             **variables,
-        )
+            "messages": messages,
+            "tools": tools,
+            "documents": documents,
+            "add_generation_prompt": add_generation_prompt,
+        }
+        text = compile_template(template).render(context)
     except (jinja2.TemplateError, TypeError, LookupError, AttributeError, ArithmeticError) as exc:
         # A variable or message of a type the template cannot use: the caller's input.
         raise ParamError(f"the chat template failed on this input: {exc}", "messages") from exc

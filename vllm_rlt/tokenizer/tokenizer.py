@@ -411,6 +411,7 @@ class Tokenizer:
     def apply_chat_template(
         self,
         messages: list[dict[str, Any]],
+        /,
         add_generation_prompt: bool = True,
         *,
         chat_template: str | None = None,

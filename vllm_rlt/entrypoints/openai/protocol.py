@@ -161,8 +161,8 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     def _stream_only_fields(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise _field_error("stream_options", "only allowed with stream=true")
-        if self.prompt_logprobs is not None and self.stream:  # as vLLM refuses it
-            raise _field_error("prompt_logprobs", "not available with stream=true")
+        if self.prompt_logprobs and self.stream:  # as vLLM refuses it
+            raise _field_error("prompt_logprobs", "above 0 is not available with stream=true")
         return self
 
     def sampling_params(

@@ -156,6 +156,9 @@ class OpenAIServing:
             text = tokenizer.apply_chat_template(dicts, **template.template_options())
         except ParamError as exc:  # a message's own field by its path, as the schema's
             where = exc.param or ""
+            if where in (template.chat_template_kwargs or {}):  # tools, documents
+                where = f"chat_template_kwargs.{where}"
+                raise APIError(400, f"{where}: {exc}", param=where) from exc
             if not where.startswith("messages["):
                 raise APIError(400, str(exc), param=exc.param or "messages") from exc
             path = re.sub(r"\[(\d+)\]", r".\1", where)
