@@ -185,7 +185,7 @@ def test_errors_use_the_openai_error_object(server):
         api.completions.create(model="nope", prompt="x", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="context length"):
         api.completions.create(model="toy", prompt="x", max_tokens=5000)
-    with pytest.raises(openai.BadRequestError, match="best_of is not supported"):
+    with pytest.raises(openai.BadRequestError, match="best_of: is not supported"):
         api.completions.create(model="toy", prompt="x", max_tokens=2, best_of=2)
     with pytest.raises(openai.BadRequestError, match="max_loops"):
         api.completions.create(model="toy", prompt="x", max_tokens=2, extra_body={"max_loops": 9})

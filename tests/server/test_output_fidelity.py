@@ -241,7 +241,7 @@ def test_errors_name_the_prompt_and_the_logit_bias_entry(server):
     range is named by its key."""
     url, _ = server
     empty = _post(url, {"prompt": [[5, 6], []], "max_tokens": 2}).json()["error"]
-    assert empty["param"] == "prompt.1" and empty["message"].startswith("prompt.1: prompt must")
+    assert empty["param"] == "prompt.1" and empty["message"].startswith("prompt.1: must contain")
     too_long = {"prompt": ["a", "b" * 4200], "max_tokens": 10}
     named = _post(url, too_long).json()["error"]
     assert named["param"] == "prompt.1" and "(4200 tokens) exceeds" in named["message"]

@@ -161,7 +161,7 @@ def test_vllm_sampling_extensions(server):
         ("allowed_token_ids", [-3], "allowed_token_ids.0: must be a token id in [0, 258]"),
         ("bad_words", [], "bad_words"),
         ("bad_words", ["x" * 9], "bad word 'xxxxxxxxx' is 9 tokens without a leading space"),
-        ("bad_words", ["  "], "bad_words must hold non-blank strings"),
+        ("bad_words", ["  "], "bad_words: must hold non-blank strings"),
     ):
         reply = httpx.post(f"{url}/v1/completions", json={**body, field: value})
         assert reply.status_code == 400, (field, value)

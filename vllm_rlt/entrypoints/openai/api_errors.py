@@ -43,8 +43,11 @@ def as_api_error(exc: BaseException) -> APIError:
         return APIError(503, str(exc), "service_unavailable")
     if isinstance(exc, RequestFailedError):
         return APIError(500, str(exc), "internal_error")
-    if isinstance(exc, ValueError):
-        return APIError(400, str(exc), param=getattr(exc, "param", None))
+    if isinstance(exc, ValueError):  # "min_tokens must be ..." as the schema's "field: ..."
+        param, message = getattr(exc, "param", None), str(exc)
+        if param and message.startswith(f"{param} "):
+            message = f"{param}: {message[len(param) + 1 :]}"
+        return APIError(400, message, param=param)
     return APIError(500, f"request failed: {exc!r}", "internal_error")
 
 

@@ -115,7 +115,7 @@ class OpenAIServing:
             except APIError as exc:  # which of several prompts, by its path
                 if len(texts) > 1 and exc.param == "prompt":
                     exc.param = f"prompt.{index}"
-                    exc.message = f"prompt.{index}: {exc.message}"
+                    exc.message = f"prompt.{index}: {exc.message.removeprefix('prompt: ')}"
                 raise
             # Text of token-id prompts is only shown with echo, special tokens kept (as
             # vLLM decodes it), so that the text offsets of the prompt's tokens hold.
