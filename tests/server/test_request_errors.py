@@ -190,6 +190,14 @@ def test_a_bad_token_id_is_named_by_its_path(server, path, change, param):
     assert ("decimal digits" in message) == misspelt, message
 
 
+@pytest.mark.parametrize("bad", ["5", True, None, [7]])
+def test_a_logit_bias_value_that_is_no_number_gives_the_range(server, bad):
+    url, _ = server
+    body = {**BASES["/v1/completions"], "logit_bias": {"5": bad}}
+    message = error_of(httpx.post(f"{url}/v1/completions", json=body), "logit_bias.5")
+    assert message == "logit_bias.5: must be a number (allowed: [-100.0, 100.0])"
+
+
 @pytest.mark.parametrize("bad", [1.5, "7", True, None, [7]])
 def test_a_detokenize_entry_that_is_no_integer_gives_the_range(server, bad):
     url, _ = server

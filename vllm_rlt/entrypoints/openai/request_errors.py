@@ -12,7 +12,7 @@ from typing import Any
 from pydantic import BaseModel
 
 from vllm_rlt.config import shown_int
-from vllm_rlt.sampling_params import FIELD_BOUNDS
+from vllm_rlt.sampling_params import FIELD_BOUNDS, MAX_LOGIT_BIAS
 from vllm_rlt.token_ids import token_range
 
 # A union member's name in an error location ("str", "list[int]"): not a field.
@@ -167,6 +167,8 @@ def _allowed_range(model: type[BaseModel], param: str, served: ServedLimits) -> 
     name, _, entry = param.partition(".")
     if name in TOKEN_ID_LISTS and entry.isdigit() and name in model.model_fields:
         return token_range(served.vocab_size)
+    if name == "logit_bias" and entry and name in model.model_fields:  # an entry's value
+        return f"[{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"
     field = model.model_fields.get(param)
     if field is None:
         return None
