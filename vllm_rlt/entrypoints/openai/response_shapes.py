@@ -59,7 +59,10 @@ class ResponseShapes:
         index: int,
         completion: CompletionOutput,
         output: RequestOutput,
+        prompt_logprobs: list[dict[str, Any] | None] | None = None,
     ) -> dict[str, Any]:
+        """A whole choice; `prompt_logprobs` (a completion's, built once for all the choices
+        of its prompt) goes in as it is."""
         text = completion.text
         if job.echo:
             text = (job.prompts[prompt_index][0] or "") + text
@@ -73,7 +76,7 @@ class ResponseShapes:
             logprobs = self._with_prompt(job, prompt_index, output, logprobs)
         if job.kind == "completion":
             choice.update(text=text, logprobs=logprobs)
-            choice["prompt_logprobs"] = self.prompt_logprobs(output)
+            choice["prompt_logprobs"] = prompt_logprobs
         else:
             choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
         if job.exit_depths:

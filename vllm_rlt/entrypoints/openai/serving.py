@@ -289,12 +289,14 @@ class OpenAIServing:
         choices = []
         generated = 0
         for prompt_index, output in enumerate(finals):
+            # one object for every choice of the prompt: n choices cost one build
+            scored = self.shapes.prompt_logprobs(output) if job.kind == "completion" else None
             for completion in output.outputs:
                 choice_index = prompt_index * job.params.n + completion.index
                 completion = shown(job, completion)
                 generated += len(completion.token_ids)
                 choices.append(
-                    self.shapes.choice(job, prompt_index, choice_index, completion, output)
+                    self.shapes.choice(job, prompt_index, choice_index, completion, output, scored)
                 )
         body = {
             "id": job.request_id,
