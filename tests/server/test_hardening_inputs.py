@@ -218,6 +218,37 @@ def test_max_sequences_per_request_is_configurable():
         wait_idle(state)
 
 
+def test_logprob_entries_per_reply_are_bounded(server):
+    """The default bound refuses a reply of 2 x 128 choices x 4000 prompt tokens x 21 before it
+    runs; a small one counts choices x tokens x (logprobs + 1) exactly, prompt_logprobs and
+    echo included, and a stream is sent as it comes."""
+    url, state = server
+    huge = {"model": "toy", "prompt": [[5] * 4000, [6] * 4000], "max_tokens": 1, "n": 128}
+    error = assert_error(
+        httpx.post(f"{url}/v1/completions", json={**huge, "prompt_logprobs": 20}),
+        400,
+        "prompt_logprobs",
+    )
+    assert "21504000" in error["message"] and "--max-logprobs-per-request" in error["message"]
+    wait_idle(state)
+    with running_server(max_logprobs_per_request=60) as (small, state):
+        body = {"model": "toy", "prompt": [5, 6, 7, 8], "max_tokens": 5, "n": 2}
+        # 2 choices x 5 tokens x 3 = 30, then 2 x 4 prompt tokens x 3 more = 54
+        for extra, status in (
+            ({"logprobs": 2}, 200),
+            ({"logprobs": 2, "prompt_logprobs": 2}, 200),
+            ({"logprobs": 2, "prompt_logprobs": 3}, 400),  # 30 + 2 x 4 x 4 = 62
+            ({"logprobs": 2, "echo": True}, 400),  # 2 x 9 x 3 + 2 x 4 x 3 = 78
+            ({"logprobs": 2, "n": 5, "stream": True}, 200),
+        ):
+            reply = httpx.post(f"{small}/v1/completions", json={**body, **extra}, timeout=60)
+            assert reply.status_code == status, (extra, reply.text)
+        chat = {"model": "toy", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 21}
+        chat |= {"logprobs": True, "top_logprobs": 2}  # 21 x 3 = 63
+        assert_error(httpx.post(f"{small}/v1/chat/completions", json=chat), 400, "top_logprobs")
+        wait_idle(state)
+
+
 @pytest.mark.parametrize(
     ("path", "change", "param"),
     [

@@ -17,6 +17,7 @@ BAD = [
     ({"max_queue": 0}, "--max-queue must be >= 1, got 0"),
     ({"max_body_bytes": -5}, "--max-body-bytes must be >= 1, got -5"),
     ({"max_sequences_per_request": 0}, "--max-sequences-per-request must be >= 1, got 0"),
+    ({"max_logprobs_per_request": -1}, "--max-logprobs-per-request must be >= 1, got -1"),
     ({"max_header_bytes": 0}, "--max-header-bytes must be >= 1, got 0"),
     ({"max_connections": 0}, "--limit-concurrency must be >= 1, got 0"),
     ({"header_timeout": -1.0}, "--header-timeout must be >= 0 seconds, got -1.0"),

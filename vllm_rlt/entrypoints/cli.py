@@ -143,6 +143,13 @@ def _add_http_args(group: argparse._ArgumentGroup) -> None:
         help="prompts x n one request may ask for; more get 400",
     )
     group.add_argument(
+        "--max-logprobs-per-request",
+        type=int,
+        default=1 << 24,
+        help="logprob entries one non-streamed reply may hold (choices x tokens x "
+        "(logprobs + 1), prompt_logprobs and echo included); more get 400",
+    )
+    group.add_argument(
         "--request-timeout", type=float, default=None, help="seconds (default: none)"
     )
     group.add_argument(
@@ -413,6 +420,7 @@ def _server_settings(ns: argparse.Namespace, parallel: ParallelConfig) -> Server
         max_body_bytes=ns.max_body_bytes,
         stall_timeout=ns.stall_timeout,
         max_sequences_per_request=ns.max_sequences_per_request,
+        max_logprobs_per_request=ns.max_logprobs_per_request,
         header_timeout=ns.header_timeout,
         body_timeout=ns.body_timeout,
         keep_alive_timeout=ns.timeout_keep_alive,

@@ -63,6 +63,7 @@ class ServerState:
                 name,
                 self.settings.request_timeout,
                 self.settings.max_sequences_per_request,
+                self.settings.max_logprobs_per_request,
             )
             self.metrics, self.engine = metrics, engine
             if self.attach is not None:

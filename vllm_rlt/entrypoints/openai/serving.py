@@ -31,6 +31,9 @@ from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.tokenizer import GIL_FREE_CHARS
 
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
+# Logprob entries one non-streamed reply may hold (each about 70 bytes of JSON and, before
+# that, a Python object or two): a bound on the memory one request can take.
+DEFAULT_MAX_LOGPROBS_PER_REQUEST = 1 << 24
 # A non-streamed body of more tokens and logprob entries than this is built on a worker
 # thread (a thread hop costs about what building this many on the event loop does).
 INLINE_ENTRIES = 2048
@@ -54,6 +57,7 @@ class OpenAIServing:
         model_name: str,
         request_timeout: float | None,
         max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+        max_logprobs_per_request: int = DEFAULT_MAX_LOGPROBS_PER_REQUEST,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
@@ -61,6 +65,7 @@ class OpenAIServing:
         self.max_model_len = engine.max_model_len
         self.request_timeout = request_timeout
         self.max_sequences_per_request = max_sequences_per_request
+        self.max_logprobs_per_request = max_logprobs_per_request
         self.closing = False  # shutting down: new requests get 503, aborted ones too
         self.shapes = ResponseShapes(engine, tokenizer, model_name)
 
@@ -79,6 +84,32 @@ class OpenAIServing:
                 f"prompts x n = {num_prompts} x {n} = {total} sequences; one request may ask "
                 f"for at most {limit} (--max-sequences-per-request)",
                 param="n" if n > 1 else "prompt",
+            )
+
+    def check_reply_size(self, job: Job, stream: bool) -> None:
+        """Bound the logprob entries a non-streamed reply may hold, before it runs: per
+        choice, the generated tokens' (up to max_tokens, else the context), the echoed
+        prompt's, and prompt_logprobs (per choice on completions, once on chat)."""
+        if stream:  # sent as they come
+            return
+        params, width = job.params, _width(job.num_logprobs)
+        by_field = {"logprobs": 0, "prompt_logprobs": 0}
+        for _, ids in job.prompts:
+            room = params.max_tokens or self.max_model_len - len(ids)
+            echoed = len(ids) if job.echo else 0
+            by_field["logprobs"] += params.n * (room + echoed) * width
+            copies = params.n if job.kind == "completion" else 1
+            by_field["prompt_logprobs"] += copies * len(ids) * _width(params.prompt_logprobs)
+        total, limit = sum(by_field.values()), self.max_logprobs_per_request
+        if total > limit:
+            param = max(by_field, key=by_field.__getitem__)
+            param = "top_logprobs" if param == "logprobs" and job.kind == "chat" else param
+            raise APIError(
+                400,
+                f"{param}: this reply could hold {total} logprob entries (choices x tokens x "
+                f"(logprobs + 1)); one reply may hold at most {limit} "
+                "(--max-logprobs-per-request): ask for fewer, set max_tokens, or stream it",
+                param=param,
             )
 
     def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
@@ -127,7 +158,7 @@ class OpenAIServing:
                 else None
             )
             prompts.append((text, ids))
-        return Job(
+        job = Job(
             "completion",
             request_id,
             prompts,
@@ -137,6 +168,8 @@ class OpenAIServing:
             exit_depths=request.return_exit_depths,
             prompt_only=max_tokens == 0,
         )
+        self.check_reply_size(job, bool(request.stream))
+        return job
 
     def tokenizer_for(self, model: str | None) -> Tokenizer:
         """The tokenizer, after checking the model name when one is given."""
@@ -189,7 +222,7 @@ class OpenAIServing:
                 exc.param = "max_completion_tokens"
                 exc.message = exc.message.replace("max_tokens", "max_completion_tokens")
             raise
-        return Job(
+        job = Job(
             "chat",
             request_id,
             [(text, ids)],
@@ -197,6 +230,8 @@ class OpenAIServing:
             num_logprobs,
             exit_depths=request.return_exit_depths,
         )
+        self.check_reply_size(job, bool(request.stream))
+        return job
 
     def _params(self, request, max_tokens: int | None, num_logprobs: int | None) -> SamplingParams:
         """The request's sampling in the core's terms (bad words tokenized once, for every
@@ -420,6 +455,11 @@ def _aborted(output: RequestOutput) -> bool:
 
 def _error_body(exc: BaseException) -> dict[str, Any]:
     return as_api_error(exc).body()
+
+
+def _width(num_logprobs: int | None) -> int:
+    """Entries a position's logprobs hold: the token and the top N; none when not asked."""
+    return 0 if num_logprobs is None else num_logprobs + 1
 
 
 def _entries(job: Job, finals: list[RequestOutput]) -> int:

@@ -11,7 +11,10 @@ from vllm_rlt.engine.process.dp_client import RemoteCores
 from vllm_rlt.engine.process.remote_channel import channel_keys, check_address, check_ports
 from vllm_rlt.engine_config import MAX_DATA_PARALLEL, EngineConfig
 from vllm_rlt.entrypoints.openai.origins import origin_problem
-from vllm_rlt.entrypoints.openai.serving import DEFAULT_MAX_SEQUENCES_PER_REQUEST
+from vllm_rlt.entrypoints.openai.serving import (
+    DEFAULT_MAX_LOGPROBS_PER_REQUEST,
+    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
+)
 
 MAX_API_SERVERS = 64
 
@@ -25,6 +28,7 @@ class ServerSettings:
     max_body_bytes: int = 1 << 20
     stall_timeout: float = 60.0
     max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST
+    max_logprobs_per_request: int = DEFAULT_MAX_LOGPROBS_PER_REQUEST
     header_timeout: float = 30.0
     body_timeout: float = 60.0
     keep_alive_timeout: float = 5.0
@@ -50,6 +54,7 @@ class ServerSettings:
             "max-queue": self.max_queue,
             "max-body-bytes": self.max_body_bytes,
             "max-sequences-per-request": self.max_sequences_per_request,
+            "max-logprobs-per-request": self.max_logprobs_per_request,
             "max-header-bytes": self.max_header_bytes,
             "limit-concurrency": self.max_connections,
         }
