@@ -257,6 +257,8 @@ def test_logprob_entries_per_reply_are_bounded(server):
         ("/v1/chat/completions", {"stream_options": {}, "stream": False}, "stream_options"),
         ("/v1/chat/completions", {"top_logprobs": 2}, "top_logprobs"),
         ("/tokenize", {"messages": []}, "messages"),
+        ("/tokenize", {"prompt": "x", "add_generation_prompt": False}, "add_generation_prompt"),
+        ("/v1/chat/completions", {"continue_final_message": "yes"}, "continue_final_message"),
         ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, "prompt"),
         (
             "/v1/chat/completions",

@@ -24,6 +24,7 @@ _MESSAGES = {
     "int_parsing_size": "integer out of range",
     "int_type": "must be an integer",
     "float_type": "must be a number",
+    "bool_type": "must be true or false",
     "finite_number": "must be a finite number",
     **{kind: "must be a JSON object" for kind in _OBJECT_ERRORS},
 }
