@@ -239,6 +239,8 @@ def test_logprob_entries_per_reply_are_bounded(server):
             ({"logprobs": 2, "prompt_logprobs": 2}, 200),
             ({"logprobs": 2, "prompt_logprobs": 3}, 400),  # 30 + 2 x 4 x 4 = 62
             ({"logprobs": 2, "echo": True}, 400),  # 2 x 9 x 3 + 2 x 4 x 3 = 78
+            # the prompt alone: 2 x 5 x 3 echoed + 2 x 5 x 3 prompt_logprobs = 60, no token
+            ({"prompt": [5, 6, 7, 8, 9], "max_tokens": 0, "logprobs": 2, "echo": True}, 200),
             ({"logprobs": 2, "n": 5, "stream": True}, 200),
         ):
             reply = httpx.post(f"{small}/v1/completions", json={**body, **extra}, timeout=60)

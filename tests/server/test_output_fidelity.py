@@ -293,12 +293,17 @@ def test_chat_template_controls_as_vllm_takes_them(server, llm):
         ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs.messages"),
         ({"continue_final_message": True}, "continue_final_message"),
         ({"chat_template_kwargs": {"tools": "x"}}, "chat_template_kwargs.tools"),
+        (
+            {"chat_template_kwargs": {"add_generation_prompt": "no"}},
+            "chat_template_kwargs.add_generation_prompt",
+        ),
     ):
         body = {"model": "toy", "messages": messages, **options}
         for path in ("/tokenize", "/v1/chat/completions"):
             error = httpx.post(f"{url}{path}", json=body)
             assert error.status_code == 400, (options, error.text)
             assert error.json()["error"]["param"] == param, options
+            assert error.json()["error"]["message"].startswith(f"{param}: "), options
 
 
 def test_prompt_logprobs_as_vllm_returns_them(server, llm):

@@ -168,15 +168,16 @@ def render_chat(
         )
     require(
         not (continue_final_message and add_generation_prompt),
-        "continue_final_message and add_generation_prompt are not compatible: the first "
-        "continues the last message, the second starts a new assistant message",
+        "continue_final_message needs add_generation_prompt false: the first continues the "
+        "last message, the second starts a new assistant message",
         "continue_final_message",
     )
     for name, value in (("tools", tools), ("documents", documents)):
         require(
             value is None
             or (isinstance(value, list) and all(isinstance(v, Mapping) for v in value)),
-            f"{name} must be a list of dicts (JSON schemas for tools)",
+            f"{name} must be a list of dicts"
+            + (" (JSON schemas for tools)" if name == "tools" else ""),
             name,
         )
     messages = normalize_messages(messages)

@@ -297,7 +297,15 @@ class ChatTemplateFields(StrictModel):
         arguments are refused by path ("chat_template_kwargs.tokenize")."""
         variables = dict(self.chat_template_kwargs or {})
         for name in variables:
-            if name in CONTROL_KEYWORDS or name == "messages":
+            if name in ("add_generation_prompt", "continue_final_message"):
+                value = variables[name]
+                if not isinstance(value, bool):  # as strict as the fields themselves
+                    raise ParamError(
+                        f"chat_template_kwargs.{name}: must be true or false, got "
+                        f"{shown_json(value)}",
+                        f"chat_template_kwargs.{name}",
+                    )
+            elif name in CONTROL_KEYWORDS or name == "messages":
                 raise ParamError(
                     f"chat_template_kwargs.{name}: is an argument of the chat template's "
                     "rendering, not a template variable",

@@ -95,7 +95,7 @@ class OpenAIServing:
         params, width = job.params, _width(job.num_logprobs)
         by_field = {"logprobs": 0, "prompt_logprobs": 0}
         for _, ids in job.prompts:
-            room = params.max_tokens or self.max_model_len - len(ids)
+            room = 0 if job.prompt_only else params.max_tokens or self.max_model_len - len(ids)
             echoed = len(ids) if job.echo else 0
             by_field["logprobs"] += params.n * (room + echoed) * width
             copies = params.n if job.kind == "completion" else 1
@@ -190,10 +190,11 @@ class OpenAIServing:
         except ParamError as exc:  # a message's own field by its path, as the schema's
             where = exc.param or ""
             if where in (template.chat_template_kwargs or {}):  # tools, documents
+                problem = str(exc).removeprefix(f"{where} ")
                 where = f"chat_template_kwargs.{where}"
-                raise APIError(400, f"{where}: {exc}", param=where) from exc
+                raise APIError(400, f"{where}: {problem}", param=where) from exc
             if not where.startswith("messages["):
-                raise APIError(400, str(exc), param=exc.param or "messages") from exc
+                raise as_api_error(exc) from exc
             path = re.sub(r"\[(\d+)\]", r".\1", where)
             problem = str(exc).removeprefix(where).lstrip()
             raise APIError(400, f"{path}: {problem}", param=path) from exc
