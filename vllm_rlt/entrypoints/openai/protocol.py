@@ -341,9 +341,9 @@ class TokenizeRequest(ChatTemplateFields, RequestBody):
     def _check(self) -> TokenizeRequest:
         if (self.prompt is None) == (self.messages is None):
             raise _field_error("prompt", "give exactly one of prompt or messages")
-        for name in sorted(self.model_fields_set & ChatTemplateFields.model_fields.keys()):
-            if self.prompt is not None:  # not ignored: refused, as unknown fields are
-                raise _field_error(name, "only with messages (it renders the chat template)")
+        chat_only = sorted(self.model_fields_set & ChatTemplateFields.model_fields.keys())
+        if self.prompt is not None and chat_only:  # not ignored: refused, as unknown fields are
+            raise _field_error(chat_only[0], "only with messages (it renders the chat template)")
         return self
 
 

@@ -187,15 +187,14 @@ class OpenAIServing:
         dicts = [m.model_dump(exclude_none=True) for m in messages]
         try:
             text = tokenizer.apply_chat_template(dicts, **template.template_options())
-        except ParamError as exc:  # a message's own field by its path, as the schema's
+        except ParamError as exc:  # a field the template checks, by its path as the schema's
             where = exc.param or ""
             if where in (template.chat_template_kwargs or {}):  # tools, documents
-                problem = str(exc).removeprefix(f"{where} ")
-                where = f"chat_template_kwargs.{where}"
-                raise APIError(400, f"{where}: {problem}", param=where) from exc
-            if not where.startswith("messages["):
+                path = f"chat_template_kwargs.{where}"
+            elif where.startswith("messages["):
+                path = re.sub(r"\[(\d+)\]", r".\1", where)
+            else:
                 raise as_api_error(exc) from exc
-            path = re.sub(r"\[(\d+)\]", r".\1", where)
             problem = str(exc).removeprefix(where).lstrip()
             raise APIError(400, f"{path}: {problem}", param=path) from exc
         except ValueError as exc:  # the template's own raise_exception
