@@ -352,3 +352,43 @@ def test_template_variables_reach_the_template():
     )
     messages = [{"role": "user", "content": "hi"}]
     assert tokenizer.apply_chat_template(messages, **request.template_options()) == "7 False False"
+
+
+def _chat_events(url: str, body: dict) -> list[dict]:
+    reply = httpx.post(f"{url}/v1/chat/completions", json={**body, "stream": True}, timeout=60)
+    assert reply.status_code == 200, reply.text
+    events = [e for e in reply.content.split(b"\n\n") if e.startswith(b"data: {")]
+    return [json.loads(e[len(b"data: ") :])["choices"][0] for e in events]
+
+
+def test_chat_echo_and_reply_role_as_vllm(server):
+    """vLLM's chat `echo`: with the reply continuing the last message's role, each message (or
+    stream, after its role event) starts with that message's text, parts joined with
+    newlines; without a generation prompt the reply takes the last message's role."""
+    url, _ = server
+    user = {"role": "user", "content": "hi"}
+    partial = {"role": "assistant", "content": [{"type": "text", "text": "The"}] * 2}
+    continued = {"add_generation_prompt": False, "continue_final_message": True}
+    for messages, options, role, lead in (
+        ([user, partial], continued, "assistant", "The\nThe"),
+        ([user, partial], {}, "assistant", "The\nThe"),  # a new assistant turn: still its role
+        ([user], {}, "assistant", ""),  # the roles differ: nothing echoed
+        ([user], {"add_generation_prompt": False}, "user", "hi"),
+    ):
+        body = {"model": "toy", "messages": messages, "max_tokens": 4, "temperature": 0.0, "n": 2}
+        body |= options
+        plain = httpx.post(f"{url}/v1/chat/completions", json=body).json()["choices"]
+        echoed = httpx.post(f"{url}/v1/chat/completions", json={**body, "echo": True}).json()
+        for was, now in zip(plain, echoed["choices"], strict=True):
+            assert was["message"]["role"] == now["message"]["role"] == role, options
+            assert now["message"]["content"] == lead + was["message"]["content"], options
+        events = _chat_events(url, {**body, "echo": True})
+        assert [e["delta"] for e in events[:2]] == [{"role": role, "content": ""}] * 2
+        echo_events = [e["delta"] for e in events[2:4]] if lead else []
+        assert echo_events == [{"content": lead}] * len(echo_events)
+        for choice in (0, 1):
+            text = "".join(e["delta"].get("content", "") for e in events if e["index"] == choice)
+            assert text == echoed["choices"][choice]["message"]["content"], options
+    refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "echo": "yes"})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"].startswith("echo: must be true or false")

@@ -92,7 +92,7 @@ def compile_template(source: str) -> jinja2.Template:
         raise ValueError(f"chat template does not compile: {exc}") from exc
 
 
-def _message_content(content: Any, where: str) -> str:
+def message_text(content: Any, where: str) -> str:
     """A message's text: a string, or OpenAI-style text parts joined with newlines (as vLLM)."""
     if isinstance(content, str):
         return content
@@ -140,7 +140,7 @@ def normalize_messages(messages: Any) -> list[dict[str, Any]]:
             f"{where}.role must be a string, got {type(role).__name__}",
             f"{where}.role",
         )
-        content = _message_content(message.get("content"), f"{where}.content")
+        content = message_text(message.get("content"), f"{where}.content")
         normalized.append({**message, "content": content})
     return normalized
 

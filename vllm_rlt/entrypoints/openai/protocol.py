@@ -319,7 +319,11 @@ class ChatTemplateFields(StrictModel):
 
 
 class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
+    """`echo` starts each reply with the last message's text when the reply continues its
+    role (the assistant's with `add_generation_prompt`, else the last message's), as vLLM's."""
+
     messages: list[ChatMessage] = Field(min_length=1)
+    echo: StrictBool | None = False  # null: false, as vLLM's
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False  # null: false
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

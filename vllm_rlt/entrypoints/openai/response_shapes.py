@@ -26,6 +26,8 @@ class Job:
     echo: bool = False
     exit_depths: bool = False
     prompt_only: bool = False  # max_tokens 0 with echo: the one token generated is not shown
+    role: str = "assistant"  # a chat reply's
+    lead: str = ""  # chat echo: the text each reply's message starts with
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -78,7 +80,8 @@ class ResponseShapes:
             choice.update(text=text, logprobs=logprobs)
             choice["prompt_logprobs"] = prompt_logprobs
         else:
-            choice.update(message={"role": "assistant", "content": text}, logprobs=logprobs)
+            message = {"role": job.role, "content": job.lead + text}
+            choice.update(message=message, logprobs=logprobs)
         if job.exit_depths:
             choice["exit_depths"] = list(completion.exit_depths)
         return choice
@@ -123,10 +126,11 @@ class ResponseShapes:
     @staticmethod
     def role_deltas(job: Job) -> list[dict[str, Any]]:
         """A chat stream's first choices, as vLLM and OpenAI send them before any token: the
-        role alone, with empty content."""
-        delta = {"role": "assistant", "content": ""}
+        role alone, with empty content; then, with echo, the echoed text (as vLLM's)."""
         empty = {"logprobs": None, "finish_reason": None, "stop_reason": None}
-        return [{"index": i, "delta": delta, **empty} for i in range(job.params.n)]
+        choices = range(job.params.n)
+        deltas = [{"role": job.role, "content": ""}] + ([{"content": job.lead}] if job.lead else [])
+        return [{"index": i, "delta": delta, **empty} for delta in deltas for i in choices]
 
     def chunk(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {

@@ -28,6 +28,7 @@ from vllm_rlt.entrypoints.openai.response_shapes import Job, ResponseShapes, sho
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
+from vllm_rlt.tokenizer.chat_template import message_text
 from vllm_rlt.tokenizer.tokenizer import GIL_FREE_CHARS
 
 DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
@@ -222,6 +223,12 @@ class OpenAIServing:
                 exc.param = "max_completion_tokens"
                 exc.message = exc.message.replace("max_tokens", "max_completion_tokens")
             raise
+        # the reply continues the assistant's turn, or without a generation prompt the last
+        # message's; echo starts it with that message's text when the roles agree (vLLM's)
+        last = request.messages[-1]
+        opened = request.template_options()["add_generation_prompt"]
+        role = "assistant" if opened else last.role
+        echoed = request.echo and last.role == role
         job = Job(
             "chat",
             request_id,
@@ -229,6 +236,8 @@ class OpenAIServing:
             params,
             num_logprobs,
             exit_depths=request.return_exit_depths,
+            role=role,
+            lead=message_text(last.content, "messages") if echoed else "",
         )
         self.check_reply_size(job, bool(request.stream))
         return job
@@ -379,8 +388,8 @@ class OpenAIServing:
                     yield DONE
                     return
                 if job.kind == "chat" and not sent:
-                    for role in self.shapes.role_deltas(job):  # an event each, as vLLM's
-                        yield _sse(self.shapes.chunk(job, [role]))
+                    for opening in self.shapes.role_deltas(job):  # an event each, as vLLM's
+                        yield _sse(self.shapes.chunk(job, [opening]))
                     sent = dict.fromkeys(range(job.params.n), 0)
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
