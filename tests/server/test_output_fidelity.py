@@ -392,3 +392,55 @@ def test_chat_echo_and_reply_role_as_vllm(server):
     refused = httpx.post(f"{url}/v1/chat/completions", json={**body, "echo": "yes"})
     assert refused.status_code == 400
     assert refused.json()["error"]["message"].startswith("echo: must be true or false")
+
+
+def test_token_ids_in_replies_as_vllm_returns_them(server):
+    """vLLM's return_token_ids: a completion choice holds its prompt's and its own ids, a chat
+    reply the prompt's once and each choice its own; streamed, the prompt's come with each
+    choice's first event (chat: its role event) and every event holds its new ids.
+    return_tokens_as_token_ids names logprob tokens `token_id:N`."""
+    url, _ = server
+    prompt = EOS_AFTER_FIVE
+    base = {"max_tokens": 4, "temperature": 0.0, "n": 2, "return_token_ids": True}
+    messages = [{"role": "user", "content": "hi"}]
+    chat_prompt = httpx.post(f"{url}/tokenize", json={"messages": messages}).json()["tokens"]
+    for kind, body in (
+        ("completion", {"prompt": prompt, **base}),
+        ("chat", {"messages": messages, **base}),
+    ):
+        path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+        whole = httpx.post(f"{url}{path}", json={"model": "toy", **body}).json()
+        plain = httpx.post(f"{url}{path}", json={"model": "toy", **body, "return_token_ids": None})
+        assert "token_ids" not in plain.json()["choices"][0]
+        ids = [choice["token_ids"] for choice in whole["choices"]]
+        assert [len(i) for i in ids] == [4, 4] and ids[0] == ids[1], kind
+        if kind == "completion":
+            assert [c["prompt_token_ids"] for c in whole["choices"]] == [prompt] * 2
+        else:
+            assert whole["prompt_token_ids"] == chat_prompt
+        stream = {"model": "toy", **body, "stream": True}
+        reply = httpx.post(f"{url}{path}", json=stream, timeout=60)
+        events = [json.loads(e[6:]) for e in reply.content.split(b"\n\n") if e[6:7] == b"{"]
+        for index in (0, 1):
+            mine = [e for e in events if e["choices"][0]["index"] == index]
+            got = [t for e in mine for t in e["choices"][0].get("token_ids", [])]
+            assert got == ids[index], kind
+            if kind == "completion":
+                firsts = [e["choices"][0].get("prompt_token_ids") for e in mine]
+                assert firsts[0] == prompt and not any(firsts[1:]), kind
+            else:
+                assert mine[0]["prompt_token_ids"] == chat_prompt
+                assert mine[0]["choices"][0]["delta"]["role"] == "assistant"
+                assert not any("prompt_token_ids" in e for e in mine[1:])
+    named = {"max_tokens": 3, "temperature": 0.0, "return_tokens_as_token_ids": True}
+    completion = _post(url, {"prompt": prompt, "logprobs": 2, "return_token_ids": True, **named})
+    choice = completion.json()["choices"][0]
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in choice["token_ids"]]
+    for top in choice["logprobs"]["top_logprobs"]:
+        assert top and all(key.startswith("token_id:") for key in top)
+    chat = {"model": "toy", "messages": messages, "logprobs": True, "top_logprobs": 2, **named}
+    content = httpx.post(f"{url}/v1/chat/completions", json=chat).json()["choices"][0]
+    for entry in content["logprobs"]["content"]:
+        for shown in [entry, *entry["top_logprobs"]]:
+            assert shown["token"].startswith("token_id:")
+            assert shown["bytes"] == list(shown["token"].encode())

@@ -155,6 +155,9 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     skip_special_tokens: StrictBool = True
     spaces_between_special_tokens: StrictBool = True
     return_exit_depths: StrictBool = False
+    # vLLM's: the prompt's and each choice's token ids in the reply; logprob tokens as ids
+    return_token_ids: StrictBool | None = False
+    return_tokens_as_token_ids: StrictBool | None = False
     best_of: StrictInt | None = None  # vLLM V1 dropped it: null or n (SamplingParams checks)
 
     @model_validator(mode="after")
@@ -185,6 +188,14 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
             logit_bias=self._logit_bias(),
         )
         return SamplingParams(**{**fields, **(defaults or {})})
+
+    def reply_options(self) -> dict[str, bool]:
+        """What the reply shows besides the text (Job's fields)."""
+        return {
+            "exit_depths": self.return_exit_depths,
+            "token_ids": bool(self.return_token_ids),
+            "tokens_as_ids": bool(self.return_tokens_as_token_ids),
+        }
 
     def set_fields(self) -> set[str]:
         """The fields the body gives a value: left out or null, a field takes its default

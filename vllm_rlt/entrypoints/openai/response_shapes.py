@@ -26,6 +26,8 @@ class Job:
     echo: bool = False
     exit_depths: bool = False
     prompt_only: bool = False  # max_tokens 0 with echo: the one token generated is not shown
+    token_ids: bool = False  # vLLM's return_token_ids: the prompt's and each choice's ids
+    tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as ids
     role: str = "assistant"  # a chat reply's
     lead: str = ""  # chat echo: the text each reply's message starts with
     created: int = field(default_factory=lambda: int(time.time()))
@@ -79,9 +81,13 @@ class ResponseShapes:
         if job.kind == "completion":
             choice.update(text=text, logprobs=logprobs)
             choice["prompt_logprobs"] = prompt_logprobs
+            if job.token_ids:
+                choice["prompt_token_ids"] = job.prompts[prompt_index][1]
         else:
             message = {"role": job.role, "content": job.lead + text}
             choice.update(message=message, logprobs=logprobs)
+        if job.token_ids:
+            choice["token_ids"] = list(completion.token_ids)
         if job.exit_depths:
             choice["exit_depths"] = list(completion.exit_depths)
         return choice
@@ -101,7 +107,7 @@ class ResponseShapes:
         nothing to show. `offset`: the length of the choice's text already sent."""
         finished = completion.finish_reason is not None
         text = completion.text
-        per_token = job.num_logprobs is not None or job.exit_depths
+        per_token = job.num_logprobs is not None or job.exit_depths or job.token_ids
         if not text and not finished and not first and not (per_token and completion.token_ids):
             return None
         if job.echo and first:
@@ -117,20 +123,33 @@ class ResponseShapes:
         }
         if job.kind == "completion":
             chunk["text"] = text
+            if job.token_ids and first:
+                chunk["prompt_token_ids"] = job.prompts[prompt_index][1]
         else:
             chunk["delta"] = {"content": text}
+        if job.token_ids:
+            chunk["token_ids"] = list(completion.token_ids)
         if job.exit_depths:
             chunk["exit_depths"] = list(completion.exit_depths)
         return chunk
 
-    @staticmethod
-    def role_deltas(job: Job) -> list[dict[str, Any]]:
-        """A chat stream's first choices, as vLLM and OpenAI send them before any token: the
-        role alone, with empty content; then, with echo, the echoed text (as vLLM's)."""
+    def openings(self, job: Job) -> list[dict[str, Any]]:
+        """A chat stream's first chunks, one choice each, as vLLM and OpenAI send them before
+        any token: the role alone, with empty content (and with return_token_ids the
+        prompt's ids); then, with echo, the echoed text (as vLLM's)."""
         empty = {"logprobs": None, "finish_reason": None, "stop_reason": None}
         choices = range(job.params.n)
-        deltas = [{"role": job.role, "content": ""}] + ([{"content": job.lead}] if job.lead else [])
-        return [{"index": i, "delta": delta, **empty} for delta in deltas for i in choices]
+
+        def one(index: int, delta: dict[str, str]) -> dict[str, Any]:
+            return self.chunk(job, [{"index": index, "delta": delta, **empty}])
+
+        chunks = [one(i, {"role": job.role, "content": ""}) for i in choices]
+        if job.token_ids:
+            for chunk in chunks:
+                chunk["prompt_token_ids"] = job.prompts[0][1]
+        if job.lead:
+            chunks += [one(i, {"content": job.lead}) for i in choices]
+        return chunks
 
     def chunk(self, job: Job, choices: list[dict[str, Any]]) -> dict[str, Any]:
         chunk = {
@@ -160,17 +179,19 @@ class ResponseShapes:
             return {
                 "content": [
                     {
-                        **self._token_fields(token, value),
-                        "top_logprobs": [self._token_fields(t, v) for t, v in top],
+                        **self._token_fields(job, token, value),
+                        "top_logprobs": [self._token_fields(job, t, v) for t, v in top],
                     }
                     for token, value, top in entries
                 ]
             }
-        tokens = [self._token_text(t) for t, _, _ in entries]
+        tokens = [self._token_text(job, t) for t, _, _ in entries]
         return {
             "tokens": tokens,
             "token_logprobs": [value for _, value, _ in entries],
-            "top_logprobs": [{self._token_text(t): v for t, v in top} for _, _, top in entries],
+            "top_logprobs": [
+                {self._token_text(job, t): v for t, v in top} for _, _, top in entries
+            ],
             "text_offset": _text_offsets(tokens, offset),
         }
 
@@ -183,12 +204,12 @@ class ResponseShapes:
         entries = output.prompt_logprobs or [None] * len(ids)
         tokens, values, tops = [], [], []
         for token, entry in zip(ids, entries, strict=True):
-            tokens.append(self._token_text(token))
+            tokens.append(self._token_text(job, token))
             values.append(None if entry is None else entry[token].logprob)
             if entry is None:
                 tops.append(None)
                 continue
-            tops.append({self._token_text(t): v for t, v in self._top(job, entry)})
+            tops.append({self._token_text(job, t): v for t, v in self._top(job, entry)})
         tokens += logprobs["tokens"]
         return {
             "tokens": tokens,
@@ -227,14 +248,18 @@ class ResponseShapes:
             return [(t, v.logprob) for t, v in ranked[: job.num_logprobs]]
         return [(t, v.logprob) for t, v in list(entry.items())[: (job.num_logprobs or 0) + 1]]
 
-    def _token_fields(self, token: int, logprob: float) -> dict[str, Any]:
-        text = self._token_text(token)
-        raw = self.tokenizer.token_bytes(token) if self.tokenizer else text.encode("utf-8")
+    def _token_fields(self, job: Job, token: int, logprob: float) -> dict[str, Any]:
+        text = self._token_text(job, token)
+        real = self.tokenizer is not None and not job.tokens_as_ids
+        raw = self.tokenizer.token_bytes(token) if real else text.encode("utf-8")
         return {"token": text, "logprob": logprob, "bytes": list(raw)}
 
-    def _token_text(self, token: int) -> str:
+    def _token_text(self, job: Job, token: int) -> str:
         """The token's text, or its vocabulary string where the text alone is not valid
-        UTF-8 (so distinct tokens keep distinct keys)."""
+        UTF-8 (so distinct tokens keep distinct keys); `token_id:N` for a job that asks
+        for ids (vLLM's return_tokens_as_token_ids)."""
+        if job.tokens_as_ids:
+            return f"token_id:{token}"
         text = self.decode([token], False)
         if "\ufffd" in text and self.tokenizer is not None:
             return self.tokenizer.convert_ids_to_tokens([token])[0]

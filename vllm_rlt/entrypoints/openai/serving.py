@@ -166,8 +166,8 @@ class OpenAIServing:
             params,
             request.logprobs,
             echo=bool(request.echo),
-            exit_depths=request.return_exit_depths,
             prompt_only=max_tokens == 0,
+            **request.reply_options(),
         )
         self.check_reply_size(job, bool(request.stream))
         return job
@@ -235,8 +235,8 @@ class OpenAIServing:
             [(text, ids)],
             params,
             num_logprobs,
-            exit_depths=request.return_exit_depths,
             role=role,
+            **request.reply_options(),
             lead=message_text(last.content, "messages") if echoed else "",
         )
         self.check_reply_size(job, bool(request.stream))
@@ -352,6 +352,8 @@ class OpenAIServing:
         }
         if job.kind == "chat":  # per choice on completions, once on chat, as vLLM's
             body["prompt_logprobs"] = self.shapes.prompt_logprobs(finals[0] if finals else None)
+            if job.token_ids:
+                body["prompt_token_ids"] = job.prompts[0][1]
         if finals and finals[-1].weight_version is not None:  # as SGLang's meta_info has it
             body["weight_version"] = finals[-1].weight_version
         return body
@@ -388,8 +390,8 @@ class OpenAIServing:
                     yield DONE
                     return
                 if job.kind == "chat" and not sent:
-                    for opening in self.shapes.role_deltas(job):  # an event each, as vLLM's
-                        yield _sse(self.shapes.chunk(job, [opening]))
+                    for opening in self.shapes.openings(job):  # an event each, as vLLM's
+                        yield _sse(opening)
                     sent = dict.fromkeys(range(job.params.n), 0)
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
