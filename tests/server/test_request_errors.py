@@ -139,10 +139,10 @@ def test_max_tokens_past_the_context_is_refused_with_the_room_the_prompt_leaves(
     body = {"model": "toy", "prompt": prompt, "max_tokens": room + 1}
     message = error_of(httpx.post(f"{url}/v1/completions", json=body), "max_tokens")
     assert message.endswith(f"max_tokens must be in [1, {room}]"), message
-    job = state.ready().completion_job(CompletionRequest(**{**body, "max_tokens": room}))
+    job = state.ready().jobs.completion_job(CompletionRequest(**{**body, "max_tokens": room}))
     assert job.params.max_tokens == room
     with pytest.raises(APIError):
-        state.ready().completion_job(CompletionRequest(**body))
+        state.ready().jobs.completion_job(CompletionRequest(**body))
 
 
 def test_context_and_token_ranges_before_the_model_has_loaded_are_named_in_words():

@@ -11,7 +11,7 @@ import pytest
 
 from vllm_rlt import LLM, SamplingParams
 from vllm_rlt.entrypoints.openai.protocol import ChatCompletionRequest
-from vllm_rlt.entrypoints.openai.serving import OpenAIServing
+from vllm_rlt.entrypoints.openai.request_jobs import RequestJobs
 from vllm_rlt.models.generation_defaults import sampling_defaults
 
 
@@ -39,7 +39,7 @@ class _Engine:
 
 
 def test_a_request_keeps_what_it_sets_and_takes_the_rest_from_the_model():
-    serving = OpenAIServing.__new__(OpenAIServing)
+    serving = RequestJobs.__new__(RequestJobs)
     serving.engine = _Engine()
     base = {"model": "m", "messages": [{"role": "user", "content": "x"}]}
     unset = serving._params(ChatCompletionRequest.model_validate(base), 4, None)

@@ -175,7 +175,7 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         serving = state.ready()
-        tokens = await build_job(serving.tokenize, body, request)
+        tokens = await build_job(serving.jobs.tokenize, body, request)
         return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
 
     @app.get("/tokenizer_info")
@@ -183,7 +183,7 @@ def build_app(state: ServerState) -> FastAPI:
         """What a client needs to tokenize as the server does (lm-eval's remote tokenizer
         reads it, with /tokenize and /detokenize)."""
         serving = state.ready()
-        tokenizer = serving.tokenizer_for(None)
+        tokenizer = serving.jobs.tokenizer_for(None)
         return {
             "tokenizer_class": "vllm-rlt",
             "eos_token": tokenizer.eos_token,
@@ -196,7 +196,7 @@ def build_app(state: ServerState) -> FastAPI:
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict[str, Any]:
-        tokenizer = state.ready().tokenizer_for(body.model)
+        tokenizer = state.ready().jobs.tokenizer_for(body.model)
         try:
             check_token_ids("tokens", body.tokens, tokenizer.vocab_size)
         except ParamError as exc:
@@ -207,13 +207,13 @@ def build_app(state: ServerState) -> FastAPI:
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         serving = state.ready()
-        job = await build_job(serving.completion_job, body, request)
+        job = await build_job(serving.jobs.completion_job, body, request)
         return await respond(serving, job, bool(body.stream), body.stream_options, request)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request):
         serving = state.ready()
-        job = await build_job(serving.chat_job, body, request)
+        job = await build_job(serving.jobs.chat_job, body, request)
         return await respond(serving, job, bool(body.stream), body.stream_options, request)
 
     return app

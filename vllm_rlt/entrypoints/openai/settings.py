@@ -11,7 +11,7 @@ from vllm_rlt.engine.process.dp_client import RemoteCores
 from vllm_rlt.engine.process.remote_channel import channel_keys, check_address, check_ports
 from vllm_rlt.engine_config import MAX_DATA_PARALLEL, EngineConfig
 from vllm_rlt.entrypoints.openai.origins import origin_problem
-from vllm_rlt.entrypoints.openai.serving import (
+from vllm_rlt.entrypoints.openai.request_jobs import (
     DEFAULT_MAX_LOGPROBS_PER_REQUEST,
     DEFAULT_MAX_SEQUENCES_PER_REQUEST,
 )
