@@ -35,7 +35,8 @@ async def respond(serving: OpenAIServing, job, stream: bool, options, request: R
             if not await _first_of(work, gone):
                 return Response(status_code=499)
             return Response(work.result(), media_type="application/json")
-        events = serving.stream(job, include_usage=bool(options and options.include_usage))
+        usage = bool(options and options.include_usage)
+        events = serving.stream(job, usage, usage and options.continuous_usage_stats)
         first = asyncio.ensure_future(anext(events))
         if not await _first_of(first, gone):
             await events.aclose()

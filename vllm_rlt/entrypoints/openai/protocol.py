@@ -115,6 +115,7 @@ def _field_error(field: str, message: str) -> PydanticCustomError:
 
 class StreamOptions(StrictModel):
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False  # with include_usage: usage in every event
 
 
 def _bounded_fields() -> dict[str, Any]:
@@ -158,6 +159,8 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     # vLLM's: the prompt's and each choice's token ids in the reply; logprob tokens as ids
     return_token_ids: StrictBool | None = False
     return_tokens_as_token_ids: StrictBool | None = False
+    # vLLM's: only the prompt's last N tokens are kept (-1: the model's context)
+    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
     best_of: StrictInt | None = None  # vLLM V1 dropped it: null or n (SamplingParams checks)
 
     @model_validator(mode="after")
@@ -251,6 +254,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: StrictInt | None = Field(default=16, ge=0)
     logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)
     echo: StrictBool | None = False  # null: false, as vLLM's
+    add_special_tokens: StrictBool = True  # the tokenizer's (a BOS, say), as vLLM's
 
     @model_validator(mode="after")
     def _check(self) -> CompletionRequest:
@@ -335,6 +339,7 @@ class ChatCompletionRequest(ChatTemplateFields, SamplingFields):
 
     messages: list[ChatMessage] = Field(min_length=1)
     echo: StrictBool | None = False  # null: false, as vLLM's
+    add_special_tokens: StrictBool = False  # on top of the template's, as vLLM's
     max_completion_tokens: StrictInt | None = Field(default=None, ge=1)
     logprobs: StrictBool | None = False  # null: false
     top_logprobs: StrictInt | None = Field(default=None, ge=0, le=MAX_LOGPROBS)

@@ -105,8 +105,11 @@ class RequestJobs:
 
     def tokenize(self, request: TokenizeRequest) -> list[int]:
         """/tokenize: the chat prompt's or the prompt's token ids."""
-        if request.messages is not None:
-            return self.chat_prompt(request.model, request.messages, request)[1]
+        if request.messages is not None:  # special tokens: the template's alone by default
+            special = (
+                request.add_special_tokens and "add_special_tokens" in request.model_fields_set
+            )
+            return self.chat_prompt(request.model, request.messages, request, special)[1]
         tokenizer = self.tokenizer_for(request.model)
         return encode_text(tokenizer, request.prompt or "", request.add_special_tokens)
 
@@ -124,7 +127,9 @@ class RequestJobs:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = []
         for index, prompt in enumerate(texts):
-            ids = self.encode(prompt)
+            ids = self.encode(prompt, request.add_special_tokens)
+            whole = len(ids)
+            ids = self._kept(ids, request.truncate_prompt_tokens)
             try:  # ids are valid before decoding
                 self._check(f"{request_id}-{index}", ids, params)
             except APIError as exc:  # which of several prompts, by its path
@@ -132,11 +137,12 @@ class RequestJobs:
                     exc.param = f"prompt.{index}"
                     exc.message = f"prompt.{index}: {exc.message.removeprefix('prompt: ')}"
                 raise
-            # Text of token-id prompts is only shown with echo, special tokens kept (as
-            # vLLM decodes it), so that the text offsets of the prompt's tokens hold.
-            text = (
-                prompt if isinstance(prompt, str) else self._text_of(ids) if request.echo else None
-            )
+            # Text of token-id (or truncated) prompts is only shown with echo, special tokens
+            # kept (as vLLM decodes it), so that the text offsets of the prompt's tokens hold.
+            if isinstance(prompt, str) and len(ids) == whole:
+                text = prompt
+            else:
+                text = self._text_of(ids) if request.echo else None
             prompts.append((text, ids))
         job = Job(
             "completion",
@@ -160,7 +166,11 @@ class RequestJobs:
         return self.tokenizer
 
     def chat_prompt(
-        self, model: str | None, messages: list, template: ChatTemplateFields
+        self,
+        model: str | None,
+        messages: list,
+        template: ChatTemplateFields,
+        add_special_tokens: bool = False,
     ) -> tuple[str, list[int]]:
         """Render messages with the chat template; (text, token ids)."""
         tokenizer = self.tokenizer_for(model)
@@ -179,10 +189,14 @@ class RequestJobs:
             raise APIError(400, f"{path}: {problem}", param=path) from exc
         except ValueError as exc:  # the template's own raise_exception
             raise APIError(400, str(exc), param="messages") from exc
-        return text, encode_text(tokenizer, text, False)
+        return text, encode_text(tokenizer, text, add_special_tokens)
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
-        text, ids = self.chat_prompt(request.model, request.messages, request)  # and the model
+        # and the model's name
+        text, ids = self.chat_prompt(
+            request.model, request.messages, request, request.add_special_tokens
+        )
+        ids = self._kept(ids, request.truncate_prompt_tokens)
         self.check_fan_out(1, request.n or 1)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # up to the context, as SamplingParams(max_tokens=None)
@@ -243,6 +257,13 @@ class RequestJobs:
             self.engine.check_request(request_id, ids, params)
         except ValueError as exc:
             raise as_api_error(exc) from exc
+
+    def _kept(self, ids: list[int], keep: int | None) -> list[int]:
+        """The prompt's last `keep` tokens (-1: the context), as the engine keeps them
+        (truncate_prompt_tokens); a value the engine refuses leaves them whole."""
+        if keep is None or keep == 0 or keep > self.max_model_len:
+            return ids
+        return ids[-(self.max_model_len if keep == -1 else keep) :]
 
     def _text_of(self, ids: list[int]) -> str:
         """A token-id prompt's text, special tokens kept (empty without a tokenizer)."""

@@ -48,8 +48,14 @@ class ResponseShapes:
             return ""
         return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
-    def usage(self, job: Job, completion_tokens: int) -> dict[str, int]:
-        prompt_tokens = sum(len(ids) for _, ids in job.prompts)
+    def usage(
+        self, job: Job, completion_tokens: int, prompt_index: int | None = None
+    ) -> dict[str, int]:
+        """The job's token counts, or with `prompt_index` that prompt's alone."""
+        prompts = (
+            job.prompts if prompt_index is None else job.prompts[prompt_index : prompt_index + 1]
+        )
+        prompt_tokens = sum(len(ids) for _, ids in prompts)
         return {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": completion_tokens,

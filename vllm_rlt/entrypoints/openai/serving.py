@@ -146,14 +146,24 @@ class OpenAIServing:
             body["weight_version"] = finals[-1].weight_version
         return body
 
-    async def stream(self, job: Job, include_usage: bool) -> AsyncIterator[bytes]:
-        """Streaming: SSE events, one finish_reason per choice, optional usage, then DONE.
-        An error before the first chunk is a single error event (the caller turns it into
-        a plain error reply)."""
+    async def stream(
+        self, job: Job, include_usage: bool, continuous_usage: bool = False
+    ) -> AsyncIterator[bytes]:
+        """Streaming: SSE events, one finish_reason per choice, optional usage (with
+        `continuous_usage`, also in every event, for its choice so far, as vLLM's), then
+        DONE. An error before the first chunk is a single error event (the caller turns it
+        into a plain error reply)."""
         streams = self._open(job, RequestOutputKind.DELTA)
         items = _merged(streams)
         sent: dict[int, int] = {}  # per choice whose first chunk was sent: its text's length
+        made: dict[int, int] = {}  # per choice: its tokens so far
         generated = 0
+
+        def event(body: dict[str, Any], prompt_index: int, choice_index: int) -> bytes:
+            if continuous_usage:
+                body["usage"] = self.shapes.usage(job, made.get(choice_index, 0), prompt_index)
+            return _sse(body)
+
         deadline = None if self.request_timeout is None else time.monotonic() + self.request_timeout
         try:
             while True:
@@ -179,12 +189,13 @@ class OpenAIServing:
                     return
                 if job.kind == "chat" and not sent:
                     for opening in self.shapes.openings(job):  # an event each, as vLLM's
-                        yield _sse(opening)
+                        yield event(opening, 0, opening["choices"][0]["index"])
                     sent = dict.fromkeys(range(job.params.n), 0)
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
                     completion = shown(job, completion)
                     generated += len(completion.token_ids)
+                    made[choice_index] = made.get(choice_index, 0) + len(completion.token_ids)
                     first = choice_index not in sent
                     offset = sent.get(choice_index, 0)
                     chunk = self.shapes.delta(
@@ -192,7 +203,7 @@ class OpenAIServing:
                     )
                     if chunk is not None:
                         sent[choice_index] = offset + len(chunk.get("text", ""))
-                        yield _sse(self.shapes.chunk(job, [chunk]))
+                        yield event(self.shapes.chunk(job, [chunk]), index, choice_index)
             if include_usage:
                 body = self.shapes.chunk(job, [])
                 body["usage"] = self.shapes.usage(job, generated)
