@@ -62,7 +62,14 @@ def test_truncate_prompt_tokens_keeps_the_last_tokens(server):
         assert refused.status_code == 400, value
         error = refused.json()["error"]
         assert error["param"] == "truncate_prompt_tokens", value
-        assert error["message"].startswith("truncate_prompt_tokens"), value
+        assert error["message"] == (
+            f"truncate_prompt_tokens: must be -1 (the model's context) or in [1, 4096], got {value}"
+        )
+    for value in ("5", 2.0, True):
+        refused = _post(url, "/v1/completions", {"prompt": PROMPT, "truncate_prompt_tokens": value})
+        assert refused.json()["error"]["message"] == (
+            "truncate_prompt_tokens: must be an integer (allowed: -1 or [1, 4096])"
+        )
 
 
 class _Tokenizer:
@@ -71,7 +78,7 @@ class _Tokenizer:
     def __init__(self) -> None:
         self.asked: list[bool] = []
 
-    def encode(self, text: str, add_special_tokens: bool, release_gil: bool = False) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool, **_) -> list[int]:
         self.asked.append(add_special_tokens)
         return [1] * add_special_tokens + [ord(c) for c in text]
 

@@ -160,7 +160,7 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     return_token_ids: StrictBool | None = False
     return_tokens_as_token_ids: StrictBool | None = False
     # vLLM's: only the prompt's last N tokens are kept (-1: the model's context)
-    truncate_prompt_tokens: StrictInt | None = Field(default=None, ge=-1)
+    truncate_prompt_tokens: StrictInt | None = None  # its range checked with the model's
     best_of: StrictInt | None = None  # vLLM V1 dropped it: null or n (SamplingParams checks)
 
     @model_validator(mode="after")

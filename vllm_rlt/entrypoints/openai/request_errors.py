@@ -170,6 +170,8 @@ def _allowed_range(model: type[BaseModel], param: str, served: ServedLimits) -> 
         return token_range(served.vocab_size)
     if name == "logit_bias" and entry and name in model.model_fields:  # an entry's value
         return f"[{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"
+    if param == "truncate_prompt_tokens" and name in model.model_fields:
+        return f"-1 or [1, {served.max_model_len or 'max_model_len'}]"
     field = model.model_fields.get(param)
     if field is None:
         return None

@@ -17,6 +17,7 @@ from vllm_rlt.entrypoints.openai.protocol import (
     CompletionRequest,
     TokenizeRequest,
 )
+from vllm_rlt.entrypoints.openai.request_errors import shown_json
 from vllm_rlt.entrypoints.openai.response_shapes import Job
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
@@ -29,11 +30,13 @@ DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 DEFAULT_MAX_LOGPROBS_PER_REQUEST = 1 << 24
 
 
-def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
-    """`text`'s token ids, a long one (GIL_FREE_CHARS) with the GIL released, on the worker
-    thread that build_job hands a large body to."""
+def encode_text(
+    tokenizer: Tokenizer, text: str, add_special_tokens: bool, keep_last: int | None = None
+) -> list[int]:
+    """`text`'s token ids (at most `keep_last`, Tokenizer.encode), a long one (GIL_FREE_CHARS)
+    with the GIL released, on the worker thread that build_job hands a large body to."""
     long = len(text) > GIL_FREE_CHARS
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens, release_gil=long)
+    return tokenizer.encode(text, add_special_tokens, release_gil=long, keep_last=keep_last)
 
 
 class RequestJobs:
@@ -96,12 +99,15 @@ class RequestJobs:
                 param=param,
             )
 
-    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
+    def encode(
+        self, prompt: str | list[int], add_special_tokens: bool = True, keep: int | None = None
+    ) -> list[int]:
+        """A prompt's token ids, at most its last `keep` (a text's special tokens kept)."""
         if isinstance(prompt, list):
-            return prompt
+            return prompt if keep is None else prompt[-keep:]
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
-        return encode_text(self.tokenizer, prompt, add_special_tokens)
+        return encode_text(self.tokenizer, prompt, add_special_tokens, keep)
 
     def tokenize(self, request: TokenizeRequest) -> list[int]:
         """/tokenize: the chat prompt's or the prompt's token ids."""
@@ -117,6 +123,7 @@ class RequestJobs:
         self.check_model(request.model)
         texts = request.prompts()
         self.check_fan_out(len(texts), request.n or 1)
+        keep = self._kept(request.truncate_prompt_tokens)
         # left out: 16; null: up to the context, per prompt (SamplingParams' None), as vLLM
         max_tokens = request.max_tokens
         params = self._params(
@@ -127,9 +134,7 @@ class RequestJobs:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         prompts = []
         for index, prompt in enumerate(texts):
-            ids = self.encode(prompt, request.add_special_tokens)
-            whole = len(ids)
-            ids = self._kept(ids, request.truncate_prompt_tokens)
+            ids = self.encode(prompt, request.add_special_tokens, keep)
             try:  # ids are valid before decoding
                 self._check(f"{request_id}-{index}", ids, params)
             except APIError as exc:  # which of several prompts, by its path
@@ -139,7 +144,7 @@ class RequestJobs:
                 raise
             # Text of token-id (or truncated) prompts is only shown with echo, special tokens
             # kept (as vLLM decodes it), so that the text offsets of the prompt's tokens hold.
-            if isinstance(prompt, str) and len(ids) == whole:
+            if isinstance(prompt, str) and (keep is None or len(ids) < keep):  # uncut
                 text = prompt
             else:
                 text = self._text_of(ids) if request.echo else None
@@ -171,8 +176,10 @@ class RequestJobs:
         messages: list,
         template: ChatTemplateFields,
         add_special_tokens: bool = False,
+        keep: int | None = None,
     ) -> tuple[str, list[int]]:
-        """Render messages with the chat template; (text, token ids)."""
+        """Render messages with the chat template; (text, token ids, at most the last
+        `keep`)."""
         tokenizer = self.tokenizer_for(model)
         dicts = [m.model_dump(exclude_none=True) for m in messages]
         try:
@@ -189,14 +196,17 @@ class RequestJobs:
             raise APIError(400, f"{path}: {problem}", param=path) from exc
         except ValueError as exc:  # the template's own raise_exception
             raise APIError(400, str(exc), param="messages") from exc
-        return text, encode_text(tokenizer, text, add_special_tokens)
+        return text, encode_text(tokenizer, text, add_special_tokens, keep)
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
         # and the model's name
         text, ids = self.chat_prompt(
-            request.model, request.messages, request, request.add_special_tokens
+            request.model,
+            request.messages,
+            request,
+            request.add_special_tokens,
+            self._kept(request.truncate_prompt_tokens),
         )
-        ids = self._kept(ids, request.truncate_prompt_tokens)
         self.check_fan_out(1, request.n or 1)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # up to the context, as SamplingParams(max_tokens=None)
@@ -258,12 +268,19 @@ class RequestJobs:
         except ValueError as exc:
             raise as_api_error(exc) from exc
 
-    def _kept(self, ids: list[int], keep: int | None) -> list[int]:
-        """The prompt's last `keep` tokens (-1: the context), as the engine keeps them
-        (truncate_prompt_tokens); a value the engine refuses leaves them whole."""
-        if keep is None or keep == 0 or keep > self.max_model_len:
-            return ids
-        return ids[-(self.max_model_len if keep == -1 else keep) :]
+    def _kept(self, truncate_prompt_tokens: int | None) -> int | None:
+        """How many of a prompt's last tokens run (-1: the context), or None for all."""
+        keep, context = truncate_prompt_tokens, self.max_model_len
+        if keep is None or keep == -1:
+            return None if keep is None else context
+        if not 1 <= keep <= context:
+            raise APIError(
+                400,
+                f"truncate_prompt_tokens: must be -1 (the model's context) or in [1, "
+                f"{context}], got {shown_json(keep)}",
+                param="truncate_prompt_tokens",
+            )
+        return keep
 
     def _text_of(self, ids: list[int]) -> str:
         """A token-id prompt's text, special tokens kept (empty without a tokenizer)."""
