@@ -146,11 +146,11 @@ def build_app(state: ServerState) -> FastAPI:
             "object": "list",
             "data": [
                 {
-                    "id": serving.model_name,
+                    "id": serving.jobs.model_name,
                     "object": "model",
                     "created": 0,
                     "owned_by": "vllm-rlt",
-                    "max_model_len": serving.max_model_len,
+                    "max_model_len": serving.jobs.max_model_len,
                 }
             ],
         }
@@ -176,7 +176,7 @@ def build_app(state: ServerState) -> FastAPI:
     async def tokenize(body: TokenizeRequest, request: Request) -> dict[str, Any]:
         serving = state.ready()
         tokens = await build_job(serving.jobs.tokenize, body, request)
-        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.max_model_len}
+        return {"tokens": tokens, "count": len(tokens), "max_model_len": serving.jobs.max_model_len}
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict[str, Any]:
@@ -191,7 +191,7 @@ def build_app(state: ServerState) -> FastAPI:
             "pad_token": None,
             "chat_template": tokenizer.chat_template,
             "vocab_size": tokenizer.vocab_size,
-            "model_max_length": serving.max_model_len,
+            "model_max_length": serving.jobs.max_model_len,
         }
 
     @app.post("/detokenize")
@@ -230,8 +230,8 @@ def served_limits(state: ServerState, path: str) -> ServedLimits:
         return ServedLimits()
     info = serving.engine.info
     vocab = info.vocab_size
-    if path == "/detokenize" and serving.tokenizer is not None:
-        vocab = serving.tokenizer.vocab_size
+    if path == "/detokenize" and serving.jobs.tokenizer is not None:
+        vocab = serving.jobs.tokenizer.vocab_size
     return ServedLimits(info.num_loops, info.max_model_len, vocab)
 
 

@@ -11,6 +11,7 @@ from vllm_rlt.engine.async_llm import AsyncLLM
 from vllm_rlt.engine.process.core_client import CoreAttachment
 from vllm_rlt.entrypoints.openai.api_errors import APIError
 from vllm_rlt.entrypoints.openai.metrics import ServerMetrics
+from vllm_rlt.entrypoints.openai.request_jobs import RequestJobs
 from vllm_rlt.entrypoints.openai.serving import OpenAIServing
 from vllm_rlt.entrypoints.openai.settings import ServerSettings
 
@@ -57,14 +58,14 @@ class ServerState:
             index = self.attach[0].client if self.attach is not None else 1
             metrics = ServerMetrics(engine.info.num_loops, name, index)
             engine.observer = metrics
-            self.serving = OpenAIServing(
+            jobs = RequestJobs(
                 engine,
                 engine.tokenizer,
                 name,
-                self.settings.request_timeout,
                 self.settings.max_sequences_per_request,
                 self.settings.max_logprobs_per_request,
             )
+            self.serving = OpenAIServing(jobs, self.settings.request_timeout)
             self.metrics, self.engine = metrics, engine
             if self.attach is not None:
                 logger.info(

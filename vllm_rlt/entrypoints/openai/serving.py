@@ -11,19 +11,14 @@ from typing import Any
 
 import orjson
 
-from vllm_rlt.engine.async_llm import AsyncLLM, EngineDeadError, QueueFullError
+from vllm_rlt.engine.async_llm import EngineDeadError, QueueFullError
 from vllm_rlt.engine.output_processor import RequestFailedError
 from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.entrypoints.openai.api_errors import APIError, as_api_error
-from vllm_rlt.entrypoints.openai.request_jobs import (
-    DEFAULT_MAX_LOGPROBS_PER_REQUEST,
-    DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-    RequestJobs,
-)
+from vllm_rlt.entrypoints.openai.request_jobs import RequestJobs
 from vllm_rlt.entrypoints.openai.response_shapes import Job, ResponseShapes, shown
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind
-from vllm_rlt.tokenizer import Tokenizer
 
 # A non-streamed body of more tokens and logprob entries than this is built on a worker
 # thread (a thread hop costs about what building this many on the event loop does).
@@ -34,25 +29,12 @@ class OpenAIServing:
     """The served model's side of the completion routes: requests made into jobs (`jobs`),
     and jobs run on the engine."""
 
-    def __init__(
-        self,
-        engine: AsyncLLM,
-        tokenizer: Tokenizer | None,
-        model_name: str,
-        request_timeout: float | None,
-        max_sequences_per_request: int = DEFAULT_MAX_SEQUENCES_PER_REQUEST,
-        max_logprobs_per_request: int = DEFAULT_MAX_LOGPROBS_PER_REQUEST,
-    ) -> None:
-        self.engine = engine
-        self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.max_model_len = engine.max_model_len
+    def __init__(self, jobs: RequestJobs, request_timeout: float | None) -> None:
+        self.jobs = jobs
+        self.engine = jobs.engine
         self.request_timeout = request_timeout
         self.closing = False  # shutting down: new requests get 503, aborted ones too
-        self.jobs = RequestJobs(
-            engine, tokenizer, model_name, max_sequences_per_request, max_logprobs_per_request
-        )
-        self.shapes = ResponseShapes(engine, tokenizer, model_name)
+        self.shapes = ResponseShapes(jobs.engine, jobs.tokenizer, jobs.model_name)
 
     def _open(self, job: Job, kind: RequestOutputKind) -> list[RequestStream]:
         """Queue the job's requests (all or none) and return their streams, whose outputs
@@ -134,7 +116,7 @@ class OpenAIServing:
             "id": job.request_id,
             "object": "text_completion" if job.kind == "completion" else "chat.completion",
             "created": job.created,
-            "model": self.model_name,
+            "model": self.jobs.model_name,
             "choices": choices,
             "usage": self.shapes.usage(job, generated),
         }
