@@ -174,7 +174,8 @@ def test_fan_out_is_bounded_before_anything_is_queued(server):
     url, state = server
     body = {"model": "toy", "prompt": ["1+1="] * 2000, "n": 128, "max_tokens": 1}
     error = assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "n")
-    assert "256000" in error["message"] and "--max-sequences-per-request" in error["message"]
+    assert error["message"].startswith("n: prompts x n = 2000 x 128 = 256000 sequences")
+    assert "--max-sequences-per-request" in error["message"]
     assert state.engine.engine_stats().num_requests == 0 and state.engine.num_requests == 0
     body = {"model": "toy", "prompt": "x", "n": 129}
     assert_error(httpx.post(f"{url}/v1/completions", json=body), 400, "n")

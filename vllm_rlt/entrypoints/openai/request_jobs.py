@@ -66,11 +66,12 @@ class RequestJobs:
         total = num_prompts * n
         limit = self.max_sequences_per_request
         if total > limit:
+            param = "n" if n > 1 else "prompt"
             raise APIError(
                 400,
-                f"prompts x n = {num_prompts} x {n} = {total} sequences; one request may ask "
-                f"for at most {limit} (--max-sequences-per-request)",
-                param="n" if n > 1 else "prompt",
+                f"{param}: prompts x n = {num_prompts} x {n} = {total} sequences; one request "
+                f"may ask for at most {limit} (--max-sequences-per-request)",
+                param=param,
             )
 
     def check_reply_size(self, job: Job, stream: bool) -> None:
