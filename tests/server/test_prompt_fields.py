@@ -5,6 +5,7 @@ stream_options.continuous_usage_stats puts each choice's usage so far in every e
 
 from __future__ import annotations
 
+import asyncio
 import json
 from types import SimpleNamespace
 
@@ -157,3 +158,37 @@ def test_continuous_usage_stats_in_every_event(server):
         alone = {"include_usage": False, "continuous_usage_stats": True}
         quiet = _events(url, path, {**body, **sampling, "stream_options": alone})
         assert not any("usage" in event for event in quiet), path
+
+
+def test_a_clients_request_id_names_the_reply(server):
+    """vLLM's request_id: the reply's id is "cmpl-<id>" ("chatcmpl-<id>"), streamed too, and
+    two requests giving the same id at once both run; a control character or an id past
+    256 characters is refused."""
+    url, _ = server
+    body = {"prompt": PROMPT, "max_tokens": 3, "request_id": "trainer-7"}
+    assert _post(url, "/v1/completions", body).json()["id"] == "cmpl-trainer-7"
+    streamed = _events(url, "/v1/completions", body)
+    assert {event["id"] for event in streamed} == {"cmpl-trainer-7"}
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3, "request_id": "x"}
+    assert _post(url, "/v1/chat/completions", chat).json()["id"] == "chatcmpl-x"
+
+    async def together() -> list[httpx.Response]:
+        async with httpx.AsyncClient(timeout=60) as client:
+            slow = {**body, "max_tokens": 64, "ignore_eos": True}
+            calls = [
+                client.post(f"{url}/v1/completions", json={"model": "toy", **slow}) for _ in "abcd"
+            ]
+            return await asyncio.gather(*calls)
+
+    replies = asyncio.run(together())
+    assert [r.status_code for r in replies] == [200] * 4
+    assert {r.json()["id"] for r in replies} == {"cmpl-trainer-7"}
+    for bad in ("", "a\nb", "x" * 257):
+        refused = _post(url, "/v1/completions", {**body, "request_id": bad})
+        assert refused.status_code == 400, bad
+        assert refused.json()["error"] == {
+            "message": "request_id: must be 1 to 256 printable characters",
+            "type": "invalid_request_error",
+            "param": "request_id",
+            "code": 400,
+        }

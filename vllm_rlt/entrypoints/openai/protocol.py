@@ -108,6 +108,11 @@ class RequestBody(StrictModel):
         return data
 
 
+# A client's request id goes into reply ids and log lines: printable, and not long.
+MAX_REQUEST_ID = 256
+_REQUEST_ID = re.compile(rf"[^\x00-\x1f\x7f-\x9f]{{1,{MAX_REQUEST_ID}}}")
+
+
 def _field_error(field: str, message: str) -> PydanticCustomError:
     """A check across fields, reported under `field` (the error's param)."""
     return PydanticCustomError("field_error", "{field}: " + message, {"field": field})
@@ -162,6 +167,15 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     # vLLM's: only the prompt's last N tokens are kept (-1: the model's context)
     truncate_prompt_tokens: StrictInt | None = None  # its range checked with the model's
     best_of: StrictInt | None = None  # vLLM V1 dropped it: null or n (SamplingParams checks)
+
+    # vLLM's: named in the reply's id ("cmpl-<request_id>"); two requests may give the same
+    request_id: str | None = None
+
+    @model_validator(mode="after")
+    def _printable_request_id(self) -> SamplingFields:
+        if self.request_id is not None and not _REQUEST_ID.fullmatch(self.request_id):
+            raise _field_error("request_id", f"must be 1 to {MAX_REQUEST_ID} printable characters")
+        return self
 
     @model_validator(mode="after")
     def _stream_only_fields(self) -> SamplingFields:

@@ -132,12 +132,12 @@ class RequestJobs:
         )
         if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
             params = replace(params, prompt_logprobs=request.logprobs)  # as vLLM's
-        request_id = f"cmpl-{uuid.uuid4().hex}"
+        request_id, engine_id = _ids("cmpl", request.request_id)
         prompts = []
         for index, prompt in enumerate(texts):
             ids = self.encode(prompt, request.add_special_tokens, keep)
             try:  # ids are valid before decoding
-                self._check(f"{request_id}-{index}", ids, params)
+                self._check(f"{engine_id}-{index}", ids, params)
             except APIError as exc:  # which of several prompts, by its path
                 if len(texts) > 1 and exc.param == "prompt":
                     exc.param = f"prompt.{index}"
@@ -158,6 +158,7 @@ class RequestJobs:
             request.logprobs,
             echo=bool(request.echo),
             prompt_only=max_tokens == 0,
+            engine_id=engine_id,
             **request.reply_options(),
         )
         self.check_reply_size(job, bool(request.stream))
@@ -213,10 +214,10 @@ class RequestJobs:
         if max_tokens is None:  # up to the context, as SamplingParams(max_tokens=None)
             max_tokens = self.engine.processor.checker.limits.default_max_tokens(len(ids))
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        request_id, engine_id = _ids("chatcmpl", request.request_id)
         try:
             params = self._params(request, max_tokens, num_logprobs)
-            self._check(f"{request_id}-0", ids, params)
+            self._check(f"{engine_id}-0", ids, params)
         except APIError as exc:
             # the error names the field the client sent: the prompt is its messages, and
             # max_completion_tokens means max_tokens here
@@ -240,6 +241,7 @@ class RequestJobs:
             params,
             num_logprobs,
             role=role,
+            engine_id=engine_id,
             **request.reply_options(),
             lead=message_text(last.content, "messages") if echoed else "",
         )
@@ -293,3 +295,13 @@ class RequestJobs:
 def logprob_width(num_logprobs: int | None) -> int:
     """Entries a position's logprobs hold: the token and the top N; none when not asked."""
     return 0 if num_logprobs is None else num_logprobs + 1
+
+
+def _ids(prefix: str, given: str | None) -> tuple[str, str]:
+    """(the reply's id, its engine requests' stem): a client's request_id named in the
+    reply as vLLM names it, with a random part in the engine's ids, so that two requests
+    giving the same one both run."""
+    token = uuid.uuid4().hex
+    if given is None:
+        return f"{prefix}-{token}", f"{prefix}-{token}"
+    return f"{prefix}-{given}", f"{prefix}-{given}-{token[:12]}"

@@ -19,7 +19,7 @@ class Job:
     """One endpoint call: its engine requests (one per prompt) and how to shape results."""
 
     kind: str  # "completion" | "chat"
-    request_id: str
+    request_id: str  # the reply's id
     prompts: list[tuple[str | None, list[int]]]
     params: SamplingParams
     num_logprobs: int | None
@@ -30,7 +30,11 @@ class Job:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as ids
     role: str = "assistant"  # a chat reply's
     lead: str = ""  # chat echo: the text each reply's message starts with
+    engine_id: str = ""  # its engine requests' ids' stem, unique while it runs (or request_id)
     created: int = field(default_factory=lambda: int(time.time()))
+
+    def __post_init__(self) -> None:
+        self.engine_id = self.engine_id or self.request_id
 
 
 class ResponseShapes:

@@ -50,7 +50,7 @@ class OpenAIServing:
             raise as_api_error(exc) from exc
         params = replace(job.params, output_kind=kind)
         return [
-            engine.add_request(f"{job.request_id}-{index}", ids, params, prompt=text)
+            engine.add_request(f"{job.engine_id}-{index}", ids, params, prompt=text)
             for index, (text, ids) in enumerate(job.prompts)
         ]
 
