@@ -318,9 +318,9 @@ def test_a_long_prompt_is_tokenized_with_the_gil_released(server, monkeypatch):
     flags: list[bool] = []
     encode = Tokenizer.encode
 
-    def spied(self, text, add_special_tokens=True, release_gil=False, keep_last=None):
+    def spied(self, text, add_special_tokens=True, release_gil=False):
         flags.append(release_gil)
-        return encode(self, text, add_special_tokens, release_gil, keep_last)
+        return encode(self, text, add_special_tokens, release_gil)
 
     monkeypatch.setattr(Tokenizer, "encode", spied)
     reply = httpx.post(f"{url}/tokenize", json={"prompt": long})

@@ -16,7 +16,8 @@ from vllm_rlt.entrypoints.openai.protocol import (
     CompletionRequest,
     TokenizeRequest,
 )
-from vllm_rlt.entrypoints.openai.request_jobs import RequestJobs
+from vllm_rlt.entrypoints.openai.request_jobs import RequestJobs, request_ids
+from vllm_rlt.tokenizer import Tokenizer, build_byte_tokenizer
 
 PROMPT = [184, 257, 12, 130]
 
@@ -183,12 +184,45 @@ def test_a_clients_request_id_names_the_reply(server):
     replies = asyncio.run(together())
     assert [r.status_code for r in replies] == [200] * 4
     assert {r.json()["id"] for r in replies} == {"cmpl-trainer-7"}
-    for bad in ("", "a\nb", "x" * 257):
+    form = "1 to 256 printable characters"
+    for bad, message in (
+        ("", f"must be {form}"),
+        ("a\nb", f"must be {form}"),
+        ("a\u2028b", f"must be {form}"),  # a line separator
+        ("x" * 257, f"must be {form}"),
+        (7, f"must be a string (allowed: {form})"),
+    ):
         refused = _post(url, "/v1/completions", {**body, "request_id": bad})
         assert refused.status_code == 400, bad
         assert refused.json()["error"] == {
-            "message": "request_id: must be 1 to 256 printable characters",
+            "message": f"request_id: {message}",
             "type": "invalid_request_error",
             "param": "request_id",
             "code": 400,
         }
+
+
+def test_engine_ids_stay_unique_when_clients_reuse_a_request_id():
+    """The engine's ids of a client's request_id carry a random part (two requests giving
+    the same one both run); a generated id is unique already."""
+    given = [request_ids("cmpl", "same") for _ in range(3)]
+    assert {reply for reply, _ in given} == {"cmpl-same"}
+    assert len({engine for _, engine in given}) == 3
+    assert all(engine.startswith("cmpl-same-") for _, engine in given)
+    reply, engine = request_ids("chatcmpl", None)
+    assert reply == engine and reply.startswith("chatcmpl-")
+
+
+def test_an_uncut_text_prompt_echoes_as_it_was_sent():
+    """A text prompt of exactly truncate_prompt_tokens ids (its BOS counted) is not cut:
+    it echoes as sent; one token fewer cuts its first character, its BOS kept."""
+    jobs, _ = _jobs()
+    jobs.tokenizer = Tokenizer(
+        build_byte_tokenizer(), bos_token="<|endoftext|>", add_bos_token=True
+    )
+    body = {"model": "m", "prompt": "abc", "echo": True, "max_tokens": 0}
+    whole = jobs.completion_job(CompletionRequest(**body, truncate_prompt_tokens=4))
+    assert whole.prompts[0] == ("abc", jobs.tokenizer.encode("abc"))
+    cut = jobs.completion_job(CompletionRequest(**body, truncate_prompt_tokens=3))
+    bos = jobs.tokenizer.bos_token_id
+    assert cut.prompts[0] == ("<|endoftext|>bc", [bos, *jobs.tokenizer.encode("bc", False)])

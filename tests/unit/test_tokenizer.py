@@ -135,25 +135,31 @@ def test_round_trip_keeps_bos_and_added_tokens(tmp_path: Path) -> None:
     assert loaded.chat_template == CHATML_TEMPLATE
 
 
-def test_keep_last_drops_the_texts_first_tokens_and_keeps_special_ones(tmp_path: Path) -> None:
+def test_left_truncation_drops_the_texts_first_tokens_and_keeps_special_ones(
+    tmp_path: Path,
+) -> None:
     """A prompt cut to its last N ids as transformers truncates one on the left: the
     special tokens encoding adds (a config's BOS, a post-processor's BOS and EOS) stay."""
-    with_bos = Tokenizer.from_pretrained(
-        write_folder(tmp_path, {"add_bos_token": True, "bos_token": "<|endoftext|>"})
-    )
+    config = {"add_bos_token": True, "bos_token": "<|endoftext|>"}
+    with_bos = Tokenizer.from_pretrained(write_folder(tmp_path, config))
     text = "abcdef"
-    assert with_bos.encode(text, keep_last=3) == [ENDOFTEXT_ID, *byte_ids("ef")]
-    assert with_bos.encode(text, add_special_tokens=False, keep_last=3) == byte_ids("def")
-    assert with_bos.encode(text, keep_last=1) == byte_ids("f")  # no room for the BOS
-    assert with_bos.encode(text, keep_last=7) == with_bos.encode(text)
+
+    def cut(tokenizer: Tokenizer, keep: int, special: bool = True, gil_free: bool = False):
+        ids = tokenizer.encode(text, special)
+        return tokenizer.left_truncated(text, ids, keep, special, gil_free)
+
+    assert cut(with_bos, 3) == [ENDOFTEXT_ID, *byte_ids("ef")]
+    assert cut(with_bos, 3, special=False) == byte_ids("def")
+    assert cut(with_bos, 1) == byte_ids("f")  # no room for the BOS
+    assert cut(with_bos, 7) == with_bos.encode(text)
     backend = build_byte_tokenizer()
     backend.post_processor = processors.TemplateProcessing(
         single="<|im_start|> $A <|im_end|>",
         special_tokens=[("<|im_start|>", IM_START_ID), ("<|im_end|>", IM_END_ID)],
     )
     wrapped = Tokenizer(backend)
-    assert wrapped.encode(text, keep_last=4) == [IM_START_ID, *byte_ids("ef"), IM_END_ID]
-    assert wrapped.encode(text, keep_last=4, release_gil=True) == wrapped.encode(text, keep_last=4)
+    assert cut(wrapped, 4) == [IM_START_ID, *byte_ids("ef"), IM_END_ID]
+    assert cut(wrapped, 4, gil_free=True) == cut(wrapped, 4)
 
 
 def test_generation_config_eos_ids(tmp_path: Path) -> None:

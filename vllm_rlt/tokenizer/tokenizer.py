@@ -331,11 +331,7 @@ class Tokenizer:
         return CHATML_TEMPLATE if self._chat_template is None else self._chat_template
 
     def encode(
-        self,
-        text: str,
-        add_special_tokens: bool = True,
-        release_gil: bool = False,
-        keep_last: int | None = None,
+        self, text: str, add_special_tokens: bool = True, release_gil: bool = False
     ) -> list[int]:
         """Token ids of `text`.
 
@@ -343,20 +339,40 @@ class Tokenizer:
         tokenizer_config.json sets add_bos_token and the post-processor did not put it first.
         `release_gil`: encode through `encode_batch`, which lets other threads run while it
         works (`encode` holds the GIL throughout), for a server's worker thread; the
-        tokenizers library may then warn if the process forks later. `keep_last`: at most
-        that many ids, the text's first tokens dropped and the special tokens kept (a
-        prompt truncated on the left, as transformers truncates one for vLLM).
+        tokenizers library may then warn if the process forks later.
         """
         require_valid_text(text, "prompt")
+        ids = self._encoding(text, add_special_tokens, release_gil).ids
+        return self._with_bos(ids, add_special_tokens)
+
+    def left_truncated(
+        self,
+        text: str,
+        ids: list[int],
+        keep: int,
+        add_special_tokens: bool = True,
+        release_gil: bool = False,
+    ) -> list[int]:
+        """`keep` of `text`'s ids (`ids`, as `encode` gave them), as transformers truncates a
+        prompt on the left for vLLM: the text's first tokens dropped, the special tokens
+        encoding added kept; the last `keep` ids where fewer than those fit."""
+        if len(ids) <= keep:
+            return ids
+        if not add_special_tokens:
+            return ids[-keep:]
+        plain = self._encoding(text, False, release_gil)
+        added = len(ids) - len(plain.ids)
+        if added <= 0 or keep <= added:
+            return ids[-keep:]
+        plain.truncate(keep - added, direction="left")
+        return self._with_bos(self._tokenizer.post_process(plain).ids, True)
+
+    def _encoding(
+        self, text: str, add_special_tokens: bool, release_gil: bool
+    ) -> tokenizers.Encoding:
         if release_gil:
-            encoded = self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)
-            ids = encoded[0].ids
-        else:
-            ids = self._tokenizer.encode(text, add_special_tokens=add_special_tokens).ids
-        ids = self._with_bos(ids, add_special_tokens)
-        if keep_last is not None and len(ids) > keep_last:
-            ids = self._left_truncated(text, ids, keep_last)
-        return ids
+            return self._tokenizer.encode_batch([text], add_special_tokens=add_special_tokens)[0]
+        return self._tokenizer.encode(text, add_special_tokens=add_special_tokens)
 
     def _with_bos(self, ids: list[int], add_special_tokens: bool) -> list[int]:
         if (
@@ -367,16 +383,6 @@ class Tokenizer:
         ):
             ids.insert(0, self._bos_id)
         return ids
-
-    def _left_truncated(self, text: str, ids: list[int], keep: int) -> list[int]:
-        """`keep` ids of `text` (encoded as `ids`): the special tokens encoding added, after
-        the text's last tokens; the last `keep` ids where fewer than the added ones fit."""
-        plain = self._tokenizer.encode(text, add_special_tokens=False)
-        added = len(ids) - len(plain.ids)
-        if added <= 0 or keep <= added:
-            return ids[-keep:]
-        plain.truncate(keep - added, direction="left")
-        return self._with_bos(self._tokenizer.post_process(plain).ids, True)
 
     def decode(
         self,

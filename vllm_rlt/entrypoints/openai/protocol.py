@@ -14,13 +14,18 @@ from pydantic import (
     StrictBool,
     StrictFloat,
     StrictInt,
+    StrictStr,
     create_model,
     model_validator,
 )
 from pydantic_core import PydanticCustomError
 
 from vllm_rlt.config import ParamError
-from vllm_rlt.entrypoints.openai.request_errors import shown_json
+from vllm_rlt.entrypoints.openai.request_errors import (
+    MAX_REQUEST_ID,
+    REQUEST_ID_FORM,
+    shown_json,
+)
 from vllm_rlt.sampling_params import (
     FIELD_BOUNDS,
     MAX_BAD_WORDS,
@@ -108,11 +113,6 @@ class RequestBody(StrictModel):
         return data
 
 
-# A client's request id goes into reply ids and log lines: printable, and not long.
-MAX_REQUEST_ID = 256
-_REQUEST_ID = re.compile(rf"[^\x00-\x1f\x7f-\x9f]{{1,{MAX_REQUEST_ID}}}")
-
-
 def _field_error(field: str, message: str) -> PydanticCustomError:
     """A check across fields, reported under `field` (the error's param)."""
     return PydanticCustomError("field_error", "{field}: " + message, {"field": field})
@@ -169,12 +169,13 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     best_of: StrictInt | None = None  # vLLM V1 dropped it: null or n (SamplingParams checks)
 
     # vLLM's: named in the reply's id ("cmpl-<request_id>"); two requests may give the same
-    request_id: str | None = None
+    request_id: StrictStr | None = None
 
     @model_validator(mode="after")
     def _printable_request_id(self) -> SamplingFields:
-        if self.request_id is not None and not _REQUEST_ID.fullmatch(self.request_id):
-            raise _field_error("request_id", f"must be 1 to {MAX_REQUEST_ID} printable characters")
+        given = self.request_id
+        if given is not None and not (0 < len(given) <= MAX_REQUEST_ID and given.isprintable()):
+            raise _field_error("request_id", f"must be {REQUEST_ID_FORM}")
         return self
 
     @model_validator(mode="after")

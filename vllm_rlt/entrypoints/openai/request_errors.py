@@ -25,6 +25,7 @@ _MESSAGES = {
     "int_type": "must be an integer",
     "float_type": "must be a number",
     "bool_type": "must be true or false",
+    "string_type": "must be a string",
     "finite_number": "must be a finite number",
     **{kind: "must be a JSON object" for kind in _OBJECT_ERRORS},
 }
@@ -35,6 +36,9 @@ _PROMPT_FORMS = "a prompt is text, a list of texts, token ids or a list of token
 # high end, and both messages give the range.
 DEPTH_BOUNDED = frozenset({"min_loops", "max_loops"})
 CONTEXT_BOUNDED = frozenset({"max_tokens", "max_completion_tokens"})
+# A client's request id goes into reply ids and log lines: printable, and not long.
+MAX_REQUEST_ID = 256
+REQUEST_ID_FORM = f"1 to {MAX_REQUEST_ID} printable characters"
 # Lists of token ids: each entry is bounded by the vocabulary.
 TOKEN_ID_LISTS = frozenset({"tokens", "stop_token_ids", "allowed_token_ids"})
 
@@ -170,6 +174,8 @@ def _allowed_range(model: type[BaseModel], param: str, served: ServedLimits) -> 
         return token_range(served.vocab_size)
     if name == "logit_bias" and entry and name in model.model_fields:  # an entry's value
         return f"[{-MAX_LOGIT_BIAS}, {MAX_LOGIT_BIAS}]"
+    if param == "request_id" and name in model.model_fields:
+        return REQUEST_ID_FORM
     if param == "truncate_prompt_tokens" and name in model.model_fields:
         return f"-1 or [1, {served.max_model_len or 'max_model_len'}]"
     field = model.model_fields.get(param)

@@ -30,13 +30,11 @@ DEFAULT_MAX_SEQUENCES_PER_REQUEST = 256
 DEFAULT_MAX_LOGPROBS_PER_REQUEST = 1 << 24
 
 
-def encode_text(
-    tokenizer: Tokenizer, text: str, add_special_tokens: bool, keep_last: int | None = None
-) -> list[int]:
-    """`text`'s token ids (at most `keep_last`, Tokenizer.encode), a long one (GIL_FREE_CHARS)
-    with the GIL released, on the worker thread that build_job hands a large body to."""
+def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
+    """`text`'s token ids, a long one (GIL_FREE_CHARS) with the GIL released, on the worker
+    thread that build_job hands a large body to."""
     long = len(text) > GIL_FREE_CHARS
-    return tokenizer.encode(text, add_special_tokens, release_gil=long, keep_last=keep_last)
+    return tokenizer.encode(text, add_special_tokens=add_special_tokens, release_gil=long)
 
 
 class RequestJobs:
@@ -100,15 +98,22 @@ class RequestJobs:
                 param=param,
             )
 
-    def encode(
-        self, prompt: str | list[int], add_special_tokens: bool = True, keep: int | None = None
-    ) -> list[int]:
-        """A prompt's token ids, at most its last `keep` (a text's special tokens kept)."""
+    def encode(self, prompt: str | list[int], add_special_tokens: bool = True) -> list[int]:
         if isinstance(prompt, list):
-            return prompt if keep is None else prompt[-keep:]
+            return prompt
         if self.tokenizer is None:
             raise APIError(400, "this model has no tokenizer; send token ids", param="prompt")
-        return encode_text(self.tokenizer, prompt, add_special_tokens, keep)
+        return encode_text(self.tokenizer, prompt, add_special_tokens)
+
+    def cut(
+        self, prompt: str | list[int], ids: list[int], keep: int, add_special_tokens: bool
+    ) -> list[int]:
+        """The last `keep` of a prompt's `ids` (truncate_prompt_tokens): of a text, the
+        special tokens its encoding added kept (Tokenizer.left_truncated)."""
+        if isinstance(prompt, list) or self.tokenizer is None:
+            return ids[-keep:]
+        long = len(prompt) > GIL_FREE_CHARS
+        return self.tokenizer.left_truncated(prompt, ids, keep, add_special_tokens, long)
 
     def tokenize(self, request: TokenizeRequest) -> list[int]:
         """/tokenize: the chat prompt's or the prompt's token ids."""
@@ -132,10 +137,13 @@ class RequestJobs:
         )
         if request.echo and request.logprobs is not None and params.prompt_logprobs is None:
             params = replace(params, prompt_logprobs=request.logprobs)  # as vLLM's
-        request_id, engine_id = _ids("cmpl", request.request_id)
+        request_id, engine_id = request_ids("cmpl", request.request_id)
         prompts = []
         for index, prompt in enumerate(texts):
-            ids = self.encode(prompt, request.add_special_tokens, keep)
+            ids = self.encode(prompt, request.add_special_tokens)
+            cut = keep is not None and len(ids) > keep
+            if cut:
+                ids = self.cut(prompt, ids, keep, request.add_special_tokens)
             try:  # ids are valid before decoding
                 self._check(f"{engine_id}-{index}", ids, params)
             except APIError as exc:  # which of several prompts, by its path
@@ -145,7 +153,7 @@ class RequestJobs:
                 raise
             # Text of token-id (or truncated) prompts is only shown with echo, special tokens
             # kept (as vLLM decodes it), so that the text offsets of the prompt's tokens hold.
-            if isinstance(prompt, str) and (keep is None or len(ids) < keep):  # uncut
+            if isinstance(prompt, str) and not cut:
                 text = prompt
             else:
                 text = self._text_of(ids) if request.echo else None
@@ -178,10 +186,8 @@ class RequestJobs:
         messages: list,
         template: ChatTemplateFields,
         add_special_tokens: bool = False,
-        keep: int | None = None,
     ) -> tuple[str, list[int]]:
-        """Render messages with the chat template; (text, token ids, at most the last
-        `keep`)."""
+        """Render messages with the chat template; (text, token ids)."""
         tokenizer = self.tokenizer_for(model)
         dicts = [m.model_dump(exclude_none=True) for m in messages]
         try:
@@ -198,23 +204,20 @@ class RequestJobs:
             raise APIError(400, f"{path}: {problem}", param=path) from exc
         except ValueError as exc:  # the template's own raise_exception
             raise APIError(400, str(exc), param="messages") from exc
-        return text, encode_text(tokenizer, text, add_special_tokens, keep)
+        return text, encode_text(tokenizer, text, add_special_tokens)
 
     def chat_job(self, request: ChatCompletionRequest) -> Job:
-        # and the model's name
-        text, ids = self.chat_prompt(
-            request.model,
-            request.messages,
-            request,
-            request.add_special_tokens,
-            self._kept(request.truncate_prompt_tokens),
-        )
+        special = request.add_special_tokens
+        text, ids = self.chat_prompt(request.model, request.messages, request, special)
+        keep = self._kept(request.truncate_prompt_tokens)  # once the model's name is checked
+        if keep is not None and len(ids) > keep:
+            ids = self.cut(text, ids, keep, special)
         self.check_fan_out(1, request.n or 1)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # up to the context, as SamplingParams(max_tokens=None)
             max_tokens = self.engine.processor.checker.limits.default_max_tokens(len(ids))
         num_logprobs = (request.top_logprobs or 0) if request.logprobs else None
-        request_id, engine_id = _ids("chatcmpl", request.request_id)
+        request_id, engine_id = request_ids("chatcmpl", request.request_id)
         try:
             params = self._params(request, max_tokens, num_logprobs)
             self._check(f"{engine_id}-0", ids, params)
@@ -297,7 +300,7 @@ def logprob_width(num_logprobs: int | None) -> int:
     return 0 if num_logprobs is None else num_logprobs + 1
 
 
-def _ids(prefix: str, given: str | None) -> tuple[str, str]:
+def request_ids(prefix: str, given: str | None) -> tuple[str, str]:
     """(the reply's id, its engine requests' stem): a client's request_id named in the
     reply as vLLM names it, with a random part in the engine's ids, so that two requests
     giving the same one both run."""

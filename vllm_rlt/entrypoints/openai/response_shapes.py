@@ -23,6 +23,7 @@ class Job:
     prompts: list[tuple[str | None, list[int]]]
     params: SamplingParams
     num_logprobs: int | None
+    engine_id: str  # its engine requests' ids' stem, unique while it runs
     echo: bool = False
     exit_depths: bool = False
     prompt_only: bool = False  # max_tokens 0 with echo: the one token generated is not shown
@@ -30,11 +31,7 @@ class Job:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as ids
     role: str = "assistant"  # a chat reply's
     lead: str = ""  # chat echo: the text each reply's message starts with
-    engine_id: str = ""  # its engine requests' ids' stem, unique while it runs (or request_id)
     created: int = field(default_factory=lambda: int(time.time()))
-
-    def __post_init__(self) -> None:
-        self.engine_id = self.engine_id or self.request_id
 
 
 class ResponseShapes:

@@ -260,7 +260,7 @@ def _entries(job: Job, finals: list[RequestOutput]) -> int:
         for output in finals
         if output.prompt_logprobs is not None
     )
-    shown_ids = 0  # return_token_ids: the prompt's per completion choice
+    shown_ids = 0  # return_token_ids: the prompt's ids, counted per choice (chat's once)
     if job.token_ids:
         shown_ids = sum(len(o.outputs) * len(o.prompt_token_ids or ()) for o in finals)
     return (prompts + generated) * width + scored + shown_ids
