@@ -451,3 +451,25 @@ def _fresh(llm: LLM) -> LLM:
     copy = object.__new__(LLM)
     copy.__dict__.update(llm.__dict__, _user_tokenizer=None)
     return copy
+
+
+def test_a_cut_text_prompt_keeps_its_bos_offline_as_over_http() -> None:
+    """truncate_prompt_tokens on a text prompt keeps the BOS its encoding adds, in the
+    engine's own encoding (LLM, AsyncLLM.generate) as in the server's."""
+    from types import SimpleNamespace
+
+    from vllm_rlt.engine.input_processor import InputProcessor
+    from vllm_rlt.tokenizer import build_byte_tokenizer
+
+    tokenizer = Tokenizer(build_byte_tokenizer(), bos_token="<|endoftext|>", add_bos_token=True)
+    checker = SimpleNamespace(limits=SimpleNamespace(max_model_len=5))
+    processor = InputProcessor(tokenizer, checker, {})  # type: ignore[arg-type]
+    bos = tokenizer.bos_token_id
+    assert processor.encode("abcdef", truncate_prompt_tokens=3) == [
+        bos,
+        *tokenizer.encode("ef", False),
+    ]
+    assert processor.encode("abcdef", True, 3) == processor.encode("abcdef", False, 3)
+    assert processor.encode("abcdef", truncate_prompt_tokens=-1)[:1] == [bos]  # the context: 5
+    assert len(processor.encode("abcdef", truncate_prompt_tokens=-1)) == 5
+    assert processor.encode("ab", truncate_prompt_tokens=3) == tokenizer.encode("ab")

@@ -250,11 +250,12 @@ class AsyncLLM:
         `TokensPrompt` (its token ids win over its text, which outputs then carry)."""
         require_valid_text(request_id, "request_id")  # the core's messages carry a str
         text, token_ids = prompt_parts(prompt)
+        keep = getattr(sampling_params, "truncate_prompt_tokens", None)
         if token_ids is None and isinstance(text, str) and len(text) > GIL_FREE_CHARS:
             # a long text on a worker thread, the GIL released: the loop serves the others
-            token_ids = await asyncio.to_thread(self.processor.encode, text, True)
+            token_ids = await asyncio.to_thread(self.processor.encode, text, True, keep)
         elif token_ids is None:
-            token_ids = self.processor.encode(text)  # type: ignore[arg-type]
+            token_ids = self.processor.encode(text, truncate_prompt_tokens=keep)  # type: ignore[arg-type]
         # every check the core makes, here: a value the core could not even decode (a
         # SamplingParams edited after it was made) must not reach it
         self.check_request(request_id, token_ids, sampling_params)

@@ -38,16 +38,28 @@ class InputProcessor:
         the model's generation defaults."""
         return SamplingParams(**self.sampling_defaults)
 
-    def encode(self, text: str, release_gil: bool = False) -> list[int]:
+    def encode(
+        self, text: str, release_gil: bool = False, truncate_prompt_tokens: int | None = None
+    ) -> list[int]:
         """A text prompt's token ids (ParamError when there is no tokenizer); with
-        `release_gil`, other threads run while it encodes (`Tokenizer.encode`)."""
+        `release_gil`, other threads run while it encodes (`Tokenizer.encode`). Cut to its
+        last `truncate_prompt_tokens` (-1: the context) with the special tokens encoding
+        added kept, as transformers truncates for vLLM (`prepare` checks the value)."""
+        tokenizer = self.tokenizer
         require(
-            self.tokenizer is not None,
+            tokenizer is not None,
             "this model has no tokenizer (skip_tokenizer_init, or a model folder without "
             "tokenizer.json); pass prompt_token_ids instead of text",
             "prompt",
         )
-        return self.tokenizer.encode(text, release_gil=release_gil)  # type: ignore[union-attr]
+        assert tokenizer is not None
+        ids = tokenizer.encode(text, release_gil=release_gil)
+        keep = truncate_prompt_tokens
+        if keep == -1:
+            keep = self.checker.limits.max_model_len
+        if isinstance(keep, int) and 0 < keep < len(ids):
+            ids = tokenizer.left_truncated(text, ids, keep, True, release_gil)
+        return ids
 
     def core_params(self, params: SamplingParams) -> SamplingParams:
         """`params` as the core takes them (bad words as token ids)."""

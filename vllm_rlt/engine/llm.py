@@ -257,7 +257,10 @@ class LLM:
             len(request_ids) == len(items),
             f"request_ids has {len(request_ids)} entries for {len(items)} prompts",
         )
-        encoded = [(text, self._encode(text, ids)) for text, ids in items]
+        encoded = [
+            (text, self._encode(text, ids, getattr(param, "truncate_prompt_tokens", None)))
+            for (text, ids), param in zip(items, params, strict=True)
+        ]
         added: list[str] = []
         try:
             for request_id, (text, ids), param in zip(request_ids, encoded, params, strict=True):
@@ -353,10 +356,10 @@ class LLM:
                 raise
         return [results[request_id] for request_id in request_ids]
 
-    def _encode(self, text: str | None, ids: list[int] | None) -> list[int]:
+    def _encode(self, text: str | None, ids: list[int] | None, keep: int | None) -> list[int]:
         if ids is not None:
             return ids
-        return self.llm_engine.processor.encode(text)  # type: ignore[arg-type]
+        return self.llm_engine.processor.encode(text, truncate_prompt_tokens=keep)  # type: ignore[arg-type]
 
     @staticmethod
     def _normalize_prompts(prompts: Any) -> list[tuple[str | None, list[int] | None]]:
