@@ -18,7 +18,7 @@ from vllm_rlt.entrypoints.openai.protocol import (
     TokenizeRequest,
 )
 from vllm_rlt.entrypoints.openai.request_errors import shown_json
-from vllm_rlt.entrypoints.openai.response_shapes import Job
+from vllm_rlt.entrypoints.openai.response_shapes import Job, decoded
 from vllm_rlt.sampling_params import SamplingParams
 from vllm_rlt.tokenizer import Tokenizer
 from vllm_rlt.tokenizer.chat_template import message_text
@@ -33,8 +33,7 @@ DEFAULT_MAX_LOGPROBS_PER_REQUEST = 1 << 24
 def encode_text(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> list[int]:
     """`text`'s token ids, a long one (GIL_FREE_CHARS) with the GIL released, on the worker
     thread that build_job hands a large body to."""
-    long = len(text) > GIL_FREE_CHARS
-    return tokenizer.encode(text, add_special_tokens=add_special_tokens, release_gil=long)
+    return tokenizer.encode(text, add_special_tokens, release_gil=len(text) > GIL_FREE_CHARS)
 
 
 class RequestJobs:
@@ -106,10 +105,12 @@ class RequestJobs:
         return encode_text(self.tokenizer, prompt, add_special_tokens)
 
     def cut(
-        self, prompt: str | list[int], ids: list[int], keep: int, add_special_tokens: bool
+        self, prompt: str | list[int], ids: list[int], keep: int | None, add_special_tokens: bool
     ) -> list[int]:
-        """The last `keep` of a prompt's `ids` (truncate_prompt_tokens): of a text, the
-        special tokens its encoding added kept (Tokenizer.left_truncated)."""
+        """At most the last `keep` of a prompt's `ids` (truncate_prompt_tokens; None: all):
+        of a text, the special tokens its encoding added kept (Tokenizer.left_truncated)."""
+        if keep is None or len(ids) <= keep:
+            return ids
         if isinstance(prompt, list) or self.tokenizer is None:
             return ids[-keep:]
         long = len(prompt) > GIL_FREE_CHARS
@@ -140,10 +141,8 @@ class RequestJobs:
         request_id, engine_id = request_ids("cmpl", request.request_id)
         prompts = []
         for index, prompt in enumerate(texts):
-            ids = self.encode(prompt, request.add_special_tokens)
-            cut = keep is not None and len(ids) > keep
-            if cut:
-                ids = self.cut(prompt, ids, keep, request.add_special_tokens)
+            whole = self.encode(prompt, request.add_special_tokens)
+            ids = self.cut(prompt, whole, keep, request.add_special_tokens)
             try:  # ids are valid before decoding
                 self._check(f"{engine_id}-{index}", ids, params)
             except APIError as exc:  # which of several prompts, by its path
@@ -153,10 +152,12 @@ class RequestJobs:
                 raise
             # Text of token-id (or truncated) prompts is only shown with echo, special tokens
             # kept (as vLLM decodes it), so that the text offsets of the prompt's tokens hold.
-            if isinstance(prompt, str) and not cut:
+            if isinstance(prompt, str) and len(ids) == len(whole):  # not cut
                 text = prompt
+            elif request.echo:
+                text = decoded(self.tokenizer, ids, skip_special_tokens=False)
             else:
-                text = self._text_of(ids) if request.echo else None
+                text = None
             prompts.append((text, ids))
         job = Job(
             "completion",
@@ -210,8 +211,7 @@ class RequestJobs:
         special = request.add_special_tokens
         text, ids = self.chat_prompt(request.model, request.messages, request, special)
         keep = self._kept(request.truncate_prompt_tokens)  # once the model's name is checked
-        if keep is not None and len(ids) > keep:
-            ids = self.cut(text, ids, keep, special)
+        ids = self.cut(text, ids, keep, special)
         self.check_fan_out(1, request.n or 1)
         max_tokens = request.max_completion_tokens or request.max_tokens
         if max_tokens is None:  # up to the context, as SamplingParams(max_tokens=None)
@@ -287,12 +287,6 @@ class RequestJobs:
                 param="truncate_prompt_tokens",
             )
         return keep
-
-    def _text_of(self, ids: list[int]) -> str:
-        """A token-id prompt's text, special tokens kept (empty without a tokenizer)."""
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
 def logprob_width(num_logprobs: int | None) -> int:

@@ -43,12 +43,6 @@ class ResponseShapes:
         self.tokenizer = tokenizer
         self.model_name = model_name
 
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        """The text of `ids` (empty for a model without a tokenizer)."""
-        if self.tokenizer is None:
-            return ""
-        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
-
     def usage(
         self, job: Job, completion_tokens: int, prompt_index: int | None = None
     ) -> dict[str, int]:
@@ -267,10 +261,17 @@ class ResponseShapes:
         for ids (vLLM's return_tokens_as_token_ids)."""
         if job.tokens_as_ids:
             return f"token_id:{token}"
-        text = self.decode([token], False)
+        text = decoded(self.tokenizer, [token], False)
         if "\ufffd" in text and self.tokenizer is not None:
             return self.tokenizer.convert_ids_to_tokens([token])[0]
         return text
+
+
+def decoded(tokenizer: Tokenizer | None, ids: list[int], skip_special_tokens: bool = True) -> str:
+    """The text of `ids` (empty for a model without a tokenizer)."""
+    if tokenizer is None:
+        return ""
+    return tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
 
 
 def shown(job: Job, completion: CompletionOutput) -> CompletionOutput:
