@@ -139,7 +139,6 @@ class OpenAIServing:
         items = _merged(streams)
         sent: dict[int, int] = {}  # per choice whose first chunk was sent: its text's length
         made: dict[int, int] = {}  # per choice: its tokens so far
-        generated = 0
 
         def event(body: dict[str, Any], prompt_index: int, choice_index: int) -> bytes:
             if continuous_usage:
@@ -176,7 +175,6 @@ class OpenAIServing:
                 for completion in item.outputs:
                     choice_index = index * job.params.n + completion.index
                     completion = shown(job, completion)
-                    generated += len(completion.token_ids)
                     made[choice_index] = made.get(choice_index, 0) + len(completion.token_ids)
                     first = choice_index not in sent
                     offset = sent.get(choice_index, 0)
@@ -188,7 +186,7 @@ class OpenAIServing:
                         yield event(self.shapes.chunk(job, [chunk]), index, choice_index)
             if include_usage:
                 body = self.shapes.chunk(job, [])
-                body["usage"] = self.shapes.usage(job, generated)
+                body["usage"] = self.shapes.usage(job, sum(made.values()))
                 yield _sse(body)
             yield DONE
         finally:
