@@ -6,6 +6,7 @@ import enum
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from vllm_rlt.beam_search import BeamSearchParams  # noqa: F401 (vLLM's import path)
 from vllm_rlt.config import (
     ParamError,
     require,

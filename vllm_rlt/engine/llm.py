@@ -6,12 +6,14 @@ import dataclasses
 import os
 import sys
 from collections.abc import Callable, Iterable, Sequence
+from functools import partial
 from typing import Any
 
 import msgspec
 import torch
 from tqdm import tqdm
 
+from vllm_rlt.beam_search import BeamSearchOutput, BeamSearchParams
 from vllm_rlt.config import (
     CacheConfig,
     ExecutionConfig,
@@ -19,7 +21,9 @@ from vllm_rlt.config import (
     SchedulerConfig,
     SpeculativeConfig,
     require,
+    require_int,
 )
+from vllm_rlt.engine.beam_search import BeamLimits, beam_search
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.engine.llm_engine import LLMEngine
@@ -272,6 +276,37 @@ class LLM:
                 self.llm_engine.abort_request(request_id)
             raise
         return self._run(added, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: Any,
+        params: BeamSearchParams,
+        lora_request: Any = None,
+        use_tqdm: bool = False,
+        concurrency_limit: int | None = None,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's beam search (engine/beam_search.py): for each prompt (the forms `generate`
+        takes), the best `params.beam_width` sequences, best first; each holds the prompt's
+        and the new ids in `tokens` and the whole text in `text`. A bar over the tokens shows
+        with `use_tqdm`; `concurrency_limit` prompts are searched at a time."""
+        require(lora_request is None, "lora_request is not supported (no LoRA)", "lora_request")
+        require(
+            isinstance(params, BeamSearchParams),
+            f"params must be a BeamSearchParams, got {type(params).__name__}",
+            "params",
+        )
+        if concurrency_limit is not None:
+            require_int(concurrency_limit, "concurrency_limit", 1)
+        prompts = [self._encode(text, ids, None) for text, ids in self._normalize_prompts(prompts)]
+        processor = self.llm_engine.processor
+        decode = None if self.tokenizer is None else self.tokenizer.decode
+        limits = BeamLimits(
+            eos_token_ids=processor.eos_token_ids,
+            longest_prompt=processor.checker.limits.longest_prompt(),
+            decode=None if decode is None else partial(decode, skip_special_tokens=False),
+        )
+        step = partial(self.generate, use_tqdm=False)
+        return beam_search(prompts, params, step, limits, bool(use_tqdm), concurrency_limit)
 
     def chat(
         self,

@@ -29,6 +29,12 @@ class RequestLimits:
         1, so a prompt that fills it is refused by the length check with its message."""
         return max(1, min(self.max_model_len, self.num_blocks * self.block_size) - prompt_len)
 
+    def longest_prompt(self) -> int:
+        """The longest prompt that may still take one token (what `RequestChecker` lets
+        through): below the context, its blocks held by every plane while it prefills."""
+        planes = self.block_size * (self.num_blocks // self.prompt_tables)
+        return min(self.max_model_len - 1, planes)
+
 
 def check_priority(priority: int, scheduling_policy: str) -> None:
     """A priority other than 0 means something only under the priority policy."""
