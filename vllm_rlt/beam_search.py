@@ -58,10 +58,11 @@ class BeamSearchSequence:
     per generated token, the candidates its step ranked (token id -> Logprob). `text` is
     the whole sequence decoded (None without a tokenizer). `finish_reason` is "stop" for a
     beam that ended at an EOS token and "length" for one that reached max_tokens or the
-    context."""
+    context. `exit_depths[i]` is the loops the i-th new token ran."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)
+    exit_depths: list[int] = field(default_factory=list)
     cum_logprob: float = 0.0
     text: str | None = None
     finish_reason: str | None = None

@@ -9,6 +9,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 from tqdm import tqdm
 
@@ -18,6 +19,7 @@ from vllm_rlt.beam_search import (
     BeamSearchSequence,
     beam_score,
 )
+from vllm_rlt.engine.input_processor import InputProcessor
 from vllm_rlt.outputs import RequestOutput
 from vllm_rlt.sampling_params import SamplingParams
 
@@ -33,6 +35,17 @@ class BeamLimits:
     eos_token_ids: frozenset[int]
     longest_prompt: int
     decode: Callable[[list[int]], str] | None
+
+
+def beam_limits(processor: InputProcessor) -> BeamLimits:
+    """An engine's limits: its EOS ids, its longest extendable sequence, and texts decoded
+    with special tokens kept (vLLM decodes a beam's whole sequence so)."""
+    tokenizer = processor.tokenizer
+    return BeamLimits(
+        eos_token_ids=processor.eos_token_ids,
+        longest_prompt=processor.checker.limits.longest_prompt(),
+        decode=None if tokenizer is None else partial(tokenizer.decode, skip_special_tokens=False),
+    )
 
 
 def beam_search(
@@ -146,11 +159,13 @@ def _extendable(
 
 def _children(beam: BeamSearchSequence, result: RequestOutput) -> list[BeamSearchSequence]:
     """The beam extended by each token its step ranked (and the drawn one)."""
-    ranked = result.outputs[0].logprobs[0]  # type: ignore[index]
+    made = result.outputs[0]
+    ranked = made.logprobs[0]  # type: ignore[index]
     return [
         BeamSearchSequence(
             tokens=[*beam.tokens, token],
             logprobs=[*beam.logprobs, ranked],
+            exit_depths=[*beam.exit_depths, *made.exit_depths[:1]],
             cum_logprob=beam.cum_logprob + logprob.logprob,
             prompt_len=beam.prompt_len,
         )

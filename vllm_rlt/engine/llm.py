@@ -23,7 +23,7 @@ from vllm_rlt.config import (
     require,
     require_int,
 )
-from vllm_rlt.engine.beam_search import BeamLimits, beam_search
+from vllm_rlt.engine.beam_search import beam_limits, beam_search
 from vllm_rlt.engine.builder import build_engine
 from vllm_rlt.engine.engine_args import EngineArgs
 from vllm_rlt.engine.llm_engine import LLMEngine
@@ -298,14 +298,8 @@ class LLM:
         if concurrency_limit is not None:
             require_int(concurrency_limit, "concurrency_limit", 1)
         prompts = [self._encode(text, ids, None) for text, ids in self._normalize_prompts(prompts)]
-        processor = self.llm_engine.processor
-        decode = None if self.tokenizer is None else self.tokenizer.decode
-        limits = BeamLimits(
-            eos_token_ids=processor.eos_token_ids,
-            longest_prompt=processor.checker.limits.longest_prompt(),
-            decode=None if decode is None else partial(decode, skip_special_tokens=False),
-        )
         step = partial(self.generate, use_tqdm=False)
+        limits = beam_limits(self.llm_engine.processor)
         return beam_search(prompts, params, step, limits, bool(use_tqdm), concurrency_limit)
 
     def chat(

@@ -167,6 +167,9 @@ class SamplingFields(BoundedFields):  # type: ignore[misc, valid-type]
     # vLLM's: only the prompt's last N tokens are kept (-1: the model's context)
     truncate_prompt_tokens: StrictInt | None = None  # its range checked with the model's
     best_of: StrictInt | None = None  # vLLM V1 dropped it: null or n (SamplingParams checks)
+    # vLLM's: the n best beams of a search (request_jobs.py says which fields it takes)
+    use_beam_search: StrictBool | None = False
+    length_penalty: StrictFloat | None = None  # null: 1.0
 
     # vLLM's: named in the reply's id ("cmpl-<request_id>"); two requests may give the same
     request_id: StrictStr | None = None

@@ -8,6 +8,7 @@ import re
 import uuid
 from dataclasses import replace
 
+from vllm_rlt.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from vllm_rlt.config import ParamError
 from vllm_rlt.engine.async_llm import AsyncLLM
 from vllm_rlt.entrypoints.openai.api_errors import APIError, as_api_error
@@ -169,6 +170,7 @@ class RequestJobs:
             prompt_only=max_tokens == 0,
             engine_id=engine_id,
             **request.reply_options(),
+            beam=self._beam(request, params),
         )
         self.check_reply_size(job, bool(request.stream))
         return job
@@ -247,6 +249,7 @@ class RequestJobs:
             engine_id=engine_id,
             **request.reply_options(),
             lead=message_text(last.content, "messages") if echoed else "",
+            beam=self._beam(request, params),
         )
         self.check_reply_size(job, bool(request.stream))
         return job
@@ -265,6 +268,38 @@ class RequestJobs:
             request.check_token_ids(self.engine.info.vocab_size)
             return processor.core_params(request.sampling_params(max_tokens, num_logprobs, unset))
         except ValueError as exc:
+            raise as_api_error(exc) from exc
+
+    def _beam(self, request, params: SamplingParams) -> BeamSearchParams | None:
+        """use_beam_search, as vLLM's: the n best of n beams, up to max_tokens each (null: the
+        context), at the request's temperature (or the model's default), with its
+        ignore_eos, include_stop_str_in_output and length_penalty; its other sampling
+        fields are not used. Echo and prompt_logprobs, which score the prompt, are
+        refused with it."""
+        if not request.use_beam_search:
+            return None
+        for name in ("echo", "prompt_logprobs"):
+            if getattr(request, name, None):
+                raise APIError(400, f"{name}: not available with use_beam_search", param=name)
+        width = params.n
+        if width > MAX_BEAM_WIDTH:
+            raise APIError(
+                400,
+                f"n: must be in [1, {MAX_BEAM_WIDTH}] with use_beam_search (the beams), got "
+                f"{width}",
+                param="n",
+            )
+        penalty = request.length_penalty
+        try:
+            return BeamSearchParams(
+                beam_width=width,
+                max_tokens=params.max_tokens or self.max_model_len,
+                ignore_eos=params.ignore_eos,
+                temperature=params.temperature,
+                length_penalty=1.0 if penalty is None else penalty,
+                include_stop_str_in_output=params.include_stop_str_in_output,
+            )
+        except ParamError as exc:
             raise as_api_error(exc) from exc
 
     def _check(self, request_id: str, ids: list[int], params: SamplingParams) -> None:

@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from vllm_rlt.beam_search import BeamSearchParams
 from vllm_rlt.engine.async_llm import AsyncLLM
 from vllm_rlt.logprobs import Logprob
 from vllm_rlt.outputs import CompletionOutput, RequestOutput
@@ -31,6 +32,7 @@ class Job:
     tokens_as_ids: bool = False  # vLLM's return_tokens_as_token_ids: logprob tokens as ids
     role: str = "assistant"  # a chat reply's
     lead: str = ""  # chat echo: the text each reply's message starts with
+    beam: BeamSearchParams | None = None  # use_beam_search: the choices are the best beams
     created: int = field(default_factory=lambda: int(time.time()))
 
 

@@ -12,6 +12,7 @@ from typing import Any
 import orjson
 
 from vllm_rlt.engine.async_llm import EngineDeadError, QueueFullError
+from vllm_rlt.engine.beam_stream import BeamStream
 from vllm_rlt.engine.output_processor import RequestFailedError
 from vllm_rlt.engine.request_stream import RequestStream
 from vllm_rlt.entrypoints.openai.api_errors import APIError, as_api_error
@@ -36,9 +37,9 @@ class OpenAIServing:
         self.closing = False  # shutting down: new requests get 503, aborted ones too
         self.shapes = ResponseShapes(jobs.engine, jobs.tokenizer, jobs.model_name)
 
-    def _open(self, job: Job, kind: RequestOutputKind) -> list[RequestStream]:
+    def _open(self, job: Job, kind: RequestOutputKind) -> list[RequestStream | BeamStream]:
         """Queue the job's requests (all or none) and return their streams, whose outputs
-        take the form `kind`."""
+        take the form `kind` (a beam search's: its one final output)."""
         engine = self.engine
         if self.closing:
             raise APIError(503, "the server is shutting down", "service_unavailable")
@@ -49,6 +50,11 @@ class OpenAIServing:
         except (QueueFullError, ValueError) as exc:
             raise as_api_error(exc) from exc
         params = replace(job.params, output_kind=kind)
+        if job.beam is not None:
+            return [
+                BeamStream(engine, f"{job.engine_id}-{index}", text, ids, job.beam, params)
+                for index, (text, ids) in enumerate(job.prompts)
+            ]
         return [
             engine.add_request(f"{job.engine_id}-{index}", ids, params, prompt=text)
             for index, (text, ids) in enumerate(job.prompts)
@@ -76,7 +82,7 @@ class OpenAIServing:
         """Each prompt's finished output."""
         streams = self._open(job, RequestOutputKind.FINAL_ONLY)
 
-        async def last(stream: RequestStream) -> RequestOutput:
+        async def last(stream: RequestStream | BeamStream) -> RequestOutput:
             final = None
             async for output in stream:
                 final = output
@@ -196,7 +202,7 @@ class OpenAIServing:
 
 
 async def _merged(
-    streams: list[RequestStream],
+    streams: list[RequestStream | BeamStream],
 ) -> AsyncIterator[tuple[int, RequestOutput | BaseException]]:
     """(prompt index, output or the error that ended it) from every stream as they come;
     one stream is read directly, without a task in between."""
@@ -209,7 +215,7 @@ async def _merged(
         return
     merged: asyncio.Queue = asyncio.Queue()
 
-    async def pump(index: int, stream: RequestStream) -> None:
+    async def pump(index: int, stream: RequestStream | BeamStream) -> None:
         try:
             async for output in stream:
                 await merged.put((index, output))

@@ -1,0 +1,131 @@
+"""Beam search on the asynchronous engine, for the server's `use_beam_search`: one prompt's
+search as a stream that yields a single final RequestOutput, whose completions are the best
+beams (as vLLM's served beam search answers). Each step's beams run as requests of their
+own; closing the stream aborts the step in flight, so a client that leaves frees its
+blocks at once."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+from vllm_rlt.beam_search import BeamSearchParams, BeamSearchSequence
+from vllm_rlt.engine.beam_search import BeamSearch, beam_limits
+from vllm_rlt.engine.request_stream import RequestStream
+from vllm_rlt.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
+
+if TYPE_CHECKING:
+    from vllm_rlt.engine.async_llm import AsyncLLM
+
+
+class BeamStream:
+    """The search of `prompt_ids` under `beam`; `shown` is the request's own sampling, for
+    what the output shows: its logprobs (the token and the top N of each step's ranking)
+    and how its texts are decoded."""
+
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        request_id: str,
+        prompt: str | None,
+        prompt_ids: list[int],
+        beam: BeamSearchParams,
+        shown: SamplingParams,
+    ) -> None:
+        self.engine = engine
+        self.request_id = request_id
+        self.prompt = prompt
+        self.prompt_ids = prompt_ids
+        self.beam = beam
+        self.shown = shown
+        self.search = BeamSearch([prompt_ids], beam, beam_limits(engine.processor))
+        self.step_params = replace(
+            self.search.step_params, output_kind=RequestOutputKind.FINAL_ONLY
+        )
+        self._running: list[RequestStream] = []
+        self._arrival = time.monotonic()
+
+    def __aiter__(self) -> AsyncIterator[RequestOutput]:
+        return self._outputs()
+
+    def close(self) -> None:
+        """Abort the step in flight (a finished one is left as it is)."""
+        running, self._running = self._running, []
+        for stream in running:
+            stream.close()
+
+    async def _outputs(self) -> AsyncIterator[RequestOutput]:
+        step = 0
+        while batch := self.search.batch():
+            try:
+                for i, ids in enumerate(batch):  # each opened stream is closed below
+                    request_id = f"{self.request_id}-beam{step}-{i}"
+                    self._running.append(self.engine.add_request(request_id, ids, self.step_params))
+                results = await asyncio.gather(*(_last(stream) for stream in self._running))
+            finally:
+                self.close()
+            self.search.advance(results)
+            step += 1
+        yield self._output(self.search.outputs()[0].sequences)
+
+    def _output(self, beams: list[BeamSearchSequence]) -> RequestOutput:
+        completions = [self._completion(index, beam) for index, beam in enumerate(beams)]
+        depths = [depth for beam in beams[:1] for depth in beam.exit_depths[1:]]
+        now = time.monotonic()
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt=self.prompt,
+            prompt_token_ids=self.prompt_ids,
+            outputs=completions,
+            finished=True,
+            metrics=RequestMetrics.of(self._arrival, now, now, depths),
+            weight_version=self.engine.weight_version,
+        )
+
+    def _completion(self, index: int, beam: BeamSearchSequence) -> CompletionOutput:
+        """A beam as a choice: its text without the EOS token that ended it (unless
+        include_stop_str_in_output), its logprobs cut to what the request asked."""
+        ids = beam.token_ids
+        text_ids = ids[:-1] if beam.finish_reason == "stop" else ids
+        if self.beam.include_stop_str_in_output:
+            text_ids = ids
+        tokenizer = self.engine.processor.tokenizer
+        text = ""
+        if tokenizer is not None:
+            text = tokenizer.decode(
+                text_ids,
+                skip_special_tokens=self.shown.skip_special_tokens,
+                spaces_between_special_tokens=self.shown.spaces_between_special_tokens,
+            )
+        wanted = self.shown.logprobs
+        logprobs = None
+        if wanted is not None:
+            steps = zip(beam.logprobs, ids, strict=True)
+            logprobs = [_top(step, token, wanted) for step, token in steps]
+        return CompletionOutput(
+            index=index,
+            text=text,
+            token_ids=ids,
+            exit_depths=beam.exit_depths,
+            logprobs=logprobs,
+            finish_reason=beam.finish_reason,
+            cumulative_logprob=beam.cum_logprob,
+        )
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    final = None
+    async for output in stream:
+        final = output
+    assert final is not None
+    return final
+
+
+def _top(ranked: dict, token: int, wanted: int) -> dict:
+    """The chosen token's entry and the `wanted` best ranked of its step."""
+    best = sorted(ranked.items(), key=lambda item: -item[1].logprob)[:wanted]
+    return {token: ranked[token], **dict(best)}
