@@ -17,18 +17,6 @@ from vllm_rlt.sampling_params import BeamSearchParams
 PROMPT = [5, 6, 7]
 
 
-@pytest.fixture(scope="module")
-def shared_llm() -> LLM:
-    return LLM(model="toy")
-
-
-@pytest.fixture
-def llm(shared_llm):
-    yield shared_llm
-    assert not shared_llm.engine.has_unfinished
-    assert shared_llm.engine.all_blocks_free()
-
-
 def _top(llm: LLM, ids: list[int], k: int) -> list[tuple[int, float]]:
     """The k most likely next tokens after `ids` with their logprobs, most likely first."""
     params = SamplingParams(max_tokens=1, temperature=0.0, logprobs=k, ignore_eos=True)

@@ -20,19 +20,6 @@ GREEDY = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
 IM_START_ID = 1
 
 
-@pytest.fixture(scope="module")
-def shared_llm() -> LLM:
-    return LLM(model="toy")
-
-
-@pytest.fixture
-def llm(shared_llm):
-    """The module's LLM, checked after each test for leftover requests, blocks and slots."""
-    yield shared_llm
-    assert not shared_llm.engine.has_unfinished
-    assert shared_llm.engine.all_blocks_free()
-
-
 def _tokens(outputs: list[RequestOutput]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outputs]
 
