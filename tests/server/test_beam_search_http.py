@@ -6,11 +6,18 @@ every block."""
 from __future__ import annotations
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
 
-from tests.server.conftest import assert_error, assert_healthy, wait_idle
+from tests.server.conftest import (
+    assert_error,
+    assert_healthy,
+    running_server,
+    wait_idle,
+    wait_until,
+)
 from vllm_rlt import LLM
 from vllm_rlt.sampling_params import BeamSearchParams
 
@@ -94,3 +101,28 @@ def test_an_infinite_length_penalty_is_named(server):
         headers={"content-type": "application/json"},
     )
     assert "finite number, got inf" in assert_error(reply, 400, "length_penalty")["message"]
+
+
+def test_a_pause_or_a_shutdown_ends_a_search_as_it_ends_a_request():
+    """An aborting pause ends a search with its beams so far and finish reason abort (a
+    step came back without logprobs: it was a 500); a shutdown answers 503, and no step
+    starts after it (the search went on between steps)."""
+    body = {"model": "toy", "prompt": PROMPT, **BEAM, "n": 4, "max_tokens": 2000}
+    with running_server(in_process=True, enable_weight_updates=True) as (url, state):
+        with ThreadPoolExecutor(2) as pool:
+            paused = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=60)
+            wait_until(lambda: state.engine.num_requests > 0)
+            assert httpx.post(f"{url}/pause", params={"mode": "abort"}).status_code == 200
+            reply = paused.result()
+            assert httpx.post(f"{url}/resume").status_code == 200
+            assert reply.status_code == 200, reply.text
+            assert {c["finish_reason"] for c in reply.json()["choices"]} == {"abort"}
+            whole, streamed = (
+                pool.submit(httpx.post, f"{url}/v1/completions", json={**body, "stream": each})
+                for each in (False, True)
+            )
+            wait_until(lambda: state.engine.num_requests >= 8)  # both searches run a step
+            state.abort_all()  # what the server's shutdown does after its timeout
+            assert whole.result().status_code == 503
+            assert "shut down before the request finished" in streamed.result().text
+        wait_idle(state)

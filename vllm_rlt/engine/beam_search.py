@@ -108,7 +108,9 @@ class BeamSearch:
         return [beam.tokens for _, beam in self._running]
 
     def advance(self, results: Sequence[RequestOutput]) -> None:
-        """Take the step's outputs, one per sequence of the last `batch()`, in its order."""
+        """Take the step's outputs, one per sequence of the last `batch()`, in its order. A
+        sequence whose step gave no logprobs (it was aborted) has no children, as in
+        vLLM."""
         grown: list[list[BeamSearchSequence]] = [[] for _ in self._live]
         for (index, beam), result in zip(self._running, results, strict=True):
             for child in _children(beam, result):
@@ -118,12 +120,17 @@ class BeamSearch:
                 else:
                     grown[index].append(child)
         self._live = [self._best(beams) for beams in grown]
+        self._running = []
         self._steps += 1
 
     def outputs(self) -> list[BeamSearchOutput]:
-        """Each prompt's best beams, best first, with their texts."""
+        """Each prompt's best beams, best first, with their texts (a step taken by
+        `batch()` and never advanced counts as not taken)."""
+        live = [list(beams) for beams in self._live]
+        for index, beam in self._running:
+            live[index].append(beam)
         outputs = []
-        for index, beams in enumerate(self._live):
+        for index, beams in enumerate(live):
             for beam in beams:
                 beam.finish_reason = "length"
             best = self._best(self._done[index] + beams)
@@ -133,8 +140,8 @@ class BeamSearch:
         return outputs
 
     def _best(self, beams: list[BeamSearchSequence]) -> list[BeamSearchSequence]:
-        """The beam_width best by score; ties keep their order (the step's rank, then the
-        parent's)."""
+        """The beam_width best by score; ties keep the order they were made in (the
+        parent's rank, then the step's)."""
         eos, penalty = self.limits.eos_token_ids, self.params.length_penalty
         ranked = sorted(beams, key=lambda beam: beam_score(beam, eos, penalty), reverse=True)
         return ranked[: self.params.beam_width]
@@ -160,7 +167,9 @@ def _extendable(
 def _children(beam: BeamSearchSequence, result: RequestOutput) -> list[BeamSearchSequence]:
     """The beam extended by each token its step ranked (and the drawn one)."""
     made = result.outputs[0]
-    ranked = made.logprobs[0]  # type: ignore[index]
+    if not made.logprobs:
+        return []
+    ranked = made.logprobs[0]
     return [
         BeamSearchSequence(
             tokens=[*beam.tokens, token],

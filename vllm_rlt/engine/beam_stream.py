@@ -1,20 +1,22 @@
 """Beam search on the asynchronous engine, for the server's `use_beam_search`: one prompt's
 search as a stream that yields a single final RequestOutput, whose completions are the best
 beams (as vLLM's served beam search answers). Each step's beams run as requests of their
-own; closing the stream aborts the step in flight, so a client that leaves frees its
-blocks at once."""
+own; closing the stream aborts the step in flight and starts no other, so a client that
+leaves frees its blocks at once. A step aborted from outside (shutdown, a pause that
+aborts) ends the search: its beams so far come back with finish reason "abort"."""
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from vllm_rlt.beam_search import BeamSearchParams, BeamSearchSequence
 from vllm_rlt.engine.beam_search import BeamSearch, beam_limits
-from vllm_rlt.engine.request_stream import RequestStream
+from vllm_rlt.engine.request_stream import RequestStream, final_output
+from vllm_rlt.logprobs import Logprob
 from vllm_rlt.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 
@@ -35,6 +37,7 @@ class BeamStream:
         prompt_ids: list[int],
         beam: BeamSearchParams,
         shown: SamplingParams,
+        halted: Callable[[], bool] = lambda: False,
     ) -> None:
         self.engine = engine
         self.request_id = request_id
@@ -46,6 +49,8 @@ class BeamStream:
         self.step_params = replace(
             self.search.step_params, output_kind=RequestOutputKind.FINAL_ONLY
         )
+        self.halted = halted  # the server is shutting down: no step starts
+        self._closed = False
         self._running: list[RequestStream] = []
         self._arrival = time.monotonic()
 
@@ -53,24 +58,42 @@ class BeamStream:
         return self._outputs()
 
     def close(self) -> None:
-        """Abort the step in flight (a finished one is left as it is)."""
+        """End the search: the step in flight is aborted, and no other starts."""
+        self._closed = True
+        self._abort_step()
+
+    def _abort_step(self) -> None:
         running, self._running = self._running, []
         for stream in running:
             stream.close()
 
     async def _outputs(self) -> AsyncIterator[RequestOutput]:
         step = 0
-        while batch := self.search.batch():
+        while not (aborted := self._stopped()) and (batch := self.search.batch()):
             try:
                 for i, ids in enumerate(batch):  # each opened stream is closed below
                     request_id = f"{self.request_id}-beam{step}-{i}"
                     self._running.append(self.engine.add_request(request_id, ids, self.step_params))
-                results = await asyncio.gather(*(_last(stream) for stream in self._running))
+                tasks = [asyncio.ensure_future(final_output(one)) for one in self._running]
+                try:
+                    results = await asyncio.gather(*tasks)
+                finally:  # one failed, or the reader left: no sibling is left waiting
+                    for task in tasks:
+                        task.cancel()
             finally:
-                self.close()
+                self._abort_step()
+            if aborted := any(_aborted(result) for result in results):  # shutdown, pause
+                break
             self.search.advance(results)
             step += 1
-        yield self._output(self.search.outputs()[0].sequences)
+        beams = self.search.outputs()[0].sequences
+        if aborted:  # the beams of the last whole step, ended as an aborted request ends
+            for beam in beams:
+                beam.finish_reason = "abort"
+        yield self._output(beams)
+
+    def _stopped(self) -> bool:
+        return self._closed or self.halted()
 
     def _output(self, beams: list[BeamSearchSequence]) -> RequestOutput:
         completions = [self._completion(index, beam) for index, beam in enumerate(beams)]
@@ -117,15 +140,11 @@ class BeamStream:
         )
 
 
-async def _last(stream: RequestStream) -> RequestOutput:
-    final = None
-    async for output in stream:
-        final = output
-    assert final is not None
-    return final
+def _aborted(output: RequestOutput) -> bool:
+    return any(completion.finish_reason == "abort" for completion in output.outputs)
 
 
-def _top(ranked: dict, token: int, wanted: int) -> dict:
+def _top(ranked: dict[int, Logprob], token: int, wanted: int) -> dict[int, Logprob]:
     """The chosen token's entry and the `wanted` best ranked of its step."""
     best = sorted(ranked.items(), key=lambda item: -item[1].logprob)[:wanted]
     return {token: ranked[token], **dict(best)}

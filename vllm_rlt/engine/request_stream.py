@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterable
 from typing import Protocol
 
 from vllm_rlt.engine.core_outputs import CompletionDelta, RequestDelta
@@ -136,3 +137,12 @@ class RequestStream:
             self.state.abandon(time.monotonic())
             self.owner.observe_finished(self.state.final_output())
         self.owner.release(self)
+
+
+async def final_output(stream: AsyncIterable[RequestOutput]) -> RequestOutput:
+    """The last output of a stream opened for FINAL_ONLY (its only one)."""
+    final = None
+    async for output in stream:
+        final = output
+    assert final is not None
+    return final

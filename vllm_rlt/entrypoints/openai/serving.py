@@ -14,7 +14,7 @@ import orjson
 from vllm_rlt.engine.async_llm import EngineDeadError, QueueFullError
 from vllm_rlt.engine.beam_stream import BeamStream
 from vllm_rlt.engine.output_processor import RequestFailedError
-from vllm_rlt.engine.request_stream import RequestStream
+from vllm_rlt.engine.request_stream import RequestStream, final_output
 from vllm_rlt.entrypoints.openai.api_errors import APIError, as_api_error
 from vllm_rlt.entrypoints.openai.request_jobs import RequestJobs
 from vllm_rlt.entrypoints.openai.response_shapes import Job, ResponseShapes, shown
@@ -52,7 +52,15 @@ class OpenAIServing:
         params = replace(job.params, output_kind=kind)
         if job.beam is not None:
             return [
-                BeamStream(engine, f"{job.engine_id}-{index}", text, ids, job.beam, params)
+                BeamStream(
+                    engine,
+                    f"{job.engine_id}-{index}",
+                    text,
+                    ids,
+                    job.beam,
+                    params,
+                    halted=lambda: self.closing,
+                )  # fmt: skip
                 for index, (text, ids) in enumerate(job.prompts)
             ]
         return [
@@ -82,14 +90,7 @@ class OpenAIServing:
         """Each prompt's finished output."""
         streams = self._open(job, RequestOutputKind.FINAL_ONLY)
 
-        async def last(stream: RequestStream | BeamStream) -> RequestOutput:
-            final = None
-            async for output in stream:
-                final = output
-            assert final is not None
-            return final
-
-        gathered = asyncio.gather(*(last(stream) for stream in streams))
+        gathered = asyncio.gather(*(final_output(stream) for stream in streams))
         # a client that leaves cancels it: nothing then reads how it ended
         gathered.add_done_callback(lambda done: done.cancelled() or done.exception())
         try:
