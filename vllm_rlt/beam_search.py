@@ -22,8 +22,9 @@ class BeamSearchParams:
     an EOS token (unless `ignore_eos`) or when it fills the context. `temperature` 0 ranks
     the 2 x beam_width most likely next tokens of each beam; above 0, the token the step
     draws joins them when it is not among them. Beams are ranked by cumulative logprob over
-    length ** `length_penalty`. `include_stop_str_in_output` is accepted as vLLM's is: the
-    returned text is always the whole sequence's."""
+    length ** `length_penalty`. `include_stop_str_in_output` keeps an ending EOS token's
+    text in a served choice's text; `LLM.beam_search` returns the whole sequence's text
+    either way, as vLLM's does."""
 
     beam_width: int
     max_tokens: int
@@ -58,7 +59,8 @@ class BeamSearchSequence:
     per generated token, the candidates its step ranked (token id -> Logprob). `text` is
     the whole sequence decoded (None without a tokenizer). `finish_reason` is "stop" for a
     beam that ended at an EOS token and "length" for one that reached max_tokens or the
-    context. `exit_depths[i]` is the loops the i-th new token ran."""
+    context; `stop_reason` stays None, as `generate` reports an EOS. `exit_depths[i]` is
+    the loops the i-th new token ran."""
 
     tokens: list[int]
     logprobs: list[dict[int, Logprob]] = field(default_factory=list)

@@ -270,7 +270,9 @@ class RequestJobs:
         except ValueError as exc:
             raise as_api_error(exc) from exc
 
-    def _beam(self, request, params: SamplingParams) -> BeamSearchParams | None:
+    def _beam(
+        self, request: CompletionRequest | ChatCompletionRequest, params: SamplingParams
+    ) -> BeamSearchParams | None:
         """use_beam_search, as vLLM's: the n best of n beams, up to max_tokens each (null: the
         context), at the request's temperature (or the model's default), with its
         ignore_eos, include_stop_str_in_output and length_penalty; its other sampling

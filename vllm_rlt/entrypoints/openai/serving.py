@@ -60,7 +60,7 @@ class OpenAIServing:
                     job.beam,
                     params,
                     halted=lambda: self.closing,
-                )  # fmt: skip
+                )
                 for index, (text, ids) in enumerate(job.prompts)
             ]
         return [
