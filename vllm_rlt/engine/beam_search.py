@@ -123,16 +123,17 @@ class BeamSearch:
         self._running = []
         self._steps += 1
 
-    def outputs(self) -> list[BeamSearchOutput]:
-        """Each prompt's best beams, best first, with their texts (a step taken by
-        `batch()` and never advanced counts as not taken)."""
+    def outputs(self, unfinished: str = "length") -> list[BeamSearchOutput]:
+        """Each prompt's best beams, best first, with their texts; the beams still live end
+        with the finish reason `unfinished` (a step taken by `batch()` and never advanced
+        counts as not taken)."""
         live = [list(beams) for beams in self._live]
         for index, beam in self._running:
             live[index].append(beam)
         outputs = []
         for index, beams in enumerate(live):
             for beam in beams:
-                beam.finish_reason = "length"
+                beam.finish_reason = unfinished
             best = self._best(self._done[index] + beams)
             for beam in best:
                 beam.text = None if self.limits.decode is None else self.limits.decode(beam.tokens)

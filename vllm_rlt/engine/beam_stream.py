@@ -51,6 +51,7 @@ class BeamStream:
         )
         self.halted = halted  # the server is shutting down: no step starts
         self._closed = False
+        self._pauses = engine.pause.aborts  # a later aborting pause ends the search
         self._running: list[RequestStream] = []
         self._arrival = time.monotonic()
 
@@ -86,14 +87,13 @@ class BeamStream:
                 break
             self.search.advance(results)
             step += 1
-        beams = self.search.outputs()[0].sequences
-        if aborted:  # the beams of the last whole step, ended as an aborted request ends
-            for beam in beams:
-                beam.finish_reason = "abort"
+        # ended from outside: the unfinished beams of the last whole step end as an aborted
+        # request ends
+        beams = self.search.outputs("abort" if aborted else "length")[0].sequences
         yield self._output(beams)
 
     def _stopped(self) -> bool:
-        return self._closed or self.halted()
+        return self._closed or self.halted() or self.engine.pause.aborts != self._pauses
 
     def _output(self, beams: list[BeamSearchSequence]) -> RequestOutput:
         completions = [self._completion(index, beam) for index, beam in enumerate(beams)]

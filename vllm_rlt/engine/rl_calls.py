@@ -50,6 +50,7 @@ class GenerationPause:
         self.shared = shared  # other API servers feed the same cores
         self.mode: str | None = None
         self.held = HeldCommands()
+        self.aborts = 0  # pauses with mode "abort" so far: a beam search between steps ends
 
     @property
     def paused(self) -> bool:
@@ -84,6 +85,8 @@ class GenerationPause:
         if owner.dead is not None:
             raise owner.dead
         in_flight = owner.streams_in_cores()
+        if mode == "abort":
+            self.aborts += 1
         if self.mode is not None:  # paused already: only "abort" has something left to do
             require(
                 mode != "wait" or self.mode != "keep",
