@@ -9,6 +9,7 @@ import asyncio
 from types import SimpleNamespace
 
 from vllm_rlt.beam_search import BeamSearchParams
+from vllm_rlt.engine.async_llm import QueueFullError
 from vllm_rlt.engine.beam_stream import BeamStream
 from vllm_rlt.engine.request_checks import RequestLimits
 from vllm_rlt.logprobs import Logprob
@@ -23,7 +24,9 @@ class ScriptedEngine:
     aborting pause is counted (as GenerationPause.pause does), or, with `abort_step`, that
     step's requests come back aborted."""
 
-    def __init__(self, pause_after: int | None = None, abort_step: int | None = None) -> None:
+    def __init__(
+        self, pause_after: int | None = None, abort_step: int | None = None, full: int = 0
+    ) -> None:
         checker = SimpleNamespace(limits=LIMITS)
         self.processor = SimpleNamespace(
             tokenizer=None, eos_token_ids=frozenset({0}), checker=checker
@@ -32,9 +35,15 @@ class ScriptedEngine:
         self.weight_version = None
         self.pause_after, self.abort_step = pause_after, abort_step
         self.steps: list[int] = []
+        self.full = full  # the queue is full for this many attempts at step 0 and at step 2
+        self.refused: list[int] = []
 
     def add_request(self, request_id: str, ids: list[int], params: SamplingParams):
         step = int(request_id.split("-beam")[1].split("-")[0])
+        second = step == 2 and request_id.endswith("-1")  # one stream of the step is open
+        if (step == 0 or second) and self.refused.count(step) < self.full:
+            self.refused.append(step)
+            raise QueueFullError("the waiting queue is full")
         if not self.steps or self.steps[-1] != step:
             self.steps.append(step)
         aborted = step == self.abort_step
@@ -93,3 +102,25 @@ def test_an_undisturbed_search_runs_to_max_tokens():
     assert engine.steps == [0, 1, 2, 3, 4]
     assert [len(c.token_ids) for c in output.outputs] == [5, 5]
     assert {c.finish_reason for c in output.outputs} == {"length"}
+
+
+def test_a_full_queue_is_waited_out_at_every_step():
+    engine = ScriptedEngine(full=3)
+    output = _search(engine)
+    assert engine.refused == [0, 0, 0, 2, 2, 2]
+    assert engine.steps == [0, 1, 2, 3, 4]
+    assert {c.finish_reason for c in output.outputs} == {"length"}
+
+
+def test_a_search_stopped_while_it_waits_for_room_ends_as_aborted():
+    engine = ScriptedEngine(full=10**6)
+    stream = BeamStream(engine, "r", None, [1, 2], BeamSearchParams(2, 5), SamplingParams())
+
+    async def run():
+        reader = asyncio.ensure_future(anext(aiter(stream)))
+        await asyncio.sleep(0.05)  # it waits for room at step 0
+        stream.close()
+        return await reader
+
+    output = asyncio.run(run())
+    assert [c.finish_reason for c in output.outputs] == ["abort"]

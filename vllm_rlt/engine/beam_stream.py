@@ -11,17 +11,16 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING
 
 from vllm_rlt.beam_search import BeamSearchParams, BeamSearchSequence
+from vllm_rlt.engine.async_llm import AsyncLLM, QueueFullError
 from vllm_rlt.engine.beam_search import BeamSearch, beam_limits
 from vllm_rlt.engine.request_stream import RequestStream, final_output
 from vllm_rlt.logprobs import Logprob
 from vllm_rlt.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm_rlt.sampling_params import RequestOutputKind, SamplingParams
 
-if TYPE_CHECKING:
-    from vllm_rlt.engine.async_llm import AsyncLLM
+QUEUE_POLL_S = 0.01  # how often a search admitted earlier looks for room in a full queue
 
 
 class BeamStream:
@@ -72,9 +71,9 @@ class BeamStream:
         step = 0
         while not (aborted := self._stopped()) and (batch := self.search.batch()):
             try:
-                for i, ids in enumerate(batch):  # each opened stream is closed below
-                    request_id = f"{self.request_id}-beam{step}-{i}"
-                    self._running.append(self.engine.add_request(request_id, ids, self.step_params))
+                if not await self._open_step(step, batch):  # stopped while waiting for room
+                    aborted = True
+                    break
                 tasks = [asyncio.ensure_future(final_output(one)) for one in self._running]
                 try:
                     results = await asyncio.gather(*tasks)
@@ -91,6 +90,23 @@ class BeamStream:
         # request ends
         beams = self.search.outputs("abort" if aborted else "length")[0].sequences
         yield self._output(beams)
+
+    async def _open_step(self, step: int, batch: list[list[int]]) -> bool:
+        """Queue the step's requests (each opened one is closed by the caller). A full queue
+        is waited out, not answered with 429: the search was admitted (the server checked
+        its n beams' room) and holds no slot between steps. False: the search was stopped
+        while it waited."""
+        while True:
+            try:
+                for i, ids in enumerate(batch):
+                    request_id = f"{self.request_id}-beam{step}-{i}"
+                    self._running.append(self.engine.add_request(request_id, ids, self.step_params))
+                return True
+            except QueueFullError:
+                self._abort_step()
+            await asyncio.sleep(QUEUE_POLL_S)
+            if self._stopped():
+                return False
 
     def _stopped(self) -> bool:
         return self._closed or self.halted() or self.engine.pause.aborts != self._pauses
