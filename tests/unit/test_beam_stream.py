@@ -37,8 +37,11 @@ class ScriptedEngine:
         self.steps: list[int] = []
         self.full = full  # the queue is full for this many attempts at step 0 and at step 2
         self.refused: list[int] = []
+        self.ids: set[str] = set()
 
     def add_request(self, request_id: str, ids: list[int], params: SamplingParams):
+        assert request_id not in self.ids, "an aborted request's id may still be in use"
+        self.ids.add(request_id)
         step = int(request_id.split("-beam")[1].split("-")[0])
         second = step == 2 and request_id.endswith("-1")  # one stream of the step is open
         if (step == 0 or second) and self.refused.count(step) < self.full:

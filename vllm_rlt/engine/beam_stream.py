@@ -96,10 +96,11 @@ class BeamStream:
         is waited out, not answered with 429: the search was admitted (the server checked
         its n beams' room) and holds no slot between steps. False: the search was stopped
         while it waited."""
+        attempt = 0  # in the ids: a request aborted on a full queue may linger under its own
         while True:
             try:
                 for i, ids in enumerate(batch):
-                    request_id = f"{self.request_id}-beam{step}-{i}"
+                    request_id = f"{self.request_id}-beam{step}-{attempt}-{i}"
                     self._running.append(self.engine.add_request(request_id, ids, self.step_params))
                 return True
             except QueueFullError:
@@ -107,6 +108,7 @@ class BeamStream:
             await asyncio.sleep(QUEUE_POLL_S)
             if self._stopped():
                 return False
+            attempt += 1
 
     def _stopped(self) -> bool:
         return self._closed or self.halted() or self.engine.pause.aborts != self._pauses
